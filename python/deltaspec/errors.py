@@ -1,0 +1,53 @@
+"""Exceptions raised for bad model files and bad parameters.
+
+One class per failure kind so callers can catch exactly what they mean; every message names the
+file, metadata key, tensor or parameter at fault and what was expected.
+"""
+
+from __future__ import annotations
+
+
+class DeltaspecError(Exception):
+    """Base class of every error deltaspec raises on purpose."""
+
+
+class ModelFileNotFoundError(DeltaspecError, FileNotFoundError):
+    """The model path does not exist or is not a regular file."""
+
+
+class NotAGGUFError(DeltaspecError, ValueError):
+    """The file does not start with the GGUF magic or has an unsupported GGUF version."""
+
+
+class TruncatedFileError(DeltaspecError, ValueError):
+    """The file ends before its header, metadata, tensor table or tensor data does."""
+
+
+class UnsupportedArchitectureError(DeltaspecError, ValueError):
+    """`general.architecture` is not one deltaspec runs (qwen35)."""
+
+
+class MissingMetadataError(DeltaspecError, KeyError):
+    """A required metadata key is absent."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class HyperParameterError(DeltaspecError, ValueError):
+    """Metadata values are absurd or inconsistent with each other."""
+
+
+class MissingTensorError(DeltaspecError, KeyError):
+    """A tensor the graph needs is not in the file."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class TensorShapeError(DeltaspecError, ValueError):
+    """A tensor has a shape other than the hyper-parameters imply."""
+
+
+class UnsupportedTensorTypeError(DeltaspecError, ValueError):
+    """A tensor is stored in a ggml type deltaspec cannot use where it appears."""
