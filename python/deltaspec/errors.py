@@ -51,3 +51,11 @@ class TensorShapeError(DeltaspecError, ValueError):
 
 class UnsupportedTensorTypeError(DeltaspecError, ValueError):
     """A tensor is stored in a ggml type deltaspec cannot use where it appears."""
+
+
+class ConversionError(DeltaspecError, ValueError):
+    """A Hugging Face checkpoint folder cannot be converted to GGUF (missing or unsupported parts)."""
+
+
+class CorruptFileError(DeltaspecError, ValueError):
+    """The GGUF header, metadata or tensor table cannot be parsed (values out of range)."""

@@ -1,0 +1,168 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "ggml-alloc.h"
+#include "ggml-cpu.h"
+#include "graph_qwen35.h"
+
+namespace deltaspec {
+
+ggml_type parse_cache_type(const std::string & name) {
+    static const std::pair<const char *, ggml_type> types[] = {
+        {"f32", GGML_TYPE_F32},   {"f16", GGML_TYPE_F16},   {"bf16", GGML_TYPE_BF16}, {"q8_0", GGML_TYPE_Q8_0},
+        {"q4_0", GGML_TYPE_Q4_0}, {"q4_1", GGML_TYPE_Q4_1}, {"q5_0", GGML_TYPE_Q5_0}, {"q5_1", GGML_TYPE_Q5_1},
+        {"iq4_nl", GGML_TYPE_IQ4_NL},
+    };
+    for (const auto & [n, t] : types) {
+        if (name == n) return t;
+    }
+    throw std::invalid_argument("unknown KV cache type '" + name +
+                                "' (expected f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 or iq4_nl)");
+}
+
+namespace {
+
+ggml_backend_t init_backend(const std::string & device) {
+    enum ggml_backend_dev_type type;
+    if (device == "cpu") {
+        type = GGML_BACKEND_DEVICE_TYPE_CPU;
+    } else if (device == "cuda" || device == "gpu") {
+        type = GGML_BACKEND_DEVICE_TYPE_GPU;
+    } else {
+        throw std::invalid_argument("device must be 'cpu' or 'cuda', got '" + device + "'");
+    }
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(type);
+    if (!dev) throw std::runtime_error("device '" + device + "' is not available in this build of deltaspec");
+    ggml_backend_t backend = ggml_backend_dev_init(dev, nullptr);
+    if (!backend) throw std::runtime_error("cannot initialise device '" + device + "'");
+    return backend;
+}
+
+}  // namespace
+
+Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions & opts) : hp_(hp), opts_(opts) {
+    if ((int64_t)hp.recurrent.size() != hp.n_layer) throw std::invalid_argument("recurrent flags != n_layer");
+    if (opts.n_ubatch < 1) throw std::invalid_argument("n_ubatch must be >= 1");
+    const ggml_type type_k = parse_cache_type(opts.type_k);
+    const ggml_type type_v = parse_cache_type(opts.type_v);
+    for (auto [t, which] : {std::pair{type_k, "type_k"}, std::pair{type_v, "type_v"}}) {
+        if (hp.head_dim % ggml_blck_size(t) != 0) {
+            throw std::invalid_argument(std::string(which) + ": the block size of " + ggml_type_name(t) +
+                                        " does not divide the head dim " + std::to_string(hp.head_dim));
+        }
+    }
+    try {
+        backend_ = init_backend(opts.device);
+        backend_name_ = ggml_backend_name(backend_);
+        if (opts.device == "cpu") {
+            backend_cpu_ = backend_;
+        } else {
+            backend_cpu_ = ggml_backend_cpu_init();
+        }
+        ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts.n_threads));
+
+        load_weights(weights_, path, hp_, backend_);
+        allocate_state(state_, hp_, opts.n_ctx, type_k, type_v, backend_);
+
+        // A layer costs well under 64 nodes; the rest covers embeddings and the head.
+        graph_size_ = (size_t)(64 * hp.n_layer + 256);
+        graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
+        ggml_backend_t backends[2] = {backend_, backend_cpu_};
+        const int n_backends = backend_ == backend_cpu_ ? 1 : 2;
+        sched_ = ggml_backend_sched_new(backends, nullptr, n_backends, graph_size_, false, false);
+        if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
+    } catch (...) {
+        if (sched_) ggml_backend_sched_free(sched_);
+        if (backend_cpu_ && backend_cpu_ != backend_) ggml_backend_free(backend_cpu_);
+        if (backend_) ggml_backend_free(backend_);
+        throw;
+    }
+}
+
+Engine::~Engine() {
+    ggml_backend_sched_free(sched_);
+    // weights_ and state_ free their buffers in their destructors, which run after this body;
+    // the backends must outlive those buffers, so release the buffers first.
+    if (weights_.buffer) {
+        ggml_backend_buffer_free(weights_.buffer);
+        weights_.buffer = nullptr;
+    }
+    if (state_.buffer) {
+        ggml_backend_buffer_free(state_.buffer);
+        state_.buffer = nullptr;
+    }
+    if (backend_cpu_ != backend_) ggml_backend_free(backend_cpu_);
+    ggml_backend_free(backend_);
+}
+
+void Engine::reset() { state_.clear(); }
+
+void Engine::eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits) {
+    if (n_tokens < 1) throw std::invalid_argument("eval needs at least one token");
+    if (state_.n_past + n_tokens > state_.n_ctx) {
+        throw std::length_error("sequence of " + std::to_string(state_.n_past + n_tokens) +
+                                " tokens does not fit the context of " + std::to_string(state_.n_ctx));
+    }
+    for (int64_t i = 0; i < n_tokens; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= hp_.n_vocab) {
+            throw std::out_of_range("token id " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
+                                    " is outside the vocabulary [0, " + std::to_string(hp_.n_vocab) + ")");
+        }
+    }
+    for (int64_t done = 0; done < n_tokens;) {
+        const int64_t n = std::min(opts_.n_ubatch, n_tokens - done);
+        const bool last_batch = done + n == n_tokens;
+        LogitsWanted w = wanted == LogitsWanted::all ? LogitsWanted::all
+                         : last_batch                ? wanted
+                                                     : LogitsWanted::none;
+        float * out = wanted == LogitsWanted::all ? logits + done * hp_.n_vocab : logits;
+        eval_ubatch(tokens + done, n, w, out);
+        done += n;
+    }
+}
+
+void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, float * logits) {
+    const int64_t p0 = state_.n_past;
+    const int64_t n_kv = state_.n_kv_for(p0 + T);
+
+    ggml_init_params params = {graph_meta_.size(), graph_meta_.data(), /*no_alloc =*/true};
+    ggml_context * ctx = ggml_init(params);
+    struct CtxGuard {
+        ggml_context * c;
+        ~CtxGuard() { ggml_free(c); }
+    } guard{ctx};
+
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size_, false);
+    StepInputs in = make_step_inputs(ctx, T, n_kv);
+    ggml_tensor * out = build_qwen35(ctx, gf, hp_, weights_, state_, in, wanted == LogitsWanted::all);
+
+    ggml_backend_sched_reset(sched_);
+    if (!ggml_backend_sched_alloc_graph(sched_, gf)) throw std::runtime_error("cannot allocate the compute graph");
+
+    ggml_backend_tensor_set(in.tokens, tokens, 0, T * sizeof(int32_t));
+    std::vector<int32_t> pos(4 * T, 0);
+    std::vector<int64_t> rows(T);
+    for (int64_t t = 0; t < T; ++t) {
+        pos[t] = pos[T + t] = pos[2 * T + t] = (int32_t)(p0 + t);
+        rows[t] = p0 + t;
+    }
+    ggml_backend_tensor_set(in.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
+    ggml_backend_tensor_set(in.kv_rows, rows.data(), 0, rows.size() * sizeof(int64_t));
+    std::vector<ggml_fp16_t> mask(n_kv * T);
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t j = 0; j < n_kv; ++j) mask[t * n_kv + j] = j <= p0 + t ? zero : neg_inf;
+    }
+    ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+
+    if (ggml_backend_sched_graph_compute(sched_, gf) != GGML_STATUS_SUCCESS) {
+        throw std::runtime_error("graph computation failed");
+    }
+    state_.n_past = p0 + T;
+    if (wanted != LogitsWanted::none) ggml_backend_tensor_get(out, logits, 0, ggml_nbytes(out));
+}
+
+}  // namespace deltaspec

@@ -1,0 +1,151 @@
+// Mirrors the reference forward of HF transformers' Qwen3_5ForCausalLM on the weight layout that
+// llama.cpp's converter writes (norms stored as 1+w, ssm_a = -exp(A_log), V heads tiled).
+#include "graph_qwen35.h"
+
+#include <cmath>
+
+namespace deltaspec {
+
+StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv) {
+    StepInputs in;
+    in.n_tokens = n_tokens;
+    in.n_kv = n_kv;
+    in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
+    in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 4 * n_tokens);
+    in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
+    in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
+    for (ggml_tensor * t : {in.tokens, in.pos, in.kv_rows, in.kq_mask}) ggml_set_input(t);
+    return in;
+}
+
+namespace {
+
+ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weight, float eps) {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight);
+}
+
+// x / sqrt(sum(x^2) + eps) over ne0, written with rms_norm so eps enters exactly as in HF's l2norm.
+ggml_tensor * l2_norm(ggml_context * ctx, ggml_tensor * x, float eps) {
+    const float n = (float)x->ne[0];
+    return ggml_scale(ctx, ggml_rms_norm(ctx, x, eps / n), 1.0f / std::sqrt(n));
+}
+
+ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
+                              ggml_tensor * k_cache, ggml_tensor * v_cache, ggml_tensor * x,
+                              const StepInputs & in) {
+    const int64_t T = in.n_tokens, D = hp.head_dim, H = hp.n_head, Hkv = hp.n_head_kv;
+    const float eps = hp.rms_eps;
+
+    // attn_q yields per head [query(D), gate(D)]; split with strided views.
+    ggml_tensor * qg = ggml_mul_mat(ctx, l.wq, x);  // {2*H*D, T}
+    const size_t f = sizeof(float);
+    ggml_tensor * q = ggml_view_3d(ctx, qg, D, H, T, 2 * D * f, qg->nb[1], 0);
+    ggml_tensor * gate = ggml_view_3d(ctx, qg, D, H, T, 2 * D * f, qg->nb[1], D * f);
+    ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, x), D, Hkv, T);
+    ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, x), D, Hkv, T);
+
+    q = rms_norm(ctx, q, l.q_norm, eps);
+    k = rms_norm(ctx, k, l.k_norm, eps);
+
+    // For text every IMROPE section carries the same position, which makes this NeoX RoPE on the
+    // first n_rot dims (HF: partial rotary with rotate_half); the other dims pass through.
+    int sections[GGML_MROPE_SECTIONS];
+    for (int i = 0; i < GGML_MROPE_SECTIONS; ++i) sections[i] = hp.rope_sections[i];
+    const int n_ctx_orig = (int)hp.n_ctx_train;
+    q = ggml_rope_multi(ctx, q, in.pos, nullptr, (int)hp.n_rot, sections, GGML_ROPE_TYPE_IMROPE, n_ctx_orig,
+                        hp.rope_freq_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+    k = ggml_rope_multi(ctx, k, in.pos, nullptr, (int)hp.n_rot, sections, GGML_ROPE_TYPE_IMROPE, n_ctx_orig,
+                        hp.rope_freq_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+
+    // Append this batch's K/V rows to the cache (converting to the cache type), then attend over
+    // the first n_kv rows; the mask hides rows past each query's position.
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, D * Hkv, T), in.kv_rows));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, ggml_reshape_2d(ctx, v, D * Hkv, T), in.kv_rows));
+    ggml_tensor * kv_k = ggml_view_3d(ctx, k_cache, D, Hkv, in.n_kv, ggml_row_size(k_cache->type, D),
+                                      k_cache->nb[1], 0);
+    ggml_tensor * kv_v = ggml_view_3d(ctx, v_cache, D, Hkv, in.n_kv, ggml_row_size(v_cache->type, D),
+                                      v_cache->nb[1], 0);
+    ggml_tensor * out = ggml_flash_attn_ext(ctx, ggml_permute(ctx, q, 0, 2, 1, 3), ggml_permute(ctx, kv_k, 0, 2, 1, 3),
+                                            ggml_permute(ctx, kv_v, 0, 2, 1, 3), in.kq_mask,
+                                            1.0f / std::sqrt((float)D), 0.0f, 0.0f);
+    ggml_prec_set_acc(out, GGML_PREC_F32);
+    out = ggml_reshape_2d(ctx, out, H * D, T);  // FA returns {D, H, T}
+
+    out = ggml_mul(ctx, out, ggml_sigmoid(ctx, ggml_reshape_2d(ctx, ggml_cont(ctx, gate), H * D, T)));
+    return ggml_mul_mat(ctx, l.wo, out);
+}
+
+ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
+                              ggml_tensor * conv_state, ggml_tensor * ssm_state, ggml_tensor * x,
+                              const StepInputs & in) {
+    const int64_t T = in.n_tokens, S = hp.ssm_state_size, Hk = hp.ssm_n_k_heads, Hv = hp.ssm_n_v_heads;
+    const int64_t C = hp.conv_channels(), Kc = hp.ssm_conv_kernel;
+    const float eps = hp.rms_eps;
+    const size_t f = sizeof(float);
+
+    ggml_tensor * qkv = ggml_mul_mat(ctx, l.wqkv, x);    // {C, T}
+    ggml_tensor * z = ggml_mul_mat(ctx, l.wgate, x);     // {Hv*S, T}
+    ggml_tensor * beta = ggml_sigmoid(ctx, ggml_mul_mat(ctx, l.wbeta, x));
+    beta = ggml_reshape_4d(ctx, beta, 1, Hv, T, 1);
+    // log-decay g = softplus(alpha + dt_bias) * (-exp(A_log)) <= 0
+    ggml_tensor * g = ggml_softplus(ctx, ggml_add(ctx, ggml_mul_mat(ctx, l.walpha, x), l.dt_bias));
+    g = ggml_reshape_4d(ctx, ggml_mul(ctx, g, l.ssm_a), 1, Hv, T, 1);
+
+    // Causal depthwise conv over [previous Kc-1 inputs | this batch]; keep the last Kc-1 as new state.
+    ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, qkv), 0);  // {Kc-1+T, C}
+    ggml_tensor * last_window = ggml_view_2d(ctx, conv_in, Kc - 1, C, conv_in->nb[1], T * f);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, last_window, conv_state));
+    ggml_tensor * y = ggml_ssm_conv(ctx, ggml_reshape_3d(ctx, conv_in, Kc - 1 + T, C, 1), l.conv1d);  // {C, T, 1}
+    y = ggml_silu(ctx, y);
+
+    ggml_tensor * q = ggml_view_4d(ctx, y, S, Hk, T, 1, S * f, y->nb[1], y->nb[2], 0);
+    ggml_tensor * k = ggml_view_4d(ctx, y, S, Hk, T, 1, S * f, y->nb[1], y->nb[2], Hk * S * f);
+    ggml_tensor * v = ggml_view_4d(ctx, y, S, Hv, T, 1, S * f, y->nb[1], y->nb[2], 2 * Hk * S * f);
+    q = l2_norm(ctx, q, eps);
+    k = l2_norm(ctx, k, eps);
+
+    // The op scales q by 1/sqrt(S) itself and broadcasts q/k head h % Hk to value head h, which is
+    // the tiled V-head order the converter writes.
+    ggml_tensor * state = ggml_reshape_4d(ctx, ssm_state, S, S, Hv, 1);
+    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, 1);
+    ggml_tensor * o = ggml_view_4d(ctx, res, S, Hv, T, 1, S * f, S * Hv * f, S * Hv * T * f, 0);
+    ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * Hv, S * Hv * T * f);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, new_state, ssm_state));
+
+    // Gated RMSNorm per head: norm(o) * w * silu(z).
+    o = rms_norm(ctx, o, l.ssm_norm, eps);
+    o = ggml_mul(ctx, o, ggml_silu(ctx, ggml_reshape_4d(ctx, z, S, Hv, T, 1)));
+    return ggml_mul_mat(ctx, l.ssm_out, ggml_reshape_2d(ctx, o, Hv * S, T));
+}
+
+ggml_tensor * swiglu_ffn(ggml_context * ctx, const LayerWeights & l, ggml_tensor * x) {
+    ggml_tensor * h = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, l.ffn_gate, x), ggml_mul_mat(ctx, l.ffn_up, x));
+    return ggml_mul_mat(ctx, l.ffn_down, h);
+}
+
+}  // namespace
+
+ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
+                           const SequenceState & st, const StepInputs & in, bool all_logits) {
+    const float eps = hp.rms_eps;
+    ggml_tensor * x = ggml_get_rows(ctx, w.token_embd, in.tokens);  // {E, T}
+
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const LayerWeights & l = w.layers[il];
+        ggml_tensor * a = rms_norm(ctx, x, l.attn_norm, eps);
+        ggml_tensor * mixed = hp.recurrent[il]
+                                  ? gated_delta_net(ctx, gf, hp, l, st.conv[il], st.ssm[il], a, in)
+                                  : gated_attention(ctx, gf, hp, l, st.k[il], st.v[il], a, in);
+        x = ggml_add(ctx, x, mixed);
+        x = ggml_add(ctx, x, swiglu_ffn(ctx, l, rms_norm(ctx, x, l.post_norm, eps)));
+    }
+
+    if (!all_logits) x = ggml_view_2d(ctx, x, x->ne[0], 1, x->nb[1], (in.n_tokens - 1) * x->nb[1]);
+    x = rms_norm(ctx, x, w.output_norm, eps);
+    ggml_tensor * logits = ggml_mul_mat(ctx, w.output, x);
+    ggml_set_output(logits);
+    ggml_build_forward_expand(gf, logits);
+    return logits;
+}
+
+}  // namespace deltaspec

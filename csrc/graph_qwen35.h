@@ -1,0 +1,28 @@
+// The qwen35 forward graph: 3 Gated DeltaNet layers per gated full-attention layer, SwiGLU FFNs.
+#pragma once
+
+#include "ggml.h"
+#include "hparams.h"
+#include "state.h"
+#include "weights.h"
+
+namespace deltaspec {
+
+// Graph inputs of one micro-batch of T tokens appended to the sequence.
+struct StepInputs {
+    ggml_tensor * tokens = nullptr;  // I32 {T}
+    ggml_tensor * pos = nullptr;     // I32 {4*T}: IMROPE positions, section-major [p.., p.., p.., 0..]
+    ggml_tensor * kv_rows = nullptr; // I64 {T}: KV cache rows written by this batch
+    ggml_tensor * kq_mask = nullptr; // F16 {n_kv, T}: 0 where a query may attend, -inf elsewhere
+    int64_t n_tokens = 0;
+    int64_t n_kv = 0;                // KV rows attention reads (multiple of SequenceState::kv_pad)
+};
+
+StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv);
+
+// Builds the graph into gf; returns logits {n_vocab, T} (all_logits) or {n_vocab, 1} (last row).
+// The graph also writes the new KV rows, conv windows and DeltaNet states into `st`.
+ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
+                           const SequenceState & st, const StepInputs & in, bool all_logits);
+
+}  // namespace deltaspec

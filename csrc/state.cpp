@@ -1,0 +1,60 @@
+#include "state.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "ggml-alloc.h"
+
+namespace deltaspec {
+
+SequenceState::~SequenceState() {
+    if (buffer) ggml_backend_buffer_free(buffer);
+    if (ctx) ggml_free(ctx);
+}
+
+void SequenceState::clear() {
+    ggml_backend_buffer_clear(buffer, 0);
+    n_past = 0;
+}
+
+int64_t SequenceState::n_kv_for(int64_t n_tokens_total) const {
+    const int64_t padded = (n_tokens_total + kv_pad - 1) / kv_pad * kv_pad;
+    return std::min(n_ctx, std::max(kv_pad, padded));
+}
+
+void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_type type_k, ggml_type type_v,
+                    ggml_backend_t backend) {
+    st.n_ctx = (n_ctx + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
+    st.type_k = type_k;
+    st.type_v = type_v;
+    const size_t n_tensors = 2 * (size_t)hp.n_layer;
+    ggml_init_params params = {ggml_tensor_overhead() * (n_tensors + 1), nullptr, /*no_alloc =*/true};
+    st.ctx = ggml_init(params);
+
+    const int64_t kv_width = hp.n_head_kv * hp.head_dim;
+    st.k.assign(hp.n_layer, nullptr);
+    st.v.assign(hp.n_layer, nullptr);
+    st.conv.assign(hp.n_layer, nullptr);
+    st.ssm.assign(hp.n_layer, nullptr);
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const std::string suffix = std::to_string(il);
+        if (hp.recurrent[il]) {
+            st.conv[il] = ggml_new_tensor_2d(st.ctx, GGML_TYPE_F32, hp.ssm_conv_kernel - 1, hp.conv_channels());
+            st.ssm[il] = ggml_new_tensor_1d(st.ctx, GGML_TYPE_F32,
+                                            hp.ssm_state_size * hp.ssm_state_size * hp.ssm_n_v_heads);
+            ggml_set_name(st.conv[il], ("conv_state_" + suffix).c_str());
+            ggml_set_name(st.ssm[il], ("ssm_state_" + suffix).c_str());
+        } else {
+            st.k[il] = ggml_new_tensor_2d(st.ctx, type_k, kv_width, st.n_ctx);
+            st.v[il] = ggml_new_tensor_2d(st.ctx, type_v, kv_width, st.n_ctx);
+            ggml_set_name(st.k[il], ("cache_k_" + suffix).c_str());
+            ggml_set_name(st.v[il], ("cache_v_" + suffix).c_str());
+        }
+    }
+    st.buffer = ggml_backend_alloc_ctx_tensors(st.ctx, backend);
+    if (!st.buffer) throw std::runtime_error("cannot allocate the KV/recurrent state (n_ctx too large?)");
+    st.clear();
+}
+
+}  // namespace deltaspec

@@ -1,0 +1,42 @@
+// Per-sequence model state: the attention KV cache and the DeltaNet recurrent state.
+#pragma once
+
+#include <vector>
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "hparams.h"
+
+namespace deltaspec {
+
+struct SequenceState {
+    int64_t n_ctx = 0;            // KV rows, a multiple of kv_pad
+    int64_t n_past = 0;           // tokens already in the state
+    ggml_type type_k = GGML_TYPE_F16;
+    ggml_type type_v = GGML_TYPE_F16;
+
+    // indexed by layer; null where the layer is of the other kind
+    std::vector<ggml_tensor *> k;     // {Hkv*D, n_ctx}
+    std::vector<ggml_tensor *> v;     // {Hkv*D, n_ctx}
+    std::vector<ggml_tensor *> conv;  // {Kc-1, C} F32: last Kc-1 inputs per channel, oldest first
+    std::vector<ggml_tensor *> ssm;   // {S*S*Hv} F32: DeltaNet state, layout {S_v, S_k, Hv}
+
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buffer = nullptr;
+
+    // FA's CUDA vector kernels want the visible KV length to be a multiple of 256.
+    static constexpr int64_t kv_pad = 256;
+
+    SequenceState() = default;
+    SequenceState(const SequenceState &) = delete;
+    SequenceState & operator=(const SequenceState &) = delete;
+    ~SequenceState();
+
+    void clear();                 // empty sequence: zero every state, n_past = 0
+    int64_t n_kv_for(int64_t n_tokens_total) const;  // KV rows attention must see
+};
+
+void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_type type_k, ggml_type type_v,
+                    ggml_backend_t backend);
+
+}  // namespace deltaspec

@@ -1,0 +1,162 @@
+#include "weights.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <stdexcept>
+
+#include "ggml-alloc.h"
+#include "gguf.h"
+
+namespace deltaspec {
+
+ModelWeights::~ModelWeights() {
+    if (buffer) ggml_backend_buffer_free(buffer);
+    if (ctx) ggml_free(ctx);
+}
+
+namespace {
+
+// Read-only mapping of the whole file; tensor bytes are copied from it into the backend buffer.
+struct MappedFile {
+    void * data = MAP_FAILED;
+    size_t size = 0;
+
+    explicit MappedFile(const std::string & path) {
+        int fd = open(path.c_str(), O_RDONLY);
+        if (fd < 0) throw std::runtime_error(path + ": cannot open");
+        struct stat sb {};
+        if (fstat(fd, &sb) == 0) {
+            size = static_cast<size_t>(sb.st_size);
+            data = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+        }
+        close(fd);
+        if (data == MAP_FAILED) throw std::runtime_error(path + ": cannot mmap");
+    }
+    ~MappedFile() {
+        if (data != MAP_FAILED) munmap(data, size);
+    }
+};
+
+struct GgufFile {
+    gguf_context * gguf = nullptr;
+    ggml_context * meta = nullptr;
+
+    explicit GgufFile(const std::string & path) {
+        gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/&meta};
+        gguf = gguf_init_from_file(path.c_str(), params);
+        if (!gguf) throw std::runtime_error(path + ": not a readable GGUF file");
+    }
+    ~GgufFile() {
+        if (meta) ggml_free(meta);
+        if (gguf) gguf_free(gguf);
+    }
+};
+
+class Binder {
+  public:
+    Binder(const std::string & path, const GgufFile & file, ggml_context * ctx)
+        : path_(path), file_(file), ctx_(ctx) {}
+
+    // Declares a weight of the given shape in ctx; its bytes are copied after allocation.
+    ggml_tensor * bind(const std::string & name, std::initializer_list<int64_t> shape) {
+        ggml_tensor * src = ggml_get_tensor(file_.meta, name.c_str());
+        if (!src) throw std::runtime_error(path_ + ": tensor '" + name + "' is missing");
+        size_t i = 0;
+        for (int64_t ne : shape) {
+            if (src->ne[i] != ne) throw std::runtime_error(path_ + ": tensor '" + name + "' has an unexpected shape");
+            ++i;
+        }
+        for (; i < GGML_MAX_DIMS; ++i) {
+            if (src->ne[i] != 1) throw std::runtime_error(path_ + ": tensor '" + name + "' has too many dimensions");
+        }
+        ggml_tensor * t = ggml_dup_tensor(ctx_, src);
+        ggml_set_name(t, name.c_str());
+        bound_.push_back({t, gguf_find_tensor(file_.gguf, name.c_str())});
+        return t;
+    }
+
+    bool has(const std::string & name) const { return ggml_get_tensor(file_.meta, name.c_str()) != nullptr; }
+
+    void upload() {
+        MappedFile map(path_);
+        const size_t data_offset = gguf_get_data_offset(file_.gguf);
+        for (const auto & [t, id] : bound_) {
+            const size_t offset = data_offset + gguf_get_tensor_offset(file_.gguf, id);
+            const size_t nbytes = ggml_nbytes(t);
+            if (offset + nbytes > map.size) {
+                throw std::runtime_error(path_ + ": tensor '" + ggml_get_name(t) + "' extends past the end of the file");
+            }
+            ggml_backend_tensor_set(t, static_cast<const char *>(map.data) + offset, 0, nbytes);
+        }
+    }
+
+  private:
+    struct Bound {
+        ggml_tensor * tensor;
+        int64_t id;
+    };
+    const std::string & path_;
+    const GgufFile & file_;
+    ggml_context * ctx_;
+    std::vector<Bound> bound_;
+};
+
+std::string blk(int il, const char * name) { return "blk." + std::to_string(il) + "." + name; }
+
+}  // namespace
+
+void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend) {
+    GgufFile file(path);
+    const int64_t n_tensors = gguf_get_n_tensors(file.gguf);
+    ggml_init_params params = {ggml_tensor_overhead() * (size_t)(n_tensors + 8), nullptr, /*no_alloc =*/true};
+    w.ctx = ggml_init(params);
+    Binder b(path, file, w.ctx);
+
+    const int64_t E = hp.n_embd, V = hp.n_vocab, D = hp.head_dim, H = hp.n_head, Hkv = hp.n_head_kv;
+    const int64_t S = hp.ssm_state_size, Hv = hp.ssm_n_v_heads, C = hp.conv_channels();
+
+    w.token_embd = b.bind("token_embd.weight", {E, V});
+    w.output_norm = b.bind("output_norm.weight", {E});
+    w.output = b.has("output.weight") ? b.bind("output.weight", {E, V}) : w.token_embd;
+
+    w.layers.resize(hp.n_layer);
+    for (int il = 0; il < hp.n_layer; ++il) {
+        LayerWeights & l = w.layers[il];
+        l.attn_norm = b.bind(blk(il, "attn_norm.weight"), {E});
+        l.post_norm = b.bind(blk(il, "post_attention_norm.weight"), {E});
+        const int64_t n_ff = ggml_get_tensor(file.meta, blk(il, "ffn_up.weight").c_str())
+                                 ? ggml_get_tensor(file.meta, blk(il, "ffn_up.weight").c_str())->ne[1]
+                                 : 0;
+        l.ffn_gate = b.bind(blk(il, "ffn_gate.weight"), {E, n_ff});
+        l.ffn_up = b.bind(blk(il, "ffn_up.weight"), {E, n_ff});
+        l.ffn_down = b.bind(blk(il, "ffn_down.weight"), {n_ff, E});
+        if (hp.recurrent[il]) {
+            l.wqkv = b.bind(blk(il, "attn_qkv.weight"), {E, C});
+            l.wgate = b.bind(blk(il, "attn_gate.weight"), {E, Hv * S});
+            l.wbeta = b.bind(blk(il, "ssm_beta.weight"), {E, Hv});
+            l.walpha = b.bind(blk(il, "ssm_alpha.weight"), {E, Hv});
+            l.dt_bias = b.bind(blk(il, "ssm_dt.bias"), {Hv});
+            l.ssm_a = b.bind(blk(il, "ssm_a"), {Hv});
+            l.conv1d = b.bind(blk(il, "ssm_conv1d.weight"), {hp.ssm_conv_kernel, C});
+            l.ssm_norm = b.bind(blk(il, "ssm_norm.weight"), {S});
+            l.ssm_out = b.bind(blk(il, "ssm_out.weight"), {Hv * S, E});
+        } else {
+            l.wq = b.bind(blk(il, "attn_q.weight"), {E, 2 * H * D});
+            l.wk = b.bind(blk(il, "attn_k.weight"), {E, Hkv * D});
+            l.wv = b.bind(blk(il, "attn_v.weight"), {E, Hkv * D});
+            l.wo = b.bind(blk(il, "attn_output.weight"), {H * D, E});
+            l.q_norm = b.bind(blk(il, "attn_q_norm.weight"), {D});
+            l.k_norm = b.bind(blk(il, "attn_k_norm.weight"), {D});
+        }
+    }
+
+    w.buffer = ggml_backend_alloc_ctx_tensors(w.ctx, backend);
+    if (!w.buffer) throw std::runtime_error(path + ": cannot allocate the weight buffer (out of memory?)");
+    ggml_backend_buffer_set_usage(w.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    b.upload();
+}
+
+}  // namespace deltaspec

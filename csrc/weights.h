@@ -1,0 +1,59 @@
+// Model weights: tensors of a qwen35 GGUF copied into one backend buffer.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "hparams.h"
+
+namespace deltaspec {
+
+struct LayerWeights {
+    ggml_tensor * attn_norm = nullptr;  // {E}, stored as 1+w
+    ggml_tensor * post_norm = nullptr;  // {E}, pre-FFN norm, stored as 1+w
+    ggml_tensor * ffn_gate = nullptr;   // {E, n_ff}
+    ggml_tensor * ffn_up = nullptr;     // {E, n_ff}
+    ggml_tensor * ffn_down = nullptr;   // {n_ff, E}
+
+    // gated full attention
+    ggml_tensor * wq = nullptr;         // {E, 2*H*D}: per head [q(D), gate(D)]
+    ggml_tensor * wk = nullptr;         // {E, Hkv*D}
+    ggml_tensor * wv = nullptr;         // {E, Hkv*D}
+    ggml_tensor * wo = nullptr;         // {H*D, E}
+    ggml_tensor * q_norm = nullptr;     // {D}
+    ggml_tensor * k_norm = nullptr;     // {D}
+
+    // Gated DeltaNet
+    ggml_tensor * wqkv = nullptr;       // {E, C}: [q | k | v] channels
+    ggml_tensor * wgate = nullptr;      // {E, Hv*S}: output gate z
+    ggml_tensor * wbeta = nullptr;      // {E, Hv}
+    ggml_tensor * walpha = nullptr;     // {E, Hv}
+    ggml_tensor * dt_bias = nullptr;    // {Hv}
+    ggml_tensor * ssm_a = nullptr;      // {Hv}, -exp(A_log)
+    ggml_tensor * conv1d = nullptr;     // {Kc, C}
+    ggml_tensor * ssm_norm = nullptr;   // {S}, plain weight (no +1)
+    ggml_tensor * ssm_out = nullptr;    // {Hv*S, E}
+};
+
+struct ModelWeights {
+    ggml_tensor * token_embd = nullptr; // {E, n_vocab}
+    ggml_tensor * output_norm = nullptr;
+    ggml_tensor * output = nullptr;     // {E, n_vocab}; == token_embd when tied
+    std::vector<LayerWeights> layers;
+
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buffer = nullptr;
+
+    ModelWeights() = default;
+    ModelWeights(const ModelWeights &) = delete;
+    ModelWeights & operator=(const ModelWeights &) = delete;
+    ~ModelWeights();
+};
+
+// Reads the tensors the graph needs from `path` into a buffer of `backend`. Throws
+// std::runtime_error naming the tensor when the file disagrees with `hp`.
+void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend);
+
+}  // namespace deltaspec

@@ -1,0 +1,156 @@
+"""`Model`: a qwen35 GGUF loaded into the native engine, with its tokenizer."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _core
+from .errors import DeltaspecError
+from .gguf_file import GGUFFile, read_gguf
+from .qwen35 import Qwen35HParams, check_tensors, read_hparams
+from .tokenizer import Tokenizer
+
+DEVICES = ("cpu", "cuda")
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _tokenizer_metadata(gguf: GGUFFile) -> dict[str, Any]:
+    meta = {k: v for k, v in gguf.metadata.items() if k.startswith("tokenizer.")}
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+        value = gguf.array(key)
+        if value is not None:
+            meta[key] = value
+    return meta
+
+
+def _native_hparams(hp: Qwen35HParams) -> _core.HParams:
+    n = _core.HParams()
+    for name in ("n_vocab", "n_embd", "n_layer", "n_ctx_train", "rms_eps", "n_head", "n_head_kv", "head_dim",
+                 "n_rot", "rope_freq_base", "ssm_conv_kernel", "ssm_state_size", "ssm_n_k_heads", "ssm_n_v_heads",
+                 "recurrent"):
+        setattr(n, name, getattr(hp, name))
+    n.rope_sections = list(hp.rope_sections)
+    return n
+
+
+class Model:
+    """A Qwen3.5 / Qwen3.6 model from a GGUF file.
+
+    The file is validated completely (metadata, tensor names, shapes and types) before the native
+    engine reads it; problems raise subclasses of `deltaspec.errors.DeltaspecError`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
+                 device: str = "cpu", n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16"):
+        self._engine = None
+        self.path = os.fspath(path)
+        if not isinstance(n_ctx, int) or n_ctx < 1:
+            raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        if not isinstance(n_ubatch, int) or n_ubatch < 1:
+            raise ValueError(f"n_ubatch must be a positive integer, got {n_ubatch!r}")
+        if n_threads is None:
+            n_threads = _default_threads()
+        if not isinstance(n_threads, int) or n_threads < 1:
+            raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+
+        gguf = read_gguf(self.path)
+        self.hparams = read_hparams(gguf)
+        check_tensors(self.hparams, gguf)
+        self.metadata: dict[str, Any] = dict(gguf.metadata)
+        self.tokenizer = Tokenizer.from_metadata(_tokenizer_metadata(gguf))
+        if self.tokenizer.n_vocab != self.hparams.n_vocab:
+            raise DeltaspecError(f"{self.path}: tokenizer has {self.tokenizer.n_vocab} tokens but token_embd has "
+                                 f"{self.hparams.n_vocab} rows")
+        try:
+            self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
+                                        n_threads=n_threads, device=device, type_k=type_k, type_v=type_v)
+        except RuntimeError as e:
+            raise DeltaspecError(str(e)) from None
+        self.device = device
+        self.n_threads = n_threads
+
+    # --- sizes ---------------------------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return self.hparams.n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return self._live().n_ctx
+
+    @property
+    def n_past(self) -> int:
+        """Tokens currently held in the sequence state."""
+        return self._live().n_past
+
+    # --- tokens --------------------------------------------------------------------------------
+    def tokenize(self, text: str, special: bool = False) -> list[int]:
+        """Token ids of `text`; with special=True, control tokens such as <|im_start|> are parsed."""
+        return self.tokenizer.encode(text, special=special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # --- compute -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the sequence: the next eval starts at position 0."""
+        self._live().reset()
+
+    def eval(self, ids: Sequence[int], logits: str = "last") -> np.ndarray:
+        """Append tokens to the sequence. Returns float32 logits of shape (rows, n_vocab), rows being
+        len(ids) for logits="all", 1 for "last" and 0 for "none"."""
+        engine = self._live()
+        arr = self._token_array(ids)
+        if engine.n_past + len(arr) > engine.n_ctx:
+            raise ValueError(f"{engine.n_past} tokens in the context + {len(arr)} new ones exceed n_ctx = "
+                             f"{engine.n_ctx}")
+        return engine.eval(arr, logits)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits of every position of a fresh sequence `ids`: shape (len(ids), n_vocab)."""
+        self.reset()
+        return self.eval(ids, logits="all")
+
+    def _token_array(self, ids: Sequence[int]) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or len(arr) == 0:
+            raise ValueError("ids must be a non-empty 1-D sequence of token ids")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+        bad = np.flatnonzero((arr < 0) | (arr >= self.n_vocab))
+        if len(bad):
+            raise ValueError(f"token id {int(arr[bad[0]])} at index {int(bad[0])} is outside the vocabulary "
+                             f"[0, {self.n_vocab})")
+        return arr.astype(np.int32)
+
+    # --- lifetime ------------------------------------------------------------------------------
+    def _live(self):
+        if self._engine is None:
+            raise RuntimeError("the model is closed")
+        return self._engine
+
+    def close(self) -> None:
+        """Free the weights and state now rather than at garbage collection."""
+        self._engine = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        hp = self.hparams
+        return (f"Model({self.path!r}, n_layer={hp.n_layer}, n_embd={hp.n_embd}, n_vocab={hp.n_vocab}, "
+                f"device={getattr(self, 'device', '?')!r})")

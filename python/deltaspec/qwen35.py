@@ -1,0 +1,224 @@
+"""qwen35 hyper-parameters from GGUF metadata, and the tensor table they imply.
+
+Key names and defaults follow llama.cpp's qwen35 loader (see docs: qwen35_ggml_spec.md §1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gguf import GGMLQuantizationType as T
+
+from .errors import (HyperParameterError, MissingMetadataError, MissingTensorError, TensorShapeError,
+                     UnsupportedArchitectureError, UnsupportedTensorTypeError)
+from .gguf_file import GGUFFile
+
+ARCH = "qwen35"
+MAX_DIM = 1 << 20  # no real dimension comes near this; larger values mean a corrupt file
+
+# Weight types a matmul may read (ggml's CPU and CUDA backends both handle these).
+MATMUL_TYPES = frozenset({
+    T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+    T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.IQ4_NL, T.IQ4_XS, T.MXFP4,
+})
+# Vectors used by elementwise ops (norm weights, biases, decay, conv kernel) must be F32.
+VECTOR_TYPES = frozenset({T.F32})
+
+
+@dataclass
+class Qwen35HParams:
+    n_vocab: int
+    n_embd: int
+    n_layer: int            # trunk layers
+    n_layer_nextn: int      # MTP layers stored after the trunk (not run yet)
+    n_ctx_train: int
+    rms_eps: float
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_freq_base: float
+    rope_sections: list[int]
+    ssm_conv_kernel: int
+    ssm_state_size: int
+    ssm_n_k_heads: int
+    ssm_n_v_heads: int
+    recurrent: list[bool] = field(repr=False)
+    tied_output: bool = False
+
+    @property
+    def conv_channels(self) -> int:
+        return (2 * self.ssm_n_k_heads + self.ssm_n_v_heads) * self.ssm_state_size
+
+    @property
+    def n_attention_layers(self) -> int:
+        return self.recurrent.count(False)
+
+
+def _get(f: GGUFFile, key: str, kind: type, default=None, required=False):
+    full = f"{ARCH}.{key}"
+    if full not in f.metadata and f.array(full) is None:
+        if required:
+            raise MissingMetadataError(f"{f.path}: required metadata key '{full}' is missing")
+        return default
+    value = f.metadata.get(full)
+    if value is None:
+        value = f.array(full)
+    if kind is list:
+        if not isinstance(value, list):
+            raise HyperParameterError(f"{f.path}: metadata key '{full}' should be an array, got {value!r}")
+        return value
+    if isinstance(value, list):
+        # per-layer arrays are allowed where the value is uniform (zeros mark layers without it)
+        distinct = {v for v in value if v}
+        if len(distinct) != 1:
+            raise HyperParameterError(f"{f.path}: metadata key '{full}' varies per layer ({value}); "
+                                      "deltaspec needs one value")
+        value = distinct.pop()
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise HyperParameterError(f"{f.path}: metadata key '{full}' should be an integer, got {value!r}")
+    if kind is float and not isinstance(value, (int, float)):
+        raise HyperParameterError(f"{f.path}: metadata key '{full}' should be a number, got {value!r}")
+    return kind(value)
+
+
+def _dim(f: GGUFFile, key: str, value: int, lo: int = 1, hi: int = MAX_DIM) -> int:
+    if not lo <= value <= hi:
+        raise HyperParameterError(f"{f.path}: '{ARCH}.{key}' = {value} is outside the sane range [{lo}, {hi}]")
+    return value
+
+
+def _recurrent_layers(f: GGUFFile, n_layer_all: int, n_layer: int) -> list[bool]:
+    flags = _get(f, "attention.recurrent_layers", list)
+    if flags is not None:
+        if len(flags) != n_layer_all:
+            raise HyperParameterError(f"{f.path}: '{ARCH}.attention.recurrent_layers' has {len(flags)} entries, "
+                                      f"expected block_count = {n_layer_all}")
+        return [bool(x) for x in flags[:n_layer]]
+    interval = _dim(f, "full_attention_interval", _get(f, "full_attention_interval", int, 4), 1, n_layer_all)
+    return [(i + 1) % interval != 0 for i in range(n_layer)]
+
+
+def read_hparams(f: GGUFFile) -> Qwen35HParams:
+    arch = f.metadata.get("general.architecture")
+    if arch is None:
+        raise MissingMetadataError(f"{f.path}: required metadata key 'general.architecture' is missing")
+    if arch != ARCH:
+        raise UnsupportedArchitectureError(f"{f.path}: general.architecture is '{arch}', deltaspec runs '{ARCH}' "
+                                           "(Qwen3.5 / Qwen3.6 dense)")
+    req = dict(required=True)
+    n_embd = _dim(f, "embedding_length", _get(f, "embedding_length", int, **req))
+    n_layer_all = _dim(f, "block_count", _get(f, "block_count", int, **req), 1, 4096)
+    n_nextn = _dim(f, "nextn_predict_layers", _get(f, "nextn_predict_layers", int, 0), 0, n_layer_all - 1)
+    n_layer = n_layer_all - n_nextn
+    n_head = _dim(f, "attention.head_count", _get(f, "attention.head_count", int, **req), 1, 4096)
+    n_head_kv = _dim(f, "attention.head_count_kv", _get(f, "attention.head_count_kv", int, n_head), 1, n_head)
+    if n_head % n_head_kv:
+        raise HyperParameterError(f"{f.path}: attention.head_count {n_head} is not a multiple of "
+                                  f"head_count_kv {n_head_kv}")
+    head_dim = _dim(f, "attention.key_length", _get(f, "attention.key_length", int, n_embd // n_head))
+    value_dim = _get(f, "attention.value_length", int, head_dim)
+    if value_dim != head_dim:
+        raise HyperParameterError(f"{f.path}: attention.value_length {value_dim} != key_length {head_dim}")
+    n_rot = _dim(f, "rope.dimension_count", _get(f, "rope.dimension_count", int, head_dim), 2, head_dim)
+    if n_rot % 2:
+        raise HyperParameterError(f"{f.path}: rope.dimension_count {n_rot} must be even")
+    sections = [int(x) for x in _get(f, "rope.dimension_sections", list, **req)]
+    sections = (sections + [0, 0, 0, 0])[:4]
+    if any(s < 0 for s in sections) or sum(sections) != n_rot // 2:
+        raise HyperParameterError(f"{f.path}: rope.dimension_sections {sections} must be >= 0 and sum to "
+                                  f"rope.dimension_count / 2 = {n_rot // 2}")
+    rms_eps = _get(f, "attention.layer_norm_rms_epsilon", float, **req)
+    if not 0.0 < rms_eps < 1.0:
+        raise HyperParameterError(f"{f.path}: attention.layer_norm_rms_epsilon {rms_eps} is not in (0, 1)")
+    freq_base = _get(f, "rope.freq_base", float, 10000.0)
+    if not freq_base > 0.0:
+        raise HyperParameterError(f"{f.path}: rope.freq_base {freq_base} must be > 0")
+
+    conv_kernel = _dim(f, "ssm.conv_kernel", _get(f, "ssm.conv_kernel", int, **req), 2, 64)
+    state = _dim(f, "ssm.state_size", _get(f, "ssm.state_size", int, **req), 1, 1024)
+    n_k = _dim(f, "ssm.group_count", _get(f, "ssm.group_count", int, **req), 1, 4096)
+    n_v = _dim(f, "ssm.time_step_rank", _get(f, "ssm.time_step_rank", int, **req), 1, 4096)
+    inner = _get(f, "ssm.inner_size", int, **req)
+    if n_v % n_k:
+        raise HyperParameterError(f"{f.path}: ssm.time_step_rank (value heads) {n_v} is not a multiple of "
+                                  f"ssm.group_count (key heads) {n_k}")
+    if inner != n_v * state:
+        raise HyperParameterError(f"{f.path}: ssm.inner_size {inner} != time_step_rank {n_v} * state_size {state}")
+
+    n_ctx_train = _dim(f, "context_length", _get(f, "context_length", int, **req), 1, 1 << 24)
+    recurrent = _recurrent_layers(f, n_layer_all, n_layer)
+
+    embd = f.tensors.get("token_embd.weight")
+    if embd is None:
+        raise MissingTensorError(f"{f.path}: tensor 'token_embd.weight' is missing")
+    tokens = f.array("tokenizer.ggml.tokens")
+    n_vocab = len(tokens) if tokens is not None else (embd.shape[1] if len(embd.shape) > 1 else 0)
+    return Qwen35HParams(
+        n_vocab=_dim(f, "vocab", n_vocab, 1, 1 << 22), n_embd=n_embd, n_layer=n_layer, n_layer_nextn=n_nextn,
+        n_ctx_train=n_ctx_train, rms_eps=rms_eps, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        n_rot=n_rot, rope_freq_base=freq_base, rope_sections=sections, ssm_conv_kernel=conv_kernel,
+        ssm_state_size=state, ssm_n_k_heads=n_k, ssm_n_v_heads=n_v, recurrent=recurrent,
+        tied_output="output.weight" not in f.tensors)
+
+
+def expected_tensors(hp: Qwen35HParams, f: GGUFFile) -> dict[str, tuple[tuple[int, ...], frozenset]]:
+    """Name -> (ggml shape, allowed types) for every tensor the graph reads."""
+    E, V, D = hp.n_embd, hp.n_vocab, hp.head_dim
+    H, Hkv, S, Hv, C = hp.n_head, hp.n_head_kv, hp.ssm_state_size, hp.ssm_n_v_heads, hp.conv_channels
+    want: dict[str, tuple[tuple[int, ...], frozenset]] = {
+        "token_embd.weight": ((E, V), MATMUL_TYPES),
+        "output_norm.weight": ((E,), VECTOR_TYPES),
+    }
+    if not hp.tied_output:
+        want["output.weight"] = ((E, V), MATMUL_TYPES)
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        up = f.tensors.get(b + "ffn_up.weight")
+        n_ff = up.shape[1] if up is not None and len(up.shape) == 2 else -1
+        want |= {
+            b + "attn_norm.weight": ((E,), VECTOR_TYPES),
+            b + "post_attention_norm.weight": ((E,), VECTOR_TYPES),
+            b + "ffn_up.weight": ((E, n_ff), MATMUL_TYPES),
+            b + "ffn_gate.weight": ((E, n_ff), MATMUL_TYPES),
+            b + "ffn_down.weight": ((n_ff, E), MATMUL_TYPES),
+        }
+        if hp.recurrent[il]:
+            want |= {
+                b + "attn_qkv.weight": ((E, C), MATMUL_TYPES),
+                b + "attn_gate.weight": ((E, Hv * S), MATMUL_TYPES),
+                b + "ssm_beta.weight": ((E, Hv), MATMUL_TYPES),
+                b + "ssm_alpha.weight": ((E, Hv), MATMUL_TYPES),
+                b + "ssm_dt.bias": ((Hv,), VECTOR_TYPES),
+                b + "ssm_a": ((Hv,), VECTOR_TYPES),
+                b + "ssm_conv1d.weight": ((hp.ssm_conv_kernel, C), VECTOR_TYPES),
+                b + "ssm_norm.weight": ((S,), VECTOR_TYPES),
+                b + "ssm_out.weight": ((Hv * S, E), MATMUL_TYPES),
+            }
+        else:
+            want |= {
+                b + "attn_q.weight": ((E, 2 * H * D), MATMUL_TYPES),
+                b + "attn_k.weight": ((E, Hkv * D), MATMUL_TYPES),
+                b + "attn_v.weight": ((E, Hkv * D), MATMUL_TYPES),
+                b + "attn_output.weight": ((H * D, E), MATMUL_TYPES),
+                b + "attn_q_norm.weight": ((D,), VECTOR_TYPES),
+                b + "attn_k_norm.weight": ((D,), VECTOR_TYPES),
+            }
+    return want
+
+
+def check_tensors(hp: Qwen35HParams, f: GGUFFile) -> None:
+    for name, (shape, types) in expected_tensors(hp, f).items():
+        info = f.tensors.get(name)
+        if info is None:
+            if name.endswith("attn_q.weight") and name.replace("attn_q", "attn_qkv") in f.tensors:
+                raise UnsupportedTensorTypeError(f"{f.path}: '{name.replace('attn_q', 'attn_qkv')}' is a fused Q/K/V "
+                                                 "projection (convert --fuse-qkv); deltaspec needs separate "
+                                                 "attn_q/attn_k/attn_v")
+            raise MissingTensorError(f"{f.path}: tensor '{name}' is missing")
+        if info.shape != shape:
+            raise TensorShapeError(f"{f.path}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}")
+        if info.type not in types:
+            allowed = ", ".join(sorted(t.name for t in types))
+            raise UnsupportedTensorTypeError(f"{f.path}: tensor '{name}' is {info.type.name}, expected one of "
+                                             f"{allowed}")
