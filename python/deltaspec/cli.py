@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="print a qwen35 GGUF's architecture, sizes and quant mix")
     p.add_argument("model", help="path to a .gguf file")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size for the memory estimate")
     p.set_defaults(run=_run_info)
     return parser
 
@@ -32,7 +33,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 def _run_info(args: argparse.Namespace) -> int:
     from .info import print_info
 
-    print_info(args.model)
+    print_info(args.model, n_ctx=args.ctx_size)
     return 0
 
 

@@ -59,3 +59,7 @@ class ConversionError(DeltaspecError, ValueError):
 
 class CorruptFileError(DeltaspecError, ValueError):
     """The GGUF header, metadata or tensor table cannot be parsed (values out of range)."""
+
+
+class TokenizerError(DeltaspecError, ValueError):
+    """The `tokenizer.ggml.*` metadata describe a vocabulary deltaspec cannot tokenize with."""

