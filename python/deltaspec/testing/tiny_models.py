@@ -23,7 +23,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-# Bump when anything that changes the produced files changes, so cached folders are rebuilt.
+# Part of the cache key (with the generating sources' bytes): bump to force rebuilds by hand.
 FORMAT_VERSION = 1
 
 _COMMON: dict[str, Any] = {
@@ -54,24 +54,25 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True, "rope_parameters": _rope(64),
     },
     # 8 layers with two full-attention layers (3, 7), GQA 4:1 with head_dim 32, Hk == Hv, S=64
-    # (C=384); untied LM head; hidden 128.
+    # (C=384); untied LM head.
     "attn2_d32_untied": {
-        **_COMMON, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8,
+        **_COMMON, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 8,
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
         "linear_num_key_heads": 2, "linear_num_value_heads": 2,
         "linear_key_head_dim": 64, "linear_value_head_dim": 64,
         "tie_word_embeddings": False, "rope_parameters": _rope(32),
     },
     # Explicit, non-periodic layer_types (full attention first and in the middle), a 3:1 V/K head
-    # ratio at the real model's S=128 (C=1280), stored in bfloat16 like released checkpoints.
+    # ratio at the real model's S=128 (C=1280), hidden 128, tied, stored in bfloat16 like released
+    # checkpoints.
     "mixed_s128_bf16": {
-        **_COMMON, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 5,
+        **_COMMON, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 5,
         "layer_types": ["full_attention", "linear_attention", "full_attention",
                         "linear_attention", "linear_attention"],
         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64,
         "linear_num_key_heads": 2, "linear_num_value_heads": 6,
         "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "tie_word_embeddings": False, "rope_parameters": _rope(64), "dtype": "bfloat16",
+        "tie_word_embeddings": True, "rope_parameters": _rope(64), "dtype": "bfloat16",
     },
 }
 
@@ -181,16 +182,30 @@ def default_cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"deltaspec-test-cache-{os.getuid() if hasattr(os, 'getuid') else 0}"
 
 
+def _build_key(name: str, seed: int, chat_template: str | None) -> str:
+    """Hash of everything the built files depend on, so a stale cached folder is never reused."""
+    import torch
+    import transformers
+
+    h = hashlib.sha256()
+    for part in (FORMAT_VERSION, name, seed, chat_template, torch.__version__, transformers.__version__):
+        h.update(repr(part).encode())
+    here = Path(__file__).resolve().parent.parent
+    for src in (Path(__file__), here / "qwen_vocab.py", here / "tokenizer.py"):
+        h.update(src.read_bytes() if src.is_file() else b"")
+    return h.hexdigest()[:10]
+
+
 def tiny_model_dir(name: str, *, seed: int = 0, chat_template: str | None = None,
                    cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The folder of tiny model `name`, built once per (name, seed, template, FORMAT_VERSION).
+    """The folder of tiny model `name`, built once into `cache_dir` (default `default_cache_dir()`).
 
-    Built into a scratch folder and renamed into place, so an interrupted build is never reused.
+    Keyed by a hash of the inputs and of the generating code; built in a scratch folder and renamed
+    into place, so an interrupted build is never reused.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    tag = hashlib.sha256((chat_template or "").encode()).hexdigest()[:8] if chat_template else "notmpl"
     # the folder name becomes general.name in converted GGUFs, so keep it readable
-    final = root / f"{name}-s{seed}-v{FORMAT_VERSION}-{tag}"
+    final = root / f"{name}-{_build_key(name, seed, chat_template)}"
     if (final / "config.json").is_file() and (final / "tokenizer.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)

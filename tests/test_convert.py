@@ -1,0 +1,309 @@
+"""deltaspec.convert against llama.cpp's own convert_hf_to_gguf.py, on tiny random Qwen3.5 checkpoints.
+
+The equivalence test compares every metadata key (type and value), every tensor (name, order,
+shape, ggml type, bytes) and finally the whole file. No key is excluded: the general.* keys come
+from the same gguf heuristics (folder name, generation_config.json) in both converters. Should one
+ever have to be skipped, put it in NOT_COMPARED with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter  # noqa: E402
+
+from deltaspec import convert as C  # noqa: E402
+from deltaspec.errors import ConversionError, DeltaspecError  # noqa: E402
+from deltaspec.testing.tiny_models import TINY_CONFIGS, check_not_flat, probe_logits, tiny_model_dir  # noqa: E402
+from upstream import llama_cpp_tree, run_reference_converter  # noqa: E402
+
+NOT_COMPARED: dict[str, str] = {}  # metadata key -> why it may differ (none today)
+
+# Each config with at least one outtype; every outtype at least once; the realistic bf16 -> q8_0.
+CASES = [
+    ("gdn_hk2_hv4_tied", "f32"),
+    ("gdn_hk2_hv4_tied", "q8_0"),
+    ("attn2_d32_untied", "f16"),
+    ("mixed_s128_bf16", "bf16"),
+    ("mixed_s128_bf16", "q8_0"),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Each tiny model (cached build) seen through a scratch folder that adds the Qwen3.5 chat
+    template from the llama.cpp tree; big files are symlinked, not copied."""
+    template = (llama_cpp_tree() / "models" / "templates" / "Qwen3.5-4B.jinja").read_text(encoding="utf-8")
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {}
+    for name in TINY_CONFIGS:
+        src = tiny_model_dir(name)
+        dst = root / name
+        dst.mkdir()
+        for f in src.iterdir():
+            (dst / f.name).symlink_to(f)
+        (dst / "chat_template.jinja").write_text(template, encoding="utf-8")
+        dirs[name] = dst
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dirs, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    out = tmp_path_factory.mktemp("ref")
+    paths = {(name, t): out / f"{name}-{t}.gguf" for name, t in CASES}
+    run_reference_converter([(hf_dirs[name], p, t) for (name, t), p in paths.items()])
+    return paths
+
+
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+@pytest.fixture(scope="module")
+def ours(hf_dirs, tmp_path_factory):
+    """deltaspec's conversion of (name, outtype), made once per module."""
+    out = tmp_path_factory.mktemp("ours")
+    done: dict[tuple[str, str], Path] = {}
+
+    def get(name: str, outtype: str) -> Path:
+        if (name, outtype) not in done:
+            done[name, outtype] = C.convert_hf_to_gguf(hf_dirs[name], out / f"{name}-{outtype}.gguf", outtype=outtype)
+        return done[name, outtype]
+
+    return get
+
+
+def _read(path: Path) -> tuple[dict[str, tuple], list[tuple]]:
+    """key -> (GGUF value type(s), value) and [(name, ggml shape, type, data bytes)], in file order.
+
+    Our own few lines rather than gguf's GGUFReader, which takes tens of seconds on a 248k vocab.
+    """
+    buf = path.read_bytes()
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        (v,) = struct.unpack_from(fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return v
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        pos += n
+        return buf[pos - n:pos].decode("utf-8")
+
+    def value(vtype: int):
+        nonlocal pos
+        if vtype == 8:
+            return string()
+        if vtype != 9:
+            return take(_SCALAR_FMT[vtype])
+        sub, n = take("<I"), take("<Q")
+        if sub == 8:
+            return sub, [string() for _ in range(n)]
+        if sub == 9:
+            return sub, [value(9) for _ in range(n)]
+        size = struct.calcsize(_SCALAR_FMT[sub]) * n
+        pos += size
+        return sub, buf[pos - size:pos]
+
+    magic, version = take("<4s"), take("<I")
+    assert (magic, version) == (b"GGUF", 3), path
+    n_tensors, n_kv = take("<Q"), take("<Q")
+    kv = {}
+    for _ in range(n_kv):
+        key = string()
+        vtype = take("<I")
+        kv[key] = (vtype, value(vtype))
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        shape = tuple(take("<Q") for _ in range(take("<I")))
+        infos.append((name, shape, GGMLQuantizationType(take("<I")), take("<Q")))
+    align = kv.get("general.alignment", (4, 32))[1]
+    start = -(-pos // align) * align
+    tensors = []
+    for name, shape, qtype, offset in infos:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(shape)) // block * type_size
+        tensors.append((name, shape, qtype.name, buf[start + offset:start + offset + nbytes]))
+    return kv, tensors
+
+
+@pytest.mark.parametrize("name,outtype", CASES, ids=[f"{n}-{t}" for n, t in CASES])
+def test_matches_llama_cpp(name, outtype, reference, ours):
+    mine = ours(name, outtype)
+    ref_kv, ref_t = _read(reference[(name, outtype)])
+    our_kv, our_t = _read(mine)
+
+    assert [t[0] for t in our_t] == [t[0] for t in ref_t], "tensor names or order differ"
+    for (tname, shape, qtype, data), (_, rshape, rqtype, rdata) in zip(our_t, ref_t):
+        assert (shape, qtype) == (rshape, rqtype), tname
+        assert data == rdata, f"{tname}: bytes differ"
+
+    keys = (set(ref_kv) | set(our_kv)) - set(NOT_COMPARED)
+    assert sorted(keys - set(our_kv)) == [], "keys only llama.cpp writes"
+    assert sorted(keys - set(ref_kv)) == [], "keys only deltaspec writes"
+    for key in sorted(keys):
+        assert our_kv[key] == ref_kv[key], key
+    assert list(our_kv) == list(ref_kv), "same keys, different order"
+    assert ref_kv["tokenizer.ggml.pre"][1] == "qwen35"  # the reference hash-detected the real vocab
+    assert "tokenizer.chat_template" in ref_kv
+
+    if not NOT_COMPARED:  # same keys in the same order, same alignment: the very same file
+        assert mine.read_bytes() == reference[(name, outtype)].read_bytes()
+
+
+def test_v_heads_are_reordered(hf_dirs, ours):
+    """With Hk != Hv the GGUF's per-V-head vectors must be in tiled order, not HF's grouped one."""
+    hf = hf_dirs["gdn_hk2_hv4_tied"]
+    a_log = safetensors_numpy.load_file(hf / "model.safetensors")["model.layers.0.linear_attn.A_log"]
+    _, tensors = _read(ours("gdn_hk2_hv4_tied", "f32"))
+    ssm_a = np.frombuffer(next(t[3] for t in tensors if t[0] == "blk.0.ssm_a"), np.float32)
+    hk, hv = 2, 4
+    tiled = a_log.reshape(hk, hv // hk).T.reshape(-1)  # [g0v0, g1v0, g0v1, g1v1]
+    np.testing.assert_allclose(ssm_a, -np.exp(tiled), rtol=1e-6)
+    assert not np.allclose(ssm_a, -np.exp(a_log), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_transformers_loads_tiny_model(name):
+    folder = tiny_model_dir(name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    check_not_flat(probe_logits(model))  # std over the vocab in [0.5, 10], argmax moves
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    text = "Hello, world! 3.14 你好 <|im_end|>"
+    ids = tok.encode(text)
+    assert 248046 in ids and tok.decode(ids) == text
+
+
+def test_conditional_generation_layout(hf_dirs, ours, tmp_path):
+    """A Qwen3_5ForConditionalGeneration folder (text under model.language_model.*, text_config,
+    vision and MTP tensors) converts to the same tensors and qwen35/tokenizer keys."""
+    src = hf_dirs["gdn_hk2_hv4_tied"]
+    weights = safetensors_numpy.load_file(src / "model.safetensors")
+    vl = {k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}
+    vl["model.visual.blocks.0.attn.qkv.weight"] = np.ones((48, 16), np.float32)
+    vl["mtp.fc.weight"] = np.ones((64, 128), np.float32)
+    vl["mtp.layers.0.input_layernorm.weight"] = np.ones(64, np.float32)
+    folder = tmp_path / "vl"
+    folder.mkdir()
+    safetensors_numpy.save_file(vl, folder / "model.safetensors")
+    text_cfg = json.loads((src / "config.json").read_text())
+    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "tie_word_embeddings": text_cfg.pop("tie_word_embeddings"), "text_config": text_cfg,
+           "vision_config": {"depth": 1, "hidden_size": 16}}
+    text_cfg.pop("architectures")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
+            shutil.copy(f, folder / f.name)
+
+    vl_kv, vl_t = _read(C.convert_hf_to_gguf(folder, tmp_path / "vl.gguf", outtype="f32"))
+    lm_kv, lm_t = _read(ours("gdn_hk2_hv4_tied", "f32"))
+    assert vl_t == lm_t
+    for kv in (vl_kv, lm_kv):  # the folder name, hence general.name, differs by design
+        for key in [k for k in kv if k.startswith("general.")]:
+            del kv[key]
+    assert vl_kv == lm_kv
+
+
+# -------------------------------------------------------------------------------------------------
+# errors and corner cases, on micro folders (no tokenizer needed: tensors are checked first)
+
+_MICRO = {
+    "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+    "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "layer_types": ["linear_attention", "full_attention"],
+    "tie_word_embeddings": True,
+}
+
+
+def _micro(folder: Path, drop: str | None = None, reshape: str | None = None, **cfg) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**_MICRO, **cfg, "architectures": _MICRO["architectures"]}))
+    hp = C._load_hparams(folder)
+    (folder / "config.json").write_text(json.dumps({**_MICRO, **cfg}))
+    tensors = {name: np.zeros(shape, np.float32) for name, (gguf_name, shape, _) in C._expected_tensors(hp).items()
+               if not C._optional(gguf_name, name, {**hp, "tie_word_embeddings": True}) and name != drop}
+    if reshape:
+        tensors[reshape] = np.zeros((3, 3), np.float32)
+    safetensors_numpy.save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def test_error_missing_folder(tmp_path):
+    with pytest.raises(ConversionError, match="not a directory"):
+        C.convert_hf_to_gguf(tmp_path / "nope", tmp_path / "o.gguf")
+
+
+def test_error_missing_config(tmp_path):
+    with pytest.raises(ConversionError, match="no config.json"):
+        C.convert_hf_to_gguf(tmp_path, tmp_path / "o.gguf")
+
+
+def test_error_unsupported_architecture(tmp_path):
+    _micro(tmp_path, architectures=["Qwen3ForCausalLM"])
+    with pytest.raises(ConversionError, match="'Qwen3ForCausalLM' is not supported"):
+        C.convert_hf_to_gguf(tmp_path, tmp_path / "o.gguf")
+
+
+def test_error_missing_tensor(tmp_path):
+    _micro(tmp_path, drop="model.layers.0.linear_attn.A_log")
+    with pytest.raises(ConversionError, match=r"missing weight tensors \['model.layers.0.linear_attn.A_log'\]"):
+        C.convert_hf_to_gguf(tmp_path, tmp_path / "o.gguf")
+    assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written
+
+
+def test_error_untied_without_lm_head(tmp_path):
+    _micro(tmp_path, tie_word_embeddings=False)
+    with pytest.raises(ConversionError, match="lm_head.weight"):
+        C.convert_hf_to_gguf(tmp_path, tmp_path / "o.gguf")
+
+
+def test_error_wrong_shape(tmp_path):
+    _micro(tmp_path, reshape="model.layers.1.self_attn.q_proj.weight")
+    with pytest.raises(ConversionError, match=r"q_proj.weight' has shape \[3, 3\], config.json implies \[128, 32\]"):
+        C.convert_hf_to_gguf(tmp_path, tmp_path / "o.gguf")
+
+
+def test_error_bad_outtype_and_no_tokenizer(tmp_path):
+    _micro(tmp_path)
+    with pytest.raises(ConversionError, match="outtype"):
+        C.convert_hf_to_gguf(tmp_path, tmp_path / "o.gguf", outtype="q4_0")
+    with pytest.raises(DeltaspecError, match="no tokenizer.json"):
+        C.convert_hf_to_gguf(tmp_path, tmp_path / "o.gguf")
+    assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_default_mrope_sections(tmp_path):
+    """Without rope_parameters.mrope_section llama.cpp writes [11, 11, 10, 0] (the loader needs one)."""
+    hp = C._load_hparams(_micro(tmp_path))
+    w = GGUFWriter(None, C.ARCH)
+    C._add_hparams(w, hp, C.OUTTYPES["f32"][0])
+    kv = w.kv_data[0]
+    assert kv["qwen35.rope.dimension_sections"].value == [11, 11, 10, 0]
+    assert kv["qwen35.rope.dimension_count"].value == 8  # head_dim 32 * partial_rotary_factor 0.25
+    assert kv["qwen35.rope.freq_base"].value == 10000.0
+    assert kv["qwen35.attention.recurrent_layers"].value == [True, False]
+
+
+def test_neg_exp_without_torch_is_within_one_ulp(monkeypatch):
+    x = np.random.default_rng(0).uniform(-5, 3, 4096).astype(np.float32)
+    with_torch = C._neg_exp(x)
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # makes `import torch` fail
+    without = C._neg_exp(x)
+    ulps = np.abs(with_torch.view(np.int32).astype(np.int64) - without.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1
