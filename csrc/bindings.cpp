@@ -34,12 +34,70 @@ py::array_t<float> eval(Engine & e, py::array_t<int32_t, py::array::c_style | py
     return out;
 }
 
+// Rows of float32 -> ggml's own quantized bytes (gguf-py cannot quantize k-quants).
+py::array_t<uint8_t> quantize(py::array_t<float, py::array::c_style | py::array::forcecast> rows, int type_id) {
+    if (rows.ndim() != 2) throw std::invalid_argument("quantize expects a 2-D float32 array (rows, n_per_row)");
+    if (type_id < 0 || type_id >= GGML_TYPE_COUNT || ggml_get_type_traits((ggml_type)type_id)->blck_size == 0) {
+        throw std::invalid_argument("unknown ggml type id " + std::to_string(type_id));
+    }
+    const auto type = (ggml_type)type_id;
+    const int64_t n_rows = rows.shape(0), n_per_row = rows.shape(1);
+    if (n_per_row % ggml_blck_size(type) != 0) {
+        throw std::invalid_argument(std::string(ggml_type_name(type)) + " needs rows that are a multiple of " +
+                                    std::to_string(ggml_blck_size(type)) + " values, got " +
+                                    std::to_string(n_per_row));
+    }
+    if (ggml_quantize_requires_imatrix(type)) {
+        throw std::invalid_argument(std::string(ggml_type_name(type)) + " needs an importance matrix");
+    }
+    const size_t row_bytes = ggml_row_size(type, n_per_row);
+    py::array_t<uint8_t> out({n_rows, (int64_t)row_bytes});
+    const float * src = rows.data();
+    uint8_t * dst = out.mutable_data();
+    {
+        py::gil_scoped_release release;
+        ggml_quantize_init(type);
+        ggml_quantize_chunk(type, src, dst, 0, n_rows, n_per_row, nullptr);
+    }
+    return out;
+}
+
+// ggml's own quantized bytes -> float32 rows (the inverse of quantize, through ggml's to_float).
+py::array_t<float> dequantize(py::array_t<uint8_t, py::array::c_style> data, int type_id, int64_t n_per_row) {
+    if (type_id < 0 || type_id >= GGML_TYPE_COUNT || ggml_get_type_traits((ggml_type)type_id)->blck_size == 0) {
+        throw std::invalid_argument("unknown ggml type id " + std::to_string(type_id));
+    }
+    const auto type = (ggml_type)type_id;
+    const auto * traits = ggml_get_type_traits(type);
+    if (!traits->to_float || n_per_row % ggml_blck_size(type) != 0) {
+        throw std::invalid_argument(std::string("cannot dequantize ") + ggml_type_name(type) + " rows of " +
+                                    std::to_string(n_per_row));
+    }
+    const size_t row_bytes = ggml_row_size(type, n_per_row);
+    if (data.size() % row_bytes != 0) throw std::invalid_argument("data is not a whole number of rows");
+    const int64_t n_rows = data.size() / row_bytes;
+    py::array_t<float> out({n_rows, n_per_row});
+    const uint8_t * src = data.data();
+    float * dst = out.mutable_data();
+    {
+        py::gil_scoped_release release;
+        for (int64_t r = 0; r < n_rows; ++r) traits->to_float(src + r * row_bytes, dst + r * n_per_row, n_per_row);
+    }
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "deltaspec native engine (ggml)";
     m.attr("ggml_version") = ggml_version();
     m.attr("ggml_commit") = ggml_commit();
+
+    m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
+          "Quantize float32 rows with ggml's reference quantizer; returns (rows, row_bytes) uint8.");
+
+    m.def("dequantize", &dequantize, py::arg("data"), py::arg("type_id"), py::arg("n_per_row"),
+          "Dequantize ggml-quantized rows to float32 with ggml's own to_float.");
 
     py::class_<HParams>(m, "HParams")
         .def(py::init<>())

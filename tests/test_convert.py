@@ -51,7 +51,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         dst = root / name
         dst.mkdir()
         for f in src.iterdir():
-            (dst / f.name).symlink_to(f)
+            if f.name != "chat_template.jinja":
+                (dst / f.name).symlink_to(f)
         (dst / "chat_template.jinja").write_text(template, encoding="utf-8")
         dirs[name] = dst
     return dirs
@@ -63,9 +64,6 @@ def reference(hf_dirs, tmp_path_factory) -> dict[tuple[str, str], Path]:
     paths = {(name, t): out / f"{name}-{t}.gguf" for name, t in CASES}
     run_reference_converter([(hf_dirs[name], p, t) for (name, t), p in paths.items()])
     return paths
-
-
-_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +78,9 @@ def ours(hf_dirs, tmp_path_factory):
         return done[name, outtype]
 
     return get
+
+
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
 def _read(path: Path) -> tuple[dict[str, tuple], list[tuple]]:
@@ -149,19 +150,27 @@ def test_matches_llama_cpp(name, outtype, reference, ours):
     assert [t[0] for t in our_t] == [t[0] for t in ref_t], "tensor names or order differ"
     for (tname, shape, qtype, data), (_, rshape, rqtype, rdata) in zip(our_t, ref_t):
         assert (shape, qtype) == (rshape, rqtype), tname
-        assert data == rdata, f"{tname}: bytes differ"
+        same = data == rdata  # a bare assert would make pytest diff megabytes
+        assert same, f"{tname}: bytes differ"
 
     keys = (set(ref_kv) | set(our_kv)) - set(NOT_COMPARED)
     assert sorted(keys - set(our_kv)) == [], "keys only llama.cpp writes"
     assert sorted(keys - set(ref_kv)) == [], "keys only deltaspec writes"
     for key in sorted(keys):
-        assert our_kv[key] == ref_kv[key], key
-    assert list(our_kv) == list(ref_kv), "same keys, different order"
+        same = our_kv[key] == ref_kv[key]
+        assert same, f"{key}: ours {_short(our_kv[key])} != llama.cpp {_short(ref_kv[key])}"
+    assert [k for k in our_kv if k in keys] == [k for k in ref_kv if k in keys], "same keys, other order"
     assert ref_kv["tokenizer.ggml.pre"][1] == "qwen35"  # the reference hash-detected the real vocab
     assert "tokenizer.chat_template" in ref_kv
 
     if not NOT_COMPARED:  # same keys in the same order, same alignment: the very same file
-        assert mine.read_bytes() == reference[(name, outtype)].read_bytes()
+        same = mine.read_bytes() == reference[(name, outtype)].read_bytes()
+        assert same, "files differ outside the compared keys and tensors"
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) < 300 else text[:300] + "..."
 
 
 def test_v_heads_are_reordered(hf_dirs, ours):
@@ -212,11 +221,15 @@ def test_conditional_generation_layout(hf_dirs, ours, tmp_path):
 
     vl_kv, vl_t = _read(C.convert_hf_to_gguf(folder, tmp_path / "vl.gguf", outtype="f32"))
     lm_kv, lm_t = _read(ours("gdn_hk2_hv4_tied", "f32"))
-    assert vl_t == lm_t
+    assert [t[:3] for t in vl_t] == [t[:3] for t in lm_t]
+    same = all(a[3] == b[3] for a, b in zip(vl_t, lm_t))
+    assert same, "tensor bytes differ"
     for kv in (vl_kv, lm_kv):  # the folder name, hence general.name, differs by design
         for key in [k for k in kv if k.startswith("general.")]:
             del kv[key]
-    assert vl_kv == lm_kv
+    assert sorted(vl_kv) == sorted(lm_kv)
+    same = vl_kv == lm_kv
+    assert same, [k for k in vl_kv if vl_kv[k] != lm_kv[k]]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -298,6 +311,20 @@ def test_default_mrope_sections(tmp_path):
     assert kv["qwen35.rope.dimension_count"].value == 8  # head_dim 32 * partial_rotary_factor 0.25
     assert kv["qwen35.rope.freq_base"].value == 10000.0
     assert kv["qwen35.attention.recurrent_layers"].value == [True, False]
+
+
+def test_rope_scaling(tmp_path):
+    hp = C._load_hparams(_micro(tmp_path))
+    hp["rope_parameters"] = {**hp["rope_parameters"], "rope_type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 262144}
+    w = GGUFWriter(None, C.ARCH)
+    C._add_hparams(w, hp, C.OUTTYPES["f16"][0])
+    kv = w.kv_data[0]
+    assert kv["qwen35.rope.scaling.type"].value == "yarn" and kv["qwen35.rope.scaling.factor"].value == 4.0
+    assert kv["qwen35.rope.scaling.original_context_length"].value == 262144
+    hp["rope_parameters"]["rope_type"] = "longrope"
+    with pytest.raises(ConversionError, match="'longrope' is not supported"):
+        C._add_hparams(GGUFWriter(None, C.ARCH), hp, C.OUTTYPES["f16"][0])
 
 
 def test_neg_exp_without_torch_is_within_one_ulp(monkeypatch):

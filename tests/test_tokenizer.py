@@ -62,7 +62,12 @@ _WORDS = ("the quick brown fox jumps over lazy dog model token stream decode enc
           "running walked quickly Python Rust GGUF llama Qwen delta gated attention").split()
 _CONTRACTIONS = ["don't", "it's", "I'm", "they'll", "she'd", "we've", "YOU'RE", "He'S", "can't", "O'Neil",
                  "'tis", "rock'n'roll", "We'Ve", "a'lL"]
-_HANZI = "的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年动同工也能下过子说产种面而方后多定行学法所民得经十三之进着等部度家电力里如水化高自二理起小物现实加量都两体制机当使点从业本去把性好应开它合还因由其些然前外天政四日那社义事平形相全表间样与关各重新线内数正心反你明看原又么利比或但质气第向道命此变条只没结解问意建月公无系军很情者最立代想已通并提直题党程展五果料象员革位入常文总次品式活设及管特件长求老头基资边流路级少图山统接知较将组见计别她手角期根论运农指几九区强放决西被干做必战先回则任取据处队南给色光门即保治北造百规热领七海口东导器压志世金增争济阶油思术极交受联什认六共权收证改清己美再采转更单风切打白教速花带安场身车例真务具万每目至达走积示议声报斗完类八离华名确才科张信马节话米整空元况今集温传土许步群广石记需段研界拉林律叫且究观越织装影算低持音众书布复容儿须际商非验连断深难近矿千周委素技备半办青省列习响约支般史感劳便团往酸历市克何除消构府称太准精值号率族维划选标写存候毛亲快效斯院查江型眼王按格养易置派层片始却专状育厂京识适属圆包火住调满县局照参红细引听该铁价严"  # noqa: E501
+_HANZI = (  # an inventory of frequent characters, sampled one at a time (not text)
+    "的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年动同工也能下过子说产种"
+    "面而方后多定行学法所民得经十三之进着等部度家电力里如水化高自二理起小物现实加量都两体制机当使点从业本"
+    "去把性好应开它合还因由其些然前外天政四日那社义事平形相全表间样与关各重新线内数正心反你明看原又么利比"
+    "或但质气第向道命此变条只没结解问意建月公无系军很情者最立代想已通并提直题党程展五果料象员革位入常文总"
+)
 _CJK_PUNCT = "，。！？；：、“”《》（）【】…—"
 _EMOJI_RANGES = [(0x1F600, 0x1F64F), (0x1F300, 0x1F5FF), (0x1F680, 0x1F6FF), (0x1F900, 0x1F9FF), (0x2600, 0x26FF)]
 _PEOPLE = [0x1F468, 0x1F469, 0x1F467, 0x1F466, 0x1F9D1]
@@ -96,7 +101,8 @@ def _code(r: random.Random) -> str:
     return r.choice([
         f"def {name}(x, y=None):\n{ind}if x != y and y is not None:\n{ind}{ind}return x ** 2 // y\n"
         f"{ind}return {{'k': [1, 2, 3], \"v\": x}}  # {r.choice(_WORDS)}\n",
-        f"for (int i = 0; i < {r.randint(1, 9999)}; ++i) {{ a[i] <<= 1; if (a[i] && !b) b |= 0x{r.randint(0, 2**32):08X}; }}\n",
+        f"for (int i = 0; i < {r.randint(1, 9999)}; ++i) {{ a[i] <<= 1; "
+        f"if (a[i] && !b) b |= 0x{r.randint(0, 2**32):08X}; }}\n",
         f"const {name} = async (req, res) => {{ await db.query(`SELECT * FROM t WHERE id = ${{id}}`); }};\n",
         f"fn {name}(v: &[u8]) -> Result<Vec<u8>, Error> {{ Ok(v.iter().map(|b| b ^ 0xff).collect()) }}\n",
         f"{{\"{name}\": {{\"array\": [null, true, false, -1.5e-7], \"s\": \"tab\\tnew\\nline\"}}}}\n",
@@ -108,8 +114,9 @@ def _numbers(r: random.Random) -> str:
     return r.choice([
         str(r.randint(0, 10 ** r.randint(1, 25))), f"{r.uniform(-1e6, 1e6):.6f}", f"{r.randint(1, 999):,}",
         f"{r.randint(1900, 2100)}-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}",
-        f"{r.randint(0, 23)}:{r.randint(0, 59):02d}:{r.randint(0, 59):02d}", f"v{r.randint(0, 9)}.{r.randint(0, 99)}.{r.randint(0, 9)}",
-        f"{r.randint(0, 100)}%", f"${r.randint(0, 9999)}.{r.randint(0, 99):02d}", f"€{r.randint(0, 99)},{r.randint(0, 99):02d}",
+        f"{r.randint(0, 23)}:{r.randint(0, 59):02d}:{r.randint(0, 59):02d}",
+        f"v{r.randint(0, 9)}.{r.randint(0, 99)}.{r.randint(0, 9)}", f"{r.randint(0, 100)}%",
+        f"${r.randint(0, 9999)}.{r.randint(0, 99):02d}", f"€{r.randint(0, 99)},{r.randint(0, 99):02d}",
         f"{r.random():.3e}", "١٢٣٤٥", "三千五百", "Ⅻ", "½ ¾ ²³", "１２３４",
     ])
 
@@ -133,17 +140,19 @@ def _emoji(r: random.Random) -> str:
 def _marks(r: random.Random) -> str:
     k = r.random()
     if k < 0.35:  # Latin letters with 1-3 combining marks (some compose under NFC, some cannot)
-        return "".join(r.choice("aeiouqxzAEIOUnc") + "".join(chr(r.randint(0x300, 0x36F)) for _ in range(r.randint(1, 3)))
+        return "".join(r.choice("aeiouqxzAEIOUnc") + "".join(chr(r.randint(0x300, 0x36F))
+                                                             for _ in range(r.randint(1, 3)))
                        for _ in range(r.randint(1, 6)))
     if k < 0.5:  # Devanagari consonant + vowel sign / virama
-        return "".join(chr(r.randint(0x915, 0x939)) + chr(r.choice([0x93E, 0x93F, 0x940, 0x941, 0x947, 0x94B, 0x94D, 0x902]))
-                       for _ in range(r.randint(1, 5)))
+        signs = [0x93E, 0x93F, 0x940, 0x941, 0x947, 0x94B, 0x94D, 0x902]
+        return "".join(chr(r.randint(0x915, 0x939)) + chr(r.choice(signs)) for _ in range(r.randint(1, 5)))
     if k < 0.6:  # Thai with above/below marks
         return "".join(chr(r.randint(0xE01, 0xE2E)) + chr(r.choice([0xE31, 0xE34, 0xE35, 0xE48, 0xE49, 0xE47]))
                        for _ in range(r.randint(1, 5)))
     if k < 0.7:  # Hebrew with niqqud, Arabic with harakat
-        return "".join(chr(r.randint(0x5D0, 0x5EA)) + chr(r.randint(0x5B0, 0x5BC)) for _ in range(r.randint(1, 4))) + " " + \
-            "".join(chr(r.randint(0x627, 0x64A)) + chr(r.randint(0x64B, 0x652)) for _ in range(r.randint(1, 4)))
+        hebrew = "".join(chr(r.randint(0x5D0, 0x5EA)) + chr(r.randint(0x5B0, 0x5BC)) for _ in range(r.randint(1, 4)))
+        arabic = "".join(chr(r.randint(0x627, 0x64A)) + chr(r.randint(0x64B, 0x652)) for _ in range(r.randint(1, 4)))
+        return hebrew + " " + arabic
     if k < 0.8:  # decomposed Hangul jamo (NFC composes them)
         return "".join(chr(0x1100 + r.randint(0, 18)) + chr(0x1161 + r.randint(0, 20)) + chr(0x11A8 + r.randint(0, 26))
                        for _ in range(r.randint(1, 3)))
@@ -234,9 +243,10 @@ def assert_same_ids(got: list[int], want: list[int], text: str, decode) -> None:
 
 def test_vocab_layout_matches_published_gguf(meta, ref):
     v = qwen_vocab.qwen35_vocab()
-    # [ext] published Qwen3.5 / 3.6 GGUFs: 248320 rows, these first merges, these EOS / BOS ids.
+    # [ext] published Qwen3.5 / 3.6 GGUFs: 248320 rows, these first merges and merge count, EOS / BOS ids.
     assert len(v.tokens) == len(v.token_types) == 248320
     assert meta["tokenizer.ggml.merges"][:4] == ["Ġ Ġ", "ĠĠ ĠĠ", "i n", "Ġ t"]
+    assert len(meta["tokenizer.ggml.merges"]) == 247587
     assert meta["tokenizer.ggml.tokens"][:4] == ["!", '"', "#", "$"]
     assert (meta["tokenizer.ggml.eos_token_id"], meta["tokenizer.ggml.bos_token_id"]) == (248046, 248044)
     # every added token sits where Qwen's own tokenizer puts it
@@ -257,6 +267,21 @@ def test_token_pieces_match_reference_bytes(tok, raw_ref):
     for tid, text in QWEN3_5_SPECIAL_TOKENS:
         assert tok.token_to_piece(tid) == text.encode()
     assert tok.token_to_piece(248100) == b""  # [PADn] rows render as nothing, as in llama.cpp
+
+
+def test_merges_follow_reference_ranks(meta, raw_ref):
+    # Priority order: merge i builds a token whose tiktoken rank grows with i, and both halves exist.
+    # Texts are mapped back to bytes with transformers' copy of the GPT-2 byte table.
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    u2b = {c: b for b, c in bytes_to_unicode().items()}
+    ranks = {raw_ref.decode_single_token_bytes(r): r for r in range(qwen_vocab.N_RANKS)}
+    last = -1
+    for m in meta["tokenizer.ggml.merges"]:
+        left, right = (bytes(u2b[c] for c in part) for part in m.split(" "))
+        assert left in ranks and right in ranks, m
+        r = ranks[left + right]
+        assert r > last, m
+        last = r
 
 
 def test_vocab_build_is_cached():
@@ -281,18 +306,41 @@ def test_encode_segments_match_tiktoken(tok, raw_ref, segments):
         assert_same_ids(tok.encode(s), raw_ref.encode(s, **NO_SPECIAL), s, tok.decode)
 
 
+def test_every_token_text_encodes_to_itself(tok, raw_ref):
+    """The merge table reaches every rank that BPE over the ranks can reach at all."""
+    from tiktoken._educational import bpe_encode  # tiktoken's plain BPE, no whole-piece short-cut
+    ranks = {raw_ref.decode_single_token_bytes(r): r for r in range(qwen_vocab.N_RANKS)}
+    missed = []
+    for piece, r in ranks.items():
+        try:
+            text = piece.decode("utf-8")
+        except UnicodeDecodeError:  # a partial character cannot be passed as text
+            continue
+        # tiktoken gives [r] for any single pre-token, so it is consulted only when we differ from that
+        # (two ranks, e.g. fullwidth "１０", span two pre-tokens and are unreachable from text for both)
+        ids = tok.encode(text)
+        if ids != [r] and ids != raw_ref.encode(text, **NO_SPECIAL):
+            missed.append(piece)
+    # Only ranks that rank-ordered BPE cannot build from bytes are missed: 248044 ranks - 256 bytes -
+    # 247587 merges in the published GGUFs [ext] = 201, all of them valid UTF-8.
+    assert len(missed) == 248044 - 256 - 247587
+    for piece in missed:
+        assert bpe_encode(ranks, piece, visualise=None) != [ranks[piece]], piece.decode()
+
+
 def test_words_without_merges_follow_llama_cpp(tok, raw_ref):
-    # 232 Qwen3.5 ranks cannot be built by merging lower-ranked tokens. tiktoken still emits one when a
-    # whole pre-token equals it; llama.cpp (no ignore_merges for qwen35) runs the merges and splits it.
-    # The llama.cpp ids below come from the pinned tree (llama_tokenize, parse_special off) on a GGUF
-    # with gguf_tokenizer_metadata(); the published GGUFs carry 31 merges more, which may join some.
-    llama_cpp = {"加拿大": [95984, 97048, 95779], "人力资源": [108583, 96852], "俱乐部": [98112, 96404, 95938]}
-    tiktoken_ids = {"加拿大": [108918], "人力资源": [99655], "俱乐部": [104328]}
+    # For those 201 ranks tiktoken still emits the token when a whole pre-token equals it; llama.cpp
+    # (no ignore_merges for qwen35) runs the merges and splits it. The llama.cpp ids below come from
+    # the pinned tree (llama_tokenize, parse_special off) on a GGUF from gguf_tokenizer_metadata().
+    llama_cpp = {"加拿大": [95984, 97048, 95779], "俱乐部": [98112, 96404, 95938]}
+    tiktoken_ids = {"加拿大": [108918], "俱乐部": [104328]}
     for word, want in llama_cpp.items():
         assert raw_ref.encode(word) == tiktoken_ids[word]
         assert tok.encode(word) == want
     # inside running text the pre-token is longer and both agree
     assert tok.encode(" 加拿大") == raw_ref.encode(" 加拿大") == [220, 95984, 97048, 95779]
+    # a rank reachable only through a higher-ranked part ("人力" + "资源") does get its merge
+    assert tok.encode("人力资源") == raw_ref.encode("人力资源") == [99655]
 
 
 def test_qwen2_pre_tokenizer(meta, corpus):

@@ -29,19 +29,25 @@ Configured with CMake + Ninja, Release, ``-j os.cpu_count()``::
     (--cuda adds) -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a
 
 Only the targets ``llama-completion`` and ``llama-tokenize`` are built (plus ``llama-bench`` with
-``--cuda``); that pulls in ggml, ggml-cpu, llama and llama-common and nothing else. With
+``--cuda``; on CPU add it with ``--target llama-bench`` / ``extra_targets=["llama-bench"]``, 17 s
+more); that pulls in ggml, ggml-base, ggml-cpu, llama and llama-common and nothing else. With
 GGML_NATIVE=OFF ggml-cpu gets exactly ``-msse4.2 -mf16c -mfma -mbmi2 -mavx -mavx2``, so neither
 ``__AMX_INT8__`` nor ``__AVX512VNNI__`` is defined and the AMX code (ggml-cpu/amx/*, the
-``ggml_backend_amx_buffer_type`` extra buffer) is compiled out; the options are named explicitly
-anyway so that a cached ``-DGGML_NATIVE=ON`` can never leak in. A stamp file
+``ggml_backend_amx_buffer_type`` extra buffer) is compiled out (checked: no AMX or zmm
+instructions in libggml-cpu.so; ``ggml_cpu_has_amx_int8`` returns 0). The AMX/AVX-512 options are
+also named explicitly, so a cached ``-DGGML_NATIVE=ON`` can never leak in. A stamp file
 (``deltaspec-build.json``) in the build folder records the tree (sdist sha256 and path), the CMake
-flags and the targets; a build is reused only when all match and the binaries exist, otherwise
-the folder is wiped and rebuilt.
+flags and the targets built. Same tree and flags: the build is reused, missing targets are built
+incrementally. Anything else: the folder is wiped (only if it looks like a build folder) and
+rebuilt. The CUDA flags were checked by configuring here: CMake accepts them
+(``Using CMAKE_CUDA_ARCHITECTURES=90a``, nvcc 13.0) and stops only at the missing ``CUDA::cublas``.
+With a CUDA build, llama-completion offloads all layers by default (``-ngl`` auto); pass
+``bin_dir=build_llama_cpp(cuda=True)`` to ``greedy_run``.
 
 Measured on the 2-core dev machine (AMD EPYC Zen 4, KVM, 24 GiB, gcc 12.2, Ninja, -j2): a clean
 CPU build (141 Ninja steps) took 676 s wall (configure 1.2 s + build 675 s), 415 s user + 30 s
 sys CPU, 0.6 GiB peak RSS; the machine was shared with other jobs at the time (load average 2-4,
-the build got 65 % of one core on average), so an idle 2-core box should need about 4 min.
+the build got 65 % of one core on average), so an idle 2-core box should need about 4 min (CPU time / 2; not measured).
 Reusing a finished build (stamp check only) takes 0.4 s. Output: 41 MB in the build folder.
 
 Greedy generation: which tool, and why
@@ -61,8 +67,9 @@ Flags used: ``-no-cnv`` (qwen35 GGUFs carry a chat template, which would otherwi
 conversation mode), ``--no-escape`` (keep backslashes in the prompt verbatim), ``--samplers
 temperature --temp 0`` (sampler chain = [model suppress-token bias] -> temp(0) -> dist; temp<=0
 keeps only the first maximal logit, i.e. plain argmax with ties going to the lowest id),
-``-n N``, ``-c`` sized to the prompt + N, ``--no-warmup``, ``--seed 0``, ``-sp`` (special tokens in
-the printed text), ``-t os.cpu_count()``, stdin closed.
+``-n N``, ``-c`` sized to the prompt + N (rounded up to 256), ``--no-warmup``, ``--seed 0``,
+``-sp`` (special tokens in the printed text), ``-t``/``-tb`` ``os.cpu_count()``, stdin closed,
+``OMP_WAIT_POLICY=PASSIVE``.
 
 BOS: the prompt is tokenized by ``common_tokenize(ctx, prompt, add_special=true,
 parse_special=true)``, which adds BOS only when the GGUF says ``tokenizer.ggml.add_bos_token`` =
@@ -78,7 +85,8 @@ Caveats (they matter for bit-level parity, not for usability):
   * While a prompt cache is being written, llama-completion decodes the prompt as (n-1 tokens)
     then (last token alone), so that the recurrent state before the last token can be saved
     (``common_prompt_batch_decode``). Generation is one token per decode as usual. So the peer's
-    prompt pass is "batch of n-1, then 1", not one batch of n.
+    prompt pass is "batch of n-1, then 1", not one batch of n. ``greedy_run(...,
+    check_plain=True)`` re-runs without the cache (one batch of n) and raises if the text differs.
   * The CPU backend picks kernels by batch size: weight repacking (GGML_CPU_REPACK, on by
     default; ``--no-repack`` / ``-nr`` turns it off at run time), the K-quant "tiled" matmul for
     batches (env ``GGML_CPU_TILED_MM=0`` turns it off), llamafile sgemm (GGML_LLAMAFILE, on by
@@ -290,25 +298,72 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+                11: "<q", 12: "<d"}
+
+
+def read_gguf_metadata(path: str | os.PathLike, keys: Sequence[str]) -> dict:
+    """The values of ``keys`` from a GGUF file's key/value section (a small, fast reader:
+    gguf.GGUFReader needs ~12 s for a 152k-token vocabulary, this ~0.1 s)."""
+    import mmap
+
+    want = set(keys)
+    found: dict = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        if mm[:4] != b"GGUF":
+            raise PeerError(f"{path}: not a GGUF file")
+        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
+        if version < 2:
+            raise PeerError(f"{path}: GGUF version {version} is not supported")
+        pos = 24
+
+        def string(pos):
+            (n,) = struct.unpack_from("<Q", mm, pos)
+            return mm[pos + 8: pos + 8 + n], pos + 8 + n
+
+        def value(vtype, pos, keep):
+            if vtype in _GGUF_SCALAR:
+                fmt = _GGUF_SCALAR[vtype]
+                return (struct.unpack_from(fmt, mm, pos)[0] if keep else None), pos + struct.calcsize(fmt)
+            if vtype == 8:
+                b, pos = string(pos)
+                return (b.decode("utf-8", errors="surrogateescape") if keep else None), pos
+            if vtype == 9:
+                etype, n = struct.unpack_from("<IQ", mm, pos)
+                pos += 12
+                if etype in _GGUF_SCALAR:
+                    size = struct.calcsize(_GGUF_SCALAR[etype])
+                    vals = list(struct.unpack_from(f"<{n}{_GGUF_SCALAR[etype][1]}", mm, pos)) if keep else None
+                    return vals, pos + n * size
+                out = [] if keep else None
+                for _ in range(n):
+                    v, pos = value(etype, pos, keep)
+                    if keep:
+                        out.append(v)
+                return out, pos
+            raise PeerError(f"{path}: unknown GGUF value type {vtype}")
+
+        for _ in range(n_kv):
+            kb, pos = string(pos)
+            key = kb.decode("utf-8", errors="replace")
+            (vtype,) = struct.unpack_from("<I", mm, pos)
+            v, pos = value(vtype, pos + 4, key in want)
+            if key in want:
+                found[key] = v
+                if len(found) == len(want):
+                    break
+    return found
+
+
 @lru_cache(maxsize=8)
 def _vocab(model_gguf: str) -> tuple[str, tuple[str, ...], tuple[int, ...]]:
-    from gguf import GGUFReader  # pip package `gguf` (a dependency of deltaspec)
-
-    reader = GGUFReader(model_gguf)
-
-    def field(name):
-        f = reader.get_field(name)
-        if f is None:
-            raise PeerError(f"{model_gguf}: no {name}")
-        return f
-
-    model = field("tokenizer.ggml.model")
-    model_name = bytes(model.parts[model.data[0]]).decode()
-    toks = field("tokenizer.ggml.tokens")
-    tokens = tuple(bytes(toks.parts[i]).decode("utf-8", errors="surrogateescape") for i in toks.data)
-    ttype = reader.get_field("tokenizer.ggml.token_type")
-    types = tuple(int(ttype.parts[i][0]) for i in ttype.data) if ttype is not None else (1,) * len(tokens)
-    return model_name, tokens, types
+    md = read_gguf_metadata(model_gguf, ["tokenizer.ggml.model", "tokenizer.ggml.tokens",
+                                         "tokenizer.ggml.token_type"])
+    if "tokenizer.ggml.model" not in md or "tokenizer.ggml.tokens" not in md:
+        raise PeerError(f"{model_gguf}: no tokenizer in the GGUF metadata")
+    tokens = tuple(md["tokenizer.ggml.tokens"])
+    types = tuple(md.get("tokenizer.ggml.token_type") or (1,) * len(tokens))
+    return md["tokenizer.ggml.model"], tokens, types
 
 
 def ids_to_text(model_gguf: str | os.PathLike, ids: Sequence[int]) -> str:
@@ -324,6 +379,8 @@ def ids_to_text(model_gguf: str | os.PathLike, ids: Sequence[int]) -> str:
     dec = {c: b for b, c in _bytes_to_unicode().items()}
     out = bytearray()
     for i in ids:
+        if not 0 <= i < len(tokens):
+            raise ValueError(f"token id {i} is outside the vocabulary (0..{len(tokens) - 1})")
         piece = tokens[i]
         if types[i] in (3, 4):  # CONTROL, USER_DEFINED: literal text
             out += piece.encode("utf-8", errors="surrogateescape")

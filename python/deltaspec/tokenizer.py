@@ -1,8 +1,8 @@
 """Text <-> token ids for a GGUF byte-level BPE vocabulary ("gpt2" model), as llama.cpp does it.
 
-The tokenizer is rebuilt from GGUF metadata at every model load, so it is assembled as one JSON
-document and handed to the Rust `tokenizers` library in a single call (building the BPE model
-through the Python constructors is several times slower for a 248k vocabulary).
+The heavy lifting is done by the Rust `tokenizers` library; this module only translates GGUF
+metadata into its pipeline. That happens at every model load (~0.5 s CPU for Qwen3.5's 248k tokens),
+and the per-token byte table for decoding is built lazily on the first decode.
 
 Behaviour follows llama.cpp's `llm_tokenizer_bpe` for the pre-tokenizer types we accept:
 no Unicode normalization, no BOS added, merges applied by rank without the `ignore_merges`
@@ -13,6 +13,7 @@ the text only when asked (`parse_special`), user-defined tokens (e.g. `<think>`)
 from __future__ import annotations
 
 import codecs
+import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
@@ -32,7 +33,8 @@ TOKEN_BYTE = 6
 
 # Pre-tokenizer regexes, copied in meaning from llama.cpp `src/llama-vocab.cpp`. The case-insensitive
 # contraction group `(?i:'s|...)` of the original tokenizer.json is spelled out as `'[sS]` etc., the way
-# llama.cpp runs it; an engine-wide `(?i)` would also fold e.g. U+017F (long s) onto `s`.
+# llama.cpp runs it: Oniguruma's `(?i:)` would also fold U+017F (long s) and U+212A (Kelvin) onto s / k,
+# which neither llama.cpp nor tiktoken does.
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 PRE_TOKENIZER_REGEX: dict[str, str] = {
     # Qwen3.5 / 3.6: letters *with combining marks* form words; marks never join punctuation runs.
@@ -103,16 +105,21 @@ def _piece_table(tokens: Sequence[str], types: Sequence[int]) -> list[bytes]:
     for i, t in enumerate(types):
         if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN):
             pieces[i] = tokens[i].encode("utf-8")
-        # UNUSED (the [PADn] rows) and BYTE render as nothing, as in llama.cpp's BPE branch.
+        elif t == TOKEN_BYTE and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", tokens[i]):  # SPM-style byte fallback
+            pieces[i] = bytes([int(tokens[i][3:5], 16)])
+        # UNUSED rows (Qwen's [PADn] filler) render as nothing, as in llama.cpp's BPE branch.
     return pieces
 
 
-def _require(meta: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+def _require(meta: Mapping[str, Any], key: str, array: bool) -> Any:
+    """meta[key], which must be a string or (array=True) a sized non-string sequence such as a list."""
     if key not in meta:
         raise TokenizerError(f"GGUF metadata key {key!r} is missing")
     value = meta[key]
-    if not isinstance(value, kind):
-        raise TokenizerError(f"GGUF metadata key {key!r} has type {type(value).__name__}, expected {what}")
+    is_array = hasattr(value, "__len__") and hasattr(value, "__getitem__") and not isinstance(value, (str, bytes))
+    if is_array != array or (not array and not isinstance(value, str)):
+        raise TokenizerError(f"GGUF metadata key {key!r} has type {type(value).__name__}, "
+                             f"expected {'an array' if array else 'a string'}")
     return value
 
 
@@ -162,13 +169,13 @@ class Tokenizer:
         if len(tokens) != len(token_types):
             raise TokenizerError(f"'tokenizer.ggml.tokens' has {len(tokens)} entries but "
                                  f"'tokenizer.ggml.token_type' has {len(token_types)}")
-        self._tokens = list(tokens)
-        self._types = list(token_types)
-        self.pre = pre
-        self.add_bos = add_bos
         if pre not in PRE_TOKENIZER_REGEX:
             raise TokenizerError(f"GGUF metadata key 'tokenizer.ggml.pre' = {pre!r} is not supported "
                                  f"(supported: {', '.join(sorted(PRE_TOKENIZER_REGEX))})")
+        self._tokens = list(tokens)
+        self._types = [int(t) for t in token_types]  # numpy arrays from a GGUF reader become plain ints
+        self.pre = pre
+        self.add_bos = add_bos
         # CONTROL/UNKNOWN are matched only with parse_special; USER_DEFINED always (llama.cpp partition).
         added = [(i, self._tokens[i], t != TOKEN_USER_DEFINED) for i, t in enumerate(self._types)
                  if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)]
@@ -190,22 +197,22 @@ class Tokenizer:
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """Build from GGUF metadata (key -> python value: list for arrays, str, int, bool)."""
-        model = _require(meta, "tokenizer.ggml.model", str, "a string")
+        model = _require(meta, "tokenizer.ggml.model", array=False)
         if model != "gpt2":
             raise TokenizerError(f"GGUF metadata key 'tokenizer.ggml.model' = {model!r} is not supported "
                                  "(only 'gpt2' byte-level BPE)")
-        pre = _require(meta, "tokenizer.ggml.pre", str, "a string")
-        if pre not in PRE_TOKENIZER_REGEX:
-            raise TokenizerError(f"GGUF metadata key 'tokenizer.ggml.pre' = {pre!r} is not supported "
-                                 f"(supported: {', '.join(sorted(PRE_TOKENIZER_REGEX))})")
-        tokens = _require(meta, "tokenizer.ggml.tokens", Sequence, "an array of strings")
-        types = meta.get("tokenizer.ggml.token_type")
-        if types is None:  # llama.cpp treats a missing type array as all-normal
-            types = [TOKEN_NORMAL] * len(tokens)
-        types = [int(t) for t in types]  # numpy arrays from a GGUF reader become plain ints
-        merges = _require(meta, "tokenizer.ggml.merges", Sequence, "an array of strings")
-        id_keys = [k for k in meta if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")]
-        special_ids = {k: int(meta[k]) for k in id_keys}
+        pre = _require(meta, "tokenizer.ggml.pre", array=False)
+        tokens = _require(meta, "tokenizer.ggml.tokens", array=True)
+        # llama.cpp treats a missing type array as all-normal
+        types = _require(meta, "tokenizer.ggml.token_type", array=True) if "tokenizer.ggml.token_type" in meta \
+            else [TOKEN_NORMAL] * len(tokens)
+        merges = _require(meta, "tokenizer.ggml.merges", array=True)
+        special_ids = {}
+        for key in (k for k in meta if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")):
+            try:
+                special_ids[key] = int(meta[key])
+            except (TypeError, ValueError):
+                raise TokenizerError(f"GGUF metadata key {key!r} = {meta[key]!r} is not a token id") from None
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
         return cls(tokens, types, merges, pre, special_ids, add_bos)
 
