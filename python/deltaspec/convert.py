@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,11 +49,8 @@ _TEXT_DEFAULTS: dict[str, Any] = {
 # llama.cpp's _Qwen35MRopeMixin writes this when rope_parameters has no mrope_section.
 _DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
 
-_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+# HF layer tensor suffix -> GGUF suffix (llama.cpp's tensor map for qwen35); the global tensors are
+# in _expected_tensors
 _COMMON_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -136,8 +132,8 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
     out = Path(out_path)
     if not folder.is_dir():
         raise ConversionError(f"{hf_dir}: not a directory (expected a Hugging Face checkpoint folder)")
-    if not out.resolve().parent.is_dir():
-        raise ConversionError(f"{out}: its folder does not exist")
+    if out.is_dir() or not out.resolve().parent.is_dir():
+        raise ConversionError(f"{out}: expected a file path in an existing folder")
     hp = _load_hparams(folder)
     ftype, default_qtype = OUTTYPES[outtype]
     plan = _plan_tensors(folder, hp, default_qtype)

@@ -217,6 +217,9 @@ def tiny_model_dir(name: str, *, seed: int = 0, chat_template: str | None = None
         except OSError:  # built concurrently by another process: keep theirs
             if not (final / "config.json").is_file():
                 raise
+        for old in root.glob(f"{name}-*"):  # builds keyed by older code: ~100 MB each
+            if old != final and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
     finally:
         if scratch.exists():
             shutil.rmtree(scratch, ignore_errors=True)
