@@ -1,7 +1,16 @@
 """deltaspec: Qwen3.5 / Qwen3.6 hybrid models from GGUF on ggml, with speculative decoding."""
 
 from .errors import DeltaspecError
-from .model import Model
 
 __all__ = ["Model", "DeltaspecError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Model needs the native extension; importing it lazily lets the converter, the tokenizer and
+    # `deltaspec convert` work from a source tree where _core has not been built.
+    if name == "Model":
+        from .model import Model
+
+        return Model
+    raise AttributeError(f"module 'deltaspec' has no attribute {name!r}")
