@@ -3,7 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <memory>
+
 #include "engine.h"
+#include "generate.h"
 #include "ggml.h"
 
 namespace py = pybind11;
@@ -16,6 +20,52 @@ LogitsWanted parse_wanted(const std::string & s) {
     if (s == "last") return LogitsWanted::last;
     if (s == "none") return LogitsWanted::none;
     throw std::invalid_argument("logits must be 'all', 'last' or 'none', got '" + s + "'");
+}
+
+// The engine plus what generation needs from Python once: the detokenizer's piece table (for stop
+// strings) and a cancel flag that another thread may set.
+struct Runner {
+    std::unique_ptr<Engine> engine;
+    PieceTable pieces;
+    std::atomic<bool> cancel{false};
+};
+
+const char * finish_name(FinishReason f) {
+    switch (f) {
+        case FinishReason::stop: return "stop";
+        case FinishReason::length: return "length";
+        default: return "cancelled";
+    }
+}
+
+py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
+                     std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object callback) {
+    if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
+    GenerateRequest req;
+    req.prompt = std::move(prompt);
+    req.max_tokens = max_tokens;
+    req.sampling = sampling;
+    req.eog_ids = std::move(eog_ids);
+    req.stop = std::move(stop);
+    TokenCallback on_token;
+    if (!callback.is_none()) {
+        on_token = [&callback](int32_t token) {
+            py::gil_scoped_acquire gil;
+            return callback(token).cast<bool>();
+        };
+    }
+    GenerateResult res;
+    {
+        py::gil_scoped_release release;
+        res = generate(*r.engine, r.pieces, req, r.cancel, on_token);
+    }
+    py::dict out;
+    out["tokens"] = res.tokens;
+    out["finish_reason"] = finish_name(res.finish);
+    out["stop_offset"] = res.stop_offset;
+    out["prefill_seconds"] = res.prefill_seconds;
+    out["decode_seconds"] = res.decode_seconds;
+    return out;
 }
 
 py::array_t<float> eval(Engine & e, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
@@ -118,7 +168,19 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("ssm_n_v_heads", &HParams::ssm_n_v_heads)
         .def_readwrite("recurrent", &HParams::recurrent);
 
-    py::class_<Engine>(m, "Engine")
+    py::class_<SamplingParams>(m, "SamplingParams")
+        .def(py::init<>())
+        .def_readwrite("temperature", &SamplingParams::temperature)
+        .def_readwrite("top_k", &SamplingParams::top_k)
+        .def_readwrite("top_p", &SamplingParams::top_p)
+        .def_readwrite("min_p", &SamplingParams::min_p)
+        .def_readwrite("repeat_penalty", &SamplingParams::repeat_penalty)
+        .def_readwrite("presence_penalty", &SamplingParams::presence_penalty)
+        .def_readwrite("frequency_penalty", &SamplingParams::frequency_penalty)
+        .def_readwrite("penalty_last_n", &SamplingParams::penalty_last_n)
+        .def_readwrite("seed", &SamplingParams::seed);
+
+    py::class_<Runner>(m, "Engine")
         .def(py::init([](const std::string & path, const HParams & hp, int64_t n_ctx, int64_t n_ubatch, int n_threads,
                          const std::string & device, const std::string & type_k, const std::string & type_v) {
                  EngineOptions o;
@@ -128,15 +190,30 @@ PYBIND11_MODULE(_core, m) {
                  o.device = device;
                  o.type_k = type_k;
                  o.type_v = type_v;
+                 auto r = std::make_unique<Runner>();
                  py::gil_scoped_release release;
-                 return new Engine(path, hp, o);
+                 r->engine = std::make_unique<Engine>(path, hp, o);
+                 return r;
              }),
              py::arg("path"), py::arg("hparams"), py::arg("n_ctx"), py::arg("n_ubatch"), py::arg("n_threads"),
              py::arg("device"), py::arg("type_k"), py::arg("type_v"))
-        .def("eval", &eval, py::arg("tokens"), py::arg("logits") = "last",
+        .def("eval", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
+                        const std::string & logits) { return eval(*r.engine, tokens, logits); },
+             py::arg("tokens"), py::arg("logits") = "last",
              "Append tokens to the sequence; returns float32 logits of shape (rows, n_vocab).")
-        .def("reset", &Engine::reset, py::call_guard<py::gil_scoped_release>())
-        .def_property_readonly("n_past", &Engine::n_past)
-        .def_property_readonly("n_ctx", &Engine::n_ctx)
-        .def_property_readonly("backend", &Engine::backend_name);
+        .def("reset", [](Runner & r) { r.engine->reset(); }, py::call_guard<py::gil_scoped_release>())
+        .def("set_pieces", [](Runner & r, std::vector<py::bytes> pieces) {
+                 r.pieces.clear();
+                 for (const auto & p : pieces) r.pieces.emplace_back(p);
+             }, py::arg("pieces"), "The detokenizer's bytes for every token id (used to find stop strings).")
+        .def("generate", &generate_py, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"),
+             py::arg("eog_ids"), py::arg("stop"), py::arg("callback") = py::none(),
+             "Prefill a fresh sequence with prompt, then sample until a stop condition.")
+        .def("cancel", [](Runner & r) { r.cancel = true; }, "Ask a running generate() to stop (thread-safe).")
+        .def("clear_cancel", [](Runner & r) { r.cancel = false; },
+             "Re-arm before a generate(); cleared by the caller so a cancel that races the start still counts.")
+        .def_property_readonly("n_past", [](const Runner & r) { return r.engine->n_past(); })
+        .def_property_readonly("n_ctx", [](const Runner & r) { return r.engine->n_ctx(); })
+        .def_property_readonly("backend", [](const Runner & r) { return r.engine->backend_name(); });
+
 }

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +19,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter  # noqa: E402
+from gguf import GGUFWriter  # noqa: E402
 
 from deltaspec import convert as C  # noqa: E402
 from deltaspec.errors import ConversionError, DeltaspecError  # noqa: E402
+from deltaspec.gguf_file import read_gguf  # noqa: E402
 from deltaspec.testing.tiny_models import TINY_CONFIGS, check_not_flat, probe_logits, tiny_model_dir  # noqa: E402
 from upstream import llama_cpp_tree, run_reference_converter  # noqa: E402
 
@@ -80,64 +80,17 @@ def ours(hf_dirs, tmp_path_factory):
     return get
 
 
-_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
 def _read(path: Path) -> tuple[dict[str, tuple], list[tuple]]:
-    """key -> (GGUF value type(s), value) and [(name, ggml shape, type, data bytes)], in file order.
+    """key -> (GGUF value type, value) and [(name, ggml shape, type name, data bytes)], in file order.
 
-    Our own few lines rather than gguf's GGUFReader, which takes tens of seconds on a 248k vocab.
+    Arrays have the type (9, element type). The whole-file comparison below catches whatever this
+    view would not (float bit patterns, the element types inside an array of arrays, padding).
     """
+    g = read_gguf(path)
+    assert g.version == 3, path
     buf = path.read_bytes()
-    pos = 0
-
-    def take(fmt: str):
-        nonlocal pos
-        (v,) = struct.unpack_from(fmt, buf, pos)
-        pos += struct.calcsize(fmt)
-        return v
-
-    def string() -> str:
-        nonlocal pos
-        n = take("<Q")
-        pos += n
-        return buf[pos - n:pos].decode("utf-8")
-
-    def value(vtype: int):
-        nonlocal pos
-        if vtype == 8:
-            return string()
-        if vtype != 9:
-            return take(_SCALAR_FMT[vtype])
-        sub, n = take("<I"), take("<Q")
-        if sub == 8:
-            return sub, [string() for _ in range(n)]
-        if sub == 9:
-            return sub, [value(9) for _ in range(n)]
-        size = struct.calcsize(_SCALAR_FMT[sub]) * n
-        pos += size
-        return sub, buf[pos - size:pos]
-
-    magic, version = take("<4s"), take("<I")
-    assert (magic, version) == (b"GGUF", 3), path
-    n_tensors, n_kv = take("<Q"), take("<Q")
-    kv = {}
-    for _ in range(n_kv):
-        key = string()
-        vtype = take("<I")
-        kv[key] = (vtype, value(vtype))
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        shape = tuple(take("<Q") for _ in range(take("<I")))
-        infos.append((name, shape, GGMLQuantizationType(take("<I")), take("<Q")))
-    align = kv.get("general.alignment", (4, 32))[1]
-    start = -(-pos // align) * align
-    tensors = []
-    for name, shape, qtype, offset in infos:
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        nbytes = int(np.prod(shape)) // block * type_size
-        tensors.append((name, shape, qtype.name, buf[start + offset:start + offset + nbytes]))
+    kv = {key: (g.value_types[key], value) for key, value in g.metadata.items()}
+    tensors = [(t.name, t.shape, t.type.name, buf[t.offset:t.offset + t.n_bytes]) for t in g.tensors.values()]
     return kv, tensors
 
 

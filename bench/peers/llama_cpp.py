@@ -76,10 +76,12 @@ parse_special=true)``, which adds BOS only when the GGUF says ``tokenizer.ggml.a
 true; qwen35 GGUFs say false, so no BOS is added. Check ``PeerRun.prompt_ids``.
 
 Token-id prompts: llama-completion only takes text. For a list of ids the prompt text is rebuilt
-from the GGUF vocabulary (byte-level BPE pieces, as in the GPT-2 / Qwen tokenizers; control tokens
-verbatim), and the prompt ids llama.cpp actually used (from the session file) are checked against
-the ids given; a mismatch raises ``PromptMismatch`` rather than silently comparing different
-prompts. Ids that come from tokenizing text always round-trip; arbitrary id sequences may not.
+from the GGUF vocabulary by deltaspec's tokenizer (``Tokenizer.decode_bytes(ids, special=True)``:
+byte-level BPE pieces, as in the GPT-2 / Qwen tokenizers; control and user-defined tokens
+verbatim, so that llama.cpp's parse_special tokenization maps them back to one id), and the prompt
+ids llama.cpp actually used (from the session file) are checked against the ids given; a mismatch
+raises ``PromptMismatch`` rather than silently comparing different prompts. Ids that come from
+tokenizing text always round-trip; arbitrary id sequences may not.
 
 Caveats (they matter for bit-level parity, not for usability):
   * While a prompt cache is being written, llama-completion decodes the prompt as (n-1 tokens)
@@ -284,86 +286,20 @@ def build_llama_cpp(cuda: bool = False, build_dir: str | os.PathLike | None = No
 # ------------------------------------------------------------------------------- prompt from ids
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The byte <-> printable-character table of byte-level BPE (GPT-2 / Qwen tokenizers)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-                11: "<q", 12: "<d"}
-
-
-def read_gguf_metadata(path: str | os.PathLike, keys: Sequence[str]) -> dict:
-    """The values of ``keys`` from a GGUF file's key/value section (a small, fast reader:
-    gguf.GGUFReader needs ~12 s for a 152k-token vocabulary, this ~0.1 s)."""
-    import mmap
-
-    want = set(keys)
-    found: dict = {}
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if mm[:4] != b"GGUF":
-            raise PeerError(f"{path}: not a GGUF file")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
-        if version < 2:
-            raise PeerError(f"{path}: GGUF version {version} is not supported")
-        pos = 24
-
-        def string(pos):
-            (n,) = struct.unpack_from("<Q", mm, pos)
-            return mm[pos + 8: pos + 8 + n], pos + 8 + n
-
-        def value(vtype, pos, keep):
-            if vtype in _GGUF_SCALAR:
-                fmt = _GGUF_SCALAR[vtype]
-                return (struct.unpack_from(fmt, mm, pos)[0] if keep else None), pos + struct.calcsize(fmt)
-            if vtype == 8:
-                b, pos = string(pos)
-                return (b.decode("utf-8", errors="surrogateescape") if keep else None), pos
-            if vtype == 9:
-                etype, n = struct.unpack_from("<IQ", mm, pos)
-                pos += 12
-                if etype in _GGUF_SCALAR:
-                    size = struct.calcsize(_GGUF_SCALAR[etype])
-                    vals = list(struct.unpack_from(f"<{n}{_GGUF_SCALAR[etype][1]}", mm, pos)) if keep else None
-                    return vals, pos + n * size
-                out = [] if keep else None
-                for _ in range(n):
-                    v, pos = value(etype, pos, keep)
-                    if keep:
-                        out.append(v)
-                return out, pos
-            raise PeerError(f"{path}: unknown GGUF value type {vtype}")
-
-        for _ in range(n_kv):
-            kb, pos = string(pos)
-            key = kb.decode("utf-8", errors="replace")
-            (vtype,) = struct.unpack_from("<I", mm, pos)
-            v, pos = value(vtype, pos + 4, key in want)
-            if key in want:
-                found[key] = v
-                if len(found) == len(want):
-                    break
-    return found
-
-
 @lru_cache(maxsize=8)
-def _vocab(model_gguf: str) -> tuple[str, tuple[str, ...], tuple[int, ...]]:
-    md = read_gguf_metadata(model_gguf, ["tokenizer.ggml.model", "tokenizer.ggml.tokens",
-                                         "tokenizer.ggml.token_type"])
-    if "tokenizer.ggml.model" not in md or "tokenizer.ggml.tokens" not in md:
-        raise PeerError(f"{model_gguf}: no tokenizer in the GGUF metadata")
-    tokens = tuple(md["tokenizer.ggml.tokens"])
-    types = tuple(md.get("tokenizer.ggml.token_type") or (1,) * len(tokens))
-    return md["tokenizer.ggml.model"], tokens, types
+def _tokenizer(model_gguf: str):
+    """deltaspec's tokenizer of the GGUF (its byte-level BPE pieces are what llama.cpp prints)."""
+    from deltaspec.errors import DeltaspecError  # imported here: `build` needs no deltaspec
+    from deltaspec.gguf_file import read_gguf
+    from deltaspec.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_metadata(read_gguf(model_gguf).metadata)
+    except FileNotFoundError:
+        raise
+    except DeltaspecError as e:  # not a GGUF, or a vocabulary deltaspec's tokenizer does not take
+        raise PeerError(f"{model_gguf}: cannot rebuild prompt text from ids ({e}); "
+                        "pass the prompt as text") from None
 
 
 def ids_to_text(model_gguf: str | os.PathLike, ids: Sequence[int]) -> str:
@@ -372,25 +308,15 @@ def ids_to_text(model_gguf: str | os.PathLike, ids: Sequence[int]) -> str:
     Normal pieces are mapped back to bytes; control / user-defined tokens (e.g. <|im_start|>) are
     kept as written, so llama.cpp's parse_special=true tokenization turns them back into one id.
     """
-    model_name, tokens, types = _vocab(str(model_gguf))
-    if model_name != "gpt2":
-        raise PeerError(f"ids -> text is implemented for byte-level BPE ('gpt2') vocabularies, "
-                        f"not {model_name!r}; pass the prompt as text")
-    dec = {c: b for b, c in _bytes_to_unicode().items()}
-    out = bytearray()
+    tok = _tokenizer(str(model_gguf))
     for i in ids:
-        if not 0 <= i < len(tokens):
-            raise ValueError(f"token id {i} is outside the vocabulary (0..{len(tokens) - 1})")
-        piece = tokens[i]
-        if types[i] in (3, 4):  # CONTROL, USER_DEFINED: literal text
-            out += piece.encode("utf-8", errors="surrogateescape")
-        else:
-            try:
-                out += bytes(dec[c] for c in piece)
-            except KeyError:
-                out += piece.encode("utf-8", errors="surrogateescape")
+        if not 0 <= i < tok.n_vocab:
+            raise ValueError(f"token id {i} is outside the vocabulary (0..{tok.n_vocab - 1})")
+        if not tok.token_to_piece(i, special=True):  # e.g. Qwen's UNUSED [PADn] rows: no text maps to them
+            raise PromptMismatch(f"token id {i} ({tok.token_text(i)!r}) has no text, so no prompt text "
+                                 "tokenizes to it; llama-completion takes the prompt as text")
     try:
-        return out.decode("utf-8")
+        return tok.decode_bytes(ids, special=True).decode("utf-8")
     except UnicodeDecodeError as e:
         raise PromptMismatch(f"prompt ids do not decode to valid UTF-8 text ({e}); "
                              "llama-completion takes the prompt as text") from None

@@ -63,3 +63,8 @@ class CorruptFileError(DeltaspecError, ValueError):
 
 class TokenizerError(DeltaspecError, ValueError):
     """The `tokenizer.ggml.*` metadata describe a vocabulary deltaspec cannot tokenize with."""
+
+
+class ChatTemplateError(DeltaspecError, ValueError):
+    """A chat template is missing, does not compile, rejects the messages (`raise_exception`), or the
+    messages handed to it are malformed."""

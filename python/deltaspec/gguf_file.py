@@ -50,6 +50,10 @@ class GGUFFile:
     tensors: dict[str, TensorInfo]
     data_offset: int
     value_offsets: dict[str, int] = field(default_factory=dict)  # key -> file offset of its value
+    # key -> GGUF value type id (0..12, e.g. 4 = uint32, 8 = string); arrays as (9, element type id),
+    # the outer array's element type only (an array of arrays is (9, 9)). The metadata values alone
+    # cannot tell uint32 from int32 or float32 from float64; comparing files key by key needs this.
+    value_types: dict[str, int | tuple[int, int]] = field(default_factory=dict)
 
     def array(self, key: str) -> list[Any] | None:
         value = self.metadata.get(key)
@@ -146,11 +150,14 @@ def _parse(buf, path: str, size: int) -> GGUFFile:
 
     metadata: dict[str, Any] = {}
     value_offsets: dict[str, int] = {}
+    value_types: dict[str, int | tuple[int, int]] = {}
     for i in range(n_kv):
         key = c.string(f"metadata (key #{i})")
         vtype = c.scalar("<I", f"metadata (type of '{key}')")
         value_offsets[key] = c.pos
         metadata[key] = c.value(vtype, f"metadata (value of '{key}')")
+        # an array's value starts with its u32 element type, already bounds-checked by c.value
+        value_types[key] = (vtype, struct.unpack_from("<I", buf, value_offsets[key])[0]) if vtype == _ARRAY else vtype
 
     infos = []
     for i in range(n_tensors):
@@ -186,4 +193,4 @@ def _parse(buf, path: str, size: int) -> GGUFFile:
         if name in tensors:
             raise CorruptFileError(f"{path}: tensor '{name}' appears twice")
         tensors[name] = TensorInfo(name, shape, ttype, n_bytes, offset, info_offset)
-    return GGUFFile(path, version, metadata, tensors, data_offset, value_offsets)
+    return GGUFFile(path, version, metadata, tensors, data_offset, value_offsets, value_types)

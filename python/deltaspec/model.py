@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Sequence
 
 import numpy as np
 
 from . import _core
 from .errors import DeltaspecError
+from .generation import Generator, GenerationResult, TextStream, _Request, validate_stop
 from .gguf_file import read_gguf
 from .qwen35 import Qwen35HParams, check_tensors, read_hparams
+from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
 
 DEVICES = ("cpu", "cuda")
@@ -71,6 +74,8 @@ class Model:
                                         n_threads=n_threads, device=device, type_k=type_k, type_v=type_v)
         except RuntimeError as e:
             raise DeltaspecError(str(e)) from None
+        self._engine.set_pieces([self.tokenizer.token_to_piece(i) for i in range(self.n_vocab)])
+        self._busy = threading.Lock()
         self.device = device
         self.n_threads = n_threads
 
@@ -115,6 +120,41 @@ class Model:
         """Logits of every position of a fresh sequence `ids`: shape (len(ids), n_vocab)."""
         self.reset()
         return self.eval(ids, logits="all")
+
+    # --- generation ----------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.8,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, penalty_last_n: int = 64,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 stream: bool = False) -> GenerationResult | TextStream:
+        """Generate a continuation of `prompt` (text, parsed with special tokens, or token ids).
+
+        Stops at `max_tokens` (None: until the context is full), an end-of-generation token, a stop
+        string (cut from the text) or a cancel. Sampling follows llama.cpp's chain; temperature 0
+        is greedy. With stream=True returns an iterator of text pieces (never a split UTF-8
+        character, never part of a stop string) whose `.result` is set when it is exhausted."""
+        sampling = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                   repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                                   frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n, seed=seed)
+        ids = self._prompt_ids(prompt)
+        if max_tokens is None:
+            max_tokens = self.n_ctx - len(ids)
+        elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+        generator = Generator(self, _Request(ids, max_tokens, sampling, validate_stop(stop)))
+        return TextStream(generator) if stream else generator.result()
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            ids = self.tokenize(prompt, special=True)
+        else:
+            ids = self._token_array(prompt).tolist()
+        if len(ids) >= self.n_ctx:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx} "
+                             "(n_ctx); shorten the prompt or load the model with a larger n_ctx")
+        return ids
 
     def _token_array(self, ids: Sequence[int]) -> np.ndarray:
         arr = np.asarray(ids)

@@ -1,0 +1,78 @@
+#include "generate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+namespace deltaspec {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Earliest occurrence of any stop string that ends inside the newest `fresh` bytes of `text`.
+int64_t find_stop(const std::string & text, size_t fresh, const std::vector<std::string> & stop) {
+    int64_t best = -1;
+    for (const std::string & s : stop) {
+        const size_t from = text.size() >= fresh + s.size() ? text.size() - fresh - s.size() + 1 : 0;
+        const size_t at = text.find(s, from);
+        if (at != std::string::npos && (best < 0 || (int64_t)at < best)) best = (int64_t)at;
+    }
+    return best;
+}
+
+}  // namespace
+
+GenerateResult generate(Engine & engine, const PieceTable & pieces, const GenerateRequest & req,
+                        const std::atomic<bool> & cancel, const TokenCallback & on_token) {
+    const int64_t n_vocab = engine.hparams().n_vocab;
+    if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
+    if ((int64_t)pieces.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
+
+    GenerateResult res;
+    std::vector<float> logits(n_vocab);
+    std::vector<int32_t> history = req.prompt;
+    Sampler sampler(req.sampling);
+    std::string text;
+
+    auto t0 = Clock::now();
+    engine.reset();
+    engine.eval(req.prompt.data(), (int64_t)req.prompt.size(), LogitsWanted::last, logits.data());
+    res.prefill_seconds = seconds_since(t0);
+
+    t0 = Clock::now();
+    while (true) {
+        if (cancel.load()) {
+            res.finish = FinishReason::cancelled;
+            break;
+        }
+        const int32_t token = sampler.sample(logits.data(), n_vocab, history);
+        res.tokens.push_back(token);
+        history.push_back(token);
+        const std::string & piece = pieces[token];
+        text += piece;
+        const bool eog = std::find(req.eog_ids.begin(), req.eog_ids.end(), token) != req.eog_ids.end();
+        if (!req.stop.empty() && !eog) res.stop_offset = find_stop(text, piece.size(), req.stop);
+        if (on_token && !on_token(token)) {
+            res.finish = FinishReason::cancelled;
+            break;
+        }
+        if (eog || res.stop_offset >= 0) {
+            res.finish = FinishReason::stop;
+            break;
+        }
+        if ((int32_t)res.tokens.size() >= req.max_tokens || engine.n_past() >= engine.n_ctx()) {
+            res.finish = FinishReason::length;
+            break;
+        }
+        engine.eval(&token, 1, LogitsWanted::last, logits.data());
+    }
+    res.decode_seconds = seconds_since(t0);
+    return res;
+}
+
+}  // namespace deltaspec

@@ -1,0 +1,43 @@
+// The decode loop: prefill a prompt, then sample token after token until a stop condition, all
+// in C++. Python only hears about tokens when it passes a callback (streaming).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "sampler.h"
+
+namespace deltaspec {
+
+struct GenerateRequest {
+    std::vector<int32_t> prompt;
+    int32_t max_tokens = 16;              // generate at most this many (the context may stop it first)
+    SamplingParams sampling;
+    std::vector<int32_t> eog_ids;         // end-of-generation tokens: stop after emitting one
+    std::vector<std::string> stop;        // stop strings, as UTF-8 bytes of the generated text
+};
+
+enum class FinishReason { stop, length, cancelled };
+
+struct GenerateResult {
+    std::vector<int32_t> tokens;          // every sampled token, including an EOG or stop-completing one
+    FinishReason finish = FinishReason::length;
+    int64_t stop_offset = -1;             // byte offset of the stop string in the generated text, or -1
+    double prefill_seconds = 0.0;
+    double decode_seconds = 0.0;
+};
+
+// Called after each sampled token; returning false cancels generation.
+using TokenCallback = std::function<bool(int32_t)>;
+
+// Token id -> the bytes it adds to the text (the detokenizer's piece table), for stop strings.
+using PieceTable = std::vector<std::string>;
+
+GenerateResult generate(Engine & engine, const PieceTable & pieces, const GenerateRequest & req,
+                        const std::atomic<bool> & cancel, const TokenCallback & on_token);
+
+}  // namespace deltaspec

@@ -1,0 +1,104 @@
+#include "sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <unordered_map>
+
+namespace deltaspec {
+
+Sampler::Sampler(const SamplingParams & params) : params_(params), rng_(params.seed) {}
+
+void Sampler::apply_penalties(std::vector<float> & logits, const std::vector<int32_t> & history) const {
+    const SamplingParams & p = params_;
+    if (p.repeat_penalty == 1.0f && p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f) return;
+    const size_t n = p.penalty_last_n < 0 ? history.size() : std::min(history.size(), (size_t)p.penalty_last_n);
+    std::unordered_map<int32_t, int> counts;
+    for (size_t i = history.size() - n; i < history.size(); ++i) counts[history[i]]++;
+    for (const auto & [id, count] : counts) {
+        float & l = logits[id];
+        // as llama.cpp: dividing a negative logit would raise its probability, so multiply it
+        l = l <= 0.0f ? l * p.repeat_penalty : l / p.repeat_penalty;
+        l -= (float)count * p.frequency_penalty + p.presence_penalty;
+    }
+}
+
+namespace {
+
+// Softmax over the candidates' logits, in place into probs (candidates sorted by logit, descending).
+void softmax(const std::vector<float> & logits, const std::vector<int32_t> & ids, std::vector<float> & probs,
+             float temperature = 1.0f) {
+    probs.resize(ids.size());
+    const float max_l = logits[ids[0]];
+    double sum = 0.0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+        probs[i] = std::exp((logits[ids[i]] - max_l) / temperature);
+        sum += probs[i];
+    }
+    for (float & x : probs) x = (float)(x / sum);
+}
+
+}  // namespace
+
+void Sampler::distribution(const float * logits, int64_t n_vocab, const std::vector<int32_t> & history,
+                           Distribution & out) {
+    const SamplingParams & p = params_;
+    scratch_.assign(logits, logits + n_vocab);
+    apply_penalties(scratch_, history);
+    std::vector<float> & l = scratch_;
+
+    out.ids.clear();
+    out.probs.clear();
+    if (p.greedy()) {
+        // first maximum: ties go to the lowest id, as llama.cpp's greedy sampler
+        out.ids.push_back((int32_t)(std::max_element(l.begin(), l.end()) - l.begin()));
+        out.probs.push_back(1.0f);
+        return;
+    }
+    const auto by_logit = [&l](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); };
+    int64_t k = p.top_k > 0 ? std::min<int64_t>(p.top_k, n_vocab) : n_vocab;
+    out.ids.resize(n_vocab);
+    std::iota(out.ids.begin(), out.ids.end(), 0);
+    std::partial_sort(out.ids.begin(), out.ids.begin() + k, out.ids.end(), by_logit);
+    out.ids.resize(k);
+
+    softmax(l, out.ids, out.probs);
+    if (p.top_p < 1.0f) {  // smallest prefix whose mass reaches top_p
+        double cum = 0.0;
+        size_t keep = out.ids.size();
+        for (size_t i = 0; i < out.ids.size(); ++i) {
+            cum += out.probs[i];
+            if (cum >= p.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+        out.ids.resize(keep);
+        softmax(l, out.ids, out.probs);
+    }
+    if (p.min_p > 0.0f) {  // drop tokens below min_p times the top probability
+        const float floor = p.min_p * out.probs[0];
+        size_t keep = 1;
+        while (keep < out.ids.size() && out.probs[keep] >= floor) ++keep;
+        out.ids.resize(keep);
+    }
+    softmax(l, out.ids, out.probs, p.temperature);
+}
+
+int32_t Sampler::draw(const Distribution & d) {
+    if (d.ids.size() == 1) return d.ids[0];
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    double u = uniform(rng_), cum = 0.0;
+    for (size_t i = 0; i < d.ids.size(); ++i) {
+        cum += d.probs[i];
+        if (u < cum) return d.ids[i];
+    }
+    return d.ids.back();  // u landed in the rounding gap above the summed mass
+}
+
+int32_t Sampler::sample(const float * logits, int64_t n_vocab, const std::vector<int32_t> & history) {
+    distribution(logits, n_vocab, history, dist_);
+    return draw(dist_);
+}
+
+}  // namespace deltaspec

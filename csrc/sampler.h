@@ -1,0 +1,54 @@
+// Token sampling with llama.cpp's default chain: penalties -> top-k -> top-p -> min-p ->
+// temperature -> draw. The chain is split in two so speculative decoding can reuse the exact
+// distribution: `distribution` turns logits into the final probabilities, `draw` picks from them.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+namespace deltaspec {
+
+struct SamplingParams {
+    float temperature = 0.8f;     // <= 0: greedy (argmax after penalties)
+    int32_t top_k = 40;           // <= 0: off
+    float top_p = 0.95f;          // >= 1: off
+    float min_p = 0.05f;          // <= 0: off
+    float repeat_penalty = 1.0f;  // 1: off
+    float presence_penalty = 0.0f;
+    float frequency_penalty = 0.0f;
+    int32_t penalty_last_n = 64;  // how many recent tokens the penalties look at (-1: all)
+    uint64_t seed = 0;
+
+    bool greedy() const { return temperature <= 0.0f; }
+};
+
+// Candidate tokens with their probabilities (sums to 1), most probable first.
+struct Distribution {
+    std::vector<int32_t> ids;
+    std::vector<float> probs;
+};
+
+class Sampler {
+  public:
+    explicit Sampler(const SamplingParams & params);
+
+    // The distribution the next token is drawn from; `history` holds prompt + generated tokens.
+    // For greedy params it is one-hot on the argmax.
+    void distribution(const float * logits, int64_t n_vocab, const std::vector<int32_t> & history,
+                      Distribution & out);
+    int32_t draw(const Distribution & d);
+    int32_t sample(const float * logits, int64_t n_vocab, const std::vector<int32_t> & history);
+
+    const SamplingParams & params() const { return params_; }
+
+  private:
+    void apply_penalties(std::vector<float> & logits, const std::vector<int32_t> & history) const;
+
+    SamplingParams params_;
+    std::mt19937_64 rng_;
+    std::vector<float> scratch_;
+    Distribution dist_;
+};
+
+}  // namespace deltaspec

@@ -1,0 +1,204 @@
+"""Text generation on top of the engine's C++ decode loop: results, streaming, stop strings, cancel."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from .sampling import SamplingOptions
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode speed: generated tokens after the first (which comes from the prefill) per second."""
+        n = self.generated_tokens - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]        # every generated token, including a final end-of-generation token
+    text: str                # the generated text, cut before a stop string, without the EOG token
+    finish_reason: str       # "stop" | "length" | "cancelled"
+    stats: GenerationStats
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingOptions
+    stop: list[str] = field(default_factory=list)
+
+
+def validate_stop(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else list(stop)
+    for i, s in enumerate(items):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
+    return items
+
+
+def _held_back(data: bytes, stops: list[bytes]) -> int:
+    """How many trailing bytes to withhold: the longest suffix that begins some stop string, then
+    enough more that the emitted part never ends inside a UTF-8 character."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(data)), hold, -1):
+            if data.endswith(s[:n]):
+                hold = n
+                break
+    end = len(data) - hold
+    # back off over continuation bytes to the start of an incomplete character
+    i = end
+    while i > 0 and end - i < 4 and (data[i - 1] & 0xC0) == 0x80:
+        i -= 1
+    if i > 0 and data[i - 1] >= 0xC0:
+        need = 2 if data[i - 1] < 0xE0 else 3 if data[i - 1] < 0xF0 else 4
+        if end - (i - 1) < need:
+            end = i - 1
+    return len(data) - end
+
+
+class Generator:
+    """Runs one request on a model's engine in a worker thread, so that the caller's thread can
+    take KeyboardInterrupt (and streaming consumers can stop early) while C++ computes."""
+
+    def __init__(self, model, request: _Request):
+        self._model = model
+        self._req = request
+        self._tokens: queue.Queue = queue.Queue()
+        self._outcome: dict | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        # Set by the worker when it is done. Waiting on this rather than Thread.join(): a join
+        # interrupted by KeyboardInterrupt leaves CPython's thread marked finished while it runs.
+        self._done = threading.Event()
+        self._final_bytes = b""
+        self.final: GenerationResult | None = None  # set once a stream is exhausted
+
+    def _run(self, streaming: bool) -> None:
+        engine = self._model._live()
+        callback = (lambda t: self._tokens.put(t) or True) if streaming else None
+        try:
+            self._outcome = engine.generate(self._req.prompt, self._req.max_tokens, self._req.sampling.native(),
+                                            sorted(self._model.tokenizer.eog_ids),
+                                            [s.encode() for s in self._req.stop], callback)
+        except BaseException as e:  # handed to the caller's thread
+            self._error = e
+        finally:
+            self._model._busy.release()
+            self._done.set()
+            self._tokens.put(None)
+
+    def _start(self, streaming: bool) -> None:
+        if not self._model._busy.acquire(blocking=False):
+            raise RuntimeError("this model is already generating (one request at a time per Model)")
+        try:
+            self._model._live().clear_cancel()
+            self._thread = threading.Thread(target=self._run, args=(streaming,), daemon=True)
+            self._thread.start()
+        except BaseException:
+            if self._thread is None or self._thread.ident is None:
+                self._model._busy.release()  # the worker, which releases it, never started
+            raise
+
+    def _stop(self) -> None:
+        """Cancel the C++ loop and wait for the worker (it releases the model)."""
+        if self._thread is not None and self._thread.ident is not None:
+            self._model._live().cancel()
+            self._done.wait()
+
+    def _wait(self) -> None:
+        while not self._done.wait(0.05):
+            pass
+        if self._error is not None:
+            raise self._error
+
+    def result(self) -> GenerationResult:
+        try:
+            self._start(streaming=False)
+            self._wait()
+        except BaseException:  # KeyboardInterrupt: stop the loop, then let the interrupt through
+            self._stop()
+            raise
+        return self._finish()
+
+    def stream(self) -> Iterator[str]:
+        self._start(streaming=True)
+        tok = self._model.tokenizer
+        stops = [s.encode() for s in self._req.stop]
+        data = b""
+        emitted = 0
+        try:
+            while (token := self._tokens.get()) is not None:
+                if tok.is_eog(token):
+                    continue
+                data += tok.token_to_piece(token)
+                end = len(data) - _held_back(data, stops)
+                # the token completing a stop string reaches us before the loop reports the stop
+                cuts = [at for at in (data.find(s) for s in stops) if at >= 0]
+                end = min([end, *cuts])
+                if end > emitted:
+                    yield data[emitted:end].decode("utf-8", errors="replace")
+                    emitted = end
+        except BaseException:  # the consumer stopped iterating (or was interrupted): cancel cleanly
+            self._stop()
+            raise
+        self._wait()
+        self.final = self._finish()
+        rest = self._final_bytes[emitted:]
+        if rest:
+            yield rest.decode("utf-8", errors="replace")
+
+    def _finish(self) -> GenerationResult:
+        out = self._outcome
+        tokens = list(out["tokens"])
+        tok = self._model.tokenizer
+        body = tokens[:-1] if tokens and tok.is_eog(tokens[-1]) else tokens
+        data = tok.decode_bytes(body)
+        if out["stop_offset"] >= 0:
+            data = data[:out["stop_offset"]]
+        self._final_bytes = data
+        stats = GenerationStats(prompt_tokens=len(self._req.prompt), generated_tokens=len(tokens),
+                                prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"])
+        return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats)
+
+
+class TextStream:
+    """Iterator of generated text pieces; `result` holds the GenerationResult once exhausted.
+    Closing it (or breaking out of a for loop over it) cancels the generation cleanly."""
+
+    def __init__(self, generator: Generator):
+        self._generator = generator
+        self._pieces = generator.stream()
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        self._pieces.close()
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._generator.final

@@ -1,0 +1,132 @@
+"""KV-cache element types: names, sizes, and which (K, V) pairs each device runs.
+
+Only the full-attention layers of a qwen35 model have a KV cache; the Gated DeltaNet layers keep a
+fixed-size F32 recurrent state that no cache type changes (spec §7.1). The names are llama.cpp's
+`-ctk/-ctv` values. Typical use before building an engine:
+
+    validate_cache_types(type_k, type_v, device, hparams.head_dim)   # ValueError on a bad choice
+    per_token = kv_bytes_per_token(hparams, type_k, type_v)
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+# llama.cpp `common/arg.cpp kv_cache_types`, in its order. The native engine parses the same names.
+CACHE_TYPES: dict[str, T] = {
+    "f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1,
+    "iq4_nl": T.IQ4_NL, "q5_0": T.Q5_0, "q5_1": T.Q5_1,
+}
+DEFAULT_CACHE_TYPE = "f16"
+DEVICES = ("cpu", "cuda")
+
+# CUDA flash attention (`ggml_cuda_fattn_kv_type_supported`, spec §6.3) accepts these for K and V,
+# in any combination; IQ4_NL has no CUDA FA path (ggml would run the op on the CPU instead).
+_CUDA_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+# Which CUDA pairs are fast. Batches (prefill, speculative verification of several tokens) use the
+# tensor-core MMA kernel, which converts any quantized K/V to F16 in a temporary buffer: every pair
+# above works there. Single-token decode uses the vector kernel, which exists only for the pairs
+# compiled in by GGML_CUDA_FA_QUANTS; ggml's default is the four below (deltaspec's CMakeLists does
+# not change it). Any other pair still runs but ggml logs a warning and converts K and V to F16
+# first: slow, and no memory saved during the step. F32 K/V are always cast (never a vec pair).
+# GGML_CUDA_FA_QUANTS=all compiles all 49 pairs of {f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1}.
+CUDA_VEC_PAIRS_DEFAULT: frozenset[tuple[str, str]] = frozenset(
+    {("q4_0", "q4_0"), ("q8_0", "q8_0"), ("f16", "f16"), ("bf16", "bf16")})
+
+
+class _KVHParams(Protocol):
+    """What the size functions read; `deltaspec.qwen35.Qwen35HParams` has it."""
+    n_head_kv: int
+    head_dim: int
+
+    @property
+    def n_attention_layers(self) -> int: ...
+
+
+def ggml_type(name: str) -> T:
+    """The ggml type id of cache type `name` (e.g. "q8_0" -> GGMLQuantizationType.Q8_0)."""
+    return CACHE_TYPES[_known(name, "type")]
+
+
+def block_size(name: str) -> int:
+    """Elements per quantization block (1 for f32/f16/bf16, 32 for the q*/iq4_nl types)."""
+    return GGML_QUANT_SIZES[ggml_type(name)][0]
+
+
+def bytes_per_element(name: str) -> float:
+    """Average bytes per cached element, block scales included (q8_0: 34/32 = 1.0625)."""
+    blck, size = GGML_QUANT_SIZES[ggml_type(name)]
+    return size / blck
+
+
+def kv_bytes_per_token(hparams: _KVHParams, type_k: str = DEFAULT_CACHE_TYPE,
+                       type_v: str = DEFAULT_CACHE_TYPE) -> int:
+    """Bytes the KV cache grows by per token: every full-attention layer stores n_head_kv * head_dim
+    elements for K and as many for V (recurrent layers add nothing per token).
+
+    Exact, not averaged: each head's row is whole blocks, so the block size must divide head_dim
+    (ValueError otherwise, as `validate_cache_types`).
+    """
+    per_layer = 0
+    for param, name in (("type_k", type_k), ("type_v", type_v)):
+        _known(name, param)
+        _check_block(param, name, hparams.head_dim)
+        blck, size = GGML_QUANT_SIZES[CACHE_TYPES[name]]
+        per_layer += hparams.n_head_kv * (hparams.head_dim // blck) * size
+    return hparams.n_attention_layers * per_layer
+
+
+def kv_cache_bytes(hparams: _KVHParams, n_ctx: int, type_k: str = DEFAULT_CACHE_TYPE,
+                   type_v: str = DEFAULT_CACHE_TYPE) -> int:
+    """Bytes of a KV cache holding n_ctx tokens (the engine may pad n_ctx up; pass the padded value)."""
+    return n_ctx * kv_bytes_per_token(hparams, type_k, type_v)
+
+
+def supported_types(device: str) -> tuple[str, ...]:
+    """Cache type names usable for K or V on `device` ("cpu" or "cuda")."""
+    if device == "cpu":
+        # ggml's CPU flash attention takes any K type with vec_dot and any V type with to_float.
+        return tuple(CACHE_TYPES)
+    if device == "cuda":
+        return _CUDA_TYPES
+    raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+
+
+def supported_pairs(device: str) -> frozenset[tuple[str, str]]:
+    """All (type_k, type_v) pairs that run on `device`: 81 on the CPU, 64 on CUDA.
+
+    On CUDA only `CUDA_VEC_PAIRS_DEFAULT` are fast for single-token decode; see the comment there.
+    """
+    types = supported_types(device)
+    return frozenset((k, v) for k in types for v in types)
+
+
+def validate_cache_types(type_k: str, type_v: str, device: str = "cpu", head_dim: int | None = None) -> None:
+    """Raise ValueError unless (type_k, type_v) runs on `device` and (when given) head_dim is a
+    whole number of blocks of each type (llama.cpp refuses the same, src/llama-context.cpp)."""
+    types = supported_types(device)  # also rejects an unknown device
+    for param, name in (("type_k", type_k), ("type_v", type_v)):
+        _known(name, param)
+        if name not in types:
+            raise ValueError(f"{param}={name!r} is not supported on {device} "
+                             f"(supported on {device}: {', '.join(types)})")
+        if head_dim is not None:
+            _check_block(param, name, head_dim)
+
+
+def _known(name: str, param: str) -> str:
+    if not isinstance(name, str) or name not in CACHE_TYPES:
+        raise ValueError(f"{param}={name!r} is not a KV cache type (supported: {', '.join(CACHE_TYPES)})")
+    return name
+
+
+def _check_block(param: str, name: str, head_dim: int) -> None:
+    blck = GGML_QUANT_SIZES[CACHE_TYPES[name]][0]
+    if head_dim % blck:
+        fits = [n for n, t in CACHE_TYPES.items() if head_dim % GGML_QUANT_SIZES[t][0] == 0]
+        raise ValueError(f"{param}={name!r}: its block of {blck} elements does not divide the head dim "
+                         f"{head_dim} (types that fit: {', '.join(fits)})")

@@ -1,0 +1,207 @@
+"""A tiny random qwen35 GGUF with a tiny byte-level vocabulary, written with numpy + gguf only.
+
+The tiny HF checkpoints of `tiny_models` keep the real 248k vocabulary (for the converter), which
+makes every load and every softmax expensive. This model has ~265 tokens: the 256 bytes (id == byte
+value, texts in GPT-2's byte-to-unicode form), a few BPE merges, and the control tokens
+`<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (eos). It loads in milliseconds, a token costs well
+under a millisecond on a CPU, and a full next-token distribution fits in a chi-square test.
+
+Weights are scaled so the next-token softmax is peaked but not one-hot (entropy of a few bits, see
+`DEFAULT_LOGIT_STD`) and changes with the context, which is what statistical sampling tests need.
+
+    path = tiny_vocab_model_path()            # written once per process, in a temp folder
+    model = deltaspec.Model(path, n_ctx=512)
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, fields, replace
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+
+from ..tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, byte_to_unicode
+
+# BPE merges as byte pairs, in rank order; each adds the concatenation as a token after the bytes.
+MERGE_PAIRS: tuple[tuple[bytes, bytes], ...] = (
+    (b" ", b"t"), (b"h", b"e"), (b"i", b"n"), (b" t", b"he"), (b"e", b"r"), (b"a", b"n"),
+)
+CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TEXT = "<|im_end|>"  # as Qwen instruct checkpoints; <|endoftext|> is the pad (both end generation)
+MIN_VOCAB = 256 + len(MERGE_PAIRS) + len(CONTROL_TOKENS)
+
+# Std of the logits at the LM head (the final RMSNorm makes the hidden state unit-RMS). With ~265
+# Gaussian logits of std 2.5 the first-step softmax has an entropy of ~4 bits and a top
+# probability of ~0.1-0.3: every token has a measurable, non-negligible probability mass.
+DEFAULT_LOGIT_STD = 2.5
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    """Model dimensions. Every value is legal for ggml's CPU and CUDA kernels: head_dim 64 (CUDA
+    flash attention and its vector kernel need D % 64 == 0), DeltaNet S = 32, and conv channels
+    C = (2*Hk + Hv) * S = 128."""
+    n_embd: int = 64
+    n_layer: int = 4               # with full_attention_interval 4: layers 0-2 DeltaNet, 3 attention
+    full_attention_interval: int = 4
+    n_ff: int = 128
+    n_head: int = 2
+    n_head_kv: int = 1
+    head_dim: int = 64
+    ssm_state: int = 32
+    ssm_k_heads: int = 1
+    ssm_v_heads: int = 2
+    conv_kernel: int = 4
+    n_ctx_train: int = 4096
+    logit_std: float = DEFAULT_LOGIT_STD
+
+    @property
+    def n_rot(self) -> int:
+        return self.head_dim // 4  # Qwen3.5's partial_rotary_factor 0.25
+
+    @property
+    def rope_sections(self) -> list[int]:
+        # as the converter writes them; they must sum to n_rot / 2
+        half = self.n_rot // 2
+        return [half - 2 * (half // 3), half // 3, half // 3, 0]
+
+    @property
+    def conv_channels(self) -> int:
+        return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_state
+
+
+def tiny_vocab(n_vocab: int = MIN_VOCAB) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) for `tokenizer.ggml.*`: bytes, merge results, control tokens,
+    then `[PADi]` rows of type UNUSED up to n_vocab (as Qwen pads its vocabulary)."""
+    if n_vocab < MIN_VOCAB:
+        raise ValueError(f"n_vocab must be at least {MIN_VOCAB} (bytes + merges + control tokens), got {n_vocab}")
+    b2u = byte_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(b2u[x] for x in b)
+
+    tokens = [b2u[b] for b in range(256)]
+    merges = [f"{text(a)} {text(b)}" for a, b in MERGE_PAIRS]
+    tokens += [text(a + b) for a, b in MERGE_PAIRS]
+    types = [TOKEN_NORMAL] * len(tokens)
+    tokens += list(CONTROL_TOKENS)
+    types += [TOKEN_CONTROL] * len(CONTROL_TOKENS)
+    n_pad = n_vocab - len(tokens)
+    tokens += [f"[PAD{i}]" for i in range(n_pad)]
+    types += [TOKEN_UNUSED] * n_pad
+    return tokens, types, merges
+
+
+def _weights(sh: TinyShape, n_vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """name -> float32 array in numpy order (ggml shape reversed). Scales follow `tiny_models`:
+    matrices N(0, 1/fan_in) so every sub-layer outputs ~unit variance, norms 1 + N(0, 0.1) (the
+    converter bakes Qwen's +1 into them), mild DeltaNet decays so the state carries context."""
+    E, F, D, H, Hkv = sh.n_embd, sh.n_ff, sh.head_dim, sh.n_head, sh.n_head_kv
+    S, Hk, Hv, C = sh.ssm_state, sh.ssm_k_heads, sh.ssm_v_heads, sh.conv_channels
+
+    def mat(n_out: int, n_in: int) -> np.ndarray:
+        return rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)
+
+    def norm(n: int) -> np.ndarray:
+        return 1.0 + 0.1 * rng.standard_normal(n)
+
+    w = {
+        # unit-variance embeddings: the token itself stays visible next to the sub-layer outputs
+        "token_embd.weight": rng.standard_normal((n_vocab, E)),
+        "output_norm.weight": norm(E),
+        "output.weight": rng.standard_normal((n_vocab, E)) * (sh.logit_std / np.sqrt(E)),
+    }
+    for i in range(sh.n_layer):
+        b = f"blk.{i}."
+        w |= {b + "attn_norm.weight": norm(E), b + "post_attention_norm.weight": norm(E),
+              b + "ffn_gate.weight": mat(F, E), b + "ffn_up.weight": mat(F, E), b + "ffn_down.weight": mat(E, F)}
+        if (i + 1) % sh.full_attention_interval:  # Gated DeltaNet layer
+            w |= {b + "attn_qkv.weight": mat(C, E), b + "attn_gate.weight": mat(Hv * S, E),
+                  b + "ssm_beta.weight": mat(Hv, E), b + "ssm_alpha.weight": mat(Hv, E),
+                  b + "ssm_dt.bias": rng.normal(-1.0, 0.5, Hv),         # softplus(dt) ~ 0.3
+                  b + "ssm_a": -rng.uniform(0.02, 0.5, Hv),             # -A: decay 0.85..0.99 a step
+                  b + "ssm_conv1d.weight": rng.standard_normal((C, sh.conv_kernel)) / np.sqrt(sh.conv_kernel),
+                  b + "ssm_norm.weight": norm(S),                       # plain weight, no +1 in Qwen
+                  b + "ssm_out.weight": mat(E, Hv * S)}
+        else:  # gated full attention
+            w |= {b + "attn_q.weight": mat(2 * H * D, E), b + "attn_k.weight": mat(Hkv * D, E),
+                  b + "attn_v.weight": mat(Hkv * D, E), b + "attn_output.weight": mat(E, H * D),
+                  b + "attn_q_norm.weight": norm(D), b + "attn_k_norm.weight": norm(D)}
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int = 0, **shape) -> Path:
+    """Write the tiny-vocabulary qwen35 GGUF (all tensors F32) to `path` and return it.
+
+    `shape` overrides fields of `TinyShape` (n_embd, n_layer, head_dim, logit_std, ...). The same
+    (n_vocab, seed, shape) always gives the same bytes.
+    """
+    sh = replace(TinyShape(), **shape)  # TypeError names an unknown field
+    tokens, types, merges = tiny_vocab(n_vocab)
+    weights = _weights(sh, n_vocab, np.random.default_rng(seed))
+    path = Path(path)
+    w = GGUFWriter(str(path), "qwen35")
+    w.add_name("deltaspec-tiny-vocab")
+    for key, value in {"context_length": sh.n_ctx_train, "embedding_length": sh.n_embd,
+                       "block_count": sh.n_layer, "feed_forward_length": sh.n_ff,
+                       "attention.head_count": sh.n_head, "attention.head_count_kv": sh.n_head_kv,
+                       "attention.key_length": sh.head_dim, "attention.value_length": sh.head_dim,
+                       "rope.dimension_count": sh.n_rot, "full_attention_interval": sh.full_attention_interval,
+                       "ssm.conv_kernel": sh.conv_kernel, "ssm.state_size": sh.ssm_state,
+                       "ssm.group_count": sh.ssm_k_heads, "ssm.time_step_rank": sh.ssm_v_heads,
+                       "ssm.inner_size": sh.ssm_v_heads * sh.ssm_state}.items():
+        w.add_uint32(f"qwen35.{key}", value)
+    w.add_float32("qwen35.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32("qwen35.rope.freq_base", 1e7)
+    w.add_array("qwen35.rope.dimension_sections", sh.rope_sections)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokens.index(EOS_TEXT))
+    w.add_pad_token_id(tokens.index("<|endoftext|>"))
+    w.add_add_bos_token(False)
+    for name, x in weights.items():
+        w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+_tmp_dir: Path | None = None
+
+
+def _process_dir() -> Path:
+    """A temp folder private to this process, removed at exit (so no stale file outlives a code change)."""
+    global _tmp_dir
+    if _tmp_dir is None:
+        _tmp_dir = Path(tempfile.mkdtemp(prefix="deltaspec-tiny-vocab-"))
+        atexit.register(shutil.rmtree, _tmp_dir, ignore_errors=True)
+    return _tmp_dir
+
+
+@lru_cache(maxsize=None)
+def _cached(n_vocab: int, seed: int, shape_items: tuple) -> Path:
+    sh = replace(TinyShape(), **dict(shape_items))
+    # every parameter in the file name: distinct models never collide within the folder
+    tag = "-".join(f"{v}" for v in asdict(sh).values())
+    return write_tiny_vocab_model(_process_dir() / f"tiny-vocab-{n_vocab}-{seed}-{tag}.gguf", n_vocab, seed,
+                                  **dict(shape_items))
+
+
+def tiny_vocab_model_path(n_vocab: int = MIN_VOCAB, seed: int = 0, **shape) -> Path:
+    """Path of `write_tiny_vocab_model(..., n_vocab, seed, **shape)`, written once per process into a
+    temp folder of its own; later calls with the same arguments return the same file."""
+    known = {f.name for f in fields(TinyShape)}
+    unknown = sorted(set(shape) - known)
+    if unknown:
+        raise TypeError(f"unknown shape parameter(s) {unknown}; have {sorted(known)}")
+    return _cached(int(n_vocab), int(seed), tuple(sorted(shape.items())))

@@ -1,0 +1,219 @@
+"""KV-cache types: the size/validation table of `deltaspec.kv_cache`, and the engine run with every
+cache type on the CPU against an F32 cache.
+
+Model: tiny `attn2_d32_untied` (2 full-attention layers, 1 KV head, head dim 32, real 248k vocab)
+converted to F32. Prompt: 100 fixed pseudo-random token ids, then 16 greedy tokens. Each (K, V) pair
+is compared with the f32/f32 cache on the prompt's logits (all 100 positions), and its greedy
+continuation with the f16/f16 cache's (the default).
+
+Pairs: all 9 same-type pairs plus 5 mixed ones, not all 81. ggml's CPU flash attention treats K
+and V independently (K through the vec_dot of its type, V through its to_float), so the same-type
+pairs already run every K kernel and every V kernel; the mixed pairs check that a K and a V of
+different types (block sizes, float vs quantized, iq4_nl's lookup table) meet correctly in one op.
+The cache type is fixed when a Model is built, so each pair costs a model load (~1.2 s, mostly
+the 248k-token vocabulary) plus ~0.6 s of compute: 81 pairs would take minutes.
+
+Measured (n_threads=1; std = std of the f32-cache logits = 3.05; "greedy" = tokens equal to the
+f16 cache's before the first difference; tolerances below are ~2.5x these per type, a pair gets
+the looser of its K and V type's):
+
+    K       V        max|diff|  max/std   rms/std   argmax   greedy
+    f16     f16      0.00318    0.00104   6.9e-05   1.00     16
+    bf16    bf16     0.0261     0.00854   6.2e-04   1.00     16
+    q8_0    q8_0     0.0823     0.0270    0.00207   0.99     16
+    q5_0    q5_0     0.440      0.144     0.0125    0.99     16
+    q5_1    q5_1     0.414      0.136     0.0112    0.96     16
+    q4_0    q4_0     0.826      0.271     0.0242    0.97     16
+    q4_1    q4_1     1.05       0.345     0.0224    0.96     16
+    iq4_nl  iq4_nl   1.11       0.365     0.0241    0.94     16
+    q8_0    q4_0     0.907      0.297     0.0205    0.95     16
+    q4_0    f16      0.452      0.148     0.0143    0.99     16
+    bf16    q8_0     0.0726     0.0238    0.00144   1.00     16
+    iq4_nl  q5_1     0.557      0.182     0.0154    0.96     16
+    f32     q4_1     0.970      0.318     0.0188    0.96      5
+
+(f32/f32 is the reference itself: 0.) For scale: changing only the prompt's first token moves the
+later positions' logits by max/std 7.5, rms/std 0.51, so a cache that loses or garbles context
+fails these tolerances by an order of magnitude.
+"""
+
+import numpy as np
+import pytest
+
+from deltaspec import Model
+from deltaspec.convert import convert_hf_to_gguf
+from deltaspec.kv_cache import (CACHE_TYPES, CUDA_VEC_PAIRS_DEFAULT, block_size, bytes_per_element, ggml_type,
+                                kv_bytes_per_token, kv_cache_bytes, supported_pairs, supported_types,
+                                validate_cache_types)
+from deltaspec.qwen35 import Qwen35HParams
+from deltaspec.testing.tiny_models import tiny_model_dir
+
+PROMPT = np.random.default_rng(0).integers(0, 248000, size=100).tolist()
+N_GEN = 16
+# One thread: with two, ggml's workers spin-wait for each other, and on a busy 2-core machine a
+# 16-token decode then took 1-6 s of CPU instead of 0.05 s.
+N_THREADS = 1
+
+SAME_PAIRS = [(t, t) for t in CACHE_TYPES]
+# llama.cpp's popular q8_0/q4_0; quantized K with float V and the reverse (f32 K: no vec_dot
+# conversion of Q); two quantized types of different layouts (iq4_nl's table lookup with q5_1).
+MIXED_PAIRS = [("q8_0", "q4_0"), ("q4_0", "f16"), ("f32", "q4_1"), ("bf16", "q8_0"), ("iq4_nl", "q5_1")]
+
+# Per cache type: (max|diff| / std, rms diff / std, greedy tokens that must equal the f16 cache's).
+# ~2.5x the measured errors of the docstring table; greedy: all 16 for 8+ bit types, at least the
+# first few where 4-5 bit noise can flip a near-tie (measured: the first flip at token 6).
+TOLERANCE = {
+    "f32": (1e-6, 1e-7, N_GEN),
+    "f16": (0.0025, 2e-4, N_GEN),
+    "bf16": (0.02, 0.0015, N_GEN),
+    "q8_0": (0.07, 0.005, N_GEN),
+    "q5_0": (0.35, 0.03, 8),
+    "q5_1": (0.35, 0.03, 8),
+    "q4_0": (0.7, 0.06, 4),
+    "q4_1": (0.85, 0.06, 4),
+    "iq4_nl": (0.95, 0.06, 4),
+}
+
+
+def _pair_tolerance(k: str, v: str) -> tuple[float, float, int]:
+    tk, tv = TOLERANCE[k], TOLERANCE[v]
+    return max(tk[0], tv[0]), max(tk[1], tv[1]), min(tk[2], tv[2])
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kvtypes") / "attn2_d32_untied-f32.gguf"
+    convert_hf_to_gguf(tiny_model_dir("attn2_d32_untied"), path, outtype="f32")
+    return path
+
+
+def _run(path, type_k: str, type_v: str) -> tuple[np.ndarray, list[int]]:
+    """Logits of PROMPT (all positions) and the greedy continuation, with the given cache types."""
+    with Model(path, n_ctx=256, n_threads=N_THREADS, type_k=type_k, type_v=type_v) as m:
+        logits = m.logits(PROMPT)
+        last, greedy = logits[-1], []
+        for _ in range(N_GEN):
+            greedy.append(int(last.argmax()))
+            last = m.eval([greedy[-1]])[-1]
+    return logits, greedy
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path):
+    """(f32-cache logits, f16-cache greedy tokens, {pair: run} of those two runs for reuse)."""
+    runs = {("f32", "f32"): _run(gguf_path, "f32", "f32"), ("f16", "f16"): _run(gguf_path, "f16", "f16")}
+    return runs["f32", "f32"][0], runs["f16", "f16"][1], runs
+
+
+@pytest.mark.parametrize("type_k,type_v", SAME_PAIRS + MIXED_PAIRS, ids=lambda t: t)
+def test_cache_type_matches_f32_cache(gguf_path, reference, type_k, type_v):
+    ref_logits, f16_greedy, runs = reference
+    # each load costs ~1.5 s, so the two reference runs are not repeated
+    logits, greedy = runs.get((type_k, type_v)) or _run(gguf_path, type_k, type_v)
+    std = float(ref_logits.std())
+    diff = np.abs(np.subtract(logits, ref_logits))  # 100 x 248k floats: float32, no extra copies
+    max_rel = float(diff.max()) / std
+    flat = diff.ravel()
+    rms_rel = float(np.sqrt(np.dot(flat, flat) / flat.size)) / std
+    tol_max, tol_rms, n_greedy = _pair_tolerance(type_k, type_v)
+    assert max_rel <= tol_max, f"{type_k}/{type_v}: max |diff| {max_rel:.3g} of the logit std (tolerance {tol_max})"
+    assert rms_rel <= tol_rms, f"{type_k}/{type_v}: rms diff {rms_rel:.3g} of the logit std (tolerance {tol_rms})"
+    assert greedy[:n_greedy] == f16_greedy[:n_greedy], (
+        f"{type_k}/{type_v}: greedy {greedy} vs f16 cache {f16_greedy} (first {n_greedy} must agree)")
+
+
+# --- the table: sizes --------------------------------------------------------------------------------
+
+def _hparams(n_layer: int, n_head_kv: int, head_dim: int, interval: int = 4) -> Qwen35HParams:
+    """Only the fields kv_cache reads matter; layers (i+1) % interval == 0 are full attention."""
+    return Qwen35HParams(n_vocab=1, n_embd=1, n_layer=n_layer, n_layer_nextn=0, n_ctx_train=1, rms_eps=1e-6,
+                         n_head=n_head_kv, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=2, rope_freq_base=1e7,
+                         rope_sections=[1, 0, 0, 0], ssm_conv_kernel=4, ssm_state_size=1, ssm_n_k_heads=1,
+                         ssm_n_v_heads=1, recurrent=[(i + 1) % interval != 0 for i in range(n_layer)])
+
+
+QWEN35_27B = _hparams(64, 4, 256)   # 16 attention layers, K or V row per layer = 4*256 = 1024 elements
+QWEN35_08B = _hparams(24, 2, 256)   # 6 attention layers, 512 elements
+TINY_ATTN2 = _hparams(8, 1, 32)     # the model above: 2 attention layers, 32 elements
+
+
+@pytest.mark.parametrize("hp,type_k,type_v,expected", [
+    # 27B, by hand: 16 layers * 1024 elements * bytes/element, once for K and once for V
+    (QWEN35_27B, "f16", "f16", 64 * 1024),               # 16*1024*2*2
+    (QWEN35_27B, "f32", "f32", 128 * 1024),              # 16*1024*4*2
+    (QWEN35_27B, "bf16", "bf16", 64 * 1024),
+    (QWEN35_27B, "q8_0", "q8_0", 34 * 1024),             # 1024/32 blocks * 34 B = 1088 per layer
+    (QWEN35_27B, "q4_0", "q4_0", 18 * 1024),             # 32 blocks * 18 B = 576
+    (QWEN35_27B, "iq4_nl", "iq4_nl", 18 * 1024),         # same block layout as q4_0
+    (QWEN35_27B, "q4_1", "q4_1", 20 * 1024),             # 32 * 20 = 640
+    (QWEN35_27B, "q5_0", "q5_0", 22 * 1024),             # 32 * 22 = 704
+    (QWEN35_27B, "q5_1", "q5_1", 24 * 1024),             # 32 * 24 = 768
+    (QWEN35_27B, "q8_0", "q4_0", 16 * (1088 + 576)),     # 26 KiB
+    (QWEN35_27B, "f16", "q8_0", 16 * (2048 + 1088)),     # 49 KiB
+    (QWEN35_08B, "f16", "f16", 6 * 512 * 2 * 2),         # 12 KiB
+    (TINY_ATTN2, "f16", "f16", 2 * 32 * 2 * 2),          # 256 B
+    (TINY_ATTN2, "q8_0", "f32", 2 * (34 + 128)),
+])
+def test_kv_bytes_per_token(hp, type_k, type_v, expected):
+    assert kv_bytes_per_token(hp, type_k, type_v) == expected
+
+
+def test_kv_cache_bytes_scales_with_context():
+    assert kv_cache_bytes(QWEN35_27B, 4096) == 4096 * 64 * 1024  # 256 MiB at the f16 default
+
+
+@pytest.mark.parametrize("name,blck,bpe,type_id", [
+    ("f32", 1, 4.0, 0), ("f16", 1, 2.0, 1), ("bf16", 1, 2.0, 30), ("q8_0", 32, 34 / 32, 8),
+    ("q4_0", 32, 18 / 32, 2), ("q4_1", 32, 20 / 32, 3), ("q5_0", 32, 22 / 32, 6), ("q5_1", 32, 24 / 32, 7),
+    ("iq4_nl", 32, 18 / 32, 20),
+])
+def test_type_table(name, blck, bpe, type_id):
+    assert block_size(name) == blck
+    assert bytes_per_element(name) == pytest.approx(bpe)
+    assert int(ggml_type(name)) == type_id
+
+
+# --- the table: devices and validation ------------------------------------------------------------
+
+def test_supported_pairs():
+    assert len(supported_pairs("cpu")) == 81
+    cuda = supported_pairs("cuda")
+    assert len(cuda) == 64 and not any("iq4_nl" in p for p in cuda)
+    assert CUDA_VEC_PAIRS_DEFAULT <= cuda
+    assert set(supported_types("cuda")) == set(CACHE_TYPES) - {"iq4_nl"}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_validate_accepts_supported(device):
+    for k, v in supported_pairs(device):
+        validate_cache_types(k, v, device, head_dim=256)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("q8", "f16", "cpu"), r"type_k='q8' is not a KV cache type \(supported: f32, f16, bf16, q8_0, q4_0, "
+                           r"q4_1, iq4_nl, q5_0, q5_1\)"),
+    (("f16", "Q8_0", "cpu"), r"type_v='Q8_0' is not a KV cache type"),
+    (("f16", None, "cpu"), r"type_v=None is not a KV cache type"),
+    (("f16", "iq4_nl", "cuda"), r"type_v='iq4_nl' is not supported on cuda \(supported on cuda: f32, f16, bf16, "
+                                r"q8_0, q4_0, q4_1, q5_0, q5_1\)"),
+    (("iq4_nl", "f16", "cuda"), r"type_k='iq4_nl' is not supported on cuda"),
+    (("f16", "f16", "metal"), r"device must be one of \('cpu', 'cuda'\), got 'metal'"),
+    (("q8_0", "f16", "cpu", 48), r"type_k='q8_0': its block of 32 elements does not divide the head dim 48 "
+                                 r"\(types that fit: f32, f16, bf16\)"),
+    (("f16", "q4_1", "cpu", 80), r"type_v='q4_1': its block of 32 elements does not divide the head dim 80"),
+])
+def test_validate_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        validate_cache_types(*args)
+
+
+def test_validate_block_size_only_checked_with_head_dim():
+    validate_cache_types("q8_0", "q4_0", "cpu")            # head_dim unknown: not checked
+    validate_cache_types("f16", "bf16", "cpu", head_dim=48)  # float types have blocks of 1
+
+
+def test_kv_bytes_per_token_rejects_partial_blocks():
+    with pytest.raises(ValueError, match=r"type_v='q4_0': its block of 32 elements does not divide the head dim 48"):
+        kv_bytes_per_token(_hparams(4, 1, 48), "f16", "q4_0")
+    with pytest.raises(ValueError, match=r"type_k='fp8'"):
+        kv_bytes_per_token(QWEN35_27B, "fp8", "f16")
