@@ -182,7 +182,8 @@ PYBIND11_MODULE(_core, m) {
 
     py::class_<Runner>(m, "Engine")
         .def(py::init([](const std::string & path, const HParams & hp, int64_t n_ctx, int64_t n_ubatch, int n_threads,
-                         const std::string & device, const std::string & type_k, const std::string & type_v) {
+                         const std::string & device, const std::string & type_k, const std::string & type_v,
+                         py::object progress) {
                  EngineOptions o;
                  o.n_ctx = n_ctx;
                  o.n_ubatch = n_ubatch;
@@ -190,13 +191,23 @@ PYBIND11_MODULE(_core, m) {
                  o.device = device;
                  o.type_k = type_k;
                  o.type_v = type_v;
+                 if (!progress.is_none()) {
+                     // Captured by reference: copies of the std::function made without the GIL must not
+                     // touch the Python object's reference count. An exception it raises aborts the load.
+                     o.progress = [&progress](size_t done, size_t total) {
+                         py::gil_scoped_acquire gil;
+                         progress(done, total);
+                     };
+                 }
                  auto r = std::make_unique<Runner>();
                  py::gil_scoped_release release;
                  r->engine = std::make_unique<Engine>(path, hp, o);
                  return r;
              }),
              py::arg("path"), py::arg("hparams"), py::arg("n_ctx"), py::arg("n_ubatch"), py::arg("n_threads"),
-             py::arg("device"), py::arg("type_k"), py::arg("type_v"))
+             py::arg("device"), py::arg("type_k"), py::arg("type_v"), py::arg("progress") = py::none(),
+             "progress: None or a callable(done_bytes, total_bytes), called with the GIL held at most ~100 "
+             "times while the weights are copied to the device, last with done == total.")
         .def("eval", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
                         const std::string & logits) { return eval(*r.engine, tokens, logits); },
              py::arg("tokens"), py::arg("logits") = "last",

@@ -54,6 +54,7 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
                                         " does not divide the head dim " + std::to_string(hp.head_dim));
         }
     }
+    opts_.progress = nullptr;  // only the load uses it; keep no reference to the caller's callback
     try {
         backend_ = init_backend(opts.device);
         backend_name_ = ggml_backend_name(backend_);
@@ -64,7 +65,7 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
         }
         ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts.n_threads));
 
-        load_weights(weights_, path, hp_, backend_);
+        load_weights(weights_, path, hp_, backend_, opts.progress);
         allocate_state(state_, hp_, opts.n_ctx, type_k, type_v, backend_);
 
         // A layer costs well under 64 nodes; the rest covers embeddings and the head.

@@ -21,6 +21,7 @@ struct EngineOptions {
     std::string device = "cpu";   // "cpu" or "cuda"
     std::string type_k = "f16";
     std::string type_v = "f16";
+    LoadProgress progress;        // optional: hears (done_bytes, total_bytes) while weights upload
 };
 
 class Engine {

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "ggml-alloc.h"
@@ -80,9 +81,16 @@ class Binder {
 
     bool has(const std::string & name) const { return ggml_get_tensor(file_.meta, name.c_str()) != nullptr; }
 
-    void upload() {
+    // Copies every bound tensor's bytes; `progress` (optional) hears (done, total) in bytes, throttled
+    // to a call per 1% of the total plus the first and the last.
+    void upload(const LoadProgress & progress) {
         MappedFile map(path_);
         const size_t data_offset = gguf_get_data_offset(file_.gguf);
+        size_t total = 0;
+        for (const auto & b : bound_) total += ggml_nbytes(b.tensor);
+        constexpr size_t kSteps = 100;
+        size_t done = 0, next_report = 0;
+        if (progress) progress(0, total);
         for (const auto & [t, id] : bound_) {
             const size_t offset = data_offset + gguf_get_tensor_offset(file_.gguf, id);
             const size_t nbytes = ggml_nbytes(t);
@@ -90,7 +98,14 @@ class Binder {
                 throw std::runtime_error(path_ + ": tensor '" + ggml_get_name(t) + "' extends past the end of the file");
             }
             ggml_backend_tensor_set(t, static_cast<const char *>(map.data) + offset, 0, nbytes);
+            done += nbytes;
+            if (progress && done < total && done >= next_report) {
+                progress(done, total);
+                // the next call once at least another 1% is done
+                next_report = done + std::max<size_t>(1, total / kSteps);
+            }
         }
+        if (progress) progress(total, total);
     }
 
   private:
@@ -108,7 +123,8 @@ std::string blk(int il, const char * name) { return "blk." + std::to_string(il) 
 
 }  // namespace
 
-void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend) {
+void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend,
+                  const LoadProgress & progress) {
     GgufFile file(path);
     const int64_t n_tensors = gguf_get_n_tensors(file.gguf);
     ggml_init_params params = {ggml_tensor_overhead() * (size_t)(n_tensors + 8), nullptr, /*no_alloc =*/true};
@@ -156,7 +172,7 @@ void load_weights(ModelWeights & w, const std::string & path, const HParams & hp
     w.buffer = ggml_backend_alloc_ctx_tensors(w.ctx, backend);
     if (!w.buffer) throw std::runtime_error(path + ": cannot allocate the weight buffer (out of memory?)");
     ggml_backend_buffer_set_usage(w.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    b.upload();
+    b.upload(progress);
 }
 
 }  // namespace deltaspec

@@ -1,6 +1,8 @@
 // Model weights: tensors of a qwen35 GGUF copied into one backend buffer.
 #pragma once
 
+#include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -52,8 +54,14 @@ struct ModelWeights {
     ~ModelWeights();
 };
 
+// Called while the weights are copied into the backend buffer with the bytes done so far and the
+// total: once with (0, total) before the first tensor, then after tensors as the copy advances
+// (at most ~100 calls in all), and last with (total, total). May throw to abort the load.
+using LoadProgress = std::function<void(size_t done_bytes, size_t total_bytes)>;
+
 // Reads the tensors the graph needs from `path` into a buffer of `backend`. Throws
 // std::runtime_error naming the tensor when the file disagrees with `hp`.
-void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend);
+void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend,
+                  const LoadProgress & progress = nullptr);
 
 }  // namespace deltaspec

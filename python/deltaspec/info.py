@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .gguf_file import read_gguf
+from .kv_cache import CACHE_TYPES, block_size, kv_bytes_per_token
 from .qwen35 import check_tensors, expected_tensors, read_hparams
 
 
@@ -23,7 +24,7 @@ def describe(path: str, n_ctx: int = 4096) -> list[str]:
         mix[f.tensors[name].type.name] += f.tensors[name].n_bytes
     n_attn = hp.n_attention_layers
     n_rec = hp.n_layer - n_attn
-    kv_per_token_f16 = n_attn * 2 * hp.n_head_kv * hp.head_dim * 2
+    kv_per_token_f16 = kv_bytes_per_token(hp, "f16", "f16")
     recurrent = n_rec * (hp.ssm_state_size**2 * hp.ssm_n_v_heads + (hp.ssm_conv_kernel - 1) * hp.conv_channels) * 4
     name = f.metadata.get("general.name", "")
     lines = [
@@ -43,6 +44,11 @@ def describe(path: str, n_ctx: int = 4096) -> list[str]:
         f"KV cache (f16)  {kv_per_token_f16:,} bytes/token, {_mib(kv_per_token_f16 * n_ctx)} at n_ctx={n_ctx}",
         f"total at n_ctx={n_ctx}: {_mib(weight_bytes + recurrent + kv_per_token_f16 * n_ctx)} (f16 KV)",
     ]
+    lines.append(f"KV cache per type (K = V), at n_ctx={n_ctx}:")
+    for name in CACHE_TYPES:
+        if hp.head_dim % block_size(name) == 0:
+            per_token = kv_bytes_per_token(hp, name, name)
+            lines.append(f"  {name:<7} {per_token:>12,} bytes/token {_mib(per_token * n_ctx):>14}")
     return lines
 
 

@@ -8,11 +8,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import _core
+from . import _core, completions
 from .errors import DeltaspecError
 from .generation import Generator, GenerationResult, TextStream, _Request, validate_stop
 from .gguf_file import read_gguf
 from .qwen35 import Qwen35HParams, check_tensors, read_hparams
+from .kv_cache import validate_cache_types
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
 
@@ -62,6 +63,7 @@ class Model:
         gguf = read_gguf(self.path)
         self.hparams = read_hparams(gguf)
         check_tensors(self.hparams, gguf)
+        validate_cache_types(type_k, type_v, device, self.hparams.head_dim)
         # the vocabulary and merges stay with the tokenizer; everything else is kept as read
         self.metadata: dict[str, Any] = {k: v for k, v in gguf.metadata.items()
                                          if not (isinstance(v, list) and len(v) > SMALL_ARRAY)}
@@ -143,6 +145,20 @@ class Model:
             raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
         generator = Generator(self, _Request(ids, max_tokens, sampling, validate_stop(stop)))
         return TextStream(generator) if stream else generator.result()
+
+    def create_completion(self, prompt: str | Sequence[int], stream: bool = False, max_tokens: int | None = 16,
+                          **kwargs: Any):
+        """OpenAI-shaped completion dict (chunk dicts when streaming), as llama-cpp-python's."""
+        return completions.create_completion(self, prompt, stream=stream, max_tokens=max_tokens, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[dict], stream: bool = False, **kwargs: Any):
+        """OpenAI-shaped chat completion rendered with the GGUF's chat template; see
+        deltaspec.completions.create_chat_completion for the options (tools, enable_thinking, ...)."""
+        return completions.create_chat_completion(self, messages, stream=stream, **kwargs)
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text a chat completion would send to the model."""
+        return completions.apply_chat_template(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -35,9 +35,10 @@ CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TEXT = "<|im_end|>"  # as Qwen instruct checkpoints; <|endoftext|> is the pad (both end generation)
 MIN_VOCAB = 256 + len(MERGE_PAIRS) + len(CONTROL_TOKENS)
 
-# Std of the logits at the LM head (the final RMSNorm makes the hidden state unit-RMS). With ~265
-# Gaussian logits of std 2.5 the first-step softmax has an entropy of ~4 bits and a top
-# probability of ~0.1-0.3: every token has a measurable, non-negligible probability mass.
+# Std of the logits at the LM head (the final RMSNorm makes the hidden state unit-RMS). Measured on
+# the default model (seed 0), first-step softmax over all 265 one-token prompts: entropy median
+# 4.6 bits (10th percentile 3.0, min 0.85), top probability median 0.24 (max 0.91). The tail is
+# thin (median smallest probability ~1e-7), so chi-square tests should pool rare tokens into a bin.
 DEFAULT_LOGIT_STD = 2.5
 
 

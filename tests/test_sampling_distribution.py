@@ -1,0 +1,98 @@
+"""Sampling draws from the distribution llama.cpp's chain defines (chi-square, tiny-vocab model).
+
+For a fixed prompt the first generated token is drawn thousands of times with different seeds;
+its empirical distribution is compared with probabilities computed here, in numpy, from the
+model's logits by an independent implementation of the chain: top-k -> top-p -> min-p ->
+temperature. The last case shows the test has power: a chain with the wrong order is rejected.
+"""
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from deltaspec import Model
+from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
+
+N_SAMPLES = 3000
+PROMPT = [72, 101, 108]  # bytes of "Hel"
+
+
+def expected_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    order = np.argsort(-logits, kind="stable")
+    keep = order[:top_k] if top_k > 0 else order
+    p = np.exp(logits[keep] - logits[keep].max())
+    p /= p.sum()
+    if top_p < 1.0:
+        n = int(np.searchsorted(np.cumsum(p), top_p) + 1)
+        keep = keep[:n]
+        p = p[:n] / p[:n].sum()
+    if min_p > 0.0:
+        keep = keep[p >= min_p * p[0]]
+    q = np.exp((logits[keep] - logits[keep].max()) / temperature)
+    out = np.zeros_like(logits)
+    out[keep] = q / q.sum()
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    with Model(tiny_vocab_model_path(), n_ctx=256, n_threads=1) as m:
+        yield m
+
+
+def draw(model: Model, **params) -> np.ndarray:
+    counts = np.zeros(model.n_vocab)
+    for seed in range(N_SAMPLES):
+        token = model.generate(PROMPT, max_tokens=1, seed=seed, **params).tokens[0]
+        counts[token] += 1
+    return counts
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of counts under probs, pooling bins expected below 5 into one."""
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp).pvalue
+
+
+CASES = {
+    "plain": dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+    "hot": dict(temperature=1.7, top_k=0, top_p=1.0, min_p=0.0),
+    "cold_top_k": dict(temperature=0.7, top_k=8, top_p=1.0, min_p=0.0),
+    "top_p": dict(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0),
+    "min_p": dict(temperature=1.3, top_k=0, top_p=1.0, min_p=0.08),
+    "chain": dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_first_token_distribution(model, name):
+    params = CASES[name]
+    logits = model.logits(PROMPT)[-1]
+    probs = expected_probs(logits, **params)
+    assert (probs > 0).sum() >= 4, "the case must leave several candidates"
+    counts = draw(model, **params)
+    assert counts[probs == 0].sum() == 0, "a token outside the truncated set was drawn"
+    assert chi_square_p(counts, probs) > 1e-3
+
+
+def test_test_has_power(model):
+    """Temperature before top-p (the other common order) gives a different distribution, and the
+    same statistic rejects it."""
+    params = CASES["top_p"] | {"temperature": 1.8}
+    logits = model.logits(PROMPT)[-1]
+    counts = draw(model, **params)
+    right = expected_probs(logits, **params)
+    wrong = expected_probs(logits / params["temperature"], 1.0, params["top_k"], params["top_p"], params["min_p"])
+    assert chi_square_p(counts, right) > 1e-3
+    assert chi_square_p(counts, np.where(wrong > 0, wrong, 1e-12)) < 1e-6
+
+
+def test_greedy_is_argmax(model):
+    logits = model.logits(PROMPT)[-1]
+    assert model.generate(PROMPT, max_tokens=1, temperature=0).tokens[0] == int(np.argmax(logits))
