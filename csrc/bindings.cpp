@@ -8,6 +8,7 @@
 
 #include "engine.h"
 #include "generate.h"
+#include "ggml-backend.h"
 #include "ggml.h"
 
 namespace py = pybind11;
@@ -142,6 +143,12 @@ PYBIND11_MODULE(_core, m) {
     m.doc() = "deltaspec native engine (ggml)";
     m.attr("ggml_version") = ggml_version();
     m.attr("ggml_commit") = ggml_commit();
+
+    m.def("has_device", [](const std::string & device) {
+              if (device == "cpu") return true;
+              if (device != "cuda") throw std::invalid_argument("device must be 'cpu' or 'cuda'");
+              return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr;
+          }, py::arg("device"), "Whether this build can run on `device` here (a GPU is present and compiled in).");
 
     m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
           "Quantize float32 rows with ggml's reference quantizer; returns (rows, row_bytes) uint8.");

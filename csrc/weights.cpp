@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <stdexcept>
 
 #include "ggml-alloc.h"
@@ -88,8 +87,7 @@ class Binder {
         const size_t data_offset = gguf_get_data_offset(file_.gguf);
         size_t total = 0;
         for (const auto & b : bound_) total += ggml_nbytes(b.tensor);
-        constexpr size_t kSteps = 100;
-        size_t done = 0, next_report = 0;
+        size_t done = 0, reported_pct = 0;
         if (progress) progress(0, total);
         for (const auto & [t, id] : bound_) {
             const size_t offset = data_offset + gguf_get_tensor_offset(file_.gguf, id);
@@ -99,10 +97,11 @@ class Binder {
             }
             ggml_backend_tensor_set(t, static_cast<const char *>(map.data) + offset, 0, nbytes);
             done += nbytes;
-            if (progress && done < total && done >= next_report) {
+            // one call per whole percent crossed (1..99); 100% is the final call below
+            const size_t pct = total ? done * 100 / total : 100;
+            if (progress && pct > reported_pct && pct < 100) {
                 progress(done, total);
-                // the next call once at least another 1% is done
-                next_report = done + std::max<size_t>(1, total / kSteps);
+                reported_pct = pct;
             }
         }
         if (progress) progress(total, total);

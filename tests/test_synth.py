@@ -136,7 +136,8 @@ def test_q4_k_m_mix_27b():
     assert 16.4e9 < total < 16.7e9  # published Qwen3.5-27B Q4_K_M files are ~16.5-16.7 GB
 
 
-def test_mtp_layer():
+def test_mtp_layer(tmp_path):
+    """The MTP (NextN) layer the converter exports by default: stored after the trunk, not run."""
     plan = tensor_plan("_tiny", "q4_k_m", mtp=True)
     names = [t.name for t in plan]
     assert "blk.4.nextn.eh_proj.weight" in names and "blk.4.attn_q.weight" in names
@@ -144,6 +145,14 @@ def test_mtp_layer():
     n = {t.name: t for t in plan}
     assert n["blk.4.nextn.eh_proj.weight"].shape == (512, 256)
     assert n["blk.4.ffn_down.weight"].qtype == T.Q6_K  # last of n_layer_all = 5 ffn_down
+    path = tmp_path / "mtp.gguf"
+    write_synthetic_gguf(path, "_tiny", "q4_k_m", mtp=True, chat_template="{{ messages[0].content }}")
+    f = read_gguf(path)
+    assert f.metadata["qwen35.block_count"] == 5 and f.metadata["qwen35.nextn_predict_layers"] == 1
+    assert f.metadata["qwen35.attention.recurrent_layers"] == [True, True, True, False, False]
+    assert f.metadata["tokenizer.chat_template"] == "{{ messages[0].content }}"
+    assert [t.name for t in plan] == list(f.tensors)
+    check_logits(run_logits(path))
 
 
 def test_bad_arguments(tmp_path, capsys):

@@ -179,7 +179,10 @@ class PromptMismatch(PeerError):
 
 
 def upstream_tree() -> Path:
-    """The extracted llama.cpp tree of the pinned sdist (fetched and sha256-checked if needed)."""
+    """The extracted llama.cpp tree of the pinned sdist (fetched and sha256-checked if needed), or
+    the already extracted tree named by $DELTASPEC_GGML_SOURCE (offline machines)."""
+    if os.environ.get("DELTASPEC_GGML_SOURCE"):
+        return Path(os.environ["DELTASPEC_GGML_SOURCE"]).resolve()
     sys.path.insert(0, str(REPO / "deps"))
     try:
         import fetch_upstream  # type: ignore[import-not-found]

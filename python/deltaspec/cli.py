@@ -34,7 +34,304 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to store in the file")
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads (default: all usable CPUs)")
     p.set_defaults(run=_run_synth)
+
+    _add_run_parser(sub)
     return parser
+
+
+# --- run -------------------------------------------------------------------------------------------
+
+RUN_DESCRIPTION = """Generate text from a prompt (-p / -f), or chat (-i), with llama.cpp's flag names and defaults.
+Output streams to stdout; load progress and the timing line go to stderr. With -i, -p / -f give
+the system message; type /exit (or end the input) to quit, /clear to start over, and Ctrl-C to
+stop a reply."""
+
+# Model / generate parameter -> the flag that sets it, to name the flag in error messages
+RUN_FLAGS = {
+    "n_ctx": "-c/--ctx-size", "n_threads": "-t/--threads", "n_ubatch": "-ub/--ubatch-size",
+    "type_k": "-ctk/--cache-type-k", "type_v": "-ctv/--cache-type-v", "device": "--device",
+    "max_tokens": "-n/--n-predict", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p",
+    "min_p": "--min-p", "repeat_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty", "penalty_last_n": "--repeat-last-n", "seed": "-s/--seed",
+    "stop": "--stop",
+}
+
+
+class RunError(Exception):
+    """A bad `run` argument or input: printed as one line, exit status 2."""
+
+
+def _add_run_parser(sub) -> None:
+    p = sub.add_parser("run", help="generate text or chat with a qwen35 GGUF (llama-cli's flags)",
+                       description=RUN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = _one_line_error(p)  # type: ignore[method-assign]
+    p.add_argument("-m", "--model", required=True, metavar="FNAME", help="path to a qwen35 .gguf file")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", metavar="PROMPT", help="prompt to continue (with -i: the system message)")
+    src.add_argument("-f", "--file", metavar="FNAME", help="read the prompt from a file (one trailing newline "
+                                                           "is dropped, as llama.cpp does)")
+    p.add_argument("-i", "--interactive", action="store_true",
+                   help="chat: read user turns from stdin, render them with the GGUF's chat template")
+    p.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=-1, metavar="N",
+                   help="tokens to generate (per reply with -i); -1 = until an end token or a full context "
+                        "(default: %(default)s)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
+                   help="context size in tokens; 0 = the model's training context (default: %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: all usable CPUs)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
+                   help="largest batch of prompt tokens per graph (default: %(default)s)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
+                   help="KV cache type for K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 "
+                        "(default: %(default)s)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE",
+                   help="KV cache type for V (default: %(default)s)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: %(default)s)")
+    g = p.add_argument_group("sampling (llama.cpp's chain: penalties, top-k, top-p, min-p, temperature)")
+    g.add_argument("--temp", type=float, default=0.8, metavar="N", help="temperature; 0 = greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=40, metavar="N", help="0 = off (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.95, metavar="N", help="1.0 = off (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.05, metavar="N", help="0.0 = off (default: %(default)s)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, metavar="N", help="1.0 = off (default: %(default)s)")
+    g.add_argument("--repeat-last-n", type=int, default=64, metavar="N",
+                   help="tokens the penalties look back over; -1 = the whole context (default: %(default)s)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="N", help="(default: %(default)s)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="N", help="(default: %(default)s)")
+    g.add_argument("-s", "--seed", type=int, default=-1, metavar="N", help="-1 = random (default: %(default)s)")
+    p.add_argument("--stop", action="extend", nargs="+", default=[], metavar="STR",
+                   help="stop when the output contains STR (not printed); may be given several times")
+    p.add_argument("--no-display-prompt", action="store_true", help="do not print the prompt before the output")
+    p.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
+                   help='with -i: options for the chat template, e.g. \'{"enable_thinking": false}\' '
+                        "(enable_thinking is the one understood)")
+    p.set_defaults(run=_run_run)
+
+
+def _one_line_error(parser: argparse.ArgumentParser):
+    """argparse prints the whole usage before an error; `run` prints one line naming the flag."""
+
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
+
+    return error
+
+
+def _flag_error(e: Exception) -> RunError:
+    """A ValueError from Model / generate, prefixed with the flag whose value it is about."""
+    import re
+
+    msg = str(e)
+    for name, flag in RUN_FLAGS.items():
+        if re.search(rf"(?<![\w.-]){name}\b", msg):
+            return RunError(f"{flag}: {msg}")
+    return RunError(msg)
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    from .errors import DeltaspecError
+
+    prog = "deltaspec run"
+    try:
+        return _run(args)
+    except RunError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+    except DeltaspecError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+    except (ValueError, TypeError) as e:
+        print(f"{prog}: error: {_flag_error(e)}", file=sys.stderr)
+    except KeyboardInterrupt:  # while loading or generating without -i: stop quietly
+        print(file=sys.stderr)
+        return 130
+    return 2
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    """generate()'s keyword arguments, validated before the model loads (errors name the flag)."""
+    from .generation import validate_stop
+    from .sampling import SamplingOptions
+
+    if args.seed < -1:
+        raise RunError(f"-s/--seed: must be -1 (random) or >= 0, got {args.seed}")
+    if args.n_predict < -1 or args.n_predict == 0:
+        raise RunError(f"-n/--n-predict: must be -1 (until the context is full) or a positive number, "
+                       f"got {args.n_predict}")
+    kw = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+              repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+              frequency_penalty=args.frequency_penalty, penalty_last_n=args.repeat_last_n,
+              seed=None if args.seed == -1 else args.seed)
+    try:
+        SamplingOptions(**kw)
+        validate_stop(args.stop)
+    except ValueError as e:
+        raise _flag_error(e) from None
+    kw.update(max_tokens=None if args.n_predict == -1 else args.n_predict, stop=args.stop or None)
+    return kw
+
+
+def _read_prompt(args: argparse.Namespace) -> str | None:
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise RunError(f"-f/--file: cannot read {args.file}: {why}") from None
+        if text.endswith("\n"):
+            text = text[:-1]
+        if not text:
+            raise RunError(f"-f/--file: {args.file} is empty")
+        return text
+    if args.prompt is not None and not args.prompt:
+        raise RunError("-p/--prompt: the prompt is empty")
+    return args.prompt
+
+
+def _template_kwargs(args: argparse.Namespace) -> dict:
+    if args.chat_template_kwargs is None:
+        return {}
+    import json
+
+    try:
+        kw = json.loads(args.chat_template_kwargs)
+    except ValueError as e:
+        raise RunError(f"--chat-template-kwargs: not valid JSON ({e})") from None
+    if not isinstance(kw, dict) or set(kw) - {"enable_thinking"} or \
+            not isinstance(kw.get("enable_thinking", True), bool):
+        raise RunError('--chat-template-kwargs: expected a JSON object like {"enable_thinking": false}, '
+                       f"got {args.chat_template_kwargs}")
+    return kw
+
+
+def _model_kwargs(args: argparse.Namespace) -> dict:
+    for flag, value, lo in (("-t/--threads", args.threads, 1), ("-ub/--ubatch-size", args.ubatch_size, 1),
+                            ("-c/--ctx-size", args.ctx_size, 0)):
+        if value is not None and value < lo:
+            raise RunError(f"{flag}: must be >= {lo}, got {value}")
+    n_ctx = args.ctx_size
+    if n_ctx == 0:  # llama.cpp: 0 = the model's own context length
+        from .gguf_file import read_gguf
+        from .qwen35 import read_hparams
+
+        n_ctx = read_hparams(read_gguf(args.model)).n_ctx_train
+    return dict(n_ctx=n_ctx, n_threads=args.threads, n_ubatch=args.ubatch_size, device=args.device,
+                type_k=args.cache_type_k, type_v=args.cache_type_v)
+
+
+def _run(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    if prompt is None and not args.interactive:
+        raise RunError("one of -p/--prompt, -f/--file or -i/--interactive is required")
+    sampling = _sampling_kwargs(args)
+    template_kwargs = _template_kwargs(args)
+    if template_kwargs and not args.interactive:
+        raise RunError("--chat-template-kwargs: only used with -i/--interactive")
+    model_kwargs = _model_kwargs(args)
+    if hasattr(sys.stdout, "reconfigure"):  # never die on a character the terminal cannot show
+        sys.stdout.reconfigure(errors="replace")
+
+    from .model import Model
+
+    with Model(args.model, **model_kwargs) as model:
+        if args.interactive:
+            return _chat(model, prompt, sampling, template_kwargs)
+        return _complete(model, prompt, sampling, display_prompt=not args.no_display_prompt)
+
+
+def _complete(model, prompt: str, sampling: dict, display_prompt: bool) -> int:
+    out = sys.stdout
+    stream = model.generate(prompt, stream=True, **sampling)
+    try:
+        if display_prompt:
+            out.write(prompt)
+            out.flush()
+        for piece in stream:
+            out.write(piece)
+            out.flush()
+    finally:
+        stream.close()  # cancels the generation when interrupted
+    out.write("\n")
+    out.flush()
+    r = stream.result
+    s = r.stats
+    print(f"deltaspec: prompt {s.prompt_tokens} tokens in {1e3 * s.prefill_seconds:.1f} ms "
+          f"({s.prefill_tokens_per_second:.1f} tok/s) | generated {s.generated_tokens} tokens in "
+          f"{1e3 * s.decode_seconds:.1f} ms ({s.tokens_per_second:.1f} tok/s) | finish: {r.finish_reason}",
+          file=sys.stderr)
+    return 0
+
+
+def _read_turn(interactive: bool) -> str | None:
+    """The next user line (None at end of input); raises KeyboardInterrupt on Ctrl-C."""
+    if interactive:
+        try:
+            return input("> ")
+        except EOFError:
+            print()
+            return None
+    line = sys.stdin.readline()
+    return line.rstrip("\r\n") if line else None
+
+
+def _chat(model, system: str | None, sampling: dict, template_kwargs: dict) -> int:
+    from .chat import chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
+
+    chat_template_from_metadata(model.metadata)  # no usable template: fail now, not at the first turn
+    tty = sys.stdin.isatty()
+    if tty:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    print(f"deltaspec: chatting with {model.path}; /exit or end of input quits, /clear starts over, "
+          "Ctrl-C stops a reply", file=sys.stderr)
+    base = [{"role": "system", "content": system}] if system is not None else []
+    messages = list(base)
+    out = sys.stdout
+    while True:
+        try:
+            line = _read_turn(tty)
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+        if line is None or line.strip() == "/exit":
+            return 0
+        if line.strip() == "/clear":
+            messages = list(base)
+            continue
+        if not line.strip():
+            continue
+        turn = messages + [{"role": "user", "content": line}]
+        text = []
+        chunks = None
+        try:
+            thinking_open = prompt_opens_reasoning(model.apply_chat_template(turn, **template_kwargs))
+            chunks = model.create_chat_completion(turn, stream=True, **template_kwargs, **sampling)
+            for chunk in chunks:
+                piece = chunk["choices"][0]["delta"].get("content")
+                if piece:
+                    text.append(piece)
+                    out.write(piece)
+                    out.flush()
+        except KeyboardInterrupt:  # cancel this reply; the turn is forgotten
+            out.write("\n")
+            out.flush()
+            print("deltaspec: reply cancelled", file=sys.stderr)
+            continue
+        except ValueError as e:  # e.g. the conversation no longer fits the context
+            out.write("\n")
+            out.flush()
+            print(f"deltaspec run: error: {_flag_error(e)} (/clear starts over)", file=sys.stderr)
+            continue
+        finally:
+            if chunks is not None:
+                chunks.close()
+        out.write("\n")
+        out.flush()
+        reasoning, content = split_reasoning("".join(text), thinking_open=thinking_open)
+        reply = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            reply["reasoning_content"] = reasoning
+        messages = turn + [reply]
 
 
 def _run_convert(args: argparse.Namespace) -> int:

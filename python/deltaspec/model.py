@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -38,6 +39,42 @@ def _native_hparams(hp: Qwen35HParams) -> _core.HParams:
     return n
 
 
+def _load_progress(progress, label: str):
+    """(callback for the engine's (done_bytes, total_bytes) reports or None, closer to call after the load)."""
+    if progress is None or isinstance(progress, bool):
+        show = progress if progress is not None else _stderr_is_tty()
+        if not show:
+            return None, None
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # tqdm is optional at run time: no bar
+            return None, None
+        bars = []
+
+        def on_bytes(done: int, total: int) -> None:
+            if not bars:
+                bars.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                                 desc=f"loading {label}", file=sys.stderr, dynamic_ncols=True))
+            bars[0].update(done - bars[0].n)
+
+        def close() -> None:
+            for bar in bars:
+                bar.close()
+
+        return on_bytes, close
+    def on_fraction(done: int, total: int) -> None:
+        progress(done / total if total else 1.0)
+
+    return on_fraction, None
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+
+
 class Model:
     """A Qwen3.5 / Qwen3.6 model from a GGUF file.
 
@@ -46,7 +83,12 @@ class Model:
     """
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
-                 device: str = "cpu", n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16"):
+                 device: str = "cpu", n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16",
+                 progress: bool | Callable[[float], None] | None = None):
+        """`progress` reports the weight upload: None shows a tqdm bar on stderr when stderr is a
+        terminal (and tqdm is installed), False or True force it off or on, and a callable receives
+        the fraction done, 0.0 .. 1.0, ending with exactly 1.0 (at most ~100 calls; raising aborts
+        the load)."""
         self._engine = None
         self.path = os.fspath(path)
         if not isinstance(n_ctx, int) or n_ctx < 1:
@@ -59,6 +101,8 @@ class Model:
             raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        if not (progress is None or isinstance(progress, bool) or callable(progress)):
+            raise TypeError(f"progress must be None, a bool or a callable taking a float, got {progress!r}")
 
         gguf = read_gguf(self.path)
         self.hparams = read_hparams(gguf)
@@ -71,11 +115,16 @@ class Model:
         if self.tokenizer.n_vocab != self.hparams.n_vocab:
             raise DeltaspecError(f"{self.path}: tokenizer has {self.tokenizer.n_vocab} tokens but token_embd has "
                                  f"{self.hparams.n_vocab} rows")
+        on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
             self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
-                                        n_threads=n_threads, device=device, type_k=type_k, type_v=type_v)
+                                        n_threads=n_threads, device=device, type_k=type_k, type_v=type_v,
+                                        progress=on_bytes)
         except RuntimeError as e:
             raise DeltaspecError(str(e)) from None
+        finally:
+            if close_bar is not None:
+                close_bar()
         self._engine.set_pieces([self.tokenizer.token_to_piece(i) for i in range(self.n_vocab)])
         self._busy = threading.Lock()
         self.device = device

@@ -169,7 +169,7 @@ QUANTS: dict[str, tuple[gguf.LlamaFileType, gguf.GGMLQuantizationType]] = {
 def get_preset(preset: str | SynthPreset) -> SynthPreset:
     if isinstance(preset, SynthPreset):
         return preset
-    p = PRESETS.get(preset) or _PRIVATE_PRESETS.get(preset) if isinstance(preset, str) else None
+    p = (PRESETS.get(preset) or _PRIVATE_PRESETS.get(preset)) if isinstance(preset, str) else None
     if p is None:
         raise SynthError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
     return p
@@ -324,6 +324,16 @@ def tensor_plan(preset: str | SynthPreset, quant: str, *, mtp: bool = False) -> 
     return [PlannedTensor(g, shape, t, init, std, hf) for (hf, g, shape, (init, std)), t in zip(raw, types)]
 
 
+def decode_weight_bytes(preset: str | SynthPreset, quant: str) -> int:
+    """Weight bytes one decoded token reads: every trunk matrix and vector, the LM head (token_embd
+    when tied), and one embedding row. KV cache and recurrent state traffic are not included."""
+    p = get_preset(preset)
+    plan = {t.name: t for t in tensor_plan(p, quant)}
+    embd = plan["token_embd.weight"]
+    total = sum(t.n_bytes for t in plan.values() if t.name != "token_embd.weight")
+    return total + (embd.n_bytes if p.tied else embd.n_bytes // p.n_vocab)
+
+
 def type_bytes(plan: Sequence[PlannedTensor]) -> dict[str, int]:
     """ggml type name -> bytes of tensor data in `plan`, largest first."""
     mix: dict[str, int] = {}
@@ -396,7 +406,7 @@ def _small_tensor(t: PlannedTensor, rng: np.random.Generator) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def _tensor_chunks(t: PlannedTensor, index: int, seed: int, pools: _Pools) -> list[Callable[[], bytes | np.ndarray]]:
+def _tensor_chunks(t: PlannedTensor, index: int, seed: int, pools: _Pools) -> list[Callable[[], np.ndarray]]:
     """Jobs that produce `t`'s data in order, CHUNK_UNITS units each. The unit indices depend on
     (seed, tensor, chunk) only, so one seed gives the same float weights in every quant."""
     if t.init != "normal" or t.shape[0] % UNIT:
@@ -617,7 +627,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], preset: str | SynthPreset
 
             for t, job in jobs:
                 pending.append((t, ex.submit(job)))
-                if len(pending) >= 2 * threads + 2:
+                if len(pending) >= threads + 4:
                     drain_one()
             while pending:
                 drain_one()

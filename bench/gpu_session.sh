@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Everything the H200 machine does in one call (it has no network and starts bare):
+#   1. build llama.cpp (CUDA, sm_90a) from the carried pinned tree: llama-bench + its shared ggml
+#   2. build deltaspec against that ggml (one ggml-cuda compile serves both)
+#   3. GPU parity tests (CUDA vs CPU on the tiny models)
+#   4. a shape-faithful synthetic 27B Q4_K_M GGUF, then deltaspec and llama-bench on it, same run
+# Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
+# steps: any of build test bench (default: all three)
+set -euo pipefail
+steps=${*:-build test bench}
+export DELTASPEC_GGML_SOURCE=$PWD/.deps/gpu-src/llama.cpp
+OUT=${OUT:-$PWD/bench/results}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+LLAMA_BUILD=/tmp/llama-cuda
+
+if [[ $steps == *build* ]]; then
+    t0=$(date +%s)
+    python3 bench/peers/llama_cpp.py build --cuda --build-dir "$LLAMA_BUILD" -j "$(nproc)"
+    echo "llama.cpp CUDA build: $(( $(date +%s) - t0 )) s"
+    t0=$(date +%s)
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    CMAKE_ARGS="-DDELTASPEC_GGML_SOURCE=$DELTASPEC_GGML_SOURCE -DDELTASPEC_GGML_LIB_DIR=$LLAMA_BUILD/bin" \
+        python3 -m pip install -q --no-build-isolation --no-deps .
+    echo "deltaspec build against it: $(( $(date +%s) - t0 )) s"
+fi
+cd /tmp  # import the installed deltaspec, not the source tree
+REPO=$OLDPWD
+if [[ $steps == *bench* && ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
+    ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
+      && mv /tmp/q27.gguf.part /tmp/q27.gguf; echo "synth 27B q4_k_m: $(( $(date +%s) - t0 )) s" >> "$OUT/synth.log" ) &
+fi
+if [[ $steps == *test* ]]; then
+    python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests/test_gpu.py" -rA --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+        | tee "$OUT/gpu-tests.log" | tail -25
+fi
+if [[ $steps == *bench* ]]; then
+    wait
+    cat "$OUT/synth.log"
+    python3 "$REPO/bench/decode_bench.py" ours /tmp/q27.gguf --device cuda --reps 1 --out "$OUT/ours.json"
+    python3 "$REPO/bench/decode_bench.py" peer /tmp/q27.gguf --llama-bench "$LLAMA_BUILD/bin/llama-bench" --reps 1 \
+        --out "$OUT/peer.json"
+    python3 "$REPO/bench/decode_bench.py" report "$OUT/ours.json" "$OUT/peer.json" --model /tmp/q27.gguf \
+        --out "$OUT/report.md"
+fi
