@@ -34,7 +34,6 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def measure_ours(model_path: str, device: str, reps: int) -> list[dict]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
     from deltaspec import Model
 
     rows = []
@@ -99,7 +98,6 @@ def device_bandwidth() -> float | None:
 
 
 def bytes_per_token(model_path: str, depth: int, ctk: str) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
     from deltaspec.gguf_file import read_gguf
     from deltaspec.kv_cache import kv_bytes_per_token
     from deltaspec.qwen35 import expected_tensors, read_hparams

@@ -37,7 +37,7 @@ if [[ $steps == *test* ]]; then
 fi
 if [[ $steps == *bench* ]]; then
     wait
-    cat "$OUT/synth.log"
+    cat "$OUT/synth.log" 2>/dev/null || true
     python3 "$REPO/bench/decode_bench.py" ours /tmp/q27.gguf --device cuda --reps 1 --out "$OUT/ours.json"
     python3 "$REPO/bench/decode_bench.py" peer /tmp/q27.gguf --llama-bench "$LLAMA_BUILD/bin/llama-bench" --reps 1 \
         --out "$OUT/peer.json"

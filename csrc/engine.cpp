@@ -84,6 +84,7 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
 }
 
 Engine::~Engine() {
+    drop_step_graph();
     ggml_backend_sched_free(sched_);
     // weights_ and state_ free their buffers in their destructors, which run after this body;
     // the backends must outlive those buffers, so release the buffers first.
@@ -102,6 +103,17 @@ Engine::~Engine() {
 void Engine::reset() { state_.clear(); }
 
 void Engine::eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits) {
+    if (wanted == LogitsWanted::argmax) throw std::invalid_argument("use eval_argmax for the argmax token");
+    eval_all(tokens, n_tokens, wanted, logits);
+}
+
+int32_t Engine::eval_argmax(const int32_t * tokens, int64_t n_tokens) {
+    int32_t token = -1;
+    eval_all(tokens, n_tokens, LogitsWanted::argmax, &token);
+    return token;
+}
+
+void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out) {
     if (n_tokens < 1) throw std::invalid_argument("eval needs at least one token");
     if (state_.n_past + n_tokens > state_.n_ctx) {
         throw std::length_error("sequence of " + std::to_string(state_.n_past + n_tokens) +
@@ -119,51 +131,68 @@ void Engine::eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted,
         LogitsWanted w = wanted == LogitsWanted::all ? LogitsWanted::all
                          : last_batch                ? wanted
                                                      : LogitsWanted::none;
-        float * out = wanted == LogitsWanted::all ? logits + done * hp_.n_vocab : logits;
-        eval_ubatch(tokens + done, n, w, out);
+        void * dst = wanted == LogitsWanted::all ? static_cast<float *>(out) + done * hp_.n_vocab : out;
+        eval_ubatch(tokens + done, n, w, dst);
         done += n;
     }
 }
 
-void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, float * logits) {
+void Engine::drop_step_graph() {
+    if (step_.ctx) ggml_free(step_.ctx);  // the descriptors live in graph_meta_, which stays
+    step_ = StepGraph{};
+}
+
+Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wanted) {
+    if (step_.ctx && step_.n_tokens == T && step_.n_kv == n_kv && step_.wanted == wanted) return step_;
+    drop_step_graph();
+    ggml_init_params params = {graph_meta_.size(), graph_meta_.data(), /*no_alloc =*/true};
+    step_.ctx = ggml_init(params);
+    step_.gf = ggml_new_graph_custom(step_.ctx, graph_size_, false);
+    step_.in = make_step_inputs(step_.ctx, T, n_kv);
+    step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, state_, step_.in, wanted == LogitsWanted::all);
+    if (wanted == LogitsWanted::argmax) {
+        step_.out = ggml_argmax(step_.ctx, step_.out);
+        ggml_set_output(step_.out);
+        ggml_build_forward_expand(step_.gf, step_.out);
+    }
+    ggml_backend_sched_reset(sched_);
+    if (!ggml_backend_sched_alloc_graph(sched_, step_.gf)) {
+        drop_step_graph();
+        throw std::runtime_error("cannot allocate the compute graph");
+    }
+    step_.n_tokens = T;
+    step_.n_kv = n_kv;
+    step_.wanted = wanted;
+    return step_;
+}
+
+void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out) {
     const int64_t p0 = state_.n_past;
     const int64_t n_kv = state_.n_kv_for(p0 + T);
+    StepGraph & g = step_graph(T, n_kv, wanted);
 
-    ggml_init_params params = {graph_meta_.size(), graph_meta_.data(), /*no_alloc =*/true};
-    ggml_context * ctx = ggml_init(params);
-    struct CtxGuard {
-        ggml_context * c;
-        ~CtxGuard() { ggml_free(c); }
-    } guard{ctx};
-
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size_, false);
-    StepInputs in = make_step_inputs(ctx, T, n_kv);
-    ggml_tensor * out = build_qwen35(ctx, gf, hp_, weights_, state_, in, wanted == LogitsWanted::all);
-
-    ggml_backend_sched_reset(sched_);
-    if (!ggml_backend_sched_alloc_graph(sched_, gf)) throw std::runtime_error("cannot allocate the compute graph");
-
-    ggml_backend_tensor_set(in.tokens, tokens, 0, T * sizeof(int32_t));
+    ggml_backend_tensor_set(g.in.tokens, tokens, 0, T * sizeof(int32_t));
     std::vector<int32_t> pos(4 * T, 0);
     std::vector<int64_t> rows(T);
     for (int64_t t = 0; t < T; ++t) {
         pos[t] = pos[T + t] = pos[2 * T + t] = (int32_t)(p0 + t);
         rows[t] = p0 + t;
     }
-    ggml_backend_tensor_set(in.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
-    ggml_backend_tensor_set(in.kv_rows, rows.data(), 0, rows.size() * sizeof(int64_t));
+    ggml_backend_tensor_set(g.in.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
+    ggml_backend_tensor_set(g.in.kv_rows, rows.data(), 0, rows.size() * sizeof(int64_t));
     std::vector<ggml_fp16_t> mask(n_kv * T);
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
     for (int64_t t = 0; t < T; ++t) {
         for (int64_t j = 0; j < n_kv; ++j) mask[t * n_kv + j] = j <= p0 + t ? zero : neg_inf;
     }
-    ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+    ggml_backend_tensor_set(g.in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
 
-    if (ggml_backend_sched_graph_compute(sched_, gf) != GGML_STATUS_SUCCESS) {
+    if (ggml_backend_sched_graph_compute(sched_, g.gf) != GGML_STATUS_SUCCESS) {
+        drop_step_graph();
         throw std::runtime_error("graph computation failed");
     }
     state_.n_past = p0 + T;
-    if (wanted != LogitsWanted::none) ggml_backend_tensor_get(out, logits, 0, ggml_nbytes(out));
+    if (wanted != LogitsWanted::none) ggml_backend_tensor_get(g.out, out, 0, ggml_nbytes(g.out));
 }
 
 }  // namespace deltaspec

@@ -6,13 +6,16 @@
 #include <vector>
 
 #include "ggml-backend.h"
+#include "graph_qwen35.h"
 #include "hparams.h"
 #include "state.h"
 #include "weights.h"
 
 namespace deltaspec {
 
-enum class LogitsWanted { none, last, all };
+// What a step returns: nothing, last-row logits, all rows' logits, or only the argmax token of
+// the last row (computed on the device, so greedy decoding copies 4 bytes instead of n_vocab floats).
+enum class LogitsWanted { none, last, all, argmax };
 
 struct EngineOptions {
     int64_t n_ctx = 4096;
@@ -34,6 +37,8 @@ class Engine {
     // Appends tokens to the sequence in micro-batches. `logits` receives n_vocab floats per
     // returned row: every row for LogitsWanted::all, the last row for ::last, nothing for ::none.
     void eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits);
+    // Appends tokens and returns the argmax of the last row's logits (greedy decoding).
+    int32_t eval_argmax(const int32_t * tokens, int64_t n_tokens);
     void reset();                 // start a new, empty sequence
 
     const HParams & hparams() const { return hp_; }
@@ -42,7 +47,22 @@ class Engine {
     const std::string & backend_name() const { return backend_name_; }
 
   private:
-    void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits);
+    void eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
+    void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
+
+    // The last graph built stays allocated: a step of the same shape (every decode step until the
+    // visible KV length grows by kv_pad) only sets its inputs and computes, no rebuild, no
+    // re-allocation, and the CUDA backend can replay it as a CUDA graph.
+    struct StepGraph {
+        ggml_context * ctx = nullptr;
+        ggml_cgraph * gf = nullptr;
+        StepInputs in;
+        ggml_tensor * out = nullptr;
+        int64_t n_tokens = -1, n_kv = -1;
+        LogitsWanted wanted = LogitsWanted::none;
+    };
+    StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted);
+    void drop_step_graph();
 
     HParams hp_;
     EngineOptions opts_;
@@ -54,6 +74,7 @@ class Engine {
     SequenceState state_;
     std::vector<uint8_t> graph_meta_;       // scratch for graph/tensor descriptors
     size_t graph_size_ = 0;
+    StepGraph step_;
 };
 
 ggml_type parse_cache_type(const std::string & name);

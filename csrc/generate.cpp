@@ -39,9 +39,19 @@ GenerateResult generate(Engine & engine, const PieceTable & pieces, const Genera
     Sampler sampler(req.sampling);
     std::string text;
 
+    // Plain greedy needs only the argmax, which the device computes: no logits cross over.
+    const SamplingParams & sp = req.sampling;
+    const bool device_argmax = sp.greedy() && sp.repeat_penalty == 1.0f && sp.presence_penalty == 0.0f &&
+                               sp.frequency_penalty == 0.0f;
+    int32_t next = -1;
+
     auto t0 = Clock::now();
     engine.reset();
-    engine.eval(req.prompt.data(), (int64_t)req.prompt.size(), LogitsWanted::last, logits.data());
+    if (device_argmax) {
+        next = engine.eval_argmax(req.prompt.data(), (int64_t)req.prompt.size());
+    } else {
+        engine.eval(req.prompt.data(), (int64_t)req.prompt.size(), LogitsWanted::last, logits.data());
+    }
     res.prefill_seconds = seconds_since(t0);
 
     t0 = Clock::now();
@@ -50,7 +60,7 @@ GenerateResult generate(Engine & engine, const PieceTable & pieces, const Genera
             res.finish = FinishReason::cancelled;
             break;
         }
-        const int32_t token = sampler.sample(logits.data(), n_vocab, history);
+        const int32_t token = device_argmax ? next : sampler.sample(logits.data(), n_vocab, history);
         res.tokens.push_back(token);
         history.push_back(token);
         const std::string & piece = pieces[token];
@@ -69,7 +79,11 @@ GenerateResult generate(Engine & engine, const PieceTable & pieces, const Genera
             res.finish = FinishReason::length;
             break;
         }
-        engine.eval(&token, 1, LogitsWanted::last, logits.data());
+        if (device_argmax) {
+            next = engine.eval_argmax(&token, 1);
+        } else {
+            engine.eval(&token, 1, LogitsWanted::last, logits.data());
+        }
     }
     res.decode_seconds = seconds_since(t0);
     return res;

@@ -157,6 +157,8 @@ def test_missing_model_and_prompt(gguf, tmp_path):
     assert r.returncode == 2 and "-p/--prompt" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run_cli("-m", gguf, "-f", tmp_path / "missing.txt")
     assert r.returncode == 2 and "-f/--file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = run_cli("-m", gguf, "-i", "-t", THREADS, stdin="hello\n")  # no chat template in this GGUF
+    assert r.returncode == 2 and "-i/--interactive" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_load_progress_callback(gguf):

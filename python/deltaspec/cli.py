@@ -88,7 +88,8 @@ def _add_run_parser(sub) -> None:
                    help="KV cache type for V (default: %(default)s)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: %(default)s)")
     g = p.add_argument_group("sampling (llama.cpp's chain: penalties, top-k, top-p, min-p, temperature)")
-    g.add_argument("--temp", type=float, default=0.8, metavar="N", help="temperature; 0 = greedy (default: %(default)s)")
+    g.add_argument("--temp", type=float, default=0.8, metavar="N",
+                   help="temperature; 0 = greedy (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=40, metavar="N", help="0 = off (default: %(default)s)")
     g.add_argument("--top-p", type=float, default=0.95, metavar="N", help="1.0 = off (default: %(default)s)")
     g.add_argument("--min-p", type=float, default=0.05, metavar="N", help="0.0 = off (default: %(default)s)")
@@ -137,11 +138,16 @@ def _run_run(args: argparse.Namespace) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
     except DeltaspecError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-    except (ValueError, TypeError) as e:
+    except ValueError as e:
         print(f"{prog}: error: {_flag_error(e)}", file=sys.stderr)
     except KeyboardInterrupt:  # while loading or generating without -i: stop quietly
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop without a traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not fail
+        return 141
     return 2
 
 
@@ -274,8 +280,14 @@ def _read_turn(interactive: bool) -> str | None:
 
 def _chat(model, system: str | None, sampling: dict, template_kwargs: dict) -> int:
     from .chat import chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
+    from .errors import ChatTemplateError
 
-    chat_template_from_metadata(model.metadata)  # no usable template: fail now, not at the first turn
+    if not model.metadata.get("tokenizer.chat_template"):
+        raise RunError(f"-i/--interactive: {model.path} has no chat template (tokenizer.chat_template)")
+    try:
+        chat_template_from_metadata(model.metadata)  # a broken template fails now, not at the first turn
+    except ChatTemplateError as e:
+        raise RunError(f"-i/--interactive: {e}") from None
     tty = sys.stdin.isatty()
     if tty:
         try:

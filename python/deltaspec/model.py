@@ -189,7 +189,8 @@ class Model:
                                    frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n, seed=seed)
         ids = self._prompt_ids(prompt)
         if max_tokens is None:
-            max_tokens = self.n_ctx - len(ids)
+            # until the context is full: the last token is sampled from the last row, never evaluated
+            max_tokens = self.n_ctx - len(ids) + 1
         elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
         generator = Generator(self, _Request(ids, max_tokens, sampling, validate_stop(stop)))
