@@ -8,6 +8,7 @@
 
 #include "engine.h"
 #include "generate.h"
+#include "speculative.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 
@@ -66,6 +67,81 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
     out["stop_offset"] = res.stop_offset;
     out["prefill_seconds"] = res.prefill_seconds;
     out["decode_seconds"] = res.decode_seconds;
+    return out;
+}
+
+py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
+                          int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
+                          std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback) {
+    if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
+    if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
+    if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
+    GenerateRequest req;
+    req.prompt = std::move(prompt);
+    req.max_tokens = max_tokens;
+    req.sampling = sampling;
+    req.eog_ids = std::move(eog_ids);
+    req.stop = std::move(stop);
+    SpecOptions spec;
+    spec.n_max = n_max;
+    spec.n_min = n_min;
+    TokenCallback on_token;
+    if (!callback.is_none()) {
+        on_token = [&callback](int32_t token) {
+            py::gil_scoped_acquire gil;
+            return callback(token).cast<bool>();
+        };
+    }
+    SpecStats stats;
+    GenerateResult res;
+    {
+        py::gil_scoped_release release;
+        r.engine->ensure_slots(n_max + 1);
+        std::unique_ptr<Drafter> drafter;
+        if (draft) {
+            draft->engine->ensure_slots(1);
+            SamplingParams ds = sampling;
+            ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
+            drafter = std::make_unique<ModelDrafter>(*draft->engine, ds);
+        } else {
+            drafter = std::make_unique<NgramDrafter>(ngram_max);
+        }
+        res = generate_speculative(*r.engine, *drafter, r.pieces, req, spec, r.cancel, on_token, stats);
+    }
+    py::dict out;
+    out["tokens"] = res.tokens;
+    out["finish_reason"] = finish_name(res.finish);
+    out["stop_offset"] = res.stop_offset;
+    out["prefill_seconds"] = res.prefill_seconds;
+    out["decode_seconds"] = res.decode_seconds;
+    out["n_steps"] = stats.n_steps;
+    out["n_drafted"] = stats.n_drafted;
+    out["n_accepted"] = stats.n_accepted;
+    out["draft_seconds"] = stats.draft_seconds;
+    out["verify_seconds"] = stats.verify_seconds;
+    out["rollback_seconds"] = stats.rollback_seconds;
+    return out;
+}
+
+// Live recurrent and KV state of the sequence, for tests comparing rollback with plain decoding.
+py::dict state_arrays(Runner & r) {
+    py::dict out;
+    const SequenceState & st = r.engine->state();
+    auto grab = [](ggml_tensor * t) {
+        py::array_t<uint8_t> a((py::ssize_t)ggml_nbytes(t));
+        ggml_backend_tensor_get(t, a.mutable_data(), 0, ggml_nbytes(t));
+        return a;
+    };
+    for (size_t il = 0; il < st.conv.size(); ++il) {
+        const std::string i = std::to_string(il);
+        if (st.conv[il]) {
+            out[("conv." + i).c_str()] = grab(st.conv[il]);
+            out[("ssm." + i).c_str()] = grab(st.ssm[il]);
+        } else {
+            out[("k." + i).c_str()] = grab(st.k[il]);
+            out[("v." + i).c_str()] = grab(st.v[il]);
+        }
+    }
     return out;
 }
 
@@ -227,6 +303,26 @@ PYBIND11_MODULE(_core, m) {
         .def("generate", &generate_py, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"),
              py::arg("eog_ids"), py::arg("stop"), py::arg("callback") = py::none(),
              "Prefill a fresh sequence with prompt, then sample until a stop condition.")
+        .def("generate_speculative", &generate_spec_py, py::arg("draft"), py::arg("ngram_max"), py::arg("prompt"),
+             py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
+             py::arg("n_min"), py::arg("callback") = py::none(),
+             "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None).")
+        .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
+        .def("eval_verify", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
+                 py::array_t<float> out({(int64_t)tokens.shape(0), r.engine->hparams().n_vocab});
+                 const int32_t * ids = tokens.data();
+                 float * dst = out.mutable_data();
+                 const int64_t n = tokens.shape(0);
+                 {
+                     py::gil_scoped_release release;
+                     r.engine->eval_verify(ids, n, dst);
+                 }
+                 return out;
+             }, py::arg("tokens"), "Append a verify batch (logits of every row; state after each row kept).")
+        .def("reserve_slots", [](Runner & r, int64_t n) { r.engine->ensure_slots(n); }, py::arg("n"),
+             "Room for verify batches of n tokens (re-allocates the state: the sequence starts empty).")
+        .def("keep", [](Runner & r, int64_t n) { r.engine->keep(n); }, py::arg("n_keep"),
+             "After eval_verify, keep only the batch's first n_keep tokens (rollback without re-running).")
         .def("cancel", [](Runner & r) { r.cancel = true; }, "Ask a running generate() to stop (thread-safe).")
         .def("clear_cancel", [](Runner & r) { r.cancel = false; },
              "Re-arm before a generate(); cleared by the caller so a cancel that races the start still counts.")

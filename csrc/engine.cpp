@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <new>
 #include <cmath>
 #include <stdexcept>
 
@@ -66,10 +67,10 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
         ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts.n_threads));
 
         load_weights(weights_, path, hp_, backend_, opts.progress);
-        allocate_state(state_, hp_, opts.n_ctx, type_k, type_v, backend_);
+        allocate_state(state_, hp_, opts.n_ctx, type_k, type_v, opts.n_slots, backend_);
 
         // A layer costs well under 64 nodes; the rest covers embeddings and the head.
-        graph_size_ = (size_t)(64 * hp.n_layer + 256);
+        graph_size_ = (size_t)((64 + opts.n_slots) * hp.n_layer + 256);
         graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
         ggml_backend_t backends[2] = {backend_, backend_cpu_};
         const int n_backends = backend_ == backend_cpu_ ? 1 : 2;
@@ -100,7 +101,11 @@ Engine::~Engine() {
     ggml_backend_free(backend_);
 }
 
-void Engine::reset() { state_.clear(); }
+void Engine::reset() {
+    state_.clear();
+    verify_T_ = 0;
+    checkpoint_n_past_ = -1;
+}
 
 void Engine::eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits) {
     if (wanted == LogitsWanted::argmax) throw std::invalid_argument("use eval_argmax for the argmax token");
@@ -137,18 +142,78 @@ void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wan
     }
 }
 
+void Engine::eval_verify(const int32_t * tokens, int64_t T, float * logits) {
+    if (T < 1 || T > state_.n_slots || T > opts_.n_ubatch) {
+        throw std::invalid_argument("a verify batch holds 1 to " + std::to_string(std::min(state_.n_slots, opts_.n_ubatch)) +
+                                    " tokens (n_slots, n_ubatch), got " + std::to_string(T));
+    }
+    if (state_.n_past + T > state_.n_ctx) throw std::length_error("verify batch does not fit the context");
+    for (int64_t i = 0; i < T; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= hp_.n_vocab) throw std::out_of_range("draft token outside the vocabulary");
+    }
+    const int64_t p0 = state_.n_past;
+    eval_ubatch(tokens, T, LogitsWanted::all, logits, /*fill_slots =*/true);
+    verify_p0_ = p0;
+    verify_T_ = T;
+}
+
+void Engine::keep(int64_t n_keep) {
+    if (verify_T_ == 0 || n_keep < 1 || n_keep > verify_T_) {
+        throw std::logic_error("keep(n) needs 1 <= n <= the tokens of the verify batch just evaluated");
+    }
+    if (n_keep < verify_T_) copy_recurrent_state(state_, verify_T_ - n_keep, /*to_slot =*/false);
+    state_.n_past = verify_p0_ + n_keep;
+    verify_T_ = 0;
+}
+
+void Engine::ensure_slots(int64_t n) {
+    if (n <= state_.n_slots) return;
+    drop_step_graph();
+    ggml_backend_sched_reset(sched_);
+    const ggml_type type_k = state_.type_k, type_v = state_.type_v;
+    const int64_t n_ctx = state_.n_ctx;
+    state_.~SequenceState();
+    new (&state_) SequenceState();
+    allocate_state(state_, hp_, n_ctx, type_k, type_v, n, backend_);
+    opts_.n_slots = n;
+    // the verify graph copies into every slot: give it room for those nodes
+    graph_size_ = (size_t)((64 + n) * hp_.n_layer + 256);
+    graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
+    ggml_backend_sched_free(sched_);
+    ggml_backend_t backends[2] = {backend_, backend_cpu_};
+    sched_ = ggml_backend_sched_new(backends, nullptr, backend_ == backend_cpu_ ? 1 : 2, graph_size_, false, false);
+    if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
+    verify_T_ = 0;
+    checkpoint_n_past_ = -1;
+}
+
+void Engine::checkpoint() {
+    copy_recurrent_state(state_, 0, /*to_slot =*/true);
+    checkpoint_n_past_ = state_.n_past;
+}
+
+void Engine::restore_checkpoint() {
+    if (checkpoint_n_past_ < 0) throw std::logic_error("restore_checkpoint() without checkpoint()");
+    copy_recurrent_state(state_, 0, /*to_slot =*/false);
+    state_.n_past = checkpoint_n_past_;
+    verify_T_ = 0;
+}
+
 void Engine::drop_step_graph() {
     if (step_.ctx) ggml_free(step_.ctx);  // the descriptors live in graph_meta_, which stays
     step_ = StepGraph{};
 }
 
-Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wanted) {
-    if (step_.ctx && step_.n_tokens == T && step_.n_kv == n_kv && step_.wanted == wanted) return step_;
+Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wanted, bool fill_slots) {
+    if (step_.ctx && step_.n_tokens == T && step_.n_kv == n_kv && step_.wanted == wanted &&
+        step_.fill_slots == fill_slots) {
+        return step_;
+    }
     drop_step_graph();
     ggml_init_params params = {graph_meta_.size(), graph_meta_.data(), /*no_alloc =*/true};
     step_.ctx = ggml_init(params);
     step_.gf = ggml_new_graph_custom(step_.ctx, graph_size_, false);
-    step_.in = make_step_inputs(step_.ctx, T, n_kv);
+    step_.in = make_step_inputs(step_.ctx, T, n_kv, fill_slots);
     step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, state_, step_.in, wanted == LogitsWanted::all);
     if (wanted == LogitsWanted::argmax) {
         step_.out = ggml_argmax(step_.ctx, step_.out);
@@ -163,13 +228,15 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.n_tokens = T;
     step_.n_kv = n_kv;
     step_.wanted = wanted;
+    step_.fill_slots = fill_slots;
     return step_;
 }
 
-void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out) {
+void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool fill_slots) {
     const int64_t p0 = state_.n_past;
     const int64_t n_kv = state_.n_kv_for(p0 + T);
-    StepGraph & g = step_graph(T, n_kv, wanted);
+    StepGraph & g = step_graph(T, n_kv, wanted, fill_slots);
+    verify_T_ = 0;  // any step ends the window in which keep() may roll back
 
     ggml_backend_tensor_set(g.in.tokens, tokens, 0, T * sizeof(int32_t));
     std::vector<int32_t> pos(4 * T, 0);

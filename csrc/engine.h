@@ -24,6 +24,7 @@ struct EngineOptions {
     std::string device = "cpu";   // "cpu" or "cuda"
     std::string type_k = "f16";
     std::string type_v = "f16";
+    int64_t n_slots = 0;          // rollback slots = the longest verify batch (0: no speculation)
     LoadProgress progress;        // optional: hears (done_bytes, total_bytes) while weights upload
 };
 
@@ -41,14 +42,27 @@ class Engine {
     int32_t eval_argmax(const int32_t * tokens, int64_t n_tokens);
     void reset();                 // start a new, empty sequence
 
+    // Speculative verification: append a batch of at most n_slots tokens and return logits for
+    // every row, keeping the recurrent state after each token in the rollback slots; then
+    // `keep(n)` keeps only the batch's first n tokens (KV rows past them are dead; the mask hides them).
+    void eval_verify(const int32_t * tokens, int64_t n_tokens, float * logits);
+    void keep(int64_t n_keep);
+    // Save the recurrent state now / restore it and the position saved (a drafter's checkpoint).
+    void checkpoint();
+    void restore_checkpoint();
+    // Make room for at least n rollback slots (re-allocates the state, which empties the sequence).
+    void ensure_slots(int64_t n);
+
     const HParams & hparams() const { return hp_; }
     int64_t n_past() const { return state_.n_past; }
     int64_t n_ctx() const { return state_.n_ctx; }
     const std::string & backend_name() const { return backend_name_; }
+    const SequenceState & state() const { return state_; }
 
   private:
     void eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
-    void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
+    void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
+                     bool fill_slots = false);
 
     // The last graph built stays allocated: a step of the same shape (every decode step until the
     // visible KV length grows by kv_pad) only sets its inputs and computes, no rebuild, no
@@ -60,8 +74,9 @@ class Engine {
         ggml_tensor * out = nullptr;
         int64_t n_tokens = -1, n_kv = -1;
         LogitsWanted wanted = LogitsWanted::none;
+        bool fill_slots = false;
     };
-    StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted);
+    StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool fill_slots);
     void drop_step_graph();
 
     HParams hp_;
@@ -75,6 +90,8 @@ class Engine {
     std::vector<uint8_t> graph_meta_;       // scratch for graph/tensor descriptors
     size_t graph_size_ = 0;
     StepGraph step_;
+    int64_t verify_p0_ = -1, verify_T_ = 0;  // the last verify batch, for keep()
+    int64_t checkpoint_n_past_ = -1;
 };
 
 ggml_type parse_cache_type(const std::string & name);

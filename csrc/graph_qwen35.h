@@ -16,9 +16,10 @@ struct StepInputs {
     ggml_tensor * kq_mask = nullptr; // F16 {n_kv, T}: 0 where a query may attend, -inf elsewhere
     int64_t n_tokens = 0;
     int64_t n_kv = 0;                // KV rows attention reads (multiple of SequenceState::kv_pad)
+    bool fill_slots = false;         // also write the rollback slots (speculative verification)
 };
 
-StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv);
+StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool fill_slots = false);
 
 // Builds the graph into gf; returns logits {n_vocab, T} (all_logits) or {n_vocab, 1} (last row).
 // The graph also writes the new KV rows, conv windows and DeltaNet states into `st`.

@@ -87,14 +87,15 @@ void Sampler::distribution(const float * logits, int64_t n_vocab, const std::vec
 
 int32_t Sampler::draw(const Distribution & d) {
     if (d.ids.size() == 1) return d.ids[0];
-    std::uniform_real_distribution<double> uniform(0.0, 1.0);
-    double u = uniform(rng_), cum = 0.0;
+    double u = uniform(), cum = 0.0;
     for (size_t i = 0; i < d.ids.size(); ++i) {
         cum += d.probs[i];
         if (u < cum) return d.ids[i];
     }
     return d.ids.back();  // u landed in the rounding gap above the summed mass
 }
+
+double Sampler::uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng_); }
 
 int32_t Sampler::sample(const float * logits, int64_t n_vocab, const std::vector<int32_t> & history) {
     distribution(logits, n_vocab, history, dist_);

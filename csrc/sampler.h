@@ -38,6 +38,7 @@ class Sampler {
     void distribution(const float * logits, int64_t n_vocab, const std::vector<int32_t> & history,
                       Distribution & out);
     int32_t draw(const Distribution & d);
+    double uniform();  // a draw from U[0, 1) of this sampler's stream (rejection sampling)
     int32_t sample(const float * logits, int64_t n_vocab, const std::vector<int32_t> & history);
 
     const SamplingParams & params() const { return params_; }

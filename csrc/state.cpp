@@ -24,11 +24,12 @@ int64_t SequenceState::n_kv_for(int64_t n_tokens_total) const {
 }
 
 void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_type type_k, ggml_type type_v,
-                    ggml_backend_t backend) {
+                    int64_t n_slots, ggml_backend_t backend) {
+    st.n_slots = n_slots;
     st.n_ctx = (n_ctx + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
     st.type_k = type_k;
     st.type_v = type_v;
-    const size_t n_tensors = 2 * (size_t)hp.n_layer;
+    const size_t n_tensors = 4 * (size_t)hp.n_layer;
     ggml_init_params params = {ggml_tensor_overhead() * (n_tensors + 1), nullptr, /*no_alloc =*/true};
     st.ctx = ggml_init(params);
 
@@ -37,6 +38,8 @@ void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_
     st.v.assign(hp.n_layer, nullptr);
     st.conv.assign(hp.n_layer, nullptr);
     st.ssm.assign(hp.n_layer, nullptr);
+    st.conv_slots.assign(hp.n_layer, nullptr);
+    st.ssm_slots.assign(hp.n_layer, nullptr);
     for (int il = 0; il < hp.n_layer; ++il) {
         const std::string suffix = std::to_string(il);
         if (hp.recurrent[il]) {
@@ -45,6 +48,12 @@ void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_
                                             hp.ssm_state_size * hp.ssm_state_size * hp.ssm_n_v_heads);
             ggml_set_name(st.conv[il], ("conv_state_" + suffix).c_str());
             ggml_set_name(st.ssm[il], ("ssm_state_" + suffix).c_str());
+            if (n_slots > 0) {
+                st.conv_slots[il] = ggml_new_tensor_2d(st.ctx, GGML_TYPE_F32, ggml_nelements(st.conv[il]), n_slots);
+                st.ssm_slots[il] = ggml_new_tensor_2d(st.ctx, GGML_TYPE_F32, ggml_nelements(st.ssm[il]), n_slots);
+                ggml_set_name(st.conv_slots[il], ("conv_slots_" + suffix).c_str());
+                ggml_set_name(st.ssm_slots[il], ("ssm_slots_" + suffix).c_str());
+            }
         } else {
             st.k[il] = ggml_new_tensor_2d(st.ctx, type_k, kv_width, st.n_ctx);
             st.v[il] = ggml_new_tensor_2d(st.ctx, type_v, kv_width, st.n_ctx);
@@ -55,6 +64,33 @@ void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_
     st.buffer = ggml_backend_alloc_ctx_tensors(st.ctx, backend);
     if (!st.buffer) throw std::runtime_error("cannot allocate the KV/recurrent state (n_ctx too large?)");
     st.clear();
+}
+
+}  // namespace deltaspec
+
+namespace deltaspec {
+
+void copy_recurrent_state(SequenceState & st, int64_t slot, bool to_slot) {
+    if (slot < 0 || slot >= st.n_slots) throw std::out_of_range("no rollback slot " + std::to_string(slot));
+    // Views of one slot, bound to the slot tensors' buffer, so ggml_backend_tensor_copy can copy
+    // them on the device; the descriptors live in a scratch context.
+    ggml_init_params params = {ggml_tensor_overhead() * 2 * st.conv.size() + 64, nullptr, /*no_alloc =*/true};
+    ggml_context * ctx = ggml_init(params);
+    for (size_t il = 0; il < st.conv.size(); ++il) {
+        if (!st.conv[il]) continue;
+        for (auto [live, slots] : {std::pair{st.conv[il], st.conv_slots[il]}, std::pair{st.ssm[il], st.ssm_slots[il]}}) {
+            // same shape and strides as the live tensor (tensor_copy wants equal layouts)
+            ggml_tensor * view = ggml_view_4d(ctx, slots, live->ne[0], live->ne[1], live->ne[2], live->ne[3],
+                                              live->nb[1], live->nb[2], live->nb[3], slot * slots->nb[1]);
+            ggml_backend_view_init(view);
+            if (to_slot) {
+                ggml_backend_tensor_copy(live, view);
+            } else {
+                ggml_backend_tensor_copy(view, live);
+            }
+        }
+    }
+    ggml_free(ctx);
 }
 
 }  // namespace deltaspec

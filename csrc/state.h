@@ -21,6 +21,13 @@ struct SequenceState {
     std::vector<ggml_tensor *> conv;  // {Kc-1, C} F32: last Kc-1 inputs per channel, oldest first
     std::vector<ggml_tensor *> ssm;   // {S*S*Hv} F32: DeltaNet state, layout {S_v, S_k, Hv}
 
+    // Rollback slots for speculative verification (n_slots = 0 when unused): after a batch of T
+    // tokens, slot r holds the recurrent state after token T-1-r of that batch, so the state after
+    // any accepted prefix is restored by a copy instead of re-running the target.
+    int64_t n_slots = 0;
+    std::vector<ggml_tensor *> conv_slots;  // {(Kc-1)*C, n_slots}
+    std::vector<ggml_tensor *> ssm_slots;   // {S*S*Hv, n_slots}
+
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buffer = nullptr;
 
@@ -37,6 +44,9 @@ struct SequenceState {
 };
 
 void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_type type_k, ggml_type type_v,
-                    ggml_backend_t backend);
+                    int64_t n_slots, ggml_backend_t backend);
+
+// live recurrent state <- slot `slot` (or the reverse), every recurrent layer; a device-side copy.
+void copy_recurrent_state(SequenceState & st, int64_t slot, bool to_slot);
 
 }  // namespace deltaspec

@@ -18,6 +18,22 @@ class GenerationStats:
     generated_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    # speculative decoding only (zero otherwise)
+    n_steps: int = 0              # target forward passes after the prompt
+    n_drafted: int = 0
+    n_accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    rollback_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per target forward pass (accepted drafts + the target's own token)."""
+        return (self.n_accepted + self.n_steps) / self.n_steps if self.n_steps else 0.0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -39,11 +55,23 @@ class GenerationResult:
 
 
 @dataclass
+class Speculation:
+    """How to draft: `draft` is a Model (spec_type "draft-simple") or None for prompt lookup
+    ("ngram-simple")."""
+
+    draft: object | None
+    n_max: int = 16
+    n_min: int = 0
+    ngram_max: int = 3
+
+
+@dataclass
 class _Request:
     prompt: list[int]
     max_tokens: int
     sampling: SamplingOptions
     stop: list[str] = field(default_factory=list)
+    speculation: Speculation | None = None
 
 
 def validate_stop(stop: str | Sequence[str] | None) -> list[str]:
@@ -97,10 +125,16 @@ class Generator:
     def _run(self, streaming: bool) -> None:
         engine = self._model._live()
         callback = (lambda t: self._tokens.put(t) or True) if streaming else None
+        req, eog, stop = self._req, sorted(self._model.tokenizer.eog_ids), [s.encode() for s in self._req.stop]
         try:
-            self._outcome = engine.generate(self._req.prompt, self._req.max_tokens, self._req.sampling.native(),
-                                            sorted(self._model.tokenizer.eog_ids),
-                                            [s.encode() for s in self._req.stop], callback)
+            if req.speculation is None:
+                self._outcome = engine.generate(req.prompt, req.max_tokens, req.sampling.native(), eog, stop, callback)
+            else:
+                spec = req.speculation
+                draft = spec.draft._live() if spec.draft is not None else None
+                self._outcome = engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,
+                                                            req.sampling.native(), eog, stop, spec.n_max, spec.n_min,
+                                                            callback)
         except BaseException as e:  # handed to the caller's thread
             self._error = e
         finally:
@@ -177,8 +211,10 @@ class Generator:
         if out["stop_offset"] >= 0:
             data = data[:out["stop_offset"]]
         self._final_bytes = data
+        spec = {k: out[k] for k in ("n_steps", "n_drafted", "n_accepted", "draft_seconds", "verify_seconds",
+                                    "rollback_seconds") if k in out}
         stats = GenerationStats(prompt_tokens=len(self._req.prompt), generated_tokens=len(tokens),
-                                prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"])
+                                prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"], **spec)
         return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _core, completions
 from .errors import DeltaspecError
-from .generation import Generator, GenerationResult, TextStream, _Request, validate_stop
+from .generation import Generator, GenerationResult, Speculation, TextStream, _Request, validate_stop
 from .gguf_file import read_gguf
 from .qwen35 import Qwen35HParams, check_tensors, read_hparams
 from .kv_cache import validate_cache_types
@@ -19,6 +19,7 @@ from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
 
 DEVICES = ("cpu", "cuda")
+SPEC_TYPES = ("draft-simple", "ngram-simple")
 SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of Model.metadata
 
 
@@ -177,13 +178,21 @@ class Model:
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, penalty_last_n: int = 64,
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 stream: bool = False) -> GenerationResult | TextStream:
+                 stream: bool = False, draft_model: "Model | str | os.PathLike[str] | None" = None,
+                 spec_type: str | None = None, draft_n_max: int = 16,
+                 draft_n_min: int = 0) -> GenerationResult | TextStream:
         """Generate a continuation of `prompt` (text, parsed with special tokens, or token ids).
 
         Stops at `max_tokens` (None: until the context is full), an end-of-generation token, a stop
         string (cut from the text) or a cancel. Sampling follows llama.cpp's chain; temperature 0
         is greedy. With stream=True returns an iterator of text pieces (never a split UTF-8
-        character, never part of a stop string) whose `.result` is set when it is exhausted."""
+        character, never part of a stop string) whose `.result` is set when it is exhausted.
+
+        Speculative decoding (lossless: same greedy output, same sampling distribution):
+        spec_type "draft-simple" with draft_model (a Model or a GGUF path with the same
+        vocabulary) or "ngram-simple" (prompt lookup); draft_n_max / draft_n_min bound the draft
+        length, which adapts to the acceptance rate. Stats then report n_drafted, n_accepted,
+        acceptance_rate, mean_acceptance_length and draft / verify / rollback time."""
         sampling = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                    repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                                    frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n, seed=seed)
@@ -193,7 +202,8 @@ class Model:
             max_tokens = self.n_ctx - len(ids) + 1
         elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
-        generator = Generator(self, _Request(ids, max_tokens, sampling, validate_stop(stop)))
+        speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min)
+        generator = Generator(self, _Request(ids, max_tokens, sampling, validate_stop(stop), speculation))
         return TextStream(generator) if stream else generator.result()
 
     def create_completion(self, prompt: str | Sequence[int], stream: bool = False, max_tokens: int | None = 16,
@@ -209,6 +219,42 @@ class Model:
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text a chat completion would send to the model."""
         return completions.apply_chat_template(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def _speculation(self, spec_type, draft_model, n_max, n_min) -> Speculation | None:
+        if spec_type is None and draft_model is None:
+            return None
+        if spec_type is None:
+            spec_type = "draft-simple"
+        if spec_type not in SPEC_TYPES:
+            raise ValueError(f"spec_type must be one of {SPEC_TYPES} or None, got {spec_type!r}")
+        for name, v, lo in (("draft_n_max", n_max, 1), ("draft_n_min", n_min, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 256:
+                raise ValueError(f"{name} must be an integer in [{lo}, 256], got {v!r}")
+        if n_min > n_max:
+            raise ValueError(f"draft_n_min ({n_min}) must not exceed draft_n_max ({n_max})")
+        if spec_type == "ngram-simple":
+            if draft_model is not None:
+                raise ValueError("spec_type 'ngram-simple' drafts from the text itself; do not pass draft_model")
+            return Speculation(None, n_max, n_min)
+        if draft_model is None:
+            raise ValueError("spec_type 'draft-simple' needs draft_model (a Model or a GGUF path)")
+        if not isinstance(draft_model, Model):
+            draft_model = self._draft_cache(draft_model)
+        if draft_model is self:
+            raise ValueError("the draft model must be a separate Model instance (load the file twice to self-draft)")
+        if not draft_model.tokenizer.same_vocabulary(self.tokenizer):
+            raise ValueError(f"draft model {draft_model.path} has a different vocabulary than {self.path}: "
+                             "draft and target must share the tokenizer")
+        return Speculation(draft_model, n_max, n_min)
+
+    def _draft_cache(self, path) -> "Model":
+        """A draft Model loaded from a path once and kept with this model."""
+        path = os.fspath(path)
+        cached = getattr(self, "_draft_models", {})
+        if path not in cached:
+            cached[path] = Model(path, n_ctx=self.n_ctx, n_threads=self.n_threads, device=self.device)
+            self._draft_models = cached
+        return cached[path]
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -194,6 +194,10 @@ class Tokenizer:
         self.pad_id: int | None = ids.get("tokenizer.ggml.padding_token_id")
         self.eog_ids: frozenset[int] = self._find_eog(ids)
 
+    def same_vocabulary(self, other: "Tokenizer") -> bool:
+        """Whether both map every id to the same token text and type (draft/target check)."""
+        return self._tokens == other._tokens and self._types == other._types
+
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """Build from GGUF metadata (key -> python value: list for arrays, str, int, bool)."""

@@ -1,0 +1,172 @@
+#include "speculative.h"
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace deltaspec {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+float prob_of(const Distribution & d, int32_t token) {
+    for (size_t i = 0; i < d.ids.size(); ++i) {
+        if (d.ids[i] == token) return d.probs[i];
+    }
+    return 0.0f;
+}
+
+// norm(max(0, p - q)): where a rejected draft token's mass goes (Leviathan et al., Chen et al.).
+Distribution residual(const Distribution & p, const Distribution * q, int32_t drafted) {
+    Distribution r;
+    double sum = 0.0;
+    for (size_t i = 0; i < p.ids.size(); ++i) {
+        const float qi = q ? prob_of(*q, p.ids[i]) : (p.ids[i] == drafted ? 1.0f : 0.0f);
+        const float m = std::max(0.0f, p.probs[i] - qi);
+        if (m > 0.0f) {
+            r.ids.push_back(p.ids[i]);
+            r.probs.push_back(m);
+            sum += m;
+        }
+    }
+    if (r.ids.empty()) return p;  // p <= q everywhere only when p == q: rejection cannot happen then
+    for (float & x : r.probs) x = (float)(x / sum);
+    return r;
+}
+
+}  // namespace
+
+int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, Sampler & sampler,
+                     std::vector<int32_t> & history, int32_t & next) {
+    Distribution p;
+    const int64_t k = (int64_t)draft.tokens.size();
+    for (int64_t i = 0; i < k; ++i) {
+        sampler.distribution(rows + i * n_vocab, n_vocab, history, p);
+        const int32_t d = draft.tokens[i];
+        const Distribution * q = draft.dists.empty() ? nullptr : &draft.dists[i];
+        const float pd = prob_of(p, d);
+        const float qd = q ? prob_of(*q, d) : 1.0f;
+        // greedy targets have one-hot p: this is exact match; otherwise accept with min(1, p/q)
+        const bool accepted = pd > 0.0f && (pd >= qd || sampler.uniform() < (double)pd / qd);
+        if (!accepted) {
+            next = sampler.draw(residual(p, q, d));
+            return i;
+        }
+        history.push_back(d);
+    }
+    next = sampler.sample(rows + k * n_vocab, n_vocab, history);  // all accepted: the bonus token
+    return k;
+}
+
+GenerateResult generate_speculative(Engine & target, Drafter & drafter, const PieceTable & pieces,
+                                    const GenerateRequest & req, const SpecOptions & spec,
+                                    const std::atomic<bool> & cancel, const TokenCallback & on_token,
+                                    SpecStats & stats) {
+    const int64_t n_vocab = target.hparams().n_vocab;
+    if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
+    GenerateResult res;
+    Sampler sampler(req.sampling);
+    std::vector<int32_t> history = req.prompt;  // prompt + every committed token
+    std::vector<float> rows;
+    std::string text;
+
+    auto t0 = Clock::now();
+    target.reset();
+    rows.resize(n_vocab);
+    target.eval(req.prompt.data(), (int64_t)req.prompt.size(), LogitsWanted::last, rows.data());
+    int32_t next = sampler.sample(rows.data(), n_vocab, history);
+    res.prefill_seconds = seconds_since(t0);
+
+    // Emits one committed token; returns false when generation must end after it.
+    auto emit = [&](int32_t token) {
+        res.tokens.push_back(token);
+        const std::string & piece = pieces[token];
+        text += piece;
+        const bool eog = std::find(req.eog_ids.begin(), req.eog_ids.end(), token) != req.eog_ids.end();
+        if (!req.stop.empty() && !eog) {
+            for (const std::string & s : req.stop) {
+                const size_t from = text.size() >= piece.size() + s.size() ? text.size() - piece.size() - s.size() + 1 : 0;
+                const size_t at = text.find(s, from);
+                if (at != std::string::npos && (res.stop_offset < 0 || (int64_t)at < res.stop_offset)) {
+                    res.stop_offset = (int64_t)at;
+                }
+            }
+        }
+        if (on_token && !on_token(token)) {
+            res.finish = FinishReason::cancelled;
+            return false;
+        }
+        if (eog || res.stop_offset >= 0) {
+            res.finish = FinishReason::stop;
+            return false;
+        }
+        if ((int32_t)res.tokens.size() >= req.max_tokens) {
+            res.finish = FinishReason::length;
+            return false;
+        }
+        return true;
+    };
+
+    int64_t n_draft = std::max<int64_t>(spec.n_min, std::min<int64_t>(spec.n_max, 4));
+    t0 = Clock::now();
+    history.push_back(next);
+    bool running = emit(next);
+    while (running) {
+        if (cancel.load()) {
+            res.finish = FinishReason::cancelled;
+            break;
+        }
+        // room: the verify batch [next, drafts...] must fit the context and the rollback slots
+        const int64_t room = std::min(target.n_ctx() - target.n_past() - 1, spec.n_max);
+        if (room < 0) {
+            res.finish = FinishReason::length;
+            break;
+        }
+        auto td = Clock::now();
+        Draft draft = drafter.propose(history, std::min(n_draft, room));
+        stats.draft_seconds += seconds_since(td);
+        if ((int64_t)draft.tokens.size() < spec.n_min) {
+            draft.tokens.clear();
+            draft.dists.clear();
+        }
+
+        std::vector<int32_t> batch = {next};
+        batch.insert(batch.end(), draft.tokens.begin(), draft.tokens.end());
+        const int64_t T = (int64_t)batch.size();
+        rows.resize(T * n_vocab);
+        auto tv = Clock::now();
+        target.eval_verify(batch.data(), T, rows.data());
+        stats.verify_seconds += seconds_since(tv);
+        stats.n_steps++;
+        stats.n_drafted += (int64_t)draft.tokens.size();
+
+        const int64_t n_acc = accept_draft(rows.data(), n_vocab, draft, sampler, history, next);
+        stats.n_accepted += n_acc;
+        auto tr = Clock::now();
+        target.keep(1 + n_acc);  // `next` (the old one) and the accepted drafts stay
+        stats.rollback_seconds += seconds_since(tr);
+
+        for (int64_t i = 0; i < n_acc && running; ++i) running = emit(draft.tokens[i]);
+        if (!running) break;
+        history.push_back(next);
+        running = emit(next);
+
+        // adapt: grow after a fully accepted draft, shrink to what was accepted otherwise, so a
+        // useless drafter quickly costs no more than plain decoding
+        if (!draft.tokens.empty()) {
+            n_draft = n_acc == (int64_t)draft.tokens.size() ? std::min(spec.n_max, n_draft * 2)
+                                                            : std::max<int64_t>(std::max<int64_t>(spec.n_min, 1), n_acc + 1);
+        } else {
+            n_draft = std::max<int64_t>(spec.n_min, 1);
+        }
+    }
+    res.decode_seconds = seconds_since(t0);
+    return res;
+}
+
+}  // namespace deltaspec

@@ -1,0 +1,37 @@
+// Draft-verify decoding: the drafter proposes, the target verifies all drafts in one forward pass,
+// the accept rule decides, the target's recurrent state is rolled back to the last accepted
+// token from its rollback slots (never re-run). Lossless: greedy output equals plain greedy
+// output, and sampled output is distributed as plain sampling with the same settings.
+#pragma once
+
+#include "drafters.h"
+#include "generate.h"
+
+namespace deltaspec {
+
+struct SpecOptions {
+    int64_t n_max = 16;  // longest draft
+    int64_t n_min = 0;   // shorter drafts are not verified (plain decode step instead)
+};
+
+struct SpecStats {
+    int64_t n_steps = 0;      // target forward passes after the prompt
+    int64_t n_drafted = 0;
+    int64_t n_accepted = 0;
+    double draft_seconds = 0.0;
+    double verify_seconds = 0.0;
+    double rollback_seconds = 0.0;
+};
+
+GenerateResult generate_speculative(Engine & target, Drafter & drafter, const PieceTable & pieces,
+                                    const GenerateRequest & req, const SpecOptions & spec,
+                                    const std::atomic<bool> & cancel, const TokenCallback & on_token,
+                                    SpecStats & stats);
+
+// The accept rule for one verified draft. rows: target logits, one row per verified position
+// (row i predicts the token after batch[i]); returns the accepted draft prefix length and sets
+// `next` to the token the target contributes after it (correction or bonus).
+int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, Sampler & sampler,
+                     std::vector<int32_t> & history, int32_t & next);
+
+}  // namespace deltaspec
