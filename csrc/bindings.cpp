@@ -40,27 +40,27 @@ const char * finish_name(FinishReason f) {
     }
 }
 
-py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
-                     std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object callback) {
-    if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
+GenerateRequest make_request(std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
+                             std::vector<int32_t> eog_ids, std::vector<std::string> stop) {
     GenerateRequest req;
     req.prompt = std::move(prompt);
     req.max_tokens = max_tokens;
     req.sampling = sampling;
     req.eog_ids = std::move(eog_ids);
     req.stop = std::move(stop);
-    TokenCallback on_token;
-    if (!callback.is_none()) {
-        on_token = [&callback](int32_t token) {
-            py::gil_scoped_acquire gil;
-            return callback(token).cast<bool>();
-        };
-    }
-    GenerateResult res;
-    {
-        py::gil_scoped_release release;
-        res = generate(*r.engine, r.pieces, req, r.cancel, on_token);
-    }
+    return req;
+}
+
+// A Python callable -> the loop's token callback (which runs without the GIL, so it takes it).
+TokenCallback make_callback(const py::object & callback) {
+    if (callback.is_none()) return {};
+    return [&callback](int32_t token) {
+        py::gil_scoped_acquire gil;
+        return callback(token).cast<bool>();
+    };
+}
+
+py::dict result_dict(const GenerateResult & res) {
     py::dict out;
     out["tokens"] = res.tokens;
     out["finish_reason"] = finish_name(res.finish);
@@ -70,28 +70,30 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
     return out;
 }
 
+py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
+                     std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object callback) {
+    if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
+    const GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    const TokenCallback on_token = make_callback(callback);
+    GenerateResult res;
+    {
+        py::gil_scoped_release release;
+        res = generate(*r.engine, r.pieces, req, r.cancel, on_token);
+    }
+    return result_dict(res);
+}
+
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
                           std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
-    GenerateRequest req;
-    req.prompt = std::move(prompt);
-    req.max_tokens = max_tokens;
-    req.sampling = sampling;
-    req.eog_ids = std::move(eog_ids);
-    req.stop = std::move(stop);
+    const GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    const TokenCallback on_token = make_callback(callback);
     SpecOptions spec;
     spec.n_max = n_max;
     spec.n_min = n_min;
-    TokenCallback on_token;
-    if (!callback.is_none()) {
-        on_token = [&callback](int32_t token) {
-            py::gil_scoped_acquire gil;
-            return callback(token).cast<bool>();
-        };
-    }
     SpecStats stats;
     GenerateResult res;
     {
@@ -108,12 +110,7 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
         }
         res = generate_speculative(*r.engine, *drafter, r.pieces, req, spec, r.cancel, on_token, stats);
     }
-    py::dict out;
-    out["tokens"] = res.tokens;
-    out["finish_reason"] = finish_name(res.finish);
-    out["stop_offset"] = res.stop_offset;
-    out["prefill_seconds"] = res.prefill_seconds;
-    out["decode_seconds"] = res.decode_seconds;
+    py::dict out = result_dict(res);
     out["n_steps"] = stats.n_steps;
     out["n_drafted"] = stats.n_drafted;
     out["n_accepted"] = stats.n_accepted;

@@ -1,7 +1,6 @@
 #include "engine.h"
 
 #include <algorithm>
-#include <new>
 #include <cmath>
 #include <stdexcept>
 
@@ -93,10 +92,7 @@ Engine::~Engine() {
         ggml_backend_buffer_free(weights_.buffer);
         weights_.buffer = nullptr;
     }
-    if (state_.buffer) {
-        ggml_backend_buffer_free(state_.buffer);
-        state_.buffer = nullptr;
-    }
+    state_.release();
     if (backend_cpu_ != backend_) ggml_backend_free(backend_cpu_);
     ggml_backend_free(backend_);
 }
@@ -172,8 +168,7 @@ void Engine::ensure_slots(int64_t n) {
     ggml_backend_sched_reset(sched_);
     const ggml_type type_k = state_.type_k, type_v = state_.type_v;
     const int64_t n_ctx = state_.n_ctx;
-    state_.~SequenceState();
-    new (&state_) SequenceState();
+    state_.release();
     allocate_state(state_, hp_, n_ctx, type_k, type_v, n, backend_);
     opts_.n_slots = n;
     // the verify graph copies into every slot: give it room for those nodes

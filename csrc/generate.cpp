@@ -27,6 +27,27 @@ int64_t find_stop(const std::string & text, size_t fresh, const std::vector<std:
 
 }  // namespace
 
+bool Emitter::emit(int32_t token) {
+    res_.tokens.push_back(token);
+    const std::string & piece = pieces_[token];
+    text_ += piece;
+    const bool eog = std::find(req_.eog_ids.begin(), req_.eog_ids.end(), token) != req_.eog_ids.end();
+    if (!req_.stop.empty() && !eog) res_.stop_offset = find_stop(text_, piece.size(), req_.stop);
+    if (on_token_ && !on_token_(token)) {
+        res_.finish = FinishReason::cancelled;
+        return false;
+    }
+    if (eog || res_.stop_offset >= 0) {
+        res_.finish = FinishReason::stop;
+        return false;
+    }
+    if ((int32_t)res_.tokens.size() >= req_.max_tokens) {
+        res_.finish = FinishReason::length;
+        return false;
+    }
+    return true;
+}
+
 GenerateResult generate(Engine & engine, const PieceTable & pieces, const GenerateRequest & req,
                         const std::atomic<bool> & cancel, const TokenCallback & on_token) {
     const int64_t n_vocab = engine.hparams().n_vocab;
@@ -34,10 +55,10 @@ GenerateResult generate(Engine & engine, const PieceTable & pieces, const Genera
     if ((int64_t)pieces.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
 
     GenerateResult res;
+    Emitter out(pieces, req, on_token, res);
     std::vector<float> logits(n_vocab);
     std::vector<int32_t> history = req.prompt;
     Sampler sampler(req.sampling);
-    std::string text;
 
     // Plain greedy needs only the argmax, which the device computes: no logits cross over.
     const SamplingParams & sp = req.sampling;
@@ -61,21 +82,9 @@ GenerateResult generate(Engine & engine, const PieceTable & pieces, const Genera
             break;
         }
         const int32_t token = device_argmax ? next : sampler.sample(logits.data(), n_vocab, history);
-        res.tokens.push_back(token);
         history.push_back(token);
-        const std::string & piece = pieces[token];
-        text += piece;
-        const bool eog = std::find(req.eog_ids.begin(), req.eog_ids.end(), token) != req.eog_ids.end();
-        if (!req.stop.empty() && !eog) res.stop_offset = find_stop(text, piece.size(), req.stop);
-        if (on_token && !on_token(token)) {
-            res.finish = FinishReason::cancelled;
-            break;
-        }
-        if (eog || res.stop_offset >= 0) {
-            res.finish = FinishReason::stop;
-            break;
-        }
-        if ((int32_t)res.tokens.size() >= req.max_tokens || engine.n_past() >= engine.n_ctx()) {
+        if (!out.emit(token)) break;
+        if (engine.n_past() >= engine.n_ctx()) {
             res.finish = FinishReason::length;
             break;
         }

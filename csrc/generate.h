@@ -40,4 +40,22 @@ using PieceTable = std::vector<std::string>;
 GenerateResult generate(Engine & engine, const PieceTable & pieces, const GenerateRequest & req,
                         const std::atomic<bool> & cancel, const TokenCallback & on_token);
 
+// Commits generated tokens to a result and decides when generation ends: an end-of-generation
+// token, a stop string, max_tokens, or the callback asking to cancel. Shared by every decode loop.
+class Emitter {
+  public:
+    Emitter(const PieceTable & pieces, const GenerateRequest & req, const TokenCallback & on_token,
+            GenerateResult & res)
+        : pieces_(pieces), req_(req), on_token_(on_token), res_(res) {}
+    // Returns false when generation must end after this token (res.finish is then set).
+    bool emit(int32_t token);
+
+  private:
+    const PieceTable & pieces_;
+    const GenerateRequest & req_;
+    const TokenCallback & on_token_;
+    GenerateResult & res_;
+    std::string text_;
+};
+
 }  // namespace deltaspec

@@ -69,11 +69,11 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
                                     SpecStats & stats) {
     const int64_t n_vocab = target.hparams().n_vocab;
     if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
+    if ((int64_t)pieces.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
     GenerateResult res;
     Sampler sampler(req.sampling);
     std::vector<int32_t> history = req.prompt;  // prompt + every committed token
     std::vector<float> rows;
-    std::string text;
 
     auto t0 = Clock::now();
     target.reset();
@@ -82,40 +82,12 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     int32_t next = sampler.sample(rows.data(), n_vocab, history);
     res.prefill_seconds = seconds_since(t0);
 
-    // Emits one committed token; returns false when generation must end after it.
-    auto emit = [&](int32_t token) {
-        res.tokens.push_back(token);
-        const std::string & piece = pieces[token];
-        text += piece;
-        const bool eog = std::find(req.eog_ids.begin(), req.eog_ids.end(), token) != req.eog_ids.end();
-        if (!req.stop.empty() && !eog) {
-            for (const std::string & s : req.stop) {
-                const size_t from = text.size() >= piece.size() + s.size() ? text.size() - piece.size() - s.size() + 1 : 0;
-                const size_t at = text.find(s, from);
-                if (at != std::string::npos && (res.stop_offset < 0 || (int64_t)at < res.stop_offset)) {
-                    res.stop_offset = (int64_t)at;
-                }
-            }
-        }
-        if (on_token && !on_token(token)) {
-            res.finish = FinishReason::cancelled;
-            return false;
-        }
-        if (eog || res.stop_offset >= 0) {
-            res.finish = FinishReason::stop;
-            return false;
-        }
-        if ((int32_t)res.tokens.size() >= req.max_tokens) {
-            res.finish = FinishReason::length;
-            return false;
-        }
-        return true;
-    };
+    Emitter out(pieces, req, on_token, res);
 
     int64_t n_draft = std::max<int64_t>(spec.n_min, std::min<int64_t>(spec.n_max, 4));
     t0 = Clock::now();
     history.push_back(next);
-    bool running = emit(next);
+    bool running = out.emit(next);
     while (running) {
         if (cancel.load()) {
             res.finish = FinishReason::cancelled;
@@ -151,10 +123,10 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         target.keep(1 + n_acc);  // `next` (the old one) and the accepted drafts stay
         stats.rollback_seconds += seconds_since(tr);
 
-        for (int64_t i = 0; i < n_acc && running; ++i) running = emit(draft.tokens[i]);
+        for (int64_t i = 0; i < n_acc && running; ++i) running = out.emit(draft.tokens[i]);
         if (!running) break;
         history.push_back(next);
-        running = emit(next);
+        running = out.emit(next);
 
         // adapt: grow after a fully accepted draft, shrink to what was accepted otherwise, so a
         // useless drafter quickly costs no more than plain decoding

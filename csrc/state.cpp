@@ -8,9 +8,21 @@
 
 namespace deltaspec {
 
-SequenceState::~SequenceState() {
+SequenceState::~SequenceState() { release(); }
+
+void SequenceState::release() {
     if (buffer) ggml_backend_buffer_free(buffer);
     if (ctx) ggml_free(ctx);
+    buffer = nullptr;
+    ctx = nullptr;
+    k.clear();
+    v.clear();
+    conv.clear();
+    ssm.clear();
+    conv_slots.clear();
+    ssm_slots.clear();
+    n_slots = 0;
+    n_past = 0;
 }
 
 void SequenceState::clear() {
