@@ -84,7 +84,11 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
 
     Emitter out(pieces, req, on_token, res);
 
+    // Adaptive draft length: grow after a fully accepted draft, shrink to what was accepted
+    // otherwise. A draft of which nothing is accepted also pauses drafting for `backoff` plain
+    // steps (doubling while drafts keep failing), so a useless drafter costs about plain decoding.
     int64_t n_draft = std::max<int64_t>(spec.n_min, std::min<int64_t>(spec.n_max, 4));
+    int64_t pause = 0, backoff = 1;
     t0 = Clock::now();
     history.push_back(next);
     bool running = out.emit(next);
@@ -93,18 +97,34 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             res.finish = FinishReason::cancelled;
             break;
         }
-        // room: the verify batch [next, drafts...] must fit the context and the rollback slots
-        const int64_t room = std::min(target.n_ctx() - target.n_past() - 1, spec.n_max);
-        if (room < 0) {
+        if (target.n_past() >= target.n_ctx()) {
             res.finish = FinishReason::length;
             break;
         }
-        auto td = Clock::now();
-        Draft draft = drafter.propose(history, std::min(n_draft, room));
-        stats.draft_seconds += seconds_since(td);
-        if ((int64_t)draft.tokens.size() < spec.n_min) {
-            draft.tokens.clear();
-            draft.dists.clear();
+        // room: the batch [next, drafts...] must fit the context and the rollback slots, and
+        // drafts past max_tokens would be thrown away (the target adds one token itself)
+        const int64_t left = req.max_tokens - (int64_t)res.tokens.size();
+        const int64_t room = std::min({target.n_ctx() - target.n_past() - 1, spec.n_max, left - 1});
+        Draft draft;
+        if (pause > 0) {
+            --pause;
+        } else if (room >= std::max<int64_t>(spec.n_min, 1)) {
+            auto td = Clock::now();
+            draft = drafter.propose(history, std::min(n_draft, room));
+            stats.draft_seconds += seconds_since(td);
+            if ((int64_t)draft.tokens.size() < spec.n_min) draft = Draft{};
+        }
+        stats.n_steps++;
+
+        if (draft.tokens.empty()) {  // a plain decode step: no rollback slots to fill
+            rows.resize(n_vocab);
+            auto tv = Clock::now();
+            target.eval(&next, 1, LogitsWanted::last, rows.data());
+            stats.verify_seconds += seconds_since(tv);
+            next = sampler.sample(rows.data(), n_vocab, history);
+            history.push_back(next);
+            running = out.emit(next);
+            continue;
         }
 
         std::vector<int32_t> batch = {next};
@@ -114,7 +134,6 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         auto tv = Clock::now();
         target.eval_verify(batch.data(), T, rows.data());
         stats.verify_seconds += seconds_since(tv);
-        stats.n_steps++;
         stats.n_drafted += (int64_t)draft.tokens.size();
 
         const int64_t n_acc = accept_draft(rows.data(), n_vocab, draft, sampler, history, next);
@@ -128,13 +147,18 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         history.push_back(next);
         running = out.emit(next);
 
-        // adapt: grow after a fully accepted draft, shrink to what was accepted otherwise, so a
-        // useless drafter quickly costs no more than plain decoding
-        if (!draft.tokens.empty()) {
-            n_draft = n_acc == (int64_t)draft.tokens.size() ? std::min(spec.n_max, n_draft * 2)
-                                                            : std::max<int64_t>(std::max<int64_t>(spec.n_min, 1), n_acc + 1);
+        const int64_t n_floor = std::max<int64_t>(spec.n_min, 1);
+        if (n_acc == (int64_t)draft.tokens.size()) {
+            n_draft = std::min(spec.n_max, n_draft * 2);
+            backoff = 1;
         } else {
-            n_draft = std::max<int64_t>(spec.n_min, 1);
+            n_draft = std::max(n_floor, n_acc + 1);
+            if (n_acc == 0 && spec.n_min == 0) {
+                pause = backoff;
+                backoff = std::min<int64_t>(backoff * 2, 256);
+            } else if (n_acc > 0) {
+                backoff = 1;
+            }
         }
     }
     res.decode_seconds = seconds_since(t0);

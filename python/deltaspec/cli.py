@@ -53,7 +53,8 @@ RUN_FLAGS = {
     "max_tokens": "-n/--n-predict", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p",
     "min_p": "--min-p", "repeat_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty", "penalty_last_n": "--repeat-last-n", "seed": "-s/--seed",
-    "stop": "--stop",
+    "stop": "--stop", "draft_n_max": "--spec-draft-n-max", "draft_n_min": "--spec-draft-n-min",
+    "draft_model": "-md/--model-draft", "spec_type": "--spec-type",
 }
 
 
@@ -102,6 +103,17 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--stop", action="extend", nargs="+", default=[], metavar="STR",
                    help="stop when the output contains STR (not printed); may be given several times")
     p.add_argument("--no-display-prompt", action="store_true", help="do not print the prompt before the output")
+    g = p.add_argument_group("speculative decoding (lossless: greedy output and sampling distribution "
+                             "are those of -m alone)")
+    g.add_argument("-md", "--model-draft", metavar="FNAME", default=None,
+                   help="draft model GGUF (same vocabulary as -m); turns on --spec-type draft-simple")
+    g.add_argument("--spec-type", choices=["draft-simple", "ngram-simple"], default=None,
+                   help="draft-simple: the -md model drafts; ngram-simple: prompt lookup, drafts from the "
+                        "text itself (default: draft-simple with -md, else no speculation)")
+    g.add_argument("--spec-draft-n-max", type=int, default=16, metavar="N",
+                   help="most tokens drafted per step; the draft length adapts below it (default: %(default)s)")
+    g.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N",
+                   help="fewest tokens drafted per step (default: %(default)s)")
     p.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
                    help='with -i: options for the chat template, e.g. \'{"enable_thinking": false}\' '
                         "(enable_thinking is the one understood)")
@@ -223,11 +235,40 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
                 type_k=args.cache_type_k, type_v=args.cache_type_v)
 
 
+def _spec_kwargs(args: argparse.Namespace) -> dict:
+    """generate()'s speculative-decoding keyword arguments, checked before any model loads."""
+    if args.model_draft is None and args.spec_type is None:
+        for flag, value, default in (("--spec-draft-n-max", args.spec_draft_n_max, 16),
+                                     ("--spec-draft-n-min", args.spec_draft_n_min, 0)):
+            if value != default:
+                raise RunError(f"{flag}: only used with -md/--model-draft or --spec-type")
+        return {}
+    if args.spec_type == "ngram-simple" and args.model_draft is not None:
+        raise RunError("--spec-type: ngram-simple drafts from the text itself; do not pass -md/--model-draft")
+    if args.spec_type in (None, "draft-simple") and args.model_draft is None:
+        raise RunError("--spec-type: draft-simple needs a draft model (-md/--model-draft FNAME)")
+    for flag, value, lo in (("--spec-draft-n-max", args.spec_draft_n_max, 1),
+                            ("--spec-draft-n-min", args.spec_draft_n_min, 0)):
+        if not lo <= value <= 256:
+            raise RunError(f"{flag}: must be in [{lo}, 256], got {value}")
+    if args.spec_draft_n_min > args.spec_draft_n_max:
+        raise RunError(f"--spec-draft-n-min: {args.spec_draft_n_min} exceeds --spec-draft-n-max "
+                       f"({args.spec_draft_n_max})")
+    if args.model_draft is not None:
+        import os
+
+        if not os.path.isfile(args.model_draft):
+            raise RunError(f"-md/--model-draft: no such file: {args.model_draft}")
+    return dict(draft_model=args.model_draft, spec_type=args.spec_type or "draft-simple",
+                draft_n_max=args.spec_draft_n_max, draft_n_min=args.spec_draft_n_min)
+
+
 def _run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     if prompt is None and not args.interactive:
         raise RunError("one of -p/--prompt, -f/--file or -i/--interactive is required")
     sampling = _sampling_kwargs(args)
+    sampling.update(_spec_kwargs(args))
     template_kwargs = _template_kwargs(args)
     if template_kwargs and not args.interactive:
         raise RunError("--chat-template-kwargs: only used with -i/--interactive")
@@ -261,8 +302,10 @@ def _complete(model, prompt: str, sampling: dict, display_prompt: bool) -> int:
     s = r.stats
     print(f"deltaspec: prompt {s.prompt_tokens} tokens in {1e3 * s.prefill_seconds:.1f} ms "
           f"({s.prefill_tokens_per_second:.1f} tok/s) | generated {s.generated_tokens} tokens in "
-          f"{1e3 * s.decode_seconds:.1f} ms ({s.tokens_per_second:.1f} tok/s) | finish: {r.finish_reason}",
-          file=sys.stderr)
+          f"{1e3 * s.decode_seconds:.1f} ms ({s.tokens_per_second:.1f} tok/s)"
+          + (f" | drafted {s.n_drafted}, accepted {s.n_accepted} ({100 * s.acceptance_rate:.1f}%), "
+             f"mean acceptance length {s.mean_acceptance_length:.2f}" if "spec_type" in sampling else "")
+          + f" | finish: {r.finish_reason}", file=sys.stderr)
     return 0
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import gguf
 
+from .atomic_write import gguf_written_to
 from .errors import ConversionError
 
 ARCH = "qwen35"
@@ -152,8 +153,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
     _add_vocab(writer, folder, hp)
 
     # write next to the target and rename, so a failure never leaves a truncated GGUF behind
-    tmp = out.with_name(out.name + ".part")
-    try:
+    with gguf_written_to(out, writer) as tmp:
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -161,12 +161,6 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
             data = gguf.quants.quantize(p.transform(p.source.load()), p.qtype)
             writer.write_tensor_data(data)
             log(f"[{i + 1}/{len(plan)}] {p.gguf_name} {p.qtype.name} {tuple(reversed(p.shape))}")
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return out
 
 

@@ -66,6 +66,7 @@ from typing import Any, Callable, Sequence
 import gguf
 import numpy as np
 
+from .atomic_write import gguf_written_to
 from .errors import DeltaspecError
 
 ARCH = "qwen35"
@@ -592,8 +593,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], preset: str | SynthPreset
     total = sum(t.n_bytes for t in plan)
     align = writer.data_alignment
     pools = _Pools(seed)
-    tmp = out.with_name(out.name + ".part")
-    try:
+    with gguf_written_to(out, writer) as tmp:
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -633,12 +633,6 @@ def write_synthetic_gguf(path: str | os.PathLike[str], preset: str | SynthPreset
                 drain_one()
             if current is not None:
                 finish_tensor()
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return SynthResult(out, out.stat().st_size, time.perf_counter() - t0, type_bytes(plan))
 
 
