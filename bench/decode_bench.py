@@ -106,9 +106,7 @@ def bytes_per_token(model_path: str, depth: int, ctk: str) -> int:
     hp = read_hparams(f)
     used = expected_tensors(hp, f)
     weights = sum(f.tensors[n].n_bytes for n in used if n != "token_embd.weight" or hp.tied_output)
-    n_rec = hp.n_layer - hp.n_attention_layers
-    state = n_rec * (hp.ssm_state_size ** 2 * hp.ssm_n_v_heads + (hp.ssm_conv_kernel - 1) * hp.conv_channels) * 4
-    return weights + 2 * state + depth * kv_bytes_per_token(hp, ctk, ctk)
+    return weights + 2 * hp.recurrent_state_bytes + depth * kv_bytes_per_token(hp, ctk, ctk)
 
 
 def report(ours: list[dict], peer: list[dict], model_path: str | None, bandwidth: float | None) -> str:

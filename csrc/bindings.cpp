@@ -262,15 +262,18 @@ PYBIND11_MODULE(_core, m) {
 
     py::class_<Runner>(m, "Engine")
         .def(py::init([](const std::string & path, const HParams & hp, int64_t n_ctx, int64_t n_ubatch, int n_threads,
-                         const std::string & device, const std::string & type_k, const std::string & type_v,
+                         const std::string & device, int type_k, int type_v,
                          py::object progress) {
                  EngineOptions o;
                  o.n_ctx = n_ctx;
                  o.n_ubatch = n_ubatch;
                  o.n_threads = n_threads;
                  o.device = device;
-                 o.type_k = type_k;
-                 o.type_v = type_v;
+                 for (int t : {type_k, type_v}) {
+                     if (t < 0 || t >= GGML_TYPE_COUNT) throw std::invalid_argument("unknown ggml type id " + std::to_string(t));
+                 }
+                 o.type_k = (ggml_type)type_k;
+                 o.type_v = (ggml_type)type_v;
                  if (!progress.is_none()) {
                      // Captured by reference: copies of the std::function made without the GIL must not
                      // touch the Python object's reference count. An exception it raises aborts the load.

@@ -10,19 +10,6 @@
 
 namespace deltaspec {
 
-ggml_type parse_cache_type(const std::string & name) {
-    static const std::pair<const char *, ggml_type> types[] = {
-        {"f32", GGML_TYPE_F32},   {"f16", GGML_TYPE_F16},   {"bf16", GGML_TYPE_BF16}, {"q8_0", GGML_TYPE_Q8_0},
-        {"q4_0", GGML_TYPE_Q4_0}, {"q4_1", GGML_TYPE_Q4_1}, {"q5_0", GGML_TYPE_Q5_0}, {"q5_1", GGML_TYPE_Q5_1},
-        {"iq4_nl", GGML_TYPE_IQ4_NL},
-    };
-    for (const auto & [n, t] : types) {
-        if (name == n) return t;
-    }
-    throw std::invalid_argument("unknown KV cache type '" + name +
-                                "' (expected f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 or iq4_nl)");
-}
-
 namespace {
 
 ggml_backend_t init_backend(const std::string & device) {
@@ -46,9 +33,7 @@ ggml_backend_t init_backend(const std::string & device) {
 Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions & opts) : hp_(hp), opts_(opts) {
     if ((int64_t)hp.recurrent.size() != hp.n_layer) throw std::invalid_argument("recurrent flags != n_layer");
     if (opts.n_ubatch < 1) throw std::invalid_argument("n_ubatch must be >= 1");
-    const ggml_type type_k = parse_cache_type(opts.type_k);
-    const ggml_type type_v = parse_cache_type(opts.type_v);
-    for (auto [t, which] : {std::pair{type_k, "type_k"}, std::pair{type_v, "type_v"}}) {
+    for (auto [t, which] : {std::pair{opts.type_k, "type_k"}, std::pair{opts.type_v, "type_v"}}) {
         if (hp.head_dim % ggml_blck_size(t) != 0) {
             throw std::invalid_argument(std::string(which) + ": the block size of " + ggml_type_name(t) +
                                         " does not divide the head dim " + std::to_string(hp.head_dim));
@@ -66,15 +51,8 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
         ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts.n_threads));
 
         load_weights(weights_, path, hp_, backend_, opts.progress);
-        allocate_state(state_, hp_, opts.n_ctx, type_k, type_v, opts.n_slots, backend_);
-
-        // A layer costs well under 64 nodes; the rest covers embeddings and the head.
-        graph_size_ = (size_t)((64 + opts.n_slots) * hp.n_layer + 256);
-        graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
-        ggml_backend_t backends[2] = {backend_, backend_cpu_};
-        const int n_backends = backend_ == backend_cpu_ ? 1 : 2;
-        sched_ = ggml_backend_sched_new(backends, nullptr, n_backends, graph_size_, false, false);
-        if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
+        allocate_state(state_, hp_, opts.n_ctx, opts.type_k, opts.type_v, opts.n_slots, backend_);
+        make_scheduler();
     } catch (...) {
         if (sched_) ggml_backend_sched_free(sched_);
         if (backend_cpu_ && backend_cpu_ != backend_) ggml_backend_free(backend_cpu_);
@@ -114,7 +92,18 @@ int32_t Engine::eval_argmax(const int32_t * tokens, int64_t n_tokens) {
     return token;
 }
 
-void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out) {
+void Engine::make_scheduler() {
+    // A layer costs well under 64 nodes, plus one copy per rollback slot; the rest covers
+    // embeddings and the head.
+    graph_size_ = (size_t)((64 + state_.n_slots) * hp_.n_layer + 256);
+    graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
+    if (sched_) ggml_backend_sched_free(sched_);
+    ggml_backend_t backends[2] = {backend_, backend_cpu_};
+    sched_ = ggml_backend_sched_new(backends, nullptr, backend_ == backend_cpu_ ? 1 : 2, graph_size_, false, false);
+    if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
+}
+
+void Engine::check_batch(const int32_t * tokens, int64_t n_tokens) const {
     if (n_tokens < 1) throw std::invalid_argument("eval needs at least one token");
     if (state_.n_past + n_tokens > state_.n_ctx) {
         throw std::length_error("sequence of " + std::to_string(state_.n_past + n_tokens) +
@@ -126,6 +115,10 @@ void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wan
                                     " is outside the vocabulary [0, " + std::to_string(hp_.n_vocab) + ")");
         }
     }
+}
+
+void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out) {
+    check_batch(tokens, n_tokens);
     for (int64_t done = 0; done < n_tokens;) {
         const int64_t n = std::min(opts_.n_ubatch, n_tokens - done);
         const bool last_batch = done + n == n_tokens;
@@ -143,10 +136,7 @@ void Engine::eval_verify(const int32_t * tokens, int64_t T, float * logits) {
         throw std::invalid_argument("a verify batch holds 1 to " + std::to_string(std::min(state_.n_slots, opts_.n_ubatch)) +
                                     " tokens (n_slots, n_ubatch), got " + std::to_string(T));
     }
-    if (state_.n_past + T > state_.n_ctx) throw std::length_error("verify batch does not fit the context");
-    for (int64_t i = 0; i < T; ++i) {
-        if (tokens[i] < 0 || tokens[i] >= hp_.n_vocab) throw std::out_of_range("draft token outside the vocabulary");
-    }
+    check_batch(tokens, T);
     const int64_t p0 = state_.n_past;
     eval_ubatch(tokens, T, LogitsWanted::all, logits, /*fill_slots =*/true);
     verify_p0_ = p0;
@@ -165,19 +155,10 @@ void Engine::keep(int64_t n_keep) {
 void Engine::ensure_slots(int64_t n) {
     if (n <= state_.n_slots) return;
     drop_step_graph();
-    ggml_backend_sched_reset(sched_);
-    const ggml_type type_k = state_.type_k, type_v = state_.type_v;
     const int64_t n_ctx = state_.n_ctx;
     state_.release();
-    allocate_state(state_, hp_, n_ctx, type_k, type_v, n, backend_);
-    opts_.n_slots = n;
-    // the verify graph copies into every slot: give it room for those nodes
-    graph_size_ = (size_t)((64 + n) * hp_.n_layer + 256);
-    graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
-    ggml_backend_sched_free(sched_);
-    ggml_backend_t backends[2] = {backend_, backend_cpu_};
-    sched_ = ggml_backend_sched_new(backends, nullptr, backend_ == backend_cpu_ ? 1 : 2, graph_size_, false, false);
-    if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
+    allocate_state(state_, hp_, n_ctx, opts_.type_k, opts_.type_v, n, backend_);
+    make_scheduler();  // the verify graph copies into every slot: room for those nodes
     verify_T_ = 0;
     checkpoint_n_past_ = -1;
 }
@@ -209,7 +190,8 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.ctx = ggml_init(params);
     step_.gf = ggml_new_graph_custom(step_.ctx, graph_size_, false);
     step_.in = make_step_inputs(step_.ctx, T, n_kv, fill_slots);
-    step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, state_, step_.in, wanted == LogitsWanted::all);
+    const int64_t n_rows = wanted == LogitsWanted::all ? T : wanted == LogitsWanted::none ? 0 : 1;
+    step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, state_, step_.in, n_rows);
     if (wanted == LogitsWanted::argmax) {
         step_.out = ggml_argmax(step_.ctx, step_.out);
         ggml_set_output(step_.out);
@@ -227,27 +209,37 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     return step_;
 }
 
+namespace {
+
+// An input no kept node reads is not allocated (e.g. the mask when the last layer is an attention
+// layer and the batch wants no logits): there is nothing to set then.
+void set_input(ggml_tensor * t, const void * data, size_t size) {
+    if (t->buffer) ggml_backend_tensor_set(t, data, 0, size);
+}
+
+}  // namespace
+
 void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool fill_slots) {
     const int64_t p0 = state_.n_past;
     const int64_t n_kv = state_.n_kv_for(p0 + T);
     StepGraph & g = step_graph(T, n_kv, wanted, fill_slots);
     verify_T_ = 0;  // any step ends the window in which keep() may roll back
 
-    ggml_backend_tensor_set(g.in.tokens, tokens, 0, T * sizeof(int32_t));
+    set_input(g.in.tokens, tokens, T * sizeof(int32_t));
     std::vector<int32_t> pos(4 * T, 0);
     std::vector<int64_t> rows(T);
     for (int64_t t = 0; t < T; ++t) {
         pos[t] = pos[T + t] = pos[2 * T + t] = (int32_t)(p0 + t);
         rows[t] = p0 + t;
     }
-    ggml_backend_tensor_set(g.in.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
-    ggml_backend_tensor_set(g.in.kv_rows, rows.data(), 0, rows.size() * sizeof(int64_t));
+    set_input(g.in.pos, pos.data(), pos.size() * sizeof(int32_t));
+    set_input(g.in.kv_rows, rows.data(), rows.size() * sizeof(int64_t));
     std::vector<ggml_fp16_t> mask(n_kv * T);
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
     for (int64_t t = 0; t < T; ++t) {
         for (int64_t j = 0; j < n_kv; ++j) mask[t * n_kv + j] = j <= p0 + t ? zero : neg_inf;
     }
-    ggml_backend_tensor_set(g.in.kq_mask, mask.data(), 0, mask.size() * sizeof(ggml_fp16_t));
+    set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
 
     if (ggml_backend_sched_graph_compute(sched_, g.gf) != GGML_STATUS_SUCCESS) {
         drop_step_graph();

@@ -22,8 +22,8 @@ struct EngineOptions {
     int64_t n_ubatch = 512;       // largest micro-batch one graph processes
     int n_threads = 1;
     std::string device = "cpu";   // "cpu" or "cuda"
-    std::string type_k = "f16";
-    std::string type_v = "f16";
+    ggml_type type_k = GGML_TYPE_F16;  // KV cache types (Python maps llama.cpp's names to these)
+    ggml_type type_v = GGML_TYPE_F16;
     int64_t n_slots = 0;          // rollback slots = the longest verify batch (0: no speculation)
     LoadProgress progress;        // optional: hears (done_bytes, total_bytes) while weights upload
 };
@@ -77,6 +77,8 @@ class Engine {
         bool fill_slots = false;
     };
     StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool fill_slots);
+    void check_batch(const int32_t * tokens, int64_t n_tokens) const;  // fits the context, ids in range
+    void make_scheduler();  // sizes the graph scratch for the current rollback slots; (re)creates sched_
     void drop_step_graph();
 
     HParams hp_;
@@ -94,6 +96,5 @@ class Engine {
     int64_t checkpoint_n_past_ = -1;
 };
 
-ggml_type parse_cache_type(const std::string & name);
 
 }  // namespace deltaspec

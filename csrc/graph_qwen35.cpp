@@ -143,7 +143,7 @@ ggml_tensor * swiglu_ffn(ggml_context * ctx, const LayerWeights & l, ggml_tensor
 }  // namespace
 
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
-                           const SequenceState & st, const StepInputs & in, bool all_logits) {
+                           const SequenceState & st, const StepInputs & in, int64_t n_logit_rows) {
     const float eps = hp.rms_eps;
     ggml_tensor * x = ggml_get_rows(ctx, w.token_embd, in.tokens);  // {E, T}
 
@@ -157,7 +157,11 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
         x = ggml_add(ctx, x, swiglu_ffn(ctx, l, rms_norm(ctx, x, l.post_norm, eps)));
     }
 
-    if (!all_logits) x = ggml_view_2d(ctx, x, x->ne[0], 1, x->nb[1], (in.n_tokens - 1) * x->nb[1]);
+    // A prefill micro-batch whose logits nobody reads skips the head (n_vocab x E per row).
+    if (n_logit_rows == 0) return nullptr;
+    if (n_logit_rows < in.n_tokens) {
+        x = ggml_view_2d(ctx, x, x->ne[0], n_logit_rows, x->nb[1], (in.n_tokens - n_logit_rows) * x->nb[1]);
+    }
     x = rms_norm(ctx, x, w.output_norm, eps);
     ggml_tensor * logits = ggml_mul_mat(ctx, w.output, x);
     ggml_set_output(logits);

@@ -21,9 +21,10 @@ struct StepInputs {
 
 StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool fill_slots = false);
 
-// Builds the graph into gf; returns logits {n_vocab, T} (all_logits) or {n_vocab, 1} (last row).
+// Builds the graph into gf; returns logits {n_vocab, n_logit_rows} of the batch's last rows
+// (n_logit_rows 1: the last token; T: every token; 0: no LM head at all, nullptr is returned).
 // The graph also writes the new KV rows, conv windows and DeltaNet states into `st`.
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
-                           const SequenceState & st, const StepInputs & in, bool all_logits);
+                           const SequenceState & st, const StepInputs & in, int64_t n_logit_rows);
 
 }  // namespace deltaspec

@@ -39,8 +39,6 @@ void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_
                     int64_t n_slots, ggml_backend_t backend) {
     st.n_slots = n_slots;
     st.n_ctx = (n_ctx + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
-    st.type_k = type_k;
-    st.type_v = type_v;
     const size_t n_tensors = 4 * (size_t)hp.n_layer;
     ggml_init_params params = {ggml_tensor_overhead() * (n_tensors + 1), nullptr, /*no_alloc =*/true};
     st.ctx = ggml_init(params);

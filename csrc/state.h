@@ -12,8 +12,6 @@ namespace deltaspec {
 struct SequenceState {
     int64_t n_ctx = 0;            // KV rows, a multiple of kv_pad
     int64_t n_past = 0;           // tokens already in the state
-    ggml_type type_k = GGML_TYPE_F16;
-    ggml_type type_v = GGML_TYPE_F16;
 
     // indexed by layer; null where the layer is of the other kind
     std::vector<ggml_tensor *> k;     // {Hkv*D, n_ctx}

@@ -179,16 +179,19 @@ class Generator:
         self._start(streaming=True)
         tok = self._model.tokenizer
         stops = [s.encode() for s in self._req.stop]
-        data = b""
+        data = bytearray()
         emitted = 0
         try:
             while (token := self._tokens.get()) is not None:
                 if tok.is_eog(token):
                     continue
-                data += tok.token_to_piece(token)
+                piece = tok.token_to_piece(token)
+                data += piece
                 end = len(data) - _held_back(data, stops)
-                # the token completing a stop string reaches us before the loop reports the stop
-                cuts = [at for at in (data.find(s) for s in stops) if at >= 0]
+                # the token completing a stop string reaches us before the loop reports the stop;
+                # only the newest bytes can complete one (an earlier one would have ended the loop)
+                cuts = [at for at in (data.find(s, max(0, len(data) - len(piece) - len(s) + 1)) for s in stops)
+                        if at >= 0]
                 end = min([end, *cuts])
                 if end > emitted:
                     yield data[emitted:end].decode("utf-8", errors="replace")

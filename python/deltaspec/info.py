@@ -25,7 +25,7 @@ def describe(path: str, n_ctx: int = 4096) -> list[str]:
     n_attn = hp.n_attention_layers
     n_rec = hp.n_layer - n_attn
     kv_per_token_f16 = kv_bytes_per_token(hp, "f16", "f16")
-    recurrent = n_rec * (hp.ssm_state_size**2 * hp.ssm_n_v_heads + (hp.ssm_conv_kernel - 1) * hp.conv_channels) * 4
+    recurrent = hp.recurrent_state_bytes
     name = f.metadata.get("general.name", "")
     lines = [
         f"file            {path}",

@@ -10,24 +10,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _core, completions
+from .cpu import default_threads
 from .errors import DeltaspecError
 from .generation import Generator, GenerationResult, Speculation, TextStream, _Request, validate_stop
 from .gguf_file import read_gguf
 from .qwen35 import Qwen35HParams, check_tensors, read_hparams
-from .kv_cache import validate_cache_types
+from .kv_cache import ggml_type, validate_cache_types
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
 
 DEVICES = ("cpu", "cuda")
 SPEC_TYPES = ("draft-simple", "ngram-simple")
 SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of Model.metadata
-
-
-def _default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _native_hparams(hp: Qwen35HParams) -> _core.HParams:
@@ -97,7 +91,7 @@ class Model:
         if not isinstance(n_ubatch, int) or n_ubatch < 1:
             raise ValueError(f"n_ubatch must be a positive integer, got {n_ubatch!r}")
         if n_threads is None:
-            n_threads = _default_threads()
+            n_threads = default_threads()
         if not isinstance(n_threads, int) or n_threads < 1:
             raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
         if device not in DEVICES:
@@ -119,7 +113,8 @@ class Model:
         on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
             self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
-                                        n_threads=n_threads, device=device, type_k=type_k, type_v=type_v,
+                                        n_threads=n_threads, device=device, type_k=int(ggml_type(type_k)),
+                                        type_v=int(ggml_type(type_v)),
                                         progress=on_bytes)
         except RuntimeError as e:
             raise DeltaspecError(str(e)) from None

@@ -54,6 +54,12 @@ class Qwen35HParams:
     def n_attention_layers(self) -> int:
         return self.recurrent.count(False)
 
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """F32 DeltaNet states plus conv windows of every recurrent layer, for one sequence."""
+        per_layer = self.ssm_state_size ** 2 * self.ssm_n_v_heads + (self.ssm_conv_kernel - 1) * self.conv_channels
+        return (self.n_layer - self.n_attention_layers) * per_layer * 4
+
 
 def _get(f: GGUFFile, key: str, kind: type, default=None, required=False):
     full = f"{ARCH}.{key}"

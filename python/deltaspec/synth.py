@@ -67,6 +67,7 @@ import gguf
 import numpy as np
 
 from .atomic_write import gguf_written_to
+from .cpu import default_threads
 from .errors import DeltaspecError
 
 ARCH = "qwen35"
@@ -551,13 +552,6 @@ def _add_tokenizer(w: gguf.GGUFWriter, chat_template: str | None) -> None:
             w.add_array(key, value)
 
 
-def _default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
-
-
 def write_synthetic_gguf(path: str | os.PathLike[str], preset: str | SynthPreset, quant: str, seed: int = 0,
                          progress: Callable[[int, int, str], None] | None = None, *, mtp: bool = False,
                          chat_template: str | None = None, threads: int | None = None) -> SynthResult:
@@ -578,7 +572,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], preset: str | SynthPreset
     if out.is_dir() or not out.resolve().parent.is_dir():
         raise SynthError(f"{out}: expected a file path in an existing folder")
     plan = tensor_plan(p, quant, mtp=mtp)
-    threads = threads or _default_threads()
+    threads = threads or default_threads()
 
     writer = _Writer(path=None, arch=ARCH)
     for t in plan:
