@@ -4,8 +4,10 @@
 #   2. build deltaspec against that ggml (one ggml-cuda compile serves both)
 #   3. GPU parity tests (CUDA vs CPU on the tiny models)
 #   4. a shape-faithful synthetic 27B Q4_K_M GGUF, then deltaspec and llama-bench on it, same run
+#   5. verify: what verifying a draft chain and rolling back cost next to a decode step (27B)
+#   6. profile: GPU kernel time of 64 greedy decode steps on the 27B (Nsight Systems, if present)
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of build test bench (default: all three)
+# steps: any of build test bench verify profile (default: build test bench)
 set -euo pipefail
 steps=${*:-build test bench}
 export DELTASPEC_GGML_SOURCE=$PWD/.deps/gpu-src/llama.cpp
@@ -27,7 +29,7 @@ if [[ $steps == *build* ]]; then
 fi
 cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
-if [[ $steps == *bench* && ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
+if [[ $steps =~ bench|verify|profile && ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
       && mv /tmp/q27.gguf.part /tmp/q27.gguf; echo "synth 27B q4_k_m: $(( $(date +%s) - t0 )) s" >> "$OUT/synth.log" ) &
 fi
@@ -35,9 +37,26 @@ if [[ $steps == *test* ]]; then
     python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests/test_gpu.py" -rA --junitxml="$OUT/gpu-tests.xml" 2>&1 \
         | tee "$OUT/gpu-tests.log" | tail -25
 fi
-if [[ $steps == *bench* ]]; then
+if [[ $steps =~ bench|verify|profile ]]; then
     wait
     cat "$OUT/synth.log" 2>/dev/null || true
+fi
+if [[ $steps == *verify* ]]; then
+    python3 "$REPO/bench/verify_cost.py" /tmp/q27.gguf --device cuda --out "$OUT/verify_cost.json" \
+        | tee "$OUT/verify_cost.md"
+fi
+if [[ $steps == *profile* ]]; then
+    if command -v nsys > /dev/null; then
+        nsys profile -o "$OUT/decode" --force-overwrite true -t cuda --cuda-graph-trace=node python3 -m deltaspec run -m /tmp/q27.gguf \
+            --device cuda -c 4096 -p "The history of the printing press" -n 64 --temp 0 > "$OUT/profile_run.log" 2>&1
+        nsys stats -q --report cuda_gpu_kern_sum --format csv -o "$OUT/kernels" "$OUT/decode.nsys-rep" > /dev/null
+        rm -f "$OUT/decode.nsys-rep" "$OUT/decode.sqlite"
+        head -25 "$OUT"/kernels*.csv
+    else
+        echo "nsys not found: no profile"
+    fi
+fi
+if [[ $steps == *bench* ]]; then
     python3 "$REPO/bench/decode_bench.py" ours /tmp/q27.gguf --device cuda --reps 1 --out "$OUT/ours.json"
     python3 "$REPO/bench/decode_bench.py" peer /tmp/q27.gguf --llama-bench "$LLAMA_BUILD/bin/llama-bench" --reps 1 \
         --out "$OUT/peer.json"

@@ -104,7 +104,8 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
             draft->engine->ensure_slots(1);
             SamplingParams ds = sampling;
             ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
-            drafter = std::make_unique<ModelDrafter>(*draft->engine, ds);
+            const double step_cost = (double)draft->engine->step_weight_bytes() / (double)r.engine->step_weight_bytes();
+            drafter = std::make_unique<ModelDrafter>(*draft->engine, ds, step_cost);
         } else {
             drafter = std::make_unique<NgramDrafter>(ngram_max);
         }
@@ -319,6 +320,23 @@ PYBIND11_MODULE(_core, m) {
                  }
                  return out;
              }, py::arg("tokens"), "Append a verify batch (logits of every row; state after each row kept).")
+        .def("eval_verify_argmax", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
+                 py::array_t<int32_t> out(tokens.shape(0));
+                 const int32_t * ids = tokens.data();
+                 int32_t * dst = out.mutable_data();
+                 const int64_t n = tokens.shape(0);
+                 {
+                     py::gil_scoped_release release;
+                     r.engine->eval_verify_argmax(ids, n, dst);
+                 }
+                 return out;
+             }, py::arg("tokens"), "eval_verify returning the argmax of every row (computed on the device).")
+        .def("eval_argmax", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
+                 const int32_t * ids = tokens.data();
+                 const int64_t n = tokens.shape(0);
+                 py::gil_scoped_release release;
+                 return r.engine->eval_argmax(ids, n);
+             }, py::arg("tokens"), "Append tokens; the argmax of the last row's logits (computed on the device).")
         .def("reserve_slots", [](Runner & r, int64_t n) { r.engine->ensure_slots(n); }, py::arg("n"),
              "Room for verify batches of n tokens (re-allocates the state: the sequence starts empty).")
         .def("keep", [](Runner & r, int64_t n) { r.engine->keep(n); }, py::arg("n_keep"),

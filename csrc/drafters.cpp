@@ -22,22 +22,42 @@ Draft NgramDrafter::propose(const std::vector<int32_t> & committed, int64_t n_ma
     return d;
 }
 
-ModelDrafter::ModelDrafter(Engine & draft, const SamplingParams & sampling)
-    : draft_(draft), sampler_(sampling), logits_(draft.hparams().n_vocab) {
+ModelDrafter::ModelDrafter(Engine & draft, const SamplingParams & sampling, double step_cost, int64_t max_catch_up)
+    : draft_(draft), sampler_(sampling), logits_(draft.hparams().n_vocab), step_cost_(step_cost),
+      max_catch_up_(max_catch_up) {}
+
+void ModelDrafter::begin(const std::vector<int32_t> & prompt) {
     draft_.reset();
+    n_synced_ = last_drafted_ = 0;
+    catch_up(prompt);
+    draft_.checkpoint();  // what the next catch_up restores: nothing drafted yet
 }
 
-void ModelDrafter::catch_up(const std::vector<int32_t> & committed) {
-    // the draft holds committed[0 .. n_synced_); evaluate the rest in one batch
+int64_t ModelDrafter::catch_up(const std::vector<int32_t> & committed) {
+    // evaluate committed[n_synced_ ..) in one batch; the prompt (n_synced_ = 0) is read in full,
+    // but a backlog left by paused steps restarts the draft from the last max_catch_up_ tokens
     const int64_t n = (int64_t)committed.size();
-    draft_.eval(committed.data() + n_synced_, n - n_synced_, LogitsWanted::last, logits_.data());
+    const int64_t paused_steps = n - n_synced_ - (last_drafted_ + 1);
+    if (n_synced_ > 0 && paused_steps > max_catch_up_) {
+        draft_.reset();
+        n_synced_ = n - max_catch_up_;
+    } else if (n_synced_ > 0) {
+        draft_.restore_checkpoint();  // forget the previous round's drafted tokens
+    }
+    const int64_t n_new = n - n_synced_;
+    draft_.eval(committed.data() + n_synced_, n_new, LogitsWanted::last, logits_.data());
     n_synced_ = n;
+    return n_new;
 }
 
 Draft ModelDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
     Draft d;
-    if (n_synced_ > 0) draft_.restore_checkpoint();  // forget the previous round's drafted tokens
-    if ((int64_t)committed.size() > n_synced_) catch_up(committed);
+    int64_t n_forward = 0;  // draft tokens evaluated
+    if ((int64_t)committed.size() > n_synced_) {
+        n_forward += catch_up(committed);
+    } else {
+        draft_.restore_checkpoint();  // nothing new committed: forget the drafted tokens only
+    }
     draft_.checkpoint();
     const bool greedy = sampler_.params().greedy();
     std::vector<int32_t> history = committed;
@@ -48,8 +68,13 @@ Draft ModelDrafter::propose(const std::vector<int32_t> & committed, int64_t n_ma
         d.tokens.push_back(token);
         if (!greedy) d.dists.push_back(q);
         history.push_back(token);
-        if (i + 1 < n_max) draft_.eval(&token, 1, LogitsWanted::last, logits_.data());
+        if (i + 1 < n_max) {
+            draft_.eval(&token, 1, LogitsWanted::last, logits_.data());
+            n_forward++;
+        }
     }
+    last_drafted_ = (int64_t)d.tokens.size();
+    d.cost = step_cost_ * (double)n_forward;  // a catch-up batch counted as dear as single steps
     return d;
 }
 

@@ -14,11 +14,16 @@ struct Draft {
     std::vector<int32_t> tokens;
     // q: the distribution each token was drawn from (empty = deterministic, i.e. one-hot)
     std::vector<Distribution> dists;
+    // what proposing it cost, in target decode steps (an estimate that does not depend on timing,
+    // so the drafting schedule, and with it sampled output, is the same on every run)
+    double cost = 0.0;
 };
 
 class Drafter {
   public:
     virtual ~Drafter() = default;
+    // A new sequence starts with `prompt` (a draft model reads it here, timed as prefill).
+    virtual void begin(const std::vector<int32_t> & prompt) {}
     // Propose up to n_max tokens that follow `committed` (prompt + generated so far).
     virtual Draft propose(const std::vector<int32_t> & committed, int64_t n_max) = 0;
     // The target accepted the first n_accepted drafted tokens and appended `bonus`.
@@ -39,18 +44,29 @@ class NgramDrafter : public Drafter {
 // A second qwen35 model with the same vocabulary, kept in step with the committed tokens. It
 // drafts token by token (greedy, or sampled with the request's sampling chain and reporting q),
 // then restores its checkpoint and catches up on what the target committed.
+//
+// A draft forward costs `step_cost` target decode steps (the caller estimates it from the weight
+// bytes both read per step). Catching up costs a draft forward per committed token. After a round, what waits is the accepted
+// drafts and the bonus token; when drafting was paused for more than `max_catch_up` steps (the
+// draft kept failing), the draft restarts from only the last `max_catch_up` committed tokens
+// instead of reading everything it missed, which bounds what a useless draft costs. Draft quality
+// only changes acceptance, never the output.
 class ModelDrafter : public Drafter {
   public:
-    ModelDrafter(Engine & draft, const SamplingParams & sampling);
+    ModelDrafter(Engine & draft, const SamplingParams & sampling, double step_cost, int64_t max_catch_up = 16);
+    void begin(const std::vector<int32_t> & prompt) override;
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
 
   private:
-    void catch_up(const std::vector<int32_t> & committed);
+    int64_t catch_up(const std::vector<int32_t> & committed);  // returns the tokens evaluated
 
     Engine & draft_;
     Sampler sampler_;
     std::vector<float> logits_;
-    int64_t n_synced_ = 0;  // committed tokens the draft's state holds
+    double step_cost_;
+    int64_t max_catch_up_;
+    int64_t n_synced_ = 0;     // the draft's state holds committed[start .. n_synced_) for some start
+    int64_t last_drafted_ = 0;  // tokens the previous round drafted
 };
 
 }  // namespace deltaspec

@@ -75,6 +75,11 @@ Engine::~Engine() {
     ggml_backend_free(backend_);
 }
 
+size_t Engine::step_weight_bytes() const {
+    const size_t all = ggml_backend_buffer_get_size(weights_.buffer);
+    return weights_.output == weights_.token_embd ? all : all - ggml_nbytes(weights_.token_embd);
+}
+
 void Engine::reset() {
     state_.clear();
     verify_T_ = 0;
@@ -82,7 +87,9 @@ void Engine::reset() {
 }
 
 void Engine::eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits) {
-    if (wanted == LogitsWanted::argmax) throw std::invalid_argument("use eval_argmax for the argmax token");
+    if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {
+        throw std::invalid_argument("use eval_argmax for the argmax token");
+    }
     eval_all(tokens, n_tokens, wanted, logits);
 }
 
@@ -93,9 +100,10 @@ int32_t Engine::eval_argmax(const int32_t * tokens, int64_t n_tokens) {
 }
 
 void Engine::make_scheduler() {
-    // A layer costs well under 64 nodes, plus one copy per rollback slot; the rest covers
-    // embeddings and the head.
-    graph_size_ = (size_t)((64 + state_.n_slots) * hp_.n_layer + 256);
+    // Nodes and leaves (weights, state) both count. A layer costs under 96 of them, plus 3 per
+    // rollback slot (two views and a copy of its conv window); the rest covers embeddings, head
+    // and inputs. (Too few aborts inside ggml's scheduler.)
+    graph_size_ = (size_t)((96 + 3 * state_.n_slots) * hp_.n_layer + 512);
     graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
     if (sched_) ggml_backend_sched_free(sched_);
     ggml_backend_t backends[2] = {backend_, backend_cpu_};
@@ -132,13 +140,21 @@ void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wan
 }
 
 void Engine::eval_verify(const int32_t * tokens, int64_t T, float * logits) {
+    verify(tokens, T, LogitsWanted::all, logits);
+}
+
+void Engine::eval_verify_argmax(const int32_t * tokens, int64_t T, int32_t * argmax) {
+    verify(tokens, T, LogitsWanted::argmax_all, argmax);
+}
+
+void Engine::verify(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out) {
     if (T < 1 || T > state_.n_slots || T > opts_.n_ubatch) {
         throw std::invalid_argument("a verify batch holds 1 to " + std::to_string(std::min(state_.n_slots, opts_.n_ubatch)) +
                                     " tokens (n_slots, n_ubatch), got " + std::to_string(T));
     }
     check_batch(tokens, T);
     const int64_t p0 = state_.n_past;
-    eval_ubatch(tokens, T, LogitsWanted::all, logits, /*fill_slots =*/true);
+    eval_ubatch(tokens, T, wanted, out, /*fill_slots =*/true);
     verify_p0_ = p0;
     verify_T_ = T;
 }
@@ -190,9 +206,10 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.ctx = ggml_init(params);
     step_.gf = ggml_new_graph_custom(step_.ctx, graph_size_, false);
     step_.in = make_step_inputs(step_.ctx, T, n_kv, fill_slots);
-    const int64_t n_rows = wanted == LogitsWanted::all ? T : wanted == LogitsWanted::none ? 0 : 1;
+    const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all;
+    const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
     step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, state_, step_.in, n_rows);
-    if (wanted == LogitsWanted::argmax) {
+    if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {  // per row
         step_.out = ggml_argmax(step_.ctx, step_.out);
         ggml_set_output(step_.out);
         ggml_build_forward_expand(step_.gf, step_.out);

@@ -15,7 +15,9 @@ namespace deltaspec {
 
 // What a step returns: nothing, last-row logits, all rows' logits, or only the argmax token of
 // the last row (computed on the device, so greedy decoding copies 4 bytes instead of n_vocab floats).
-enum class LogitsWanted { none, last, all, argmax };
+// What a step returns: no logits, the last row's, every row's, or the argmax (on the device, so
+// that 4 bytes cross over instead of a vocabulary of floats) of the last row or of every row.
+enum class LogitsWanted { none, last, all, argmax, argmax_all };
 
 struct EngineOptions {
     int64_t n_ctx = 4096;
@@ -46,6 +48,7 @@ class Engine {
     // every row, keeping the recurrent state after each token in the rollback slots; then
     // `keep(n)` keeps only the batch's first n tokens (KV rows past them are dead; the mask hides them).
     void eval_verify(const int32_t * tokens, int64_t n_tokens, float * logits);
+    void eval_verify_argmax(const int32_t * tokens, int64_t n_tokens, int32_t * argmax);  // greedy
     void keep(int64_t n_keep);
     // Save the recurrent state now / restore it and the position saved (a drafter's checkpoint).
     void checkpoint();
@@ -58,8 +61,12 @@ class Engine {
     int64_t n_ctx() const { return state_.n_ctx; }
     const std::string & backend_name() const { return backend_name_; }
     const SequenceState & state() const { return state_; }
+    // Weight bytes one decode step reads (every matrix; one embedding row): what a step costs
+    // where decoding is bound by memory bandwidth.
+    size_t step_weight_bytes() const;
 
   private:
+    void verify(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
     void eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
     void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
                      bool fill_slots = false);

@@ -61,9 +61,7 @@ GenerateResult generate(Engine & engine, const PieceTable & pieces, const Genera
     Sampler sampler(req.sampling);
 
     // Plain greedy needs only the argmax, which the device computes: no logits cross over.
-    const SamplingParams & sp = req.sampling;
-    const bool device_argmax = sp.greedy() && sp.repeat_penalty == 1.0f && sp.presence_penalty == 0.0f &&
-                               sp.frequency_penalty == 0.0f;
+    const bool device_argmax = req.sampling.argmax_only();
     int32_t next = -1;
 
     auto t0 = Clock::now();

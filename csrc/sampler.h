@@ -21,6 +21,10 @@ struct SamplingParams {
     uint64_t seed = 0;
 
     bool greedy() const { return temperature <= 0.0f; }
+    // greedy on the raw logits (no penalty reshapes them): the device's argmax is the token
+    bool argmax_only() const {
+        return greedy() && repeat_penalty == 1.0f && presence_penalty == 0.0f && frequency_penalty == 0.0f;
+    }
 };
 
 // Candidate tokens with their probabilities (sums to 1), most probable first.

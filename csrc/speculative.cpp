@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <random>
 #include <stdexcept>
 #include <unordered_map>
@@ -63,6 +64,13 @@ int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, S
     return k;
 }
 
+int64_t accept_argmax(const int32_t * argmax, const Draft & draft, std::vector<int32_t> & history, int32_t & next) {
+    int64_t i = 0;
+    while (i < (int64_t)draft.tokens.size() && draft.tokens[i] == argmax[i]) history.push_back(draft.tokens[i++]);
+    next = argmax[i];  // the correction, or the bonus token after a fully accepted draft
+    return i;
+}
+
 GenerateResult generate_speculative(Engine & target, Drafter & drafter, const PieceTable & pieces,
                                     const GenerateRequest & req, const SpecOptions & spec,
                                     const std::atomic<bool> & cancel, const TokenCallback & on_token,
@@ -74,19 +82,32 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     Sampler sampler(req.sampling);
     std::vector<int32_t> history = req.prompt;  // prompt + every committed token
     std::vector<float> rows;
+    std::vector<int32_t> argmax;
+    // greedy without penalties: the device returns argmax ids, no logits cross over
+    const bool device_argmax = req.sampling.argmax_only();
+    // one target step on `tokens`, the next token sampled (or the argmax) after its last row
+    auto step = [&](const int32_t * tokens, int64_t n) {
+        if (device_argmax) return target.eval_argmax(tokens, n);
+        rows.resize(n_vocab);
+        target.eval(tokens, n, LogitsWanted::last, rows.data());
+        return sampler.sample(rows.data(), n_vocab, history);
+    };
 
     auto t0 = Clock::now();
     target.reset();
-    rows.resize(n_vocab);
-    target.eval(req.prompt.data(), (int64_t)req.prompt.size(), LogitsWanted::last, rows.data());
-    int32_t next = sampler.sample(rows.data(), n_vocab, history);
+    int32_t next = step(req.prompt.data(), (int64_t)req.prompt.size());
+    drafter.begin(req.prompt);
     res.prefill_seconds = seconds_since(t0);
 
     Emitter out(pieces, req, on_token, res);
 
     // Adaptive draft length: grow after a fully accepted draft, shrink to what was accepted
-    // otherwise. A draft of which nothing is accepted also pauses drafting for `backoff` plain
-    // steps (doubling while drafts keep failing), so a useless drafter costs about plain decoding.
+    // otherwise. A round that accepts nothing, or whose draft cost more target steps than it
+    // saved (the drafter's own estimate, with the verify counted as one step), pauses drafting:
+    // long enough that the loss stays under kLossBudget of the plain steps taken meanwhile, and
+    // at least `backoff` steps, which doubles while rounds keep losing. So a useless or too slow
+    // drafter costs about plain decoding; the schedule depends on tokens only, never on timing.
+    constexpr double kLossBudget = 0.05;
     int64_t n_draft = std::max<int64_t>(spec.n_min, std::min<int64_t>(spec.n_max, 4));
     int64_t pause = 0, backoff = 1;
     t0 = Clock::now();
@@ -117,11 +138,9 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         stats.n_steps++;
 
         if (draft.tokens.empty()) {  // a plain decode step: no rollback slots to fill
-            rows.resize(n_vocab);
             auto tv = Clock::now();
-            target.eval(&next, 1, LogitsWanted::last, rows.data());
+            next = step(&next, 1);
             stats.verify_seconds += seconds_since(tv);
-            next = sampler.sample(rows.data(), n_vocab, history);
             history.push_back(next);
             running = out.emit(next);
             continue;
@@ -130,13 +149,19 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         std::vector<int32_t> batch = {next};
         batch.insert(batch.end(), draft.tokens.begin(), draft.tokens.end());
         const int64_t T = (int64_t)batch.size();
-        rows.resize(T * n_vocab);
         auto tv = Clock::now();
-        target.eval_verify(batch.data(), T, rows.data());
+        if (device_argmax) {
+            argmax.resize(T);
+            target.eval_verify_argmax(batch.data(), T, argmax.data());
+        } else {
+            rows.resize(T * n_vocab);
+            target.eval_verify(batch.data(), T, rows.data());
+        }
         stats.verify_seconds += seconds_since(tv);
         stats.n_drafted += (int64_t)draft.tokens.size();
 
-        const int64_t n_acc = accept_draft(rows.data(), n_vocab, draft, sampler, history, next);
+        const int64_t n_acc = device_argmax ? accept_argmax(argmax.data(), draft, history, next)
+                                            : accept_draft(rows.data(), n_vocab, draft, sampler, history, next);
         stats.n_accepted += n_acc;
         auto tr = Clock::now();
         target.keep(1 + n_acc);  // `next` (the old one) and the accepted drafts stay
@@ -148,17 +173,14 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         running = out.emit(next);
 
         const int64_t n_floor = std::max<int64_t>(spec.n_min, 1);
-        if (n_acc == (int64_t)draft.tokens.size()) {
-            n_draft = std::min(spec.n_max, n_draft * 2);
-            backoff = 1;
+        n_draft = n_acc == (int64_t)draft.tokens.size() ? std::min(spec.n_max, n_draft * 2)
+                                                        : std::max(n_floor, n_acc + 1);
+        const double loss = draft.cost - (double)n_acc;  // target steps lost (< 0: saved)
+        if (spec.n_min == 0 && (n_acc == 0 || loss > 0)) {
+            pause = std::max<int64_t>(backoff, (int64_t)std::ceil(loss / kLossBudget));
+            backoff = std::min<int64_t>(backoff * 2, 256);
         } else {
-            n_draft = std::max(n_floor, n_acc + 1);
-            if (n_acc == 0 && spec.n_min == 0) {
-                pause = backoff;
-                backoff = std::min<int64_t>(backoff * 2, 256);
-            } else if (n_acc > 0) {
-                backoff = 1;
-            }
+            backoff = 1;
         }
     }
     res.decode_seconds = seconds_since(t0);

@@ -34,4 +34,8 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
 int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, Sampler & sampler,
                      std::vector<int32_t> & history, int32_t & next);
 
+// The same rule for greedy decoding without penalties, from the argmax of every row: the longest
+// prefix of drafts that equal the target's argmax.
+int64_t accept_argmax(const int32_t * argmax, const Draft & draft, std::vector<int32_t> & history, int32_t & next);
+
 }  // namespace deltaspec

@@ -26,7 +26,14 @@ void SequenceState::release() {
 }
 
 void SequenceState::clear() {
-    ggml_backend_buffer_clear(buffer, 0);
+    // Only the live recurrent state carries over into a new sequence: KV rows past n_past are
+    // masked and slots are written before they are read. (Zeroing the whole buffer, slots
+    // included, cost a drafter that restarts often more than its drafting.)
+    for (size_t il = 0; il < conv.size(); ++il) {
+        if (!conv[il]) continue;
+        ggml_backend_tensor_memset(conv[il], 0, 0, ggml_nbytes(conv[il]));
+        ggml_backend_tensor_memset(ssm[il], 0, 0, ggml_nbytes(ssm[il]));
+    }
     n_past = 0;
 }
 
@@ -73,7 +80,9 @@ void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_
     }
     st.buffer = ggml_backend_alloc_ctx_tensors(st.ctx, backend);
     if (!st.buffer) throw std::runtime_error("cannot allocate the KV/recurrent state (n_ctx too large?)");
-    st.clear();
+    // zero everything once: masked KV rows are still multiplied by 0, and garbage may be NaN
+    ggml_backend_buffer_clear(st.buffer, 0);
+    st.n_past = 0;
 }
 
 }  // namespace deltaspec

@@ -37,7 +37,7 @@ struct SequenceState {
     SequenceState & operator=(const SequenceState &) = delete;
     ~SequenceState();
 
-    void clear();                 // empty sequence: zero every state, n_past = 0
+    void clear();                 // empty sequence: zero the live recurrent state, n_past = 0
     void release();               // free the tensors (allocate_state may then run again)
     int64_t n_kv_for(int64_t n_tokens_total) const;  // KV rows attention must see
 };

@@ -60,6 +60,10 @@ class TinyShape:
     conv_kernel: int = 4
     n_ctx_train: int = 4096
     logit_std: float = DEFAULT_LOGIT_STD
+    # Scale of every residual branch's output projection (ssm_out, attn_output, ffn_down). At 0 the
+    # next token depends on the current token alone, though every layer still computes: greedy text
+    # then settles into a cycle, a model whose output repeats itself (for prompt-lookup drafting).
+    branch_scale: float = 1.0
 
     @property
     def n_rot(self) -> int:
@@ -120,7 +124,7 @@ def _weights(sh: TinyShape, n_vocab: int, rng: np.random.Generator) -> dict[str,
     for i in range(sh.n_layer):
         b = f"blk.{i}."
         w |= {b + "attn_norm.weight": norm(E), b + "post_attention_norm.weight": norm(E),
-              b + "ffn_gate.weight": mat(F, E), b + "ffn_up.weight": mat(F, E), b + "ffn_down.weight": mat(E, F)}
+              b + "ffn_gate.weight": mat(F, E), b + "ffn_up.weight": mat(F, E), b + "ffn_down.weight": sh.branch_scale * mat(E, F)}
         if (i + 1) % sh.full_attention_interval:  # Gated DeltaNet layer
             w |= {b + "attn_qkv.weight": mat(C, E), b + "attn_gate.weight": mat(Hv * S, E),
                   b + "ssm_beta.weight": mat(Hv, E), b + "ssm_alpha.weight": mat(Hv, E),
@@ -128,10 +132,10 @@ def _weights(sh: TinyShape, n_vocab: int, rng: np.random.Generator) -> dict[str,
                   b + "ssm_a": -rng.uniform(0.02, 0.5, Hv),             # -A: decay 0.85..0.99 a step
                   b + "ssm_conv1d.weight": rng.standard_normal((C, sh.conv_kernel)) / np.sqrt(sh.conv_kernel),
                   b + "ssm_norm.weight": norm(S),                       # plain weight, no +1 in Qwen
-                  b + "ssm_out.weight": mat(E, Hv * S)}
+                  b + "ssm_out.weight": sh.branch_scale * mat(E, Hv * S)}
         else:  # gated full attention
             w |= {b + "attn_q.weight": mat(2 * H * D, E), b + "attn_k.weight": mat(Hkv * D, E),
-                  b + "attn_v.weight": mat(Hkv * D, E), b + "attn_output.weight": mat(E, H * D),
+                  b + "attn_v.weight": mat(Hkv * D, E), b + "attn_output.weight": sh.branch_scale * mat(E, H * D),
                   b + "attn_q_norm.weight": norm(D), b + "attn_k_norm.weight": norm(D)}
     return {k: v.astype(np.float32) for k, v in w.items()}
 
@@ -175,6 +179,17 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def cycle_prompt(model, start: int) -> list[int]:
+    """For a model written with branch_scale=0: one period of the cycle its greedy text falls into
+    from the token `start`, repeated twice. The model continues such a prompt with the same cycle."""
+    tokens = model.generate([start], max_tokens=96, temperature=0).tokens
+    tail = tokens[-32:]
+    period = next((k for k in range(1, 16) if tail[k:] == tail[:-k]), None)
+    if len(tokens) < 96 or period is None:
+        raise ValueError(f"greedy text from token {start} does not settle into a short cycle")
+    return tail[:period] * 2
 
 
 _tmp_dir: Path | None = None
