@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything the H200 machine does in one call (it has no network and starts bare):
-#   1. build llama.cpp (CUDA, sm_90a) from the carried pinned tree: llama-bench + its shared ggml
-#   2. build deltaspec against that ggml (one ggml-cuda compile serves both)
+#   1. build llama.cpp (CUDA, sm_90a) from the carried pinned tree: llama-bench + its shared ggml,
+#      whose ggml-cuda also carries deltaspec's kernels, switched off (llama.cpp runs ggml's own)
+#   2. build deltaspec against that ggml (one ggml-cuda compile serves both); it switches ours on
 #   3. GPU parity tests (CUDA vs CPU on the tiny models)
 #   4. a shape-faithful synthetic 27B Q4_K_M GGUF, then deltaspec and llama-bench on it, same run
 #   5. verify: what verifying a draft chain and rolling back cost next to a decode step (27B)
-#   6. profile: GPU kernel time of 64 greedy decode steps on the 27B (Nsight Systems, if present)
+#   6. profile: GPU time per kernel group of one decode step and one 17-token verify (Nsight Compute)
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
 # steps: any of build test bench verify profile (default: build test bench)
 set -euo pipefail
@@ -19,7 +20,7 @@ LLAMA_BUILD=/tmp/llama-cuda
 
 if [[ $steps == *build* ]]; then
     t0=$(date +%s)
-    python3 bench/peers/llama_cpp.py build --cuda --build-dir "$LLAMA_BUILD" -j "$(nproc)"
+    python3 bench/peers/llama_cpp.py build --cuda --deltaspec-kernels --build-dir "$LLAMA_BUILD" -j "$(nproc)"
     echo "llama.cpp CUDA build: $(( $(date +%s) - t0 )) s"
     t0=$(date +%s)
     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
@@ -45,16 +46,15 @@ if [[ $steps == *verify* ]]; then
     python3 "$REPO/bench/verify_cost.py" /tmp/q27.gguf --device cuda --out "$OUT/verify_cost.json" \
         | tee "$OUT/verify_cost.md"
 fi
-if [[ $steps == *profile* ]]; then
-    if command -v nsys > /dev/null; then
-        nsys profile -o "$OUT/decode" --force-overwrite true -t cuda --cuda-graph-trace=node python3 -m deltaspec run -m /tmp/q27.gguf \
-            --device cuda -c 4096 -p "The history of the printing press" -n 64 --temp 0 > "$OUT/profile_run.log" 2>&1
-        nsys stats -q --report cuda_gpu_kern_sum --format csv -o "$OUT/kernels" "$OUT/decode.nsys-rep" > /dev/null
-        rm -f "$OUT/decode.nsys-rep" "$OUT/decode.sqlite"
-        head -25 "$OUT"/kernels*.csv
-    else
-        echo "nsys not found: no profile"
-    fi
+if [[ $steps == *profile* ]]; then  # one decode step and one 17-token verify, kernel by kernel
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    for what in decode verify; do
+        "$NCU" --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+            python3 "$REPO/bench/kernel_profile.py" run /tmp/q27.gguf --what $what > "$OUT/kernels_$what.csv" \
+            2> "$OUT/kernels_$what.log" || tail -5 "$OUT/kernels_$what.log"
+    done
+    python3 "$REPO/bench/kernel_profile.py" report "$OUT/kernels_decode.csv" "$OUT/kernels_verify.csv" \
+        | tee "$OUT/kernels.md"
 fi
 if [[ $steps == *bench* ]]; then
     python3 "$REPO/bench/decode_bench.py" ours /tmp/q27.gguf --device cuda --reps 1 --out "$OUT/ours.json"

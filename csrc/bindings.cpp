@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 
+#include "cuda_kernels.h"
 #include "engine.h"
 #include "generate.h"
 #include "speculative.h"
@@ -224,6 +225,10 @@ PYBIND11_MODULE(_core, m) {
               return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr;
           }, py::arg("device"), "Whether this build can run on `device` here (a GPU is present and compiled in).");
 
+    m.def("cuda_kernels_available", &cuda_kernels_available,
+          "Whether ggml-cuda here carries deltaspec's own kernels (on by default on CUDA; "
+          "DELTASPEC_CUDA_KERNELS=0 keeps ggml's).");
+
     m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
           "Quantize float32 rows with ggml's reference quantizer; returns (rows, row_bytes) uint8.");
 
@@ -320,7 +325,8 @@ PYBIND11_MODULE(_core, m) {
                  }
                  return out;
              }, py::arg("tokens"), "Append a verify batch (logits of every row; state after each row kept).")
-        .def("eval_verify_argmax", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
+        .def("eval_verify_argmax", [](Runner & r,
+                                      py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
                  py::array_t<int32_t> out(tokens.shape(0));
                  const int32_t * ids = tokens.data();
                  int32_t * dst = out.mutable_data();

@@ -46,11 +46,11 @@ class NgramDrafter : public Drafter {
 // then restores its checkpoint and catches up on what the target committed.
 //
 // A draft forward costs `step_cost` target decode steps (the caller estimates it from the weight
-// bytes both read per step). Catching up costs a draft forward per committed token. After a round, what waits is the accepted
-// drafts and the bonus token; when drafting was paused for more than `max_catch_up` steps (the
-// draft kept failing), the draft restarts from only the last `max_catch_up` committed tokens
-// instead of reading everything it missed, which bounds what a useless draft costs. Draft quality
-// only changes acceptance, never the output.
+// bytes both read per step). Catching up costs a draft forward per committed token: after a round,
+// what waits is the accepted drafts and the bonus token; when drafting was paused for more than
+// `max_catch_up` steps (the draft kept failing), the draft restarts from only the last
+// `max_catch_up` committed tokens instead of reading everything it missed, which bounds what a
+// useless draft costs. Draft quality only changes acceptance, never the output.
 class ModelDrafter : public Drafter {
   public:
     ModelDrafter(Engine & draft, const SamplingParams & sampling, double step_cost, int64_t max_catch_up = 16);

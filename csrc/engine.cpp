@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "ggml-alloc.h"
+#include "cuda_kernels.h"
 #include "ggml-cpu.h"
 #include "graph_qwen35.h"
 
@@ -47,6 +48,7 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
             backend_cpu_ = backend_;
         } else {
             backend_cpu_ = ggml_backend_cpu_init();
+            enable_cuda_kernels();
         }
         ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts.n_threads));
 

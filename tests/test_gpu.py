@@ -137,3 +137,42 @@ def test_cuda_speculative_greedy_equals_plain(tiny_vocab_gpu, drafter):
     assert drafted > 0
     if drafter in ("self", "ngram"):
         assert accepted / drafted > 0.9
+
+
+def test_cuda_q4k_kernels_match_cpu(tmp_path, monkeypatch):
+    """deltaspec's Q4_K mat-vec (ggml/cuda/q4k_gemv.cuh) in the engine: decode-step logits on a
+    Q4_K tiny model, against the CPU and against ggml's own CUDA kernels (DELTASPEC_CUDA_KERNELS=0).
+    The three paths round x differently (ours: int8 per 16 values; ggml CUDA: q8_1 per 32; CPU:
+    q8_K per 256), and through 4 random layers that moves the logits by several % of their range:
+    measured on the H200, ours vs CPU 5.8e-2, ggml CUDA vs CPU 7.1e-2, ours vs ggml CUDA 1.1e-1
+    (max |difference| / max |CPU logit|). So ours must be as close to the CPU as ggml's own CUDA
+    path is, and pick the CPU's argmax as often."""
+    from deltaspec import _core
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    if not _core.cuda_kernels_available():
+        pytest.skip("this ggml-cuda does not carry deltaspec's kernels")
+    # n_embd 256, n_ff 512: ffn gate/up (fused), ffn down, attention q and the head are Q4_K with
+    # >= 256 rows, which our kernel takes; the rest stays with ggml
+    path = write_tiny_vocab_model(tmp_path / "q4k.gguf", seed=0, n_embd=256, n_ff=512, quant="q4_k")
+    ids = np.random.default_rng(5).integers(0, 256, size=48).tolist()
+
+    def decode_rows(device):
+        with Model(path, device=device, n_ctx=256) as m:
+            return np.concatenate([m.eval([t]) for t in ids])
+
+    cpu = decode_rows("cpu")
+    ours = decode_rows("cuda")
+    monkeypatch.setenv("DELTASPEC_CUDA_KERNELS", "0")
+    ggml = decode_rows("cuda")
+    monkeypatch.delenv("DELTASPEC_CUDA_KERNELS")
+    scale = np.abs(cpu).max()
+    err_ours, err_ggml = np.abs(ours - cpu).max() / scale, np.abs(ggml - cpu).max() / scale
+    ours_ggml = np.abs(ours - ggml).max() / scale
+    agree_ours = float((ours.argmax(-1) == cpu.argmax(-1)).mean())
+    agree_ggml = float((ggml.argmax(-1) == cpu.argmax(-1)).mean())
+    print(f"q4_k decode logits, max rel. difference to the CPU: ours {err_ours:.2e}, ggml CUDA {err_ggml:.2e} "
+          f"(ours vs ggml {ours_ggml:.2e}); argmax as the CPU's: ours {agree_ours:.2f}, ggml {agree_ggml:.2f}")
+    assert ours_ggml > 0  # the switch took effect: the two GPU paths round differently
+    assert err_ours <= 1.5 * err_ggml
+    assert agree_ours >= agree_ggml - 2 / len(ids)

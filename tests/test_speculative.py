@@ -134,7 +134,8 @@ def test_ngram_acceptance_on_repeating_text(tmp_path):
             fast = model.generate(prompt, max_tokens=48, temperature=0, spec_type="ngram-simple", draft_n_max=8)
             assert fast.tokens == plain.tokens
             s = fast.stats
-            print(f"cycle {len(prompt) // 2}: acceptance {s.acceptance_rate:.3f}, mean length {s.mean_acceptance_length:.2f}")
+            print(f"cycle {len(prompt) // 2}: acceptance {s.acceptance_rate:.3f}, "
+                  f"mean length {s.mean_acceptance_length:.2f}")
             assert s.acceptance_rate > 0.9
             assert s.mean_acceptance_length > 3.0  # tokens per target pass (at most 9 here)
 

@@ -200,8 +200,15 @@ def _tree_digest() -> str:
     return fetch_upstream.expected_sha256()[0]
 
 
-def cmake_flags(cuda: bool = False) -> list[str]:
-    return list(COMMON_CMAKE_FLAGS) + (list(CUDA_CMAKE_FLAGS) if cuda else ["-DGGML_CUDA=OFF"])
+# With it, ggml-cuda also carries deltaspec's kernels and its mat-vec dispatcher (ggml/cuda/),
+# switched off: llama.cpp still runs ggml's own kernels, and a deltaspec built against this ggml
+# (DELTASPEC_GGML_LIB_DIR) switches ours on. One ggml-cuda compile then serves both.
+DELTASPEC_KERNELS_FLAG = f"-DCMAKE_PROJECT_INCLUDE={REPO / 'ggml' / 'cuda' / 'inject.cmake'}"
+
+
+def cmake_flags(cuda: bool = False, deltaspec_kernels: bool = False) -> list[str]:
+    flags = list(COMMON_CMAKE_FLAGS) + (list(CUDA_CMAKE_FLAGS) if cuda else ["-DGGML_CUDA=OFF"])
+    return flags + ([DELTASPEC_KERNELS_FLAG] if cuda and deltaspec_kernels else [])
 
 
 def build_targets(cuda: bool = False, extra: Sequence[str] = ()) -> list[str]:
@@ -228,7 +235,7 @@ def _run_step(cmd: list[str], quiet: bool) -> None:
 
 def build_llama_cpp(cuda: bool = False, build_dir: str | os.PathLike | None = None, *,
                     extra_targets: Sequence[str] = (), jobs: int | None = None,
-                    quiet: bool = False) -> Path:
+                    quiet: bool = False, deltaspec_kernels: bool = False) -> Path:
     """Build llama.cpp from the pinned tree (or reuse a matching build); return its bin folder.
 
     A build folder whose stamp has the same tree and CMake flags is reused; targets it lacks are
@@ -237,7 +244,7 @@ def build_llama_cpp(cuda: bool = False, build_dir: str | os.PathLike | None = No
     tree = upstream_tree()
     build = Path(build_dir) if build_dir else (DEFAULT_BUILD_DIR_CUDA if cuda else DEFAULT_BUILD_DIR_CPU)
     build = build.resolve()
-    flags = cmake_flags(cuda)
+    flags = cmake_flags(cuda, deltaspec_kernels)
     targets = build_targets(cuda, extra_targets)
     want = _stamp(tree, flags)
     stamp_file = build / STAMP_NAME
@@ -477,6 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or reuse) llama.cpp; prints the bin folder")
     b.add_argument("--cuda", action="store_true", help="CUDA build for sm_90a (+ llama-bench)")
+    b.add_argument("--deltaspec-kernels", action="store_true",
+                   help="with --cuda: put deltaspec's CUDA kernels (off by default) into ggml-cuda")
     b.add_argument("--build-dir", default=None)
     b.add_argument("--target", action="append", default=[], help="extra target (repeatable)")
     b.add_argument("-j", "--jobs", type=int, default=None)
@@ -490,8 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument("-t", "--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        print(build_llama_cpp(cuda=args.cuda, build_dir=args.build_dir,
-                              extra_targets=args.target, jobs=args.jobs))
+        print(build_llama_cpp(cuda=args.cuda, build_dir=args.build_dir, extra_targets=args.target,
+                              jobs=args.jobs, deltaspec_kernels=args.deltaspec_kernels))
         return 0
     prompt = args.prompt if args.prompt is not None else [int(x) for x in args.ids.split(",") if x.strip()]
     r = greedy_run(args.model, prompt, args.n_predict, bin_dir=args.bin_dir, threads=args.threads)

@@ -124,7 +124,8 @@ def _weights(sh: TinyShape, n_vocab: int, rng: np.random.Generator) -> dict[str,
     for i in range(sh.n_layer):
         b = f"blk.{i}."
         w |= {b + "attn_norm.weight": norm(E), b + "post_attention_norm.weight": norm(E),
-              b + "ffn_gate.weight": mat(F, E), b + "ffn_up.weight": mat(F, E), b + "ffn_down.weight": sh.branch_scale * mat(E, F)}
+              b + "ffn_gate.weight": mat(F, E), b + "ffn_up.weight": mat(F, E),
+              b + "ffn_down.weight": sh.branch_scale * mat(E, F)}
         if (i + 1) % sh.full_attention_interval:  # Gated DeltaNet layer
             w |= {b + "attn_qkv.weight": mat(C, E), b + "attn_gate.weight": mat(Hv * S, E),
                   b + "ssm_beta.weight": mat(Hv, E), b + "ssm_alpha.weight": mat(Hv, E),
@@ -140,12 +141,17 @@ def _weights(sh: TinyShape, n_vocab: int, rng: np.random.Generator) -> dict[str,
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
-def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int = 0, **shape) -> Path:
-    """Write the tiny-vocabulary qwen35 GGUF (all tensors F32) to `path` and return it.
+def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int = 0, quant: str | None = None,
+                           **shape) -> Path:
+    """Write the tiny-vocabulary qwen35 GGUF (tensors F32) to `path` and return it.
 
     `shape` overrides fields of `TinyShape` (n_embd, n_layer, head_dim, logit_std, ...). The same
-    (n_vocab, seed, shape) always gives the same bytes.
+    (n_vocab, seed, quant, shape) always gives the same bytes. quant="q4_k" stores every matrix
+    whose rows are a multiple of 256 long as Q4_K (ggml's own quantizer), the rest F32, as
+    llama.cpp falls back for such tensors.
     """
+    if quant not in (None, "q4_k"):
+        raise ValueError(f"quant must be None or 'q4_k', got {quant!r}")
     sh = replace(TinyShape(), **shape)  # TypeError names an unknown field
     tokens, types, merges = tiny_vocab(n_vocab)
     weights = _weights(sh, n_vocab, np.random.default_rng(seed))
@@ -173,7 +179,14 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
     w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_add_bos_token(False)
     for name, x in weights.items():
-        w.add_tensor(name, x)
+        if quant == "q4_k" and x.ndim == 2 and x.shape[1] % 256 == 0:
+            from .. import _core
+            from gguf import GGMLQuantizationType
+
+            q4k = GGMLQuantizationType.Q4_K
+            w.add_tensor(name, _core.quantize(np.ascontiguousarray(x), int(q4k)), raw_dtype=q4k)
+        else:
+            w.add_tensor(name, x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

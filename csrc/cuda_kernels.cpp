@@ -1,0 +1,22 @@
+#include "cuda_kernels.h"
+
+#include <cstdlib>
+#include <cstring>
+
+// Defined by ggml/cuda/deltaspec_mmvq.cu inside ggml-cuda when it carries our kernels. Weak, so
+// that a ggml without them links too and leaves the pointer null.
+extern "C" void deltaspec_cuda_set_kernels(bool on) __attribute__((weak));
+
+namespace deltaspec {
+
+bool cuda_kernels_available() { return deltaspec_cuda_set_kernels != nullptr; }
+
+bool enable_cuda_kernels() {
+    if (!cuda_kernels_available()) return false;
+    const char * env = std::getenv("DELTASPEC_CUDA_KERNELS");
+    const bool on = env == nullptr || std::strcmp(env, "0") != 0;
+    deltaspec_cuda_set_kernels(on);
+    return on;
+}
+
+}  // namespace deltaspec

@@ -1,0 +1,26 @@
+# Puts deltaspec's CUDA kernels into ggml's ggml-cuda target: adds deltaspec_mmvq.cu and compiles
+# ggml-cuda.cu with its quantized mat-vec entry renamed to our dispatcher, which computes what our
+# kernels serve and hands the rest to ggml's own function. No upstream file is changed.
+#
+# Our build includes this file and calls deltaspec_add_cuda_kernels() after add_subdirectory(ggml).
+# A llama.cpp build gets it with -DCMAKE_PROJECT_INCLUDE=<this file>: the call is then deferred
+# to the end of ggml's directory, where ggml-cuda exists. The kernels stay off until
+# deltaspec_cuda_set_kernels(true), so llama.cpp itself runs ggml's kernels.
+set(DELTASPEC_CUDA_DIR "${CMAKE_CURRENT_LIST_DIR}")
+
+function(deltaspec_add_cuda_kernels)
+    if(NOT TARGET ggml-cuda)
+        return()
+    endif()
+    get_target_property(cuda_src_dir ggml-cuda SOURCE_DIR)
+    target_sources(ggml-cuda PRIVATE "${DELTASPEC_CUDA_DIR}/deltaspec_mmvq.cu")
+    target_include_directories(ggml-cuda PRIVATE "${cuda_src_dir}" "${DELTASPEC_CUDA_DIR}")
+    set_source_files_properties("${cuda_src_dir}/ggml-cuda.cu" TARGET_DIRECTORY ggml-cuda
+        PROPERTIES COMPILE_DEFINITIONS "ggml_cuda_mul_mat_vec_q=deltaspec_mul_mat_vec_q")
+    message(STATUS "deltaspec: CUDA kernels added to ggml-cuda")
+endfunction()
+
+if(PROJECT_NAME STREQUAL "ggml" AND NOT DELTASPEC_CUDA_KERNELS_DEFERRED)
+    set(DELTASPEC_CUDA_KERNELS_DEFERRED ON)
+    cmake_language(DEFER CALL deltaspec_add_cuda_kernels)
+endif()
