@@ -2,7 +2,7 @@
 
     python bench/spec_bench.py --out spec.json            # markdown table to stdout, JSON to --out
 
-Three drafters on a synthetic tiny-vocabulary qwen35 model (`deltaspec.testing.tiny_vocab`, a
+Drafters on a synthetic tiny-vocabulary qwen35 model (`deltaspec.testing.tiny_vocab`, a
 larger shape so a token costs about a millisecond; RANDOM WEIGHTS, so acceptance says nothing about
 real models):
 

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "ggml-alloc.h"
 #include "cuda_kernels.h"
+#include "ggml-alloc.h"
 #include "ggml-cpu.h"
 #include "graph_qwen35.h"
 
@@ -90,7 +90,7 @@ void Engine::reset() {
 
 void Engine::eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits) {
     if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {
-        throw std::invalid_argument("use eval_argmax for the argmax token");
+        throw std::invalid_argument("use eval_argmax / eval_verify_argmax for argmax tokens");
     }
     eval_all(tokens, n_tokens, wanted, logits);
 }

@@ -13,8 +13,6 @@
 
 namespace deltaspec {
 
-// What a step returns: nothing, last-row logits, all rows' logits, or only the argmax token of
-// the last row (computed on the device, so greedy decoding copies 4 bytes instead of n_vocab floats).
 // What a step returns: no logits, the last row's, every row's, or the argmax (on the device, so
 // that 4 bytes cross over instead of a vocabulary of floats) of the last row or of every row.
 enum class LogitsWanted { none, last, all, argmax, argmax_all };
