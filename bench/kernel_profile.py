@@ -39,8 +39,7 @@ GROUPS = [  # first match wins
 def run(args) -> int:
     from deltaspec import Model
 
-    cudart = next(ctypes.CDLL(n) for n in ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
-                  if _loadable(n))
+    cudart = _cudart()
     m = Model(args.model, n_ctx=args.depth + 1024, device="cuda", progress=False)
     e = m._live()
     e.reserve_slots(args.chain)
@@ -67,12 +66,14 @@ def run(args) -> int:
     return 0
 
 
-def _loadable(name: str) -> bool:
-    try:
-        ctypes.CDLL(name)
-        return True
-    except OSError:
-        return False
+def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime ggml-cuda already loaded (for cudaProfilerStart/Stop)."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise RuntimeError("no CUDA runtime library found")
 
 
 def report(args) -> int:

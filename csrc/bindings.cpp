@@ -214,6 +214,23 @@ py::array_t<float> dequantize(py::array_t<uint8_t, py::array::c_style> data, int
 
 }  // namespace
 
+using Tokens = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+// A verify batch through `fn` (logits or argmax of every row), the GIL released while it runs.
+template <typename T>
+py::array_t<T> verify(Runner & r, const Tokens & tokens, std::vector<py::ssize_t> shape,
+                      void (Engine::*fn)(const int32_t *, int64_t, T *)) {
+    py::array_t<T> out(shape);
+    const int32_t * ids = tokens.data();
+    T * dst = out.mutable_data();
+    const int64_t n = tokens.shape(0);
+    {
+        py::gil_scoped_release release;
+        (r.engine.get()->*fn)(ids, n, dst);
+    }
+    return out;
+}
+
 PYBIND11_MODULE(_core, m) {
     m.doc() = "deltaspec native engine (ggml)";
     m.attr("ggml_version") = ggml_version();
@@ -314,28 +331,11 @@ PYBIND11_MODULE(_core, m) {
              py::arg("n_min"), py::arg("callback") = py::none(),
              "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None).")
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
-        .def("eval_verify", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
-                 py::array_t<float> out({(int64_t)tokens.shape(0), r.engine->hparams().n_vocab});
-                 const int32_t * ids = tokens.data();
-                 float * dst = out.mutable_data();
-                 const int64_t n = tokens.shape(0);
-                 {
-                     py::gil_scoped_release release;
-                     r.engine->eval_verify(ids, n, dst);
-                 }
-                 return out;
+        .def("eval_verify", [](Runner & r, Tokens tokens) {
+                 return verify(r, tokens, {tokens.shape(0), r.engine->hparams().n_vocab}, &Engine::eval_verify);
              }, py::arg("tokens"), "Append a verify batch (logits of every row; state after each row kept).")
-        .def("eval_verify_argmax", [](Runner & r,
-                                      py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
-                 py::array_t<int32_t> out(tokens.shape(0));
-                 const int32_t * ids = tokens.data();
-                 int32_t * dst = out.mutable_data();
-                 const int64_t n = tokens.shape(0);
-                 {
-                     py::gil_scoped_release release;
-                     r.engine->eval_verify_argmax(ids, n, dst);
-                 }
-                 return out;
+        .def("eval_verify_argmax", [](Runner & r, Tokens tokens) {
+                 return verify(r, tokens, {tokens.shape(0)}, &Engine::eval_verify_argmax);
              }, py::arg("tokens"), "eval_verify returning the argmax of every row (computed on the device).")
         .def("eval_argmax", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
                  const int32_t * ids = tokens.data();

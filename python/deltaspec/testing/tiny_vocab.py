@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
 
 from ..tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, byte_to_unicode
 
@@ -178,12 +178,11 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
     w.add_eos_token_id(tokens.index(EOS_TEXT))
     w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_add_bos_token(False)
+    if quant == "q4_k":
+        from .. import _core  # ggml's own quantizer (gguf-py cannot write k-quants)
+    q4k = GGMLQuantizationType.Q4_K
     for name, x in weights.items():
         if quant == "q4_k" and x.ndim == 2 and x.shape[1] % 256 == 0:
-            from .. import _core
-            from gguf import GGMLQuantizationType
-
-            q4k = GGMLQuantizationType.Q4_K
             w.add_tensor(name, _core.quantize(np.ascontiguousarray(x), int(q4k)), raw_dtype=q4k)
         else:
             w.add_tensor(name, x)
