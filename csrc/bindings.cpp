@@ -235,6 +235,7 @@ PYBIND11_MODULE(_core, m) {
     m.doc() = "deltaspec native engine (ggml)";
     m.attr("ggml_version") = ggml_version();
     m.attr("ggml_commit") = ggml_commit();
+    m.attr("kv_pad") = SequenceState::kv_pad;  // n_ctx is rounded up to a multiple of this
 
     m.def("has_device", [](const std::string & device) {
               if (device == "cpu") return true;

@@ -7,3 +7,24 @@ from pathlib import Path
 
 if importlib.util.find_spec("deltaspec") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def chat_gguf(tmp_path_factory):
+    """The tiny real-vocabulary model attn2_d32_untied (F16) carrying Qwen3.5-4B's chat template from
+    the pinned llama.cpp tree: chat templates, thinking and chat completions end to end."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from deltaspec.convert import convert_hf_to_gguf
+    from deltaspec.testing.tiny_models import default_cache_dir, tiny_model_dir
+    from upstream import llama_cpp_tree
+
+    template = (llama_cpp_tree() / "models/templates/Qwen3.5-4B.jinja").read_text(encoding="utf-8")
+    # a cache folder of its own: tiny_model_dir evicts other builds of the same name from its folder
+    hf_dir = tiny_model_dir("attn2_d32_untied", chat_template=template, cache_dir=default_cache_dir() / "chat-template")
+    path = tmp_path_factory.mktemp("chat") / "tiny-chat.gguf"
+    convert_hf_to_gguf(hf_dir, path, outtype="f16")
+    return path

@@ -17,7 +17,7 @@ import jinja2.ext
 import pytest
 
 from deltaspec import openai_format as oa
-from deltaspec.chat import (ChatTemplate, chat_template_from_metadata, prompt_opens_reasoning,
+from deltaspec.chat import (ChatTemplate, ReasoningSplitter, chat_template_from_metadata, prompt_opens_reasoning,
                             split_reasoning)
 from deltaspec.errors import ChatTemplateError, DeltaspecError
 
@@ -201,7 +201,7 @@ def test_assistant_tool_call_without_content_is_allowed(qwen_template):
 @pytest.mark.parametrize("text, thinking_open, expected", [
     ("<think>\nplan\n</think>\n\nanswer", False, ("plan", "answer")),
     ("  <think>plan</think>answer\n", False, ("plan", "answer\n")),
-    ("plan\n</think>\n\nanswer", False, ("plan", "answer")),   # prompt opened the block
+    ("plan\n</think>\n\nanswer", False, (None, "plan\n</think>\n\nanswer")),  # not opened: content, as llama.cpp
     ("plan\n</think>\n\nanswer", True, ("plan", "answer")),
     ("still thinking", True, ("still thinking", "")),           # cut off while reasoning
     ("<think>\nstill thinking", False, ("still thinking", "")),
@@ -212,6 +212,40 @@ def test_assistant_tool_call_without_content_is_allowed(qwen_template):
 ])
 def test_split_reasoning(text, thinking_open, expected):
     assert split_reasoning(text, thinking_open) == expected
+
+
+STREAMED = ["<think>\nplan\n</think>\n\nanswer", "  <think>plan</think>answer\n", "plan \n</think>\n\n answer",
+            "still thinking \n", "<think>\n\n</think>\n\nanswer", "plain answer", "a <think>x</think> b", "",
+            "  <thi", "<think> a </thin", "x</think", " \n", "<think>a</think></think>b"]
+
+
+@pytest.mark.parametrize("thinking_open", [False, True])
+@pytest.mark.parametrize("text", STREAMED)
+def test_reasoning_splitter_streams_the_split(text, thinking_open):
+    """Any cut of the text into pieces (every one- and two-cut split, and one piece per character)
+    streams deltas that concatenate to split_reasoning of the whole, and no delta is held back
+    longer than a tag or blanks need."""
+    whole = split_reasoning(text, thinking_open)
+    n = len(text)
+    cuts = [(i,) for i in range(n + 1)] + [(i, j) for i in range(n + 1) for j in range(i, n + 1)]
+    for pieces in [[text[a:b] for a, b in zip((0, *c), (*c, n))] for c in cuts] + [list(text)]:
+        splitter = ReasoningSplitter(thinking_open)
+        parts = [splitter.push(p) for p in pieces] + [splitter.finish()]
+        reasoning, content = "".join(r for r, _ in parts), "".join(c for _, c in parts)
+        assert ((reasoning or None), content) == whole, pieces
+
+
+def test_reasoning_splitter_sends_early():
+    s = ReasoningSplitter(thinking_open=True)
+    assert s.push("  plan") == ("plan", "")
+    assert s.push(" more \n</th") == (" more", "")       # blanks and a possible tag wait
+    assert s.push("ink>\n\n") == ("", "")
+    assert s.push("ans") == ("", "ans")
+    assert s.push("wer</think>") == ("", "wer</think>")  # after the block everything is content
+    assert s.finish() == ("", "")
+    s = ReasoningSplitter(thinking_open=False)
+    assert s.push(" <th") == ("", "")                      # may still become "<think>"
+    assert s.push("e end") == ("", " <the end")
 
 
 def test_prompt_opens_reasoning(qwen_template):
@@ -252,17 +286,11 @@ def test_chat_completion_shape():
 
 
 def test_chat_chunks_follow_llama_cpp_python():
-    stream = [oa.completion_chunk("Hel", None, "m", "cmpl-1", 5), oa.completion_chunk("lo", None, "m", "cmpl-1", 5),
-              oa.completion_chunk("", "stop", "m", "cmpl-1", 5)]
-    chunks = list(oa.chat_chunks(stream))
+    chunks = [oa.chat_chunk_role("m", "chatcmpl-1", 5), oa.chat_chunk_delta("m", "chatcmpl-1", 5, content="Hel"),
+              oa.chat_chunk_delta("m", "chatcmpl-1", 5, reasoning_content="r"),
+              oa.chat_chunk_finish("stop", "m", "chatcmpl-1", 5)]
     base = {"id": "chatcmpl-1", "model": "m", "created": 5, "object": "chat.completion.chunk"}
-    deltas = [({"role": "assistant"}, None), ({"content": "Hel"}, None), ({"content": "lo"}, None), ({}, "stop")]
+    deltas = [({"role": "assistant"}, None), ({"content": "Hel"}, None), ({"reasoning_content": "r"}, None),
+              ({}, "stop")]
     assert chunks == [{**base, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": f}]}
                       for d, f in deltas]
-    assert oa.chat_chunk_role("m", "chatcmpl-1", 5) == chunks[0]
-    assert oa.chat_chunk_delta("m", "chatcmpl-1", 5, content="lo") == chunks[2]
-    assert oa.chat_chunk_finish("stop", "m", "chatcmpl-1", 5) == chunks[3]
-    assert oa.chat_chunk_delta("m", "i", 5, reasoning_content="r")["choices"][0]["delta"] == {"reasoning_content": "r"}
-    # a final chunk that carries text keeps it
-    tail = list(oa.chat_chunks([oa.completion_chunk("end", "length", "m", "cmpl-2", 5)]))
-    assert [c["choices"][0]["delta"] for c in tail] == [{"role": "assistant"}, {"content": "end"}, {}]

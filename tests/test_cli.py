@@ -1,6 +1,8 @@
-"""`deltaspec run` (llama-cli's flags) as a subprocess on a tiny model, and Model's load progress."""
+"""`deltaspec run` (llama-cli's flags) and `deltaspec info` as subprocesses on a tiny model, and
+Model's load progress."""
 
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -14,9 +16,7 @@ pytest.importorskip("transformers")
 from deltaspec import Model  # noqa: E402
 from deltaspec.chat import prompt_opens_reasoning, split_reasoning  # noqa: E402
 from deltaspec.convert import convert_hf_to_gguf  # noqa: E402
-from deltaspec.testing.tiny_models import default_cache_dir, tiny_model_dir  # noqa: E402
-
-from upstream import llama_cpp_tree  # noqa: E402
+from deltaspec.testing.tiny_models import tiny_model_dir  # noqa: E402
 
 CONFIG = "attn2_d32_untied"
 PROMPT = "Once upon a time, in a land far away,"
@@ -38,18 +38,8 @@ def model(gguf):
         yield m
 
 
-@pytest.fixture(scope="module")
-def chat_gguf(tmp_path_factory):
-    template = (llama_cpp_tree() / "models/templates/Qwen3.5-4B.jinja").read_text(encoding="utf-8")
-    # a cache folder of its own: tiny_model_dir evicts other builds of the same name from its folder
-    hf_dir = tiny_model_dir(CONFIG, chat_template=template, cache_dir=default_cache_dir() / "chat-template")
-    path = tmp_path_factory.mktemp("cli-chat") / "tiny-chat.gguf"
-    convert_hf_to_gguf(hf_dir, path, outtype="f16")
-    return path
-
-
-def run_cli(*args, stdin=None, timeout=60):
-    return subprocess.run([sys.executable, "-m", "deltaspec", "run", *map(str, args)], input=stdin,
+def run_cli(*args, stdin=None, timeout=60, command="run"):
+    return subprocess.run([sys.executable, "-m", "deltaspec", command, *map(str, args)], input=stdin,
                           capture_output=True, text=True, encoding="utf-8", env=ENV, timeout=timeout)
 
 
@@ -59,17 +49,16 @@ def chat_model(chat_gguf):
         yield m
 
 
-def check_timing_line(stderr):
-    last = stderr.strip().splitlines()[-1]
-    assert last.startswith("deltaspec: prompt ") and " tok/s) | generated " in last, stderr
-    assert "finish: length" in last or "finish: stop" in last, stderr
+def check_timing_line(line, finish="length"):
+    assert line.startswith("deltaspec: prompt ") and " tok/s) | generated " in line, line
+    assert line.endswith(f"| finish: {finish}"), line
 
 
 def test_prompt_greedy_equals_generate(gguf, model):
     r = run_cli("-m", gguf, "-p", PROMPT, "-n", N, "--temp", 0, "-c", 512, "-t", THREADS)
     assert r.returncode == 0, r.stderr
     assert r.stdout == PROMPT + model.generate(PROMPT, max_tokens=N, temperature=0).text + "\n"
-    check_timing_line(r.stderr)
+    check_timing_line(r.stderr.strip().splitlines()[-1])
     assert "Traceback" not in r.stderr
 
 
@@ -80,7 +69,7 @@ def test_file_prompt(gguf, model, tmp_path):
                 "--threads", THREADS, "--no-display-prompt")
     assert r.returncode == 0, r.stderr
     assert r.stdout == model.generate(PROMPT, max_tokens=N, temperature=0).text + "\n"
-    check_timing_line(r.stderr)
+    check_timing_line(r.stderr.strip().splitlines()[-1])
 
 
 def expected_chat(m, turns, n):
@@ -103,6 +92,10 @@ def test_interactive_two_turns(chat_gguf, chat_model, ending):
     r = run_cli("-m", chat_gguf, "-i", "-n", 8, "--temp", 0, "-c", 1024, "-t", THREADS, stdin=stdin)
     assert r.returncode == 0, r.stderr
     assert r.stdout == expected_chat(chat_model, turns, 8)
+    timing = [line for line in r.stderr.splitlines() if line.startswith("deltaspec: prompt ")]
+    assert len(timing) == len(turns), r.stderr  # one per reply, as in the one-shot mode
+    for line in timing:
+        check_timing_line(line)
     assert "Traceback" not in r.stderr
 
 
@@ -184,3 +177,33 @@ def test_load_progress_callback(gguf):
     with pytest.raises(Stop):  # an exception in the callback aborts the load and reaches the caller
         Model(gguf, n_ctx=256, n_threads=THREADS, progress=abort)
     assert calls[-1] > 0
+
+
+# Elements and bytes per block of each KV cache type (ggml's block structs in ggml-common.h).
+KV_BLOCKS = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20),
+             "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24)}
+
+
+def test_info(gguf, model):
+    r = run_cli(gguf, "-c", 1000, command="info")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    hp = model.hparams
+    assert re.search(r"^architecture +qwen35\b", out, re.M), out
+    n_attn = hp.recurrent.count(False)
+    assert f"layers          {hp.n_layer} = {hp.n_layer - n_attn} Gated DeltaNet + {n_attn} gated attention" in out
+    assert "at n_ctx=1024" in out and "n_ctx=1000" not in out  # rounded up to whole 256-token KV blocks
+    rows = dict((name, (per_token, mib)) for name, per_token, mib in
+                re.findall(r"^  (\w+) +([\d,]+) bytes/token +([\d.,]+) MiB$", out, re.M))
+    assert set(rows) == set(KV_BLOCKS), out
+    for name, (elements, size) in KV_BLOCKS.items():
+        # K and V: one row of n_head_kv * head_dim elements per attention layer each
+        per_token = 2 * n_attn * hp.n_head_kv * hp.head_dim // elements * size
+        assert rows[name] == (f"{per_token:,}", f"{per_token * 1024 / 2**20:,.1f}"), name
+
+
+@pytest.mark.parametrize("ctx", ["0", "-5", "abc"])
+def test_info_rejects_bad_ctx(gguf, ctx):
+    r = run_cli(gguf, "-c", ctx, command="info")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "-c/--ctx-size" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -1,9 +1,12 @@
-"""Sampling draws from the distribution llama.cpp's chain defines (chi-square, tiny-vocab model).
+"""Sampling draws from the distribution llama.cpp's chain defines (chi-square, tiny-vocab model),
+and the repetition / presence / frequency penalties act as llama.cpp defines them.
 
 For a fixed prompt the first generated token is drawn thousands of times with different seeds;
 its empirical distribution is compared with probabilities computed here, in numpy, from the
 model's logits by an independent implementation of the chain: top-k -> top-p -> min-p ->
 temperature. The last case shows the test has power: a chain with the wrong order is rejected.
+Penalties: greedy text with each penalty equals a numpy loop applying llama.cpp's formula to the
+model's logits, on a model whose greedy text repeats (so every case changes the text).
 """
 
 import numpy as np
@@ -96,3 +99,62 @@ def test_test_has_power(model):
 def test_greedy_is_argmax(model):
     logits = model.logits(PROMPT)[-1]
     assert model.generate(PROMPT, max_tokens=1, temperature=0).tokens[0] == int(np.argmax(logits))
+
+
+def penalized_greedy(model: Model, prompt: list[int], n: int, repeat_penalty: float, presence_penalty: float,
+                     frequency_penalty: float, penalty_last_n: int) -> list[int]:
+    """Greedy decoding with llama.cpp's penalties (llama_sampler_penalties_apply) applied here, in
+    numpy, to the model's logits: every token seen c > 0 times among the last penalty_last_n tokens
+    (prompt included; -1: all of them, 0: none) has its logit divided by repeat_penalty when
+    positive, multiplied when not, then lowered by c * frequency_penalty + presence_penalty."""
+    history, out = list(prompt), []
+    logits = model.logits(prompt)[-1]
+    for _ in range(n):
+        window = history if penalty_last_n < 0 else history[-penalty_last_n:] if penalty_last_n > 0 else []
+        ids, counts = np.unique(np.array(window, dtype=np.int64), return_counts=True)
+        adjusted = logits.copy()
+        seen = adjusted[ids]
+        seen = np.where(seen <= 0, seen * repeat_penalty, seen / repeat_penalty)
+        adjusted[ids] = seen - (counts * frequency_penalty + presence_penalty)
+        token = int(np.argmax(adjusted))
+        out.append(token)
+        history.append(token)
+        if model.tokenizer.is_eog(token):
+            break
+        logits = model.eval([token])[-1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def repeating():
+    """branch_scale=0: the next token depends on the current one only, so greedy text soon repeats
+    itself and every penalty below changes it within the first ten tokens."""
+    with Model(tiny_vocab_model_path(branch_scale=0.0), n_ctx=256, n_threads=1) as m:
+        yield m
+
+
+@pytest.mark.parametrize("repeat_penalty,presence_penalty,frequency_penalty,penalty_last_n", [
+    (1.5, 0.0, 0.0, 64),
+    (0.7, 0.0, 0.0, 64),     # below 1: rewards repeats
+    (1.0, 0.8, 0.0, 64),
+    (1.0, 0.0, 0.6, 64),
+    (1.3, 0.5, 0.4, 3),      # a short window: only the last 3 tokens count
+    (2.0, 0.0, 0.0, -1),     # the whole history
+])
+def test_penalties_match_numpy(repeating, repeat_penalty, presence_penalty, frequency_penalty, penalty_last_n):
+    model = repeating
+    prompt = [72, 101, 108, 108, 111, 32, 72, 101]  # "Hello He": repeated tokens from the start
+    params = dict(repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                  frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n)
+    ours = model.generate(prompt, max_tokens=24, temperature=0, **params).tokens
+    assert ours == penalized_greedy(model, prompt, 24, **params)
+    # the penalties changed the text: the comparison above had something to check
+    assert ours != model.generate(prompt, max_tokens=24, temperature=0).tokens
+
+
+def test_penalty_window_zero_turns_penalties_off(repeating):
+    model = repeating
+    prompt = [72, 101, 108, 108, 111, 32, 72, 101]
+    plain = model.generate(prompt, max_tokens=24, temperature=0).tokens
+    assert model.generate(prompt, max_tokens=24, temperature=0, repeat_penalty=1.5, presence_penalty=1.0,
+                          penalty_last_n=0).tokens == plain

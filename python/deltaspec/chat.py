@@ -227,21 +227,78 @@ def split_reasoning(text: str, thinking_open: bool = False) -> tuple[str | None,
     `--reasoning-format deepseek`.
 
     The reasoning is a leading `<think>…</think>` block, or, when the prompt already opened the
-    block (`thinking_open`, or a `</think>` with no `<think>` before it), the text up to
-    `</think>`. An unclosed block (generation stopped while thinking) is all reasoning. Reasoning
-    is stripped and None when empty; whitespace after `</think>` is dropped from the content.
+    block (`thinking_open`), the text up to `</think>`. An unclosed block (generation stopped
+    while thinking) is all reasoning. Reasoning is stripped and None when empty; whitespace after
+    `</think>` is dropped from the content. A stream splits the same way with ReasoningSplitter.
     """
-    close = text.find(THINK_CLOSE)
-    stripped = text.lstrip()
-    if stripped.startswith(THINK_OPEN):
-        body = stripped[len(THINK_OPEN):]
-    elif thinking_open or (close >= 0 and THINK_OPEN not in text[:close]):
-        body = text
-    else:
-        return None, text
-    close = body.find(THINK_CLOSE)
-    if close < 0:
-        reasoning, content = body, ""
-    else:
-        reasoning, content = body[:close], body[close + len(THINK_CLOSE):].lstrip()
-    return (reasoning.strip() or None), content
+    splitter = ReasoningSplitter(thinking_open)
+    (reasoning, content), (reasoning_end, content_end) = splitter.push(text), splitter.finish()
+    return (reasoning + reasoning_end) or None, content + content_end
+
+
+class ReasoningSplitter:
+    """`split_reasoning` for text that arrives in pieces: push() each piece, then finish(); each
+    returns (reasoning, content) text to send now. The pieces concatenate to exactly the split of
+    the whole text, so streamed and non-streamed chat completions agree. Text is held back only
+    while it may still be part of a tag or whitespace that the split strips."""
+
+    def __init__(self, thinking_open: bool = False) -> None:
+        self._thinking_open = thinking_open
+        self._state = "start"  # start -> reasoning -> after_close -> content, or start -> content
+        self._held = ""        # received, not yet sent
+        self._reasoning_sent = False
+
+    def push(self, text: str) -> tuple[str, str]:
+        self._held += text
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, str]:
+        reasoning = content = ""
+        if self._state == "start":
+            lead = self._held.lstrip()
+            if lead.startswith(THINK_OPEN):
+                self._held, self._state = lead[len(THINK_OPEN):], "reasoning"
+            elif not final and THINK_OPEN.startswith(lead):  # blank so far, or "<think>" arriving
+                return "", ""
+            else:
+                self._state = "reasoning" if self._thinking_open else "content"
+        if self._state == "reasoning":
+            close = self._held.find(THINK_CLOSE)
+            if close >= 0:
+                reasoning = self._reasoning(self._held[:close], last=True)
+                self._held, self._state = self._held[close + len(THINK_CLOSE):], "after_close"
+            else:
+                # keep back a possible start of "</think>" and trailing blanks (stripped if it comes)
+                if final:
+                    ready = self._held
+                else:
+                    ready = self._held[:len(self._held) - _tag_start(self._held, THINK_CLOSE)].rstrip()
+                reasoning = self._reasoning(ready, last=final)
+                self._held = self._held[len(ready):]
+        if self._state == "after_close":
+            self._held = self._held.lstrip()
+            if self._held:
+                self._state = "content"
+        if self._state == "content":
+            content, self._held = self._held, ""
+        return reasoning, content
+
+    def _reasoning(self, text: str, last: bool) -> str:
+        """The next reasoning text with the block's leading (and, when `last`, trailing) blanks off."""
+        if not self._reasoning_sent:
+            text = text.lstrip()
+        if last:
+            text = text.rstrip()
+        self._reasoning_sent = self._reasoning_sent or bool(text)
+        return text
+
+
+def _tag_start(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag` (the tag may be arriving)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -18,7 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="print a qwen35 GGUF's architecture, sizes and quant mix")
     p.add_argument("model", help="path to a .gguf file")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size for the memory estimate")
+    p.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
+                   help="context size for the memory estimate, rounded up to a multiple of 256 as Model "
+                        "allocates it (default: %(default)s)")
     p.set_defaults(run=_run_info)
 
     from .synth import PRESETS, QUANTS  # numpy + gguf only
@@ -39,12 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    """argparse type for counts that must be >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 # --- run -------------------------------------------------------------------------------------------
 
 RUN_DESCRIPTION = """Generate text from a prompt (-p / -f), or chat (-i), with llama.cpp's flag names and defaults.
-Output streams to stdout; load progress and the timing line go to stderr. With -i, -p / -f give
-the system message; type /exit (or end the input) to quit, /clear to start over, and Ctrl-C to
-stop a reply."""
+Output streams to stdout; load progress and the timing line (one per reply with -i) go to stderr.
+With -i, -p / -f give the system message; type /exit (or end the input) to quit, /clear to start
+over, and Ctrl-C to stop a reply."""
 
 # Model / generate parameter -> the flag that sets it, to name the flag in error messages
 RUN_FLAGS = {
@@ -298,15 +311,19 @@ def _complete(model, prompt: str, sampling: dict, display_prompt: bool) -> int:
         stream.close()  # cancels the generation when interrupted
     out.write("\n")
     out.flush()
-    r = stream.result
+    _print_timing(stream.result, speculative="spec_type" in sampling)
+    return 0
+
+
+def _print_timing(r, speculative: bool) -> None:
+    """llama-cli's closing line on stderr: prompt and generation speed, speculation, finish reason."""
     s = r.stats
     print(f"deltaspec: prompt {s.prompt_tokens} tokens in {1e3 * s.prefill_seconds:.1f} ms "
           f"({s.prefill_tokens_per_second:.1f} tok/s) | generated {s.generated_tokens} tokens in "
           f"{1e3 * s.decode_seconds:.1f} ms ({s.tokens_per_second:.1f} tok/s)"
           + (f" | drafted {s.n_drafted}, accepted {s.n_accepted} ({100 * s.acceptance_rate:.1f}%), "
-             f"mean acceptance length {s.mean_acceptance_length:.2f}" if "spec_type" in sampling else "")
+             f"mean acceptance length {s.mean_acceptance_length:.2f}" if speculative else "")
           + f" | finish: {r.finish_reason}", file=sys.stderr)
-    return 0
 
 
 def _read_turn(interactive: bool) -> str | None:
@@ -357,16 +374,15 @@ def _chat(model, system: str | None, sampling: dict, template_kwargs: dict) -> i
             continue
         turn = messages + [{"role": "user", "content": line}]
         text = []
-        chunks = None
+        stream = None
         try:
-            thinking_open = prompt_opens_reasoning(model.apply_chat_template(turn, **template_kwargs))
-            chunks = model.create_chat_completion(turn, stream=True, **template_kwargs, **sampling)
-            for chunk in chunks:
-                piece = chunk["choices"][0]["delta"].get("content")
-                if piece:
-                    text.append(piece)
-                    out.write(piece)
-                    out.flush()
+            prompt = model.apply_chat_template(turn, **template_kwargs)
+            # the reply as generated, reasoning included (as llama-cli shows it); split for the history below
+            stream = model.generate(prompt, stream=True, **sampling)
+            for piece in stream:
+                text.append(piece)
+                out.write(piece)
+                out.flush()
         except KeyboardInterrupt:  # cancel this reply; the turn is forgotten
             out.write("\n")
             out.flush()
@@ -378,11 +394,12 @@ def _chat(model, system: str | None, sampling: dict, template_kwargs: dict) -> i
             print(f"deltaspec run: error: {_flag_error(e)} (/clear starts over)", file=sys.stderr)
             continue
         finally:
-            if chunks is not None:
-                chunks.close()
+            if stream is not None:
+                stream.close()
         out.write("\n")
         out.flush()
-        reasoning, content = split_reasoning("".join(text), thinking_open=thinking_open)
+        _print_timing(stream.result, speculative="spec_type" in sampling)
+        reasoning, content = split_reasoning("".join(text), thinking_open=prompt_opens_reasoning(prompt))
         reply = {"role": "assistant", "content": content}
         if reasoning is not None:
             reply["reasoning_content"] = reasoning

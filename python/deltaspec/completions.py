@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Iterator, Mapping, Sequence
 
 from . import openai_format as oai
-from .chat import chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
+from .chat import ReasoningSplitter, chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
+from .generation import validate_flag
+
+
+def _check_kwargs(model, caller: str, kwargs: Mapping[str, Any]) -> None:
+    """Options are passed on to Model.generate; name the function the user called, not generate(),
+    when one is unknown (e.g. llama-cpp-python's `echo` or `logprobs`, which deltaspec lacks)."""
+    known = inspect.signature(model.generate).parameters
+    for name in kwargs:
+        if name not in known:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
 
 
 def create_completion(model, prompt: str | Sequence[int], *, stream: bool = False, **kwargs: Any):
     """An OpenAI `text_completion` dict, or an iterator of chunk dicts when stream=True."""
+    _check_kwargs(model, "create_completion", kwargs)
     name = model.path
-    if not stream:
+    if not validate_flag("stream", stream):
         r = model.generate(prompt, **kwargs)
         return oai.completion(r.text, r.finish_reason, name, r.stats.prompt_tokens, r.stats.generated_tokens)
     pieces = model.generate(prompt, stream=True, **kwargs)
@@ -43,15 +55,43 @@ def apply_chat_template(model, messages: Sequence[Mapping[str, Any]], add_genera
 def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, tools=None,
                            chat_template: str | None = None, enable_thinking: bool | None = None,
                            temperature: float = 0.2, max_tokens: int | None = None, **kwargs: Any):
-    """An OpenAI `chat.completion` dict (reasoning in `reasoning_content`), or chunk dicts when streaming.
+    """An OpenAI `chat.completion` dict (reasoning in `reasoning_content`), or chunk dicts when streaming
+    (reasoning in `reasoning_content` deltas, as llama-server streams it).
     Defaults follow llama-cpp-python's chat path: temperature 0.2, max_tokens None (until n_ctx)."""
-    template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    _check_kwargs(model, "create_chat_completion", kwargs)
+    validate_flag("stream", stream)
+    template_kwargs = {} if enable_thinking is None else {"enable_thinking": validate_flag("enable_thinking",
+                                                                                           enable_thinking)}
     prompt = apply_chat_template(model, messages, tools=tools, chat_template=chat_template, **template_kwargs)
+    thinking_open = prompt_opens_reasoning(prompt)
     name = model.path
     if stream:
         pieces = model.generate(prompt, stream=True, temperature=temperature, max_tokens=max_tokens, **kwargs)
-        return oai.chat_chunks(_completion_chunks(pieces, name))
+        return _chat_chunks(pieces, name, thinking_open)
     r = model.generate(prompt, temperature=temperature, max_tokens=max_tokens, **kwargs)
-    reasoning, content = split_reasoning(r.text, thinking_open=prompt_opens_reasoning(prompt))
+    reasoning, content = split_reasoning(r.text, thinking_open=thinking_open)
     return oai.chat_completion(content, r.finish_reason, name, r.stats.prompt_tokens, r.stats.generated_tokens,
                                reasoning_content=reasoning)
+
+
+def _chat_chunks(pieces, name: str, thinking_open: bool) -> Iterator[oai.ChatCompletionChunk]:
+    """A role chunk, then `reasoning_content` / `content` deltas that concatenate to the non-streamed
+    message's fields, then an empty delta with finish_reason (llama-cpp-python's shape)."""
+    cid, created = oai.chat_completion_id(), oai.now()
+    splitter = ReasoningSplitter(thinking_open)
+    yield oai.chat_chunk_role(name, cid, created)
+    try:
+        for text in pieces:
+            yield from _chat_deltas(splitter.push(text), name, cid, created)
+    finally:
+        pieces.close()  # a consumer that stops early cancels the generation
+    yield from _chat_deltas(splitter.finish(), name, cid, created)
+    yield oai.chat_chunk_finish(pieces.result.finish_reason, name, cid, created)
+
+
+def _chat_deltas(split: tuple[str, str], name: str, cid: str, created: int) -> Iterator[oai.ChatCompletionChunk]:
+    reasoning, content = split
+    if reasoning:
+        yield oai.chat_chunk_delta(name, cid, created, reasoning_content=reasoning)
+    if content:
+        yield oai.chat_chunk_delta(name, cid, created, content=content)

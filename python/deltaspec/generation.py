@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from .sampling import SamplingOptions
 
 FINISH_REASONS = ("stop", "length", "cancelled")
+
+# Control tokens (<|im_start|>, <|im_end|>, ...) are not part of generated text, as in llama.cpp's
+# and llama-cpp-python's output (special=False); user-defined ones such as <think> are.
+TEXT_SPECIAL = False
+
+# Tokens the decode loop may run ahead of a stream's reader: enough to hide the reader's work per
+# piece, few enough that a stream nobody reads stops soon instead of computing up to max_tokens.
+STREAM_AHEAD = 64
 
 
 @dataclass
@@ -77,11 +86,23 @@ class _Request:
 def validate_stop(stop: str | Sequence[str] | None) -> list[str]:
     if stop is None:
         return []
-    items = [stop] if isinstance(stop, str) else list(stop)
-    for i, s in enumerate(items):
-        if not isinstance(s, str) or not s:
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise TypeError(f"stop must be a string, a list of strings or None, got {type(stop).__name__} {stop!r}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise TypeError(f"stop[{i}] must be a string, got {type(s).__name__} {s!r}")
+        if not s:
             raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
-    return items
+    return list(stop)
+
+
+def validate_flag(name: str, value: object) -> bool:
+    """`value` itself when it is a bool; anything else (a truthy "no", 1) is a mistake worth naming."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _held_back(data: bytes, stops: list[bytes]) -> int:
@@ -107,12 +128,20 @@ def _held_back(data: bytes, stops: list[bytes]) -> int:
 
 class Generator:
     """Runs one request on a model's engine in a worker thread, so that the caller's thread can
-    take KeyboardInterrupt (and streaming consumers can stop early) while C++ computes."""
+    take KeyboardInterrupt (and streaming consumers can stop early) while C++ computes.
+
+    A model runs one request at a time (`model._active`, guarded by `model._control`). A new
+    request takes the model from a stream that is suspended between pieces (nobody is reading it:
+    abandoned, or left for later): that stream is cancelled and ends with finish_reason
+    "cancelled", as llama-cpp-python's server interrupts a running stream with a new request."""
 
     def __init__(self, model, request: _Request):
         self._model = model
         self._req = request
         self._tokens: queue.Queue = queue.Queue()
+        self._room = threading.Semaphore(STREAM_AHEAD)  # back-pressure from a slow (or absent) reader
+        self._cancelled = threading.Event()
+        self._suspended = False  # a stream waiting at a yield for its reader
         self._outcome: dict | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -120,11 +149,11 @@ class Generator:
         # interrupted by KeyboardInterrupt leaves CPython's thread marked finished while it runs.
         self._done = threading.Event()
         self._final_bytes = b""
-        self.final: GenerationResult | None = None  # set once a stream is exhausted
+        self.final: GenerationResult | None = None  # set once a stream is exhausted or closed
 
     def _run(self, streaming: bool) -> None:
         engine = self._model._live()
-        callback = (lambda t: self._tokens.put(t) or True) if streaming else None
+        callback = self._hand_off if streaming else None
         req, eog, stop = self._req, sorted(self._model.tokenizer.eog_ids), [s.encode() for s in self._req.stop]
         try:
             if req.speculation is None:
@@ -138,26 +167,63 @@ class Generator:
         except BaseException as e:  # handed to the caller's thread
             self._error = e
         finally:
-            self._model._busy.release()
-            self._done.set()
+            self._done.set()  # frees the model for the next request
             self._tokens.put(None)
 
+    def _hand_off(self, token: int) -> bool:
+        """The decode loop's callback when streaming: queue the token for the reader, waiting while
+        the reader is STREAM_AHEAD tokens behind. False (stop the loop) once cancelled."""
+        self._room.acquire()
+        if self._cancelled.is_set():
+            return False
+        self._tokens.put(token)
+        return True
+
+    def _claim(self) -> None:
+        """Make this request the model's running one, taking the model from a suspended stream."""
+        model = self._model
+        with model._control:
+            old = model._active()
+            if old is None or old._done.is_set():
+                return self._install()
+            if not old._suspended:
+                raise RuntimeError("this model is already generating (one request at a time per Model)")
+        old._stop()  # outside the lock: its worker does not need it to finish
+        with model._control:
+            other = model._active()
+            if other is not None and not other._done.is_set():  # another thread's request got in first
+                raise RuntimeError("this model is already generating (one request at a time per Model)")
+            self._install()
+
+    def _install(self) -> None:
+        # under model._control: a cancel meant for the previous request cannot reach this one
+        self._model._live().clear_cancel()
+        self._model._active = weakref.ref(self)
+
     def _start(self, streaming: bool) -> None:
-        if not self._model._busy.acquire(blocking=False):
-            raise RuntimeError("this model is already generating (one request at a time per Model)")
+        self._claim()
         try:
-            self._model._live().clear_cancel()
             self._thread = threading.Thread(target=self._run, args=(streaming,), daemon=True)
             self._thread.start()
         except BaseException:
             if self._thread is None or self._thread.ident is None:
-                self._model._busy.release()  # the worker, which releases it, never started
+                self._done.set()  # the worker, which sets it, never started: free the model
             raise
 
+    def cancel(self) -> None:
+        """Ask the running loop to stop (thread-safe); a no-op once it has finished."""
+        model = self._model
+        with model._control:
+            if self._done.is_set() or model._active() is not self:
+                return
+            self._cancelled.set()
+            model._live().cancel()
+        self._room.release()  # wake a hand-off waiting for the reader
+
     def _stop(self) -> None:
-        """Cancel the C++ loop and wait for the worker (it releases the model)."""
+        """Cancel the C++ loop and wait for the worker (which frees the model)."""
         if self._thread is not None and self._thread.ident is not None:
-            self._model._live().cancel()
+            self.cancel()
             self._done.wait()
 
     def _wait(self) -> None:
@@ -183,9 +249,10 @@ class Generator:
         emitted = 0
         try:
             while (token := self._tokens.get()) is not None:
+                self._room.release()
                 if tok.is_eog(token):
                     continue
-                piece = tok.token_to_piece(token)
+                piece = tok.token_to_piece(token, special=TEXT_SPECIAL)
                 data += piece
                 end = len(data) - _held_back(data, stops)
                 # the token completing a stop string reaches us before the loop reports the stop;
@@ -194,10 +261,14 @@ class Generator:
                         if at >= 0]
                 end = min([end, *cuts])
                 if end > emitted:
+                    self._suspended = True
                     yield data[emitted:end].decode("utf-8", errors="replace")
+                    self._suspended = False
                     emitted = end
         except BaseException:  # the consumer stopped iterating (or was interrupted): cancel cleanly
             self._stop()
+            if self._outcome is not None:  # what was generated, finish_reason "cancelled"
+                self.final = self._finish()
             raise
         self._wait()
         self.final = self._finish()
@@ -210,7 +281,7 @@ class Generator:
         tokens = list(out["tokens"])
         tok = self._model.tokenizer
         body = tokens[:-1] if tokens and tok.is_eog(tokens[-1]) else tokens
-        data = tok.decode_bytes(body)
+        data = tok.decode_bytes(body, special=TEXT_SPECIAL)
         if out["stop_offset"] >= 0:
             data = data[:out["stop_offset"]]
         self._final_bytes = data
@@ -223,7 +294,12 @@ class Generator:
 
 class TextStream:
     """Iterator of generated text pieces; `result` holds the GenerationResult once exhausted.
-    Closing it (or breaking out of a for loop over it) cancels the generation cleanly."""
+
+    Closing it (or breaking out of a for loop over a stream nobody else references) cancels the
+    generation cleanly; `result` then holds the tokens generated so far, with finish_reason
+    "cancelled" unless the generation had already ended. A stream left unread between pieces gives
+    the model up to the next generate() (it is cancelled) and stops when garbage-collected; the
+    decode loop runs at most STREAM_AHEAD tokens ahead of the reader."""
 
     def __init__(self, generator: Generator):
         self._generator = generator

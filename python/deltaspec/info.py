@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .gguf_file import read_gguf
-from .kv_cache import CACHE_TYPES, block_size, kv_bytes_per_token
+from .kv_cache import CACHE_TYPES, block_size, kv_bytes_per_token, padded_n_ctx
 from .qwen35 import check_tensors, expected_tensors, read_hparams
 
 
@@ -14,6 +14,11 @@ def _mib(n: float) -> str:
 
 
 def describe(path: str, n_ctx: int = 4096) -> list[str]:
+    """Report lines; memory is given for the context a Model(path, n_ctx=n_ctx) allocates (n_ctx
+    rounded up to a multiple of 256)."""
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1:
+        raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+    n_ctx = padded_n_ctx(n_ctx)
     f = read_gguf(path)
     hp = read_hparams(f)
     check_tensors(hp, f)

@@ -80,6 +80,13 @@ def kv_bytes_per_token(hparams: _KVHParams, type_k: str = DEFAULT_CACHE_TYPE,
     return hparams.n_attention_layers * per_layer
 
 
+def padded_n_ctx(n_ctx: int) -> int:
+    """The context the engine allocates for `n_ctx`: rounded up to whole KV blocks, as llama.cpp does."""
+    from . import _core  # this module is pure Python otherwise
+
+    return -(-n_ctx // _core.kv_pad) * _core.kv_pad
+
+
 def kv_cache_bytes(hparams: _KVHParams, n_ctx: int, type_k: str = DEFAULT_CACHE_TYPE,
                    type_v: str = DEFAULT_CACHE_TYPE) -> int:
     """Bytes of a KV cache holding n_ctx tokens (the engine may pad n_ctx up; pass the padded value)."""

@@ -12,7 +12,8 @@ import numpy as np
 from . import _core, completions
 from .cpu import default_threads
 from .errors import DeltaspecError
-from .generation import Generator, GenerationResult, Speculation, TextStream, _Request, validate_stop
+from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, validate_flag,
+                         validate_stop)
 from .gguf_file import read_gguf
 from .qwen35 import Qwen35HParams, check_tensors, read_hparams
 from .kv_cache import ggml_type, validate_cache_types
@@ -121,8 +122,10 @@ class Model:
         finally:
             if close_bar is not None:
                 close_bar()
-        self._engine.set_pieces([self.tokenizer.token_to_piece(i) for i in range(self.n_vocab)])
-        self._busy = threading.Lock()
+        # the engine finds stop strings in the text the user gets
+        self._engine.set_pieces([self.tokenizer.token_to_piece(i, special=TEXT_SPECIAL) for i in range(self.n_vocab)])
+        self._control = threading.Lock()  # guards _active: one generation at a time, cancels reach only it
+        self._active: Callable[[], Generator | None] = lambda: None  # a weakref to the running Generator
         self.device = device
         self.n_threads = n_threads
 
@@ -145,8 +148,10 @@ class Model:
         """Token ids of `text`; with special=True, control tokens such as <|im_start|> are parsed."""
         return self.tokenizer.encode(text, special=special)
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
+    def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
+        """Text of token ids; control tokens such as <|im_start|> render only with special=True
+        (llama-cpp-python's default, and how generated text is made)."""
+        return self.tokenizer.decode(ids, special=special)
 
     # --- compute -------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -181,7 +186,9 @@ class Model:
         Stops at `max_tokens` (None: until the context is full), an end-of-generation token, a stop
         string (cut from the text) or a cancel. Sampling follows llama.cpp's chain; temperature 0
         is greedy. With stream=True returns an iterator of text pieces (never a split UTF-8
-        character, never part of a stop string) whose `.result` is set when it is exhausted.
+        character, never part of a stop string) whose `.result` is set when it is exhausted or
+        closed. Control tokens (<|im_start|>, ...) are not part of the text. cancel() stops a
+        running generation: it returns (or the stream ends) with finish_reason "cancelled".
 
         Speculative decoding (lossless: same greedy output, same sampling distribution):
         spec_type "draft-simple" with draft_model (a Model or a GGUF path with the same
@@ -191,6 +198,7 @@ class Model:
         sampling = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                    repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                                    frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n, seed=seed)
+        validate_flag("stream", stream)
         ids = self._prompt_ids(prompt)
         if max_tokens is None:
             # until the context is full: the last token is sampled from the last row, never evaluated
@@ -200,6 +208,14 @@ class Model:
         speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min)
         generator = Generator(self, _Request(ids, max_tokens, sampling, validate_stop(stop), speculation))
         return TextStream(generator) if stream else generator.result()
+
+    def cancel(self) -> None:
+        """Stop the generation running on this model, from any thread (or from a stream's loop):
+        generate() returns, or the stream ends, with finish_reason "cancelled" and the tokens made
+        so far. Does nothing when no generation runs."""
+        active = self._active()
+        if active is not None:
+            active.cancel()
 
     def create_completion(self, prompt: str | Sequence[int], stream: bool = False, max_tokens: int | None = 16,
                           **kwargs: Any):

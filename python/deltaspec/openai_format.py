@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Iterator
 from typing import Literal, NotRequired, Optional, TypedDict
 
-FinishReason = Literal["stop", "length", "tool_calls"]
+# "cancelled" is deltaspec's own: a generation stopped by Model.cancel() or a closed stream
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
 
 
 class Usage(TypedDict):
@@ -151,20 +151,3 @@ def chat_chunk_delta(model: str, id: str, created: int, content: str | None = No
 def chat_chunk_finish(finish_reason: FinishReason, model: str, id: str, created: int) -> ChatCompletionChunk:
     """The last chunk: an empty delta carrying `finish_reason`."""
     return _chat_chunk({}, finish_reason, model, id, created)
-
-
-def chat_chunks(chunks: Iterable[Completion]) -> Iterator[ChatCompletionChunk]:
-    """Turn a completion stream into a chat stream (llama-cpp-python's conversion): a role chunk,
-    then one content delta per text chunk, and an empty delta for the chunk with `finish_reason`."""
-    for i, chunk in enumerate(chunks):
-        cid, model, created = "chat" + chunk["id"], chunk["model"], chunk["created"]
-        choice = chunk["choices"][0]
-        if i == 0:
-            yield chat_chunk_role(model, cid, created)
-        if choice["finish_reason"] is None:
-            yield chat_chunk_delta(model, cid, created, content=choice["text"])
-        else:
-            # llama-cpp-python's final chunk has empty text; should ours carry text, keep it.
-            if choice["text"]:
-                yield chat_chunk_delta(model, cid, created, content=choice["text"])
-            yield chat_chunk_finish(choice["finish_reason"], model, cid, created)
