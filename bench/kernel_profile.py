@@ -23,6 +23,8 @@ from collections import defaultdict
 import numpy as np
 
 GROUPS = [  # first match wins
+    ("matmul (deltaspec: q4k_gemv, q6k_gemv, q4k_mma)", r"deltaspec_cuda::q[46]k_"),
+    ("quantize activations (deltaspec: x for q4k_mma)", r"deltaspec_cuda::quantize"),
     ("matmul (quantized mat-vec, mmvq)", r"mul_mat_vec_q"),
     ("matmul (quantized tiles, mmq)", r"mul_mat_q|mmq"),
     ("matmul (float)", r"mul_mat|gemm|mmf|cutlass|sm90_xmma"),

@@ -3,7 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 
-// Defined by ggml/cuda/deltaspec_mmvq.cu inside ggml-cuda when it carries our kernels. Weak, so
+// Defined by ggml/cuda/deltaspec_matmul.cu inside ggml-cuda when it carries our kernels. Weak, so
 // that a ggml without them links too and leaves the pointer null.
 extern "C" void deltaspec_cuda_set_kernels(bool on) __attribute__((weak));
 

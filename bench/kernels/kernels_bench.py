@@ -1,15 +1,20 @@
-"""Standalone check and timing of our Q4_K mat-vec kernel (ggml/cuda/q4k_gemv.cuh) on the GPU.
+"""Standalone check and timing of deltaspec's CUDA kernels (ggml/cuda/*.cuh) on the GPU.
 
-    nvcc -O3 -arch=sm_90a -shared -Xcompiler -fPIC bench/kernels/q4k_gemv_capi.cu -o /tmp/libq4k.so
-    python bench/kernels/q4k_gemv_bench.py /tmp/libq4k.so [--out q4k.json]
+    nvcc -O3 -arch=sm_90a -shared -Xcompiler -fPIC bench/kernels/kernels_capi.cu -o /tmp/libk.so
+    python bench/kernels/kernels_bench.py /tmp/libk.so [--out kernels.json]
 
-For the 27B decode shapes: random Q4_K blocks (random nibbles and 6-bit scales, random f16 d and
-dmin), the reference y = dequantize(W) @ x in float64 with gguf-py's own Q4_K dequantizer (the
-llama.cpp project's Python implementation), and the kernel's relative error against it (the
-kernel rounds x to int8 per 16 values, as ggml's own mat-vec rounds it to q8_1). Timing:
-CUDA events over repeated launches that cycle through enough copies of the matrix to defeat the
-50 MB L2, so every launch reads its weights from HBM; bandwidth = weight bytes / time, next to a
-device-to-device copy measured in the same run. Needs torch with CUDA and gguf.
+Three tables, for the Qwen3.5-27B shapes:
+  * one column (a decode step): our Q4_K and Q6_K mat-vecs, each with the resident grid (blocks
+    that stay resident walk many rows, x prepared once per block) and one block per 8 rows;
+  * 1..32 columns (verifying a draft chain) with the Q4_K tensor-core kernel, next to one column.
+Weights are random blocks (random quants and scales, random f16 d / dmin within sane ranges); the
+reference is y = dequantize(W) @ x in float64 with gguf-py's own dequantizers (the llama.cpp
+project's Python implementation), over the first 4096 rows; the kernels round x to int8 (per 16
+values for one column, per 256 for several, as ggml's q8_1 / q8_K do per 32 / 256), which is the
+few-1e-3 relative error the tables show.
+Timing: CUDA events over repeated launches that cycle through enough copies of the matrix to
+defeat the 50 MB L2, so every launch reads its weights from HBM; bandwidth = weight bytes / time,
+next to a device-to-device copy measured in the same run. Needs torch with CUDA and gguf.
 """
 
 from __future__ import annotations
@@ -24,44 +29,81 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-BLOCK = 144  # bytes per 256 weights
-# (name, rows, cols, gated): the Q4_K mat-vecs of one Qwen3.5-27B decode step
-SHAPES = [
-    ("ffn gate+up, fused SwiGLU", 17408, 5120, True),
-    ("ffn down", 5120, 17408, False),
-    ("DeltaNet qkv", 10240, 5120, False),
-    ("attention q+gate", 12288, 5120, False),
-    ("DeltaNet z", 6144, 5120, False),
-    ("ssm_out / attn_output", 5120, 6144, False),
-    ("DeltaNet alpha / beta", 48, 5120, False),
+Q4K, Q6K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+BLOCK_BYTES = {Q4K: 144, Q6K: 210}
+CHECK_ROWS = 4096
+# (type, name, rows, cols, gated): the mat-vecs of one Qwen3.5-27B decode step
+ONE_COLUMN = [
+    (Q4K, "ffn gate+up, fused SwiGLU", 17408, 5120, True),
+    (Q4K, "ffn down", 5120, 17408, False),
+    (Q4K, "DeltaNet qkv", 10240, 5120, False),
+    (Q4K, "attention q+gate", 12288, 5120, False),
+    (Q4K, "DeltaNet z", 6144, 5120, False),
+    (Q4K, "ssm_out / attn_output", 5120, 6144, False),
+    (Q6K, "ffn down", 5120, 17408, False),
+    (Q6K, "DeltaNet qkv", 10240, 5120, False),
+    (Q6K, "attention v", 1024, 5120, False),
+    (Q6K, "output head", 248320, 5120, False),
 ]
+MULTI_COLUMN = [
+    ("ffn gate (or up)", 17408, 5120),
+    ("ffn down", 5120, 17408),
+    ("DeltaNet qkv", 10240, 5120),
+]
+COLUMNS = [1, 2, 4, 8, 9, 16, 17, 24, 32]
 
 
-def random_q4k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    nb = rows * cols // 256
-    blocks = rng.integers(0, 256, size=(nb, BLOCK), dtype=np.uint8)
-    d = rng.uniform(2e-3, 8e-3, nb).astype(np.float16)
-    dmin = rng.uniform(0, 4e-3, nb).astype(np.float16)
-    blocks[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
-    blocks[:, 2:4] = dmin.view(np.uint8).reshape(nb, 2)
-    return blocks.reshape(rows, cols // 256 * BLOCK)
+def random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    nb, size = rows * cols // 256, BLOCK_BYTES[qtype]
+    blocks = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+    if qtype == Q4K:  # d, dmin in the first 4 bytes
+        blocks[:, 0:2] = rng.uniform(2e-3, 8e-3, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+        blocks[:, 2:4] = rng.uniform(0, 4e-3, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    else:  # d in the last 2 bytes; the int8 scales stay random
+        blocks[:, 208:210] = rng.uniform(1e-4, 4e-4, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(rows, cols // 256 * size)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("lib")
-    ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--rows-per-warp", default="1", help="kernel configurations to time, e.g. 1,2,4 (default: 1)")
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    lib = ctypes.CDLL(args.lib)
-    lib.deltaspec_q4k_gemv.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3
-                                       + [ctypes.c_void_p, ctypes.c_int])
-    rng = np.random.default_rng(0)
-    dev = torch.device("cuda")
-    stream = torch.cuda.current_stream().cuda_stream
+def reference(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    rows = min(len(w), CHECK_ROWS)
+    wf = dequantize(w[:rows], qtype).reshape(rows, -1).astype(np.float64)
+    return wf @ x.astype(np.float64)
 
-    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # copy bandwidth, read + write
+
+def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(got[: len(ref)] - ref).max() / np.abs(ref).max())
+
+
+class Timer:
+    """Mean microseconds per launch over launches that cycle through weight copies."""
+
+    def __init__(self, iters: int):
+        self.iters = iters
+        self.t0, self.t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def __call__(self, launch, copies: int) -> float:
+        for i in range(copies):
+            launch(i)
+        self.t0.record()
+        for i in range(self.iters):
+            launch(i % copies)
+        self.t1.record()
+        torch.cuda.synchronize()
+        return self.t0.elapsed_time(self.t1) * 1e3 / self.iters
+
+
+def device_copies(w: np.ndarray, dev) -> list:
+    copies = max(1, -(-400_000_000 // w.nbytes))
+    return [torch.from_numpy(w).to(dev) for _ in range(copies)]
+
+
+def check(rc: int) -> None:
+    if rc:
+        raise RuntimeError(f"kernel launch failed: CUDA error {rc}")
+
+
+def copy_bandwidth() -> float:
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(big)
     for _ in range(3):
         dst.copy_(big)
@@ -71,63 +113,110 @@ def main() -> int:
         dst.copy_(big)
     t1.record()
     torch.cuda.synchronize()
-    copy_bw = 2 * big.numel() * 10 / (t0.elapsed_time(t1) * 1e-3)
-    del big, dst
+    return 2 * big.numel() * 10 / (t0.elapsed_time(t1) * 1e-3)
 
-    rows_out = []
-    configs = [(rpw, shape) for rpw in map(int, args.rows_per_warp.split(",")) for shape in SHAPES]
-    for rpw, (name, rows, cols, gated) in configs:
-        w = random_q4k(rows, cols, rng)
-        g = random_q4k(rows, cols, rng) if gated else None
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("lib")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--one-column-only", action="store_true", help="skip the 1..32 column table")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    lib = ctypes.CDLL(args.lib)
+    vp, ll = ctypes.c_void_p, ctypes.c_longlong
+    lib.deltaspec_q4k_gemv.argtypes = [vp] * 4 + [ll] * 3 + [vp, ctypes.c_int]
+    lib.deltaspec_q6k_gemv.argtypes = [vp] * 3 + [ll] * 3 + [vp, ctypes.c_int]
+    lib.deltaspec_q4k_mma_scratch_bytes.argtypes = [ll, ctypes.c_int]
+    lib.deltaspec_q4k_mma_scratch_bytes.restype = ll
+    lib.deltaspec_q4k_mma.argtypes = [vp, vp, ll, vp, ll, ll, ll, ctypes.c_int, ll, vp, vp]
+    rng = np.random.default_rng(0)
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    timer = Timer(args.iters)
+    copy_bw = copy_bandwidth()
+
+    one_col = []
+    for qtype, name, rows, cols, gated in ONE_COLUMN:
+        w = random_blocks(qtype, rows, cols, rng)
+        g = random_blocks(qtype, rows, cols, rng) if gated else None
         x = rng.standard_normal(cols).astype(np.float32)
-        wf = dequantize(w, GGMLQuantizationType.Q4_K).reshape(rows, cols).astype(np.float64)
-        ref = wf @ x
+        ref = reference(qtype, w, x)
         if gated:
-            gr = dequantize(g, GGMLQuantizationType.Q4_K).reshape(rows, cols).astype(np.float64) @ x
+            gr = reference(qtype, g, x)
             ref = ref * gr / (1 + np.exp(-gr))
-        nbytes = w.nbytes * (2 if gated else 1)
-        copies = max(2, -(-400_000_000 // nbytes))
-        wd = [torch.from_numpy(w).to(dev) for _ in range(copies)]
-        gd = [torch.from_numpy(g).to(dev) for _ in range(copies)] if gated else [None] * copies
+        wd = device_copies(w, dev)
+        gd = device_copies(g, dev) if gated else None
         xd = torch.from_numpy(x).to(dev)
         yd = torch.empty(rows, dtype=torch.float32, device=dev)
+        for resident in (1, 0):
+            def launch(i):
+                if qtype == Q4K:
+                    check(lib.deltaspec_q4k_gemv(wd[i].data_ptr(), gd[i].data_ptr() if gated else None, xd.data_ptr(),
+                                                 yd.data_ptr(), rows, cols, w.shape[1], stream, resident))
+                else:
+                    check(lib.deltaspec_q6k_gemv(wd[i].data_ptr(), xd.data_ptr(), yd.data_ptr(), rows, cols,
+                                                 w.shape[1], stream, resident))
 
-        def launch(i):
-            gp = gd[i].data_ptr() if gated else None
-            rc = lib.deltaspec_q4k_gemv(wd[i].data_ptr(), gp, xd.data_ptr(), yd.data_ptr(), rows, cols,
-                                        w.shape[1], stream, rpw)
-            if rc:
-                raise RuntimeError(f"kernel launch failed: CUDA error {rc}")
-
-        launch(0)
-        torch.cuda.synchronize()
-        got = yd.cpu().numpy().astype(np.float64)
-        rel = float(np.abs(got - ref).max() / np.abs(ref).max())
-        for i in range(copies):
-            launch(i)
-        t0.record()
-        for i in range(args.iters):
-            launch(i % copies)
-        t1.record()
-        torch.cuda.synchronize()
-        us = t0.elapsed_time(t1) * 1e3 / args.iters
-        rows_out.append(dict(rows_per_warp=rpw, shape=name, rows=rows, cols=cols, gated=gated, bytes=nbytes, us=us,
-                             tb_s=nbytes / (us * 1e-6) / 1e12, max_rel_error=rel))
+            yd.fill_(float("nan"))
+            launch(0)
+            torch.cuda.synchronize()
+            err = rel_error(yd.cpu().numpy().astype(np.float64), ref)
+            us = timer(launch, len(wd))
+            nbytes = w.nbytes * (2 if gated else 1)
+            one_col.append(dict(type=qtype.name, shape=name, rows=rows, cols=cols, gated=gated, resident=bool(resident),
+                                bytes=nbytes, us=us, tb_s=nbytes / (us * 1e-6) / 1e12, max_rel_error=err))
         del wd, gd
 
+    multi = []
+    for name, rows, cols in [] if args.one_column_only else MULTI_COLUMN:
+        w = random_blocks(Q4K, rows, cols, rng)
+        wd = device_copies(w, dev)
+        x = rng.standard_normal((max(COLUMNS), cols)).astype(np.float32)
+        ref_all = reference(Q4K, w, x.T)  # (rows checked, columns)
+        xd = torch.from_numpy(x).to(dev)
+        yd = torch.empty((max(COLUMNS), rows), dtype=torch.float32, device=dev)
+        scratch = torch.empty(lib.deltaspec_q4k_mma_scratch_bytes(cols, max(COLUMNS)), dtype=torch.uint8, device=dev)
+        one_us = None
+        for n in COLUMNS:
+            def launch(i):
+                if n == 1:
+                    check(lib.deltaspec_q4k_gemv(wd[i].data_ptr(), None, xd.data_ptr(), yd.data_ptr(), rows, cols,
+                                                 w.shape[1], stream, 1))
+                else:
+                    check(lib.deltaspec_q4k_mma(wd[i].data_ptr(), xd.data_ptr(), cols, yd.data_ptr(), rows, rows, cols,
+                                                n, w.shape[1], scratch.data_ptr(), stream))
+
+            yd.fill_(float("nan"))
+            launch(0)
+            torch.cuda.synchronize()
+            got = yd[:n].cpu().numpy().astype(np.float64).T
+            err = rel_error(got, ref_all[:, :n])
+            us = timer(launch, len(wd))
+            one_us = one_us or us
+            multi.append(dict(shape=name, rows=rows, cols=cols, n=n, bytes=w.nbytes, us=us,
+                              tb_s=w.nbytes / (us * 1e-6) / 1e12, x_one_column=us / one_us, max_rel_error=err))
+        del wd
+
     print(f"device copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s\n")
-    print("| rows/warp | mat-vec | rows x cols | MB | us | TB/s | % of copy bw | max rel. error |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
-    for r in rows_out:
+    print("| type | mat-vec | rows x cols | grid | MB | us | TB/s | % of copy bw | max rel. error |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
+    for r in one_col:
         dims = f"{r['rows']} x {r['cols']}{' x2' if r['gated'] else ''}"
-        print(f"| {r['rows_per_warp']} | {r['shape']} | {dims} | {r['bytes'] / 1e6:.1f} | "
-              f"{r['us']:.1f} | {r['tb_s']:.2f} | {100 * r['tb_s'] * 1e12 / copy_bw:.0f}% | {r['max_rel_error']:.1e} |")
+        print(f"| {r['type']} | {r['shape']} | {dims} | {'resident' if r['resident'] else 'per 8 rows'} | "
+              f"{r['bytes'] / 1e6:.1f} | {r['us']:.1f} | {r['tb_s']:.2f} | {100 * r['tb_s'] * 1e12 / copy_bw:.0f}% | "
+              f"{r['max_rel_error']:.1e} |")
+    print("\n| Q4_K matrix | rows x cols | columns | us | x one column | weight TB/s | max rel. error |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in multi:
+        print(f"| {r['shape']} | {r['rows']} x {r['cols']} | {r['n']} | {r['us']:.1f} | {r['x_one_column']:.2f} | "
+              f"{r['tb_s']:.2f} | {r['max_rel_error']:.1e} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(copy_bandwidth=copy_bw, rows=rows_out), f, indent=2)
-    # x is quantized to int8 per 16 values (ggml's q8_1 does it per 32): errors of a few 1e-3 of
-    # max |y| are that rounding; a wrong nibble, scale or row would be far above 1e-2
-    return 0 if all(r["max_rel_error"] < 1e-2 for r in rows_out) else 1
+            json.dump(dict(copy_bandwidth=copy_bw, one_column=one_col, multi_column=multi), f, indent=2)
+    # x's int8 rounding gives a few 1e-3 (up to 1e-2 for Q6_K's random signed scales, whose sums
+    # cancel); a wrong nibble, scale, row or column would be far above 2e-2
+    return 0 if all(r["max_rel_error"] < 2e-2 for r in one_col + multi) else 1
 
 
 if __name__ == "__main__":

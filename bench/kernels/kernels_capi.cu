@@ -1,9 +1,31 @@
-// A C entry point to ggml/cuda/q4k_gemv.cuh for the standalone kernel benchmark (ctypes).
+// C entry points to deltaspec's CUDA kernels (ggml/cuda/*.cuh) for the standalone kernel benchmark
+// (kernels_bench.py, through ctypes). Each returns the CUDA error of its launch (0: none).
 #include "../../ggml/cuda/q4k_gemv.cuh"
+#include "../../ggml/cuda/q4k_mma.cuh"
+#include "../../ggml/cuda/q6k_gemv.cuh"
 
-extern "C" int deltaspec_q4k_gemv(const void * W, const void * G, const float * x, float * y, long long n_rows,
-                                  long long n_cols, long long row_bytes, void * stream, int rows_per_warp) {
-    deltaspec_cuda::launch_q4k_gemv(W, G, x, y, n_rows, n_cols, row_bytes, (cudaStream_t)stream,
-                                    rows_per_warp);
+extern "C" {
+
+int deltaspec_q4k_gemv(const void * W, const void * G, const float * x, float * y, long long n_rows,
+                       long long n_cols, long long row_bytes, void * stream, int resident) {
+    deltaspec_cuda::launch_q4k_gemv(W, G, x, y, n_rows, n_cols, row_bytes, (cudaStream_t)stream, resident != 0);
     return (int)cudaGetLastError();
 }
+
+int deltaspec_q6k_gemv(const void * W, const float * x, float * y, long long n_rows, long long n_cols,
+                       long long row_bytes, void * stream, int resident) {
+    deltaspec_cuda::launch_q6k_gemv(W, x, y, n_rows, n_cols, row_bytes, (cudaStream_t)stream, resident != 0);
+    return (int)cudaGetLastError();
+}
+
+long long deltaspec_q4k_mma_scratch_bytes(long long n_k, int n_cols) {
+    return (long long)deltaspec_cuda::q4k_mma_scratch_bytes(n_k, n_cols);
+}
+
+int deltaspec_q4k_mma(const void * W, const float * x, long long ldx, float * y, long long ldy, long long n_rows,
+                      long long n_k, int n_cols, long long row_bytes, void * scratch, void * stream) {
+    deltaspec_cuda::launch_q4k_mma(W, x, ldx, y, ldy, n_rows, n_k, n_cols, row_bytes, scratch, (cudaStream_t)stream);
+    return (int)cudaGetLastError();
+}
+
+}  // extern "C"

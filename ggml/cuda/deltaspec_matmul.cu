@@ -1,13 +1,24 @@
-// deltaspec's kernels inside ggml-cuda: ggml-cuda.cu is compiled with ggml_cuda_mul_mat_vec_q
-// renamed to deltaspec_mul_mat_vec_q (see inject.cmake), so every quantized mat-vec ggml-cuda
-// launches comes here first. What our kernels serve they compute; everything else goes on to
-// ggml's own function unchanged. Off until the engine switches it on, so a llama.cpp built
-// against the same ggml runs ggml's kernels (the benchmark's peer).
+// deltaspec's kernels inside ggml-cuda: ggml-cuda.cu is compiled with ggml_cuda_mul_mat_vec_q and
+// ggml_cuda_mul_mat_q renamed to the two dispatchers below (see inject.cmake), so every quantized
+// mat-vec and small-batch product ggml-cuda launches comes here first. What our kernels serve
+// they compute; everything else goes on to ggml's own function unchanged. Off until the engine
+// switches it on, so a llama.cpp built against the same ggml runs ggml's kernels (the benchmark's
+// peer).
+//
+// Served: one column (a decode step) of Q4_K (also ggml's fused up/gate SwiGLU) and of Q6_K, both
+// also with ggml's fused residual add, and 2..32 columns (verifying a draft chain) of Q4_K. ggml asks its mat-vec for up to 8 columns and
+// its tile kernels (mmq) for more; both routes reach the same kernels here.
 #include "common.cuh"
 #include "mmvq.cuh"
 #include "q4k_gemv.cuh"
+#include "q4k_mma.cuh"
+#include "q6k_gemv.cuh"
 
 #include <cstdint>
+
+// ggml's tile-kernel entry (mmq.cuh); declared here rather than including that heavy header
+void ggml_cuda_mul_mat_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+                         const ggml_tensor * ids, ggml_tensor * dst);
 
 static bool g_deltaspec_kernels = false;
 
@@ -17,38 +28,95 @@ extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_kernel
 
 namespace {
 
-bool q4k_matrix(const ggml_tensor * w, const ggml_tensor * like) {
-    return w->type == GGML_TYPE_Q4_K && w->ne[0] % 256 == 0 && w->ne[2] == 1 && w->ne[3] == 1 &&
-           w->nb[1] == ggml_row_size(GGML_TYPE_Q4_K, w->ne[0]) && (uintptr_t)w->data % 16 == 0 &&
-           (like == nullptr || (w->ne[0] == like->ne[0] && w->ne[1] == like->ne[1]));
+constexpr int64_t kMaxColumns = 32;
+
+// A plain 2-D matrix of whole 256-weight blocks, rows stored back to back, 16-byte aligned.
+// (`like`: the same type and shape as that one.)
+bool plain_blocks(const ggml_tensor * w, const ggml_tensor * like = nullptr) {
+    return w->ne[0] % 256 == 0 && w->ne[2] == 1 && w->ne[3] == 1 && w->nb[1] == ggml_row_size(w->type, w->ne[0]) &&
+           (uintptr_t)w->data % 16 == 0 &&
+           (like == nullptr || (w->type == like->type && w->ne[0] == like->ne[0] && w->ne[1] == like->ne[1]));
 }
 
-// One f32 column times a plain Q4_K matrix (or up and gate with a fused SwiGLU, no biases or
-// scales); matrices under 256 rows stay with ggml (its grid spreads them over more SMs).
-bool ours(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tensor * ids, const ggml_tensor * dst,
-          const ggml_cuda_mm_fusion_args_host * fusion) {
-    if (!g_deltaspec_kernels || ids != nullptr) return false;
-    if (!q4k_matrix(src0, nullptr) || src0->ne[1] < 256) return false;
-    if (src1->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32) return false;
-    if (src1->ne[0] != src0->ne[0] || src1->ne[1] != 1 || src1->ne[2] != 1 || src1->ne[3] != 1) return false;
-    if (!ggml_is_contiguous(src1) || !ggml_is_contiguous(dst) || (uintptr_t)src1->data % 16 != 0) return false;
-    if (fusion != nullptr) {
-        if (fusion->x_bias || fusion->gate_bias || fusion->x_scale || fusion->gate_scale) return false;
-        if (fusion->gate == nullptr || fusion->glu_op != GGML_GLU_OP_SWIGLU) return false;
-        if (!q4k_matrix(fusion->gate, src0)) return false;
+// src1 / dst: f32 columns with contiguous, 16-byte aligned values, one batch
+bool plain_columns(const ggml_tensor * t) {
+    return t->type == GGML_TYPE_F32 && t->ne[2] == 1 && t->ne[3] == 1 && t->nb[0] == sizeof(float) &&
+           t->nb[1] % 16 == 0 && (uintptr_t)t->data % 16 == 0;
+}
+
+// The fusions ggml asks of its mat-vec that ours also do: up/gate with SwiGLU (one Q4_K
+// column, no biases or scales), or a following residual add as an f32 bias of one column.
+bool swiglu_fusion(const ggml_cuda_mm_fusion_args_host * f, const ggml_tensor * src0) {
+    return f->gate != nullptr && f->glu_op == GGML_GLU_OP_SWIGLU && !f->x_bias && !f->gate_bias && !f->x_scale &&
+           !f->gate_scale && src0->type == GGML_TYPE_Q4_K && plain_blocks(f->gate, src0);
+}
+
+bool bias_fusion(const ggml_cuda_mm_fusion_args_host * f, const ggml_tensor * dst) {
+    const ggml_tensor * b = f->x_bias;
+    return b != nullptr && f->gate == nullptr && !f->gate_bias && !f->x_scale && !f->gate_scale &&
+           b->type == GGML_TYPE_F32 && ggml_is_contiguous(b) && b->ne[0] == dst->ne[0] && ggml_nrows(b) == 1;
+}
+
+// Which of our kernels computes dst = src0 x src1 (with ggml's fusion, if any), or none.
+enum class Kernel { none, q4k_gemv, q6k_gemv, q4k_mma };
+
+Kernel pick(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tensor * ids, const ggml_tensor * dst,
+            const ggml_cuda_mm_fusion_args_host * fusion) {
+    if (!g_deltaspec_kernels || ids != nullptr || !plain_blocks(src0)) return Kernel::none;
+    if (!plain_columns(src1) || !plain_columns(dst) || src1->ne[0] != src0->ne[0]) return Kernel::none;
+    const int64_t n = src1->ne[1];
+    if (n == 1) {
+        // one-column matrices under 256 rows stay with ggml (its grid spreads them over more SMs)
+        if (src0->ne[1] < 256) return Kernel::none;
+        if (fusion != nullptr && !swiglu_fusion(fusion, src0) && !bias_fusion(fusion, dst)) return Kernel::none;
+        if (src0->type == GGML_TYPE_Q4_K) return Kernel::q4k_gemv;
+        // Q6_K rows of whole 1024-weight groups start 8-byte aligned, as the kernel's loads need
+        if (src0->type == GGML_TYPE_Q6_K && src0->ne[0] % 1024 == 0) return Kernel::q6k_gemv;
+        return Kernel::none;
     }
-    return true;
+    if (fusion != nullptr) return Kernel::none;  // ggml fuses one column only
+    return src0->type == GGML_TYPE_Q4_K && n <= kMaxColumns ? Kernel::q4k_mma : Kernel::none;
+}
+
+void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+         ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
+    const float * x = (const float *)src1->data;
+    float * y = (float *)dst->data;
+    const int64_t rows = src0->ne[1], n_k = src0->ne[0];
+    const void * gate = fusion && fusion->gate ? fusion->gate->data : nullptr;
+    const float * bias = fusion && fusion->x_bias ? (const float *)fusion->x_bias->data : nullptr;
+    switch (k) {
+        case Kernel::q4k_gemv:
+            deltaspec_cuda::launch_q4k_gemv(src0->data, gate, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias);
+            break;
+        case Kernel::q6k_gemv:
+            deltaspec_cuda::launch_q6k_gemv(src0->data, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias);
+            break;
+        case Kernel::q4k_mma: {
+            const int n = (int)src1->ne[1];
+            ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::q4k_mma_scratch_bytes(n_k, n));
+            deltaspec_cuda::launch_q4k_mma(src0->data, x, src1->nb[1] / sizeof(float), y, dst->nb[1] / sizeof(float),
+                                           rows, n_k, n, src0->nb[1], scratch.get(), ctx.stream());
+            break;
+        }
+        case Kernel::none:
+            break;
+    }
+    CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
 
 void deltaspec_mul_mat_vec_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                              const ggml_tensor * ids, ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
-    if (ours(src0, src1, ids, dst, fusion)) {
-        deltaspec_cuda::launch_q4k_gemv(src0->data, fusion ? fusion->gate->data : nullptr, (const float *)src1->data,
-                                        (float *)dst->data, src0->ne[1], src0->ne[0], src0->nb[1], ctx.stream());
-        CUDA_CHECK(cudaGetLastError());
-        return;
-    }
+    const Kernel k = pick(src0, src1, ids, dst, fusion);
+    if (k != Kernel::none) return run(k, ctx, src0, src1, dst, fusion);
     ggml_cuda_mul_mat_vec_q(ctx, src0, src1, ids, dst, fusion);
+}
+
+void deltaspec_mul_mat_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+                         const ggml_tensor * ids, ggml_tensor * dst) {
+    const Kernel k = pick(src0, src1, ids, dst, nullptr);
+    if (k != Kernel::none) return run(k, ctx, src0, src1, dst, nullptr);
+    ggml_cuda_mul_mat_q(ctx, src0, src1, ids, dst);
 }

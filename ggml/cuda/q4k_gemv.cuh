@@ -6,8 +6,7 @@
 // nibble and weight 64*j + 32 + l in its high nibble; w = d*sc*q - dmin*m.
 //
 // Mapping: a lane owns one 16-byte slice of qs ("chunk" c = 0..7 of a block: 16 low and 16 high
-// nibbles); 8 lanes cover a block and a warp 4 blocks per step, of one row (rows_per_warp 1) or a
-// few. x is quantized to int8 once per thread block (one scale per 16 values, as ggml's q8_1 does
+// nibbles); 8 lanes cover a block and a warp 4 blocks per step of one row. x is quantized to int8 once per thread block (one scale per 16 values, as ggml's q8_1 does
 // per 32) into shared memory, and 4 nibbles at a time meet x in one dp4a. The mins use the exact
 // sums of x.
 //
@@ -15,19 +14,15 @@
 // one FFMA per weight, 4 rows per warp: 1.2-1.8 TB/s, like ggml's own mat-vec; dp4a with x
 // quantized in each warp's registers: no better; splitting K across warps: worse (189 registers,
 // 12 % occupancy, latency-bound per Nsight Compute); x prepared once per block in shared memory,
-// one row per warp (39-61 registers): 1.7-2.5 TB/s. Not yet used by the engine: see bench/README.
+// one row per warp (39-61 registers): 1.7-2.5 TB/s; then a grid of resident blocks that each
+// prepare x once and walk many rows (bench/README has the numbers).
 #pragma once
 
-#include <cstdint>
-#include <cuda_fp16.h>
+#include "gemv_common.cuh"
 
 namespace deltaspec_cuda {
 
 constexpr int kQ4KBytes = 144;
-
-__device__ __forceinline__ uint4 load_stream(const uint8_t * p) {
-    return __ldcs(reinterpret_cast<const uint4 *>(p));
-}
 
 // The 6-bit scales and mins of sub-blocks 2j (low nibbles) and 2j+1 (high nibbles) from the 12
 // scale bytes s[0..11] = words w1, w2, w3 (header bytes 4..15), without local-memory indexing.
@@ -50,23 +45,6 @@ __device__ __forceinline__ void q4k_scales(uint32_t w1, uint32_t w2, uint32_t w3
         m_lo = (a0 >> 4) | ((c0 >> 6) << 4);
         m_hi = (a1 >> 4) | ((c1 >> 6) << 4);
     }
-}
-
-// 16 floats -> 16 int8 (4 words) with one scale: x ~= scale * xq
-__device__ __forceinline__ float quantize16(const float4 (&v)[4], int (&xq)[4]) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w))));
-    }
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const int q0 = __float2int_rn(v[k].x * inv), q1 = __float2int_rn(v[k].y * inv);
-        const int q2 = __float2int_rn(v[k].z * inv), q3 = __float2int_rn(v[k].w * inv);
-        xq[k] = (int)__byte_perm(__byte_perm(q0, q1, 0x0040), __byte_perm(q2, q3, 0x0040), 0x5410);
-    }
-    return amax / 127.0f;
 }
 
 // x slice of one (block, chunk): 16 values paired with the low nibbles, 16 with the high ones,
@@ -94,124 +72,85 @@ __device__ __forceinline__ float q4k_chunk(uint4 head, uint4 qs, int j, const XS
     return dm.x * qx - dm.y * ((float)m_lo * x.sum_lo + (float)m_hi * x.sum_hi);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
-
-// y[r] = W[r] . x for r < n_rows; with GATED, y[r] = (W[r] . x) * silu(G[r] . x) (ggml's fused
-// SwiGLU: W is "up", G is "gate"). W and G: n_rows rows of row_bytes each (n_blocks blocks of 256).
-// x is prepared once per thread block: every 16-value slice quantized to int8 with its scale and
-// exact sum, in shared memory. A warp owns RW rows (and their gate rows when gated) and walks
-// their blocks 4 at a time; the next step's weight loads are issued before this step's math.
-template <bool GATED, int RW>
+// y[r] = W[r] . x (+ bias[r]: ggml fuses a following residual add as a bias) for r < n_rows; with
+// GATED, y[r] = (W[r] . x) * silu(G[r] . x) (ggml's fused SwiGLU: W is "up", G is "gate"). W and G: n_rows rows of row_bytes each (n_blocks blocks of 256).
+// Each warp owns one row at a time (and its gate row) and walks its blocks 4 at a time, the next
+// step's weight loads issued before this step's math; warps of a block take rows 8 apart, blocks
+// gridDim.x * 8 apart.
+template <bool GATED>
 __global__ void __launch_bounds__(256)
-q4k_gemv_smem(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const float * __restrict__ x,
-              float * __restrict__ y, int n_rows, int n_blocks, int64_t row_bytes) {
-    constexpr int L = GATED ? 2 * RW : RW;
+q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const float * __restrict__ x,
+         const float * bias, float * y, int n_rows, int n_blocks, int64_t row_bytes) {
+    constexpr int L = GATED ? 2 : 1;
     extern __shared__ uint8_t smem[];
-    int8_t * xq = reinterpret_cast<int8_t *>(smem);                              // n_blocks * 256
-    float2 * xds = reinterpret_cast<float2 *>(smem + (size_t)n_blocks * 256);   // n_blocks * 16: scale, sum
-    const int n_slices = n_blocks * 16;
-    for (int sl = threadIdx.x; sl < n_slices; sl += blockDim.x) {
-        const float4 * p = reinterpret_cast<const float4 *>(x + 16 * sl);
-        float4 v[4] = {__ldg(p), __ldg(p + 1), __ldg(p + 2), __ldg(p + 3)};
-        int q[4];
-        const float d = quantize16(v, q);
-        float sum = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) sum += (v[k].x + v[k].y) + (v[k].z + v[k].w);
-        *reinterpret_cast<int4 *>(xq + 16 * sl) = make_int4(q[0], q[1], q[2], q[3]);
-        xds[sl] = make_float2(d, sum);
-    }
-    __syncthreads();
-
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * 8 + warp) * RW;
-    if (row0 >= n_rows) return;
     const int c = lane & 7, j = c >> 1, lo_off = 64 * j + 16 * (c & 1);
+    const int stride = gridDim.x * 8;
     const uint8_t * rows[L];
-#pragma unroll
-    for (int r = 0; r < L; ++r) {
-        const int row = min(row0 + (r % RW), n_rows - 1);
-        rows[r] = (GATED && r >= RW ? G : W) + row * row_bytes;
-    }
-    float acc[L] = {};
-    uint4 head[L], qs[L];
-    int ib = lane >> 3;
-    if (ib < n_blocks) {
+    uint4 head[L], qs[L];  // the step at hand of this warp's row (blocks lane / 8 + 4 * step)
+    auto load = [&](int ib, uint4 (&h)[L], uint4 (&q)[L]) {
 #pragma unroll
         for (int r = 0; r < L; ++r) {
-            head[r] = load_stream(rows[r] + (int64_t)ib * kQ4KBytes);
-            qs[r] = load_stream(rows[r] + (int64_t)ib * kQ4KBytes + 16 + 16 * c);
+            h[r] = load_stream(rows[r] + (int64_t)ib * kQ4KBytes);
+            q[r] = load_stream(rows[r] + (int64_t)ib * kQ4KBytes + 16 + 16 * c);
         }
-    }
-    for (; ib < n_blocks; ib += 4) {
-        uint4 head_next[L], qs_next[L];
-        if (ib + 4 < n_blocks) {
+    };
+    auto start_row = [&](int row) {  // point at a row and issue its first loads
+        rows[0] = W + row * row_bytes;
+        if constexpr (GATED) rows[1] = G + row * row_bytes;
+        if (lane >> 3 < n_blocks) load(lane >> 3, head, qs);
+    };
+    int row = blockIdx.x * 8 + warp;
+    if (row < n_rows) start_row(row);  // in flight while x is prepared
+    const XShared xs_block = prepare_x(x, n_blocks * 256, smem);
+
+    for (; row < n_rows; row += stride) {
+        float acc[L] = {};
+        for (int ib = lane >> 3; ib < n_blocks; ib += 4) {
+            uint4 head_next[L], qs_next[L];
+            if (ib + 4 < n_blocks) load(ib + 4, head_next, qs_next);
+            XSlice xs;
+            const int4 lo = *reinterpret_cast<const int4 *>(xs_block.values(ib, lo_off));
+            const int4 hi = *reinterpret_cast<const int4 *>(xs_block.values(ib, lo_off + 32));
+            xs.lo[0] = lo.x; xs.lo[1] = lo.y; xs.lo[2] = lo.z; xs.lo[3] = lo.w;
+            xs.hi[0] = hi.x; xs.hi[1] = hi.y; xs.hi[2] = hi.z; xs.hi[3] = hi.w;
+            const float2 dl = xs_block.slice(ib, lo_off / 16), dh = xs_block.slice(ib, lo_off / 16 + 2);
+            xs.d_lo = dl.x; xs.sum_lo = dl.y; xs.d_hi = dh.x; xs.sum_hi = dh.y;
 #pragma unroll
             for (int r = 0; r < L; ++r) {
-                head_next[r] = load_stream(rows[r] + (int64_t)(ib + 4) * kQ4KBytes);
-                qs_next[r] = load_stream(rows[r] + (int64_t)(ib + 4) * kQ4KBytes + 16 + 16 * c);
+                acc[r] += q4k_chunk(head[r], qs[r], j, xs);
+                head[r] = head_next[r];
+                qs[r] = qs_next[r];
             }
         }
-        XSlice xs;
-        const int4 lo = *reinterpret_cast<const int4 *>(xq + ib * 256 + lo_off);
-        const int4 hi = *reinterpret_cast<const int4 *>(xq + ib * 256 + lo_off + 32);
-        xs.lo[0] = lo.x; xs.lo[1] = lo.y; xs.lo[2] = lo.z; xs.lo[3] = lo.w;
-        xs.hi[0] = hi.x; xs.hi[1] = hi.y; xs.hi[2] = hi.z; xs.hi[3] = hi.w;
-        const float2 dl = xds[(ib * 256 + lo_off) / 16], dh = xds[(ib * 256 + lo_off + 32) / 16];
-        xs.d_lo = dl.x; xs.sum_lo = dl.y; xs.d_hi = dh.x; xs.sum_hi = dh.y;
-#pragma unroll
-        for (int r = 0; r < L; ++r) {
-            acc[r] += q4k_chunk(head[r], qs[r], j, xs);
-            head[r] = head_next[r];
-            qs[r] = qs_next[r];
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < RW; ++r) {
-        const float v = warp_sum(acc[r]);
+        if (row + stride < n_rows) start_row(row + stride);  // in flight during the sums below
+        const float v = warp_sum(acc[0]);
         if constexpr (GATED) {
-            const float g = warp_sum(acc[RW + r]);
-            if (lane == 0 && row0 + r < n_rows) y[row0 + r] = v * silu(g);
+            const float g = warp_sum(acc[1]);
+            if (lane == 0) y[row] = v * silu(g);
         } else {
-            if (lane == 0 && row0 + r < n_rows) y[row0 + r] = v;
+            if (lane == 0) y[row] = bias ? v + bias[row] : v;  // bias may be y itself (in place)
         }
     }
 }
 
-template <int RW>
-inline void launch_q4k_gemv_smem(const void * W, const void * G, const float * x, float * y, int64_t n_rows,
-                                 int64_t n_cols, int64_t row_bytes, cudaStream_t stream) {
-    const int n_blocks = (int)(n_cols / 256);
-    const size_t smem = (size_t)n_blocks * 256 + (size_t)n_blocks * 16 * sizeof(float2);
-    const dim3 grid((unsigned)((n_rows + 8 * RW - 1) / (8 * RW))), block(256);
-    // rows up to 32768 weights (as in every Qwen3.5) fit the default 48 KB; longer ones need the
-    // opt-in, set outside any stream capture's concern (it is not a stream operation)
-    const bool big = smem > 48 * 1024;
-    if (G) {
-        if (big) cudaFuncSetAttribute(q4k_gemv_smem<true, RW>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        q4k_gemv_smem<true, RW><<<grid, block, smem, stream>>>((const uint8_t *)W, (const uint8_t *)G, x, y,
-                                                               (int)n_rows, n_blocks, row_bytes);
-    } else {
-        if (big) cudaFuncSetAttribute(q4k_gemv_smem<false, RW>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        q4k_gemv_smem<false, RW><<<grid, block, smem, stream>>>((const uint8_t *)W, nullptr, x, y, (int)n_rows,
-                                                                n_blocks, row_bytes);
-    }
-}
-
-// Host side: W (and G when gated) in ggml's Q4_K layout, n_cols a multiple of 256; x and y f32
-// on the device; 16-byte aligned rows. rows_per_warp: 1 (fastest on the H200), 2 or 4.
+// Host side: W (and G when gated) in ggml's Q4_K layout, n_cols a multiple of 256; x, y and bias
+// (optional, not with G) f32 on the device; 16-byte aligned rows. resident: a grid of the blocks
+// that stay resident (each walks many rows); otherwise one block per 8 rows (for the benchmark).
 inline void launch_q4k_gemv(const void * W, const void * G, const float * x, float * y, int64_t n_rows,
-                            int64_t n_cols, int64_t row_bytes, cudaStream_t stream, int rows_per_warp = 1) {
-    switch (rows_per_warp) {
-        case 2: launch_q4k_gemv_smem<2>(W, G, x, y, n_rows, n_cols, row_bytes, stream); break;
-        case 4: launch_q4k_gemv_smem<4>(W, G, x, y, n_rows, n_cols, row_bytes, stream); break;
-        default: launch_q4k_gemv_smem<1>(W, G, x, y, n_rows, n_cols, row_bytes, stream); break;
+                            int64_t n_cols, int64_t row_bytes, cudaStream_t stream, bool resident = true,
+                            const float * bias = nullptr) {
+    const int n_blocks = (int)(n_cols / 256);
+    const size_t smem = x_smem_bytes(n_cols);
+    const int64_t groups = (n_rows + 7) / 8;
+    if (G) {
+        const unsigned grid = launch_grid(q4k_gemv<true>, smem, groups, resident);
+        q4k_gemv<true><<<grid, 256, smem, stream>>>((const uint8_t *)W, (const uint8_t *)G, x, nullptr, y,
+                                                     (int)n_rows, n_blocks, row_bytes);
+    } else {
+        const unsigned grid = launch_grid(q4k_gemv<false>, smem, groups, resident);
+        q4k_gemv<false><<<grid, 256, smem, stream>>>((const uint8_t *)W, nullptr, x, bias, y, (int)n_rows,
+                                                      n_blocks, row_bytes);
     }
 }
 

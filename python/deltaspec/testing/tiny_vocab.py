@@ -146,12 +146,13 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
     """Write the tiny-vocabulary qwen35 GGUF (tensors F32) to `path` and return it.
 
     `shape` overrides fields of `TinyShape` (n_embd, n_layer, head_dim, logit_std, ...). The same
-    (n_vocab, seed, quant, shape) always gives the same bytes. quant="q4_k" stores every matrix
-    whose rows are a multiple of 256 long as Q4_K (ggml's own quantizer), the rest F32, as
-    llama.cpp falls back for such tensors.
+    (n_vocab, seed, quant, shape) always gives the same bytes. quant="q4_k" (or "q6_k") stores
+    every matrix whose rows are a multiple of 256 long as Q4_K (Q6_K) with ggml's own quantizer,
+    the rest F32, as llama.cpp falls back for such tensors.
     """
-    if quant not in (None, "q4_k"):
-        raise ValueError(f"quant must be None or 'q4_k', got {quant!r}")
+    k_quants = {"q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K}
+    if quant is not None and quant not in k_quants:
+        raise ValueError(f"quant must be None, 'q4_k' or 'q6_k', got {quant!r}")
     sh = replace(TinyShape(), **shape)  # TypeError names an unknown field
     tokens, types, merges = tiny_vocab(n_vocab)
     weights = _weights(sh, n_vocab, np.random.default_rng(seed))
@@ -178,12 +179,12 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
     w.add_eos_token_id(tokens.index(EOS_TEXT))
     w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_add_bos_token(False)
-    if quant == "q4_k":
+    if quant is not None:
         from .. import _core  # ggml's own quantizer (gguf-py cannot write k-quants)
-    q4k = GGMLQuantizationType.Q4_K
     for name, x in weights.items():
-        if quant == "q4_k" and x.ndim == 2 and x.shape[1] % 256 == 0:
-            w.add_tensor(name, _core.quantize(np.ascontiguousarray(x), int(q4k)), raw_dtype=q4k)
+        if quant is not None and x.ndim == 2 and x.shape[1] % 256 == 0:
+            qtype = k_quants[quant]
+            w.add_tensor(name, _core.quantize(np.ascontiguousarray(x), int(qtype)), raw_dtype=qtype)
         else:
             w.add_tensor(name, x)
     w.write_header_to_file()

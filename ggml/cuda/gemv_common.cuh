@@ -1,0 +1,131 @@
+// Pieces shared by deltaspec's one-column mat-vec kernels (q4k_gemv.cuh, q6k_gemv.cuh): x
+// quantized to int8 once per thread block into shared memory, streaming weight loads, warp sums,
+// and a grid sized to what the device keeps resident (each resident thread block then walks many
+// row groups, so x is prepared ~once per resident block rather than once per 8 rows).
+#pragma once
+
+#include <cstdint>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <vector>
+
+namespace deltaspec_cuda {
+
+__device__ __forceinline__ uint4 load_stream(const uint8_t * p) {
+    return __ldcs(reinterpret_cast<const uint4 *>(p));
+}
+
+__device__ __forceinline__ uint2 load_stream8(const uint8_t * p) {
+    return __ldcs(reinterpret_cast<const uint2 *>(p));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+
+// 16 floats -> 16 int8 (4 words) with one scale: x ~= scale * xq
+__device__ __forceinline__ float quantize16(const float4 (&v)[4], int (&xq)[4]) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w))));
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int q0 = __float2int_rn(v[k].x * inv), q1 = __float2int_rn(v[k].y * inv);
+        const int q2 = __float2int_rn(v[k].z * inv), q3 = __float2int_rn(v[k].w * inv);
+        xq[k] = (int)__byte_perm(__byte_perm(q0, q1, 0x0040), __byte_perm(q2, q3, 0x0040), 0x5410);
+    }
+    return amax / 127.0f;
+}
+
+// x of a mat-vec in shared memory, quantized once per thread block: per 256-value block its int8
+// values (256 bytes + 16 bytes of padding), and per block the (scale, exact sum) of its 16 slices
+// of 16 values (+ one pad pair; the sums serve zero points such as Q4_K's mins and Q6_K's -32).
+// The lanes of a warp read the same offset in different blocks; without the pads those reads all
+// fell on the same banks (256 and 128 bytes apart), serializing them up to 8-16 ways.
+constexpr int kXValuesStride = 256 + 16;
+constexpr int kXSlicesStride = 16 + 1;
+
+struct XShared {
+    const int8_t * values_base;
+    const float2 * slices_base;
+    // the int8 values from `offset` (0..255) of block b
+    __device__ __forceinline__ const int8_t * values(int b, int offset) const {
+        return values_base + b * kXValuesStride + offset;
+    }
+    // scale and exact sum of slice s (0..15) of block b
+    __device__ __forceinline__ float2 slice(int b, int s) const { return slices_base[b * kXSlicesStride + s]; }
+};
+
+__host__ __device__ inline size_t x_smem_bytes(int64_t n_cols) {
+    const int64_t n_blocks = n_cols / 256;
+    return (size_t)(n_blocks * kXValuesStride + n_blocks * kXSlicesStride * (int64_t)sizeof(float2));
+}
+
+// All threads of the block: x (n_cols f32, a multiple of 256, 16-byte aligned) -> smem.
+__device__ __forceinline__ XShared prepare_x(const float * __restrict__ x, int n_cols, uint8_t * smem) {
+    const int n_blocks = n_cols / 256;
+    int8_t * values = reinterpret_cast<int8_t *>(smem);
+    float2 * slices = reinterpret_cast<float2 *>(smem + n_blocks * kXValuesStride);
+#pragma unroll 2
+    for (int sl = threadIdx.x; sl < n_cols / 16; sl += blockDim.x) {
+        const float4 * p = reinterpret_cast<const float4 *>(x + 16 * sl);
+        float4 v[4] = {__ldg(p), __ldg(p + 1), __ldg(p + 2), __ldg(p + 3)};
+        int q[4];
+        const float d = quantize16(v, q);
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) sum += (v[k].x + v[k].y) + (v[k].z + v[k].w);
+        const int b = sl >> 4, s = sl & 15;
+        *reinterpret_cast<int4 *>(values + b * kXValuesStride + 16 * s) = make_int4(q[0], q[1], q[2], q[3]);
+        slices[b * kXSlicesStride + s] = make_float2(d, sum);
+    }
+    __syncthreads();
+    return XShared{values, slices};
+}
+
+// Blocks of 256 threads of `kernel` with `smem` bytes that the current device keeps resident at
+// once. Asked once per (device, kernel, smem) and remembered: the query costs microseconds, which
+// a decode step that launches hundreds of these (when not replaying a CUDA graph) would feel.
+template <typename Kernel>
+inline int64_t resident_blocks(Kernel kernel, size_t smem) {
+    struct Entry {
+        int device;
+        const void * kernel;
+        size_t smem;
+        int64_t blocks;
+    };
+    static std::mutex mutex;
+    static std::vector<Entry> known;
+    int device = 0;
+    cudaGetDevice(&device);
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const Entry & e : known) {
+        if (e.device == device && e.kernel == (const void *)kernel && e.smem == smem) return e.blocks;
+    }
+    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    int n_sm = 1, per_sm = 1;
+    cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, smem);
+    known.push_back({device, (const void *)kernel, smem, (int64_t)n_sm * (per_sm > 0 ? per_sm : 1)});
+    return known.back().blocks;
+}
+
+// Thread blocks of 256 threads to launch for n_groups row groups: with resident, no more than stay
+// resident at once, so each block prepares x once and then walks groups blockIdx.x, + gridDim.x,
+// ...; without, one block per group.
+template <typename Kernel>
+inline unsigned launch_grid(Kernel kernel, size_t smem, int64_t n_groups, bool resident) {
+    const int64_t most = resident_blocks(kernel, smem);  // also opts into > 48 KB of shared memory
+    return (unsigned)(resident && n_groups > most ? most : n_groups);
+}
+
+}  // namespace deltaspec_cuda
