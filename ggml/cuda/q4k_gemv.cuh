@@ -10,7 +10,7 @@
 // per 32) into shared memory, and 4 nibbles at a time meet x in one dp4a. The mins use the exact
 // sums of x.
 //
-// How it got here (H200, bench/kernels/q4k_gemv_bench.py, 27B shapes): f32 math with one PRMT and
+// How it got here (H200, bench/kernels/kernels_bench.py, 27B shapes): f32 math with one PRMT and
 // one FFMA per weight, 4 rows per warp: 1.2-1.8 TB/s, like ggml's own mat-vec; dp4a with x
 // quantized in each warp's registers: no better; splitting K across warps: worse (189 registers,
 // 12 % occupancy, latency-bound per Nsight Compute); x prepared once per block in shared memory,
