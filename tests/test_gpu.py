@@ -139,7 +139,7 @@ KERNEL_CASES = [("q4_k", dict(n_embd=256, n_ff=512), 1), ("q4_k", dict(n_embd=25
                 ("q4_k", dict(n_embd=256, n_ff=512), 17), ("q6_k", dict(n_embd=1024, n_ff=1024), 1)]
 
 
-@pytest.mark.parametrize("quant,shape,chunk", KERNEL_CASES, ids=lambda v: str(v) if not isinstance(v, dict) else "")
+@pytest.mark.parametrize("quant,shape,chunk", KERNEL_CASES, ids=[f"{q}-{n}tok" for q, _, n in KERNEL_CASES])
 def test_cuda_kernels_match_cpu(tmp_path, monkeypatch, quant, shape, chunk):
     """deltaspec's CUDA kernels (ggml/cuda/) in the engine: logits of every position on a k-quant
     tiny model, against the CPU and against ggml's own CUDA kernels (DELTASPEC_CUDA_KERNELS=0).

@@ -73,7 +73,8 @@ __device__ __forceinline__ float q4k_chunk(uint4 head, uint4 qs, int j, const XS
 }
 
 // y[r] = W[r] . x (+ bias[r]: ggml fuses a following residual add as a bias) for r < n_rows; with
-// GATED, y[r] = (W[r] . x) * silu(G[r] . x) (ggml's fused SwiGLU: W is "up", G is "gate"). W and G: n_rows rows of row_bytes each (n_blocks blocks of 256).
+// GATED, y[r] = (W[r] . x) * silu(G[r] . x) (ggml's fused SwiGLU: W is "up", G is "gate").
+// W and G: n_rows rows of row_bytes each (n_blocks blocks of 256).
 // Each warp owns one row at a time (and its gate row) and walks its blocks 4 at a time, the next
 // step's weight loads issued before this step's math; warps of a block take rows 8 apart, blocks
 // gridDim.x * 8 apart.
