@@ -1,6 +1,6 @@
 // deltaspec's own CUDA kernels (ggml/cuda/), which live inside ggml-cuda when it was built with
 // them (ggml/cuda/inject.cmake). They are process-wide: ggml-cuda routes its quantized mat-vecs
-// through them once switched on.
+// and small-batch products through them once switched on.
 #pragma once
 
 namespace deltaspec {
