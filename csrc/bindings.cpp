@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <atomic>
+#include <map>
 #include <memory>
 
 #include "cuda_kernels.h"
@@ -212,6 +213,34 @@ py::array_t<float> dequantize(py::array_t<uint8_t, py::array::c_style> data, int
     return out;
 }
 
+// The CPU backend's registry entry point `name` (ggml exposes its extras by name only), or null.
+void * cpu_proc(const char * name) {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    return cpu ? ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(cpu), name) : nullptr;
+}
+
+// ggml's extra CPU buffer types usable in this build on this CPU ("AMX", "CPU_REPACK", ...): the
+// buffers weights would have to live in for ggml to take those matmul paths.
+std::vector<std::string> cpu_extra_buffer_types() {
+    std::vector<std::string> names;
+    auto get = (ggml_backend_dev_get_extra_bufts_t)cpu_proc("ggml_backend_dev_get_extra_bufts");
+    if (!get) return names;
+    for (ggml_backend_buffer_type_t * b = get(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)); b && *b; ++b) {
+        names.emplace_back(ggml_backend_buft_name(*b));
+    }
+    return names;
+}
+
+// Instruction-set features ggml-cpu was compiled with (e.g. "AVX2", "AMX_INT8") -> value.
+std::map<std::string, std::string> cpu_features() {
+    std::map<std::string, std::string> out;
+    auto get = (ggml_backend_get_features_t)cpu_proc("ggml_backend_get_features");
+    if (!get) return out;
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    for (ggml_backend_feature * f = get(ggml_backend_dev_backend_reg(cpu)); f && f->name; ++f) out[f->name] = f->value;
+    return out;
+}
+
 }  // namespace
 
 using Tokens = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
@@ -247,6 +276,10 @@ PYBIND11_MODULE(_core, m) {
           "Whether ggml-cuda here carries deltaspec's own kernels (on by default on CUDA; "
           "DELTASPEC_CUDA_KERNELS=0 keeps ggml's).");
 
+    m.def("cpu_extra_buffer_types", &cpu_extra_buffer_types,
+          "ggml's extra CPU buffer types available here (AMX, repacking): weights placed in one select its matmuls.");
+    m.def("cpu_features", &cpu_features, "Instruction-set features ggml-cpu was compiled with, name -> value.");
+
     m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
           "Quantize float32 rows with ggml's reference quantizer; returns (rows, row_bytes) uint8.");
 
@@ -266,6 +299,12 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("n_rot", &HParams::n_rot)
         .def_readwrite("rope_freq_base", &HParams::rope_freq_base)
         .def_readwrite("rope_sections", &HParams::rope_sections)
+        .def_readwrite("rope_freq_scale", &HParams::rope_freq_scale)
+        .def_readwrite("rope_ext_factor", &HParams::rope_ext_factor)
+        .def_readwrite("rope_attn_factor", &HParams::rope_attn_factor)
+        .def_readwrite("rope_beta_fast", &HParams::rope_beta_fast)
+        .def_readwrite("rope_beta_slow", &HParams::rope_beta_slow)
+        .def_readwrite("rope_n_ctx_orig", &HParams::rope_n_ctx_orig)
         .def_readwrite("ssm_conv_kernel", &HParams::ssm_conv_kernel)
         .def_readwrite("ssm_state_size", &HParams::ssm_state_size)
         .def_readwrite("ssm_n_k_heads", &HParams::ssm_n_k_heads)
@@ -353,6 +392,8 @@ PYBIND11_MODULE(_core, m) {
              "Re-arm before a generate(); cleared by the caller so a cancel that races the start still counts.")
         .def_property_readonly("n_past", [](const Runner & r) { return r.engine->n_past(); })
         .def_property_readonly("n_ctx", [](const Runner & r) { return r.engine->n_ctx(); })
-        .def_property_readonly("backend", [](const Runner & r) { return r.engine->backend_name(); });
+        .def_property_readonly("backend", [](const Runner & r) { return r.engine->backend_name(); })
+        .def_property_readonly("weight_buffer_types", [](const Runner & r) { return r.engine->weight_buffer_types(); },
+                               "Names of the ggml buffer types the weights live in (plain 'CPU' on a CPU engine).");
 
 }

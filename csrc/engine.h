@@ -59,6 +59,7 @@ class Engine {
     int64_t n_ctx() const { return state_.n_ctx; }
     const std::string & backend_name() const { return backend_name_; }
     const SequenceState & state() const { return state_; }
+    std::vector<std::string> weight_buffer_types() const { return deltaspec::weight_buffer_types(weights_); }
     // Weight bytes one decode step reads (every matrix; one embedding row): what a step costs
     // where decoding is bound by memory bandwidth.
     size_t step_weight_bytes() const;

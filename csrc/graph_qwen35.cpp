@@ -32,6 +32,17 @@ ggml_tensor * l2_norm(ggml_context * ctx, ggml_tensor * x, float eps) {
     return ggml_scale(ctx, ggml_rms_norm(ctx, x, eps / n), 1.0f / std::sqrt(n));
 }
 
+// For text every IMROPE section carries the same position, which makes this NeoX RoPE on the
+// first n_rot dims (HF: partial rotary with rotate_half); the other dims pass through. Linear and
+// YaRN scaling enter as llama.cpp passes them (freq_scale, ext_factor, attn_factor, betas, n_ctx_orig).
+ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos, const HParams & hp) {
+    int sections[GGML_MROPE_SECTIONS];
+    for (int i = 0; i < GGML_MROPE_SECTIONS; ++i) sections[i] = hp.rope_sections[i];
+    return ggml_rope_multi(ctx, x, pos, nullptr, (int)hp.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
+                           (int)hp.rope_n_ctx_orig, hp.rope_freq_base, hp.rope_freq_scale, hp.rope_ext_factor,
+                           hp.rope_attn_factor, hp.rope_beta_fast, hp.rope_beta_slow);
+}
+
 ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
                               ggml_tensor * k_cache, ggml_tensor * v_cache, ggml_tensor * x,
                               const StepInputs & in) {
@@ -49,15 +60,8 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
     q = rms_norm(ctx, q, l.q_norm, eps);
     k = rms_norm(ctx, k, l.k_norm, eps);
 
-    // For text every IMROPE section carries the same position, which makes this NeoX RoPE on the
-    // first n_rot dims (HF: partial rotary with rotate_half); the other dims pass through.
-    int sections[GGML_MROPE_SECTIONS];
-    for (int i = 0; i < GGML_MROPE_SECTIONS; ++i) sections[i] = hp.rope_sections[i];
-    const int n_ctx_orig = (int)hp.n_ctx_train;
-    q = ggml_rope_multi(ctx, q, in.pos, nullptr, (int)hp.n_rot, sections, GGML_ROPE_TYPE_IMROPE, n_ctx_orig,
-                        hp.rope_freq_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
-    k = ggml_rope_multi(ctx, k, in.pos, nullptr, (int)hp.n_rot, sections, GGML_ROPE_TYPE_IMROPE, n_ctx_orig,
-                        hp.rope_freq_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f);
+    q = rope(ctx, q, in.pos, hp);
+    k = rope(ctx, k, in.pos, hp);
 
     // Append this batch's K/V rows to the cache (converting to the cache type), then attend over
     // the first n_kv rows; the mask hides rows past each query's position.

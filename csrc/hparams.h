@@ -22,6 +22,14 @@ struct HParams {
     int64_t n_rot = 0;           // rotary dims (64 for Qwen3.5)
     float rope_freq_base = 10000.0f;
     std::array<int, 4> rope_sections = {0, 0, 0, 0};
+    // RoPE scaling in ggml_rope_multi's terms, derived from rope.scaling.* by qwen35.py
+    // (rope_scaling()); the defaults are plain RoPE.
+    float rope_freq_scale = 1.0f;    // 1 / factor for linear and YaRN scaling
+    float rope_ext_factor = 0.0f;    // YaRN's extrapolation mix: 1 for YaRN, 0 otherwise
+    float rope_attn_factor = 1.0f;   // cos/sin scale (ggml multiplies YaRN's 1 + 0.1 ln(factor) into it)
+    float rope_beta_fast = 32.0f;    // YaRN correction range, in rotations
+    float rope_beta_slow = 1.0f;
+    int64_t rope_n_ctx_orig = 0;     // YaRN's pre-training context (sets the correction range)
 
     // Gated DeltaNet
     int64_t ssm_conv_kernel = 0; // Kc

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "ggml-alloc.h"
@@ -121,6 +122,15 @@ class Binder {
 std::string blk(int il, const char * name) { return "blk." + std::to_string(il) + "." + name; }
 
 }  // namespace
+
+std::vector<std::string> weight_buffer_types(const ModelWeights & w) {
+    std::vector<std::string> names;
+    for (ggml_tensor * t = ggml_get_first_tensor(w.ctx); t; t = ggml_get_next_tensor(w.ctx, t)) {
+        const std::string name = t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : "none";
+        if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+    }
+    return names;
+}
 
 void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend,
                   const LoadProgress & progress) {

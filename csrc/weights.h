@@ -59,6 +59,11 @@ struct ModelWeights {
 // (at most ~100 calls in all), and last with (total, total). May throw to abort the load.
 using LoadProgress = std::function<void(size_t done_bytes, size_t total_bytes)>;
 
+// Names of the ggml buffer types holding the weight tensors, each once. ggml's CPU backend takes
+// its AMX (and other repacked) matmul paths only for weights in those extra buffer types, so plain
+// "CPU" here is what keeps the AMX hazard (crash on Q4_K batches > 1) away from a CPU engine.
+std::vector<std::string> weight_buffer_types(const ModelWeights & w);
+
 // Reads the tensors the graph needs from `path` into a buffer of `backend`. Throws
 // std::runtime_error naming the tensor when the file disagrees with `hp`.
 void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend,

@@ -11,6 +11,7 @@ Usage: python deps/fetch_upstream.py DEST   -> prints the path of the extracted 
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
 import subprocess
 import sys
@@ -62,10 +63,38 @@ def fetch(dest: pathlib.Path) -> pathlib.Path:
     if actual != digest:
         cached.unlink()
         raise SystemExit(f"{name}: sha256 {actual} does not match the recorded {digest} ({SHA_FILE})")
-    with tarfile.open(cached) as tar:
-        tar.extractall(dest, filter="data")
+    extract(cached, dest)
     stamp.write_text(digest + "\n")
     return tree
+
+
+def extract(archive: pathlib.Path, dest: pathlib.Path) -> None:
+    """Extract ``archive`` into ``dest``, refusing any member that is not a plain file or folder
+    inside ``dest``. tarfile's "data" filter does that from Python 3.10.12 / 3.11.4 on; earlier
+    3.10 releases (which pyproject allows) get the same checks from ``_checked_members``."""
+    with tarfile.open(archive) as tar:
+        if not hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, members=_checked_members(tar, dest))
+            return
+        try:
+            tar.extractall(dest, filter="data")
+        except tarfile.FilterError as e:
+            raise SystemExit(f"{archive}: refusing to extract it: {e}") from None
+
+
+def _checked_members(tar: tarfile.TarFile, dest: pathlib.Path) -> list[tarfile.TarInfo]:
+    """Every member, checked before anything is written, with the data filter's metadata rules:
+    owned by whoever extracts, no setuid/setgid/sticky bits, no group or world write."""
+    root = dest.resolve()
+    members = tar.getmembers()
+    for m in members:
+        target = (root / m.name).resolve()
+        if not (m.isfile() or m.isdir()) or (target != root and root not in target.parents):
+            raise SystemExit(f"{tar.name}: refusing to extract it: member {m.name!r} is not a plain file "
+                             f"or folder inside {root}")
+        m.mode = (m.mode & 0o755) | (0o700 if m.isdir() else 0o600)
+        m.uid, m.gid, m.uname, m.gname = os.getuid(), os.getgid(), "", ""
+    return members
 
 
 if __name__ == "__main__":

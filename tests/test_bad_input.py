@@ -7,9 +7,10 @@ reports, so exactly one thing is wrong per case.
 import shutil
 import struct
 
+import numpy as np
 import pytest
 
-from deltaspec import Model
+from deltaspec import Model, _core
 from deltaspec import errors as E
 from deltaspec.convert import convert_hf_to_gguf
 from deltaspec.gguf_file import read_gguf
@@ -168,3 +169,46 @@ def test_bad_eval_arguments(base):
         assert model.n_past == 3
     with pytest.raises(RuntimeError, match="closed"):
         model.eval([1])
+
+
+def test_fused_attention_qkv_is_named(tmp_path, monkeypatch):
+    """A file whose attention layers carry llama.cpp's --fuse-qkv tensor instead of attn_q/k/v."""
+    from deltaspec.testing import tiny_vocab
+
+    def fused(*args):
+        w = original(*args)
+        qkv = [w.pop(f"blk.3.attn_{x}.weight") for x in "qkv"]
+        w["blk.3.attn_qkv.weight"] = np.concatenate(qkv)  # rows: [q+gate | k | v]
+        return w
+
+    original = tiny_vocab._weights
+    monkeypatch.setattr(tiny_vocab, "_weights", fused)
+    path = tiny_vocab.write_tiny_vocab_model(tmp_path / "fused.gguf")
+    with pytest.raises(E.MissingTensorError) as info:
+        Model(path, n_ctx=64)
+    message = str(info.value)
+    assert str(path) in message and "'blk.3.attn_q.weight' is missing" in message
+    assert "'blk.3.attn_qkv.weight'" in message and "--fuse-qkv" in message
+
+
+def test_engine_failure_is_an_engine_error(base):
+    if _core.has_device("cuda"):
+        pytest.skip("this build runs on CUDA here")
+    with pytest.raises(E.EngineError, match=r"device 'cuda' is not available") as info:
+        Model(base, n_ctx=64, device="cuda")
+    assert str(base) in str(info.value)
+    assert isinstance(info.value, RuntimeError)  # what the engine raised before it had a class of its own
+
+
+def test_vocabulary_mismatch_names_the_tokenizer(tmp_path, monkeypatch):
+    from deltaspec.testing import tiny_vocab
+
+    def one_row_more(sh, n_vocab, rng):
+        return original(sh, n_vocab + 1, rng)
+
+    original = tiny_vocab._weights
+    monkeypatch.setattr(tiny_vocab, "_weights", one_row_more)
+    path = tiny_vocab.write_tiny_vocab_model(tmp_path / "vocab.gguf")
+    with pytest.raises(E.TensorShapeError, match=r"'token_embd.weight' has shape \[64, 266\], expected \[64, 265\] "
+                                                 r"\(one row per token: tokenizer.ggml.tokens has 265\)"):
+        Model(path, n_ctx=64)

@@ -207,3 +207,20 @@ def test_info_rejects_bad_ctx(gguf, ctx):
     r = run_cli(gguf, "-c", ctx, command="info")
     assert r.returncode == 2 and r.stdout == ""
     assert "-c/--ctx-size" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_convert_command_matches_the_python_api(gguf, model, tmp_path):
+    out = tmp_path / "cli.gguf"
+    r = run_cli(tiny_model_dir(CONFIG), out, "--outtype", "f16", command="convert")
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == gguf.read_bytes()  # the fixture's file: convert_hf_to_gguf(..., outtype="f16")
+    with Model(out, n_ctx=512, n_threads=THREADS, progress=False) as m:
+        ids = m.tokenize(PROMPT)
+        assert (m.logits(ids) == model.logits(ids)).all()
+
+
+def test_convert_command_reports_errors(tmp_path):
+    r = run_cli(tmp_path / "no-such-folder", tmp_path / "out.gguf", command="convert")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("deltaspec: error: ") and "no-such-folder" in r.stderr
+    assert not (tmp_path / "out.gguf").exists()

@@ -1,10 +1,14 @@
-"""Regression test for ggml's AMX hazard: a Q4_K model evaluated with multi-token batches.
+"""Q4_K weights with multi-token batches, and what keeps ggml's AMX hazard away.
 
-With -march=native on CPUs with AMX, ggml took an AMX matmul path that segfaulted for Q4_K
-weights when a batch had more than one token. deltaspec's default build compiles that path out; this
-test runs exactly that case (prefill batches of 64 and of 7 tokens through Q4_K weights) and checks
-the result against the same weights dequantized to F32 by gguf-py (an independent dequantizer,
-which agrees bit for bit with ggml's own).
+ggml's AMX matmul segfaulted for Q4_K weights when a batch had more than one token (llama.cpp built
+with -march=native on a CPU with AMX). ggml takes that path only for weights placed in its AMX
+buffer type; the engine puts weights in the plain CPU buffer, and the build compiles AMX out (also
+with DELTASPEC_NATIVE=ON). `test_weights_avoid_amx` checks both directly. The machine these tests
+were written on has no AMX, so the crash itself was never reproduced here.
+
+`test_q4k_multi_token_batches` checks Q4_K correctness for batches of 64, 36, 7 and 1 tokens
+against the same weights dequantized to F32 by gguf-py (an independent dequantizer, which agrees
+bit for bit with ggml's own).
 """
 
 import numpy as np
@@ -106,3 +110,13 @@ def test_q4k_multi_token_batches(models):
         assert rms < 0.1, f"{name}: Q4_K vs dequantized F32 RMS error {rms:.3g} of the logit std"
         assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
     assert np.sqrt(((batched - stepped) ** 2).mean()) / scale < 0.1
+
+
+def test_weights_avoid_amx(models):
+    q4k, f32 = models
+    # the mechanism: ggml-cpu's extra (AMX, repacking) matmuls only serve weights in those buffer types
+    for model in (q4k, f32):
+        assert model._engine.weight_buffer_types == ["CPU"]
+    # and the build: AMX is neither compiled in (even -march=native builds) nor offered as a buffer
+    assert not {"AMX_INT8", "AMX_TILE", "AMX_BF16"} & set(_core.cpu_features())
+    assert "AMX" not in _core.cpu_extra_buffer_types()

@@ -68,3 +68,8 @@ class TokenizerError(DeltaspecError, ValueError):
 class ChatTemplateError(DeltaspecError, ValueError):
     """A chat template is missing, does not compile, rejects the messages (`raise_exception`), or the
     messages handed to it are malformed."""
+
+
+class EngineError(DeltaspecError, RuntimeError):
+    """The native engine could not set a validated model up: the device is missing from this build
+    or cannot start, memory ran out, or the file changed after it was validated."""

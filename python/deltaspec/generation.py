@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -15,6 +16,9 @@ FINISH_REASONS = ("stop", "length", "cancelled")
 # Control tokens (<|im_start|>, <|im_end|>, ...) are not part of generated text, as in llama.cpp's
 # and llama-cpp-python's output (special=False); user-defined ones such as <think> are.
 TEXT_SPECIAL = False
+
+# How often a call waiting for a busy engine looks again for a suspended stream to take it from.
+BUSY_POLL_SECONDS = 0.01
 
 # Tokens the decode loop may run ahead of a stream's reader: enough to hide the reader's work per
 # piece, few enough that a stream nobody reads stops soon instead of computing up to max_tokens.
@@ -126,6 +130,43 @@ def _held_back(data: bytes, stops: list[bytes]) -> int:
     return len(data) - end
 
 
+def _busy_error(model) -> RuntimeError:
+    return RuntimeError(f"this model is already generating (one request at a time per Model): {model.path}")
+
+
+def _free_from_suspended(model) -> None:
+    """Make sure no generation holds `model`: cancel a stream suspended between pieces (nobody is
+    reading it) and wait for its worker; raise RuntimeError if a generation is running (a
+    non-streamed generate(), or a stream whose reader is waiting for its next piece)."""
+    with model._control:
+        old = model._active()
+        if old is None or old._done.is_set():
+            return
+        if not old._suspended:
+            raise _busy_error(model)
+    old._stop()  # outside the lock: its worker does not need it to finish
+
+
+@contextmanager
+def engine_of(model):
+    """`model`'s engine, held by the caller for the block (model._busy): the engine is not
+    thread-safe, so every call that computes or changes the sequence goes through here or through
+    a Generator's worker (reading n_past / n_ctx needs neither).
+
+    Generations come first: a running one makes this raise RuntimeError, a suspended stream is
+    cancelled (as a new generate() cancels it). Another thread's direct call is waited for; the
+    wait looks again for a stream to cancel every BUSY_POLL_SECONDS, since a suspended stream's
+    worker keeps the engine until cancelled."""
+    while True:
+        _free_from_suspended(model)
+        if model._busy.acquire(timeout=BUSY_POLL_SECONDS):
+            break
+    try:
+        yield model._live()
+    finally:
+        model._busy.release()
+
+
 class Generator:
     """Runs one request on a model's engine in a worker thread, so that the caller's thread can
     take KeyboardInterrupt (and streaming consumers can stop early) while C++ computes.
@@ -133,7 +174,9 @@ class Generator:
     A model runs one request at a time (`model._active`, guarded by `model._control`). A new
     request takes the model from a stream that is suspended between pieces (nobody is reading it:
     abandoned, or left for later): that stream is cancelled and ends with finish_reason
-    "cancelled", as llama-cpp-python's server interrupts a running stream with a new request."""
+    "cancelled", as llama-cpp-python's server interrupts a running stream with a new request. The
+    worker holds `model._busy` (and a draft model's) while it runs the engine, so a direct call
+    (eval, logits, reset) that started first finishes before the loop starts."""
 
     def __init__(self, model, request: _Request):
         self._model = model
@@ -152,23 +195,30 @@ class Generator:
         self.final: GenerationResult | None = None  # set once a stream is exhausted or closed
 
     def _run(self, streaming: bool) -> None:
-        engine = self._model._live()
         callback = self._hand_off if streaming else None
         req, eog, stop = self._req, sorted(self._model.tokenizer.eog_ids), [s.encode() for s in self._req.stop]
         try:
-            if req.speculation is None:
-                self._outcome = engine.generate(req.prompt, req.max_tokens, req.sampling.native(), eog, stop, callback)
-            else:
-                spec = req.speculation
-                draft = spec.draft._live() if spec.draft is not None else None
-                self._outcome = engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,
-                                                            req.sampling.native(), eog, stop, spec.n_max, spec.n_min,
-                                                            callback)
+            with self._model._busy:
+                engine = self._model._live()
+                if req.speculation is None:
+                    self._outcome = engine.generate(req.prompt, req.max_tokens, req.sampling.native(), eog, stop,
+                                                    callback)
+                else:
+                    self._outcome = self._run_speculative(engine, eog, stop, callback)
         except BaseException as e:  # handed to the caller's thread
             self._error = e
         finally:
             self._done.set()  # frees the model for the next request
             self._tokens.put(None)
+
+    def _run_speculative(self, engine, eog: list[int], stop: list[bytes], callback) -> dict:
+        req, spec = self._req, self._req.speculation
+        if spec.draft is None:
+            return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
+                                               eog, stop, spec.n_max, spec.n_min, callback)
+        with engine_of(spec.draft) as draft:  # the draft model's engine is ours for the whole run too
+            return engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,
+                                               req.sampling.native(), eog, stop, spec.n_max, spec.n_min, callback)
 
     def _hand_off(self, token: int) -> bool:
         """The decode loop's callback when streaming: queue the token for the reader, waiting while
@@ -182,17 +232,11 @@ class Generator:
     def _claim(self) -> None:
         """Make this request the model's running one, taking the model from a suspended stream."""
         model = self._model
-        with model._control:
-            old = model._active()
-            if old is None or old._done.is_set():
-                return self._install()
-            if not old._suspended:
-                raise RuntimeError("this model is already generating (one request at a time per Model)")
-        old._stop()  # outside the lock: its worker does not need it to finish
+        _free_from_suspended(model)
         with model._control:
             other = model._active()
             if other is not None and not other._done.is_set():  # another thread's request got in first
-                raise RuntimeError("this model is already generating (one request at a time per Model)")
+                raise _busy_error(model)
             self._install()
 
     def _install(self) -> None:

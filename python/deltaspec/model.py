@@ -11,9 +11,9 @@ import numpy as np
 
 from . import _core, completions
 from .cpu import default_threads
-from .errors import DeltaspecError
-from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, validate_flag,
-                         validate_stop)
+from .errors import EngineError
+from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
+                         validate_flag, validate_stop)
 from .gguf_file import read_gguf
 from .qwen35 import Qwen35HParams, check_tensors, read_hparams
 from .kv_cache import ggml_type, validate_cache_types
@@ -32,6 +32,9 @@ def _native_hparams(hp: Qwen35HParams) -> _core.HParams:
                  "recurrent"):
         setattr(n, name, getattr(hp, name))
     n.rope_sections = list(hp.rope_sections)
+    rs = hp.rope_scaling
+    n.rope_freq_scale, n.rope_ext_factor, n.rope_attn_factor = rs.freq_scale, rs.ext_factor, rs.attn_factor
+    n.rope_beta_fast, n.rope_beta_slow, n.rope_n_ctx_orig = rs.beta_fast, rs.beta_slow, rs.n_ctx_orig
     return n
 
 
@@ -107,18 +110,17 @@ class Model:
         # the vocabulary and merges stay with the tokenizer; everything else is kept as read
         self.metadata: dict[str, Any] = {k: v for k, v in gguf.metadata.items()
                                          if not (isinstance(v, list) and len(v) > SMALL_ARRAY)}
+        # n_vocab is the token list's length, and check_tensors held token_embd to it
         self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
-        if self.tokenizer.n_vocab != self.hparams.n_vocab:
-            raise DeltaspecError(f"{self.path}: tokenizer has {self.tokenizer.n_vocab} tokens but token_embd has "
-                                 f"{self.hparams.n_vocab} rows")
         on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
             self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
                                         n_threads=n_threads, device=device, type_k=int(ggml_type(type_k)),
                                         type_v=int(ggml_type(type_v)),
                                         progress=on_bytes)
-        except RuntimeError as e:
-            raise DeltaspecError(str(e)) from None
+        except RuntimeError as e:  # the file passed validation: device, memory, or the file changed since
+            message = str(e)
+            raise EngineError(message if message.startswith(self.path) else f"{self.path}: {message}") from None
         finally:
             if close_bar is not None:
                 close_bar()
@@ -126,6 +128,9 @@ class Model:
         self._engine.set_pieces([self.tokenizer.token_to_piece(i, special=TEXT_SPECIAL) for i in range(self.n_vocab)])
         self._control = threading.Lock()  # guards _active: one generation at a time, cancels reach only it
         self._active: Callable[[], Generator | None] = lambda: None  # a weakref to the running Generator
+        # Held by whoever runs the engine, which is not thread-safe: one direct call (eval, logits,
+        # reset) or a generation's worker for its whole run. See generation.engine_of.
+        self._busy = threading.Lock()
         self.device = device
         self.n_threads = n_threads
 
@@ -154,24 +159,35 @@ class Model:
         return self.tokenizer.decode(ids, special=special)
 
     # --- compute -------------------------------------------------------------------------------
+    # Each call below holds the model for its duration (engine_of): calls from several threads run
+    # one after another, never interleaved; while a generation runs they raise RuntimeError, and a
+    # stream suspended between pieces is cancelled first, as a new generate() would cancel it.
     def reset(self) -> None:
         """Forget the sequence: the next eval starts at position 0."""
-        self._live().reset()
+        with engine_of(self) as engine:
+            engine.reset()
 
     def eval(self, ids: Sequence[int], logits: str = "last") -> np.ndarray:
         """Append tokens to the sequence. Returns float32 logits of shape (rows, n_vocab), rows being
         len(ids) for logits="all", 1 for "last" and 0 for "none"."""
-        engine = self._live()
         arr = self._token_array(ids)
+        with engine_of(self) as engine:
+            return self._append(engine, arr, logits)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits of every position of a fresh sequence `ids`: shape (len(ids), n_vocab). The reset
+        and the evaluation are one call: no other thread's call lands between them."""
+        arr = self._token_array(ids)
+        with engine_of(self) as engine:
+            engine.reset()
+            return self._append(engine, arr, "all")
+
+    @staticmethod
+    def _append(engine, arr: np.ndarray, logits: str) -> np.ndarray:
         if engine.n_past + len(arr) > engine.n_ctx:
             raise ValueError(f"{engine.n_past} tokens in the context + {len(arr)} new ones exceed n_ctx = "
                              f"{engine.n_ctx}")
         return engine.eval(arr, logits)
-
-    def logits(self, ids: Sequence[int]) -> np.ndarray:
-        """Logits of every position of a fresh sequence `ids`: shape (len(ids), n_vocab)."""
-        self.reset()
-        return self.eval(ids, logits="all")
 
     # --- generation ----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.8,

@@ -1,10 +1,13 @@
 """qwen35 hyper-parameters from GGUF metadata, and the tensor table they imply.
 
-Key names and defaults follow llama.cpp's qwen35 loader (see docs: qwen35_ggml_spec.md §1).
+Key names and defaults follow llama.cpp's qwen35 loader in the pinned tree that
+`deps/fetch_upstream.py` extracts into .deps/: `llama_model_base::load_hparams` in
+src/llama-model.cpp and `llama_model_qwen35::load_arch_hparams` in src/models/qwen35.cpp.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gguf import GGMLQuantizationType as T
@@ -23,6 +26,19 @@ MATMUL_TYPES = frozenset({
 })
 # Vectors used by elementwise ops (norm weights, biases, decay, conv kernel) must be F32.
 VECTOR_TYPES = frozenset({T.F32})
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling in ggml_rope_multi's terms; the defaults are plain RoPE."""
+    kind: str = "none"        # rope.scaling.type: none, linear or yarn
+    factor: float = 1.0       # context extension factor (rope.scaling.factor)
+    freq_scale: float = 1.0   # 1 / factor
+    ext_factor: float = 0.0   # YaRN's extrapolation mix (1 for YaRN)
+    attn_factor: float = 1.0  # cos/sin scale before ggml multiplies in YaRN's 1 + 0.1 ln(factor)
+    beta_fast: float = 32.0   # YaRN correction range, in rotations
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0       # YaRN's pre-training context (rope.scaling.original_context_length)
 
 
 @dataclass
@@ -45,6 +61,7 @@ class Qwen35HParams:
     ssm_n_v_heads: int
     recurrent: list[bool] = field(repr=False)
     tied_output: bool = False
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
 
     @property
     def conv_channels(self) -> int:
@@ -81,6 +98,8 @@ def _get(f: GGUFFile, key: str, kind: type, default=None, required=False):
             raise HyperParameterError(f"{f.path}: metadata key '{full}' varies per layer ({value}); "
                                       "deltaspec needs one value")
         value = distinct.pop()
+    if kind is str and not isinstance(value, str):
+        raise HyperParameterError(f"{f.path}: metadata key '{full}' should be a string, got {value!r}")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise HyperParameterError(f"{f.path}: metadata key '{full}' should be an integer, got {value!r}")
     if kind is float and not isinstance(value, (int, float)):
@@ -103,6 +122,57 @@ def _recurrent_layers(f: GGUFFile, n_layer_all: int, n_layer: int) -> list[bool]
         return [bool(x) for x in flags[:n_layer]]
     interval = _dim(f, "full_attention_interval", _get(f, "full_attention_interval", int, 4), 1, n_layer_all)
     return [(i + 1) % interval != 0 for i in range(n_layer)]
+
+
+def _number(f: GGUFFile, key: str, default: float, lo: float = 0.0) -> float:
+    """An optional float key that must be finite and > lo."""
+    value = _get(f, key, float, default)
+    if not (math.isfinite(value) and value > lo):
+        raise HyperParameterError(f"{f.path}: '{ARCH}.{key}' = {value} must be a finite number > {lo}")
+    return value
+
+
+def _reject_unless(f: GGUFFile, key: str, neutral: float, why: str) -> None:
+    value = _get(f, key, float, neutral)
+    if value != neutral:
+        raise HyperParameterError(f"{f.path}: '{ARCH}.{key}' = {value} is not supported (only {neutral}): {why}")
+
+
+def _rope_scaling(f: GGUFFile, n_ctx_train: int) -> RopeScaling:
+    """rope.scaling.* -> ggml_rope_multi's parameters, as llama.cpp derives them for qwen35
+    (load_hparams, then llama_context's constructor) where llama.cpp and transformers agree.
+
+    A missing type means linear, and a missing or zero factor means no scaling (llama.cpp). YaRN's
+    beta_fast / beta_slow / attention factor follow the file when it has them, as transformers does
+    with the config they were converted from (the pinned llama.cpp ignores these keys for qwen35 and
+    always uses 32 / 1 / 1 + 0.1 ln(factor), so files that set them run differently there). Keys
+    that neither reference defines for qwen35 are rejected rather than ignored."""
+    kind = _get(f, "rope.scaling.type", str, "linear")
+    if kind not in ("none", "linear", "yarn"):
+        raise HyperParameterError(f"{f.path}: '{ARCH}.rope.scaling.type' = {kind!r} is not supported "
+                                  "(none, linear, yarn)")
+    _reject_unless(f, "rope.scaling.attn_factor", 1.0, "transformers has no such scale for qwen35")
+    factor_key = "rope.scaling.factor" if f"{ARCH}.rope.scaling.factor" in f.metadata else "rope.scale_linear"
+    factor = _get(f, factor_key, float, 0.0)
+    if not (math.isfinite(factor) and factor >= 0.0):
+        raise HyperParameterError(f"{f.path}: '{ARCH}.{factor_key}' = {factor} must be a finite number >= 0")
+    if kind == "none" or factor == 0.0:
+        return RopeScaling(n_ctx_orig=n_ctx_train)
+    if kind == "linear":
+        return RopeScaling("linear", factor, 1.0 / factor, n_ctx_orig=n_ctx_train)
+    _reject_unless(f, "rope.scaling.yarn_ext_factor", 1.0, "transformers' YaRN always mixes fully")
+    _reject_unless(f, "rope.scaling.yarn_log_multiplier", 0.0, "a DeepSeek-only YaRN variant")
+    n_ctx_orig = _dim(f, "rope.scaling.original_context_length",
+                      _get(f, "rope.scaling.original_context_length", int, n_ctx_train), 1, 1 << 24)
+    # transformers' default attention factor; ggml multiplies 1 + 0.1 ln(factor) in by itself
+    # whenever ext_factor != 0, so that part is divided out here (llama.cpp does the same)
+    ggml_mscale = 1.0 + 0.1 * math.log(factor)
+    if ggml_mscale <= 0.0:
+        raise HyperParameterError(f"{f.path}: '{ARCH}.{factor_key}' = {factor} is too small for YaRN")
+    attention = _number(f, "rope.scaling.yarn_attn_factor", max(ggml_mscale, 1.0))
+    return RopeScaling("yarn", factor, 1.0 / factor, ext_factor=1.0, attn_factor=attention / ggml_mscale,
+                       beta_fast=_number(f, "rope.scaling.yarn_beta_fast", 32.0),
+                       beta_slow=_number(f, "rope.scaling.yarn_beta_slow", 1.0), n_ctx_orig=n_ctx_orig)
 
 
 def read_hparams(f: GGUFFile) -> Qwen35HParams:
@@ -165,7 +235,7 @@ def read_hparams(f: GGUFFile) -> Qwen35HParams:
         n_ctx_train=n_ctx_train, rms_eps=rms_eps, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
         n_rot=n_rot, rope_freq_base=freq_base, rope_sections=sections, ssm_conv_kernel=conv_kernel,
         ssm_state_size=state, ssm_n_k_heads=n_k, ssm_n_v_heads=n_v, recurrent=recurrent,
-        tied_output="output.weight" not in f.tensors)
+        tied_output="output.weight" not in f.tensors, rope_scaling=_rope_scaling(f, n_ctx_train))
 
 
 def expected_tensors(hp: Qwen35HParams, f: GGUFFile) -> dict[str, tuple[tuple[int, ...], frozenset]]:
@@ -217,13 +287,20 @@ def check_tensors(hp: Qwen35HParams, f: GGUFFile) -> None:
     for name, (shape, types) in expected_tensors(hp, f).items():
         info = f.tensors.get(name)
         if info is None:
-            if name.endswith("attn_q.weight") and name.replace("attn_q", "attn_qkv") in f.tensors:
-                raise UnsupportedTensorTypeError(f"{f.path}: '{name.replace('attn_q', 'attn_qkv')}' is a fused Q/K/V "
-                                                 "projection (convert --fuse-qkv); deltaspec needs separate "
-                                                 "attn_q/attn_k/attn_v")
+            fused = name.replace("attn_q.weight", "attn_qkv.weight")
+            if fused != name and fused in f.tensors:
+                # a missing tensor, not a bad type: the layout is what deltaspec does not run
+                raise MissingTensorError(f"{f.path}: tensor '{name}' is missing: this file fuses the attention "
+                                         f"Q/K/V projections into '{fused}' (llama.cpp's convert_hf_to_gguf.py "
+                                         "--fuse-qkv); deltaspec needs separate attn_q/attn_k/attn_v, so convert "
+                                         "without --fuse-qkv (or with `deltaspec convert`)")
             raise MissingTensorError(f"{f.path}: tensor '{name}' is missing")
         if info.shape != shape:
-            raise TensorShapeError(f"{f.path}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}")
+            # n_vocab comes from the token list, so a vocabulary mismatch surfaces here
+            vocab = (f" (one row per token: tokenizer.ggml.tokens has {hp.n_vocab})"
+                     if name in ("token_embd.weight", "output.weight") else "")
+            raise TensorShapeError(f"{f.path}: tensor '{name}' has shape {list(info.shape)}, expected "
+                                   f"{list(shape)}{vocab}")
         if info.type not in types:
             allowed = ", ".join(sorted(t.name for t in types))
             raise UnsupportedTensorTypeError(f"{f.path}: tensor '{name}' is {info.type.name}, expected one of "

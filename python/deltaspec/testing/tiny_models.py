@@ -76,6 +76,25 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
+
+def _scaled(base: str, **rope: Any) -> dict[str, Any]:
+    cfg = TINY_CONFIGS[base]
+    return {**cfg, "rope_parameters": {**cfg["rope_parameters"], **rope}}
+
+
+# RoPE-scaled variants of the smallest checkpoint, for the engine's linear / YaRN RoPE against
+# transformers'. Kept out of TINY_CONFIGS, which parametrizes many tests. n_rot = 16 with base 1e7
+# and a 1024-token original context puts YaRN's ramp on the fastest 3 of the 8 frequency pairs.
+ROPE_SCALING_CONFIGS: dict[str, dict[str, Any]] = {
+    "rope_linear": _scaled("gdn_hk2_hv4_tied", rope_type="linear", factor=2.0),
+    "rope_yarn": _scaled("gdn_hk2_hv4_tied", rope_type="yarn", factor=4.0, original_max_position_embeddings=1024),
+    # every YaRN knob the GGUF carries away from its default
+    "rope_yarn_tuned": _scaled("gdn_hk2_hv4_tied", rope_type="yarn", factor=4.0,
+                               original_max_position_embeddings=1024, beta_fast=8.0, beta_slow=2.0,
+                               attention_factor=1.25),
+}
+_ALL_CONFIGS = {**TINY_CONFIGS, **ROPE_SCALING_CONFIGS}
+
 # Recommended sampling written to generation_config.json (Qwen3.5's thinking-mode defaults), so the
 # converters' general.sampling.* keys are exercised.
 _GENERATION = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
@@ -110,11 +129,12 @@ def _param_init(name: str, shape: tuple[int, ...], gen: Any, cfg: Any) -> Any:
 
 
 def build_tiny_model(name: str, seed: int = 0) -> Any:
-    """The float32 `Qwen3_5ForCausalLM` for TINY_CONFIGS[name], weights fixed by (name, seed)."""
+    """The float32 `Qwen3_5ForCausalLM` for TINY_CONFIGS[name] (or ROPE_SCALING_CONFIGS[name]),
+    weights fixed by (name, seed)."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    kwargs = dict(TINY_CONFIGS[name])
+    kwargs = dict(_ALL_CONFIGS[name])
     kwargs.pop("dtype", None)
     cfg = Qwen3_5TextConfig(**kwargs)
     cfg.architectures = ["Qwen3_5ForCausalLM"]
@@ -151,7 +171,8 @@ def check_not_flat(logits: Any) -> None:
 
 def make_tiny_model(name: str, folder: str | os.PathLike[str], seed: int = 0,
                     chat_template: str | None = None) -> Path:
-    """Write the tiny checkpoint `name` (a key of TINY_CONFIGS) into `folder` and return it.
+    """Write the tiny checkpoint `name` (a key of TINY_CONFIGS or ROPE_SCALING_CONFIGS) into `folder`
+    and return it.
 
     The folder gets config.json, model.safetensors (float32, or bfloat16 where the config says
     `dtype`), generation_config.json and the real Qwen3.5 tokenizer files (with `chat_template`,
@@ -160,12 +181,12 @@ def make_tiny_model(name: str, folder: str | os.PathLike[str], seed: int = 0,
     import torch
     from ..qwen_vocab import write_hf_tokenizer
 
-    if name not in TINY_CONFIGS:
-        raise KeyError(f"unknown tiny model {name!r}; have {sorted(TINY_CONFIGS)}")
+    if name not in _ALL_CONFIGS:
+        raise KeyError(f"unknown tiny model {name!r}; have {sorted(_ALL_CONFIGS)}")
     folder = Path(folder)
     model = build_tiny_model(name, seed)
     check_not_flat(probe_logits(model))
-    dtype = TINY_CONFIGS[name].get("dtype")
+    dtype = _ALL_CONFIGS[name].get("dtype")
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
     folder.mkdir(parents=True, exist_ok=True)

@@ -20,10 +20,11 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from ..tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, byte_to_unicode
 
@@ -141,21 +142,41 @@ def _weights(sh: TinyShape, n_vocab: int, rng: np.random.Generator) -> dict[str,
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
+# Weight types `quant` may name: every type ggml quantizes to without an importance matrix that
+# deltaspec's matmuls take (the IQ types need an imatrix; TQ/MXFP4 are not in qwen35 files).
+QUANT_TYPES: dict[str, GGMLQuantizationType] = {t.name.lower(): t for t in (
+    GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K)}
+
+
+def quantizable(name: str, x: np.ndarray, qtype: GGMLQuantizationType) -> bool:
+    """Whether `write_tiny_vocab_model(quant=...)` stores tensor `name` in `qtype`: a matrix (not the
+    conv kernel, which the engine reads as F32) whose rows are a whole number of the type's blocks."""
+    return x.ndim == 2 and not name.endswith("ssm_conv1d.weight") and x.shape[1] % GGML_QUANT_SIZES[qtype][0] == 0
+
+
 def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int = 0, quant: str | None = None,
-                           **shape) -> Path:
+                           metadata: dict[str, str | int | float] | None = None,
+                           weight_map: Callable[[str, np.ndarray], np.ndarray] | None = None, **shape) -> Path:
     """Write the tiny-vocabulary qwen35 GGUF (tensors F32) to `path` and return it.
 
     `shape` overrides fields of `TinyShape` (n_embd, n_layer, head_dim, logit_std, ...). The same
-    (n_vocab, seed, quant, shape) always gives the same bytes. quant="q4_k" (or "q6_k") stores
-    every matrix whose rows are a multiple of 256 long as Q4_K (Q6_K) with ggml's own quantizer,
-    the rest F32, as llama.cpp falls back for such tensors.
+    arguments always give the same bytes. quant (a key of QUANT_TYPES: "q4_k", "bf16", ...) stores
+    every `quantizable` matrix in that type with ggml's own quantizer, the rest F32, as llama.cpp
+    falls back for rows that are not whole blocks (k-quants need rows of 256: widen the shape).
+    `metadata` adds `qwen35.<key>` entries (str, int as uint32, float as float32), e.g. rope scaling.
+    `weight_map(name, array)` replaces each float32 weight before it is written (e.g. with its
+    quantize-dequantize round trip, for a reference model).
     """
-    k_quants = {"q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K}
-    if quant is not None and quant not in k_quants:
-        raise ValueError(f"quant must be None, 'q4_k' or 'q6_k', got {quant!r}")
+    if quant is not None and quant not in QUANT_TYPES:
+        raise ValueError(f"quant must be None or one of {sorted(QUANT_TYPES)}, got {quant!r}")
     sh = replace(TinyShape(), **shape)  # TypeError names an unknown field
     tokens, types, merges = tiny_vocab(n_vocab)
     weights = _weights(sh, n_vocab, np.random.default_rng(seed))
+    if weight_map is not None:
+        weights = {name: np.asarray(weight_map(name, x), dtype=np.float32) for name, x in weights.items()}
     path = Path(path)
     w = GGUFWriter(str(path), "qwen35")
     w.add_name("deltaspec-tiny-vocab")
@@ -179,11 +200,13 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
     w.add_eos_token_id(tokens.index(EOS_TEXT))
     w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_add_bos_token(False)
+    for key, value in (metadata or {}).items():
+        _add_value(w, f"qwen35.{key}", value)
     if quant is not None:
         from .. import _core  # ggml's own quantizer (gguf-py cannot write k-quants)
     for name, x in weights.items():
-        if quant is not None and x.ndim == 2 and x.shape[1] % 256 == 0:
-            qtype = k_quants[quant]
+        if quant is not None and quantizable(name, x, QUANT_TYPES[quant]):
+            qtype = QUANT_TYPES[quant]
             w.add_tensor(name, _core.quantize(np.ascontiguousarray(x), int(qtype)), raw_dtype=qtype)
         else:
             w.add_tensor(name, x)
@@ -192,6 +215,17 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_value(w: GGUFWriter, key: str, value: str | int | float) -> None:
+    if isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    else:
+        raise TypeError(f"metadata {key!r}: expected str, int or float, got {value!r}")
 
 
 def cycle_prompt(model, start: int) -> list[int]:
