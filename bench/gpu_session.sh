@@ -29,22 +29,20 @@ if has_step kernels; then  # GPU-only work: overlaps the CPU-bound builds below
     kernels_pid=$!
 fi
 
+install_deltaspec() {  # $1: what it builds against (for the log), $2: its CMAKE_ARGS
+    local t0=$(date +%s)
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DDELTASPEC_GGML_SOURCE=$DELTASPEC_GGML_SOURCE $2" \
+        python3 -m pip install -q --no-build-isolation --no-deps .
+    echo "deltaspec build ($1): $(( $(date +%s) - t0 )) s"
+}
 if has_step build; then
     t0=$(date +%s)
     python3 bench/peers/llama_cpp.py build --cuda --deltaspec-kernels --build-dir "$LLAMA_BUILD" -j "$(nproc)"
     echo "llama.cpp CUDA build: $(( $(date +%s) - t0 )) s"
-    t0=$(date +%s)
-    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-    CMAKE_ARGS="-DDELTASPEC_GGML_SOURCE=$DELTASPEC_GGML_SOURCE -DDELTASPEC_GGML_LIB_DIR=$LLAMA_BUILD/bin" \
-        python3 -m pip install -q --no-build-isolation --no-deps .
-    echo "deltaspec build against it: $(( $(date +%s) - t0 )) s"
+    install_deltaspec "llama.cpp's ggml" "-DDELTASPEC_GGML_LIB_DIR=$LLAMA_BUILD/bin"
 fi
 if has_step build-ours; then
-    t0=$(date +%s)
-    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDELTASPEC_GGML_SOURCE=$DELTASPEC_GGML_SOURCE" \
-        python3 -m pip install -q --no-build-isolation --no-deps .
-    echo "deltaspec CUDA build (own ggml): $(( $(date +%s) - t0 )) s"
+    install_deltaspec "own ggml-cuda" "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a"
 fi
 if [[ -n ${kernels_pid:-} ]]; then  # before anything else uses the GPU
     wait "$kernels_pid" || echo "kernels_bench failed (exit $?)"

@@ -23,11 +23,15 @@ import argparse
 import ctypes
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared bandwidth measurement
+from decode_bench import device_bandwidth  # noqa: E402
 
 Q4K, Q6K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 BLOCK_BYTES = {Q4K: 144, Q6K: 210}
@@ -102,20 +106,6 @@ def check(rc: int) -> None:
         raise RuntimeError(f"kernel launch failed: CUDA error {rc}")
 
 
-def copy_bandwidth() -> float:
-    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(big)
-    for _ in range(3):
-        dst.copy_(big)
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(10):
-        dst.copy_(big)
-    t1.record()
-    torch.cuda.synchronize()
-    return 2 * big.numel() * 10 / (t0.elapsed_time(t1) * 1e-3)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("lib")
@@ -134,7 +124,7 @@ def main() -> int:
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
     timer = Timer(args.iters)
-    copy_bw = copy_bandwidth()
+    copy_bw = device_bandwidth()
 
     one_col = []
     for qtype, name, rows, cols, gated in ONE_COLUMN:
