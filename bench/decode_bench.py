@@ -33,14 +33,17 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, 240000, size=n).tolist()
 
 
-def measure_ours(model_path: str, device: str, reps: int) -> list[dict]:
+def measure_ours(model_path: str, device: str, reps: int, tests: list[str] | None = None,
+                 cache_types: list[str] | None = None) -> list[dict]:
     from deltaspec import Model
 
     rows = []
-    for ctk in CACHE_TYPES:
+    for ctk in cache_types or CACHE_TYPES:
         with Model(model_path, n_ctx=16384 + 512, device=device, n_ubatch=512, type_k=ctk, type_v=ctk) as m:
             m.generate(_prompt(8), max_tokens=4, temperature=0)  # warm-up: allocations, kernels
             for name, n_prompt, n_gen, depth in TESTS:
+                if tests and name not in tests:
+                    continue
                 speeds = []
                 for r in range(reps):
                     if n_prompt:
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--device", default="cuda")
     a.add_argument("--reps", type=int, default=3)
     a.add_argument("--out", required=True)
+    a.add_argument("--tests", nargs="+", choices=[t[0] for t in TESTS], help="a subset (default: all)")
+    a.add_argument("--cache-types", nargs="+", choices=CACHE_TYPES, help="a subset (default: all)")
     b = sub.add_parser("peer")
     b.add_argument("model")
     b.add_argument("--llama-bench", required=True)
@@ -148,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out")
     args = ap.parse_args(argv)
     if args.cmd == "ours":
-        Path(args.out).write_text(json.dumps(measure_ours(args.model, args.device, args.reps), indent=1))
+        rows = measure_ours(args.model, args.device, args.reps, args.tests, args.cache_types)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
     elif args.cmd == "peer":
         Path(args.out).write_text(json.dumps(measure_peer(args.model, args.llama_bench, args.reps), indent=1))
     else:

@@ -7,11 +7,15 @@
 #   4. a shape-faithful synthetic 27B Q4_K_M GGUF, then deltaspec and llama-bench on it, same run
 #   5. verify: what verifying a draft chain and rolling back cost next to a decode step (27B)
 #   6. profile: GPU time per kernel group of one decode step and one 17-token verify (Nsight Compute)
-#   kernels: deltaspec's CUDA kernels alone (bench/kernels/kernels_bench.py), while the builds run
+#   kernels: deltaspec's CUDA kernels alone (bench/kernels/kernels_bench.py): compiled while the
+#   builds run, timed after them (timed during a 16-job build, its small launches came out
+#   host-bound: 30 us for an 11 us mat-vec)
 #   build-ours / bench-ours: deltaspec alone (its own ggml-cuda compile, no llama.cpp; about 4
 #   minutes less), for checks on a short device budget; the peer then comes from another run
+#   ab: tg128 (f16 KV) of deltaspec alone under each environment of AB_CONFIGS ('|'-separated
+#   lists of VAR=VALUE, e.g. "DELTASPEC_CUDA_KERNELS=1|DELTASPEC_CUDA_KERNELS=0"), one process each
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours test bench bench-ours verify profile (default: build test bench)
+# steps: any of kernels build build-ours test bench bench-ours ab verify profile (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
 has_step() { [[ $steps == *" $1 "* ]]; }
@@ -22,10 +26,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 LLAMA_BUILD=/tmp/llama-cuda
 
-if has_step kernels; then  # GPU-only work: overlaps the CPU-bound builds below
-    ( nvcc -O3 -arch=sm_90a -shared -Xcompiler -fPIC bench/kernels/kernels_capi.cu -o /tmp/libdskernels.so \
-      && python3 bench/kernels/kernels_bench.py /tmp/libdskernels.so --out "$OUT/kernels_bench.json" ) \
-      > "$OUT/kernels_bench.md" 2>&1 &
+if has_step kernels; then  # one more compile beside the builds below
+    nvcc -O3 -arch=sm_90a -shared -Xcompiler -fPIC bench/kernels/kernels_capi.cu -o /tmp/libdskernels.so \
+        > "$OUT/kernels_bench.md" 2>&1 &
     kernels_pid=$!
 fi
 
@@ -44,13 +47,19 @@ fi
 if has_step build-ours; then
     install_deltaspec "own ggml-cuda" "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a"
 fi
-if [[ -n ${kernels_pid:-} ]]; then  # before anything else uses the GPU
-    wait "$kernels_pid" || echo "kernels_bench failed (exit $?)"
+if [[ -n ${kernels_pid:-} ]]; then  # on an idle host, before anything else uses the GPU
+    if wait "$kernels_pid"; then
+        python3 bench/kernels/kernels_bench.py /tmp/libdskernels.so --out "$OUT/kernels_bench.json" \
+            >> "$OUT/kernels_bench.md" 2>&1 || echo "kernels_bench failed (exit $?)"
+    else
+        echo "kernels_capi.cu did not compile"
+    fi
     cat "$OUT/kernels_bench.md"
 fi
 cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
-if { has_step bench || has_step bench-ours || has_step verify || has_step profile; } && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
+needs_model() { has_step bench || has_step bench-ours || has_step ab || has_step verify || has_step profile; }
+if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
       && mv /tmp/q27.gguf.part /tmp/q27.gguf; echo "synth 27B q4_k_m: $(( $(date +%s) - t0 )) s" >> "$OUT/synth.log" ) &
 fi
@@ -60,9 +69,18 @@ if has_step test; then
         > "$OUT/gpu-tests.log" 2>&1 || echo "GPU tests failed (see gpu-tests.log)"
     tail -25 "$OUT/gpu-tests.log"
 fi
-if has_step bench || has_step bench-ours || has_step verify || has_step profile; then
+if needs_model; then
     wait
     cat "$OUT/synth.log" 2>/dev/null || true
+fi
+if has_step ab; then
+    IFS='|' read -ra configs <<< "${AB_CONFIGS:-}"
+    for config in "${configs[@]}"; do
+        # shellcheck disable=SC2086  # a config is a list of VAR=VALUE words
+        env $config python3 "$REPO/bench/decode_bench.py" ours /tmp/q27.gguf --tests tg128 --cache-types f16 \
+            --out /tmp/ab.json 2>> "$OUT/ab.log" | sed "s/^/[$config] /" | tee -a "$OUT/ab.md" \
+            || echo "[$config] failed (see ab.log)" | tee -a "$OUT/ab.md"
+    done
 fi
 if has_step verify; then
     python3 "$REPO/bench/verify_cost.py" /tmp/q27.gguf --device cuda --out "$OUT/verify_cost.json" \

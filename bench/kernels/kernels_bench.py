@@ -44,6 +44,7 @@ ONE_COLUMN = [
     (Q4K, "attention q+gate", 12288, 5120, False),
     (Q4K, "DeltaNet z", 6144, 5120, False),
     (Q4K, "ssm_out / attn_output", 5120, 6144, False),
+    (Q4K, "DeltaNet alpha (split-K)", 48, 5120, False),
     (Q6K, "ffn down", 5120, 17408, False),
     (Q6K, "DeltaNet qkv", 10240, 5120, False),
     (Q6K, "attention v", 1024, 5120, False),

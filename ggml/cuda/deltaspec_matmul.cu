@@ -5,9 +5,10 @@
 // switches it on, so a llama.cpp built against the same ggml runs ggml's kernels (the benchmark's
 // peer).
 //
-// Served: one column (a decode step) of Q4_K (also ggml's fused up/gate SwiGLU) and of Q6_K, both
-// also with ggml's fused residual add, and 2..32 columns (verifying a draft chain) of Q4_K. ggml asks its mat-vec for up to 8 columns and
-// its tile kernels (mmq) for more; both routes reach the same kernels here.
+// Served: one column (a decode step) of Q4_K (any number of rows; also ggml's fused up/gate SwiGLU)
+// and of Q6_K (256 rows or more), both also with ggml's fused residual add, and 2..32 columns
+// (verifying a draft chain) of Q4_K. ggml asks its mat-vec for up to 8 columns and its tile
+// kernels (mmq) for more; both routes reach the same kernels here.
 #include "common.cuh"
 #include "mmvq.cuh"
 #include "q4k_gemv.cuh"
@@ -66,12 +67,11 @@ Kernel pick(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tenso
     if (!plain_columns(src1) || !plain_columns(dst) || src1->ne[0] != src0->ne[0]) return Kernel::none;
     const int64_t n = src1->ne[1];
     if (n == 1) {
-        // one-column matrices under 256 rows stay with ggml (its grid spreads them over more SMs)
-        if (src0->ne[1] < 256) return Kernel::none;
         if (fusion != nullptr && !swiglu_fusion(fusion, src0) && !bias_fusion(fusion, dst)) return Kernel::none;
-        if (src0->type == GGML_TYPE_Q4_K) return Kernel::q4k_gemv;
-        // Q6_K rows of whole 1024-weight groups start 8-byte aligned, as the kernel's loads need
-        if (src0->type == GGML_TYPE_Q6_K && src0->ne[0] % 1024 == 0) return Kernel::q6k_gemv;
+        if (src0->type == GGML_TYPE_Q4_K) return Kernel::q4k_gemv;  // few rows: its split-K form
+        // Q6_K rows of whole 1024-weight groups start 8-byte aligned, as the kernel's loads need;
+        // matrices under 256 rows stay with ggml (8 rows a block would leave most SMs idle)
+        if (src0->type == GGML_TYPE_Q6_K && src0->ne[0] % 1024 == 0 && src0->ne[1] >= 256) return Kernel::q6k_gemv;
         return Kernel::none;
     }
     if (fusion != nullptr) return Kernel::none;  // ggml fuses one column only

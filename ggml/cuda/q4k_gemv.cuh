@@ -77,18 +77,24 @@ __device__ __forceinline__ float q4k_chunk(uint4 head, uint4 qs, int j, const XS
 // W and G: n_rows rows of row_bytes each (n_blocks blocks of 256).
 // Each warp owns one row at a time (and its gate row) and walks its blocks 4 at a time, the next
 // step's weight loads issued before this step's math; warps of a block take rows 8 apart, blocks
-// gridDim.x * 8 apart.
-template <bool GATED>
+// gridDim.x * 8 apart. With SPLIT_K (matrices of few rows, such as DeltaNet's 48-row alpha and
+// beta, which 8 rows a block would leave on a handful of SMs), the 8 warps of a block share one
+// row, each walking every 8th group of 4 blocks, and a block's rows are gridDim.x apart.
+template <bool GATED, bool SPLIT_K>
 __global__ void __launch_bounds__(256)
 q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const float * __restrict__ x,
          const float * bias, float * y, int n_rows, int n_blocks, int64_t row_bytes) {
     constexpr int L = GATED ? 2 : 1;
+    constexpr int kRowsPerBlock = SPLIT_K ? 1 : 8;
+    constexpr int kBlocksPerStep = SPLIT_K ? 32 : 4;  // a row's blocks one step of the warp(s) covers
     extern __shared__ uint8_t smem[];
+    __shared__ float partial[SPLIT_K ? 8 : 1][L];  // SPLIT_K: each warp's share of the row's sums
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = lane & 7, j = c >> 1, lo_off = 64 * j + 16 * (c & 1);
-    const int stride = gridDim.x * 8;
+    const int first_ib = (lane >> 3) + (SPLIT_K ? 4 * warp : 0);
+    const int stride = gridDim.x * kRowsPerBlock;
     const uint8_t * rows[L];
-    uint4 head[L], qs[L];  // the step at hand of this warp's row (blocks lane / 8 + 4 * step)
+    uint4 head[L], qs[L];  // the step at hand of this warp's row (blocks first_ib + kBlocksPerStep * step)
     auto load = [&](int ib, uint4 (&h)[L], uint4 (&q)[L]) {
 #pragma unroll
         for (int r = 0; r < L; ++r) {
@@ -99,17 +105,17 @@ q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const f
     auto start_row = [&](int row) {  // point at a row and issue its first loads
         rows[0] = W + row * row_bytes;
         if constexpr (GATED) rows[1] = G + row * row_bytes;
-        if (lane >> 3 < n_blocks) load(lane >> 3, head, qs);
+        if (first_ib < n_blocks) load(first_ib, head, qs);
     };
-    int row = blockIdx.x * 8 + warp;
+    int row = blockIdx.x * kRowsPerBlock + (SPLIT_K ? 0 : warp);
     if (row < n_rows) start_row(row);  // in flight while x is prepared
     const XShared xs_block = prepare_x(x, n_blocks * 256, smem);
 
     for (; row < n_rows; row += stride) {
         float acc[L] = {};
-        for (int ib = lane >> 3; ib < n_blocks; ib += 4) {
+        for (int ib = first_ib; ib < n_blocks; ib += kBlocksPerStep) {
             uint4 head_next[L], qs_next[L];
-            if (ib + 4 < n_blocks) load(ib + 4, head_next, qs_next);
+            if (ib + kBlocksPerStep < n_blocks) load(ib + kBlocksPerStep, head_next, qs_next);
             XSlice xs;
             const int4 lo = *reinterpret_cast<const int4 *>(xs_block.values(ib, lo_off));
             const int4 hi = *reinterpret_cast<const int4 *>(xs_block.values(ib, lo_off + 32));
@@ -125,34 +131,53 @@ q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const f
             }
         }
         if (row + stride < n_rows) start_row(row + stride);  // in flight during the sums below
-        const float v = warp_sum(acc[0]);
-        if constexpr (GATED) {
-            const float g = warp_sum(acc[1]);
-            if (lane == 0) y[row] = v * silu(g);
-        } else {
-            if (lane == 0) y[row] = bias ? v + bias[row] : v;  // bias may be y itself (in place)
+        float v[L];
+#pragma unroll
+        for (int r = 0; r < L; ++r) v[r] = warp_sum(acc[r]);
+        if constexpr (SPLIT_K) {  // every warp of the block is on this row: add up their shares
+            if (lane == 0) {
+#pragma unroll
+                for (int r = 0; r < L; ++r) partial[warp][r] = v[r];
+            }
+            __syncthreads();
+#pragma unroll
+            for (int r = 0; r < L; ++r) {
+                v[r] = 0.0f;
+#pragma unroll
+                for (int w = 0; w < 8; ++w) v[r] += partial[w][r];
+            }
+            __syncthreads();  // partial is rewritten for the next row
+            if (warp != 0) continue;
+        }
+        if (lane == 0) {
+            if constexpr (GATED) {
+                y[row] = v[0] * silu(v[1]);
+            } else {
+                y[row] = bias ? v[0] + bias[row] : v[0];  // bias may be y itself (in place)
+            }
         }
     }
 }
 
+// Matrices with fewer rows than this take the SPLIT_K kernel.
+constexpr int64_t kQ4KSplitKRows = 256;
+
 // Host side: W (and G when gated) in ggml's Q4_K layout, n_cols a multiple of 256; x, y and bias
 // (optional, not with G) f32 on the device; 16-byte aligned rows. resident: a grid of the blocks
-// that stay resident (each walks many rows); otherwise one block per 8 rows (for the benchmark).
+// that stay resident (each walks many rows); otherwise one block per 8 rows, or per row when
+// split (for the benchmark).
 inline void launch_q4k_gemv(const void * W, const void * G, const float * x, float * y, int64_t n_rows,
                             int64_t n_cols, int64_t row_bytes, cudaStream_t stream, bool resident = true,
                             const float * bias = nullptr) {
     const int n_blocks = (int)(n_cols / 256);
     const size_t smem = x_smem_bytes(n_cols);
-    const int64_t groups = (n_rows + 7) / 8;
-    if (G) {
-        const unsigned grid = launch_grid(q4k_gemv<true>, smem, groups, resident);
-        q4k_gemv<true><<<grid, 256, smem, stream>>>((const uint8_t *)W, (const uint8_t *)G, x, nullptr, y,
-                                                     (int)n_rows, n_blocks, row_bytes);
-    } else {
-        const unsigned grid = launch_grid(q4k_gemv<false>, smem, groups, resident);
-        q4k_gemv<false><<<grid, 256, smem, stream>>>((const uint8_t *)W, nullptr, x, bias, y, (int)n_rows,
-                                                      n_blocks, row_bytes);
-    }
+    const bool split = n_rows < kQ4KSplitKRows;
+    const int64_t groups = split ? n_rows : (n_rows + 7) / 8;
+    const auto kernel = split ? (G ? q4k_gemv<true, true> : q4k_gemv<false, true>)
+                              : (G ? q4k_gemv<true, false> : q4k_gemv<false, false>);
+    const unsigned grid = launch_grid(kernel, smem, groups, resident);
+    kernel<<<grid, 256, smem, stream>>>((const uint8_t *)W, (const uint8_t *)G, x, G ? nullptr : bias, y, (int)n_rows,
+                                        n_blocks, row_bytes);
 }
 
 }  // namespace deltaspec_cuda
