@@ -80,12 +80,15 @@ __device__ __forceinline__ float q4k_chunk(uint4 head, uint4 qs, int j, const XS
 // gridDim.x * 8 apart. With SPLIT_K (matrices of few rows, such as DeltaNet's 48-row alpha and
 // beta, which 8 rows a block would leave on a handful of SMs), the 8 warps of a block share one
 // row, each walking every 8th group of 4 blocks, and a block's rows are gridDim.x apart.
+template <bool SPLIT_K>
+constexpr int kQ4KRowsPerBlock = SPLIT_K ? 1 : 8;
+
 template <bool GATED, bool SPLIT_K>
 __global__ void __launch_bounds__(256)
 q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const float * __restrict__ x,
          const float * bias, float * y, int n_rows, int n_blocks, int64_t row_bytes) {
     constexpr int L = GATED ? 2 : 1;
-    constexpr int kRowsPerBlock = SPLIT_K ? 1 : 8;
+    constexpr int kRowsPerBlock = kQ4KRowsPerBlock<SPLIT_K>;
     constexpr int kBlocksPerStep = SPLIT_K ? 32 : 4;  // a row's blocks one step of the warp(s) covers
     extern __shared__ uint8_t smem[];
     __shared__ float partial[SPLIT_K ? 8 : 1][L];  // SPLIT_K: each warp's share of the row's sums
@@ -172,7 +175,8 @@ inline void launch_q4k_gemv(const void * W, const void * G, const float * x, flo
     const int n_blocks = (int)(n_cols / 256);
     const size_t smem = x_smem_bytes(n_cols);
     const bool split = n_rows < kQ4KSplitKRows;
-    const int64_t groups = split ? n_rows : (n_rows + 7) / 8;
+    const int rows_per_block = split ? kQ4KRowsPerBlock<true> : kQ4KRowsPerBlock<false>;
+    const int64_t groups = (n_rows + rows_per_block - 1) / rows_per_block;
     const auto kernel = split ? (G ? q4k_gemv<true, true> : q4k_gemv<false, true>)
                               : (G ? q4k_gemv<true, false> : q4k_gemv<false, false>);
     const unsigned grid = launch_grid(kernel, smem, groups, resident);
