@@ -394,6 +394,9 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_ctx", [](const Runner & r) { return r.engine->n_ctx(); })
         .def_property_readonly("backend", [](const Runner & r) { return r.engine->backend_name(); })
         .def_property_readonly("weight_buffer_types", [](const Runner & r) { return r.engine->weight_buffer_types(); },
-                               "Names of the ggml buffer types the weights live in (plain 'CPU' on a CPU engine).");
+                               "Names of the ggml buffer types the weights live in (plain 'CPU' on a CPU engine).")
+        .def_property_readonly("weight_stacks", [](const Runner & r) { return r.engine->weight_stacks(); },
+                               "Weights stored as one stack (a one-token step multiplies each stack once): "
+                               "their names, per stack, in row order.");
 
 }

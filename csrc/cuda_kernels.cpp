@@ -6,6 +6,8 @@
 // Defined by ggml/cuda/deltaspec_matmul.cu inside ggml-cuda when it carries our kernels. Weak, so
 // that a ggml without them links too and leaves the pointer null.
 extern "C" void deltaspec_cuda_set_kernels(bool on) __attribute__((weak));
+extern "C" bool deltaspec_cuda_fold_norm(ggml_tensor * norm_mul, const ggml_tensor * const * weights,
+                                         int n_weights) __attribute__((weak));
 
 namespace deltaspec {
 
@@ -17,6 +19,10 @@ bool enable_cuda_kernels() {
     const bool on = env == nullptr || std::strcmp(env, "0") != 0;
     deltaspec_cuda_set_kernels(on);
     return on;
+}
+
+bool cuda_fold_norm(ggml_tensor * norm_mul, const std::vector<const ggml_tensor *> & weights) {
+    return deltaspec_cuda_fold_norm != nullptr && deltaspec_cuda_fold_norm(norm_mul, weights.data(), (int)weights.size());
 }
 
 }  // namespace deltaspec

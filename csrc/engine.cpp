@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 #include "cuda_kernels.h"
@@ -29,6 +31,14 @@ ggml_backend_t init_backend(const std::string & device) {
     return backend;
 }
 
+// Speed features that are on unless the environment sets them to 0 (for A/B measurements and
+// the tests that compare both ways): DELTASPEC_STACK_PROJECTIONS (weights.h), DELTASPEC_FOLD_NORMS
+// (graph_qwen35.h).
+bool env_on(const char * name) {
+    const char * env = std::getenv(name);
+    return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
 }  // namespace
 
 Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions & opts) : hp_(hp), opts_(opts) {
@@ -48,11 +58,11 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
             backend_cpu_ = backend_;
         } else {
             backend_cpu_ = ggml_backend_cpu_init();
-            enable_cuda_kernels();
+            fold_norms_ = enable_cuda_kernels() && env_on("DELTASPEC_FOLD_NORMS");
         }
         ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts.n_threads));
 
-        load_weights(weights_, path, hp_, backend_, opts.progress);
+        load_weights(weights_, path, hp_, backend_, env_on("DELTASPEC_STACK_PROJECTIONS"), opts.progress);
         allocate_state(state_, hp_, opts.n_ctx, opts.type_k, opts.type_v, opts.n_slots, backend_);
         make_scheduler();
     } catch (...) {
@@ -210,7 +220,8 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.in = make_step_inputs(step_.ctx, T, n_kv, fill_slots);
     const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all;
     const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
-    step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, state_, step_.in, n_rows);
+    step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, state_, step_.in, n_rows,
+                             fold_norms_ ? FoldNorm(cuda_fold_norm) : FoldNorm());
     if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {  // per row
         step_.out = ggml_argmax(step_.ctx, step_.out);
         ggml_set_output(step_.out);

@@ -60,6 +60,7 @@ class Engine {
     const std::string & backend_name() const { return backend_name_; }
     const SequenceState & state() const { return state_; }
     std::vector<std::string> weight_buffer_types() const { return deltaspec::weight_buffer_types(weights_); }
+    std::vector<std::vector<std::string>> weight_stacks() const { return deltaspec::weight_stacks(weights_); }
     // Weight bytes one decode step reads (every matrix; one embedding row): what a step costs
     // where decoding is bound by memory bandwidth.
     size_t step_weight_bytes() const;
@@ -93,6 +94,7 @@ class Engine {
     ggml_backend_t backend_cpu_ = nullptr;  // the scheduler's mandatory CPU fallback
     ggml_backend_sched_t sched_ = nullptr;
     std::string backend_name_;
+    bool fold_norms_ = false;  // one-token norms offered to our CUDA mat-vecs (cuda_kernels.h)
     ModelWeights weights_;
     SequenceState state_;
     std::vector<uint8_t> graph_meta_;       // scratch for graph/tensor descriptors

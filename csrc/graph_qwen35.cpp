@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 namespace deltaspec {
 
@@ -26,11 +28,55 @@ ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weight
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight);
 }
 
+// rms_norm(x) * weight where only products with `weights` read it: offered to fold_norm for one
+// token (the weight stacks those products then use, see SharedInputProducts, stand for their parts).
+ggml_tensor * input_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weight, float eps, const FoldNorm & fold_norm,
+                         std::initializer_list<const ggml_tensor *> weights) {
+    ggml_tensor * out = rms_norm(ctx, x, weight, eps);
+    if (!fold_norm || x->ne[1] != 1) return out;
+    std::vector<const ggml_tensor *> products;
+    for (const ggml_tensor * w : weights) {
+        const ggml_tensor * src0 = w->view_src ? w->view_src : w;
+        if (std::find(products.begin(), products.end(), src0) == products.end()) products.push_back(src0);
+    }
+    fold_norm(out, products);
+    return out;
+}
+
 // x / sqrt(sum(x^2) + eps) over ne0, written with rms_norm so eps enters exactly as in HF's l2norm.
 ggml_tensor * l2_norm(ggml_context * ctx, ggml_tensor * x, float eps) {
     const float n = (float)x->ne[0];
     return ggml_scale(ctx, ggml_rms_norm(ctx, x, eps / n), 1.0f / std::sqrt(n));
 }
+
+// Products of one input x with several weights. For one token, weights stacked at load (views of
+// one tensor's rows, see load_weights) are multiplied as their whole stack, once, and each result
+// is a view of its rows: one mat-vec launch instead of one per weight. A batch's rows of one
+// weight would be strided in the stacked result, so batches keep a product per weight.
+class SharedInputProducts {
+  public:
+    SharedInputProducts(ggml_context * ctx, ggml_tensor * x) : ctx_(ctx), x_(x) {}
+
+    ggml_tensor * operator()(ggml_tensor * w) {
+        ggml_tensor * stack = w->view_src;
+        if (x_->ne[1] != 1 || stack == nullptr) return ggml_mul_mat(ctx_, w, x_);
+        ggml_tensor * y = stacked_product(stack);
+        const size_t first_row = w->view_offs / stack->nb[1];
+        return ggml_view_2d(ctx_, y, w->ne[1], 1, y->nb[1], first_row * y->nb[0]);
+    }
+
+  private:
+    ggml_tensor * stacked_product(ggml_tensor * stack) {
+        for (auto & [s, y] : done_) {
+            if (s == stack) return y;
+        }
+        return done_.emplace_back(stack, ggml_mul_mat(ctx_, stack, x_)).second;
+    }
+
+    ggml_context * ctx_;
+    ggml_tensor * x_;
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> done_;  // stack -> its product with x
+};
 
 // For text every IMROPE section carries the same position, which makes this NeoX RoPE on the
 // first n_rot dims (HF: partial rotary with rotate_half); the other dims pass through. Linear and
@@ -49,13 +95,14 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
     const int64_t T = in.n_tokens, D = hp.head_dim, H = hp.n_head, Hkv = hp.n_head_kv;
     const float eps = hp.rms_eps;
 
+    SharedInputProducts project(ctx, x);
     // attn_q yields per head [query(D), gate(D)]; split with strided views.
-    ggml_tensor * qg = ggml_mul_mat(ctx, l.wq, x);  // {2*H*D, T}
+    ggml_tensor * qg = project(l.wq);  // {2*H*D, T}
     const size_t f = sizeof(float);
     ggml_tensor * q = ggml_view_3d(ctx, qg, D, H, T, 2 * D * f, qg->nb[1], 0);
     ggml_tensor * gate = ggml_view_3d(ctx, qg, D, H, T, 2 * D * f, qg->nb[1], D * f);
-    ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, x), D, Hkv, T);
-    ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, x), D, Hkv, T);
+    ggml_tensor * k = ggml_reshape_3d(ctx, project(l.wk), D, Hkv, T);
+    ggml_tensor * v = ggml_reshape_3d(ctx, project(l.wv), D, Hkv, T);
 
     q = rms_norm(ctx, q, l.q_norm, eps);
     k = rms_norm(ctx, k, l.k_norm, eps);
@@ -90,12 +137,13 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     const float eps = hp.rms_eps;
     const size_t f = sizeof(float);
 
-    ggml_tensor * qkv = ggml_mul_mat(ctx, l.wqkv, x);    // {C, T}
-    ggml_tensor * z = ggml_mul_mat(ctx, l.wgate, x);     // {Hv*S, T}
-    ggml_tensor * beta = ggml_sigmoid(ctx, ggml_mul_mat(ctx, l.wbeta, x));
+    SharedInputProducts project(ctx, x);
+    ggml_tensor * qkv = project(l.wqkv);    // {C, T}
+    ggml_tensor * z = project(l.wgate);     // {Hv*S, T}
+    ggml_tensor * beta = ggml_sigmoid(ctx, project(l.wbeta));
     beta = ggml_reshape_4d(ctx, beta, 1, Hv, T, 1);
     // log-decay g = softplus(alpha + dt_bias) * (-exp(A_log)) <= 0
-    ggml_tensor * g = ggml_softplus(ctx, ggml_add(ctx, ggml_mul_mat(ctx, l.walpha, x), l.dt_bias));
+    ggml_tensor * g = ggml_softplus(ctx, ggml_add(ctx, project(l.walpha), l.dt_bias));
     g = ggml_reshape_4d(ctx, ggml_mul(ctx, g, l.ssm_a), 1, Hv, T, 1);
 
     // Causal depthwise conv over [previous Kc-1 inputs | this batch]; keep the last Kc-1 as new state.
@@ -147,18 +195,21 @@ ggml_tensor * swiglu_ffn(ggml_context * ctx, const LayerWeights & l, ggml_tensor
 }  // namespace
 
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
-                           const SequenceState & st, const StepInputs & in, int64_t n_logit_rows) {
+                           const SequenceState & st, const StepInputs & in, int64_t n_logit_rows,
+                           const FoldNorm & fold_norm) {
     const float eps = hp.rms_eps;
     ggml_tensor * x = ggml_get_rows(ctx, w.token_embd, in.tokens);  // {E, T}
 
     for (int il = 0; il < hp.n_layer; ++il) {
         const LayerWeights & l = w.layers[il];
-        ggml_tensor * a = rms_norm(ctx, x, l.attn_norm, eps);
+        ggml_tensor * a = hp.recurrent[il]
+                              ? input_norm(ctx, x, l.attn_norm, eps, fold_norm, {l.wqkv, l.wgate, l.wbeta, l.walpha})
+                              : input_norm(ctx, x, l.attn_norm, eps, fold_norm, {l.wq, l.wk, l.wv});
         ggml_tensor * mixed = hp.recurrent[il]
                                   ? gated_delta_net(ctx, gf, hp, l, st, il, a, in)
                                   : gated_attention(ctx, gf, hp, l, st.k[il], st.v[il], a, in);
         x = ggml_add(ctx, x, mixed);
-        x = ggml_add(ctx, x, swiglu_ffn(ctx, l, rms_norm(ctx, x, l.post_norm, eps)));
+        x = ggml_add(ctx, x, swiglu_ffn(ctx, l, input_norm(ctx, x, l.post_norm, eps, fold_norm, {l.ffn_gate, l.ffn_up})));
     }
 
     // A prefill micro-batch whose logits nobody reads skips the head (n_vocab x E per row).
@@ -166,7 +217,7 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
     if (n_logit_rows < in.n_tokens) {
         x = ggml_view_2d(ctx, x, x->ne[0], n_logit_rows, x->nb[1], (in.n_tokens - n_logit_rows) * x->nb[1]);
     }
-    x = rms_norm(ctx, x, w.output_norm, eps);
+    x = input_norm(ctx, x, w.output_norm, eps, fold_norm, {w.output});
     ggml_tensor * logits = ggml_mul_mat(ctx, w.output, x);
     ggml_set_output(logits);
     ggml_build_forward_expand(gf, logits);

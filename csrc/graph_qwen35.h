@@ -1,6 +1,9 @@
 // The qwen35 forward graph: 3 Gated DeltaNet layers per gated full-attention layer, SwiGLU FFNs.
 #pragma once
 
+#include <functional>
+#include <vector>
+
 #include "ggml.h"
 #include "hparams.h"
 #include "state.h"
@@ -21,10 +24,16 @@ struct StepInputs {
 
 StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool fill_slots = false);
 
+// Offered each norm whose output only weight products read (the layer inputs' and the head's),
+// norm_mul = MUL(RMS_NORM(x), w) with the weights it multiplies, in one-token graphs; may fold the
+// norm into those products (cuda_kernels.h) and returns whether it did. Empty: no folding.
+using FoldNorm = std::function<bool(ggml_tensor * norm_mul, const std::vector<const ggml_tensor *> & weights)>;
+
 // Builds the graph into gf; returns logits {n_vocab, n_logit_rows} of the batch's last rows
 // (n_logit_rows 1: the last token; T: every token; 0: no LM head at all, nullptr is returned).
 // The graph also writes the new KV rows, conv windows and DeltaNet states into `st`.
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
-                           const SequenceState & st, const StepInputs & in, int64_t n_logit_rows);
+                           const SequenceState & st, const StepInputs & in, int64_t n_logit_rows,
+                           const FoldNorm & fold_norm = nullptr);
 
 }  // namespace deltaspec

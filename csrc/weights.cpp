@@ -56,27 +56,59 @@ struct GgufFile {
     }
 };
 
+// One weight {ne0, ne1} of a group that multiplies the same input; `out` receives its tensor.
+struct SharedInputWeight {
+    ggml_tensor ** out;
+    std::string name;
+    int64_t ne0, ne1;
+};
+
 class Binder {
   public:
     Binder(const std::string & path, const GgufFile & file, ggml_context * ctx)
         : path_(path), file_(file), ctx_(ctx) {}
 
     // Declares a weight of the given shape in ctx; its bytes are copied after allocation.
-    ggml_tensor * bind(const std::string & name, std::initializer_list<int64_t> shape) {
-        ggml_tensor * src = ggml_get_tensor(file_.meta, name.c_str());
-        if (!src) throw std::runtime_error(path_ + ": tensor '" + name + "' is missing");
-        size_t i = 0;
-        for (int64_t ne : shape) {
-            if (src->ne[i] != ne) throw std::runtime_error(path_ + ": tensor '" + name + "' has an unexpected shape");
-            ++i;
-        }
-        for (; i < GGML_MAX_DIMS; ++i) {
-            if (src->ne[i] != 1) throw std::runtime_error(path_ + ": tensor '" + name + "' has too many dimensions");
-        }
+    ggml_tensor * bind(const std::string & name, const std::vector<int64_t> & shape) {
+        const ggml_tensor * src = check(name, shape);
         ggml_tensor * t = ggml_dup_tensor(ctx_, src);
         ggml_set_name(t, name.c_str());
         bound_.push_back({t, gguf_find_tensor(file_.gguf, name.c_str())});
         return t;
+    }
+
+    // Declares weights that multiply the same input. With `stack`, those of one type and row
+    // length become row ranges of one tensor (weights.h); the rest are bound alone.
+    void bind_shared_input(const std::vector<SharedInputWeight> & weights, const std::string & stack_name, bool stack) {
+        std::vector<bool> done(weights.size(), false);
+        for (size_t i = 0; i < weights.size(); ++i) {
+            if (done[i]) continue;
+            const ggml_tensor * first = check(weights[i].name, {weights[i].ne0, weights[i].ne1});
+            std::vector<size_t> group;
+            for (size_t j = i; j < weights.size(); ++j) {
+                const ggml_tensor * t = j == i ? first : check(weights[j].name, {weights[j].ne0, weights[j].ne1});
+                if (!done[j] && t->type == first->type && t->ne[0] == first->ne[0]) group.push_back(j);
+            }
+            if (!stack || group.size() < 2) {
+                *weights[i].out = bind(weights[i].name, {weights[i].ne0, weights[i].ne1});
+                done[i] = true;
+                continue;
+            }
+            int64_t rows = 0;
+            for (size_t j : group) rows += weights[j].ne1;
+            ggml_tensor * whole = ggml_new_tensor_2d(ctx_, first->type, first->ne[0], rows);
+            ggml_format_name(whole, "%s.%d", stack_name.c_str(), (int)i);
+            int64_t row = 0;
+            for (size_t j : group) {
+                const int64_t n = weights[j].ne1;
+                ggml_tensor * part = ggml_view_2d(ctx_, whole, whole->ne[0], n, whole->nb[1], row * whole->nb[1]);
+                ggml_set_name(part, weights[j].name.c_str());
+                bound_.push_back({part, gguf_find_tensor(file_.gguf, weights[j].name.c_str())});
+                *weights[j].out = part;
+                done[j] = true;
+                row += n;
+            }
+        }
     }
 
     bool has(const std::string & name) const { return ggml_get_tensor(file_.meta, name.c_str()) != nullptr; }
@@ -109,6 +141,21 @@ class Binder {
     }
 
   private:
+    // The file's tensor `name`, which must have exactly `shape`.
+    const ggml_tensor * check(const std::string & name, const std::vector<int64_t> & shape) const {
+        const ggml_tensor * src = ggml_get_tensor(file_.meta, name.c_str());
+        if (!src) throw std::runtime_error(path_ + ": tensor '" + name + "' is missing");
+        size_t i = 0;
+        for (int64_t ne : shape) {
+            if (src->ne[i] != ne) throw std::runtime_error(path_ + ": tensor '" + name + "' has an unexpected shape");
+            ++i;
+        }
+        for (; i < GGML_MAX_DIMS; ++i) {
+            if (src->ne[i] != 1) throw std::runtime_error(path_ + ": tensor '" + name + "' has too many dimensions");
+        }
+        return src;
+    }
+
     struct Bound {
         ggml_tensor * tensor;
         int64_t id;
@@ -132,11 +179,28 @@ std::vector<std::string> weight_buffer_types(const ModelWeights & w) {
     return names;
 }
 
+std::vector<std::vector<std::string>> weight_stacks(const ModelWeights & w) {
+    std::vector<const ggml_tensor *> stacks;
+    std::vector<std::vector<std::string>> parts;
+    for (ggml_tensor * t = ggml_get_first_tensor(w.ctx); t; t = ggml_get_next_tensor(w.ctx, t)) {
+        if (!t->view_src) continue;
+        const size_t i = std::find(stacks.begin(), stacks.end(), t->view_src) - stacks.begin();
+        if (i == stacks.size()) {
+            stacks.push_back(t->view_src);
+            parts.emplace_back();
+        }
+        parts[i].push_back(ggml_get_name(t));  // declared, and so listed, in row order
+    }
+    return parts;
+}
+
 void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend,
-                  const LoadProgress & progress) {
+                  bool stack_shared_inputs, const LoadProgress & progress) {
     GgufFile file(path);
     const int64_t n_tensors = gguf_get_n_tensors(file.gguf);
-    ggml_init_params params = {ggml_tensor_overhead() * (size_t)(n_tensors + 8), nullptr, /*no_alloc =*/true};
+    // the file's tensors plus at most two stacks a layer
+    ggml_init_params params = {ggml_tensor_overhead() * (size_t)(n_tensors + 2 * hp.n_layer + 8), nullptr,
+                               /*no_alloc =*/true};
     w.ctx = ggml_init(params);
     Binder b(path, file, w.ctx);
 
@@ -159,19 +223,21 @@ void load_weights(ModelWeights & w, const std::string & path, const HParams & hp
         l.ffn_up = b.bind(blk(il, "ffn_up.weight"), {E, n_ff});
         l.ffn_down = b.bind(blk(il, "ffn_down.weight"), {n_ff, E});
         if (hp.recurrent[il]) {
-            l.wqkv = b.bind(blk(il, "attn_qkv.weight"), {E, C});
-            l.wgate = b.bind(blk(il, "attn_gate.weight"), {E, Hv * S});
-            l.wbeta = b.bind(blk(il, "ssm_beta.weight"), {E, Hv});
-            l.walpha = b.bind(blk(il, "ssm_alpha.weight"), {E, Hv});
+            b.bind_shared_input({{&l.wqkv, blk(il, "attn_qkv.weight"), E, C},
+                                 {&l.wgate, blk(il, "attn_gate.weight"), E, Hv * S},
+                                 {&l.wbeta, blk(il, "ssm_beta.weight"), E, Hv},
+                                 {&l.walpha, blk(il, "ssm_alpha.weight"), E, Hv}},
+                                blk(il, "input_stack"), stack_shared_inputs);
             l.dt_bias = b.bind(blk(il, "ssm_dt.bias"), {Hv});
             l.ssm_a = b.bind(blk(il, "ssm_a"), {Hv});
             l.conv1d = b.bind(blk(il, "ssm_conv1d.weight"), {hp.ssm_conv_kernel, C});
             l.ssm_norm = b.bind(blk(il, "ssm_norm.weight"), {S});
             l.ssm_out = b.bind(blk(il, "ssm_out.weight"), {Hv * S, E});
         } else {
-            l.wq = b.bind(blk(il, "attn_q.weight"), {E, 2 * H * D});
-            l.wk = b.bind(blk(il, "attn_k.weight"), {E, Hkv * D});
-            l.wv = b.bind(blk(il, "attn_v.weight"), {E, Hkv * D});
+            b.bind_shared_input({{&l.wq, blk(il, "attn_q.weight"), E, 2 * H * D},
+                                 {&l.wk, blk(il, "attn_k.weight"), E, Hkv * D},
+                                 {&l.wv, blk(il, "attn_v.weight"), E, Hkv * D}},
+                                blk(il, "input_stack"), stack_shared_inputs);
             l.wo = b.bind(blk(il, "attn_output.weight"), {H * D, E});
             l.q_norm = b.bind(blk(il, "attn_q_norm.weight"), {D});
             l.k_norm = b.bind(blk(il, "attn_k_norm.weight"), {D});

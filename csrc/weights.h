@@ -64,9 +64,19 @@ using LoadProgress = std::function<void(size_t done_bytes, size_t total_bytes)>;
 // "CPU" here is what keeps the AMX hazard (crash on Q4_K batches > 1) away from a CPU engine.
 std::vector<std::string> weight_buffer_types(const ModelWeights & w);
 
+// The weights stored as one stack (load_weights' stack_shared_inputs): per stack, the names of
+// its parts in row order.
+std::vector<std::vector<std::string>> weight_stacks(const ModelWeights & w);
+
 // Reads the tensors the graph needs from `path` into a buffer of `backend`. Throws
 // std::runtime_error naming the tensor when the file disagrees with `hp`.
+//
+// With `stack_shared_inputs`, the projections of one layer that multiply the same input (DeltaNet
+// qkv, gate z, beta, alpha; attention q, k, v) and share a type are stored back to back as one
+// tensor, and their weights are views of its rows. A one-token step then runs one product per
+// stack (one launch and one pass over x instead of up to four, with the same result in every
+// row); batches still run one product per weight (graph_qwen35.cpp).
 void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend,
-                  const LoadProgress & progress = nullptr);
+                  bool stack_shared_inputs, const LoadProgress & progress = nullptr);
 
 }  // namespace deltaspec

@@ -181,3 +181,38 @@ def test_cuda_kernels_match_cpu(tmp_path, monkeypatch, quant, shape, chunk):
     assert np.abs(ours - ggml).max() > 0  # the switch took effect: the two GPU paths round differently
     assert err_ours <= 1.5 * err_ggml
     assert np.all(gaps <= 6 * noise)
+
+
+@pytest.mark.parametrize("quant,shape", [("q4_k", Q4K_SHAPE), ("q6_k", Q6K_SHAPE)])
+def test_folded_norms_and_stacks_match(tmp_path, monkeypatch, quant, shape):
+    """One-token steps with the norms folded into our mat-vecs (DELTASPEC_FOLD_NORMS) and the input
+    projections stacked (DELTASPEC_STACK_PROJECTIONS), against both switched off. The fold only
+    moves where x is scaled (x * w quantized, 1/rms applied to the sums) and the stacks only group
+    rows (alpha/beta leave the split-K kernel), which changes rounding alone; 4 random layers
+    amplify any rounding change to the level of the GPU's own difference to the CPU (H200, Q4_K:
+    7.6e-2 moved vs 8.9e-2 to the CPU). A wrong norm weight, eps or row offset moves logits by
+    their whole spread instead. So: moved no more than the GPU-CPU noise, as close to the CPU as
+    the plain path, argmax changed only at near-ties."""
+    from deltaspec import _core
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    if not _core.cuda_kernels_available():
+        pytest.skip("this ggml-cuda does not carry deltaspec's kernels")
+    path = write_tiny_vocab_model(tmp_path / f"{quant}.gguf", seed=1, quant=quant, **shape)
+    ids = np.random.default_rng(6).integers(0, 256, size=40).tolist()
+
+    def logits(device):
+        with Model(path, device=device, n_ctx=128) as m:
+            return np.concatenate([m.eval([t], logits="all") for t in ids])
+
+    cpu = logits("cpu")
+    fast = logits("cuda")
+    monkeypatch.setenv("DELTASPEC_FOLD_NORMS", "0")
+    monkeypatch.setenv("DELTASPEC_STACK_PROJECTIONS", "0")
+    plain = logits("cuda")
+    moved, noise = np.abs(fast - plain).mean(), np.abs(plain - cpu).mean()
+    print(f"{quant}: mean |folded+stacked - plain| {moved:.3e}, mean |plain - CPU| {noise:.3e}")
+    assert 0 < moved <= 1.5 * noise  # > 0: the switches took effect
+    assert np.abs(fast - cpu).mean() <= 1.5 * noise
+    flips = np.nonzero(fast.argmax(-1) != plain.argmax(-1))[0]  # only where plain has a near-tie
+    assert np.all(plain[flips].max(-1) - plain[flips, fast.argmax(-1)[flips]] <= 6 * np.sqrt(np.mean((fast - plain) ** 2)))

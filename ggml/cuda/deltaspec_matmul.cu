@@ -9,13 +9,22 @@
 // and of Q6_K (256 rows or more), both also with ggml's fused residual add, and 2..32 columns
 // (verifying a draft chain) of Q4_K. ggml asks its mat-vec for up to 8 columns and its tile
 // kernels (mmq) for more; both routes reach the same kernels here.
+//
+// Folded norms: the engine may mark an RMS_NORM + MUL pair (deltaspec_cuda_fold_norm) when every
+// product reading it is a one-column product our kernels serve. ggml-cuda then skips the pair
+// (its fused rms_norm entry is renamed to deltaspec_rms_norm_fused), and each of those products
+// reads the norm's input and applies the norm while it prepares x: ~130 one-block launches fewer
+// per 27B decode step. A product that is not ours after all (say, unaligned data) first writes
+// the norm's output as ggml would have.
 #include "common.cuh"
 #include "mmvq.cuh"
+#include "norm.cuh"
 #include "q4k_gemv.cuh"
 #include "q4k_mma.cuh"
 #include "q6k_gemv.cuh"
 
 #include <cstdint>
+#include <cstring>
 
 // ggml's tile-kernel entry (mmq.cuh); declared here rather than including that heavy header
 void ggml_cuda_mul_mat_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
@@ -58,6 +67,36 @@ bool bias_fusion(const ggml_cuda_mm_fusion_args_host * f, const ggml_tensor * ds
            b->type == GGML_TYPE_F32 && ggml_is_contiguous(b) && b->ne[0] == dst->ne[0] && ggml_nrows(b) == 1;
 }
 
+// Whether our one-column kernels take this weight matrix (whatever x and the fusion turn out to be).
+bool serves_one_column(const ggml_tensor * w) {
+    if (!plain_blocks(w)) return false;
+    if (w->type == GGML_TYPE_Q4_K) return true;  // few rows: its split-K form
+    // Q6_K rows of whole 1024-weight groups start 8-byte aligned, as the kernel's loads need;
+    // matrices under 256 rows stay with ggml (8 rows a block would leave most SMs idle)
+    return w->type == GGML_TYPE_Q6_K && w->ne[0] % 1024 == 0 && w->ne[1] >= 256;
+}
+
+constexpr char kFoldedNormName[] = "deltaspec.folded_rms_norm";
+
+// A MUL(RMS_NORM(x), w) marked by deltaspec_cuda_fold_norm, i.e. not computed by ggml-cuda.
+bool folded_norm(const ggml_tensor * t) {
+    return g_deltaspec_kernels && t->op == GGML_OP_MUL && std::strcmp(t->name, kFoldedNormName) == 0;
+}
+
+// What a folded norm's consumer reads instead: the norm's input and weights, if our kernels can.
+bool fold_inputs(const ggml_tensor * norm_mul, const float *& x, deltaspec_cuda::XNorm & norm) {
+    const ggml_tensor * rms = norm_mul->src[0];
+    const ggml_tensor * w = norm_mul->src[1];
+    if (!plain_columns(rms->src[0]) || rms->src[0]->ne[1] != 1 || w->type != GGML_TYPE_F32 ||
+        !ggml_is_contiguous(w) || w->ne[0] != rms->ne[0] || ggml_nrows(w) != 1 || (uintptr_t)w->data % 16 != 0) {
+        return false;
+    }
+    x = (const float *)rms->src[0]->data;
+    norm.w = (const float *)w->data;
+    std::memcpy(&norm.eps, rms->op_params, sizeof(float));
+    return true;
+}
+
 // Which of our kernels computes dst = src0 x src1 (with ggml's fusion, if any), or none.
 enum class Kernel { none, q4k_gemv, q6k_gemv, q4k_mma };
 
@@ -68,29 +107,28 @@ Kernel pick(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tenso
     const int64_t n = src1->ne[1];
     if (n == 1) {
         if (fusion != nullptr && !swiglu_fusion(fusion, src0) && !bias_fusion(fusion, dst)) return Kernel::none;
-        if (src0->type == GGML_TYPE_Q4_K) return Kernel::q4k_gemv;  // few rows: its split-K form
-        // Q6_K rows of whole 1024-weight groups start 8-byte aligned, as the kernel's loads need;
-        // matrices under 256 rows stay with ggml (8 rows a block would leave most SMs idle)
-        if (src0->type == GGML_TYPE_Q6_K && src0->ne[0] % 1024 == 0 && src0->ne[1] >= 256) return Kernel::q6k_gemv;
-        return Kernel::none;
+        if (!serves_one_column(src0)) return Kernel::none;
+        return src0->type == GGML_TYPE_Q4_K ? Kernel::q4k_gemv : Kernel::q6k_gemv;
     }
     if (fusion != nullptr) return Kernel::none;  // ggml fuses one column only
     return src0->type == GGML_TYPE_Q4_K && n <= kMaxColumns ? Kernel::q4k_mma : Kernel::none;
 }
 
+// x: src1's values, or (one column) the input of a folded norm, which `norm` then describes
 void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
-         ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
-    const float * x = (const float *)src1->data;
+         ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion, const float * x,
+         deltaspec_cuda::XNorm norm = {}) {
     float * y = (float *)dst->data;
     const int64_t rows = src0->ne[1], n_k = src0->ne[0];
     const void * gate = fusion && fusion->gate ? fusion->gate->data : nullptr;
     const float * bias = fusion && fusion->x_bias ? (const float *)fusion->x_bias->data : nullptr;
     switch (k) {
         case Kernel::q4k_gemv:
-            deltaspec_cuda::launch_q4k_gemv(src0->data, gate, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias);
+            deltaspec_cuda::launch_q4k_gemv(src0->data, gate, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias,
+                                            norm);
             break;
         case Kernel::q6k_gemv:
-            deltaspec_cuda::launch_q6k_gemv(src0->data, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias);
+            deltaspec_cuda::launch_q6k_gemv(src0->data, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias, norm);
             break;
         case Kernel::q4k_mma: {
             const int n = (int)src1->ne[1];
@@ -105,18 +143,52 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
     CUDA_CHECK(cudaGetLastError());
 }
 
+// Writes a folded norm's output after all, for a product that does not apply it itself.
+void compute_folded_norm(ggml_backend_cuda_context & ctx, const ggml_tensor * norm_mul) {
+    ggml_tensor * mul = const_cast<ggml_tensor *>(norm_mul);
+    ggml_cuda_op_rms_norm_fused(ctx, mul->src[0], mul);
+}
+
 }  // namespace
+
+extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_fold_norm(ggml_tensor * norm_mul,
+                                                                                const ggml_tensor * const * weights,
+                                                                                int n_weights) {
+    if (!g_deltaspec_kernels || norm_mul->op != GGML_OP_MUL || norm_mul->src[0]->op != GGML_OP_RMS_NORM ||
+        norm_mul->ne[1] != 1 || n_weights < 1) {
+        return false;
+    }
+    for (int i = 0; i < n_weights; ++i) {
+        if (!serves_one_column(weights[i]) || weights[i]->ne[0] != norm_mul->ne[0]) return false;
+    }
+    ggml_set_name(norm_mul, kFoldedNormName);
+    return true;
+}
+
+void deltaspec_rms_norm_fused(ggml_backend_cuda_context & ctx, ggml_tensor * dst, ggml_tensor * mul_tensor) {
+    if (folded_norm(mul_tensor)) return;  // the products reading it apply the norm themselves
+    ggml_cuda_op_rms_norm_fused(ctx, dst, mul_tensor);
+}
 
 void deltaspec_mul_mat_vec_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                              const ggml_tensor * ids, ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
     const Kernel k = pick(src0, src1, ids, dst, fusion);
-    if (k != Kernel::none) return run(k, ctx, src0, src1, dst, fusion);
+    if (folded_norm(src1)) {
+        const float * x = nullptr;
+        deltaspec_cuda::XNorm norm;
+        if ((k == Kernel::q4k_gemv || k == Kernel::q6k_gemv) && fold_inputs(src1, x, norm)) {
+            return run(k, ctx, src0, src1, dst, fusion, x, norm);
+        }
+        compute_folded_norm(ctx, src1);
+    }
+    if (k != Kernel::none) return run(k, ctx, src0, src1, dst, fusion, (const float *)src1->data);
     ggml_cuda_mul_mat_vec_q(ctx, src0, src1, ids, dst, fusion);
 }
 
 void deltaspec_mul_mat_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                          const ggml_tensor * ids, ggml_tensor * dst) {
+    if (folded_norm(src1)) compute_folded_norm(ctx, src1);  // the engine folds one-column norms only
     const Kernel k = pick(src0, src1, ids, dst, nullptr);
-    if (k != Kernel::none) return run(k, ctx, src0, src1, dst, nullptr);
+    if (k != Kernel::none) return run(k, ctx, src0, src1, dst, nullptr, (const float *)src1->data);
     ggml_cuda_mul_mat_q(ctx, src0, src1, ids, dst);
 }

@@ -57,6 +57,7 @@ constexpr int kXSlicesStride = 16 + 1;
 struct XShared {
     const int8_t * values_base;
     const float2 * slices_base;
+    float scale;  // every product with x is multiplied by this (a folded rms_norm's 1/rms; else 1)
     // the int8 values from `offset` (0..255) of block b
     __device__ __forceinline__ const int8_t * values(int b, int offset) const {
         return values_base + b * kXValuesStride + offset;
@@ -70,15 +71,36 @@ __host__ __device__ inline size_t x_smem_bytes(int64_t n_cols) {
     return (size_t)(n_blocks * kXValuesStride + n_blocks * kXSlicesStride * (int64_t)sizeof(float2));
 }
 
-// All threads of the block: x (n_cols f32, a multiple of 256, 16-byte aligned) -> smem.
-__device__ __forceinline__ XShared prepare_x(const float * __restrict__ x, int n_cols, uint8_t * smem) {
+// An rms_norm folded into a mat-vec: its x is then rms_norm(x) * w, ggml's fused RMS_NORM + MUL.
+struct XNorm {
+    const float * w = nullptr;  // n_cols weights, 16-byte aligned; nullptr: x is used as it is
+    float eps = 0.0f;
+};
+
+// All threads of the block (256): x (n_cols f32, a multiple of 256, 16-byte aligned) -> smem.
+// With a norm, x * norm.w is quantized and the norm's 1/rms, common to every value, becomes
+// `scale` (per-slice int8 scales do not care about a common factor), so one pass over x serves
+// both the sum of squares and the quantization.
+__device__ __forceinline__ XShared prepare_x(const float * __restrict__ x, int n_cols, uint8_t * smem,
+                                             XNorm norm = XNorm{}) {
+    __shared__ float warp_sumsq[8];
     const int n_blocks = n_cols / 256;
     int8_t * values = reinterpret_cast<int8_t *>(smem);
     float2 * slices = reinterpret_cast<float2 *>(smem + n_blocks * kXValuesStride);
+    float sumsq = 0.0f;
 #pragma unroll 2
     for (int sl = threadIdx.x; sl < n_cols / 16; sl += blockDim.x) {
         const float4 * p = reinterpret_cast<const float4 *>(x + 16 * sl);
         float4 v[4] = {__ldg(p), __ldg(p + 1), __ldg(p + 2), __ldg(p + 3)};
+        if (norm.w != nullptr) {
+            const float4 * pw = reinterpret_cast<const float4 *>(norm.w + 16 * sl);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float4 w = __ldg(pw + k);
+                sumsq += (v[k].x * v[k].x + v[k].y * v[k].y) + (v[k].z * v[k].z + v[k].w * v[k].w);
+                v[k] = make_float4(v[k].x * w.x, v[k].y * w.y, v[k].z * w.z, v[k].w * w.w);
+            }
+        }
         int q[4];
         const float d = quantize16(v, q);
         float sum = 0.0f;
@@ -88,8 +110,19 @@ __device__ __forceinline__ XShared prepare_x(const float * __restrict__ x, int n
         *reinterpret_cast<int4 *>(values + b * kXValuesStride + 16 * s) = make_int4(q[0], q[1], q[2], q[3]);
         slices[b * kXSlicesStride + s] = make_float2(d, sum);
     }
+    if (norm.w != nullptr) {
+        sumsq = warp_sum(sumsq);
+        if ((threadIdx.x & 31) == 0) warp_sumsq[threadIdx.x >> 5] = sumsq;
+    }
     __syncthreads();
-    return XShared{values, slices};
+    float scale = 1.0f;
+    if (norm.w != nullptr) {
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) total += warp_sumsq[w];
+        scale = rsqrtf(total / (float)n_cols + norm.eps);  // as ggml's rms_norm: 1/sqrt(mean(x^2) + eps)
+    }
+    return XShared{values, slices, scale};
 }
 
 // Blocks of 256 threads of `kernel` with `smem` bytes that the current device keeps resident at

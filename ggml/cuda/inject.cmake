@@ -1,7 +1,7 @@
 # Puts deltaspec's CUDA kernels into ggml's ggml-cuda target: adds deltaspec_matmul.cu and compiles
-# ggml-cuda.cu with its quantized mat-vec and tile-kernel entries renamed to our dispatchers, which
-# compute what our kernels serve and hand the rest to ggml's own functions. No upstream file is
-# changed.
+# ggml-cuda.cu with its quantized mat-vec and tile-kernel entries (and its fused rms_norm, for norms
+# folded into our mat-vecs) renamed to our dispatchers, which compute what our kernels serve and
+# hand the rest to ggml's own functions. No upstream file is changed.
 #
 # Our build includes this file and calls deltaspec_add_cuda_kernels() after add_subdirectory(ggml).
 # A llama.cpp build gets it with -DCMAKE_PROJECT_INCLUDE=<this file>: the call is then deferred
@@ -18,7 +18,7 @@ function(deltaspec_add_cuda_kernels)
     target_include_directories(ggml-cuda PRIVATE "${cuda_src_dir}" "${DELTASPEC_CUDA_DIR}")
     set_source_files_properties("${cuda_src_dir}/ggml-cuda.cu" TARGET_DIRECTORY ggml-cuda
         PROPERTIES COMPILE_DEFINITIONS
-        "ggml_cuda_mul_mat_vec_q=deltaspec_mul_mat_vec_q;ggml_cuda_mul_mat_q=deltaspec_mul_mat_q")
+        "ggml_cuda_mul_mat_vec_q=deltaspec_mul_mat_vec_q;ggml_cuda_mul_mat_q=deltaspec_mul_mat_q;ggml_cuda_op_rms_norm_fused=deltaspec_rms_norm_fused")
     message(STATUS "deltaspec: CUDA kernels added to ggml-cuda")
 endfunction()
 

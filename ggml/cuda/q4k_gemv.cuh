@@ -73,7 +73,8 @@ __device__ __forceinline__ float q4k_chunk(uint4 head, uint4 qs, int j, const XS
 }
 
 // y[r] = W[r] . x (+ bias[r]: ggml fuses a following residual add as a bias) for r < n_rows; with
-// GATED, y[r] = (W[r] . x) * silu(G[r] . x) (ggml's fused SwiGLU: W is "up", G is "gate").
+// GATED, y[r] = (W[r] . x) * silu(G[r] . x) (ggml's fused SwiGLU: W is "up", G is "gate"). With
+// norm.w, x stands for rms_norm(x) * norm.w (a folded norm, gemv_common.cuh).
 // W and G: n_rows rows of row_bytes each (n_blocks blocks of 256).
 // Each warp owns one row at a time (and its gate row) and walks its blocks 4 at a time, the next
 // step's weight loads issued before this step's math; warps of a block take rows 8 apart, blocks
@@ -86,7 +87,7 @@ constexpr int kQ4KRowsPerBlock = SPLIT_K ? 1 : 8;
 template <bool GATED, bool SPLIT_K>
 __global__ void __launch_bounds__(256)
 q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const float * __restrict__ x,
-         const float * bias, float * y, int n_rows, int n_blocks, int64_t row_bytes) {
+         const float * bias, float * y, int n_rows, int n_blocks, int64_t row_bytes, XNorm norm) {
     constexpr int L = GATED ? 2 : 1;
     constexpr int kRowsPerBlock = kQ4KRowsPerBlock<SPLIT_K>;
     constexpr int kBlocksPerStep = SPLIT_K ? 32 : 4;  // a row's blocks one step of the warp(s) covers
@@ -112,7 +113,7 @@ q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const f
     };
     int row = blockIdx.x * kRowsPerBlock + (SPLIT_K ? 0 : warp);
     if (row < n_rows) start_row(row);  // in flight while x is prepared
-    const XShared xs_block = prepare_x(x, n_blocks * 256, smem);
+    const XShared xs_block = prepare_x(x, n_blocks * 256, smem, norm);
 
     for (; row < n_rows; row += stride) {
         float acc[L] = {};
@@ -136,7 +137,7 @@ q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const f
         if (row + stride < n_rows) start_row(row + stride);  // in flight during the sums below
         float v[L];
 #pragma unroll
-        for (int r = 0; r < L; ++r) v[r] = warp_sum(acc[r]);
+        for (int r = 0; r < L; ++r) v[r] = warp_sum(acc[r]) * xs_block.scale;
         if constexpr (SPLIT_K) {  // every warp of the block is on this row: add up their shares
             if (lane == 0) {
 #pragma unroll
@@ -168,10 +169,10 @@ constexpr int64_t kQ4KSplitKRows = 256;
 // Host side: W (and G when gated) in ggml's Q4_K layout, n_cols a multiple of 256; x, y and bias
 // (optional, not with G) f32 on the device; 16-byte aligned rows. resident: a grid of the blocks
 // that stay resident (each walks many rows); otherwise one block per 8 rows, or per row when
-// split (for the benchmark).
+// split (for the benchmark). norm: an rms_norm to fold into x (none by default).
 inline void launch_q4k_gemv(const void * W, const void * G, const float * x, float * y, int64_t n_rows,
                             int64_t n_cols, int64_t row_bytes, cudaStream_t stream, bool resident = true,
-                            const float * bias = nullptr) {
+                            const float * bias = nullptr, XNorm norm = XNorm{}) {
     const int n_blocks = (int)(n_cols / 256);
     const size_t smem = x_smem_bytes(n_cols);
     const bool split = n_rows < kQ4KSplitKRows;
@@ -181,7 +182,7 @@ inline void launch_q4k_gemv(const void * W, const void * G, const float * x, flo
                               : (G ? q4k_gemv<true, false> : q4k_gemv<false, false>);
     const unsigned grid = launch_grid(kernel, smem, groups, resident);
     kernel<<<grid, 256, smem, stream>>>((const uint8_t *)W, (const uint8_t *)G, x, G ? nullptr : bias, y, (int)n_rows,
-                                        n_blocks, row_bytes);
+                                        n_blocks, row_bytes, norm);
 }
 
 }  // namespace deltaspec_cuda

@@ -44,7 +44,7 @@ __device__ __forceinline__ int sbyte(uint32_t w, int i) { return (int)(int8_t)(w
 
 __global__ void __launch_bounds__(256)
 q6k_gemv(const uint8_t * __restrict__ W, const float * __restrict__ x, const float * bias, float * y, int n_rows,
-         int n_blocks, int64_t row_bytes) {
+         int n_blocks, int64_t row_bytes, XNorm norm) {
     extern __shared__ uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint8_t * stage = smem + x_smem_bytes(n_blocks * 256) + warp * kQ6KStageBytes;
@@ -68,7 +68,7 @@ q6k_gemv(const uint8_t * __restrict__ W, const float * __restrict__ x, const flo
     };
     int row = blockIdx.x * 8 + warp;
     if (row < n_rows) load_step(row, 0);  // in flight while x is prepared
-    const XShared xs = prepare_x(x, n_blocks * 256, smem);
+    const XShared xs = prepare_x(x, n_blocks * 256, smem, norm);
 
     for (; row < n_rows; row += stride) {
         float acc = 0.0f;
@@ -119,21 +119,21 @@ q6k_gemv(const uint8_t * __restrict__ W, const float * __restrict__ x, const flo
             }
             acc += d * block;
         }
-        acc = warp_sum(acc);
+        acc = warp_sum(acc) * xs.scale;
         if (lane == 0) y[row] = bias ? acc + bias[row] : acc;  // bias: a fused residual add, maybe in place
     }
 }
 
 // Host side: W in ggml's Q6_K layout with n_cols a multiple of 1024 (rows then start 8-byte
 // aligned) and an 8-byte aligned base; x, y and bias (optional: y = W x + bias) f32 on the
-// device, x 16-byte aligned.
+// device, x 16-byte aligned; norm: an rms_norm to fold into x (none by default).
 inline void launch_q6k_gemv(const void * W, const float * x, float * y, int64_t n_rows, int64_t n_cols,
                             int64_t row_bytes, cudaStream_t stream, bool resident = true,
-                            const float * bias = nullptr) {
+                            const float * bias = nullptr, XNorm norm = XNorm{}) {
     const int n_blocks = (int)(n_cols / 256);
     const size_t smem = x_smem_bytes(n_cols) + 8 * kQ6KStageBytes;
     const unsigned grid = launch_grid(q6k_gemv, smem, (n_rows + 7) / 8, resident);
-    q6k_gemv<<<grid, 256, smem, stream>>>((const uint8_t *)W, x, bias, y, (int)n_rows, n_blocks, row_bytes);
+    q6k_gemv<<<grid, 256, smem, stream>>>((const uint8_t *)W, x, bias, y, (int)n_rows, n_blocks, row_bytes, norm);
 }
 
 }  // namespace deltaspec_cuda

@@ -159,7 +159,8 @@ def quantizable(name: str, x: np.ndarray, qtype: GGMLQuantizationType) -> bool:
 
 def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int = 0, quant: str | None = None,
                            metadata: dict[str, str | int | float] | None = None,
-                           weight_map: Callable[[str, np.ndarray], np.ndarray] | None = None, **shape) -> Path:
+                           weight_map: Callable[[str, np.ndarray], np.ndarray] | None = None,
+                           tensor_quant: dict[str, str] | None = None, **shape) -> Path:
     """Write the tiny-vocabulary qwen35 GGUF (tensors F32) to `path` and return it.
 
     `shape` overrides fields of `TinyShape` (n_embd, n_layer, head_dim, logit_std, ...). The same
@@ -169,9 +170,12 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
     `metadata` adds `qwen35.<key>` entries (str, int as uint32, float as float32), e.g. rope scaling.
     `weight_map(name, array)` replaces each float32 weight before it is written (e.g. with its
     quantize-dequantize round trip, for a reference model).
+    `tensor_quant` maps tensor names to a quant of their own, over `quant` (e.g. the Q6_K tensors
+    of a Q4_K_M file).
     """
-    if quant is not None and quant not in QUANT_TYPES:
-        raise ValueError(f"quant must be None or one of {sorted(QUANT_TYPES)}, got {quant!r}")
+    for q in [quant, *(tensor_quant or {}).values()]:
+        if q is not None and q not in QUANT_TYPES:
+            raise ValueError(f"quant must be None or one of {sorted(QUANT_TYPES)}, got {q!r}")
     sh = replace(TinyShape(), **shape)  # TypeError names an unknown field
     tokens, types, merges = tiny_vocab(n_vocab)
     weights = _weights(sh, n_vocab, np.random.default_rng(seed))
@@ -202,11 +206,14 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
     w.add_add_bos_token(False)
     for key, value in (metadata or {}).items():
         _add_value(w, f"qwen35.{key}", value)
-    if quant is not None:
-        from .. import _core  # ggml's own quantizer (gguf-py cannot write k-quants)
+    unknown = set(tensor_quant or {}) - set(weights)
+    if unknown:
+        raise ValueError(f"tensor_quant names tensors the model does not have: {sorted(unknown)}")
+    from .. import _core  # ggml's own quantizer (gguf-py cannot write k-quants)
     for name, x in weights.items():
-        if quant is not None and quantizable(name, x, QUANT_TYPES[quant]):
-            qtype = QUANT_TYPES[quant]
+        q = (tensor_quant or {}).get(name, quant)
+        if q is not None and quantizable(name, x, QUANT_TYPES[q]):
+            qtype = QUANT_TYPES[q]
             w.add_tensor(name, _core.quantize(np.ascontiguousarray(x), int(qtype)), raw_dtype=qtype)
         else:
             w.add_tensor(name, x)
