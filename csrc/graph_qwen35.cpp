@@ -160,11 +160,11 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     ggml_tensor * y = ggml_ssm_conv(ctx, ggml_reshape_3d(ctx, conv_in, Kc - 1 + T, C, 1), l.conv1d);  // {C, T, 1}
     y = ggml_silu(ctx, y);
 
-    ggml_tensor * q = ggml_view_4d(ctx, y, S, Hk, T, 1, S * f, y->nb[1], y->nb[2], 0);
-    ggml_tensor * k = ggml_view_4d(ctx, y, S, Hk, T, 1, S * f, y->nb[1], y->nb[2], Hk * S * f);
+    // q and k heads sit side by side in y: one l2-norm (one launch) covers both
+    ggml_tensor * qk = l2_norm(ctx, ggml_view_4d(ctx, y, S, 2 * Hk, T, 1, S * f, y->nb[1], y->nb[2], 0), eps);
+    ggml_tensor * q = ggml_view_4d(ctx, qk, S, Hk, T, 1, qk->nb[1], qk->nb[2], qk->nb[3], 0);
+    ggml_tensor * k = ggml_view_4d(ctx, qk, S, Hk, T, 1, qk->nb[1], qk->nb[2], qk->nb[3], Hk * qk->nb[1]);
     ggml_tensor * v = ggml_view_4d(ctx, y, S, Hv, T, 1, S * f, y->nb[1], y->nb[2], 2 * Hk * S * f);
-    q = l2_norm(ctx, q, eps);
-    k = l2_norm(ctx, k, eps);
 
     // The op scales q by 1/sqrt(S) itself and broadcasts q/k head h % Hk to value head h, which is
     // the tiled V-head order the converter writes.

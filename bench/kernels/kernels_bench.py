@@ -5,7 +5,8 @@
 
 Three tables, for the Qwen3.5-27B shapes:
   * one column (a decode step): our Q4_K and Q6_K mat-vecs, each with the resident grid (blocks
-    that stay resident walk many rows, x prepared once per block) and one block per 8 rows;
+    that stay resident walk many rows, x prepared once per block) and one block per 8 rows (plain
+    Q4_K also with the resident grid and two rows a warp, the PAIRED form);
   * 1..32 columns (verifying a draft chain) with the Q4_K tensor-core kernel, next to one column.
 Weights are random blocks (random quants and scales, random f16 d / dmin within sane ranges); the
 reference is y = dequantize(W) @ x in float64 with gguf-py's own dequantizers (the llama.cpp
@@ -116,7 +117,7 @@ def main() -> int:
     args = ap.parse_args()
     lib = ctypes.CDLL(args.lib)
     vp, ll = ctypes.c_void_p, ctypes.c_longlong
-    lib.deltaspec_q4k_gemv.argtypes = [vp] * 4 + [ll] * 3 + [vp, ctypes.c_int]
+    lib.deltaspec_q4k_gemv.argtypes = [vp] * 4 + [ll] * 3 + [vp, ctypes.c_int, ctypes.c_int]
     lib.deltaspec_q6k_gemv.argtypes = [vp] * 3 + [ll] * 3 + [vp, ctypes.c_int]
     lib.deltaspec_q4k_mma_scratch_bytes.argtypes = [ll, ctypes.c_int]
     lib.deltaspec_q4k_mma_scratch_bytes.restype = ll
@@ -140,11 +141,14 @@ def main() -> int:
         gd = device_copies(g, dev) if gated else None
         xd = torch.from_numpy(x).to(dev)
         yd = torch.empty(rows, dtype=torch.float32, device=dev)
-        for resident in (1, 0):
+        # grids: resident blocks walking the rows, one block per 8 rows, and (plain Q4_K) the
+        # resident grid with two rows a warp (the PAIRED form)
+        forms = [(1, 0), (0, 0)] + ([(1, 1)] if qtype == Q4K and not gated and rows >= 256 else [])
+        for resident, paired in forms:
             def launch(i):
                 if qtype == Q4K:
                     check(lib.deltaspec_q4k_gemv(wd[i].data_ptr(), gd[i].data_ptr() if gated else None, xd.data_ptr(),
-                                                 yd.data_ptr(), rows, cols, w.shape[1], stream, resident))
+                                                 yd.data_ptr(), rows, cols, w.shape[1], stream, resident, paired))
                 else:
                     check(lib.deltaspec_q6k_gemv(wd[i].data_ptr(), xd.data_ptr(), yd.data_ptr(), rows, cols,
                                                  w.shape[1], stream, resident))
@@ -156,7 +160,7 @@ def main() -> int:
             us = timer(launch, len(wd))
             nbytes = w.nbytes * (2 if gated else 1)
             one_col.append(dict(type=qtype.name, shape=name, rows=rows, cols=cols, gated=gated, resident=bool(resident),
-                                bytes=nbytes, us=us, tb_s=nbytes / (us * 1e-6) / 1e12, max_rel_error=err))
+                                paired=bool(paired), bytes=nbytes, us=us, tb_s=nbytes / (us * 1e-6) / 1e12, max_rel_error=err))
         del wd, gd
 
     multi = []
@@ -173,7 +177,7 @@ def main() -> int:
             def launch(i):
                 if n == 1:
                     check(lib.deltaspec_q4k_gemv(wd[i].data_ptr(), None, xd.data_ptr(), yd.data_ptr(), rows, cols,
-                                                 w.shape[1], stream, 1))
+                                                 w.shape[1], stream, 1, 0))
                 else:
                     check(lib.deltaspec_q4k_mma(wd[i].data_ptr(), xd.data_ptr(), cols, yd.data_ptr(), rows, rows, cols,
                                                 n, w.shape[1], scratch.data_ptr(), stream))
@@ -194,7 +198,8 @@ def main() -> int:
     print("|---|---|---|---|---:|---:|---:|---:|---:|")
     for r in one_col:
         dims = f"{r['rows']} x {r['cols']}{' x2' if r['gated'] else ''}"
-        print(f"| {r['type']} | {r['shape']} | {dims} | {'resident' if r['resident'] else 'per 8 rows'} | "
+        grid = "per 8 rows" if not r["resident"] else "resident, paired" if r["paired"] else "resident"
+        print(f"| {r['type']} | {r['shape']} | {dims} | {grid} | "
               f"{r['bytes'] / 1e6:.1f} | {r['us']:.1f} | {r['tb_s']:.2f} | {100 * r['tb_s'] * 1e12 / copy_bw:.0f}% | "
               f"{r['max_rel_error']:.1e} |")
     print("\n| Q4_K matrix | rows x cols | columns | us | x one column | weight TB/s | max rel. error |")

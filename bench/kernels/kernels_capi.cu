@@ -7,8 +7,9 @@
 extern "C" {
 
 int deltaspec_q4k_gemv(const void * W, const void * G, const float * x, float * y, long long n_rows,
-                       long long n_cols, long long row_bytes, void * stream, int resident) {
-    deltaspec_cuda::launch_q4k_gemv(W, G, x, y, n_rows, n_cols, row_bytes, (cudaStream_t)stream, resident != 0);
+                       long long n_cols, long long row_bytes, void * stream, int resident, int paired) {
+    deltaspec_cuda::launch_q4k_gemv(W, G, x, y, n_rows, n_cols, row_bytes, (cudaStream_t)stream, resident != 0,
+                                    nullptr, deltaspec_cuda::XNorm{}, paired != 0);
     return (int)cudaGetLastError();
 }
 

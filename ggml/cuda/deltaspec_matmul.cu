@@ -24,6 +24,7 @@
 #include "q6k_gemv.cuh"
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 // ggml's tile-kernel entry (mmq.cuh); declared here rather than including that heavy header
@@ -97,6 +98,16 @@ bool fold_inputs(const ggml_tensor * norm_mul, const float *& x, deltaspec_cuda:
     return true;
 }
 
+// Wide matrices of a few thousand rows (ffn down, ssm_out, attention output) take the Q4_K
+// kernel's PAIRED form (q4k_gemv.cuh); DELTASPEC_Q4K_PAIRED=0 keeps the one-row form (A/B runs).
+bool q4k_paired(int64_t n_rows, int64_t n_cols) {
+    static const bool enabled = [] {
+        const char * env = std::getenv("DELTASPEC_Q4K_PAIRED");
+        return env == nullptr || std::strcmp(env, "0") != 0;
+    }();
+    return enabled && n_cols > n_rows && n_rows >= 4096;
+}
+
 // Which of our kernels computes dst = src0 x src1 (with ggml's fusion, if any), or none.
 enum class Kernel { none, q4k_gemv, q6k_gemv, q4k_mma };
 
@@ -125,7 +136,7 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
     switch (k) {
         case Kernel::q4k_gemv:
             deltaspec_cuda::launch_q4k_gemv(src0->data, gate, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias,
-                                            norm);
+                                            norm, q4k_paired(rows, n_k));
             break;
         case Kernel::q6k_gemv:
             deltaspec_cuda::launch_q6k_gemv(src0->data, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias, norm);

@@ -80,16 +80,21 @@ __device__ __forceinline__ float q4k_chunk(uint4 head, uint4 qs, int j, const XS
 // step's weight loads issued before this step's math; warps of a block take rows 8 apart, blocks
 // gridDim.x * 8 apart. With SPLIT_K (matrices of few rows, such as DeltaNet's 48-row alpha and
 // beta, which 8 rows a block would leave on a handful of SMs), the 8 warps of a block share one
-// row, each walking every 8th group of 4 blocks, and a block's rows are gridDim.x apart.
-template <bool SPLIT_K>
-constexpr int kQ4KRowsPerBlock = SPLIT_K ? 1 : 8;
+// row, each walking every 8th group of 4 blocks, and a block's rows are gridDim.x apart. With
+// PAIRED (wide matrices of a few thousand rows, such as ffn down: 5120 x 17408), a warp takes two
+// rows 8 apart at once, so a block covers 16 rows: all rows are in flight in one wave of resident
+// blocks (with one row a warp, 5120 rows needed a second wave on a fifth of the blocks), and x
+// is prepared once per 16 rows.
+template <bool SPLIT_K, bool PAIRED = false>
+constexpr int kQ4KRowsPerBlock = SPLIT_K ? 1 : PAIRED ? 16 : 8;
 
-template <bool GATED, bool SPLIT_K>
+template <bool GATED, bool SPLIT_K, bool PAIRED>
 __global__ void __launch_bounds__(256)
 q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const float * __restrict__ x,
          const float * bias, float * y, int n_rows, int n_blocks, int64_t row_bytes, XNorm norm) {
-    constexpr int L = GATED ? 2 : 1;
-    constexpr int kRowsPerBlock = kQ4KRowsPerBlock<SPLIT_K>;
+    static_assert(!(PAIRED && (GATED || SPLIT_K)), "PAIRED is a form of the plain kernel");
+    constexpr int L = GATED || PAIRED ? 2 : 1;
+    constexpr int kRowsPerBlock = kQ4KRowsPerBlock<SPLIT_K, PAIRED>;
     constexpr int kBlocksPerStep = SPLIT_K ? 32 : 4;  // a row's blocks one step of the warp(s) covers
     extern __shared__ uint8_t smem[];
     __shared__ float partial[SPLIT_K ? 8 : 1][L];  // SPLIT_K: each warp's share of the row's sums
@@ -109,6 +114,7 @@ q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const f
     auto start_row = [&](int row) {  // point at a row and issue its first loads
         rows[0] = W + row * row_bytes;
         if constexpr (GATED) rows[1] = G + row * row_bytes;
+        if constexpr (PAIRED) rows[1] = W + min(row + 8, n_rows - 1) * row_bytes;  // past the end: a copy, unused
         if (first_ib < n_blocks) load(first_ib, head, qs);
     };
     int row = blockIdx.x * kRowsPerBlock + (SPLIT_K ? 0 : warp);
@@ -157,7 +163,11 @@ q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const f
             if constexpr (GATED) {
                 y[row] = v[0] * silu(v[1]);
             } else {
-                y[row] = bias ? v[0] + bias[row] : v[0];  // bias may be y itself (in place)
+#pragma unroll
+                for (int r = 0; r < L; ++r) {  // bias may be y itself (in place)
+                    const int out = row + 8 * r;
+                    if (out < n_rows) y[out] = bias ? v[r] + bias[out] : v[r];
+                }
             }
         }
     }
@@ -169,17 +179,21 @@ constexpr int64_t kQ4KSplitKRows = 256;
 // Host side: W (and G when gated) in ggml's Q4_K layout, n_cols a multiple of 256; x, y and bias
 // (optional, not with G) f32 on the device; 16-byte aligned rows. resident: a grid of the blocks
 // that stay resident (each walks many rows); otherwise one block per 8 rows, or per row when
-// split (for the benchmark). norm: an rms_norm to fold into x (none by default).
+// split (for the benchmark). norm: an rms_norm to fold into x (none by default). paired_rows: the
+// PAIRED form for a plain (not gated, not split) product.
 inline void launch_q4k_gemv(const void * W, const void * G, const float * x, float * y, int64_t n_rows,
                             int64_t n_cols, int64_t row_bytes, cudaStream_t stream, bool resident = true,
-                            const float * bias = nullptr, XNorm norm = XNorm{}) {
+                            const float * bias = nullptr, XNorm norm = XNorm{}, bool paired_rows = false) {
     const int n_blocks = (int)(n_cols / 256);
     const size_t smem = x_smem_bytes(n_cols);
     const bool split = n_rows < kQ4KSplitKRows;
-    const int rows_per_block = split ? kQ4KRowsPerBlock<true> : kQ4KRowsPerBlock<false>;
+    const bool paired = paired_rows && !G && !split;
+    const int rows_per_block = split ? kQ4KRowsPerBlock<true> : paired ? kQ4KRowsPerBlock<false, true>
+                                                                       : kQ4KRowsPerBlock<false>;
     const int64_t groups = (n_rows + rows_per_block - 1) / rows_per_block;
-    const auto kernel = split ? (G ? q4k_gemv<true, true> : q4k_gemv<false, true>)
-                              : (G ? q4k_gemv<true, false> : q4k_gemv<false, false>);
+    const auto kernel = split    ? (G ? q4k_gemv<true, true, false> : q4k_gemv<false, true, false>)
+                        : paired ? q4k_gemv<false, false, true>
+                                 : (G ? q4k_gemv<true, false, false> : q4k_gemv<false, false, false>);
     const unsigned grid = launch_grid(kernel, smem, groups, resident);
     kernel<<<grid, 256, smem, stream>>>((const uint8_t *)W, (const uint8_t *)G, x, G ? nullptr : bias, y, (int)n_rows,
                                         n_blocks, row_bytes, norm);
