@@ -23,8 +23,8 @@ from collections import defaultdict
 import numpy as np
 
 GROUPS = [  # first match wins
-    ("matmul (deltaspec: q4k_gemv, q6k_gemv, q4k_mma)", r"deltaspec_cuda::q[46]k_"),
-    ("quantize activations (deltaspec: x for q4k_mma)", r"deltaspec_cuda::quantize"),
+    ("matmul (deltaspec: q4k_gemv, q6k_gemv, q4k_mma, q6k_mma)", r"deltaspec_cuda::q[46]k_"),
+    ("quantize activations (deltaspec: x for q4k_mma, q6k_mma)", r"deltaspec_cuda::quantize"),
     ("quantize activations (q8_1)", r"quantize"),  # before mmq: ggml's quantize_mmq_q8_1
     ("matmul (quantized mat-vec, mmvq)", r"mul_mat_vec_q"),
     ("matmul (quantized tiles, mmq)", r"mul_mat_q|mmq"),

@@ -7,7 +7,8 @@ Three tables, for the Qwen3.5-27B shapes:
   * one column (a decode step): our Q4_K and Q6_K mat-vecs, each with the resident grid (blocks
     that stay resident walk many rows, x prepared once per block) and one block per 8 rows (plain
     Q4_K also with the resident grid and two rows a warp, the PAIRED form);
-  * 1..32 columns (verifying a draft chain) with the Q4_K tensor-core kernel, next to one column.
+  * 1..32 columns (verifying a draft chain) with the Q4_K and Q6_K tensor-core kernels, next to
+    one column (the mat-vec).
 Weights are random blocks (random quants and scales, random f16 d / dmin within sane ranges); the
 reference is y = dequantize(W) @ x in float64 with gguf-py's own dequantizers (the llama.cpp
 project's Python implementation), over the first 4096 rows; the kernels round x to int8 (per 16
@@ -52,9 +53,11 @@ ONE_COLUMN = [
     (Q6K, "output head", 248320, 5120, False),
 ]
 MULTI_COLUMN = [
-    ("ffn gate (or up)", 17408, 5120),
-    ("ffn down", 5120, 17408),
-    ("DeltaNet qkv", 10240, 5120),
+    (Q4K, "ffn gate (or up)", 17408, 5120),
+    (Q4K, "ffn down", 5120, 17408),
+    (Q4K, "DeltaNet qkv", 10240, 5120),
+    (Q6K, "ffn down", 5120, 17408),
+    (Q6K, "output head", 248320, 5120),
 ]
 COLUMNS = [1, 2, 4, 8, 9, 16, 17, 24, 32]
 
@@ -119,9 +122,10 @@ def main() -> int:
     vp, ll = ctypes.c_void_p, ctypes.c_longlong
     lib.deltaspec_q4k_gemv.argtypes = [vp] * 4 + [ll] * 3 + [vp, ctypes.c_int, ctypes.c_int]
     lib.deltaspec_q6k_gemv.argtypes = [vp] * 3 + [ll] * 3 + [vp, ctypes.c_int]
-    lib.deltaspec_q4k_mma_scratch_bytes.argtypes = [ll, ctypes.c_int]
-    lib.deltaspec_q4k_mma_scratch_bytes.restype = ll
+    lib.deltaspec_mma_x_bytes.argtypes = [ll, ctypes.c_int]
+    lib.deltaspec_mma_x_bytes.restype = ll
     lib.deltaspec_q4k_mma.argtypes = [vp, vp, ll, vp, ll, ll, ll, ctypes.c_int, ll, vp, vp]
+    lib.deltaspec_q6k_mma.argtypes = lib.deltaspec_q4k_mma.argtypes
     rng = np.random.default_rng(0)
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -164,23 +168,27 @@ def main() -> int:
         del wd, gd
 
     multi = []
-    for name, rows, cols in [] if args.one_column_only else MULTI_COLUMN:
-        w = random_blocks(Q4K, rows, cols, rng)
+    for qtype, name, rows, cols in [] if args.one_column_only else MULTI_COLUMN:
+        w = random_blocks(qtype, rows, cols, rng)
         wd = device_copies(w, dev)
         x = rng.standard_normal((max(COLUMNS), cols)).astype(np.float32)
-        ref_all = reference(Q4K, w, x.T)  # (rows checked, columns)
+        ref_all = reference(qtype, w, x.T)  # (rows checked, columns)
         xd = torch.from_numpy(x).to(dev)
         yd = torch.empty((max(COLUMNS), rows), dtype=torch.float32, device=dev)
-        scratch = torch.empty(lib.deltaspec_q4k_mma_scratch_bytes(cols, max(COLUMNS)), dtype=torch.uint8, device=dev)
+        scratch = torch.empty(lib.deltaspec_mma_x_bytes(cols, max(COLUMNS)), dtype=torch.uint8, device=dev)
+        mma = lib.deltaspec_q4k_mma if qtype == Q4K else lib.deltaspec_q6k_mma
         one_us = None
         for n in COLUMNS:
             def launch(i):
-                if n == 1:
+                if n == 1 and qtype == Q4K:
                     check(lib.deltaspec_q4k_gemv(wd[i].data_ptr(), None, xd.data_ptr(), yd.data_ptr(), rows, cols,
                                                  w.shape[1], stream, 1, 0))
+                elif n == 1:
+                    check(lib.deltaspec_q6k_gemv(wd[i].data_ptr(), xd.data_ptr(), yd.data_ptr(), rows, cols,
+                                                 w.shape[1], stream, 1))
                 else:
-                    check(lib.deltaspec_q4k_mma(wd[i].data_ptr(), xd.data_ptr(), cols, yd.data_ptr(), rows, rows, cols,
-                                                n, w.shape[1], scratch.data_ptr(), stream))
+                    check(mma(wd[i].data_ptr(), xd.data_ptr(), cols, yd.data_ptr(), rows, rows, cols, n, w.shape[1],
+                              scratch.data_ptr(), stream))
 
             yd.fill_(float("nan"))
             launch(0)
@@ -189,7 +197,7 @@ def main() -> int:
             err = rel_error(got, ref_all[:, :n])
             us = timer(launch, len(wd))
             one_us = one_us or us
-            multi.append(dict(shape=name, rows=rows, cols=cols, n=n, bytes=w.nbytes, us=us,
+            multi.append(dict(type=qtype.name, shape=name, rows=rows, cols=cols, n=n, bytes=w.nbytes, us=us,
                               tb_s=w.nbytes / (us * 1e-6) / 1e12, x_one_column=us / one_us, max_rel_error=err))
         del wd
 
@@ -202,10 +210,10 @@ def main() -> int:
         print(f"| {r['type']} | {r['shape']} | {dims} | {grid} | "
               f"{r['bytes'] / 1e6:.1f} | {r['us']:.1f} | {r['tb_s']:.2f} | {100 * r['tb_s'] * 1e12 / copy_bw:.0f}% | "
               f"{r['max_rel_error']:.1e} |")
-    print("\n| Q4_K matrix | rows x cols | columns | us | x one column | weight TB/s | max rel. error |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("\n| type | matrix | rows x cols | columns | us | x one column | weight TB/s | max rel. error |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in multi:
-        print(f"| {r['shape']} | {r['rows']} x {r['cols']} | {r['n']} | {r['us']:.1f} | {r['x_one_column']:.2f} | "
+        print(f"| {r['type']} | {r['shape']} | {r['rows']} x {r['cols']} | {r['n']} | {r['us']:.1f} | {r['x_one_column']:.2f} | "
               f"{r['tb_s']:.2f} | {r['max_rel_error']:.1e} |")
     if args.out:
         with open(args.out, "w") as f:

@@ -3,6 +3,7 @@
 #include "../../ggml/cuda/q4k_gemv.cuh"
 #include "../../ggml/cuda/q4k_mma.cuh"
 #include "../../ggml/cuda/q6k_gemv.cuh"
+#include "../../ggml/cuda/q6k_mma.cuh"
 
 extern "C" {
 
@@ -19,13 +20,19 @@ int deltaspec_q6k_gemv(const void * W, const float * x, float * y, long long n_r
     return (int)cudaGetLastError();
 }
 
-long long deltaspec_q4k_mma_scratch_bytes(long long n_k, int n_cols) {
-    return (long long)deltaspec_cuda::q4k_mma_scratch_bytes(n_k, n_cols);
+long long deltaspec_mma_x_bytes(long long n_k, int n_cols) {
+    return (long long)deltaspec_cuda::mma_x_bytes(n_k, n_cols);
 }
 
 int deltaspec_q4k_mma(const void * W, const float * x, long long ldx, float * y, long long ldy, long long n_rows,
                       long long n_k, int n_cols, long long row_bytes, void * scratch, void * stream) {
     deltaspec_cuda::launch_q4k_mma(W, x, ldx, y, ldy, n_rows, n_k, n_cols, row_bytes, scratch, (cudaStream_t)stream);
+    return (int)cudaGetLastError();
+}
+
+int deltaspec_q6k_mma(const void * W, const float * x, long long ldx, float * y, long long ldy, long long n_rows,
+                      long long n_k, int n_cols, long long row_bytes, void * scratch, void * stream) {
+    deltaspec_cuda::launch_q6k_mma(W, x, ldx, y, ldy, n_rows, n_k, n_cols, row_bytes, scratch, (cudaStream_t)stream);
     return (int)cudaGetLastError();
 }
 

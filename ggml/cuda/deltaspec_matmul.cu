@@ -7,8 +7,9 @@
 //
 // Served: one column (a decode step) of Q4_K (any number of rows; also ggml's fused up/gate SwiGLU)
 // and of Q6_K (256 rows or more), both also with ggml's fused residual add, and 2..32 columns
-// (verifying a draft chain) of Q4_K. ggml asks its mat-vec for up to 8 columns and its tile
-// kernels (mmq) for more; both routes reach the same kernels here.
+// (verifying a draft chain) of Q4_K and of Q6_K (rows of whole 1024-weight groups) on tensor
+// cores. ggml asks its mat-vec for up to 8 columns and its tile kernels (mmq) for more; both
+// routes reach the same kernels here.
 //
 // Folded norms: the engine may mark an RMS_NORM + MUL pair (deltaspec_cuda_fold_norm) when every
 // product reading it is a one-column product our kernels serve. ggml-cuda then skips the pair
@@ -22,6 +23,7 @@
 #include "q4k_gemv.cuh"
 #include "q4k_mma.cuh"
 #include "q6k_gemv.cuh"
+#include "q6k_mma.cuh"
 
 #include <cstdint>
 #include <cstdlib>
@@ -77,6 +79,12 @@ bool serves_one_column(const ggml_tensor * w) {
     return w->type == GGML_TYPE_Q6_K && w->ne[0] % 1024 == 0 && w->ne[1] >= 256;
 }
 
+// Whether our tensor-core kernels take this weight matrix for 2..32 columns.
+bool serves_columns(const ggml_tensor * w) {
+    if (!plain_blocks(w)) return false;
+    return w->type == GGML_TYPE_Q4_K || (w->type == GGML_TYPE_Q6_K && w->ne[0] % 1024 == 0);  // 8-byte rows
+}
+
 constexpr char kFoldedNormName[] = "deltaspec.folded_rms_norm";
 
 // A MUL(RMS_NORM(x), w) marked by deltaspec_cuda_fold_norm, i.e. not computed by ggml-cuda.
@@ -109,7 +117,7 @@ bool q4k_paired(int64_t n_rows, int64_t n_cols) {
 }
 
 // Which of our kernels computes dst = src0 x src1 (with ggml's fusion, if any), or none.
-enum class Kernel { none, q4k_gemv, q6k_gemv, q4k_mma };
+enum class Kernel { none, q4k_gemv, q6k_gemv, q4k_mma, q6k_mma };
 
 Kernel pick(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tensor * ids, const ggml_tensor * dst,
             const ggml_cuda_mm_fusion_args_host * fusion) {
@@ -121,8 +129,9 @@ Kernel pick(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tenso
         if (!serves_one_column(src0)) return Kernel::none;
         return src0->type == GGML_TYPE_Q4_K ? Kernel::q4k_gemv : Kernel::q6k_gemv;
     }
-    if (fusion != nullptr) return Kernel::none;  // ggml fuses one column only
-    return src0->type == GGML_TYPE_Q4_K && n <= kMaxColumns ? Kernel::q4k_mma : Kernel::none;
+    // ggml fuses one column only
+    if (fusion != nullptr || n > kMaxColumns || !serves_columns(src0)) return Kernel::none;
+    return src0->type == GGML_TYPE_Q4_K ? Kernel::q4k_mma : Kernel::q6k_mma;
 }
 
 // x: src1's values, or (one column) the input of a folded norm, which `norm` then describes
@@ -141,11 +150,13 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
         case Kernel::q6k_gemv:
             deltaspec_cuda::launch_q6k_gemv(src0->data, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias, norm);
             break;
-        case Kernel::q4k_mma: {
+        case Kernel::q4k_mma:
+        case Kernel::q6k_mma: {
             const int n = (int)src1->ne[1];
-            ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::q4k_mma_scratch_bytes(n_k, n));
-            deltaspec_cuda::launch_q4k_mma(src0->data, x, src1->nb[1] / sizeof(float), y, dst->nb[1] / sizeof(float),
-                                           rows, n_k, n, src0->nb[1], scratch.get(), ctx.stream());
+            ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::mma_x_bytes(n_k, n));
+            const auto launch = k == Kernel::q4k_mma ? deltaspec_cuda::launch_q4k_mma : deltaspec_cuda::launch_q6k_mma;
+            launch(src0->data, x, src1->nb[1] / sizeof(float), y, dst->nb[1] / sizeof(float), rows, n_k, n,
+                   src0->nb[1], scratch.get(), ctx.stream());
             break;
         }
         case Kernel::none:

@@ -4,10 +4,9 @@
 // (mmq); verifying 17 tokens cost 2.9 decode steps that way (bench/README).
 //
 // x is first quantized per column and per 256 values (one Q4_K block) to int8 with one f32 scale,
-// as ggml's CPU path quantizes x (q8_K), plus the integer sum of each 32-value sub-block
-// (quantize_x256). A thread block of 8 warps then takes 16 rows; its warps split the rows' Q4_K
-// blocks (warp w: blocks w, w + 8, ...) and meet in shared memory at the end. Per block and per
-// 8 columns a warp runs, all in integers:
+// plus the integer sum of each 32-value sub-block (quantize_x256, mma_x.cuh). A thread block of 8
+// warps then takes 16 rows; its warps split the rows' Q4_K blocks (warp w: blocks w, w + 8, ...)
+// and meet in shared memory at the end. Per block and per 8 columns a warp runs, all in integers:
 //   * one int8 mma.m16n8k32 per sub-block: A = the 16 rows' nibbles of the sub-block (0..15),
 //     B = x's int8 values, C_s; then  S += sc_s * C_s  (the 6-bit sub-block scale, per row);
 //   * the mins  M = sum_s m_s * xsum_s  as two more mma (xsum up to +-4064 is split into int8
@@ -18,61 +17,16 @@
 // Which weights of a sub-block a lane gives to the mma's k slots only has to agree with x's: lane
 // (g, t) of the mma (g = lane / 4, t = lane % 4) loads bytes 8t..8t+7 of each 32-byte group of
 // its rows' nibbles (one 8-byte load: slots 4t..4t+3 and 16+4t..16+4t+3) and x's int8 values
-// 8t..8t+7 of the same sub-block for column g (again one 8-byte load), so neither side needs a
-// shuffle. The byte groups of 8 lanes per row are 32 contiguous bytes: whole memory sectors.
+// 8t..8t+7 of the same sub-block for column g (again one 8-byte load, and the 8 columns' loads
+// are 256 contiguous bytes), so neither side needs a shuffle. The byte groups of 8 lanes per row
+// are 32 contiguous bytes: whole memory sectors.
 #pragma once
 
 #include "gemv_common.cuh"
+#include "mma_x.cuh"
 #include "q4k_gemv.cuh"
 
 namespace deltaspec_cuda {
-
-// Per column and 256-value block: the sub-block sums of x's int8 values as int8 high and low
-// parts (sum = 64 * hi + lo, lo in 0..63), 8 sub-blocks each.
-struct alignas(16) XSums {
-    int8_t hi[8], lo[8];
-};
-
-// x (n_cols columns of n_k f32, column c at x + c * ldx) -> xq [n_pad][n_k] int8,
-// dx [n_k / 256][n_pad] scales and sums [n_pad][n_k / 256]; columns n_cols..n_pad-1 are zero.
-// One warp per 256 values, 8 per lane (lanes 4s..4s+3 hold sub-block s).
-__global__ void quantize_x256(const float * __restrict__ x, int64_t ldx, int n_cols, int n_k, int n_pad,
-                              int8_t * __restrict__ xq, float * __restrict__ dx, XSums * __restrict__ sums) {
-    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31, n_blocks = n_k / 256;
-    if (w >= (int64_t)n_pad * n_blocks) return;
-    const int col = (int)(w / n_blocks), b = (int)(w % n_blocks);
-    float v[8] = {};
-    if (col < n_cols) {
-        const float4 * p = reinterpret_cast<const float4 *>(x + col * ldx + 256 * b + 8 * lane);
-        const float4 v0 = p[0], v1 = p[1];
-        v[0] = v0.x; v[1] = v0.y; v[2] = v0.z; v[3] = v0.w; v[4] = v1.x; v[5] = v1.y; v[6] = v1.z; v[7] = v1.w;
-    }
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int q[8], sum = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        q[i] = __float2int_rn(v[i] * inv);
-        sum += q[i];
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const uint32_t lo4 = __byte_perm(__byte_perm(q[0], q[1], 0x0040), __byte_perm(q[2], q[3], 0x0040), 0x5410);
-    const uint32_t hi4 = __byte_perm(__byte_perm(q[4], q[5], 0x0040), __byte_perm(q[6], q[7], 0x0040), 0x5410);
-    *reinterpret_cast<uint2 *>(xq + (int64_t)col * n_k + 256 * b + 8 * lane) = make_uint2(lo4, hi4);
-    if ((lane & 3) == 0) {
-        const int s = lane >> 2, hi = sum >= 0 ? sum / 64 : -((-sum + 63) / 64);
-        XSums & out = sums[(int64_t)col * n_blocks + b];
-        out.hi[s] = (int8_t)hi;
-        out.lo[s] = (int8_t)(sum - 64 * hi);
-    }
-    if (lane == 0) dx[(int64_t)b * n_pad + col] = amax / 127.0f;
-}
 
 __device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                        uint32_t b1) {
@@ -102,20 +56,19 @@ __device__ __forceinline__ void load_tile_block(Q4KTileBlock & tb, const uint8_t
     }
 }
 
-// y[c * ldy + r] = W[r] . x[c] for r < n_rows, c < n_cols (<= 8 * NT), from quantize_x256's
-// output padded to 8 * NT columns.
+// y[c * ldy + r] = W[r] . x[c] for r < n_rows, c < n_cols (<= 8 * NT), from x as quantize_x256
+// wrote it (with sums), padded to 8 * NT columns.
 template <int NT>
 __global__ void __launch_bounds__(256, 2)  // two blocks per SM: <= 128 registers
-q4k_mma(const uint8_t * __restrict__ W, const int8_t * __restrict__ xq, const float * __restrict__ dx,
-        const XSums * __restrict__ sums, float * __restrict__ y, int64_t ldy, int n_rows, int n_cols, int n_blocks,
-        int64_t row_bytes) {
+q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * __restrict__ y, int64_t ldy, int n_rows, int n_cols,
+        int n_blocks, int64_t row_bytes) {
     constexpr int NP = 8 * NT;
-    __shared__ float partial[8][16][NP];
+    __shared__ float partial[mma_partial_floats<NT>];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int row_base = blockIdx.x * 16;
+    const int8_t * __restrict__ xq = x.values;
     const uint8_t * row0 = W + min(row_base + g, n_rows - 1) * row_bytes;
     const uint8_t * row1 = W + min(row_base + g + 8, n_rows - 1) * row_bytes;
-    const int n_k = n_blocks * 256;
 
     float acc[NT][4] = {};
     Q4KTileBlock cur, next;
@@ -142,8 +95,8 @@ q4k_mma(const uint8_t * __restrict__ W, const int8_t * __restrict__ xq, const fl
                 const uint32_t a3 = (cur.qs[1][j].y >> (4 * h)) & 0x0F0F0F0Fu;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 bq = *reinterpret_cast<const uint2 *>(xq + (int64_t)(8 * nt + g) * n_k + 256 * b +
-                                                                      32 * s + 8 * t);
+                    const uint2 bq = *reinterpret_cast<const uint2 *>(
+                        xq + ((int64_t)(8 * b + s) * NP + 8 * nt + g) * 32 + 8 * t);
                     int c[4];
                     mma_s8(c, a0, a1, a2, a3, bq.x, bq.y);
                     S[nt][0] += sc[0][h] * c[0];
@@ -159,13 +112,13 @@ q4k_mma(const uint8_t * __restrict__ W, const int8_t * __restrict__ xq, const fl
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             // mins: k slots 0..7 = sub-blocks (held by lanes t = 0, 1), the rest zero
-            const XSums & xsum = sums[(int64_t)(8 * nt + g) * n_blocks + b];
+            const XSums & xsum = x.sums[(int64_t)b * NP + 8 * nt + g];
             const uint32_t hi = t < 2 ? reinterpret_cast<const uint32_t *>(xsum.hi)[t] : 0u;
             const uint32_t lo = t < 2 ? reinterpret_cast<const uint32_t *>(xsum.lo)[t] : 0u;
             int mh[4], ml[4];
             mma_s8(mh, mins[0], mins[1], 0u, 0u, hi, 0u);
             mma_s8(ml, mins[0], mins[1], 0u, 0u, lo, 0u);
-            const float2 d = *reinterpret_cast<const float2 *>(dx + (int64_t)b * NP + 8 * nt + 2 * t);
+            const float2 d = *reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const float2 rd = dm[k >> 1];
@@ -175,50 +128,23 @@ q4k_mma(const uint8_t * __restrict__ W, const int8_t * __restrict__ xq, const fl
         }
         cur = next;
     }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        partial[warp][g][8 * nt + 2 * t] = acc[nt][0];
-        partial[warp][g][8 * nt + 2 * t + 1] = acc[nt][1];
-        partial[warp][g + 8][8 * nt + 2 * t] = acc[nt][2];
-        partial[warp][g + 8][8 * nt + 2 * t + 1] = acc[nt][3];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 16 * NP; i += 256) {
-        const int r = i & 15, col = i >> 4;
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) v += partial[w][r][col];
-        if (col < n_cols && row_base + r < n_rows) y[col * ldy + row_base + r] = v;
-    }
-}
-
-// Columns padded to a multiple of 8 (the mma's n): 8, 16, 24 or 32.
-inline int q4k_mma_padded_cols(int n_cols) { return (n_cols + 7) / 8 * 8; }
-
-// Device scratch quantize_x256 writes for n_k values per column: int8 values, scales, sums.
-inline size_t q4k_mma_scratch_bytes(int64_t n_k, int n_cols) {
-    const int64_t n_pad = q4k_mma_padded_cols(n_cols), n_blocks = n_k / 256;
-    return (size_t)(n_pad * n_k + n_blocks * n_pad * (int64_t)(sizeof(float) + sizeof(XSums)));
+    mma_reduce_store<NT>(acc, &partial[0], y, ldy, row_base, n_rows, n_cols);
 }
 
 // Host side: W in ggml's Q4_K layout (n_k a multiple of 256, 16-byte aligned rows), x: n_cols (2..32)
 // f32 columns of n_k values, ldx floats apart, 16-byte aligned; y: n_cols columns of n_rows, ldy
-// apart. scratch: q4k_mma_scratch_bytes(n_k, n_cols) bytes of device memory, 16-byte aligned.
+// apart. scratch: mma_x_bytes(n_k, n_cols) bytes of device memory, 16-byte aligned.
 inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
                            int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream) {
-    const int n_pad = q4k_mma_padded_cols(n_cols), n_blocks = (int)(n_k / 256);
-    int8_t * xq = static_cast<int8_t *>(scratch);
-    float * dx = reinterpret_cast<float *>(xq + (int64_t)n_pad * n_k);
-    XSums * sums = reinterpret_cast<XSums *>(dx + (int64_t)n_blocks * n_pad);
-    const int64_t warps = (int64_t)n_pad * n_blocks;
-    quantize_x256<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(x, ldx, n_cols, (int)n_k, n_pad, xq, dx, sums);
+    const MmaX xq = launch_quantize_x256<false, true>(x, ldx, n_k, n_cols, scratch, stream);
+    const int n_blocks = (int)(n_k / 256);
     const unsigned grid = (unsigned)((n_rows + 15) / 16);
     const uint8_t * w = static_cast<const uint8_t *>(W);
-    switch (n_pad / 8) {
-        case 1: q4k_mma<1><<<grid, 256, 0, stream>>>(w, xq, dx, sums, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
-        case 2: q4k_mma<2><<<grid, 256, 0, stream>>>(w, xq, dx, sums, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
-        case 3: q4k_mma<3><<<grid, 256, 0, stream>>>(w, xq, dx, sums, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
-        default: q4k_mma<4><<<grid, 256, 0, stream>>>(w, xq, dx, sums, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
+    switch (mma_padded_cols(n_cols) / 8) {
+        case 1: q4k_mma<1><<<grid, 256, 0, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
+        case 2: q4k_mma<2><<<grid, 256, 0, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
+        case 3: q4k_mma<3><<<grid, 256, 0, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
+        default: q4k_mma<4><<<grid, 256, 0, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
     }
 }
 

@@ -1,0 +1,140 @@
+// x of the tensor-core kernels (q4k_mma.cuh, q6k_mma.cuh), which multiply a weight matrix by 2..32
+// f32 columns (verifying a draft chain): each column quantized per 256 values (one k-quant block)
+// to int8 with one f32 scale, as ggml's CPU path quantizes x (q8_K), by one small kernel before
+// the product. Stored for the mma's B fragments: value 32 s + o of column c (sub-block s of 32
+// values) at byte (s * n_pad + c) * 32 + o', so that the 8 columns of one mma are 256 contiguous
+// bytes; one warp load then touches 2 cache lines, not the 8 of a column-major x.
+//   * Q4_K (k = 32 per mma): o' = o; lane t of an mma reads values 8t..8t+7 of the sub-block.
+//   * Q6_K (k = 16 per mma, one scale per 16 weights): the sub-block's two 16-value halves are
+//     interleaved by 4, o' = 8 (o % 16 / 4) + 4 (o / 16) + o % 4, so lane t's values 4t..4t+3 of
+//     both halves are one 8-byte load.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace deltaspec_cuda {
+
+// Per column and 256-value block: the sub-block sums of x's int8 values as int8 high and low
+// parts (sum = 64 * hi + lo, lo in 0..63), 8 sub-blocks each (Q4_K's mins need them).
+struct alignas(16) XSums {
+    int8_t hi[8], lo[8];
+};
+
+// Columns padded to a multiple of 8 (the mma's n): 8, 16, 24 or 32.
+inline int mma_padded_cols(int n_cols) { return (n_cols + 7) / 8 * 8; }
+
+// The quantized x in one device scratch buffer (mma_x_bytes of it, 16-byte aligned):
+// values [n_k / 32][n_pad][32] int8, scales dx [n_k / 256][n_pad], sums [n_k / 256][n_pad].
+struct MmaX {
+    int8_t * values;
+    float * dx;
+    XSums * sums;
+};
+
+inline size_t mma_x_bytes(int64_t n_k, int n_cols) {
+    const int64_t n_pad = mma_padded_cols(n_cols), n_blocks = n_k / 256;
+    return (size_t)(n_pad * n_k + n_blocks * n_pad * (int64_t)(sizeof(float) + sizeof(XSums)));
+}
+
+inline MmaX mma_x_layout(void * scratch, int64_t n_k, int n_cols) {
+    const int64_t n_pad = mma_padded_cols(n_cols), n_blocks = n_k / 256;
+    int8_t * values = static_cast<int8_t *>(scratch);
+    float * dx = reinterpret_cast<float *>(values + n_pad * n_k);
+    return {values, dx, reinterpret_cast<XSums *>(dx + n_blocks * n_pad)};
+}
+
+// x (n_cols columns of n_k f32, column c at x + c * ldx) -> the layout above; columns
+// n_cols..n_pad-1 are zero. One warp per 256 values, 8 per lane (lanes 4s..4s+3 hold sub-block s).
+// SUMS: also write the sub-block sums.
+template <bool HALVES_INTERLEAVED, bool SUMS>
+__global__ void quantize_x256(const float * __restrict__ x, int64_t ldx, int n_cols, int n_k, int n_pad, MmaX out) {
+    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31, n_blocks = n_k / 256;
+    if (w >= (int64_t)n_pad * n_blocks) return;
+    const int col = (int)(w / n_blocks), b = (int)(w % n_blocks);
+    float v[8] = {};
+    if (col < n_cols) {
+        const float4 * p = reinterpret_cast<const float4 *>(x + col * ldx + 256 * b + 8 * lane);
+        const float4 v0 = p[0], v1 = p[1];
+        v[0] = v0.x; v[1] = v0.y; v[2] = v0.z; v[3] = v0.w; v[4] = v1.x; v[5] = v1.y; v[6] = v1.z; v[7] = v1.w;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int q[8], sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        q[i] = __float2int_rn(v[i] * inv);
+        sum += q[i];
+    }
+    const uint32_t lo4 = __byte_perm(__byte_perm(q[0], q[1], 0x0040), __byte_perm(q[2], q[3], 0x0040), 0x5410);
+    const uint32_t hi4 = __byte_perm(__byte_perm(q[4], q[5], 0x0040), __byte_perm(q[6], q[7], 0x0040), 0x5410);
+    const int s = lane >> 2, t = lane & 3;  // values 8t..8t+7 of sub-block s
+    int8_t * sub = out.values + ((int64_t)(8 * b + s) * n_pad + col) * 32;
+    if (HALVES_INTERLEAVED) {  // values 8t..8t+3: half t / 2, slot 2 (t % 2); 8t+4..8t+7: slot 2 (t % 2) + 1
+        const int o = 16 * (t & 1) + 4 * (t >> 1);
+        reinterpret_cast<uint32_t *>(sub + o)[0] = lo4;
+        reinterpret_cast<uint32_t *>(sub + o + 8)[0] = hi4;
+    } else {
+        *reinterpret_cast<uint2 *>(sub + 8 * t) = make_uint2(lo4, hi4);
+    }
+    if (SUMS) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (t == 0) {
+            const int hi = sum >= 0 ? sum / 64 : -((-sum + 63) / 64);
+            XSums & xs = out.sums[(int64_t)b * n_pad + col];
+            xs.hi[s] = (int8_t)hi;
+            xs.lo[s] = (int8_t)(sum - 64 * hi);
+        }
+    }
+    if (lane == 0) out.dx[(int64_t)b * n_pad + col] = amax / 127.0f;
+}
+
+template <bool HALVES_INTERLEAVED, bool SUMS>
+inline MmaX launch_quantize_x256(const float * x, int64_t ldx, int64_t n_k, int n_cols, void * scratch,
+                                 cudaStream_t stream) {
+    const int n_pad = mma_padded_cols(n_cols);
+    const MmaX out = mma_x_layout(scratch, n_k, n_cols);
+    const int64_t warps = (int64_t)n_pad * (n_k / 256);
+    quantize_x256<HALVES_INTERLEAVED, SUMS>
+        <<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(x, ldx, n_cols, (int)n_k, n_pad, out);
+    return out;
+}
+
+// The end of a tensor-core kernel whose 8 warps each hold partial sums of the block's 16 rows
+// (lane (g, t): acc[nt] = rows g, g + 8 x columns 8 nt + 2t, 8 nt + 2t + 1, the mma's C layout):
+// add them up in shared memory (mma_partial_floats<NT> floats) and write y[c * ldy + r].
+constexpr int kPartialRowStride = 20;  // 16 rows + 4: the lanes' stores, 8t + g apart, hit 32 banks
+template <int NT>
+constexpr int mma_partial_floats = 8 * 8 * NT * kPartialRowStride;
+
+template <int NT>
+__device__ __forceinline__ void mma_reduce_store(const float (&acc)[NT][4], float * partial, float * y, int64_t ldy,
+                                                 int row_base, int n_rows, int n_cols) {
+    constexpr int NP = 8 * NT;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    float * mine = partial + warp * NP * kPartialRowStride;  // [column][row]
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int c = 8 * nt + 2 * t;
+        mine[c * kPartialRowStride + g] = acc[nt][0];
+        mine[(c + 1) * kPartialRowStride + g] = acc[nt][1];
+        mine[c * kPartialRowStride + g + 8] = acc[nt][2];
+        mine[(c + 1) * kPartialRowStride + g + 8] = acc[nt][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * NP; i += blockDim.x) {
+        const int r = i & 15, col = i >> 4;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) v += partial[(w * NP + col) * kPartialRowStride + r];
+        if (col < n_cols && row_base + r < n_rows) y[col * ldy + row_base + r] = v;
+    }
+}
+
+}  // namespace deltaspec_cuda

@@ -1,0 +1,201 @@
+// Q6_K matrix x 2..32 f32 columns on tensor cores: Q4_K_M's Q6_K tensors (the output head, half
+// the ffn down matrices, attention v) when verifying a draft chain. ggml's tile kernels took them
+// at ~4.9 ms of a 17-token verify on the 27B (bench/README), several times their weight read.
+//
+// x is quantized as for q4k_mma (per column and 256 values to int8 with one scale; mma_x.cuh), with
+// each 32-value sub-block's two halves interleaved for this kernel's k = 16 mma. A thread block of
+// 8 warps takes 16 rows, and walks their Q6_K blocks 8 at a time:
+//   * staging: 210-byte blocks are only 2-byte aligned, too little for wide loads, but 8 blocks
+//     of a row (1680 bytes) are 8-byte aligned when rows hold a multiple of 4 blocks. So warp w
+//     copies rows 2w and 2w + 1's next 8 blocks into shared memory with coalesced 8-byte
+//     cp.async (two stages: the next 8 blocks load while these are multiplied);
+//   * math: warp w then takes block w of the stage, for all 16 rows. Per 16 weights under one
+//     int8 scale and per 8 columns, one int8 mma.m16n8k16: A = the 16 rows' weights q - 32
+//     (-32..31, assembled from the 4 low and 2 high bits), B = x's int8 values, C; then
+//     S += sc * C per row. Once per block  y += dx * d * S.
+// Lane (g, t) gives the mma weights 4t..4t+3 of a 16-weight group: the same byte offsets in ql
+// (low bits) and qh (high bits), read from the stage as 4-byte words (shifted by 2 bytes for odd
+// blocks, which start 2 bytes past a word).
+//
+// Block layout (q6k_gemv.cuh): ql[128], qh[64], int8 scales[16], half d. Half n (0, 1) of 128
+// weights, quadrant k (0..3) of 32 and group l16 (0, 1) of 16: weight 128n + 32k + 16 l16 + i has
+// low bits ql[64n + 32 (k % 2) + 16 l16 + i] >> 4 (k / 2), high bits qh[32n + 16 l16 + i] >> 2k,
+// and scale scales[8n + 2k + l16].
+#pragma once
+
+#include "gemv_common.cuh"
+#include "mma_x.cuh"
+#include "q6k_gemv.cuh"
+
+#include <atomic>
+
+namespace deltaspec_cuda {
+
+constexpr int kQ6KMmaRows = 16;
+constexpr int kQ6KMmaStepBlocks = 8;  // blocks per row and stage: one per warp
+constexpr int kQ6KMmaRowStage = kQ6KMmaStepBlocks * kQ6KBytes;
+constexpr int kQ6KMmaStageBytes = kQ6KMmaRows * kQ6KMmaRowStage;
+// two stages, + 4 bytes for the word after an odd last block's d; the 8 warps' partial sums
+// (mma_partial_floats) reuse it at the end
+constexpr size_t kQ6KMmaSmem = 2 * kQ6KMmaStageBytes + 16;
+
+__device__ __forceinline__ void mma_s8_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b), "r"(0));
+}
+
+__device__ __forceinline__ void cp_async8(void * smem, const void * gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
+                 "l"(gmem));
+}
+
+// the 4 bytes at byte offset o (even) of a 4-byte aligned shared buffer
+__device__ __forceinline__ uint32_t stage_word(const uint8_t * stage, int o) {
+    const uint32_t * p = reinterpret_cast<const uint32_t *>(stage + (o & ~3));
+    return o & 2 ? __funnelshift_r(p[0], p[1], 16) : p[0];
+}
+
+// 4 weights q - 32 as signed bytes, from 4 low-bit nibbles and 4 high-bit pairs (each in bits 0..3
+// and 0..1 of its byte): (q + 128 - 32) ^ 128 per byte, with no borrow between bytes.
+__device__ __forceinline__ uint32_t q6_bytes(uint32_t low, uint32_t high) {
+    const uint32_t q = (low & 0x0F0F0F0Fu) | ((high & 0x03030303u) << 4);
+    return ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+}
+
+// y[c * ldy + r] = W[r] . x[c] for r < n_rows, c < n_cols (<= 8 * NT), from x as quantize_x256
+// wrote it with interleaved halves, padded to 8 * NT columns.
+template <int NT>
+__global__ void __launch_bounds__(256, 2)  // two blocks per SM: <= 128 registers
+q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * __restrict__ y, int64_t ldy, int n_rows, int n_cols,
+        int n_blocks, int64_t row_bytes) {
+    constexpr int NP = 8 * NT;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int row_base = blockIdx.x * kQ6KMmaRows;
+    const int n_steps = (n_blocks + kQ6KMmaStepBlocks - 1) / kQ6KMmaStepBlocks;
+
+    auto stage_step = [&](int s) {  // this warp's two rows, blocks 8s.., into stage s % 2
+        const int words = min(kQ6KMmaStepBlocks, n_blocks - s * kQ6KMmaStepBlocks) * kQ6KBytes / 8;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = 2 * warp + r;
+            const uint8_t * src = W + min(row_base + row, n_rows - 1) * row_bytes + (int64_t)s * kQ6KMmaRowStage;
+            uint8_t * dst = smem + (s & 1) * kQ6KMmaStageBytes + row * kQ6KMmaRowStage;
+            for (int i = lane; i < words; i += 32) cp_async8(dst + 8 * i, src + 8 * i);
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+    float acc[NT][4] = {};
+    stage_step(0);
+    for (int s = 0; s < n_steps; ++s) {
+        if (s + 1 < n_steps) {
+            stage_step(s + 1);
+            asm volatile("cp.async.wait_group 1;");
+        } else {
+            asm volatile("cp.async.wait_group 0;");
+        }
+        __syncthreads();  // every warp's rows of stage s have landed
+        const int b = s * kQ6KMmaStepBlocks + warp;
+        if (b < n_blocks) {
+            const uint8_t * stage = smem + (s & 1) * kQ6KMmaStageBytes;
+            const int o[2] = {g * kQ6KMmaRowStage + warp * kQ6KBytes, (g + 8) * kQ6KMmaRowStage + warp * kQ6KBytes};
+            uint32_t sc[2][4];  // the 16 int8 scales of rows g, g + 8
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) sc[r][k] = stage_word(stage, o[r] + 192 + 4 * k);
+            }
+            int S[NT][4] = {};
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                uint32_t qh[2][2];  // [row][l16]
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) qh[r][h] = stage_word(stage, o[r] + 128 + 32 * n + 16 * h + 4 * t);
+                }
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    uint32_t a[2][2];  // [row][l16]: weights 4t..4t+3 of the group
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const uint32_t ql = stage_word(stage, o[r] + 64 * n + 32 * (k & 1) + 16 * h + 4 * t);
+                            a[r][h] = q6_bytes(ql >> (4 * (k >> 1)), qh[r][h] >> (2 * k));
+                        }
+                    }
+                    const int sub = 4 * n + k;  // x's 32-value sub-block
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const uint2 bq = *reinterpret_cast<const uint2 *>(
+                            x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t);
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int i = 8 * n + 2 * k + h;  // the group's scale
+                            int c[4];
+                            mma_s8_k16(c, a[0][h], a[1][h], h ? bq.y : bq.x);
+                            const int s0 = sbyte(sc[0][i >> 2], i & 3), s1 = sbyte(sc[1][i >> 2], i & 3);
+                            S[nt][0] += s0 * c[0];
+                            S[nt][1] += s0 * c[1];
+                            S[nt][2] += s1 * c[2];
+                            S[nt][3] += s1 * c[3];
+                        }
+                    }
+                }
+            }
+            float d[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const uint32_t dw = stage_word(stage, o[r] + 208);
+                d[r] = __half2float(__ushort_as_half((unsigned short)(dw & 0xFFFFu)));
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const float2 dx = *reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) acc[nt][k] += (k & 1 ? dx.y : dx.x) * d[k >> 1] * (float)S[nt][k];
+            }
+        }
+        __syncthreads();  // stage s is read: the next iteration's copy may overwrite it
+    }
+    mma_reduce_store<NT>(acc, reinterpret_cast<float *>(smem), y, ldy, row_base, n_rows, n_cols);
+}
+
+template <int NT>
+inline void launch_q6k_mma_nt(const uint8_t * W, const MmaX & x, float * y, int64_t ldy, int n_rows, int n_cols,
+                              int n_blocks, int64_t row_bytes, cudaStream_t stream) {
+    static std::atomic<uint64_t> raised{0};  // per device: more than the default 48 KiB of shared memory
+    int device = 0;
+    cudaGetDevice(&device);
+    if (device < 64 && !(raised.load() >> device & 1)) {
+        // a failure shows as the launch's error
+        if (cudaFuncSetAttribute(q6k_mma<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kQ6KMmaSmem) ==
+            cudaSuccess) {
+            raised |= uint64_t{1} << device;
+        }
+    }
+    const unsigned grid = (unsigned)((n_rows + kQ6KMmaRows - 1) / kQ6KMmaRows);
+    q6k_mma<NT><<<grid, 256, kQ6KMmaSmem, stream>>>(W, x, y, ldy, n_rows, n_cols, n_blocks, row_bytes);
+}
+
+// Host side: W in ggml's Q6_K layout with n_k a multiple of 1024 (rows then start 8-byte aligned)
+// and an 8-byte aligned base; x: n_cols (2..32) f32 columns of n_k values, ldx floats apart,
+// 16-byte aligned; y: n_cols columns of n_rows, ldy apart. scratch: mma_x_bytes(n_k, n_cols)
+// bytes of device memory, 16-byte aligned.
+inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
+                           int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream) {
+    const MmaX xq = launch_quantize_x256<true, false>(x, ldx, n_k, n_cols, scratch, stream);
+    const uint8_t * w = static_cast<const uint8_t *>(W);
+    const int rows = (int)n_rows, n_blocks = (int)(n_k / 256);
+    switch (mma_padded_cols(n_cols) / 8) {
+        case 1: launch_q6k_mma_nt<1>(w, xq, y, ldy, rows, n_cols, n_blocks, row_bytes, stream); break;
+        case 2: launch_q6k_mma_nt<2>(w, xq, y, ldy, rows, n_cols, n_blocks, row_bytes, stream); break;
+        case 3: launch_q6k_mma_nt<3>(w, xq, y, ldy, rows, n_cols, n_blocks, row_bytes, stream); break;
+        default: launch_q6k_mma_nt<4>(w, xq, y, ldy, rows, n_cols, n_blocks, row_bytes, stream); break;
+    }
+}
+
+}  // namespace deltaspec_cuda
