@@ -3,7 +3,7 @@
     python bench/verify_cost.py MODEL.gguf [--device cuda] [--out verify.json]
 
 For each chain length T (the last committed token + T-1 drafts) it times the target's verify pass
-(`eval_verify_argmax`: every row's argmax, all rollback snapshots written), then `keep(1)` (the
+(`eval_verify_argmax`: every row's argmax, every token's recurrent state kept), then `keep(1)` (the
 rollback a fully rejected draft needs, the most expensive one), and compares both with a plain
 greedy decode step (`eval_argmax` of one token). Median of --steps timings after a warm-up, at a
 context depth of --depth tokens. Speculative decoding pays off when verify(T) stays close to one

@@ -112,10 +112,9 @@ int32_t Engine::eval_argmax(const int32_t * tokens, int64_t n_tokens) {
 }
 
 void Engine::make_scheduler() {
-    // Nodes and leaves (weights, state) both count. A layer costs under 96 of them, plus 3 per
-    // rollback slot (two views and a copy of its conv window); the rest covers embeddings, head
-    // and inputs. (Too few aborts inside ggml's scheduler.)
-    graph_size_ = (size_t)((96 + 3 * state_.n_slots) * hp_.n_layer + 512);
+    // Nodes and leaves (weights, state) both count. A layer costs under 96 of them; the rest
+    // covers embeddings, head and inputs. (Too few aborts inside ggml's scheduler.)
+    graph_size_ = (size_t)(96 * hp_.n_layer + 512);
     graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
     if (sched_) ggml_backend_sched_free(sched_);
     ggml_backend_t backends[2] = {backend_, backend_cpu_};
@@ -166,7 +165,7 @@ void Engine::verify(const int32_t * tokens, int64_t T, LogitsWanted wanted, void
     }
     check_batch(tokens, T);
     const int64_t p0 = state_.n_past;
-    eval_ubatch(tokens, T, wanted, out, /*fill_slots =*/true);
+    eval_ubatch(tokens, T, wanted, out, /*keep_states =*/true);
     verify_p0_ = p0;
     verify_T_ = T;
 }
@@ -175,7 +174,7 @@ void Engine::keep(int64_t n_keep) {
     if (verify_T_ == 0 || n_keep < 1 || n_keep > verify_T_) {
         throw std::logic_error("keep(n) needs 1 <= n <= the tokens of the verify batch just evaluated");
     }
-    if (n_keep < verify_T_) copy_recurrent_state(state_, verify_T_ - n_keep, /*to_slot =*/false);
+    if (n_keep < verify_T_) restore_verify_state(verify_T_ - n_keep);
     state_.n_past = verify_p0_ + n_keep;
     verify_T_ = 0;
 }
@@ -186,19 +185,18 @@ void Engine::ensure_slots(int64_t n) {
     const int64_t n_ctx = state_.n_ctx;
     state_.release();
     allocate_state(state_, hp_, n_ctx, opts_.type_k, opts_.type_v, n, backend_);
-    make_scheduler();  // the verify graph copies into every slot: room for those nodes
     verify_T_ = 0;
     checkpoint_n_past_ = -1;
 }
 
 void Engine::checkpoint() {
-    copy_recurrent_state(state_, 0, /*to_slot =*/true);
+    copy_recurrent_state(state_, /*to_saved =*/true);
     checkpoint_n_past_ = state_.n_past;
 }
 
 void Engine::restore_checkpoint() {
     if (checkpoint_n_past_ < 0) throw std::logic_error("restore_checkpoint() without checkpoint()");
-    copy_recurrent_state(state_, 0, /*to_slot =*/false);
+    copy_recurrent_state(state_, /*to_saved =*/false);
     state_.n_past = checkpoint_n_past_;
     verify_T_ = 0;
 }
@@ -208,20 +206,20 @@ void Engine::drop_step_graph() {
     step_ = StepGraph{};
 }
 
-Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wanted, bool fill_slots) {
+Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wanted, bool keep_states) {
     if (step_.ctx && step_.n_tokens == T && step_.n_kv == n_kv && step_.wanted == wanted &&
-        step_.fill_slots == fill_slots) {
+        step_.keep_states == keep_states) {
         return step_;
     }
     drop_step_graph();
     ggml_init_params params = {graph_meta_.size(), graph_meta_.data(), /*no_alloc =*/true};
     step_.ctx = ggml_init(params);
     step_.gf = ggml_new_graph_custom(step_.ctx, graph_size_, false);
-    step_.in = make_step_inputs(step_.ctx, T, n_kv, fill_slots);
+    step_.in = make_step_inputs(step_.ctx, T, n_kv, keep_states);
     const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all;
     const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
     step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, state_, step_.in, n_rows,
-                             fold_norms_ ? FoldNorm(cuda_fold_norm) : FoldNorm());
+                             fold_norms_ ? FoldNorm(cuda_fold_norm) : FoldNorm(), &step_.verify);
     if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {  // per row
         step_.out = ggml_argmax(step_.ctx, step_.out);
         ggml_set_output(step_.out);
@@ -235,8 +233,55 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.n_tokens = T;
     step_.n_kv = n_kv;
     step_.wanted = wanted;
-    step_.fill_slots = fill_slots;
+    step_.keep_states = keep_states;
     return step_;
+}
+
+namespace {
+
+// A tensor of ctx over t's data, without t's op and sources (a graph of copies out of t must
+// not pull in the graph that computed it).
+ggml_tensor * detached(ggml_context * ctx, const ggml_tensor * t) {
+    ggml_tensor * d = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
+    if (ggml_backend_tensor_alloc(t->buffer, d, t->data) != GGML_STATUS_SUCCESS) {
+        throw std::runtime_error("cannot alias a verify graph output");
+    }
+    return d;
+}
+
+}  // namespace
+
+void Engine::restore_verify_state(int64_t r) {
+    // One small graph of device copies (2 per recurrent layer) out of the verify graph's outputs,
+    // which stay allocated and untouched until the next step graph runs.
+    const VerifyStates & vs = step_.verify;
+    // per recurrent layer: 2 aliases, 2 views, 2 copies (tensors); the views and copies are the
+    // graph's nodes, the aliases and the live state its leaves
+    const size_t n_tensors = 6 * (size_t)hp_.n_layer + 16, n_nodes = 4 * (size_t)hp_.n_layer + 16;
+    ggml_init_params params = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_nodes, false),
+                               nullptr, /*no_alloc =*/true};
+    ggml_context * ctx = ggml_init(params);
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_nodes, false);
+    const int64_t T = step_.n_tokens;
+    for (int il = 0; il < hp_.n_layer; ++il) {
+        if (!vs.states[il]) continue;
+        ggml_tensor * conv = state_.conv[il];
+        ggml_tensor * ssm = state_.ssm[il];
+        ggml_tensor * conv_in = detached(ctx, vs.conv_in[il]);
+        ggml_tensor * window = ggml_view_2d(ctx, conv_in, conv->ne[0], conv->ne[1], conv_in->nb[1],
+                                            (T - r) * conv_in->nb[0]);
+        ggml_tensor * states = detached(ctx, vs.states[il]);
+        ggml_tensor * state = ggml_view_1d(ctx, states, ssm->ne[0], vs.states_offs + r * ggml_nbytes(ssm));
+        for (auto [from, to] : {std::pair{window, conv}, std::pair{state, ssm}}) {
+            ggml_backend_view_init(from);
+            ggml_tensor * copy = ggml_cpy(ctx, from, to);  // a view of `to`
+            ggml_backend_view_init(copy);
+            ggml_build_forward_expand(gf, copy);
+        }
+    }
+    const ggml_status status = ggml_backend_graph_compute(backend_, gf);
+    ggml_free(ctx);
+    if (status != GGML_STATUS_SUCCESS) throw std::runtime_error("restoring the recurrent state failed");
 }
 
 namespace {
@@ -249,10 +294,10 @@ void set_input(ggml_tensor * t, const void * data, size_t size) {
 
 }  // namespace
 
-void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool fill_slots) {
+void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool keep_states) {
     const int64_t p0 = state_.n_past;
     const int64_t n_kv = state_.n_kv_for(p0 + T);
-    StepGraph & g = step_graph(T, n_kv, wanted, fill_slots);
+    StepGraph & g = step_graph(T, n_kv, wanted, keep_states);
     verify_T_ = 0;  // any step ends the window in which keep() may roll back
 
     set_input(g.in.tokens, tokens, T * sizeof(int32_t));

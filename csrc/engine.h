@@ -24,7 +24,7 @@ struct EngineOptions {
     std::string device = "cpu";   // "cpu" or "cuda"
     ggml_type type_k = GGML_TYPE_F16;  // KV cache types (Python maps llama.cpp's names to these)
     ggml_type type_v = GGML_TYPE_F16;
-    int64_t n_slots = 0;          // rollback slots = the longest verify batch (0: no speculation)
+    int64_t n_slots = 0;          // the longest verify batch (0: no speculation)
     LoadProgress progress;        // optional: hears (done_bytes, total_bytes) while weights upload
 };
 
@@ -43,7 +43,7 @@ class Engine {
     void reset();                 // start a new, empty sequence
 
     // Speculative verification: append a batch of at most n_slots tokens and return logits for
-    // every row, keeping the recurrent state after each token in the rollback slots; then
+    // every row, keeping the recurrent state after each token reachable (VerifyStates); then
     // `keep(n)` keeps only the batch's first n tokens (KV rows past them are dead; the mask hides them).
     void eval_verify(const int32_t * tokens, int64_t n_tokens, float * logits);
     void eval_verify_argmax(const int32_t * tokens, int64_t n_tokens, int32_t * argmax);  // greedy
@@ -51,7 +51,7 @@ class Engine {
     // Save the recurrent state now / restore it and the position saved (a drafter's checkpoint).
     void checkpoint();
     void restore_checkpoint();
-    // Make room for at least n rollback slots (re-allocates the state, which empties the sequence).
+    // Allow verify batches of at least n tokens (re-allocates the state, which empties the sequence).
     void ensure_slots(int64_t n);
 
     const HParams & hparams() const { return hp_; }
@@ -69,7 +69,8 @@ class Engine {
     void verify(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
     void eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
     void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
-                     bool fill_slots = false);
+                     bool keep_states = false);
+    void restore_verify_state(int64_t r);  // the recurrent state after token T-1-r of the last verify batch
 
     // The last graph built stays allocated: a step of the same shape (every decode step until the
     // visible KV length grows by kv_pad) only sets its inputs and computes, no rebuild, no
@@ -81,11 +82,12 @@ class Engine {
         ggml_tensor * out = nullptr;
         int64_t n_tokens = -1, n_kv = -1;
         LogitsWanted wanted = LogitsWanted::none;
-        bool fill_slots = false;
+        bool keep_states = false;
+        VerifyStates verify;  // keep_states: where each token's recurrent state is
     };
-    StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool fill_slots);
+    StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool keep_states);
     void check_batch(const int32_t * tokens, int64_t n_tokens) const;  // fits the context, ids in range
-    void make_scheduler();  // sizes the graph scratch for the current rollback slots; (re)creates sched_
+    void make_scheduler();  // sizes the graph scratch; (re)creates sched_
     void drop_step_graph();
 
     HParams hp_;

@@ -4,14 +4,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
 namespace deltaspec {
 
-StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool fill_slots) {
+StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool keep_states) {
     StepInputs in;
-    in.fill_slots = fill_slots;
+    in.keep_states = keep_states;
     in.n_tokens = n_tokens;
     in.n_kv = n_kv;
     in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
@@ -129,7 +130,8 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
 }
 
 ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
-                              const SequenceState & st, int il, ggml_tensor * x, const StepInputs & in) {
+                              const SequenceState & st, int il, ggml_tensor * x, const StepInputs & in,
+                              VerifyStates * verify) {
     ggml_tensor * conv_state = st.conv[il];
     ggml_tensor * ssm_state = st.ssm[il];
     const int64_t T = in.n_tokens, S = hp.ssm_state_size, Hk = hp.ssm_n_k_heads, Hv = hp.ssm_n_v_heads;
@@ -150,12 +152,9 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, qkv), 0);  // {Kc-1+T, C}
     ggml_tensor * last_window = ggml_view_2d(ctx, conv_in, Kc - 1, C, conv_in->nb[1], T * f);
     ggml_build_forward_expand(gf, ggml_cpy(ctx, last_window, conv_state));
-    // rollback slot r: the conv window after token T-1-r, i.e. columns T-r .. T-r+Kc-2 of conv_in
-    const int64_t n_slots = in.fill_slots ? std::min(T, st.n_slots) : 0;
-    for (int64_t r = 0; r < n_slots; ++r) {
-        ggml_tensor * window = ggml_view_2d(ctx, conv_in, Kc - 1, C, conv_in->nb[1], (T - r) * f);
-        ggml_tensor * slot = ggml_view_2d(ctx, st.conv_slots[il], Kc - 1, C, (Kc - 1) * f, r * st.conv_slots[il]->nb[1]);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, window, slot));
+    if (in.keep_states) {  // every token's window, for a rollback
+        ggml_set_output(conv_in);
+        verify->conv_in[il] = conv_in;
     }
     ggml_tensor * y = ggml_ssm_conv(ctx, ggml_reshape_3d(ctx, conv_in, Kc - 1 + T, C, 1), l.conv1d);  // {C, T, 1}
     y = ggml_silu(ctx, y);
@@ -169,16 +168,16 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     // The op scales q by 1/sqrt(S) itself and broadcasts q/k head h % Hk to value head h, which is
     // the tiled V-head order the converter writes.
     ggml_tensor * state = ggml_reshape_4d(ctx, ssm_state, S, S, Hv, 1);
-    // With K > 1 the op also returns the states after each of the last K tokens (slot r = r
-    // tokens before the end), which become the rollback slots.
-    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, std::max<int64_t>(1, n_slots));
+    // With K > 1 the op also returns the states after each of the last K tokens (r = 0 .. K-1
+    // tokens before the end, after the outputs); a verify batch keeps all T of them for a rollback.
+    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, in.keep_states ? T : 1);
     ggml_tensor * o = ggml_view_4d(ctx, res, S, Hv, T, 1, S * f, S * Hv * f, S * Hv * T * f, 0);
     ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * Hv, S * Hv * T * f);
     ggml_build_forward_expand(gf, ggml_cpy(ctx, new_state, ssm_state));
-    if (n_slots > 0) {
-        ggml_tensor * states = ggml_view_2d(ctx, res, S * S * Hv, n_slots, S * S * Hv * f, S * Hv * T * f);
-        ggml_tensor * slots = ggml_view_2d(ctx, st.ssm_slots[il], S * S * Hv, n_slots, st.ssm_slots[il]->nb[1], 0);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, states, slots));
+    if (in.keep_states) {
+        ggml_set_output(res);
+        verify->states[il] = res;
+        verify->states_offs = S * Hv * T * f;
     }
 
     // Gated RMSNorm per head: norm(o) * w * silu(z).
@@ -196,7 +195,12 @@ ggml_tensor * swiglu_ffn(ggml_context * ctx, const LayerWeights & l, ggml_tensor
 
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
                            const SequenceState & st, const StepInputs & in, int64_t n_logit_rows,
-                           const FoldNorm & fold_norm) {
+                           const FoldNorm & fold_norm, VerifyStates * verify) {
+    if (in.keep_states) {
+        if (verify == nullptr) throw std::logic_error("build_qwen35: a verify batch needs VerifyStates");
+        verify->conv_in.assign(hp.n_layer, nullptr);
+        verify->states.assign(hp.n_layer, nullptr);
+    }
     const float eps = hp.rms_eps;
     ggml_tensor * x = ggml_get_rows(ctx, w.token_embd, in.tokens);  // {E, T}
 
@@ -206,7 +210,7 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
                               ? input_norm(ctx, x, l.attn_norm, eps, fold_norm, {l.wqkv, l.wgate, l.wbeta, l.walpha})
                               : input_norm(ctx, x, l.attn_norm, eps, fold_norm, {l.wq, l.wk, l.wv});
         ggml_tensor * mixed = hp.recurrent[il]
-                                  ? gated_delta_net(ctx, gf, hp, l, st, il, a, in)
+                                  ? gated_delta_net(ctx, gf, hp, l, st, il, a, in, verify)
                                   : gated_attention(ctx, gf, hp, l, st.k[il], st.v[il], a, in);
         x = ggml_add(ctx, x, mixed);
         x = ggml_add(ctx, x, swiglu_ffn(ctx, l, input_norm(ctx, x, l.post_norm, eps, fold_norm, {l.ffn_gate, l.ffn_up})));

@@ -19,10 +19,24 @@ struct StepInputs {
     ggml_tensor * kq_mask = nullptr; // F16 {n_kv, T}: 0 where a query may attend, -inf elsewhere
     int64_t n_tokens = 0;
     int64_t n_kv = 0;                // KV rows attention reads (multiple of SequenceState::kv_pad)
-    bool fill_slots = false;         // also write the rollback slots (speculative verification)
+    bool keep_states = false;        // a verify batch: keep every token's recurrent state (VerifyStates)
 };
 
-StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool fill_slots = false);
+StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool keep_states = false);
+
+// Where a verify batch's graph leaves the recurrent state after each of its T tokens, for a
+// rollback (Engine::keep) without re-running the target and without copying every token's state
+// away: graph outputs, which the allocator keeps untouched until the next graph runs. Per layer
+// (null for attention layers):
+//   conv_in: {Kc-1+T, C}, the conv window before the batch and the batch's inputs; the window
+//            after token T-1-r is columns T-r .. T-r+Kc-2;
+//   states:  the DeltaNet op's result; the state after token T-1-r ({S*S*Hv} F32) starts
+//            states_offs + r * S*S*Hv * 4 bytes in.
+struct VerifyStates {
+    std::vector<ggml_tensor *> conv_in;
+    std::vector<ggml_tensor *> states;
+    size_t states_offs = 0;
+};
 
 // Offered each norm whose output only weight products read (the layer inputs' and the head's),
 // norm_mul = MUL(RMS_NORM(x), w) with the weights it multiplies, in one-token graphs; may fold the
@@ -31,9 +45,10 @@ using FoldNorm = std::function<bool(ggml_tensor * norm_mul, const std::vector<co
 
 // Builds the graph into gf; returns logits {n_vocab, n_logit_rows} of the batch's last rows
 // (n_logit_rows 1: the last token; T: every token; 0: no LM head at all, nullptr is returned).
-// The graph also writes the new KV rows, conv windows and DeltaNet states into `st`.
+// The graph also writes the new KV rows, conv windows and DeltaNet states into `st`; for a verify
+// batch (in.keep_states) it fills `verify` (not null then).
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
                            const SequenceState & st, const StepInputs & in, int64_t n_logit_rows,
-                           const FoldNorm & fold_norm = nullptr);
+                           const FoldNorm & fold_norm = nullptr, VerifyStates * verify = nullptr);
 
 }  // namespace deltaspec

@@ -122,7 +122,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             res.finish = FinishReason::length;
             break;
         }
-        // room: the batch [next, drafts...] must fit the context and the rollback slots, and
+        // room: the batch [next, drafts...] must fit the context and the verify capacity, and
         // drafts past max_tokens would be thrown away (the target adds one token itself)
         const int64_t left = req.max_tokens - (int64_t)res.tokens.size();
         const int64_t room = std::min({target.n_ctx() - target.n_past() - 1, spec.n_max, left - 1});
@@ -137,7 +137,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         }
         stats.n_steps++;
 
-        if (draft.tokens.empty()) {  // a plain decode step: no rollback slots to fill
+        if (draft.tokens.empty()) {  // a plain decode step: no per-token states to keep
             auto tv = Clock::now();
             next = step(&next, 1);
             stats.verify_seconds += seconds_since(tv);

@@ -19,16 +19,16 @@ void SequenceState::release() {
     v.clear();
     conv.clear();
     ssm.clear();
-    conv_slots.clear();
-    ssm_slots.clear();
+    conv_saved.clear();
+    ssm_saved.clear();
     n_slots = 0;
     n_past = 0;
 }
 
 void SequenceState::clear() {
     // Only the live recurrent state carries over into a new sequence: KV rows past n_past are
-    // masked and slots are written before they are read. (Zeroing the whole buffer, slots
-    // included, cost a drafter that restarts often more than its drafting.)
+    // masked and the saved state is written before it is read. (Zeroing the whole buffer
+    // once, cost a drafter that restarts often more than its drafting.)
     for (size_t il = 0; il < conv.size(); ++il) {
         if (!conv[il]) continue;
         ggml_backend_tensor_memset(conv[il], 0, 0, ggml_nbytes(conv[il]));
@@ -55,8 +55,8 @@ void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_
     st.v.assign(hp.n_layer, nullptr);
     st.conv.assign(hp.n_layer, nullptr);
     st.ssm.assign(hp.n_layer, nullptr);
-    st.conv_slots.assign(hp.n_layer, nullptr);
-    st.ssm_slots.assign(hp.n_layer, nullptr);
+    st.conv_saved.assign(hp.n_layer, nullptr);
+    st.ssm_saved.assign(hp.n_layer, nullptr);
     for (int il = 0; il < hp.n_layer; ++il) {
         const std::string suffix = std::to_string(il);
         if (hp.recurrent[il]) {
@@ -66,10 +66,10 @@ void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_
             ggml_set_name(st.conv[il], ("conv_state_" + suffix).c_str());
             ggml_set_name(st.ssm[il], ("ssm_state_" + suffix).c_str());
             if (n_slots > 0) {
-                st.conv_slots[il] = ggml_new_tensor_2d(st.ctx, GGML_TYPE_F32, ggml_nelements(st.conv[il]), n_slots);
-                st.ssm_slots[il] = ggml_new_tensor_2d(st.ctx, GGML_TYPE_F32, ggml_nelements(st.ssm[il]), n_slots);
-                ggml_set_name(st.conv_slots[il], ("conv_slots_" + suffix).c_str());
-                ggml_set_name(st.ssm_slots[il], ("ssm_slots_" + suffix).c_str());
+                st.conv_saved[il] = ggml_dup_tensor(st.ctx, st.conv[il]);
+                st.ssm_saved[il] = ggml_dup_tensor(st.ctx, st.ssm[il]);
+                ggml_set_name(st.conv_saved[il], ("conv_saved_" + suffix).c_str());
+                ggml_set_name(st.ssm_saved[il], ("ssm_saved_" + suffix).c_str());
             }
         } else {
             st.k[il] = ggml_new_tensor_2d(st.ctx, type_k, kv_width, st.n_ctx);
@@ -89,27 +89,18 @@ void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_
 
 namespace deltaspec {
 
-void copy_recurrent_state(SequenceState & st, int64_t slot, bool to_slot) {
-    if (slot < 0 || slot >= st.n_slots) throw std::out_of_range("no rollback slot " + std::to_string(slot));
-    // Views of one slot, bound to the slot tensors' buffer, so ggml_backend_tensor_copy can copy
-    // them on the device; the descriptors live in a scratch context.
-    ggml_init_params params = {ggml_tensor_overhead() * 2 * st.conv.size() + 64, nullptr, /*no_alloc =*/true};
-    ggml_context * ctx = ggml_init(params);
+void copy_recurrent_state(SequenceState & st, bool to_saved) {
+    if (st.n_slots == 0) throw std::logic_error("no saved recurrent state: the state was allocated without slots");
     for (size_t il = 0; il < st.conv.size(); ++il) {
         if (!st.conv[il]) continue;
-        for (auto [live, slots] : {std::pair{st.conv[il], st.conv_slots[il]}, std::pair{st.ssm[il], st.ssm_slots[il]}}) {
-            // same shape and strides as the live tensor (tensor_copy wants equal layouts)
-            ggml_tensor * view = ggml_view_4d(ctx, slots, live->ne[0], live->ne[1], live->ne[2], live->ne[3],
-                                              live->nb[1], live->nb[2], live->nb[3], slot * slots->nb[1]);
-            ggml_backend_view_init(view);
-            if (to_slot) {
-                ggml_backend_tensor_copy(live, view);
+        for (auto [live, saved] : {std::pair{st.conv[il], st.conv_saved[il]}, std::pair{st.ssm[il], st.ssm_saved[il]}}) {
+            if (to_saved) {
+                ggml_backend_tensor_copy(live, saved);
             } else {
-                ggml_backend_tensor_copy(view, live);
+                ggml_backend_tensor_copy(saved, live);
             }
         }
     }
-    ggml_free(ctx);
 }
 
 }  // namespace deltaspec

@@ -19,12 +19,12 @@ struct SequenceState {
     std::vector<ggml_tensor *> conv;  // {Kc-1, C} F32: last Kc-1 inputs per channel, oldest first
     std::vector<ggml_tensor *> ssm;   // {S*S*Hv} F32: DeltaNet state, layout {S_v, S_k, Hv}
 
-    // Rollback slots for speculative verification (n_slots = 0 when unused): after a batch of T
-    // tokens, slot r holds the recurrent state after token T-1-r of that batch, so the state after
-    // any accepted prefix is restored by a copy instead of re-running the target.
+    // Speculative verification (n_slots = 0 when unused): the longest verify batch. The state
+    // after each of its tokens stays in the verify graph's outputs until keep() (see
+    // VerifyStates); here is one saved copy of the live state, for a drafter's checkpoint.
     int64_t n_slots = 0;
-    std::vector<ggml_tensor *> conv_slots;  // {(Kc-1)*C, n_slots}
-    std::vector<ggml_tensor *> ssm_slots;   // {S*S*Hv, n_slots}
+    std::vector<ggml_tensor *> conv_saved;  // like conv (n_slots > 0)
+    std::vector<ggml_tensor *> ssm_saved;   // like ssm (n_slots > 0)
 
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buffer = nullptr;
@@ -45,7 +45,7 @@ struct SequenceState {
 void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_type type_k, ggml_type type_v,
                     int64_t n_slots, ggml_backend_t backend);
 
-// live recurrent state <- slot `slot` (or the reverse), every recurrent layer; a device-side copy.
-void copy_recurrent_state(SequenceState & st, int64_t slot, bool to_slot);
+// the saved recurrent state <- the live one (or the reverse), every recurrent layer; device copies.
+void copy_recurrent_state(SequenceState & st, bool to_saved);
 
 }  // namespace deltaspec

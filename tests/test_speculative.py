@@ -89,8 +89,8 @@ def test_greedy_with_penalties_is_lossless(models):
 
 
 def test_longest_verify_batch(models):
-    # a 256-token verify: the step graph holds a copy per rollback slot and DeltaNet layer (a
-    # graph sized too small once aborted inside ggml's scheduler)
+    # a 256-token verify: every DeltaNet layer keeps 256 states in the graph's outputs, and keep()
+    # copies one back (a graph sized too small once aborted inside ggml's scheduler)
     target = models["target"]
     batch = np.random.default_rng(3).integers(0, 256, size=256).astype(np.int32)
     want = target.logits([5, 6] + batch.tolist())[2:]
@@ -102,6 +102,9 @@ def test_longest_verify_batch(models):
     assert np.abs(got - want).max() <= 1e-4
     engine.keep(100)
     assert target.n_past == 102
+    # the kept state is the one after token 100 (f16 KV rows: batch splits round a little apart;
+    # one token off would move the logits by their whole spread)
+    assert np.abs(target.eval([7]) - target.logits([5, 6] + batch[:100].tolist() + [7])[-1]).max() <= 5e-3
 
 
 def test_seeded_speculative_sampling_is_reproducible(models):
@@ -232,3 +235,16 @@ def test_bad_speculation_arguments(models, tmp_path):
     with Model(other, n_ctx=256, n_threads=1) as m:
         with pytest.raises(ValueError, match="different vocabulary"):
             target.generate([1, 2], draft_model=m)
+
+
+def test_rollback_with_the_27b_layer_count(tmp_path):
+    # 64 layers, 48 of them DeltaNet, as the 27B: keep() builds one graph of copies for all of
+    # them (its descriptor pool, sized for fewer tensors, once aborted at this count)
+    path = write_tiny_vocab_model(tmp_path / "deep.gguf", seed=2, n_layer=64)
+    kw = dict(n_ctx=256, n_threads=2, type_k="f32", type_v="f32")
+    with Model(path, **kw) as spec, Model(path, **kw) as plain:
+        spec._live().reserve_slots(8)
+        spec.eval([5, 77, 120])
+        spec._live().eval_verify(np.array([40, 41, 42, 43, 44], dtype=np.int32))
+        spec._live().keep(2)
+        assert np.abs(spec.eval([99]) - plain.logits([5, 77, 120, 40, 41, 99])[-1]).max() <= 1e-4
