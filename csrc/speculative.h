@@ -1,7 +1,8 @@
 // Draft-verify decoding: the drafter proposes, the target verifies all drafts in one forward pass,
 // the accept rule decides, the target's recurrent state is rolled back to the last accepted
-// token from the state the verify pass kept after each token (never re-run). Lossless: greedy output equals plain greedy
-// output, and sampled output is distributed as plain sampling with the same settings.
+// token from the state the verify pass kept after each token (never re-run). Lossless: greedy
+// output equals plain greedy output, and sampled output is distributed as plain sampling with the
+// same settings.
 #pragma once
 
 #include "drafters.h"

@@ -27,8 +27,8 @@ void SequenceState::release() {
 
 void SequenceState::clear() {
     // Only the live recurrent state carries over into a new sequence: KV rows past n_past are
-    // masked and the saved state is written before it is read. (Zeroing the whole buffer
-    // once, cost a drafter that restarts often more than its drafting.)
+    // masked and the saved state is written before it is read. (Zeroing the whole buffer, KV
+    // cache included, cost a drafter that restarts often more than its drafting.)
     for (size_t il = 0; il < conv.size(); ++il) {
         if (!conv[il]) continue;
         ggml_backend_tensor_memset(conv[il], 0, 0, ggml_nbytes(conv[il]));
@@ -93,12 +93,12 @@ void copy_recurrent_state(SequenceState & st, bool to_saved) {
     if (st.n_slots == 0) throw std::logic_error("no saved recurrent state: the state was allocated without slots");
     for (size_t il = 0; il < st.conv.size(); ++il) {
         if (!st.conv[il]) continue;
-        for (auto [live, saved] : {std::pair{st.conv[il], st.conv_saved[il]}, std::pair{st.ssm[il], st.ssm_saved[il]}}) {
-            if (to_saved) {
-                ggml_backend_tensor_copy(live, saved);
-            } else {
-                ggml_backend_tensor_copy(saved, live);
-            }
+        if (to_saved) {
+            ggml_backend_tensor_copy(st.conv[il], st.conv_saved[il]);
+            ggml_backend_tensor_copy(st.ssm[il], st.ssm_saved[il]);
+        } else {
+            ggml_backend_tensor_copy(st.conv_saved[il], st.conv[il]);
+            ggml_backend_tensor_copy(st.ssm_saved[il], st.ssm[il]);
         }
     }
 }

@@ -136,7 +136,7 @@ def test_cuda_speculative_greedy_equals_plain(tiny_vocab_gpu, drafter):
 # mat-vecs), 5 and 17 are verify-sized batches (our Q4_K / Q6_K tensor-core kernels, in place of
 # ggml's mat-vec and of its tile kernels respectively). Q6_K rows must be multiples of 1024 for ours.
 Q4K_SHAPE, Q6K_SHAPE = dict(n_embd=256, n_ff=512), dict(n_embd=1024, n_ff=1024)
-KERNEL_CASES = [(q, shape, chunk) for q, shape in (("q4_k", Q4K_SHAPE), ("q6_k", Q6K_SHAPE)) for chunk in (1, 5, 17)]
+KERNEL_CASES = [(q, shape, n) for q, shape in (("q4_k", Q4K_SHAPE), ("q6_k", Q6K_SHAPE)) for n in (1, 5, 17)]
 
 
 @pytest.mark.parametrize("quant,shape,chunk", KERNEL_CASES, ids=[f"{q}-{n}tok" for q, _, n in KERNEL_CASES])

@@ -213,8 +213,8 @@ def main() -> int:
     print("\n| type | matrix | rows x cols | columns | us | x one column | weight TB/s | max rel. error |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in multi:
-        print(f"| {r['type']} | {r['shape']} | {r['rows']} x {r['cols']} | {r['n']} | {r['us']:.1f} | {r['x_one_column']:.2f} | "
-              f"{r['tb_s']:.2f} | {r['max_rel_error']:.1e} |")
+        print(f"| {r['type']} | {r['shape']} | {r['rows']} x {r['cols']} | {r['n']} | {r['us']:.1f} | "
+              f"{r['x_one_column']:.2f} | {r['tb_s']:.2f} | {r['max_rel_error']:.1e} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_bandwidth=copy_bw, one_column=one_col, multi_column=multi), f, indent=2)

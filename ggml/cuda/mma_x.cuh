@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cuda_runtime.h>
+#include <type_traits>
 
 namespace deltaspec_cuda {
 
@@ -23,6 +24,18 @@ struct alignas(16) XSums {
 
 // Columns padded to a multiple of 8 (the mma's n): 8, 16, 24 or 32.
 inline int mma_padded_cols(int n_cols) { return (n_cols + 7) / 8 * 8; }
+
+// Calls launch(std::integral_constant<int, NT>) with NT = the 8-column tiles n_cols (2..32) needs:
+// the kernels are templates on NT, which sizes their accumulators.
+template <typename Launch>
+inline void with_column_tiles(int n_cols, Launch && launch) {
+    switch (mma_padded_cols(n_cols) / 8) {
+        case 1: launch(std::integral_constant<int, 1>{}); break;
+        case 2: launch(std::integral_constant<int, 2>{}); break;
+        case 3: launch(std::integral_constant<int, 3>{}); break;
+        default: launch(std::integral_constant<int, 4>{}); break;
+    }
+}
 
 // The quantized x in one device scratch buffer (mma_x_bytes of it, 16-byte aligned):
 // values [n_k / 32][n_pad][32] int8, scales dx [n_k / 256][n_pad], sums [n_k / 256][n_pad].

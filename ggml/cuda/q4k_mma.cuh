@@ -140,12 +140,9 @@ inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float *
     const int n_blocks = (int)(n_k / 256);
     const unsigned grid = (unsigned)((n_rows + 15) / 16);
     const uint8_t * w = static_cast<const uint8_t *>(W);
-    switch (mma_padded_cols(n_cols) / 8) {
-        case 1: q4k_mma<1><<<grid, 256, 0, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
-        case 2: q4k_mma<2><<<grid, 256, 0, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
-        case 3: q4k_mma<3><<<grid, 256, 0, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
-        default: q4k_mma<4><<<grid, 256, 0, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes); break;
-    }
+    with_column_tiles(n_cols, [&](auto nt) {
+        q4k_mma<nt.value><<<grid, 256, 0, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes);
+    });
 }
 
 }  // namespace deltaspec_cuda

@@ -50,12 +50,6 @@ __device__ __forceinline__ void cp_async8(void * smem, const void * gmem) {
                  "l"(gmem));
 }
 
-// the 4 bytes at byte offset o (even) of a 4-byte aligned shared buffer
-__device__ __forceinline__ uint32_t stage_word(const uint8_t * stage, int o) {
-    const uint32_t * p = reinterpret_cast<const uint32_t *>(stage + (o & ~3));
-    return o & 2 ? __funnelshift_r(p[0], p[1], 16) : p[0];
-}
-
 // 4 weights q - 32 as signed bytes, from 4 low-bit nibbles and 4 high-bit pairs (each in bits 0..3
 // and 0..1 of its byte): (q + 128 - 32) ^ 128 per byte, with no borrow between bytes.
 __device__ __forceinline__ uint32_t q6_bytes(uint32_t low, uint32_t high) {
@@ -164,21 +158,18 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * __restrict__ y, in
     mma_reduce_store<NT>(acc, reinterpret_cast<float *>(smem), y, ldy, row_base, n_rows, n_cols);
 }
 
+// Lets q6k_mma<NT> use kQ6KMmaSmem (more than the default 48 KiB of dynamic shared memory) on
+// the current device, once per device; a failure shows as the launch's error.
 template <int NT>
-inline void launch_q6k_mma_nt(const uint8_t * W, const MmaX & x, float * y, int64_t ldy, int n_rows, int n_cols,
-                              int n_blocks, int64_t row_bytes, cudaStream_t stream) {
-    static std::atomic<uint64_t> raised{0};  // per device: more than the default 48 KiB of shared memory
+inline void allow_q6k_mma_smem() {
+    static std::atomic<uint64_t> raised{0};  // bit d: done on device d
     int device = 0;
     cudaGetDevice(&device);
-    if (device < 64 && !(raised.load() >> device & 1)) {
-        // a failure shows as the launch's error
-        if (cudaFuncSetAttribute(q6k_mma<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kQ6KMmaSmem) ==
-            cudaSuccess) {
-            raised |= uint64_t{1} << device;
-        }
+    if (device >= 64 || (raised.load() >> device & 1)) return;
+    if (cudaFuncSetAttribute(q6k_mma<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kQ6KMmaSmem) ==
+        cudaSuccess) {
+        raised |= uint64_t{1} << device;
     }
-    const unsigned grid = (unsigned)((n_rows + kQ6KMmaRows - 1) / kQ6KMmaRows);
-    q6k_mma<NT><<<grid, 256, kQ6KMmaSmem, stream>>>(W, x, y, ldy, n_rows, n_cols, n_blocks, row_bytes);
 }
 
 // Host side: W in ggml's Q6_K layout with n_k a multiple of 1024 (rows then start 8-byte aligned)
@@ -189,13 +180,12 @@ inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float *
                            int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream) {
     const MmaX xq = launch_quantize_x256<true, false>(x, ldx, n_k, n_cols, scratch, stream);
     const uint8_t * w = static_cast<const uint8_t *>(W);
-    const int rows = (int)n_rows, n_blocks = (int)(n_k / 256);
-    switch (mma_padded_cols(n_cols) / 8) {
-        case 1: launch_q6k_mma_nt<1>(w, xq, y, ldy, rows, n_cols, n_blocks, row_bytes, stream); break;
-        case 2: launch_q6k_mma_nt<2>(w, xq, y, ldy, rows, n_cols, n_blocks, row_bytes, stream); break;
-        case 3: launch_q6k_mma_nt<3>(w, xq, y, ldy, rows, n_cols, n_blocks, row_bytes, stream); break;
-        default: launch_q6k_mma_nt<4>(w, xq, y, ldy, rows, n_cols, n_blocks, row_bytes, stream); break;
-    }
+    const int n_blocks = (int)(n_k / 256);
+    const unsigned grid = (unsigned)((n_rows + kQ6KMmaRows - 1) / kQ6KMmaRows);
+    with_column_tiles(n_cols, [&](auto nt) {
+        allow_q6k_mma_smem<nt.value>();
+        q6k_mma<nt.value><<<grid, 256, kQ6KMmaSmem, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes);
+    });
 }
 
 }  // namespace deltaspec_cuda
