@@ -6,8 +6,9 @@
 // Defined by ggml/cuda/deltaspec_matmul.cu inside ggml-cuda when it carries our kernels. Weak, so
 // that a ggml without them links too and leaves the pointer null.
 extern "C" void deltaspec_cuda_set_kernels(bool on) __attribute__((weak));
-extern "C" bool deltaspec_cuda_fold_norm(ggml_tensor * norm_mul, const ggml_tensor * const * weights,
-                                         int n_weights) __attribute__((weak));
+extern "C" bool deltaspec_cuda_fold_input(ggml_tensor * input, const ggml_tensor * const * weights,
+                                          int n_weights) __attribute__((weak));
+extern "C" bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs, int n_jobs) __attribute__((weak));
 
 namespace deltaspec {
 
@@ -21,8 +22,13 @@ bool enable_cuda_kernels() {
     return on;
 }
 
-bool cuda_fold_norm(ggml_tensor * norm_mul, const std::vector<const ggml_tensor *> & weights) {
-    return deltaspec_cuda_fold_norm != nullptr && deltaspec_cuda_fold_norm(norm_mul, weights.data(), (int)weights.size());
+bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights) {
+    return deltaspec_cuda_fold_input != nullptr &&
+           deltaspec_cuda_fold_input(input, weights.data(), (int)weights.size());
+}
+
+bool cuda_copy_rows(const std::vector<deltaspec_copy> & jobs) {
+    return deltaspec_cuda_copy_rows != nullptr && deltaspec_cuda_copy_rows(jobs.data(), (int)jobs.size());
 }
 
 }  // namespace deltaspec

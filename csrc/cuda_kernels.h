@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "deltaspec_copies.h"
 #include "ggml.h"
 
 namespace deltaspec {
@@ -16,9 +17,14 @@ bool cuda_kernels_available();
 // returns whether they are on.
 bool enable_cuda_kernels();
 
-// Offers a one-token norm, norm_mul = MUL(RMS_NORM(x), w), to our CUDA mat-vecs: when they are on
-// and serve every one of `weights` (the products that read the norm), they apply the norm
-// themselves and ggml-cuda skips it (ggml/cuda/deltaspec_matmul.cu); returns whether it was folded.
-bool cuda_fold_norm(ggml_tensor * norm_mul, const std::vector<const ggml_tensor *> & weights);
+// Offers an op output, MUL(RMS_NORM(x), w) or (2..32 columns) a SWIGLU, to our CUDA kernels:
+// when they are on and serve every one of `weights` (the products that read it) for its column
+// count (1..32), they apply the op themselves and ggml-cuda skips it
+// (ggml/cuda/deltaspec_matmul.cu); returns whether it was folded.
+bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights);
+
+// Device copies of f32 rows, all in one launch, waited for (ggml/cuda/deltaspec_copies.h); false
+// when this ggml-cuda lacks them or the copy failed (then the caller copies another way).
+bool cuda_copy_rows(const std::vector<deltaspec_copy> & jobs);
 
 }  // namespace deltaspec

@@ -71,6 +71,7 @@ class Engine {
     void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
                      bool keep_states = false);
     void restore_verify_state(int64_t r);  // the recurrent state after token T-1-r of the last verify batch
+    bool restore_verify_state_batched(int64_t r);  // the same in one CUDA launch; false: not done
 
     // The last graph built stays allocated: a step of the same shape (every decode step until the
     // visible KV length grows by kv_pad) only sets its inputs and computes, no rebuild, no
@@ -96,7 +97,7 @@ class Engine {
     ggml_backend_t backend_cpu_ = nullptr;  // the scheduler's mandatory CPU fallback
     ggml_backend_sched_t sched_ = nullptr;
     std::string backend_name_;
-    bool fold_norms_ = false;  // one-token norms offered to our CUDA mat-vecs (cuda_kernels.h)
+    bool fold_inputs_ = false;  // norms and SwiGLUs offered to our CUDA kernels (cuda_kernels.h)
     ModelWeights weights_;
     SequenceState state_;
     std::vector<uint8_t> graph_meta_;       // scratch for graph/tensor descriptors

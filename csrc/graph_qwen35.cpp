@@ -29,18 +29,24 @@ ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weight
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight);
 }
 
-// rms_norm(x) * weight where only products with `weights` read it: offered to fold_norm for one
-// token (the weight stacks those products then use, see SharedInputProducts, stand for their parts).
-ggml_tensor * input_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weight, float eps, const FoldNorm & fold_norm,
-                         std::initializer_list<const ggml_tensor *> weights) {
-    ggml_tensor * out = rms_norm(ctx, x, weight, eps);
-    if (!fold_norm || x->ne[1] != 1) return out;
+// Offers `input`, which only the products with `weights` read, to fold_input (a weight stack
+// stands for its parts: the products then multiply it, see SharedInputProducts, or its parts,
+// which share its type and row length).
+void offer_fold(const FoldInput & fold_input, ggml_tensor * input, std::initializer_list<const ggml_tensor *> weights) {
+    if (!fold_input) return;
     std::vector<const ggml_tensor *> products;
     for (const ggml_tensor * w : weights) {
         const ggml_tensor * src0 = w->view_src ? w->view_src : w;
         if (std::find(products.begin(), products.end(), src0) == products.end()) products.push_back(src0);
     }
-    fold_norm(out, products);
+    fold_input(input, products);
+}
+
+// rms_norm(x) * weight where only products with `weights` read it
+ggml_tensor * input_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weight, float eps,
+                         const FoldInput & fold_input, std::initializer_list<const ggml_tensor *> weights) {
+    ggml_tensor * out = rms_norm(ctx, x, weight, eps);
+    offer_fold(fold_input, out, weights);
     return out;
 }
 
@@ -50,20 +56,21 @@ ggml_tensor * l2_norm(ggml_context * ctx, ggml_tensor * x, float eps) {
     return ggml_scale(ctx, ggml_rms_norm(ctx, x, eps / n), 1.0f / std::sqrt(n));
 }
 
-// Products of one input x with several weights. For one token, weights stacked at load (views of
-// one tensor's rows, see load_weights) are multiplied as their whole stack, once, and each result
-// is a view of its rows: one mat-vec launch instead of one per weight. A batch's rows of one
-// weight would be strided in the stacked result, so batches keep a product per weight.
+// Products of one input x with several weights. Weights stacked at load (views of one tensor's
+// rows, see load_weights) are multiplied as their whole stack, once, and each result is a view of
+// its rows: one launch and one pass over x instead of one per weight. For a batch the view's
+// columns are strided (a column of the stack's product holds every part), so the ops reading it
+// must take strided rows (or get a ggml_cont).
 class SharedInputProducts {
   public:
     SharedInputProducts(ggml_context * ctx, ggml_tensor * x) : ctx_(ctx), x_(x) {}
 
     ggml_tensor * operator()(ggml_tensor * w) {
         ggml_tensor * stack = w->view_src;
-        if (x_->ne[1] != 1 || stack == nullptr) return ggml_mul_mat(ctx_, w, x_);
+        if (stack == nullptr) return ggml_mul_mat(ctx_, w, x_);
         ggml_tensor * y = stacked_product(stack);
         const size_t first_row = w->view_offs / stack->nb[1];
-        return ggml_view_2d(ctx_, y, w->ne[1], 1, y->nb[1], first_row * y->nb[0]);
+        return ggml_view_2d(ctx_, y, w->ne[1], y->ne[1], y->nb[1], first_row * y->nb[0]);
     }
 
   private:
@@ -102,8 +109,9 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
     const size_t f = sizeof(float);
     ggml_tensor * q = ggml_view_3d(ctx, qg, D, H, T, 2 * D * f, qg->nb[1], 0);
     ggml_tensor * gate = ggml_view_3d(ctx, qg, D, H, T, 2 * D * f, qg->nb[1], D * f);
-    ggml_tensor * k = ggml_reshape_3d(ctx, project(l.wk), D, Hkv, T);
-    ggml_tensor * v = ggml_reshape_3d(ctx, project(l.wv), D, Hkv, T);
+    ggml_tensor * kp = project(l.wk);  // {Hkv*D, T}, maybe strided (a stack's rows)
+    ggml_tensor * vp = project(l.wv);
+    ggml_tensor * k = ggml_view_3d(ctx, kp, D, Hkv, T, D * f, kp->nb[1], 0);
 
     q = rms_norm(ctx, q, l.q_norm, eps);
     k = rms_norm(ctx, k, l.k_norm, eps);
@@ -114,7 +122,7 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
     // Append this batch's K/V rows to the cache (converting to the cache type), then attend over
     // the first n_kv rows; the mask hides rows past each query's position.
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, D * Hkv, T), in.kv_rows));
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, ggml_reshape_2d(ctx, v, D * Hkv, T), in.kv_rows));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, vp, in.kv_rows));
     ggml_tensor * kv_k = ggml_view_3d(ctx, k_cache, D, Hkv, in.n_kv, ggml_row_size(k_cache->type, D),
                                       k_cache->nb[1], 0);
     ggml_tensor * kv_v = ggml_view_3d(ctx, v_cache, D, Hkv, in.n_kv, ggml_row_size(v_cache->type, D),
@@ -131,7 +139,7 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
 
 ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
                               const SequenceState & st, int il, ggml_tensor * x, const StepInputs & in,
-                              VerifyStates * verify) {
+                              const FoldInput & fold_input, VerifyStates * verify) {
     ggml_tensor * conv_state = st.conv[il];
     ggml_tensor * ssm_state = st.ssm[il];
     const int64_t T = in.n_tokens, S = hp.ssm_state_size, Hk = hp.ssm_n_k_heads, Hv = hp.ssm_n_v_heads;
@@ -142,8 +150,9 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     SharedInputProducts project(ctx, x);
     ggml_tensor * qkv = project(l.wqkv);    // {C, T}
     ggml_tensor * z = project(l.wgate);     // {Hv*S, T}
-    ggml_tensor * beta = ggml_sigmoid(ctx, project(l.wbeta));
-    beta = ggml_reshape_4d(ctx, beta, 1, Hv, T, 1);
+    ggml_tensor * beta = project(l.wbeta);  // {Hv, T}
+    if (!ggml_is_contiguous(beta)) beta = ggml_cont(ctx, beta);  // ggml-cuda's sigmoid reads contiguous data
+    beta = ggml_reshape_4d(ctx, ggml_sigmoid(ctx, beta), 1, Hv, T, 1);
     // log-decay g = softplus(alpha + dt_bias) * (-exp(A_log)) <= 0
     ggml_tensor * g = ggml_softplus(ctx, ggml_add(ctx, project(l.walpha), l.dt_bias));
     g = ggml_reshape_4d(ctx, ggml_mul(ctx, g, l.ssm_a), 1, Hv, T, 1);
@@ -180,14 +189,31 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
         verify->states_offs = S * Hv * T * f;
     }
 
-    // Gated RMSNorm per head: norm(o) * w * silu(z).
-    o = rms_norm(ctx, o, l.ssm_norm, eps);
-    o = ggml_mul(ctx, o, ggml_silu(ctx, ggml_reshape_4d(ctx, z, S, Hv, T, 1)));
-    return ggml_mul_mat(ctx, l.ssm_out, ggml_reshape_2d(ctx, o, Hv * S, T));
+    // Gated RMSNorm per head: norm(o) * w * silu(z), as one SwiGLU of rows (which takes z's
+    // strided columns).
+    o = ggml_reshape_2d(ctx, rms_norm(ctx, o, l.ssm_norm, eps), Hv * S, T);
+    ggml_tensor * gated = ggml_swiglu_split(ctx, z, o);
+    offer_fold(fold_input, gated, {l.ssm_out});
+    return ggml_mul_mat(ctx, l.ssm_out, gated);
 }
 
-ggml_tensor * swiglu_ffn(ggml_context * ctx, const LayerWeights & l, ggml_tensor * x) {
-    ggml_tensor * h = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, l.ffn_gate, x), ggml_mul_mat(ctx, l.ffn_up, x));
+ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeights & l, ggml_tensor * x,
+                         const FoldInput & fold_input) {
+    // One token: two products, which ggml-cuda fuses with the SwiGLU into one mat-vec. A batch:
+    // the gate/up stack's product, once.
+    ggml_tensor * h = nullptr;
+    if (x->ne[1] == 1) {
+        // Stacked weights are views, which are graph nodes: put them in the graph first, so that
+        // the two products and the SwiGLU stay adjacent, as ggml-cuda's fusion needs.
+        for (ggml_tensor * w : {l.ffn_gate, l.ffn_up}) {
+            if (w->view_src) ggml_build_forward_expand(gf, w);
+        }
+        h = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, l.ffn_gate, x), ggml_mul_mat(ctx, l.ffn_up, x));
+    } else {
+        SharedInputProducts project(ctx, x);
+        h = ggml_swiglu_split(ctx, project(l.ffn_gate), project(l.ffn_up));
+        offer_fold(fold_input, h, {l.ffn_down});
+    }
     return ggml_mul_mat(ctx, l.ffn_down, h);
 }
 
@@ -195,7 +221,7 @@ ggml_tensor * swiglu_ffn(ggml_context * ctx, const LayerWeights & l, ggml_tensor
 
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
                            const SequenceState & st, const StepInputs & in, int64_t n_logit_rows,
-                           const FoldNorm & fold_norm, VerifyStates * verify) {
+                           const FoldInput & fold_input, VerifyStates * verify) {
     if (in.keep_states) {
         if (verify == nullptr) throw std::logic_error("build_qwen35: a verify batch needs VerifyStates");
         verify->conv_in.assign(hp.n_layer, nullptr);
@@ -207,13 +233,14 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
     for (int il = 0; il < hp.n_layer; ++il) {
         const LayerWeights & l = w.layers[il];
         ggml_tensor * a = hp.recurrent[il]
-                              ? input_norm(ctx, x, l.attn_norm, eps, fold_norm, {l.wqkv, l.wgate, l.wbeta, l.walpha})
-                              : input_norm(ctx, x, l.attn_norm, eps, fold_norm, {l.wq, l.wk, l.wv});
+                              ? input_norm(ctx, x, l.attn_norm, eps, fold_input, {l.wqkv, l.wgate, l.wbeta, l.walpha})
+                              : input_norm(ctx, x, l.attn_norm, eps, fold_input, {l.wq, l.wk, l.wv});
         ggml_tensor * mixed = hp.recurrent[il]
-                                  ? gated_delta_net(ctx, gf, hp, l, st, il, a, in, verify)
+                                  ? gated_delta_net(ctx, gf, hp, l, st, il, a, in, fold_input, verify)
                                   : gated_attention(ctx, gf, hp, l, st.k[il], st.v[il], a, in);
         x = ggml_add(ctx, x, mixed);
-        x = ggml_add(ctx, x, swiglu_ffn(ctx, l, input_norm(ctx, x, l.post_norm, eps, fold_norm, {l.ffn_gate, l.ffn_up})));
+        ggml_tensor * h = input_norm(ctx, x, l.post_norm, eps, fold_input, {l.ffn_gate, l.ffn_up});
+        x = ggml_add(ctx, x, swiglu_ffn(ctx, gf, l, h, fold_input));
     }
 
     // A prefill micro-batch whose logits nobody reads skips the head (n_vocab x E per row).
@@ -221,7 +248,7 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
     if (n_logit_rows < in.n_tokens) {
         x = ggml_view_2d(ctx, x, x->ne[0], n_logit_rows, x->nb[1], (in.n_tokens - n_logit_rows) * x->nb[1]);
     }
-    x = input_norm(ctx, x, w.output_norm, eps, fold_norm, {w.output});
+    x = input_norm(ctx, x, w.output_norm, eps, fold_input, {w.output});
     ggml_tensor * logits = ggml_mul_mat(ctx, w.output, x);
     ggml_set_output(logits);
     ggml_build_forward_expand(gf, logits);

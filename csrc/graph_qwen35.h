@@ -38,10 +38,12 @@ struct VerifyStates {
     size_t states_offs = 0;
 };
 
-// Offered each norm whose output only weight products read (the layer inputs' and the head's),
-// norm_mul = MUL(RMS_NORM(x), w) with the weights it multiplies, in one-token graphs; may fold the
-// norm into those products (cuda_kernels.h) and returns whether it did. Empty: no folding.
-using FoldNorm = std::function<bool(ggml_tensor * norm_mul, const std::vector<const ggml_tensor *> & weights)>;
+// Offered each op output that only weight products read and that our CUDA kernels may apply
+// themselves while they prepare x: the norms in front of the layer inputs' and the head's
+// products, input = MUL(RMS_NORM(x), w), and the SwiGLUs in front of ssm_out and ffn down; with
+// the weights of those products. May fold the op into them (cuda_kernels.h) and returns whether
+// it did. Empty: no folding.
+using FoldInput = std::function<bool(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights)>;
 
 // Builds the graph into gf; returns logits {n_vocab, n_logit_rows} of the batch's last rows
 // (n_logit_rows 1: the last token; T: every token; 0: no LM head at all, nullptr is returned).
@@ -49,6 +51,6 @@ using FoldNorm = std::function<bool(ggml_tensor * norm_mul, const std::vector<co
 // batch (in.keep_states) it fills `verify` (not null then).
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
                            const SequenceState & st, const StepInputs & in, int64_t n_logit_rows,
-                           const FoldNorm & fold_norm = nullptr, VerifyStates * verify = nullptr);
+                           const FoldInput & fold_input = nullptr, VerifyStates * verify = nullptr);
 
 }  // namespace deltaspec

@@ -198,8 +198,8 @@ void load_weights(ModelWeights & w, const std::string & path, const HParams & hp
                   bool stack_shared_inputs, const LoadProgress & progress) {
     GgufFile file(path);
     const int64_t n_tensors = gguf_get_n_tensors(file.gguf);
-    // the file's tensors plus at most two stacks a layer
-    ggml_init_params params = {ggml_tensor_overhead() * (size_t)(n_tensors + 2 * hp.n_layer + 8), nullptr,
+    // the file's tensors plus at most three stacks a layer
+    ggml_init_params params = {ggml_tensor_overhead() * (size_t)(n_tensors + 3 * hp.n_layer + 8), nullptr,
                                /*no_alloc =*/true};
     w.ctx = ggml_init(params);
     Binder b(path, file, w.ctx);
@@ -219,8 +219,9 @@ void load_weights(ModelWeights & w, const std::string & path, const HParams & hp
         const int64_t n_ff = ggml_get_tensor(file.meta, blk(il, "ffn_up.weight").c_str())
                                  ? ggml_get_tensor(file.meta, blk(il, "ffn_up.weight").c_str())->ne[1]
                                  : 0;
-        l.ffn_gate = b.bind(blk(il, "ffn_gate.weight"), {E, n_ff});
-        l.ffn_up = b.bind(blk(il, "ffn_up.weight"), {E, n_ff});
+        b.bind_shared_input({{&l.ffn_gate, blk(il, "ffn_gate.weight"), E, n_ff},
+                             {&l.ffn_up, blk(il, "ffn_up.weight"), E, n_ff}},
+                            blk(il, "ffn_stack"), stack_shared_inputs);
         l.ffn_down = b.bind(blk(il, "ffn_down.weight"), {n_ff, E});
         if (hp.recurrent[il]) {
             b.bind_shared_input({{&l.wqkv, blk(il, "attn_qkv.weight"), E, C},

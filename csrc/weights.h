@@ -72,10 +72,10 @@ std::vector<std::vector<std::string>> weight_stacks(const ModelWeights & w);
 // std::runtime_error naming the tensor when the file disagrees with `hp`.
 //
 // With `stack_shared_inputs`, the projections of one layer that multiply the same input (DeltaNet
-// qkv, gate z, beta, alpha; attention q, k, v) and share a type are stored back to back as one
-// tensor, and their weights are views of its rows. A one-token step then runs one product per
-// stack (one launch and one pass over x instead of up to four, with the same result in every
-// row); batches still run one product per weight (graph_qwen35.cpp).
+// qkv, gate z, beta, alpha; attention q, k, v; ffn gate and up) and share a type are stored back
+// to back as one tensor, and their weights are views of its rows. The graph then multiplies a
+// stack once (one launch and one pass over x instead of up to four, with the same result in every
+// row) and reads each projection as a view of the product's rows (graph_qwen35.cpp).
 void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend,
                   bool stack_shared_inputs, const LoadProgress & progress = nullptr);
 

@@ -183,11 +183,16 @@ def test_cuda_kernels_match_cpu(tmp_path, monkeypatch, quant, shape, chunk):
     assert np.all(gaps <= 6 * noise)
 
 
-@pytest.mark.parametrize("quant,shape", [("q4_k", Q4K_SHAPE), ("q6_k", Q6K_SHAPE)])
-def test_folded_norms_and_stacks_match(tmp_path, monkeypatch, quant, shape):
-    """One-token steps with the norms folded into our mat-vecs (DELTASPEC_FOLD_NORMS) and the input
-    projections stacked (DELTASPEC_STACK_PROJECTIONS), against both switched off. The fold only
-    moves where x is scaled (x * w quantized, 1/rms applied to the sums) and the stacks only group
+FOLD_CASES = [(q, shape, n) for q, shape in (("q4_k", Q4K_SHAPE), ("q6_k", Q6K_SHAPE)) for n in (1, 17)]
+
+
+@pytest.mark.parametrize("quant,shape,chunk", FOLD_CASES, ids=[f"{q}-{n}tok" for q, _, n in FOLD_CASES])
+def test_folded_norms_and_stacks_match(tmp_path, monkeypatch, quant, shape, chunk):
+    """One-token steps and 17-token batches with the norms (and, for 17, the SwiGLUs) folded into
+    our kernels (DELTASPEC_FOLD_INPUTS: the mat-vecs', or the tensor-core kernels' x quantization)
+    and the input projections stacked (DELTASPEC_STACK_PROJECTIONS), against both switched off. The
+    fold only moves where x is scaled (x * w quantized, 1/rms applied to the scales; silu(gate) * up
+    computed before quantizing as ggml's swiglu would) and the stacks only group
     rows (alpha/beta leave the split-K kernel), which changes rounding alone; 4 random layers
     amplify any rounding change to the level of the GPU's own difference to the CPU (H200, Q4_K:
     7.6e-2 moved vs 8.9e-2 to the CPU). A wrong norm weight, eps or row offset moves logits by
@@ -203,15 +208,16 @@ def test_folded_norms_and_stacks_match(tmp_path, monkeypatch, quant, shape):
 
     def logits(device):
         with Model(path, device=device, n_ctx=128) as m:
-            return np.concatenate([m.eval([t], logits="all") for t in ids])
+            return np.concatenate([m.eval(ids[i:i + chunk], logits="all") for i in range(0, len(ids), chunk)])
 
     cpu = logits("cpu")
     fast = logits("cuda")
-    monkeypatch.setenv("DELTASPEC_FOLD_NORMS", "0")
+    monkeypatch.setenv("DELTASPEC_FOLD_INPUTS", "0")
     monkeypatch.setenv("DELTASPEC_STACK_PROJECTIONS", "0")
     plain = logits("cuda")
     moved, noise = np.abs(fast - plain).mean(), np.abs(plain - cpu).mean()
-    print(f"{quant}: mean |folded+stacked - plain| {moved:.3e}, mean |plain - CPU| {noise:.3e}")
+    print(f"{quant}, {chunk} token(s) per eval: mean |folded+stacked - plain| {moved:.3e}, "
+          f"mean |plain - CPU| {noise:.3e}")
     assert 0 < moved <= 1.5 * noise  # > 0: the switches took effect
     assert np.abs(fast - cpu).mean() <= 1.5 * noise
     flips = np.nonzero(fast.argmax(-1) != plain.argmax(-1))[0]  # only where plain has a near-tie

@@ -1,8 +1,9 @@
 """Stacked input projections (csrc/weights.h): the projections of a layer that multiply the same
-input and share a type (DeltaNet qkv, gate z, beta, alpha; attention q, k, v) are stored as one
-tensor, and a one-token step multiplies that stack once. The logits must be those of separate
-products (DELTASPEC_STACK_PROJECTIONS=0), on a Q4_K model with Q4_K_M's Q6_K tensors mixed in,
-so that some layers stack only part of their projections."""
+input and share a type (DeltaNet qkv, gate z, beta, alpha; attention q, k, v; ffn gate and up) are
+stored as one tensor, and the graph multiplies that stack once (a batch reads each projection as
+strided columns of the product). The logits must be those of separate products
+(DELTASPEC_STACK_PROJECTIONS=0), on a Q4_K model with Q4_K_M's Q6_K tensors mixed in, so that some
+layers stack only part of their projections."""
 
 import numpy as np
 import pytest
@@ -28,11 +29,12 @@ def _deltanet(il, *names):
 def test_stacks_group_projections_of_one_type(mixed_q4k, monkeypatch):
     with Model(mixed_q4k, n_ctx=64) as m:
         stacks = m._engine.weight_stacks
+    ffn = [[f"blk.{il}.ffn_gate.weight", f"blk.{il}.ffn_up.weight"] for il in range(4)]
     assert stacks == [
-        _deltanet(0, "attn_gate", "ssm_beta", "ssm_alpha"),  # attn_qkv is Q6_K: alone
-        _deltanet(1, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
-        _deltanet(2, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
-        _deltanet(3, "attn_q", "attn_k"),  # attn_v is Q6_K: alone
+        ffn[0], _deltanet(0, "attn_gate", "ssm_beta", "ssm_alpha"),  # attn_qkv is Q6_K: alone
+        ffn[1], _deltanet(1, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
+        ffn[2], _deltanet(2, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
+        ffn[3], _deltanet(3, "attn_q", "attn_k"),  # attn_v is Q6_K: alone
     ]
     monkeypatch.setenv("DELTASPEC_STACK_PROJECTIONS", "0")
     with Model(mixed_q4k, n_ctx=64) as m:
@@ -44,8 +46,8 @@ def test_stacked_products_give_the_same_logits(mixed_q4k, monkeypatch):
 
     def run():
         with Model(mixed_q4k, n_ctx=64, n_threads=2) as m:
-            rows = [m.eval(ids[:9], logits="all")]               # a batch: separate products either way
-            rows += [m.eval([t], logits="all") for t in ids[9:]]  # one token: one product per stack
+            rows = [m.eval(ids[:9], logits="all")]               # a batch: strided views of the stacks
+            rows += [m.eval([t], logits="all") for t in ids[9:]]  # one token
             greedy = m.generate(ids[:5], max_tokens=24, temperature=0).tokens
         return np.concatenate(rows), greedy
 

@@ -11,12 +11,13 @@
 // cores. ggml asks its mat-vec for up to 8 columns and its tile kernels (mmq) for more; both
 // routes reach the same kernels here.
 //
-// Folded norms: the engine may mark an RMS_NORM + MUL pair (deltaspec_cuda_fold_norm) when every
-// product reading it is a one-column product our kernels serve. ggml-cuda then skips the pair
-// (its fused rms_norm entry is renamed to deltaspec_rms_norm_fused), and each of those products
-// reads the norm's input and applies the norm while it prepares x: ~130 one-block launches fewer
-// per 27B decode step. A product that is not ours after all (say, unaligned data) first writes
-// the norm's output as ggml would have.
+// Folded inputs: the engine may mark an RMS_NORM + MUL pair, or (2..32 columns) a SWIGLU, with
+// deltaspec_cuda_fold_input when every product reading it is one our kernels serve (one column,
+// or 2..32 on tensor cores). ggml-cuda then skips it (its fused rms_norm and its swiglu entries
+// are renamed to deltaspec_rms_norm_fused and deltaspec_op_swiglu), and each of those products
+// reads the op's inputs and applies it while it prepares x: ~130 launches fewer per 27B decode
+// step, ~240 per verify batch. A product that is not ours after all (say, unaligned data) first
+// writes the op's output as ggml would have.
 #include "common.cuh"
 #include "mmvq.cuh"
 #include "norm.cuh"
@@ -24,6 +25,7 @@
 #include "q4k_mma.cuh"
 #include "q6k_gemv.cuh"
 #include "q6k_mma.cuh"
+#include "unary.cuh"
 
 #include <cstdint>
 #include <cstdlib>
@@ -86,23 +88,48 @@ bool serves_columns(const ggml_tensor * w) {
 }
 
 constexpr char kFoldedNormName[] = "deltaspec.folded_rms_norm";
+constexpr char kFoldedGluName[] = "deltaspec.folded_swiglu";
 
-// A MUL(RMS_NORM(x), w) marked by deltaspec_cuda_fold_norm, i.e. not computed by ggml-cuda.
+// A MUL(RMS_NORM(x), w) or a SWIGLU marked by deltaspec_cuda_fold_input, i.e. not computed by ggml-cuda.
 bool folded_norm(const ggml_tensor * t) {
     return g_deltaspec_kernels && t->op == GGML_OP_MUL && std::strcmp(t->name, kFoldedNormName) == 0;
 }
 
-// What a folded norm's consumer reads instead: the norm's input and weights, if our kernels can.
-bool fold_inputs(const ggml_tensor * norm_mul, const float *& x, deltaspec_cuda::XNorm & norm) {
+bool folded_glu(const ggml_tensor * t) {
+    return g_deltaspec_kernels && t->op == GGML_OP_GLU && std::strcmp(t->name, kFoldedGluName) == 0;
+}
+
+// ggml's SWIGLU of two f32 halves, silu(src0) * src1, not swapped
+bool plain_swiglu(const ggml_tensor * t) {
+    return t->op == GGML_OP_GLU && ggml_get_glu_op(t) == GGML_GLU_OP_SWIGLU && t->src[1] != nullptr &&
+           ggml_get_op_params_i32(t, 1) == 0 && t->src[0]->type == GGML_TYPE_F32 && t->src[1]->type == GGML_TYPE_F32;
+}
+
+// What a folded norm's consumer reads instead: the norm's input (x, its columns ldx floats apart)
+// and weights, if our kernels can.
+bool fold_inputs(const ggml_tensor * norm_mul, const float *& x, int64_t & ldx, deltaspec_cuda::XNorm & norm) {
     const ggml_tensor * rms = norm_mul->src[0];
     const ggml_tensor * w = norm_mul->src[1];
-    if (!plain_columns(rms->src[0]) || rms->src[0]->ne[1] != 1 || w->type != GGML_TYPE_F32 ||
-        !ggml_is_contiguous(w) || w->ne[0] != rms->ne[0] || ggml_nrows(w) != 1 || (uintptr_t)w->data % 16 != 0) {
+    if (!plain_columns(rms->src[0]) || w->type != GGML_TYPE_F32 || !ggml_is_contiguous(w) ||
+        w->ne[0] != rms->ne[0] || ggml_nrows(w) != 1 || (uintptr_t)w->data % 16 != 0) {
         return false;
     }
     x = (const float *)rms->src[0]->data;
+    ldx = rms->src[0]->nb[1] / sizeof(float);
     norm.w = (const float *)w->data;
     std::memcpy(&norm.eps, rms->op_params, sizeof(float));
+    return true;
+}
+
+// The same for a folded SwiGLU: its gate half as x, its up half as glu.
+bool fold_inputs(const ggml_tensor * swiglu, const float *& x, int64_t & ldx, deltaspec_cuda::XGlu & glu) {
+    const ggml_tensor * gate = swiglu->src[0];
+    const ggml_tensor * up = swiglu->src[1];
+    if (!plain_columns(gate) || !plain_columns(up)) return false;
+    x = (const float *)gate->data;
+    ldx = gate->nb[1] / sizeof(float);
+    glu.up = (const float *)up->data;
+    glu.ld_up = up->nb[1] / sizeof(float);
     return true;
 }
 
@@ -134,10 +161,21 @@ Kernel pick(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tenso
     return src0->type == GGML_TYPE_Q4_K ? Kernel::q4k_mma : Kernel::q6k_mma;
 }
 
-// x: src1's values, or (one column) the input of a folded norm, which `norm` then describes
+// Writes a folded op's output after all, for a product that does not apply it itself.
+void compute_folded(ggml_backend_cuda_context & ctx, const ggml_tensor * folded) {
+    ggml_tensor * t = const_cast<ggml_tensor *>(folded);
+    if (t->op == GGML_OP_GLU) {
+        ggml_cuda_op_swiglu(ctx, t);
+    } else {
+        ggml_cuda_op_rms_norm_fused(ctx, t->src[0], t);
+    }
+}
+
+// x: src1's values (columns ldx floats apart), or the input of a folded norm or SwiGLU, which
+// `norm` or `glu` then describe (a SwiGLU only for the tensor-core kernels)
 void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
-         ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion, const float * x,
-         deltaspec_cuda::XNorm norm = {}) {
+         ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion, const float * x, int64_t ldx,
+         deltaspec_cuda::XNorm norm = {}, deltaspec_cuda::XGlu glu = {}) {
     float * y = (float *)dst->data;
     const int64_t rows = src0->ne[1], n_k = src0->ne[0];
     const void * gate = fusion && fusion->gate ? fusion->gate->data : nullptr;
@@ -155,8 +193,8 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
             const int n = (int)src1->ne[1];
             ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::mma_x_bytes(n_k, n));
             const auto launch = k == Kernel::q4k_mma ? deltaspec_cuda::launch_q4k_mma : deltaspec_cuda::launch_q6k_mma;
-            launch(src0->data, x, src1->nb[1] / sizeof(float), y, dst->nb[1] / sizeof(float), rows, n_k, n,
-                   src0->nb[1], scratch.get(), ctx.stream());
+            launch(src0->data, x, ldx, y, dst->nb[1] / sizeof(float), rows, n_k, n, src0->nb[1], scratch.get(),
+                   ctx.stream(), norm, glu);
             break;
         }
         case Kernel::none:
@@ -165,25 +203,53 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
     CUDA_CHECK(cudaGetLastError());
 }
 
-// Writes a folded norm's output after all, for a product that does not apply it itself.
-void compute_folded_norm(ggml_backend_cuda_context & ctx, const ggml_tensor * norm_mul) {
-    ggml_tensor * mul = const_cast<ggml_tensor *>(norm_mul);
-    ggml_cuda_op_rms_norm_fused(ctx, mul->src[0], mul);
+// Runs kernel k on src1 (none: returns false), applying src1's folded norm or SwiGLU if it is
+// one. A folded op our kernel cannot apply is computed first, as ggml would have.
+bool run_ours(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+              ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
+    const bool mma = k == Kernel::q4k_mma || k == Kernel::q6k_mma;
+    const float * x = nullptr;
+    int64_t ldx = 0;
+    if (folded_norm(src1)) {
+        deltaspec_cuda::XNorm norm;
+        const bool fits = !mma || src0->ne[0] <= deltaspec_cuda::kMmaNormMaxK;
+        if (k != Kernel::none && fits && fold_inputs(src1, x, ldx, norm)) {
+            run(k, ctx, src0, src1, dst, fusion, x, ldx, norm);
+            return true;
+        }
+        compute_folded(ctx, src1);
+    } else if (folded_glu(src1)) {
+        deltaspec_cuda::XGlu glu;
+        if (mma && fold_inputs(src1, x, ldx, glu)) {
+            run(k, ctx, src0, src1, dst, fusion, x, ldx, {}, glu);
+            return true;
+        }
+        compute_folded(ctx, src1);
+    }
+    if (k == Kernel::none) return false;
+    run(k, ctx, src0, src1, dst, fusion, (const float *)src1->data, src1->nb[1] / sizeof(float));
+    return true;
 }
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_fold_norm(ggml_tensor * norm_mul,
-                                                                                const ggml_tensor * const * weights,
-                                                                                int n_weights) {
-    if (!g_deltaspec_kernels || norm_mul->op != GGML_OP_MUL || norm_mul->src[0]->op != GGML_OP_RMS_NORM ||
-        norm_mul->ne[1] != 1 || n_weights < 1) {
+extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_fold_input(ggml_tensor * input,
+                                                                                 const ggml_tensor * const * weights,
+                                                                                 int n_weights) {
+    const int64_t n = input->ne[1];
+    const bool norm = input->op == GGML_OP_MUL && input->src[0]->op == GGML_OP_RMS_NORM;
+    if (!g_deltaspec_kernels || !(norm || plain_swiglu(input)) || n < 1 || n > kMaxColumns || n_weights < 1) {
         return false;
     }
+    if (!norm && n == 1) return false;  // the mat-vecs take no SwiGLU of their own (ggml fuses ffn up/gate)
+    if (norm && n > 1 && input->ne[0] > deltaspec_cuda::kMmaNormMaxK) return false;
     for (int i = 0; i < n_weights; ++i) {
-        if (!serves_one_column(weights[i]) || weights[i]->ne[0] != norm_mul->ne[0]) return false;
+        const bool served = n == 1 ? serves_one_column(weights[i]) : serves_columns(weights[i]);
+        if (!served || weights[i]->ne[0] != input->ne[0]) {
+            return false;
+        }
     }
-    ggml_set_name(norm_mul, kFoldedNormName);
+    ggml_set_name(input, norm ? kFoldedNormName : kFoldedGluName);
     return true;
 }
 
@@ -192,25 +258,19 @@ void deltaspec_rms_norm_fused(ggml_backend_cuda_context & ctx, ggml_tensor * dst
     ggml_cuda_op_rms_norm_fused(ctx, dst, mul_tensor);
 }
 
+void deltaspec_op_swiglu(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (folded_glu(dst)) return;  // the products reading it apply the SwiGLU themselves
+    ggml_cuda_op_swiglu(ctx, dst);
+}
+
 void deltaspec_mul_mat_vec_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                              const ggml_tensor * ids, ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
-    const Kernel k = pick(src0, src1, ids, dst, fusion);
-    if (folded_norm(src1)) {
-        const float * x = nullptr;
-        deltaspec_cuda::XNorm norm;
-        if ((k == Kernel::q4k_gemv || k == Kernel::q6k_gemv) && fold_inputs(src1, x, norm)) {
-            return run(k, ctx, src0, src1, dst, fusion, x, norm);
-        }
-        compute_folded_norm(ctx, src1);
-    }
-    if (k != Kernel::none) return run(k, ctx, src0, src1, dst, fusion, (const float *)src1->data);
+    if (run_ours(pick(src0, src1, ids, dst, fusion), ctx, src0, src1, dst, fusion)) return;
     ggml_cuda_mul_mat_vec_q(ctx, src0, src1, ids, dst, fusion);
 }
 
 void deltaspec_mul_mat_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                          const ggml_tensor * ids, ggml_tensor * dst) {
-    if (folded_norm(src1)) compute_folded_norm(ctx, src1);  // the engine folds one-column norms only
-    const Kernel k = pick(src0, src1, ids, dst, nullptr);
-    if (k != Kernel::none) return run(k, ctx, src0, src1, dst, nullptr, (const float *)src1->data);
+    if (run_ours(pick(src0, src1, ids, dst, nullptr), ctx, src0, src1, dst, nullptr)) return;
     ggml_cuda_mul_mat_q(ctx, src0, src1, ids, dst);
 }

@@ -3,7 +3,9 @@
 // to int8 with one f32 scale, as ggml's CPU path quantizes x (q8_K), by one small kernel before
 // the product. Stored for the mma's B fragments: value 32 s + o of column c (sub-block s of 32
 // values) at byte (s * n_pad + c) * 32 + o', so that the 8 columns of one mma are 256 contiguous
-// bytes; one warp load then touches 2 cache lines, not the 8 of a column-major x.
+// bytes; one warp load then touches 2 cache lines, not the 8 of a column-major x. A folded
+// rms_norm (XNorm, the products' input is rms_norm(x) * w) is applied here: x * w is quantized and
+// the column's 1/rms enters its scales; so is a folded SwiGLU (XGlu, the input is silu(x) * up).
 //   * Q4_K (k = 32 per mma): o' = o; lane t of an mma reads values 8t..8t+7 of the sub-block.
 //   * Q6_K (k = 16 per mma, one scale per 16 weights): the sub-block's two 16-value halves are
 //     interleaved by 4, o' = 8 (o % 16 / 4) + 4 (o / 16) + o % 4, so lane t's values 4t..4t+3 of
@@ -14,12 +16,21 @@
 #include <cuda_runtime.h>
 #include <type_traits>
 
+#include "gemv_common.cuh"
+
 namespace deltaspec_cuda {
 
 // Per column and 256-value block: the sub-block sums of x's int8 values as int8 high and low
 // parts (sum = 64 * hi + lo, lo in 0..63), 8 sub-blocks each (Q4_K's mins need them).
 struct alignas(16) XSums {
     int8_t hi[8], lo[8];
+};
+
+// A SwiGLU folded into the quantization: the products' x is silu(x) * up (ggml's SWIGLU of split
+// halves), column c of up at up + c * ld_up, 16-byte aligned.
+struct XGlu {
+    const float * up = nullptr;  // nullptr: no SwiGLU
+    int64_t ld_up = 0;
 };
 
 // Columns padded to a multiple of 8 (the mma's n): 8, 16, 24 or 32.
@@ -59,18 +70,51 @@ inline MmaX mma_x_layout(void * scratch, int64_t n_k, int n_cols) {
 
 // x (n_cols columns of n_k f32, column c at x + c * ldx) -> the layout above; columns
 // n_cols..n_pad-1 are zero. One warp per 256 values, 8 per lane (lanes 4s..4s+3 hold sub-block s).
-// SUMS: also write the sub-block sums.
+// SUMS: also write the sub-block sums. With a norm, a thread block is one column's n_k / 256 warps
+// (n_k <= 8192), which add up the column's sum of squares in shared memory.
 template <bool HALVES_INTERLEAVED, bool SUMS>
-__global__ void quantize_x256(const float * __restrict__ x, int64_t ldx, int n_cols, int n_k, int n_pad, MmaX out) {
-    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+__global__ void quantize_x256(const float * __restrict__ x, int64_t ldx, int n_cols, int n_k, int n_pad, MmaX out,
+                              XNorm norm, XGlu glu) {
     const int lane = threadIdx.x & 31, n_blocks = n_k / 256;
-    if (w >= (int64_t)n_pad * n_blocks) return;
-    const int col = (int)(w / n_blocks), b = (int)(w % n_blocks);
+    int col, b;
+    if (norm.w != nullptr) {
+        col = blockIdx.x;
+        b = threadIdx.x >> 5;
+    } else {
+        const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+        if (w >= (int64_t)n_pad * n_blocks) return;
+        col = (int)(w / n_blocks);
+        b = (int)(w % n_blocks);
+    }
     float v[8] = {};
     if (col < n_cols) {
         const float4 * p = reinterpret_cast<const float4 *>(x + col * ldx + 256 * b + 8 * lane);
         const float4 v0 = p[0], v1 = p[1];
         v[0] = v0.x; v[1] = v0.y; v[2] = v0.z; v[3] = v0.w; v[4] = v1.x; v[5] = v1.y; v[6] = v1.z; v[7] = v1.w;
+        if (glu.up != nullptr) {  // as ggml-cuda's swiglu: x / (1 + exp(-x)) * up
+            const float4 * pu = reinterpret_cast<const float4 *>(glu.up + col * glu.ld_up + 256 * b + 8 * lane);
+            const float4 u0 = pu[0], u1 = pu[1];
+            const float u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = v[i] / (1.0f + expf(-v[i])) * u[i];
+        }
+    }
+    float col_scale = 1.0f;  // the norm's 1/rms: common to the column, so it joins the scales
+    if (norm.w != nullptr) {
+        __shared__ float warp_sumsq[32];
+        float sumsq = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sumsq += v[i] * v[i];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sumsq += __shfl_xor_sync(0xffffffffu, sumsq, o);
+        if (lane == 0) warp_sumsq[b] = sumsq;
+        __syncthreads();
+        sumsq = 0.0f;
+        for (int i = 0; i < n_blocks; ++i) sumsq += warp_sumsq[i];
+        col_scale = rsqrtf(sumsq / (float)n_k + norm.eps);
+        const float4 * pw = reinterpret_cast<const float4 *>(norm.w + 256 * b + 8 * lane);
+        const float4 w0 = pw[0], w1 = pw[1];
+        v[0] *= w0.x; v[1] *= w0.y; v[2] *= w0.z; v[3] *= w0.w; v[4] *= w1.x; v[5] *= w1.y; v[6] *= w1.z; v[7] *= w1.w;
     }
     float amax = 0.0f;
 #pragma unroll
@@ -105,17 +149,25 @@ __global__ void quantize_x256(const float * __restrict__ x, int64_t ldx, int n_c
             xs.lo[s] = (int8_t)(sum - 64 * hi);
         }
     }
-    if (lane == 0) out.dx[(int64_t)b * n_pad + col] = amax / 127.0f;
+    if (lane == 0) out.dx[(int64_t)b * n_pad + col] = amax / 127.0f * col_scale;
 }
+
+// The largest n_k a folded norm allows: one thread block holds a column.
+constexpr int64_t kMmaNormMaxK = 32 * 256;
 
 template <bool HALVES_INTERLEAVED, bool SUMS>
 inline MmaX launch_quantize_x256(const float * x, int64_t ldx, int64_t n_k, int n_cols, void * scratch,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, XNorm norm, XGlu glu) {
     const int n_pad = mma_padded_cols(n_cols);
     const MmaX out = mma_x_layout(scratch, n_k, n_cols);
     const int64_t warps = (int64_t)n_pad * (n_k / 256);
-    quantize_x256<HALVES_INTERLEAVED, SUMS>
-        <<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(x, ldx, n_cols, (int)n_k, n_pad, out);
+    const auto kernel = quantize_x256<HALVES_INTERLEAVED, SUMS>;
+    if (norm.w != nullptr) {
+        const unsigned threads = (unsigned)(n_k / 256 * 32);
+        kernel<<<(unsigned)n_pad, threads, 0, stream>>>(x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu);
+    } else {
+        kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu);
+    }
     return out;
 }
 

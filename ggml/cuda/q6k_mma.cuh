@@ -176,9 +176,11 @@ inline void allow_q6k_mma_smem() {
 // and an 8-byte aligned base; x: n_cols (2..32) f32 columns of n_k values, ldx floats apart,
 // 16-byte aligned; y: n_cols columns of n_rows, ldy apart. scratch: mma_x_bytes(n_k, n_cols)
 // bytes of device memory, 16-byte aligned.
+// norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none.
 inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
-                           int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream) {
-    const MmaX xq = launch_quantize_x256<true, false>(x, ldx, n_k, n_cols, scratch, stream);
+                           int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
+                           XNorm norm = XNorm{}, XGlu glu = XGlu{}) {
+    const MmaX xq = launch_quantize_x256<true, false>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const uint8_t * w = static_cast<const uint8_t *>(W);
     const int n_blocks = (int)(n_k / 256);
     const unsigned grid = (unsigned)((n_rows + kQ6KMmaRows - 1) / kQ6KMmaRows);
