@@ -20,7 +20,8 @@ bool enable_cuda_kernels();
 // Offers an op output, MUL(RMS_NORM(x), w) or (2..32 columns) a SWIGLU, to our CUDA kernels:
 // when they are on and serve every one of `weights` (the products that read it) for its column
 // count (1..32), they apply the op themselves and ggml-cuda skips it
-// (ggml/cuda/deltaspec_matmul.cu); returns whether it was folded.
+// (ggml/cuda/deltaspec_matmul.cu); returns whether it was folded. Also offers (2..32 columns) an
+// ADD of a residual and the product with weights[0], which that product then writes itself.
 bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights);
 
 // Device copies of f32 rows, all in one launch, waited for (ggml/cuda/deltaspec_copies.h); false

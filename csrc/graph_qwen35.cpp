@@ -50,6 +50,14 @@ ggml_tensor * input_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weig
     return out;
 }
 
+// x + product, where product is a weight product: offered to fold_input, so that our kernels may
+// add x as they store the product (batches).
+ggml_tensor * residual_add(ggml_context * ctx, const FoldInput & fold_input, ggml_tensor * x, ggml_tensor * product) {
+    ggml_tensor * sum = ggml_add(ctx, x, product);
+    if (product->op == GGML_OP_MUL_MAT) offer_fold(fold_input, sum, {product->src[0]});
+    return sum;
+}
+
 // x / sqrt(sum(x^2) + eps) over ne0, written with rms_norm so eps enters exactly as in HF's l2norm.
 ggml_tensor * l2_norm(ggml_context * ctx, ggml_tensor * x, float eps) {
     const float n = (float)x->ne[0];
@@ -238,9 +246,9 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
         ggml_tensor * mixed = hp.recurrent[il]
                                   ? gated_delta_net(ctx, gf, hp, l, st, il, a, in, fold_input, verify)
                                   : gated_attention(ctx, gf, hp, l, st.k[il], st.v[il], a, in);
-        x = ggml_add(ctx, x, mixed);
+        x = residual_add(ctx, fold_input, x, mixed);
         ggml_tensor * h = input_norm(ctx, x, l.post_norm, eps, fold_input, {l.ffn_gate, l.ffn_up});
-        x = ggml_add(ctx, x, swiglu_ffn(ctx, gf, l, h, fold_input));
+        x = residual_add(ctx, fold_input, x, swiglu_ffn(ctx, gf, l, h, fold_input));
     }
 
     // A prefill micro-batch whose logits nobody reads skips the head (n_vocab x E per row).

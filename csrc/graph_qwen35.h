@@ -41,8 +41,9 @@ struct VerifyStates {
 // Offered each op output that only weight products read and that our CUDA kernels may apply
 // themselves while they prepare x: the norms in front of the layer inputs' and the head's
 // products, input = MUL(RMS_NORM(x), w), and the SwiGLUs in front of ssm_out and ffn down; with
-// the weights of those products. May fold the op into them (cuda_kernels.h) and returns whether
-// it did. Empty: no folding.
+// the weights of those products; and the residual adds x + W h, with W. May fold the op into
+// the products (cuda_kernels.h: the product then writes the sum) and returns whether it did.
+// Empty: no folding.
 using FoldInput = std::function<bool(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights)>;
 
 // Builds the graph into gf; returns logits {n_vocab, n_logit_rows} of the batch's last rows

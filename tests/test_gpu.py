@@ -188,11 +188,12 @@ FOLD_CASES = [(q, shape, n) for q, shape in (("q4_k", Q4K_SHAPE), ("q6_k", Q6K_S
 
 @pytest.mark.parametrize("quant,shape,chunk", FOLD_CASES, ids=[f"{q}-{n}tok" for q, _, n in FOLD_CASES])
 def test_folded_norms_and_stacks_match(tmp_path, monkeypatch, quant, shape, chunk):
-    """One-token steps and 17-token batches with the norms (and, for 17, the SwiGLUs) folded into
-    our kernels (DELTASPEC_FOLD_INPUTS: the mat-vecs', or the tensor-core kernels' x quantization)
-    and the input projections stacked (DELTASPEC_STACK_PROJECTIONS), against both switched off. The
-    fold only moves where x is scaled (x * w quantized, 1/rms applied to the scales; silu(gate) * up
-    computed before quantizing as ggml's swiglu would) and the stacks only group
+    """One-token steps and 17-token batches with the norms (and, for 17, the SwiGLUs and residual
+    adds) folded into our kernels (DELTASPEC_FOLD_INPUTS: the mat-vecs', or the tensor-core kernels'
+    x quantization and stores) and the input projections stacked (DELTASPEC_STACK_PROJECTIONS),
+    against both switched off. The fold only moves where x is scaled (x * w quantized, 1/rms
+    applied to the scales; silu(gate) * up computed before quantizing as ggml's swiglu would; the
+    residual added as the product is stored) and the stacks only group
     rows (alpha/beta leave the split-K kernel), which changes rounding alone; 4 random layers
     amplify any rounding change to the level of the GPU's own difference to the CPU (H200, Q4_K:
     7.6e-2 moved vs 8.9e-2 to the CPU). A wrong norm weight, eps or row offset moves logits by

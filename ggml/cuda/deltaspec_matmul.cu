@@ -18,6 +18,12 @@
 // reads the op's inputs and applies it while it prepares x: ~130 launches fewer per 27B decode
 // step, ~240 per verify batch. A product that is not ours after all (say, unaligned data) first
 // writes the op's output as ggml would have.
+//
+// Fused residual adds: the engine may also mark an ADD of a 2..32-column product and a residual
+// (ggml fuses adds into one-column products only). The product then writes the sum into the
+// ADD's output and ggml-cuda skips the ADD (its add entry is renamed to deltaspec_op_add); a
+// product that is not ours after all runs ggml's kernel and then the ADD.
+#include "binbcast.cuh"
 #include "common.cuh"
 #include "mmvq.cuh"
 #include "norm.cuh"
@@ -89,6 +95,11 @@ bool serves_columns(const ggml_tensor * w) {
 
 constexpr char kFoldedNormName[] = "deltaspec.folded_rms_norm";
 constexpr char kFoldedGluName[] = "deltaspec.folded_swiglu";
+constexpr char kFusedAddName[] = "deltaspec.fused_add";    // the ADD
+constexpr char kAddIntoName[] = "deltaspec.add_into_next";  // its product, which keeps a pointer to it
+// where that pointer sits in the product's op_params: the last 8 bytes (ggml's MUL_MAT reads the
+// first two int32: precision and a hint)
+constexpr size_t kAddPointerOffset = GGML_MAX_OP_PARAMS - sizeof(ggml_tensor *);
 
 // A MUL(RMS_NORM(x), w) or a SWIGLU marked by deltaspec_cuda_fold_input, i.e. not computed by ggml-cuda.
 bool folded_norm(const ggml_tensor * t) {
@@ -97,6 +108,30 @@ bool folded_norm(const ggml_tensor * t) {
 
 bool folded_glu(const ggml_tensor * t) {
     return g_deltaspec_kernels && t->op == GGML_OP_GLU && std::strcmp(t->name, kFoldedGluName) == 0;
+}
+
+bool fused_add(const ggml_tensor * t) {
+    return g_deltaspec_kernels && t->op == GGML_OP_ADD && std::strcmp(t->name, kFusedAddName) == 0;
+}
+
+// The marked ADD a product's result goes to, or nullptr.
+ggml_tensor * add_of(const ggml_tensor * product) {
+    if (!g_deltaspec_kernels || product->op != GGML_OP_MUL_MAT || std::strcmp(product->name, kAddIntoName) != 0) {
+        return nullptr;
+    }
+    ggml_tensor * add = nullptr;
+    std::memcpy(&add, (const char *)product->op_params + kAddPointerOffset, sizeof(add));
+    return add;
+}
+
+// The ADD's other operand, if it is a residual our kernels can add as they store: f32 columns
+// of the ADD's shape.
+bool residual_of(const ggml_tensor * add, const ggml_tensor * product, deltaspec_cuda::YResidual & residual) {
+    const ggml_tensor * other = add->src[0] == product ? add->src[1] : add->src[0];
+    if (!plain_columns(other) || !plain_columns(add) || !ggml_are_same_shape(other, add)) return false;
+    residual.res = (const float *)other->data;
+    residual.ld = other->nb[1] / sizeof(float);
+    return true;
 }
 
 // ggml's SWIGLU of two f32 halves, silu(src0) * src1, not swapped
@@ -172,10 +207,11 @@ void compute_folded(ggml_backend_cuda_context & ctx, const ggml_tensor * folded)
 }
 
 // x: src1's values (columns ldx floats apart), or the input of a folded norm or SwiGLU, which
-// `norm` or `glu` then describe (a SwiGLU only for the tensor-core kernels)
+// `norm` or `glu` then describe (a SwiGLU only for the tensor-core kernels); dst: where y goes,
+// plus `residual` (tensor-core kernels only)
 void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
          ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion, const float * x, int64_t ldx,
-         deltaspec_cuda::XNorm norm = {}, deltaspec_cuda::XGlu glu = {}) {
+         deltaspec_cuda::XNorm norm = {}, deltaspec_cuda::XGlu glu = {}, deltaspec_cuda::YResidual residual = {}) {
     float * y = (float *)dst->data;
     const int64_t rows = src0->ne[1], n_k = src0->ne[0];
     const void * gate = fusion && fusion->gate ? fusion->gate->data : nullptr;
@@ -194,7 +230,7 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
             ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::mma_x_bytes(n_k, n));
             const auto launch = k == Kernel::q4k_mma ? deltaspec_cuda::launch_q4k_mma : deltaspec_cuda::launch_q6k_mma;
             launch(src0->data, x, ldx, y, dst->nb[1] / sizeof(float), rows, n_k, n, src0->nb[1], scratch.get(),
-                   ctx.stream(), norm, glu);
+                   ctx.stream(), norm, glu, residual);
             break;
         }
         case Kernel::none:
@@ -204,30 +240,55 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
 }
 
 // Runs kernel k on src1 (none: returns false), applying src1's folded norm or SwiGLU if it is
-// one. A folded op our kernel cannot apply is computed first, as ggml would have.
+// one, and the marked ADD (`add`, or nullptr) that takes its result. A folded op our kernel
+// cannot apply is computed first, as ggml would have; an ADD it cannot take is run after it.
 bool run_ours(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
-              ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
+              ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion, ggml_tensor * add) {
     const bool mma = k == Kernel::q4k_mma || k == Kernel::q6k_mma;
+    deltaspec_cuda::YResidual residual;
+    ggml_tensor * out = dst;
+    if (add != nullptr && mma && residual_of(add, dst, residual)) out = add;  // the product writes the sum
     const float * x = nullptr;
     int64_t ldx = 0;
+    bool done = false;
     if (folded_norm(src1)) {
         deltaspec_cuda::XNorm norm;
         const bool fits = !mma || src0->ne[0] <= deltaspec_cuda::kMmaNormMaxK;
         if (k != Kernel::none && fits && fold_inputs(src1, x, ldx, norm)) {
-            run(k, ctx, src0, src1, dst, fusion, x, ldx, norm);
-            return true;
+            run(k, ctx, src0, src1, out, fusion, x, ldx, norm, {}, residual);
+            done = true;
+        } else {
+            compute_folded(ctx, src1);
         }
-        compute_folded(ctx, src1);
     } else if (folded_glu(src1)) {
         deltaspec_cuda::XGlu glu;
         if (mma && fold_inputs(src1, x, ldx, glu)) {
-            run(k, ctx, src0, src1, dst, fusion, x, ldx, {}, glu);
-            return true;
+            run(k, ctx, src0, src1, out, fusion, x, ldx, {}, glu, residual);
+            done = true;
+        } else {
+            compute_folded(ctx, src1);
         }
-        compute_folded(ctx, src1);
     }
-    if (k == Kernel::none) return false;
-    run(k, ctx, src0, src1, dst, fusion, (const float *)src1->data, src1->nb[1] / sizeof(float));
+    if (!done) {
+        if (k == Kernel::none) return false;
+        run(k, ctx, src0, src1, out, fusion, (const float *)src1->data, src1->nb[1] / sizeof(float), {}, {}, residual);
+    }
+    if (add != nullptr && out == dst) ggml_cuda_op_add(ctx, add);
+    return true;
+}
+
+// Marks a residual ADD of a 2..32-column product our tensor-core kernels serve (weights[0]).
+bool fuse_add(ggml_tensor * add, const ggml_tensor * const * weights, int n_weights) {
+    ggml_tensor * product = add->src[0]->op == GGML_OP_MUL_MAT ? add->src[0] : add->src[1];
+    const int64_t n = add->ne[1];
+    if (!g_deltaspec_kernels || n_weights != 1 || product->op != GGML_OP_MUL_MAT || product->src[0] != weights[0] ||
+        n < 2 || n > kMaxColumns || !serves_columns(weights[0]) || add->type != GGML_TYPE_F32 ||
+        !ggml_are_same_shape(add->src[0], add->src[1])) {
+        return false;
+    }
+    ggml_set_name(add, kFusedAddName);
+    ggml_set_name(product, kAddIntoName);
+    std::memcpy((char *)product->op_params + kAddPointerOffset, &add, sizeof(add));
     return true;
 }
 
@@ -237,6 +298,7 @@ extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_fold_input
                                                                                  const ggml_tensor * const * weights,
                                                                                  int n_weights) {
     const int64_t n = input->ne[1];
+    if (input->op == GGML_OP_ADD) return fuse_add(input, weights, n_weights);
     const bool norm = input->op == GGML_OP_MUL && input->src[0]->op == GGML_OP_RMS_NORM;
     if (!g_deltaspec_kernels || !(norm || plain_swiglu(input)) || n < 1 || n > kMaxColumns || n_weights < 1) {
         return false;
@@ -263,14 +325,23 @@ void deltaspec_op_swiglu(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     ggml_cuda_op_swiglu(ctx, dst);
 }
 
+void deltaspec_op_add(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (fused_add(dst)) return;  // its product wrote the sum (or ran it, see run_ours)
+    ggml_cuda_op_add(ctx, dst);
+}
+
 void deltaspec_mul_mat_vec_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                              const ggml_tensor * ids, ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
-    if (run_ours(pick(src0, src1, ids, dst, fusion), ctx, src0, src1, dst, fusion)) return;
+    ggml_tensor * add = fusion == nullptr ? add_of(dst) : nullptr;
+    if (run_ours(pick(src0, src1, ids, dst, fusion), ctx, src0, src1, dst, fusion, add)) return;
     ggml_cuda_mul_mat_vec_q(ctx, src0, src1, ids, dst, fusion);
+    if (add != nullptr) ggml_cuda_op_add(ctx, add);
 }
 
 void deltaspec_mul_mat_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                          const ggml_tensor * ids, ggml_tensor * dst) {
-    if (run_ours(pick(src0, src1, ids, dst, nullptr), ctx, src0, src1, dst, nullptr)) return;
+    ggml_tensor * add = add_of(dst);
+    if (run_ours(pick(src0, src1, ids, dst, nullptr), ctx, src0, src1, dst, nullptr, add)) return;
     ggml_cuda_mul_mat_q(ctx, src0, src1, ids, dst);
+    if (add != nullptr) ggml_cuda_op_add(ctx, add);
 }

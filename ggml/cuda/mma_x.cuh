@@ -33,6 +33,13 @@ struct XGlu {
     int64_t ld_up = 0;
 };
 
+// A residual added as the products are stored (ggml's ADD after the product, fused): y = W x + res,
+// column c of res at res + c * ld; res may be y itself (an in-place add).
+struct YResidual {
+    const float * res = nullptr;  // nullptr: y = W x
+    int64_t ld = 0;
+};
+
 // Columns padded to a multiple of 8 (the mma's n): 8, 16, 24 or 32.
 inline int mma_padded_cols(int n_cols) { return (n_cols + 7) / 8 * 8; }
 
@@ -173,14 +180,15 @@ inline MmaX launch_quantize_x256(const float * x, int64_t ldx, int64_t n_k, int 
 
 // The end of a tensor-core kernel whose 8 warps each hold partial sums of the block's 16 rows
 // (lane (g, t): acc[nt] = rows g, g + 8 x columns 8 nt + 2t, 8 nt + 2t + 1, the mma's C layout):
-// add them up in shared memory (mma_partial_floats<NT> floats) and write y[c * ldy + r].
+// add them up in shared memory (mma_partial_floats<NT> floats) and write y[c * ldy + r] (plus the
+// residual's value there, if any).
 constexpr int kPartialRowStride = 20;  // 16 rows + 4: the lanes' stores, 8t + g apart, hit 32 banks
 template <int NT>
 constexpr int mma_partial_floats = 8 * 8 * NT * kPartialRowStride;
 
 template <int NT>
 __device__ __forceinline__ void mma_reduce_store(const float (&acc)[NT][4], float * partial, float * y, int64_t ldy,
-                                                 int row_base, int n_rows, int n_cols) {
+                                                 YResidual residual, int row_base, int n_rows, int n_cols) {
     constexpr int NP = 8 * NT;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     float * mine = partial + warp * NP * kPartialRowStride;  // [column][row]
@@ -198,7 +206,10 @@ __device__ __forceinline__ void mma_reduce_store(const float (&acc)[NT][4], floa
         float v = 0.0f;
 #pragma unroll
         for (int w = 0; w < 8; ++w) v += partial[(w * NP + col) * kPartialRowStride + r];
-        if (col < n_cols && row_base + r < n_rows) y[col * ldy + row_base + r] = v;
+        if (col < n_cols && row_base + r < n_rows) {
+            if (residual.res != nullptr) v += residual.res[col * residual.ld + row_base + r];
+            y[col * ldy + row_base + r] = v;
+        }
     }
 }
 

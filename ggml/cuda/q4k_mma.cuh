@@ -60,8 +60,8 @@ __device__ __forceinline__ void load_tile_block(Q4KTileBlock & tb, const uint8_t
 // wrote it (with sums), padded to 8 * NT columns.
 template <int NT>
 __global__ void __launch_bounds__(256, 2)  // two blocks per SM: <= 128 registers
-q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * __restrict__ y, int64_t ldy, int n_rows, int n_cols,
-        int n_blocks, int64_t row_bytes) {
+q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YResidual residual, int n_rows,
+        int n_cols, int n_blocks, int64_t row_bytes) {
     constexpr int NP = 8 * NT;
     __shared__ float partial[mma_partial_floats<NT>];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -128,22 +128,23 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * __restrict__ y, in
         }
         cur = next;
     }
-    mma_reduce_store<NT>(acc, &partial[0], y, ldy, row_base, n_rows, n_cols);
+    mma_reduce_store<NT>(acc, &partial[0], y, ldy, residual, row_base, n_rows, n_cols);
 }
 
 // Host side: W in ggml's Q4_K layout (n_k a multiple of 256, 16-byte aligned rows), x: n_cols (2..32)
 // f32 columns of n_k values, ldx floats apart, 16-byte aligned; y: n_cols columns of n_rows, ldy
 // apart. scratch: mma_x_bytes(n_k, n_cols) bytes of device memory, 16-byte aligned.
-// norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none.
+// norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
+// residual: added to y as it is stored, or none.
 inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
                            int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
-                           XNorm norm = XNorm{}, XGlu glu = XGlu{}) {
+                           XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{}) {
     const MmaX xq = launch_quantize_x256<false, true>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const int n_blocks = (int)(n_k / 256);
     const unsigned grid = (unsigned)((n_rows + 15) / 16);
     const uint8_t * w = static_cast<const uint8_t *>(W);
     with_column_tiles(n_cols, [&](auto nt) {
-        q4k_mma<nt.value><<<grid, 256, 0, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes);
+        q4k_mma<nt.value><<<grid, 256, 0, stream>>>(w, xq, y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
     });
 }
 

@@ -61,8 +61,8 @@ __device__ __forceinline__ uint32_t q6_bytes(uint32_t low, uint32_t high) {
 // wrote it with interleaved halves, padded to 8 * NT columns.
 template <int NT>
 __global__ void __launch_bounds__(256, 2)  // two blocks per SM: <= 128 registers
-q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * __restrict__ y, int64_t ldy, int n_rows, int n_cols,
-        int n_blocks, int64_t row_bytes) {
+q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YResidual residual, int n_rows,
+        int n_cols, int n_blocks, int64_t row_bytes) {
     constexpr int NP = 8 * NT;
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -155,7 +155,7 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * __restrict__ y, in
         }
         __syncthreads();  // stage s is read: the next iteration's copy may overwrite it
     }
-    mma_reduce_store<NT>(acc, reinterpret_cast<float *>(smem), y, ldy, row_base, n_rows, n_cols);
+    mma_reduce_store<NT>(acc, reinterpret_cast<float *>(smem), y, ldy, residual, row_base, n_rows, n_cols);
 }
 
 // Lets q6k_mma<NT> use kQ6KMmaSmem (more than the default 48 KiB of dynamic shared memory) on
@@ -176,17 +176,19 @@ inline void allow_q6k_mma_smem() {
 // and an 8-byte aligned base; x: n_cols (2..32) f32 columns of n_k values, ldx floats apart,
 // 16-byte aligned; y: n_cols columns of n_rows, ldy apart. scratch: mma_x_bytes(n_k, n_cols)
 // bytes of device memory, 16-byte aligned.
-// norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none.
+// norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
+// residual: added to y as it is stored, or none.
 inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
                            int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
-                           XNorm norm = XNorm{}, XGlu glu = XGlu{}) {
+                           XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{}) {
     const MmaX xq = launch_quantize_x256<true, false>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const uint8_t * w = static_cast<const uint8_t *>(W);
     const int n_blocks = (int)(n_k / 256);
     const unsigned grid = (unsigned)((n_rows + kQ6KMmaRows - 1) / kQ6KMmaRows);
     with_column_tiles(n_cols, [&](auto nt) {
         allow_q6k_mma_smem<nt.value>();
-        q6k_mma<nt.value><<<grid, 256, kQ6KMmaSmem, stream>>>(w, xq, y, ldy, (int)n_rows, n_cols, n_blocks, row_bytes);
+        q6k_mma<nt.value><<<grid, 256, kQ6KMmaSmem, stream>>>(w, xq, y, ldy, residual, (int)n_rows, n_cols, n_blocks,
+                                                              row_bytes);
     });
 }
 
