@@ -264,16 +264,15 @@ void Engine::restore_verify_state(int64_t r) {
                                nullptr, /*no_alloc =*/true};
     ggml_context * ctx = ggml_init(params);
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_nodes, false);
-    const int64_t T = step_.n_tokens;
     for (int il = 0; il < hp_.n_layer; ++il) {
         if (!vs.states[il]) continue;
         ggml_tensor * conv = state_.conv[il];
         ggml_tensor * ssm = state_.ssm[il];
         ggml_tensor * conv_in = detached(ctx, vs.conv_in[il]);
         ggml_tensor * window = ggml_view_2d(ctx, conv_in, conv->ne[0], conv->ne[1], conv_in->nb[1],
-                                            (T - r) * conv_in->nb[0]);
+                                            vs.window_column(r) * conv_in->nb[0]);
         ggml_tensor * states = detached(ctx, vs.states[il]);
-        ggml_tensor * state = ggml_view_1d(ctx, states, ssm->ne[0], vs.states_offs + r * ggml_nbytes(ssm));
+        ggml_tensor * state = ggml_view_1d(ctx, states, ssm->ne[0], vs.state_offset(r));
         for (auto [from, to] : {std::pair{window, conv}, std::pair{state, ssm}}) {
             ggml_backend_view_init(from);
             ggml_tensor * copy = ggml_cpy(ctx, from, to);  // a view of `to`
@@ -288,7 +287,6 @@ void Engine::restore_verify_state(int64_t r) {
 
 bool Engine::restore_verify_state_batched(int64_t r) {
     const VerifyStates & vs = step_.verify;
-    const int64_t T = step_.n_tokens;
     std::vector<deltaspec_copy> jobs;
     for (int il = 0; il < hp_.n_layer; ++il) {
         if (!vs.states[il]) continue;
@@ -299,10 +297,11 @@ bool Engine::restore_verify_state_batched(int64_t r) {
             conv->nb[0] != sizeof(float) || conv_in->nb[0] != sizeof(float)) {
             return false;
         }
-        // window after token T-1-r: columns T-r .. T-r+Kc-2 of every channel's row
-        jobs.push_back({(const float *)conv_in->data + (T - r), (float *)conv->data, conv->ne[1], conv->ne[0],
-                        (int64_t)(conv_in->nb[1] / sizeof(float)), (int64_t)(conv->nb[1] / sizeof(float))});
-        const char * state = (const char *)vs.states[il]->data + vs.states_offs + r * ggml_nbytes(ssm);
+        // the window: Kc-1 columns of every channel's row
+        const int64_t conv_in_stride = conv_in->nb[1] / sizeof(float), conv_stride = conv->nb[1] / sizeof(float);
+        jobs.push_back({(const float *)conv_in->data + vs.window_column(r), (float *)conv->data, conv->ne[1],
+                        conv->ne[0], conv_in_stride, conv_stride});
+        const char * state = (const char *)vs.states[il]->data + vs.state_offset(r);
         jobs.push_back({(const float *)state, (float *)ssm->data, 1, ggml_nelements(ssm), 0, 0});
     }
     ggml_backend_synchronize(backend_);  // the copies run on a stream of their own

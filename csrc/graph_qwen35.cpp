@@ -194,7 +194,9 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     if (in.keep_states) {
         ggml_set_output(res);
         verify->states[il] = res;
+        verify->n_tokens = T;
         verify->states_offs = S * Hv * T * f;
+        verify->state_bytes = S * S * Hv * f;
     }
 
     // Gated RMSNorm per head: norm(o) * w * silu(z), as one SwiGLU of rows (which takes z's

@@ -29,13 +29,18 @@ StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, 
 // away: graph outputs, which the allocator keeps untouched until the next graph runs. Per layer
 // (null for attention layers):
 //   conv_in: {Kc-1+T, C}, the conv window before the batch and the batch's inputs; the window
-//            after token T-1-r is columns T-r .. T-r+Kc-2;
+//            after token T-1-r is columns window_column(r) .. window_column(r)+Kc-2;
 //   states:  the DeltaNet op's result; the state after token T-1-r ({S*S*Hv} F32) starts
-//            states_offs + r * S*S*Hv * 4 bytes in.
+//            state_offset(r) bytes in.
 struct VerifyStates {
     std::vector<ggml_tensor *> conv_in;
     std::vector<ggml_tensor *> states;
-    size_t states_offs = 0;
+    int64_t n_tokens = 0;     // T
+    size_t states_offs = 0;   // where the states start in the op's result (after the outputs)
+    size_t state_bytes = 0;   // one state
+
+    int64_t window_column(int64_t r) const { return n_tokens - r; }
+    size_t state_offset(int64_t r) const { return states_offs + (size_t)r * state_bytes; }
 };
 
 // Offered each op output that only weight products read and that our CUDA kernels may apply

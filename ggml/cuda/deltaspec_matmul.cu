@@ -245,34 +245,23 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
 bool run_ours(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
               ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion, ggml_tensor * add) {
     const bool mma = k == Kernel::q4k_mma || k == Kernel::q6k_mma;
+    const float * x = (const float *)src1->data;
+    int64_t ldx = src1->nb[1] / sizeof(float);
+    deltaspec_cuda::XNorm norm;
+    deltaspec_cuda::XGlu glu;
+    bool applied = true;  // src1's folded op, if any, is applied by kernel k (fold_inputs set x, ldx)
+    if (folded_norm(src1)) {
+        const bool fits = !mma || src0->ne[0] <= deltaspec_cuda::kMmaNormMaxK;
+        applied = k != Kernel::none && fits && fold_inputs(src1, x, ldx, norm);
+    } else if (folded_glu(src1)) {
+        applied = mma && fold_inputs(src1, x, ldx, glu);
+    }
+    if (!applied) compute_folded(ctx, src1);  // x stays src1, now written
+    if (k == Kernel::none) return false;
     deltaspec_cuda::YResidual residual;
     ggml_tensor * out = dst;
     if (add != nullptr && mma && residual_of(add, dst, residual)) out = add;  // the product writes the sum
-    const float * x = nullptr;
-    int64_t ldx = 0;
-    bool done = false;
-    if (folded_norm(src1)) {
-        deltaspec_cuda::XNorm norm;
-        const bool fits = !mma || src0->ne[0] <= deltaspec_cuda::kMmaNormMaxK;
-        if (k != Kernel::none && fits && fold_inputs(src1, x, ldx, norm)) {
-            run(k, ctx, src0, src1, out, fusion, x, ldx, norm, {}, residual);
-            done = true;
-        } else {
-            compute_folded(ctx, src1);
-        }
-    } else if (folded_glu(src1)) {
-        deltaspec_cuda::XGlu glu;
-        if (mma && fold_inputs(src1, x, ldx, glu)) {
-            run(k, ctx, src0, src1, out, fusion, x, ldx, {}, glu, residual);
-            done = true;
-        } else {
-            compute_folded(ctx, src1);
-        }
-    }
-    if (!done) {
-        if (k == Kernel::none) return false;
-        run(k, ctx, src0, src1, out, fusion, (const float *)src1->data, src1->nb[1] / sizeof(float), {}, {}, residual);
-    }
+    run(k, ctx, src0, src1, out, fusion, x, ldx, norm, glu, residual);
     if (add != nullptr && out == dst) ggml_cuda_op_add(ctx, add);
     return true;
 }
@@ -332,7 +321,7 @@ void deltaspec_op_add(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
 void deltaspec_mul_mat_vec_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                              const ggml_tensor * ids, ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
-    ggml_tensor * add = fusion == nullptr ? add_of(dst) : nullptr;
+    ggml_tensor * add = add_of(dst);  // (a product ggml fuses itself has the fused op as dst: none)
     if (run_ours(pick(src0, src1, ids, dst, fusion), ctx, src0, src1, dst, fusion, add)) return;
     ggml_cuda_mul_mat_vec_q(ctx, src0, src1, ids, dst, fusion);
     if (add != nullptr) ggml_cuda_op_add(ctx, add);
