@@ -4,8 +4,9 @@
 
 For each chain length T (the last committed token + T-1 drafts) it times the target's verify pass
 (`eval_verify_argmax`: every row's argmax, every token's recurrent state kept), then `keep(1)` (the
-rollback a fully rejected draft needs, the most expensive one), and compares both with a plain
-greedy decode step (`eval_argmax` of one token). Median of --steps timings after a warm-up, at a
+rollback a fully rejected draft needs), and compares both with a plain greedy decode step
+(`eval_argmax` of one token); then keep(n) alone after the longest chain for n = 1, half of it
+and all of it. Median of --steps timings after a warm-up, at a
 context depth of --depth tokens. Speculative decoding pays off when verify(T) stays close to one
 step: the goal for the GPU is verify(17) <= 1.3x a decode step.
 """
@@ -71,16 +72,18 @@ def main() -> int:
             verify()
         t_both = timed(verify, args.steps)
         rows.append(dict(T=T, kind="verify + keep(1)", ms=1e3 * t_both, ratio=t_both / step))
-    # rollback alone: keep(1) after a verify of the longest chain, timed on its own
-    longest = rng.integers(0, n_vocab, size=max(chains)).astype(np.int32)
-    keeps = []
-    for _ in range(args.steps):
-        engine.eval_verify_argmax(longest)
-        t0 = time.perf_counter()
-        engine.keep(1)
-        keeps.append(time.perf_counter() - t0)
-    t_keep = statistics.median(keeps)
-    rows.append(dict(T=max(chains), kind="keep(1) alone (rollback)", ms=1e3 * t_keep, ratio=t_keep / step))
+    # rollback alone: keep(n) after a verify of the longest chain, timed on its own
+    T = max(chains)
+    longest = rng.integers(0, n_vocab, size=T).astype(np.int32)
+    for n in sorted({1, max(1, T // 2), T}):
+        keeps = []
+        for _ in range(args.steps):
+            engine.eval_verify_argmax(longest)
+            t0 = time.perf_counter()
+            engine.keep(n)
+            keeps.append(time.perf_counter() - t0)
+        t_keep = statistics.median(keeps)
+        rows.append(dict(T=T, kind=f"keep({n}) alone (rollback)", ms=1e3 * t_keep, ratio=t_keep / step))
     model.close()
 
     print(f"Verify cost on {Path(args.model).name}, device {args.device}, depth {args.depth}, "

@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 // Defined by ggml/cuda/deltaspec_matmul.cu inside ggml-cuda when it carries our kernels. Weak, so
 // that a ggml without them links too and leaves the pointer null.
@@ -9,6 +11,7 @@ extern "C" void deltaspec_cuda_set_kernels(bool on) __attribute__((weak));
 extern "C" bool deltaspec_cuda_fold_input(ggml_tensor * input, const ggml_tensor * const * weights,
                                           int n_weights) __attribute__((weak));
 extern "C" bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs, int n_jobs) __attribute__((weak));
+extern "C" void deltaspec_cuda_set_mma_row_tiles(int row_tiles) __attribute__((weak));
 
 namespace deltaspec {
 
@@ -19,6 +22,14 @@ bool enable_cuda_kernels() {
     const char * env = std::getenv("DELTASPEC_CUDA_KERNELS");
     const bool on = env == nullptr || std::strcmp(env, "0") != 0;
     deltaspec_cuda_set_kernels(on);
+    if (deltaspec_cuda_set_mma_row_tiles != nullptr) {
+        const char * tiles = std::getenv("DELTASPEC_MMA_ROW_TILES");
+        const std::string value = tiles != nullptr ? tiles : "0";
+        if (value != "0" && value != "1" && value != "2" && value != "4") {
+            throw std::invalid_argument("DELTASPEC_MMA_ROW_TILES must be 0 (automatic), 1, 2 or 4, not '" + value + "'");
+        }
+        deltaspec_cuda_set_mma_row_tiles(std::stoi(value));
+    }
     return on;
 }
 

@@ -14,7 +14,8 @@ namespace deltaspec {
 bool cuda_kernels_available();
 
 // Switch them on, unless the environment says DELTASPEC_CUDA_KERNELS=0 (for A/B measurements);
-// returns whether they are on.
+// returns whether they are on. DELTASPEC_MMA_ROW_TILES=1|2|4 forces the tensor-core kernels'
+// 16-row tiles per thread block (0 or unset: their own choice); another value throws.
 bool enable_cuda_kernels();
 
 // Offers an op output, MUL(RMS_NORM(x), w) or (2..32 columns) a SWIGLU, to our CUDA kernels:

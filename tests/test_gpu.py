@@ -223,3 +223,41 @@ def test_folded_norms_and_stacks_match(tmp_path, monkeypatch, quant, shape, chun
     assert np.abs(fast - cpu).mean() <= 1.5 * noise
     flips = np.nonzero(fast.argmax(-1) != plain.argmax(-1))[0]  # only where plain has a near-tie
     assert np.all(plain[flips].max(-1) - plain[flips, fast.argmax(-1)[flips]] <= 6 * np.sqrt(np.mean((fast - plain) ** 2)))
+
+
+@pytest.mark.parametrize("quant,shape", [("q4_k", Q4K_SHAPE), ("q6_k", Q6K_SHAPE)], ids=["q4_k", "q6_k"])
+def test_mma_row_tiles_agree(tmp_path, monkeypatch, quant, shape):
+    """The tensor-core kernels with 1, 2 and 4 tiles of 16 rows per thread block
+    (DELTASPEC_MMA_ROW_TILES; Q6_K takes at most 2), on 17-token batches: the tiny models' few rows
+    make the automatic choice 1, so the wider tiles are forced here. Each tile's warps split the
+    blocks differently, so only the order of the float sums changes; a wrong tile offset or a
+    warp summed into the wrong tile would move logits by their whole spread. So: no further from
+    one tile than the GPU is from the CPU, argmax changed only at near-ties. And a value that is
+    not a tile count is refused when the model loads."""
+    from deltaspec import _core
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    if not _core.cuda_kernels_available():
+        pytest.skip("this ggml-cuda does not carry deltaspec's kernels")
+    path = write_tiny_vocab_model(tmp_path / f"{quant}.gguf", seed=2, quant=quant, **shape)
+    ids = np.random.default_rng(7).integers(0, 256, size=34).tolist()
+
+    def logits(device, tiles="0"):
+        monkeypatch.setenv("DELTASPEC_MMA_ROW_TILES", tiles)
+        with Model(path, device=device, n_ctx=128) as m:
+            return np.concatenate([m.eval(ids[i:i + 17], logits="all") for i in range(0, len(ids), 17)])
+
+    cpu = logits("cpu")
+    one = logits("cuda", "1")
+    noise = np.abs(one - cpu).mean()
+    for tiles in ("2", "4"):
+        wide = logits("cuda", tiles)
+        moved = np.abs(wide - one).mean()
+        print(f"{quant}, {tiles} row tiles: mean |difference| to 1 tile {moved:.3e}, 1 tile to the CPU {noise:.3e}")
+        assert moved <= 1.5 * noise
+        flips = np.nonzero(wide.argmax(-1) != one.argmax(-1))[0]
+        gaps = one[flips].max(-1) - one[flips, wide.argmax(-1)[flips]]
+        assert np.all(gaps <= 6 * max(np.sqrt(np.mean((wide - one) ** 2)), 1e-6))
+    monkeypatch.setenv("DELTASPEC_MMA_ROW_TILES", "3")
+    with pytest.raises(ValueError, match="DELTASPEC_MMA_ROW_TILES"):
+        Model(path, device="cuda", n_ctx=128)

@@ -177,6 +177,30 @@ def test_rollback_equals_plain_decoding(tmp_path):
             assert np.abs(spec.eval([99]) - plain.eval([99])).max() <= 1e-4
 
 
+def test_verify_without_keep_keeps_every_token(tmp_path):
+    # a verify batch followed by anything but keep() (the next step, a state read) leaves the
+    # sequence with all of its tokens
+    path = write_tiny_vocab_model(tmp_path / "t.gguf", seed=0)
+    kw = dict(n_ctx=256, n_threads=1, type_k="f32", type_v="f32")
+    prefix, batch = [5, 77, 120, 33, 9], [40, 41, 42, 43]
+    with Model(path, **kw) as spec, Model(path, **kw) as plain:
+        spec._live().reserve_slots(8)
+        plain.eval(prefix + batch)
+        for then in ("state", "step"):
+            spec.reset()
+            spec.eval(prefix)
+            spec._live().eval_verify(np.array(batch, dtype=np.int32))
+            assert spec.n_past == len(prefix) + len(batch)
+            if then == "state":
+                got, want = _state(spec), _state(plain)
+                for key in (k for k in want if k.startswith("ssm")):
+                    a, b = (np.frombuffer(d[key], dtype=np.float32) for d in (got, want))
+                    assert np.abs(a - b).max() <= 1e-5, key
+            assert np.abs(spec.eval([99]) - plain.logits(prefix + batch + [99])[-1]).max() <= 1e-4, then
+            with pytest.raises(RuntimeError, match="keep"):
+                spec._live().keep(1)  # the batch is settled: nothing to roll back
+
+
 def test_sampling_is_lossless(models):
     """Speculative sampling with an unrelated draft gives the target's own distribution of the
     first two tokens (chi-square against the exact distribution computed from target logits)."""

@@ -8,7 +8,8 @@ Three tables, for the Qwen3.5-27B shapes:
     that stay resident walk many rows, x prepared once per block) and one block per 8 rows (plain
     Q4_K also with the resident grid and two rows a warp, the PAIRED form);
   * 1..32 columns (verifying a draft chain) with the Q4_K and Q6_K tensor-core kernels, next to
-    one column (the mat-vec).
+    one column (the mat-vec); --row-tiles times them at each given number of 16-row tiles per
+    thread block (0: the kernels' own choice).
 Weights are random blocks (random quants and scales, random f16 d / dmin within sane ranges); the
 reference is y = dequantize(W) @ x in float64 with gguf-py's own dequantizers (the llama.cpp
 project's Python implementation), over the first 4096 rows; the kernels round x to int8 (per 16
@@ -45,6 +46,8 @@ ONE_COLUMN = [
     (Q4K, "DeltaNet qkv", 10240, 5120, False),
     (Q4K, "attention q+gate", 12288, 5120, False),
     (Q4K, "DeltaNet z", 6144, 5120, False),
+    (Q4K, "DeltaNet qkv+z+beta+alpha stack", 16480, 5120, False),
+    (Q4K, "attention q+gate+k stack", 13312, 5120, False),
     (Q4K, "ssm_out / attn_output", 5120, 6144, False),
     (Q4K, "DeltaNet alpha (split-K)", 48, 5120, False),
     (Q6K, "ffn down", 5120, 17408, False),
@@ -52,10 +55,11 @@ ONE_COLUMN = [
     (Q6K, "attention v", 1024, 5120, False),
     (Q6K, "output head", 248320, 5120, False),
 ]
-MULTI_COLUMN = [
-    (Q4K, "ffn gate (or up)", 17408, 5120),
+MULTI_COLUMN = [  # verify batches multiply the weight stacks (gate + up, DeltaNet qkv + z + beta + alpha)
+    (Q4K, "ffn gate+up stack", 34816, 5120),
     (Q4K, "ffn down", 5120, 17408),
-    (Q4K, "DeltaNet qkv", 10240, 5120),
+    (Q4K, "DeltaNet qkv+z+beta+alpha stack", 16480, 5120),
+    (Q4K, "ssm_out / attn_output", 5120, 6144),
     (Q6K, "ffn down", 5120, 17408),
     (Q6K, "output head", 248320, 5120),
 ]
@@ -116,6 +120,8 @@ def main() -> int:
     ap.add_argument("lib")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--one-column-only", action="store_true", help="skip the 1..32 column table")
+    ap.add_argument("--row-tiles", default="0",
+                    help="comma-separated 16-row tiles per tensor-core thread block to time (0: the kernels' choice)")
     ap.add_argument("--out")
     args = ap.parse_args()
     lib = ctypes.CDLL(args.lib)
@@ -124,8 +130,9 @@ def main() -> int:
     lib.deltaspec_q6k_gemv.argtypes = [vp] * 3 + [ll] * 3 + [vp, ctypes.c_int]
     lib.deltaspec_mma_x_bytes.argtypes = [ll, ctypes.c_int]
     lib.deltaspec_mma_x_bytes.restype = ll
-    lib.deltaspec_q4k_mma.argtypes = [vp, vp, ll, vp, ll, ll, ll, ctypes.c_int, ll, vp, vp]
+    lib.deltaspec_q4k_mma.argtypes = [vp, vp, ll, vp, ll, ll, ll, ctypes.c_int, ll, vp, vp, ctypes.c_int]
     lib.deltaspec_q6k_mma.argtypes = lib.deltaspec_q4k_mma.argtypes
+    row_tiles = [int(t) for t in args.row_tiles.split(",")]
     rng = np.random.default_rng(0)
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -178,17 +185,17 @@ def main() -> int:
         scratch = torch.empty(lib.deltaspec_mma_x_bytes(cols, max(COLUMNS)), dtype=torch.uint8, device=dev)
         mma = lib.deltaspec_q4k_mma if qtype == Q4K else lib.deltaspec_q6k_mma
         one_us = None
-        for n in COLUMNS:
-            def launch(i):
+        for n, tiles in [(n, t) for n in COLUMNS for t in ([0] if n == 1 else row_tiles)]:
+            def launch(i):  # one column: the mat-vec in the form the engine picks (deltaspec_matmul.cu)
                 if n == 1 and qtype == Q4K:
                     check(lib.deltaspec_q4k_gemv(wd[i].data_ptr(), None, xd.data_ptr(), yd.data_ptr(), rows, cols,
-                                                 w.shape[1], stream, 1, 0))
+                                                 w.shape[1], stream, 1, int(rows >= 4096)))
                 elif n == 1:
                     check(lib.deltaspec_q6k_gemv(wd[i].data_ptr(), xd.data_ptr(), yd.data_ptr(), rows, cols,
-                                                 w.shape[1], stream, 1))
+                                                 w.shape[1], stream, int(cols <= rows)))
                 else:
                     check(mma(wd[i].data_ptr(), xd.data_ptr(), cols, yd.data_ptr(), rows, rows, cols, n, w.shape[1],
-                              scratch.data_ptr(), stream))
+                              scratch.data_ptr(), stream, tiles))
 
             yd.fill_(float("nan"))
             launch(0)
@@ -197,7 +204,8 @@ def main() -> int:
             err = rel_error(got, ref_all[:, :n])
             us = timer(launch, len(wd))
             one_us = one_us or us
-            multi.append(dict(type=qtype.name, shape=name, rows=rows, cols=cols, n=n, bytes=w.nbytes, us=us,
+            multi.append(dict(type=qtype.name, shape=name, rows=rows, cols=cols, n=n, row_tiles=tiles,
+                              bytes=w.nbytes, us=us,
                               tb_s=w.nbytes / (us * 1e-6) / 1e12, x_one_column=us / one_us, max_rel_error=err))
         del wd
 
@@ -210,10 +218,11 @@ def main() -> int:
         print(f"| {r['type']} | {r['shape']} | {dims} | {grid} | "
               f"{r['bytes'] / 1e6:.1f} | {r['us']:.1f} | {r['tb_s']:.2f} | {100 * r['tb_s'] * 1e12 / copy_bw:.0f}% | "
               f"{r['max_rel_error']:.1e} |")
-    print("\n| type | matrix | rows x cols | columns | us | x one column | weight TB/s | max rel. error |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("\n| type | matrix | rows x cols | columns | row tiles | us | x one column | weight TB/s | max rel. error |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in multi:
-        print(f"| {r['type']} | {r['shape']} | {r['rows']} x {r['cols']} | {r['n']} | {r['us']:.1f} | "
+        tiles = r["row_tiles"] or "auto"
+        print(f"| {r['type']} | {r['shape']} | {r['rows']} x {r['cols']} | {r['n']} | {tiles} | {r['us']:.1f} | "
               f"{r['x_one_column']:.2f} | {r['tb_s']:.2f} | {r['max_rel_error']:.1e} |")
     if args.out:
         with open(args.out, "w") as f:

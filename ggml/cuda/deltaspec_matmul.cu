@@ -47,6 +47,14 @@ extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_kernel
     g_deltaspec_kernels = on;
 }
 
+// 16-row tiles per thread block of the tensor-core kernels (mma_x.cuh with_row_tiles): 0 lets
+// them choose by the matrix's rows; 1, 2 or 4 forces it (tests, A/B runs)
+static int g_mma_row_tiles = 0;
+
+extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_mma_row_tiles(int row_tiles) {
+    g_mma_row_tiles = row_tiles;
+}
+
 namespace {
 
 constexpr int64_t kMaxColumns = 32;
@@ -168,15 +176,22 @@ bool fold_inputs(const ggml_tensor * swiglu, const float *& x, int64_t & ldx, de
     return true;
 }
 
-// Wide matrices of a few thousand rows (ffn down, ssm_out, attention output) take the Q4_K
-// kernel's PAIRED form (q4k_gemv.cuh); DELTASPEC_Q4K_PAIRED=0 keeps the one-row form (A/B runs).
-bool q4k_paired(int64_t n_rows, int64_t n_cols) {
+// Plain Q4_K products of 4096 rows or more take the kernel's PAIRED form (q4k_gemv.cuh); DELTASPEC_Q4K_PAIRED=0
+// keeps the one-row form (A/B runs). First for wide matrices (ffn down, ssm_out, attention
+// output); H200 (kernels_bench, one column) showed it faster for the input projections too:
+// 10240 x 5120 16.8 -> 15.7 us, 12288 x 5120 19.1 -> 16.7, 6144 x 5120 12.5 -> 10.4.
+bool q4k_paired(int64_t n_rows) {
     static const bool enabled = [] {
         const char * env = std::getenv("DELTASPEC_Q4K_PAIRED");
         return env == nullptr || std::strcmp(env, "0") != 0;
     }();
-    return enabled && n_cols > n_rows && n_rows >= 4096;
+    return enabled && n_rows >= 4096;
 }
+
+// Q6_K mat-vecs over more columns than rows (ffn down, 5120 x 17408) run one thread block per 8
+// rows rather than the resident grid: 36.6-36.7 vs 39.2-39.3 us in three H200 runs of
+// kernels_bench (the output head, 248320 rows, is the other way round: 390 vs 491 us).
+bool q6k_resident(int64_t n_rows, int64_t n_cols) { return n_cols <= n_rows; }
 
 // Which of our kernels computes dst = src0 x src1 (with ggml's fusion, if any), or none.
 enum class Kernel { none, q4k_gemv, q6k_gemv, q4k_mma, q6k_mma };
@@ -219,10 +234,11 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
     switch (k) {
         case Kernel::q4k_gemv:
             deltaspec_cuda::launch_q4k_gemv(src0->data, gate, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias,
-                                            norm, q4k_paired(rows, n_k));
+                                            norm, q4k_paired(rows));
             break;
         case Kernel::q6k_gemv:
-            deltaspec_cuda::launch_q6k_gemv(src0->data, x, y, rows, n_k, src0->nb[1], ctx.stream(), true, bias, norm);
+            deltaspec_cuda::launch_q6k_gemv(src0->data, x, y, rows, n_k, src0->nb[1], ctx.stream(),
+                                            q6k_resident(rows, n_k), bias, norm);
             break;
         case Kernel::q4k_mma:
         case Kernel::q6k_mma: {
@@ -230,7 +246,7 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
             ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::mma_x_bytes(n_k, n));
             const auto launch = k == Kernel::q4k_mma ? deltaspec_cuda::launch_q4k_mma : deltaspec_cuda::launch_q6k_mma;
             launch(src0->data, x, ldx, y, dst->nb[1] / sizeof(float), rows, n_k, n, src0->nb[1], scratch.get(),
-                   ctx.stream(), norm, glu, residual);
+                   ctx.stream(), norm, glu, residual, g_mma_row_tiles);
             break;
         }
         case Kernel::none:

@@ -178,20 +178,58 @@ inline MmaX launch_quantize_x256(const float * x, int64_t ldx, int64_t n_k, int 
     return out;
 }
 
-// The end of a tensor-core kernel whose 8 warps each hold partial sums of the block's 16 rows
-// (lane (g, t): acc[nt] = rows g, g + 8 x columns 8 nt + 2t, 8 nt + 2t + 1, the mma's C layout):
-// add them up in shared memory (mma_partial_floats<NT> floats) and write y[c * ldy + r] (plus the
-// residual's value there, if any).
+// Row tiles of 16 rows one thread block of a tensor-core kernel covers: its 8 warps split into R
+// row tiles x 8 / R phases along k. Every block reads all of x (n_k x 8 NT int8) through L2,
+// which for one tile of 16 rows is NP / 9 times the Q4_K weight bytes it reads (x of 16
+// columns: 1.8x); the warps of two or four tiles read the same x at about the same time (__ldg:
+// through L1), so L2 serves it once per R tiles. Measured (H200, kernels_bench): it helps
+// where the larger blocks still fill the device (DeltaNet stack at 16 columns 1.31 -> 1.22x one
+// column), but the step from 8 to 9 columns (+0.2x) stays: L2 was not the main limit. (An L1
+// prefetch of the next block's x, one line a lane, made every case slower: 1.22 -> 2.01x.)
+// Calls launch(std::integral_constant<int, R>) for row_tiles = R in 1, 2, 4 (up to MAX).
+template <int MAX, typename Launch>
+inline void with_row_tiles(int row_tiles, Launch && launch) {
+    if (row_tiles <= 1) {
+        launch(std::integral_constant<int, 1>{});
+    } else if (row_tiles == 2 || MAX == 2) {
+        launch(std::integral_constant<int, 2>{});
+    } else {
+        if constexpr (MAX >= 4) launch(std::integral_constant<int, 4>{});
+    }
+}
+
+// R for a matrix of n_rows: the most tiles (up to max_tiles) whose blocks still fill the
+// device's waves (two blocks per SM) to at least 3/4; else one tile. Every block of a matrix
+// carries the same work, so a last wave a fraction full costs a whole wave's time. H200
+// (kernels_bench, 16 columns, x one column): ffn gate+up 34816 rows, R = 1/2/4: 1.32/1.31/1.42
+// (R = 4 is 2.06 waves); DeltaNet stack 16480 rows: 1.31/1.20/1.19 (R = 4: 0.98 of one wave);
+// 5120 rows: 1.33/1.46/2.04 (R = 2 fills 61 % of one wave).
+inline int mma_row_tiles(int64_t n_rows, int max_tiles) {
+    int device = 0, n_sm = 1;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device);
+    const int64_t slots = 2 * (int64_t)n_sm;
+    for (int r = max_tiles; r > 1; r /= 2) {
+        const int64_t blocks = (n_rows + 16 * r - 1) / (16 * r), waves = (blocks + slots - 1) / slots;
+        if (4 * blocks >= 3 * waves * slots) return r;
+    }
+    return 1;
+}
+
+// The end of a tensor-core kernel whose 8 warps each hold partial sums of 16 rows (R row tiles,
+// warp w on tile w % R; lane (g, t): acc[nt] = rows g, g + 8 of its tile x columns 8 nt + 2t,
+// 8 nt + 2t + 1, the mma's C layout): add up each tile's 8 / R warps in shared memory
+// (mma_partial_floats<NT> floats) and write y[c * ldy + r] (plus the residual's value there).
 constexpr int kPartialRowStride = 20;  // 16 rows + 4: the lanes' stores, 8t + g apart, hit 32 banks
 template <int NT>
 constexpr int mma_partial_floats = 8 * 8 * NT * kPartialRowStride;
 
-template <int NT>
+template <int NT, int R>
 __device__ __forceinline__ void mma_reduce_store(const float (&acc)[NT][4], float * partial, float * y, int64_t ldy,
                                                  YResidual residual, int row_base, int n_rows, int n_cols) {
-    constexpr int NP = 8 * NT;
+    constexpr int NP = 8 * NT, KS = 8 / R;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    float * mine = partial + warp * NP * kPartialRowStride;  // [column][row]
+    float * mine = partial + warp * NP * kPartialRowStride;  // [column][row of the warp's tile]
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         const int c = 8 * nt + 2 * t;
@@ -201,14 +239,15 @@ __device__ __forceinline__ void mma_reduce_store(const float (&acc)[NT][4], floa
         mine[(c + 1) * kPartialRowStride + g + 8] = acc[nt][3];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < 16 * NP; i += blockDim.x) {
-        const int r = i & 15, col = i >> 4;
+    for (int i = threadIdx.x; i < 16 * R * NP; i += blockDim.x) {
+        const int r = i & 15, tile = (i >> 4) % R, col = i / (16 * R);
         float v = 0.0f;
 #pragma unroll
-        for (int w = 0; w < 8; ++w) v += partial[(w * NP + col) * kPartialRowStride + r];
-        if (col < n_cols && row_base + r < n_rows) {
-            if (residual.res != nullptr) v += residual.res[col * residual.ld + row_base + r];
-            y[col * ldy + row_base + r] = v;
+        for (int k = 0; k < KS; ++k) v += partial[((k * R + tile) * NP + col) * kPartialRowStride + r];
+        const int row = row_base + 16 * tile + r;
+        if (col < n_cols && row < n_rows) {
+            if (residual.res != nullptr) v += residual.res[col * residual.ld + row];
+            y[col * ldy + row] = v;
         }
     }
 }

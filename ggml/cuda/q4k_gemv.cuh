@@ -81,10 +81,11 @@ __device__ __forceinline__ float q4k_chunk(uint4 head, uint4 qs, int j, const XS
 // gridDim.x * 8 apart. With SPLIT_K (matrices of few rows, such as DeltaNet's 48-row alpha and
 // beta, which 8 rows a block would leave on a handful of SMs), the 8 warps of a block share one
 // row, each walking every 8th group of 4 blocks, and a block's rows are gridDim.x apart. With
-// PAIRED (wide matrices of a few thousand rows, such as ffn down: 5120 x 17408), a warp takes two
-// rows 8 apart at once, so a block covers 16 rows: all rows are in flight in one wave of resident
-// blocks (with one row a warp, 5120 rows needed a second wave on a fifth of the blocks), and x
-// is prepared once per 16 rows.
+// PAIRED (first for wide matrices of a few thousand rows, such as ffn down: 5120 x 17408; now any
+// plain product of 4096+ rows), a warp takes two rows 8 apart at once, so a block covers 16 rows:
+// twice the weight loads in flight per warp, all rows of ffn down in one wave of resident blocks
+// (with one row a warp, 5120 rows needed a second wave on a fifth of the blocks), and x is
+// prepared once per 16 rows.
 template <bool SPLIT_K, bool PAIRED = false>
 constexpr int kQ4KRowsPerBlock = SPLIT_K ? 1 : PAIRED ? 16 : 8;
 

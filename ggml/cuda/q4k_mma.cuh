@@ -5,8 +5,9 @@
 //
 // x is first quantized per column and per 256 values (one Q4_K block) to int8 with one f32 scale,
 // plus the integer sum of each 32-value sub-block (quantize_x256, mma_x.cuh). A thread block of 8
-// warps then takes 16 rows; its warps split the rows' Q4_K blocks (warp w: blocks w, w + 8, ...)
-// and meet in shared memory at the end. Per block and per 8 columns a warp runs, all in integers:
+// warps then takes R tiles of 16 rows (with_row_tiles, mma_x.cuh); the 8 / R warps of a tile
+// split its Q4_K blocks (warp w: blocks w / R, w / R + 8 / R, ...) and meet in shared memory at
+// the end. Per block and per 8 columns a warp runs, all in integers:
 //   * one int8 mma.m16n8k32 per sub-block: A = the 16 rows' nibbles of the sub-block (0..15),
 //     B = x's int8 values, C_s; then  S += sc_s * C_s  (the 6-bit sub-block scale, per row);
 //   * the mins  M = sum_s m_s * xsum_s  as two more mma (xsum up to +-4064 is split into int8
@@ -57,25 +58,25 @@ __device__ __forceinline__ void load_tile_block(Q4KTileBlock & tb, const uint8_t
 }
 
 // y[c * ldy + r] = W[r] . x[c] for r < n_rows, c < n_cols (<= 8 * NT), from x as quantize_x256
-// wrote it (with sums), padded to 8 * NT columns.
-template <int NT>
+// wrote it (with sums), padded to 8 * NT columns; R tiles of 16 rows per thread block.
+template <int NT, int R>
 __global__ void __launch_bounds__(256, 2)  // two blocks per SM: <= 128 registers
 q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YResidual residual, int n_rows,
         int n_cols, int n_blocks, int64_t row_bytes) {
-    constexpr int NP = 8 * NT;
+    constexpr int NP = 8 * NT, KS = 8 / R;  // KS: the warps of a row tile, which split its blocks
     __shared__ float partial[mma_partial_floats<NT>];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int row_base = blockIdx.x * 16;
+    const int row_base = blockIdx.x * 16 * R, tile_base = row_base + 16 * (warp % R);
     const int8_t * __restrict__ xq = x.values;
-    const uint8_t * row0 = W + min(row_base + g, n_rows - 1) * row_bytes;
-    const uint8_t * row1 = W + min(row_base + g + 8, n_rows - 1) * row_bytes;
+    const uint8_t * row0 = W + min(tile_base + g, n_rows - 1) * row_bytes;
+    const uint8_t * row1 = W + min(tile_base + g + 8, n_rows - 1) * row_bytes;
 
     float acc[NT][4] = {};
     Q4KTileBlock cur, next;
-    int b = warp;
+    int b = warp / R;
     if (b < n_blocks) load_tile_block(cur, row0, row1, b, t);
-    for (; b < n_blocks; b += 8) {
-        if (b + 8 < n_blocks) load_tile_block(next, row0, row1, b + 8, t);
+    for (; b < n_blocks; b += KS) {
+        if (b + KS < n_blocks) load_tile_block(next, row0, row1, b + KS, t);
         int S[NT][4] = {};
         uint32_t mins[2] = {0, 0};  // lanes t = 0, 1: the mins of sub-blocks 4t..4t+3 of rows g, g + 8
 #pragma unroll
@@ -95,8 +96,8 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
                 const uint32_t a3 = (cur.qs[1][j].y >> (4 * h)) & 0x0F0F0F0Fu;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 bq = *reinterpret_cast<const uint2 *>(
-                        xq + ((int64_t)(8 * b + s) * NP + 8 * nt + g) * 32 + 8 * t);
+                    const uint2 bq = __ldg(reinterpret_cast<const uint2 *>(
+                        xq + ((int64_t)(8 * b + s) * NP + 8 * nt + g) * 32 + 8 * t));
                     int c[4];
                     mma_s8(c, a0, a1, a2, a3, bq.x, bq.y);
                     S[nt][0] += sc[0][h] * c[0];
@@ -113,12 +114,12 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
         for (int nt = 0; nt < NT; ++nt) {
             // mins: k slots 0..7 = sub-blocks (held by lanes t = 0, 1), the rest zero
             const XSums & xsum = x.sums[(int64_t)b * NP + 8 * nt + g];
-            const uint32_t hi = t < 2 ? reinterpret_cast<const uint32_t *>(xsum.hi)[t] : 0u;
-            const uint32_t lo = t < 2 ? reinterpret_cast<const uint32_t *>(xsum.lo)[t] : 0u;
+            const uint32_t hi = t < 2 ? __ldg(reinterpret_cast<const uint32_t *>(xsum.hi) + t) : 0u;
+            const uint32_t lo = t < 2 ? __ldg(reinterpret_cast<const uint32_t *>(xsum.lo) + t) : 0u;
             int mh[4], ml[4];
             mma_s8(mh, mins[0], mins[1], 0u, 0u, hi, 0u);
             mma_s8(ml, mins[0], mins[1], 0u, 0u, lo, 0u);
-            const float2 d = *reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t);
+            const float2 d = __ldg(reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t));
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const float2 rd = dm[k >> 1];
@@ -128,23 +129,27 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
         }
         cur = next;
     }
-    mma_reduce_store<NT>(acc, &partial[0], y, ldy, residual, row_base, n_rows, n_cols);
+    mma_reduce_store<NT, R>(acc, &partial[0], y, ldy, residual, row_base, n_rows, n_cols);
 }
 
 // Host side: W in ggml's Q4_K layout (n_k a multiple of 256, 16-byte aligned rows), x: n_cols (2..32)
 // f32 columns of n_k values, ldx floats apart, 16-byte aligned; y: n_cols columns of n_rows, ldy
 // apart. scratch: mma_x_bytes(n_k, n_cols) bytes of device memory, 16-byte aligned.
 // norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
-// residual: added to y as it is stored, or none.
+// residual: added to y as it is stored, or none. row_tiles: R (1, 2 or 4), 0 = mma_row_tiles.
 inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
                            int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
-                           XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{}) {
+                           XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{},
+                           int row_tiles = 0) {
     const MmaX xq = launch_quantize_x256<false, true>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const int n_blocks = (int)(n_k / 256);
-    const unsigned grid = (unsigned)((n_rows + 15) / 16);
     const uint8_t * w = static_cast<const uint8_t *>(W);
-    with_column_tiles(n_cols, [&](auto nt) {
-        q4k_mma<nt.value><<<grid, 256, 0, stream>>>(w, xq, y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
+    with_row_tiles<4>(row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4), [&](auto r) {
+        const unsigned grid = (unsigned)((n_rows + 16 * r.value - 1) / (16 * r.value));
+        with_column_tiles(n_cols, [&](auto nt) {
+            q4k_mma<nt.value, r.value>
+                <<<grid, 256, 0, stream>>>(w, xq, y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
+        });
     });
 }
 

@@ -4,12 +4,14 @@
 //
 // x is quantized as for q4k_mma (per column and 256 values to int8 with one scale; mma_x.cuh), with
 // each 32-value sub-block's two halves interleaved for this kernel's k = 16 mma. A thread block of
-// 8 warps takes 16 rows, and walks their Q6_K blocks 8 at a time:
+// 8 warps takes R tiles of 16 rows (with_row_tiles, mma_x.cuh), and walks their Q6_K blocks 8 at
+// a time:
 //   * staging: 210-byte blocks are only 2-byte aligned, too little for wide loads, but 8 blocks
 //     of a row (1680 bytes) are 8-byte aligned when rows hold a multiple of 4 blocks. So warp w
-//     copies rows 2w and 2w + 1's next 8 blocks into shared memory with coalesced 8-byte
-//     cp.async (two stages: the next 8 blocks load while these are multiplied);
-//   * math: warp w then takes block w of the stage, for all 16 rows. Per 16 weights under one
+//     copies its 2R rows' next 8 blocks into shared memory with coalesced 8-byte cp.async (two
+//     stages: the next 8 blocks load while these are multiplied);
+//   * math: warp w then takes tile w % R and blocks w / R, w / R + 8 / R, ... of the stage (the
+//     warps of the R tiles read the same x at once: L2 serves it once). Per 16 weights under one
 //     int8 scale and per 8 columns, one int8 mma.m16n8k16: A = the 16 rows' weights q - 32
 //     (-32..31, assembled from the 4 low and 2 high bits), B = x's int8 values, C; then
 //     S += sc * C per row. Once per block  y += dx * d * S.
@@ -31,13 +33,14 @@
 
 namespace deltaspec_cuda {
 
-constexpr int kQ6KMmaRows = 16;
-constexpr int kQ6KMmaStepBlocks = 8;  // blocks per row and stage: one per warp
+constexpr int kQ6KMmaStepBlocks = 8;  // blocks per row and stage
 constexpr int kQ6KMmaRowStage = kQ6KMmaStepBlocks * kQ6KBytes;
-constexpr int kQ6KMmaStageBytes = kQ6KMmaRows * kQ6KMmaRowStage;
-// two stages, + 4 bytes for the word after an odd last block's d; the 8 warps' partial sums
-// (mma_partial_floats) reuse it at the end
-constexpr size_t kQ6KMmaSmem = 2 * kQ6KMmaStageBytes + 16;
+// R tiles of 16 rows: two stages, + 4 bytes for the word after an odd last block's d; the 8
+// warps' partial sums (mma_partial_floats) reuse it at the end
+__host__ __device__ constexpr int q6k_mma_stage_bytes(int R) { return 16 * R * kQ6KMmaRowStage; }
+constexpr size_t q6k_mma_smem(int R) { return 2 * (size_t)q6k_mma_stage_bytes(R) + 16; }
+// R = 4 would need 215 KB a block: one block per SM
+constexpr int kQ6KMmaMaxRowTiles = 2;
 
 __device__ __forceinline__ void mma_s8_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b) {
     asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
@@ -58,24 +61,24 @@ __device__ __forceinline__ uint32_t q6_bytes(uint32_t low, uint32_t high) {
 }
 
 // y[c * ldy + r] = W[r] . x[c] for r < n_rows, c < n_cols (<= 8 * NT), from x as quantize_x256
-// wrote it with interleaved halves, padded to 8 * NT columns.
-template <int NT>
+// wrote it with interleaved halves, padded to 8 * NT columns; R tiles of 16 rows per thread block.
+template <int NT, int R>
 __global__ void __launch_bounds__(256, 2)  // two blocks per SM: <= 128 registers
 q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YResidual residual, int n_rows,
         int n_cols, int n_blocks, int64_t row_bytes) {
-    constexpr int NP = 8 * NT;
+    constexpr int NP = 8 * NT, KS = 8 / R, kStageBytes = q6k_mma_stage_bytes(R);
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int row_base = blockIdx.x * kQ6KMmaRows;
+    const int row_base = blockIdx.x * 16 * R, tile = warp % R;
     const int n_steps = (n_blocks + kQ6KMmaStepBlocks - 1) / kQ6KMmaStepBlocks;
 
-    auto stage_step = [&](int s) {  // this warp's two rows, blocks 8s.., into stage s % 2
+    auto stage_step = [&](int s) {  // this warp's 2R rows, blocks 8s.., into stage s % 2
         const int words = min(kQ6KMmaStepBlocks, n_blocks - s * kQ6KMmaStepBlocks) * kQ6KBytes / 8;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = 2 * warp + r;
+        for (int r = 0; r < 2 * R; ++r) {
+            const int row = 2 * R * warp + r;
             const uint8_t * src = W + min(row_base + row, n_rows - 1) * row_bytes + (int64_t)s * kQ6KMmaRowStage;
-            uint8_t * dst = smem + (s & 1) * kQ6KMmaStageBytes + row * kQ6KMmaRowStage;
+            uint8_t * dst = smem + (s & 1) * kStageBytes + row * kQ6KMmaRowStage;
             for (int i = lane; i < words; i += 32) cp_async8(dst + 8 * i, src + 8 * i);
         }
         asm volatile("cp.async.commit_group;");
@@ -91,10 +94,13 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
             asm volatile("cp.async.wait_group 0;");
         }
         __syncthreads();  // every warp's rows of stage s have landed
-        const int b = s * kQ6KMmaStepBlocks + warp;
-        if (b < n_blocks) {
-            const uint8_t * stage = smem + (s & 1) * kQ6KMmaStageBytes;
-            const int o[2] = {g * kQ6KMmaRowStage + warp * kQ6KBytes, (g + 8) * kQ6KMmaRowStage + warp * kQ6KBytes};
+#pragma unroll 1
+        for (int blk = warp / R; blk < kQ6KMmaStepBlocks; blk += KS) {
+            const int b = s * kQ6KMmaStepBlocks + blk;
+            if (b >= n_blocks) break;
+            const uint8_t * stage = smem + (s & 1) * kStageBytes;
+            const int r0 = 16 * tile + g;
+            const int o[2] = {r0 * kQ6KMmaRowStage + blk * kQ6KBytes, (r0 + 8) * kQ6KMmaRowStage + blk * kQ6KBytes};
             uint32_t sc[2][4];  // the 16 int8 scales of rows g, g + 8
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -124,8 +130,8 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
                     const int sub = 4 * n + k;  // x's 32-value sub-block
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        const uint2 bq = *reinterpret_cast<const uint2 *>(
-                            x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t);
+                        const uint2 bq = __ldg(reinterpret_cast<const uint2 *>(
+                            x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t));
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             const int i = 8 * n + 2 * k + h;  // the group's scale
@@ -148,25 +154,25 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
             }
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                const float2 dx = *reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t);
+                const float2 dx = __ldg(reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t));
 #pragma unroll
                 for (int k = 0; k < 4; ++k) acc[nt][k] += (k & 1 ? dx.y : dx.x) * d[k >> 1] * (float)S[nt][k];
             }
         }
         __syncthreads();  // stage s is read: the next iteration's copy may overwrite it
     }
-    mma_reduce_store<NT>(acc, reinterpret_cast<float *>(smem), y, ldy, residual, row_base, n_rows, n_cols);
+    mma_reduce_store<NT, R>(acc, reinterpret_cast<float *>(smem), y, ldy, residual, row_base, n_rows, n_cols);
 }
 
-// Lets q6k_mma<NT> use kQ6KMmaSmem (more than the default 48 KiB of dynamic shared memory) on
-// the current device, once per device; a failure shows as the launch's error.
-template <int NT>
+// Lets q6k_mma<NT, R> use q6k_mma_smem(R) (more than the default 48 KiB of dynamic shared memory)
+// on the current device, once per device; a failure shows as the launch's error.
+template <int NT, int R>
 inline void allow_q6k_mma_smem() {
     static std::atomic<uint64_t> raised{0};  // bit d: done on device d
     int device = 0;
     cudaGetDevice(&device);
     if (device >= 64 || (raised.load() >> device & 1)) return;
-    if (cudaFuncSetAttribute(q6k_mma<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kQ6KMmaSmem) ==
+    if (cudaFuncSetAttribute(q6k_mma<NT, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)q6k_mma_smem(R)) ==
         cudaSuccess) {
         raised |= uint64_t{1} << device;
     }
@@ -177,18 +183,22 @@ inline void allow_q6k_mma_smem() {
 // 16-byte aligned; y: n_cols columns of n_rows, ldy apart. scratch: mma_x_bytes(n_k, n_cols)
 // bytes of device memory, 16-byte aligned.
 // norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
-// residual: added to y as it is stored, or none.
+// residual: added to y as it is stored, or none. row_tiles: R (1 or 2), 0 = mma_row_tiles.
 inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
                            int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
-                           XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{}) {
+                           XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{},
+                           int row_tiles = 0) {
     const MmaX xq = launch_quantize_x256<true, false>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const uint8_t * w = static_cast<const uint8_t *>(W);
     const int n_blocks = (int)(n_k / 256);
-    const unsigned grid = (unsigned)((n_rows + kQ6KMmaRows - 1) / kQ6KMmaRows);
-    with_column_tiles(n_cols, [&](auto nt) {
-        allow_q6k_mma_smem<nt.value>();
-        q6k_mma<nt.value><<<grid, 256, kQ6KMmaSmem, stream>>>(w, xq, y, ldy, residual, (int)n_rows, n_cols, n_blocks,
-                                                              row_bytes);
+    const int tiles = row_tiles > 0 ? std::min(row_tiles, kQ6KMmaMaxRowTiles) : mma_row_tiles(n_rows, kQ6KMmaMaxRowTiles);
+    with_row_tiles<kQ6KMmaMaxRowTiles>(tiles, [&](auto r) {
+        const unsigned grid = (unsigned)((n_rows + 16 * r.value - 1) / (16 * r.value));
+        with_column_tiles(n_cols, [&](auto nt) {
+            allow_q6k_mma_smem<nt.value, r.value>();
+            q6k_mma<nt.value, r.value><<<grid, 256, q6k_mma_smem(r.value), stream>>>(
+                w, xq, y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
+        });
     });
 }
 
