@@ -276,6 +276,9 @@ PYBIND11_MODULE(_core, m) {
           "Whether ggml-cuda here carries deltaspec's own kernels (on by default on CUDA; "
           "DELTASPEC_CUDA_KERNELS=0 keeps ggml's).");
 
+    m.def("cuda_deltanet_launches", &cuda_deltanet_launches,
+          "Host-side launches of deltaspec's DeltaNet kernel for verify batches so far (-1: not in this build).");
+
     m.def("cpu_extra_buffer_types", &cpu_extra_buffer_types,
           "ggml's extra CPU buffer types available here (AMX, repacking): weights placed in one select its matmuls.");
     m.def("cpu_features", &cpu_features, "Instruction-set features ggml-cpu was compiled with, name -> value.");

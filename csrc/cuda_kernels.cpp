@@ -1,5 +1,6 @@
 #include "cuda_kernels.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -12,6 +13,8 @@ extern "C" bool deltaspec_cuda_fold_input(ggml_tensor * input, const ggml_tensor
                                           int n_weights) __attribute__((weak));
 extern "C" bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs, int n_jobs) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_mma_row_tiles(int row_tiles) __attribute__((weak));
+extern "C" void deltaspec_cuda_set_deltanet(bool on) __attribute__((weak));
+extern "C" int64_t deltaspec_cuda_deltanet_launches() __attribute__((weak));
 
 namespace deltaspec {
 
@@ -22,6 +25,10 @@ bool enable_cuda_kernels() {
     const char * env = std::getenv("DELTASPEC_CUDA_KERNELS");
     const bool on = env == nullptr || std::strcmp(env, "0") != 0;
     deltaspec_cuda_set_kernels(on);
+    if (deltaspec_cuda_set_deltanet != nullptr) {
+        const char * deltanet = std::getenv("DELTASPEC_CUDA_DELTANET");
+        deltaspec_cuda_set_deltanet(on && (deltanet == nullptr || std::strcmp(deltanet, "0") != 0));
+    }
     if (deltaspec_cuda_set_mma_row_tiles != nullptr) {
         const char * tiles = std::getenv("DELTASPEC_MMA_ROW_TILES");
         const std::string value = tiles != nullptr ? tiles : "0";
@@ -31,6 +38,10 @@ bool enable_cuda_kernels() {
         deltaspec_cuda_set_mma_row_tiles(std::stoi(value));
     }
     return on;
+}
+
+int64_t cuda_deltanet_launches() {
+    return deltaspec_cuda_deltanet_launches != nullptr ? deltaspec_cuda_deltanet_launches() : -1;
 }
 
 bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights) {

@@ -3,6 +3,7 @@
 // and small-batch products through them once switched on.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "deltaspec_copies.h"
@@ -16,7 +17,12 @@ bool cuda_kernels_available();
 // Switch them on, unless the environment says DELTASPEC_CUDA_KERNELS=0 (for A/B measurements);
 // returns whether they are on. DELTASPEC_MMA_ROW_TILES=1|2|4 forces the tensor-core kernels'
 // 16-row tiles per thread block (0 or unset: their own choice); another value throws.
+// DELTASPEC_CUDA_DELTANET=0 leaves verify batches' DeltaNet recurrence to ggml's kernel.
 bool enable_cuda_kernels();
+
+// How many times our DeltaNet kernel (ggml/cuda/deltaspec_deltanet.cu) was launched from the host
+// in this process (a replayed CUDA graph launches it without the host); -1 without it.
+int64_t cuda_deltanet_launches();
 
 // Offers an op output, MUL(RMS_NORM(x), w) or (2..32 columns) a SWIGLU, to our CUDA kernels:
 // when they are on and serve every one of `weights` (the products that read it) for its column

@@ -261,3 +261,45 @@ def test_mma_row_tiles_agree(tmp_path, monkeypatch, quant, shape):
     monkeypatch.setenv("DELTASPEC_MMA_ROW_TILES", "3")
     with pytest.raises(ValueError, match="DELTASPEC_MMA_ROW_TILES"):
         Model(path, device="cuda", n_ctx=128)
+
+
+def test_deltanet_verify_kernel_matches_ggml(tmp_path, monkeypatch):
+    """Verify batches' DeltaNet recurrence in our kernel (ggml/cuda/deltaspec_deltanet.cu: the next
+    token's inputs loaded during this token's math, ggml's math expression for expression) against
+    ggml's kernel (DELTASPEC_CUDA_DELTANET=0): every row's logits, the state keep() rolls back to
+    (a snapshot from the middle of the batch) and the step after it. The tiny model gets the real
+    models' 128-value DeltaNet heads (the only size our kernel serves), and 2 k-heads for 4
+    v-heads (the op's head broadcast). The same sums in the same order give the same bits; the
+    bound below only forgives a compiler contracting one multiply-add differently (an index
+    off by one moves logits by their whole spread)."""
+    from deltaspec import _core
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    if not _core.cuda_kernels_available():
+        pytest.skip("this ggml-cuda does not carry deltaspec's kernels")
+    path = write_tiny_vocab_model(tmp_path / "s128.gguf", seed=3, ssm_state=128, ssm_k_heads=2, ssm_v_heads=4)
+    rng = np.random.default_rng(8)
+    prefix, batch = rng.integers(0, 256, size=20).tolist(), rng.integers(0, 256, size=17).astype(np.int32)
+
+    def run(flag):
+        monkeypatch.setenv("DELTASPEC_CUDA_DELTANET", flag)
+        with Model(path, device="cuda", n_ctx=256) as m:
+            engine = m._live()
+            engine.reserve_slots(len(batch))
+            m.eval(prefix)
+            launches = _core.cuda_deltanet_launches()
+            verify = engine.eval_verify(batch)
+            # the switch took effect: ours ran for the verify batch, or did not
+            assert (_core.cuda_deltanet_launches() > launches) == (flag == "1")
+            engine.keep(6)
+            state = {k: np.frombuffer(v, dtype=np.float32).copy() for k, v in engine.state_arrays().items()
+                     if k.startswith(("ssm", "conv"))}
+            return verify, state, m.eval([99])
+
+    (ours, ours_state, ours_next), (ggml, ggml_state, ggml_next) = run("1"), run("0")
+    bitwise = np.array_equal(ours, ggml) and np.array_equal(ours_next, ggml_next) and all(
+        np.array_equal(ours_state[k], ggml_state[k]) for k in ggml_state)
+    print(f"verify logits max |ours - ggml| {np.abs(ours - ggml).max():.3e} (spread {np.ptp(ggml):.3e}); "
+          f"bitwise equal everywhere: {bitwise}")
+    for a, b in [(ours, ggml), (ours_next, ggml_next)] + [(ours_state[k], ggml_state[k]) for k in ggml_state]:
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()

@@ -1,0 +1,157 @@
+// The Gated DeltaNet recurrence of a verify batch (ggml_gated_delta_net over T tokens keeping the
+// state after each of them: K = T snapshots), as ggml-cuda computes it, with the next token's
+// inputs loaded while this token is computed.
+//
+// ggml's kernel (gated_delta_net.cu) gives each warp one column of one head's state (a
+// 128 x 128 matrix per head, 4 values a lane in registers) and walks the tokens: per token it
+// loads q, k (4 values a lane), v[col], g and beta, then two warp reductions (S^T k, then S^T q
+// after the update). The loads start only when the token does, so every token waits on them
+// (the batch's inputs were just written: L2 hits, but hundreds of cycles each), and a 17-token
+// verify spent ~1.1 ms of its 1.4 ms in DeltaNet ops on that chain rather than on the 2.6 GB of
+// states it writes (bench/README, the replay experiment). Here the loads of token t + 1 are issued
+// before token t's math; the math itself is ggml's, expression for expression, so the results
+// are the same sums in the same order.
+//
+// Served: f32, scalar gate (not KDA), S_v = 128, what ggml-cuda routes to its plain entry
+// (ggml_cuda_op_gated_delta_net: the op's result is read as it is, no fused cache copy). The
+// rest goes to ggml's kernel.
+#include "common.cuh"
+#include "gated_delta_net.cuh"
+
+#include <atomic>
+#include <cstdint>
+
+namespace {
+
+bool g_on = false;
+std::atomic<int64_t> g_launches{0};  // launches of ours (host side: a replayed CUDA graph adds none)
+
+constexpr int kStateDim = 128;                    // S_v
+constexpr int kRowsPerLane = kStateDim / 32;      // the column's 128 values over 32 lanes
+constexpr int kColumnsPerBlock = 4;               // one warp per column, as ggml's launch
+
+// One token's inputs as one lane needs them.
+struct TokenInputs {
+    float q[kRowsPerLane], k[kRowsPerLane];
+    float v, g, beta;
+};
+
+__device__ __forceinline__ void load_token(TokenInputs & in, const float * q_t, const float * k_t, const float * v_t,
+                                           const float * g_t, const float * beta_t, int col, int lane) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerLane; r++) {
+        const int i = r * 32 + lane;
+        in.k[r] = k_t[i];
+        in.q[r] = q_t[i];
+    }
+    in.v = v_t[col];
+    in.g = *g_t;
+    in.beta = *beta_t;
+}
+
+__device__ __forceinline__ float sum_over_warp(float x) {  // ggml's warp_reduce_sum<32>
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffff, x, offset, 32);
+    return x;
+}
+
+// grid (H, n_seqs, S_v / 4), block (32, 4): warp y of block z owns column 4z + y of head x's state
+// (stored transposed: the column's values are contiguous). Strides in floats, as ggml's.
+__global__ void __launch_bounds__(32 * kColumnsPerBlock, 2)
+deltanet_snapshots(const float * q, const float * k, const float * v, const float * g, const float * beta,
+                   const float * curr_state, float * dst, float * state, int64_t H, int64_t n_tokens, int64_t sq1,
+                   int64_t sq2, int64_t sq3, int64_t sv1, int64_t sv2, int64_t sv3, int64_t sb1, int64_t sb2,
+                   int64_t sb3, int64_t neqk1, int64_t rq3, float scale, int64_t state_slot_stride, int K) {
+    const int64_t h_idx = blockIdx.x, sequence = blockIdx.y;
+    const int lane = threadIdx.x;
+    const int col = blockIdx.z * blockDim.y + threadIdx.y;
+    const int64_t iq1 = h_idx % neqk1, iq3 = sequence / rq3;
+
+    state += (sequence * H + h_idx) * kStateDim * kStateDim;
+    curr_state += sequence * H * kStateDim * kStateDim + h_idx * kStateDim * kStateDim + col * kStateDim;
+    float * attn_data = dst + (sequence * n_tokens * H + h_idx) * kStateDim;
+
+    float s_shard[kRowsPerLane];
+#pragma unroll
+    for (int r = 0; r < kRowsPerLane; r++) s_shard[r] = curr_state[r * 32 + lane];
+
+    auto load = [&](TokenInputs & in, int64_t t) {
+        const int64_t gb = sequence * sb3 + t * sb2 + h_idx * sb1;
+        load_token(in, q + iq3 * sq3 + t * sq2 + iq1 * sq1, k + iq3 * sq3 + t * sq2 + iq1 * sq1,
+                   v + sequence * sv3 + t * sv2 + h_idx * sv1, g + gb, beta + gb, col, lane);
+    };
+    TokenInputs cur;
+    load(cur, 0);
+    for (int64_t t = 0; t < n_tokens; t++) {
+        TokenInputs next;
+        if (t + 1 < n_tokens) load(next, t + 1);  // in flight during this token's math
+
+        const float g_val = expf(cur.g);
+        float kv_shard = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kRowsPerLane; r++) kv_shard += s_shard[r] * cur.k[r];
+        const float kv_col = sum_over_warp(kv_shard);
+        const float delta_col = (cur.v - g_val * kv_col) * cur.beta;
+        float attn_partial = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kRowsPerLane; r++) {
+            s_shard[r] = g_val * s_shard[r] + cur.k[r] * delta_col;
+            attn_partial += s_shard[r] * cur.q[r];
+        }
+        const float attn_col = sum_over_warp(attn_partial);
+        if (lane == 0) attn_data[col] = attn_col * scale;
+        attn_data += kStateDim * H;
+
+        // snapshot slot 0 = the state after the last token, slot s = s tokens back
+        const int64_t slot = n_tokens - 1 - t;
+        if (slot < K) {
+            float * out = state + slot * state_slot_stride + col * kStateDim;
+#pragma unroll
+            for (int r = 0; r < kRowsPerLane; r++) out[r * 32 + lane] = s_shard[r];
+        }
+        if (t + 1 < n_tokens) cur = next;
+    }
+}
+
+bool serves(const ggml_tensor * dst) {
+    const ggml_tensor * v = dst->src[2];
+    const ggml_tensor * g = dst->src[3];
+    const int K = ggml_get_op_params_i32(dst, 0);
+    for (int i = 0; i < 6; ++i) {
+        if (dst->src[i]->type != GGML_TYPE_F32) return false;
+    }
+    return g_on && K > 1 && v->ne[0] == kStateDim && g->ne[0] == 1 && dst->src[0]->ne[1] == dst->src[1]->ne[1] &&
+           ggml_are_same_stride(dst->src[0], dst->src[1]) && ggml_is_contiguous_rows(dst->src[0]) &&
+           ggml_is_contiguous_rows(v) && ggml_is_contiguous(g) && ggml_is_contiguous(dst->src[4]) &&
+           ggml_is_contiguous(dst->src[5]) && v->ne[3] % dst->src[0]->ne[3] == 0;
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_deltanet(bool on) { g_on = on; }
+
+extern "C" __attribute__((visibility("default"))) int64_t deltaspec_cuda_deltanet_launches() { return g_launches; }
+
+// ggml-cuda.cu calls this in place of ggml_cuda_op_gated_delta_net (inject.cmake renames it).
+void deltaspec_op_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (!serves(dst)) {
+        ggml_cuda_op_gated_delta_net(ctx, dst);
+        return;
+    }
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * v = dst->src[2];
+    const ggml_tensor * beta = dst->src[4];
+    const int64_t H = v->ne[1], n_tokens = v->ne[2], n_seqs = v->ne[3];
+    const int64_t f = sizeof(float);
+    float * out = (float *)dst->data;
+    float * state = out + kStateDim * H * n_tokens * n_seqs;  // the snapshots follow the outputs
+    const dim3 grid((unsigned)H, (unsigned)n_seqs, kStateDim / kColumnsPerBlock), block(32, kColumnsPerBlock, 1);
+    deltanet_snapshots<<<grid, block, 0, ctx.stream()>>>(
+        (const float *)q->data, (const float *)dst->src[1]->data, (const float *)v->data,
+        (const float *)dst->src[3]->data, (const float *)beta->data, (const float *)dst->src[5]->data, out, state, H,
+        n_tokens, q->nb[1] / f, q->nb[2] / f, q->nb[3] / f, v->nb[1] / f, v->nb[2] / f, v->nb[3] / f,
+        beta->nb[1] / f, beta->nb[2] / f, beta->nb[3] / f, q->ne[1], n_seqs / q->ne[3], 1.0f / sqrtf((float)kStateDim),
+        kStateDim * kStateDim * H * n_seqs, ggml_get_op_params_i32(dst, 0));
+    CUDA_CHECK(cudaGetLastError());
+    ++g_launches;
+}
