@@ -50,7 +50,8 @@ fi
 if [[ -n ${kernels_pid:-} ]]; then  # on an idle host, before anything else uses the GPU
     if wait "$kernels_pid"; then
         # shellcheck disable=SC2086  # KERNELS_BENCH_ARGS: more options, e.g. --row-tiles 1,2,4
-        python3 bench/kernels/kernels_bench.py /tmp/libdskernels.so --out "$OUT/kernels_bench.json" ${KERNELS_BENCH_ARGS:-} \
+        python3 bench/kernels/kernels_bench.py /tmp/libdskernels.so --out "$OUT/kernels_bench.json" \
+            ${KERNELS_BENCH_ARGS:-} \
             >> "$OUT/kernels_bench.md" 2>&1 || echo "kernels_bench failed (exit $?)"
     else
         echo "kernels_capi.cu did not compile"

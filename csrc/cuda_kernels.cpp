@@ -33,7 +33,8 @@ bool enable_cuda_kernels() {
         const char * tiles = std::getenv("DELTASPEC_MMA_ROW_TILES");
         const std::string value = tiles != nullptr ? tiles : "0";
         if (value != "0" && value != "1" && value != "2" && value != "4") {
-            throw std::invalid_argument("DELTASPEC_MMA_ROW_TILES must be 0 (automatic), 1, 2 or 4, not '" + value + "'");
+            throw std::invalid_argument("DELTASPEC_MMA_ROW_TILES must be 0 (automatic), 1, 2 or 4, not '" + value +
+                                        "'");
         }
         deltaspec_cuda_set_mma_row_tiles(std::stoi(value));
     }

@@ -120,7 +120,8 @@ bool serves(const ggml_tensor * dst) {
     for (int i = 0; i < 6; ++i) {
         if (dst->src[i]->type != GGML_TYPE_F32) return false;
     }
-    return g_on && K > 1 && v->ne[0] == kStateDim && g->ne[0] == 1 && dst->src[0]->ne[1] == dst->src[1]->ne[1] &&
+    return g_on && K > 1 && v->ne[0] == kStateDim && dst->src[0]->ne[0] == kStateDim && g->ne[0] == 1 &&
+           dst->src[0]->ne[1] == dst->src[1]->ne[1] &&
            ggml_are_same_stride(dst->src[0], dst->src[1]) && ggml_is_contiguous_rows(dst->src[0]) &&
            ggml_is_contiguous_rows(v) && ggml_is_contiguous(g) && ggml_is_contiguous(dst->src[4]) &&
            ggml_is_contiguous(dst->src[5]) && v->ne[3] % dst->src[0]->ne[3] == 0;

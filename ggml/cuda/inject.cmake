@@ -16,7 +16,8 @@ function(deltaspec_add_cuda_kernels)
         return()
     endif()
     get_target_property(cuda_src_dir ggml-cuda SOURCE_DIR)
-    target_sources(ggml-cuda PRIVATE "${DELTASPEC_CUDA_DIR}/deltaspec_matmul.cu" "${DELTASPEC_CUDA_DIR}/deltaspec_copies.cu"
+    target_sources(ggml-cuda PRIVATE "${DELTASPEC_CUDA_DIR}/deltaspec_matmul.cu"
+                                     "${DELTASPEC_CUDA_DIR}/deltaspec_copies.cu"
                                      "${DELTASPEC_CUDA_DIR}/deltaspec_deltanet.cu")
     target_include_directories(ggml-cuda PRIVATE "${cuda_src_dir}" "${DELTASPEC_CUDA_DIR}")
     set(renamed

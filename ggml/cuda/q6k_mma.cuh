@@ -29,6 +29,7 @@
 #include "mma_x.cuh"
 #include "q6k_gemv.cuh"
 
+#include <algorithm>
 #include <atomic>
 
 namespace deltaspec_cuda {
@@ -191,7 +192,8 @@ inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float *
     const MmaX xq = launch_quantize_x256<true, false>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const uint8_t * w = static_cast<const uint8_t *>(W);
     const int n_blocks = (int)(n_k / 256);
-    const int tiles = row_tiles > 0 ? std::min(row_tiles, kQ6KMmaMaxRowTiles) : mma_row_tiles(n_rows, kQ6KMmaMaxRowTiles);
+    const int tiles =
+        row_tiles > 0 ? std::min(row_tiles, kQ6KMmaMaxRowTiles) : mma_row_tiles(n_rows, kQ6KMmaMaxRowTiles);
     with_row_tiles<kQ6KMmaMaxRowTiles>(tiles, [&](auto r) {
         const unsigned grid = (unsigned)((n_rows + 16 * r.value - 1) / (16 * r.value));
         with_column_tiles(n_cols, [&](auto nt) {
