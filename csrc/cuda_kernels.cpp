@@ -1,8 +1,9 @@
 #include "cuda_kernels.h"
 
+#include "env.h"
+
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -22,13 +23,9 @@ bool cuda_kernels_available() { return deltaspec_cuda_set_kernels != nullptr; }
 
 bool enable_cuda_kernels() {
     if (!cuda_kernels_available()) return false;
-    const char * env = std::getenv("DELTASPEC_CUDA_KERNELS");
-    const bool on = env == nullptr || std::strcmp(env, "0") != 0;
+    const bool on = env_on("DELTASPEC_CUDA_KERNELS");
     deltaspec_cuda_set_kernels(on);
-    if (deltaspec_cuda_set_deltanet != nullptr) {
-        const char * deltanet = std::getenv("DELTASPEC_CUDA_DELTANET");
-        deltaspec_cuda_set_deltanet(on && (deltanet == nullptr || std::strcmp(deltanet, "0") != 0));
-    }
+    if (deltaspec_cuda_set_deltanet != nullptr) deltaspec_cuda_set_deltanet(on && env_on("DELTASPEC_CUDA_DELTANET"));
     if (deltaspec_cuda_set_mma_row_tiles != nullptr) {
         const char * tiles = std::getenv("DELTASPEC_MMA_ROW_TILES");
         const std::string value = tiles != nullptr ? tiles : "0";

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "cuda_kernels.h"
+#include "env.h"
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
 #include "graph_qwen35.h"
@@ -29,14 +30,6 @@ ggml_backend_t init_backend(const std::string & device) {
     ggml_backend_t backend = ggml_backend_dev_init(dev, nullptr);
     if (!backend) throw std::runtime_error("cannot initialise device '" + device + "'");
     return backend;
-}
-
-// Speed features that are on unless the environment sets them to 0 (for A/B measurements and
-// the tests that compare both ways): DELTASPEC_STACK_PROJECTIONS (weights.h), DELTASPEC_FOLD_INPUTS
-// (norms and SwiGLUs folded into our CUDA kernels, graph_qwen35.h).
-bool env_on(const char * name) {
-    const char * env = std::getenv(name);
-    return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
 }  // namespace

@@ -186,13 +186,13 @@ def main() -> int:
         mma = lib.deltaspec_q4k_mma if qtype == Q4K else lib.deltaspec_q6k_mma
         one_us = None
         for n, tiles in [(n, t) for n in COLUMNS for t in ([0] if n == 1 else row_tiles)]:
-            def launch(i):  # one column: the mat-vec in the form the engine picks (deltaspec_matmul.cu)
+            def launch(i):  # one column: the mat-vec in the form the engine picks (-1: its rule)
                 if n == 1 and qtype == Q4K:
                     check(lib.deltaspec_q4k_gemv(wd[i].data_ptr(), None, xd.data_ptr(), yd.data_ptr(), rows, cols,
-                                                 w.shape[1], stream, 1, int(rows >= 4096)))
+                                                 w.shape[1], stream, 1, -1))
                 elif n == 1:
                     check(lib.deltaspec_q6k_gemv(wd[i].data_ptr(), xd.data_ptr(), yd.data_ptr(), rows, cols,
-                                                 w.shape[1], stream, int(cols <= rows)))
+                                                 w.shape[1], stream, -1))
                 else:
                     check(mma(wd[i].data_ptr(), xd.data_ptr(), cols, yd.data_ptr(), rows, rows, cols, n, w.shape[1],
                               scratch.data_ptr(), stream, tiles))

@@ -7,16 +7,20 @@
 
 extern "C" {
 
+// paired < 0: the engine's choice (kQ4KPairedMinRows)
 int deltaspec_q4k_gemv(const void * W, const void * G, const float * x, float * y, long long n_rows,
                        long long n_cols, long long row_bytes, void * stream, int resident, int paired) {
+    const bool pair = paired < 0 ? n_rows >= deltaspec_cuda::kQ4KPairedMinRows : paired != 0;
     deltaspec_cuda::launch_q4k_gemv(W, G, x, y, n_rows, n_cols, row_bytes, (cudaStream_t)stream, resident != 0,
-                                    nullptr, deltaspec_cuda::XNorm{}, paired != 0);
+                                    nullptr, deltaspec_cuda::XNorm{}, pair);
     return (int)cudaGetLastError();
 }
 
+// resident < 0: the engine's choice (q6k_resident_grid)
 int deltaspec_q6k_gemv(const void * W, const float * x, float * y, long long n_rows, long long n_cols,
                        long long row_bytes, void * stream, int resident) {
-    deltaspec_cuda::launch_q6k_gemv(W, x, y, n_rows, n_cols, row_bytes, (cudaStream_t)stream, resident != 0);
+    const bool grid = resident < 0 ? deltaspec_cuda::q6k_resident_grid(n_rows, n_cols) : resident != 0;
+    deltaspec_cuda::launch_q6k_gemv(W, x, y, n_rows, n_cols, row_bytes, (cudaStream_t)stream, grid);
     return (int)cudaGetLastError();
 }
 

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <mutex>
 
 namespace {
 
@@ -49,9 +50,16 @@ extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_copy_rows(
     if (cudaGetDevice(&device_before) != cudaSuccess || cudaSetDevice(attr.device) != cudaSuccess) return false;
     // ggml-cuda's streams do not synchronize with the legacy default stream: the caller has
     // synchronized the backend, and this waits for its own stream before returning
+    static std::mutex mutex;  // engines on other threads may get here first at the same time
     static cudaStream_t streams[64] = {};
-    cudaStream_t & stream = streams[attr.device % 64];
-    bool ok = stream != nullptr || cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess;
+    cudaStream_t stream = nullptr;
+    bool ok = true;
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        cudaStream_t & mine = streams[attr.device % 64];
+        if (mine == nullptr) ok = cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking) == cudaSuccess;
+        stream = mine;
+    }
     for (int first = 0; ok && first < n_jobs; first += kJobsPerLaunch) {
         const int n = std::min(kJobsPerLaunch, n_jobs - first);
         Jobs batch;

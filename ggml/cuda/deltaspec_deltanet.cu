@@ -49,12 +49,6 @@ __device__ __forceinline__ void load_token(TokenInputs & in, const float * q_t, 
     in.beta = *beta_t;
 }
 
-__device__ __forceinline__ float sum_over_warp(float x) {  // ggml's warp_reduce_sum<32>
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffff, x, offset, 32);
-    return x;
-}
-
 // grid (H, n_seqs, S_v / 4), block (32, 4): warp y of block z owns column 4z + y of head x's state
 // (stored transposed: the column's values are contiguous). Strides in floats, as ggml's.
 __global__ void __launch_bounds__(32 * kColumnsPerBlock, 2)
@@ -90,7 +84,7 @@ deltanet_snapshots(const float * q, const float * k, const float * v, const floa
         float kv_shard = 0.0f;
 #pragma unroll
         for (int r = 0; r < kRowsPerLane; r++) kv_shard += s_shard[r] * cur.k[r];
-        const float kv_col = sum_over_warp(kv_shard);
+        const float kv_col = warp_reduce_sum<32>(kv_shard);
         const float delta_col = (cur.v - g_val * kv_col) * cur.beta;
         float attn_partial = 0.0f;
 #pragma unroll
@@ -98,7 +92,7 @@ deltanet_snapshots(const float * q, const float * k, const float * v, const floa
             s_shard[r] = g_val * s_shard[r] + cur.k[r] * delta_col;
             attn_partial += s_shard[r] * cur.q[r];
         }
-        const float attn_col = sum_over_warp(attn_partial);
+        const float attn_col = warp_reduce_sum<32>(attn_partial);
         if (lane == 0) attn_data[col] = attn_col * scale;
         attn_data += kStateDim * H;
 

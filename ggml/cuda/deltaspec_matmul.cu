@@ -185,13 +185,8 @@ bool q4k_paired(int64_t n_rows) {
         const char * env = std::getenv("DELTASPEC_Q4K_PAIRED");
         return env == nullptr || std::strcmp(env, "0") != 0;
     }();
-    return enabled && n_rows >= 4096;
+    return enabled && n_rows >= deltaspec_cuda::kQ4KPairedMinRows;
 }
-
-// Q6_K mat-vecs over more columns than rows (ffn down, 5120 x 17408) run one thread block per 8
-// rows rather than the resident grid: 36.6-36.7 vs 39.2-39.3 us in three H200 runs of
-// kernels_bench (the output head, 248320 rows, is the other way round: 390 vs 491 us).
-bool q6k_resident(int64_t n_rows, int64_t n_cols) { return n_cols <= n_rows; }
 
 // Which of our kernels computes dst = src0 x src1 (with ggml's fusion, if any), or none.
 enum class Kernel { none, q4k_gemv, q6k_gemv, q4k_mma, q6k_mma };
@@ -238,7 +233,7 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
             break;
         case Kernel::q6k_gemv:
             deltaspec_cuda::launch_q6k_gemv(src0->data, x, y, rows, n_k, src0->nb[1], ctx.stream(),
-                                            q6k_resident(rows, n_k), bias, norm);
+                                            deltaspec_cuda::q6k_resident_grid(rows, n_k), bias, norm);
             break;
         case Kernel::q4k_mma:
         case Kernel::q6k_mma: {

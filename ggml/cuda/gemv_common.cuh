@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -125,6 +126,21 @@ __device__ __forceinline__ XShared prepare_x(const float * __restrict__ x, int n
     return XShared{values, slices, scale};
 }
 
+// SMs of the current device, asked once per device (the launchers run for every product a graph
+// holds while ggml-cuda is not replaying a captured CUDA graph).
+inline int device_sm_count() {
+    static std::atomic<int> known[64] = {};  // 0: not asked yet
+    int device = 0;
+    cudaGetDevice(&device);
+    std::atomic<int> & n_sm = known[device % 64];
+    if (n_sm.load() == 0) {
+        int n = 1;
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+        n_sm = n > 0 ? n : 1;
+    }
+    return n_sm.load();
+}
+
 // Blocks of 256 threads of `kernel` with `smem` bytes that the current device keeps resident at
 // once. Asked once per (device, kernel, smem) and remembered: the query costs microseconds, which
 // a decode step that launches hundreds of these (when not replaying a CUDA graph) would feel.
@@ -145,10 +161,9 @@ inline int64_t resident_blocks(Kernel kernel, size_t smem) {
         if (e.device == device && e.kernel == (const void *)kernel && e.smem == smem) return e.blocks;
     }
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    int n_sm = 1, per_sm = 1;
-    cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device);
+    int per_sm = 1;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, smem);
-    known.push_back({device, (const void *)kernel, smem, (int64_t)n_sm * (per_sm > 0 ? per_sm : 1)});
+    known.push_back({device, (const void *)kernel, smem, (int64_t)device_sm_count() * (per_sm > 0 ? per_sm : 1)});
     return known.back().blocks;
 }
 

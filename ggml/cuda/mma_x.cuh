@@ -205,10 +205,7 @@ inline void with_row_tiles(int row_tiles, Launch && launch) {
 // (R = 4 is 2.06 waves); DeltaNet stack 16480 rows: 1.31/1.20/1.19 (R = 4: 0.98 of one wave);
 // 5120 rows: 1.33/1.46/2.04 (R = 2 fills 61 % of one wave).
 inline int mma_row_tiles(int64_t n_rows, int max_tiles) {
-    int device = 0, n_sm = 1;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device);
-    const int64_t slots = 2 * (int64_t)n_sm;
+    const int64_t slots = 2 * (int64_t)device_sm_count();
     for (int r = max_tiles; r > 1; r /= 2) {
         const int64_t blocks = (n_rows + 16 * r - 1) / (16 * r), waves = (blocks + slots - 1) / slots;
         if (4 * blocks >= 3 * waves * slots) return r;

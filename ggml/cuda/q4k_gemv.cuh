@@ -176,6 +176,9 @@ q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const f
 
 // Matrices with fewer rows than this take the SPLIT_K kernel.
 constexpr int64_t kQ4KSplitKRows = 256;
+// Plain products with at least this many rows take the PAIRED form in the engine
+// (deltaspec_matmul.cu has the measurements).
+constexpr int64_t kQ4KPairedMinRows = 4096;
 
 // Host side: W (and G when gated) in ggml's Q4_K layout, n_cols a multiple of 256; x, y and bias
 // (optional, not with G) f32 on the device; 16-byte aligned rows. resident: a grid of the blocks
