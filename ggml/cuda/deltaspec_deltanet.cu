@@ -50,29 +50,32 @@ __device__ __forceinline__ void load_token(TokenInputs & in, const float * q_t, 
 }
 
 // grid (H, n_seqs, S_v / 4), block (32, 4): warp y of block z owns column 4z + y of head x's state
-// (stored transposed: the column's values are contiguous). Strides in floats, as ggml's.
+// (stored transposed: the column's values are contiguous). Strides in floats; g and beta share
+// theirs (as in ggml's op).
 __global__ void __launch_bounds__(32 * kColumnsPerBlock, 2)
 deltanet_snapshots(const float * q, const float * k, const float * v, const float * g, const float * beta,
-                   const float * curr_state, float * dst, float * state, int64_t H, int64_t n_tokens, int64_t sq1,
-                   int64_t sq2, int64_t sq3, int64_t sv1, int64_t sv2, int64_t sv3, int64_t sb1, int64_t sb2,
-                   int64_t sb3, int64_t neqk1, int64_t rq3, float scale, int64_t state_slot_stride, int K) {
-    const int64_t h_idx = blockIdx.x, sequence = blockIdx.y;
+                   const float * state_in, float * out, float * snapshots, int64_t H, int64_t n_tokens,
+                   int64_t q_head, int64_t q_token, int64_t q_seq, int64_t v_head, int64_t v_token, int64_t v_seq,
+                   int64_t gate_head, int64_t gate_token, int64_t gate_seq, int64_t n_qk_heads, int64_t seqs_per_qk,
+                   float scale, int64_t snapshot_stride, int K) {
+    const int64_t head = blockIdx.x, seq = blockIdx.y;
     const int lane = threadIdx.x;
     const int col = blockIdx.z * blockDim.y + threadIdx.y;
-    const int64_t iq1 = h_idx % neqk1, iq3 = sequence / rq3;
+    const int64_t qk_head = head % n_qk_heads, qk_seq = seq / seqs_per_qk;  // q/k heads tile the v heads
 
-    state += (sequence * H + h_idx) * kStateDim * kStateDim;
-    curr_state += sequence * H * kStateDim * kStateDim + h_idx * kStateDim * kStateDim + col * kStateDim;
-    float * attn_data = dst + (sequence * n_tokens * H + h_idx) * kStateDim;
+    constexpr int64_t kStateSize = kStateDim * kStateDim;
+    snapshots += (seq * H + head) * kStateSize + col * kStateDim;
+    state_in += (seq * H + head) * kStateSize + col * kStateDim;
+    float * o = out + (seq * n_tokens * H + head) * kStateDim;
 
-    float s_shard[kRowsPerLane];
+    float s[kRowsPerLane];  // this lane's values of the column (state stored transposed)
 #pragma unroll
-    for (int r = 0; r < kRowsPerLane; r++) s_shard[r] = curr_state[r * 32 + lane];
+    for (int r = 0; r < kRowsPerLane; r++) s[r] = state_in[r * 32 + lane];
 
     auto load = [&](TokenInputs & in, int64_t t) {
-        const int64_t gb = sequence * sb3 + t * sb2 + h_idx * sb1;
-        load_token(in, q + iq3 * sq3 + t * sq2 + iq1 * sq1, k + iq3 * sq3 + t * sq2 + iq1 * sq1,
-                   v + sequence * sv3 + t * sv2 + h_idx * sv1, g + gb, beta + gb, col, lane);
+        const int64_t gate = seq * gate_seq + t * gate_token + head * gate_head;
+        const int64_t qk = qk_seq * q_seq + t * q_token + qk_head * q_head;
+        load_token(in, q + qk, k + qk, v + seq * v_seq + t * v_token + head * v_head, g + gate, beta + gate, col, lane);
     };
     TokenInputs cur;
     load(cur, 0);
@@ -80,28 +83,28 @@ deltanet_snapshots(const float * q, const float * k, const float * v, const floa
         TokenInputs next;
         if (t + 1 < n_tokens) load(next, t + 1);  // in flight during this token's math
 
-        const float g_val = expf(cur.g);
-        float kv_shard = 0.0f;
+        // the order of every sum below is ggml's: the same bits
+        const float decay = expf(cur.g);
+        float sk_part = 0.0f;  // (S^T k)[col], this lane's share
 #pragma unroll
-        for (int r = 0; r < kRowsPerLane; r++) kv_shard += s_shard[r] * cur.k[r];
-        const float kv_col = warp_reduce_sum<32>(kv_shard);
-        const float delta_col = (cur.v - g_val * kv_col) * cur.beta;
-        float attn_partial = 0.0f;
+        for (int r = 0; r < kRowsPerLane; r++) sk_part += s[r] * cur.k[r];
+        const float sk = warp_reduce_sum<32>(sk_part);
+        const float delta = (cur.v - decay * sk) * cur.beta;
+        float out_part = 0.0f;  // (S^T q)[col] after the update
 #pragma unroll
         for (int r = 0; r < kRowsPerLane; r++) {
-            s_shard[r] = g_val * s_shard[r] + cur.k[r] * delta_col;
-            attn_partial += s_shard[r] * cur.q[r];
+            s[r] = decay * s[r] + cur.k[r] * delta;
+            out_part += s[r] * cur.q[r];
         }
-        const float attn_col = warp_reduce_sum<32>(attn_partial);
-        if (lane == 0) attn_data[col] = attn_col * scale;
-        attn_data += kStateDim * H;
+        const float o_col = warp_reduce_sum<32>(out_part);
+        if (lane == 0) o[col] = o_col * scale;
+        o += kStateDim * H;
 
-        // snapshot slot 0 = the state after the last token, slot s = s tokens back
+        // snapshot slot 0 = the state after the last token, slot i = i tokens back
         const int64_t slot = n_tokens - 1 - t;
         if (slot < K) {
-            float * out = state + slot * state_slot_stride + col * kStateDim;
 #pragma unroll
-            for (int r = 0; r < kRowsPerLane; r++) out[r * 32 + lane] = s_shard[r];
+            for (int r = 0; r < kRowsPerLane; r++) snapshots[slot * snapshot_stride + r * 32 + lane] = s[r];
         }
         if (t + 1 < n_tokens) cur = next;
     }
@@ -139,12 +142,12 @@ void deltaspec_op_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_tensor *
     const int64_t H = v->ne[1], n_tokens = v->ne[2], n_seqs = v->ne[3];
     const int64_t f = sizeof(float);
     float * out = (float *)dst->data;
-    float * state = out + kStateDim * H * n_tokens * n_seqs;  // the snapshots follow the outputs
+    float * snapshots = out + kStateDim * H * n_tokens * n_seqs;  // the snapshots follow the outputs
     const dim3 grid((unsigned)H, (unsigned)n_seqs, kStateDim / kColumnsPerBlock), block(32, kColumnsPerBlock, 1);
     deltanet_snapshots<<<grid, block, 0, ctx.stream()>>>(
         (const float *)q->data, (const float *)dst->src[1]->data, (const float *)v->data,
-        (const float *)dst->src[3]->data, (const float *)beta->data, (const float *)dst->src[5]->data, out, state, H,
-        n_tokens, q->nb[1] / f, q->nb[2] / f, q->nb[3] / f, v->nb[1] / f, v->nb[2] / f, v->nb[3] / f,
+        (const float *)dst->src[3]->data, (const float *)beta->data, (const float *)dst->src[5]->data, out, snapshots,
+        H, n_tokens, q->nb[1] / f, q->nb[2] / f, q->nb[3] / f, v->nb[1] / f, v->nb[2] / f, v->nb[3] / f,
         beta->nb[1] / f, beta->nb[2] / f, beta->nb[3] / f, q->ne[1], n_seqs / q->ne[3], 1.0f / sqrtf((float)kStateDim),
         kStateDim * kStateDim * H * n_seqs, ggml_get_op_params_i32(dst, 0));
     CUDA_CHECK(cudaGetLastError());
