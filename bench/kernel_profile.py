@@ -29,7 +29,7 @@ GROUPS = [  # first match wins
     ("matmul (quantized mat-vec, mmvq)", r"mul_mat_vec_q"),
     ("matmul (quantized tiles, mmq)", r"mul_mat_q|mmq"),
     ("matmul (float)", r"mul_mat|gemm|mmf|cutlass|sm90_xmma"),
-    ("gated delta net", r"gated_delta"),
+    ("gated delta net", r"gated_delta|deltanet"),
     ("conv / ssm_conv", r"ssm_conv|conv"),
     ("flash attention", r"flash_attn|fattn"),
     ("norms", r"norm"),

@@ -15,6 +15,7 @@ extern "C" bool deltaspec_cuda_fold_input(ggml_tensor * input, const ggml_tensor
 extern "C" bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs, int n_jobs) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_mma_row_tiles(int row_tiles) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_deltanet(bool on) __attribute__((weak));
+extern "C" void deltaspec_cuda_set_early_launch(bool on) __attribute__((weak));
 extern "C" int64_t deltaspec_cuda_deltanet_launches() __attribute__((weak));
 
 namespace deltaspec {
@@ -26,6 +27,9 @@ bool enable_cuda_kernels() {
     const bool on = env_on("DELTASPEC_CUDA_KERNELS");
     deltaspec_cuda_set_kernels(on);
     if (deltaspec_cuda_set_deltanet != nullptr) deltaspec_cuda_set_deltanet(on && env_on("DELTASPEC_CUDA_DELTANET"));
+    if (deltaspec_cuda_set_early_launch != nullptr) {
+        deltaspec_cuda_set_early_launch(on && env_on("DELTASPEC_CUDA_PDL"));
+    }
     if (deltaspec_cuda_set_mma_row_tiles != nullptr) {
         const char * tiles = std::getenv("DELTASPEC_MMA_ROW_TILES");
         const std::string value = tiles != nullptr ? tiles : "0";

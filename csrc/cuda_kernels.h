@@ -17,7 +17,9 @@ bool cuda_kernels_available();
 // Switch them on, unless the environment says DELTASPEC_CUDA_KERNELS=0 (for A/B measurements);
 // returns whether they are on. DELTASPEC_MMA_ROW_TILES=1|2|4 forces the tensor-core kernels'
 // 16-row tiles per thread block (0 or unset: their own choice); another value throws.
-// DELTASPEC_CUDA_DELTANET=0 leaves verify batches' DeltaNet recurrence to ggml's kernel.
+// DELTASPEC_CUDA_DELTANET=0 leaves verify batches' DeltaNet recurrence to ggml's kernel;
+// DELTASPEC_CUDA_PDL=0 launches our kernels without programmatic dependent launch (each then
+// waits for the whole kernel before it, as ggml-cuda's GGML_CUDA_PDL=0 does for ggml's).
 bool enable_cuda_kernels();
 
 // How many times our DeltaNet kernel (ggml/cuda/deltaspec_deltanet.cu) was launched from the host

@@ -303,3 +303,42 @@ def test_deltanet_verify_kernel_matches_ggml(tmp_path, monkeypatch):
           f"bitwise equal everywhere: {bitwise}")
     for a, b in [(ours, ggml), (ours_next, ggml_next)] + [(ours_state[k], ggml_state[k]) for k in ggml_state]:
         assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
+def test_early_launch_changes_no_bits(tmp_path, monkeypatch):
+    """Our kernels launched early (programmatic dependent launch, gemv_common.cuh: first weight
+    loads issued while the kernel before still runs, activations read and results written only
+    after waiting for it) against each launched after the whole kernel before (DELTASPEC_CUDA_PDL=0).
+    Only the schedule differs, so decode steps, a 17-token verify batch (tensor-core products, x
+    quantization, the DeltaNet kernel, the conv input's concatenation), the state keep() rolls
+    back to and the step after it must be bitwise equal; a read before the wait would see a
+    half-written input and change them."""
+    from deltaspec import _core
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    if not _core.cuda_kernels_available():
+        pytest.skip("this ggml-cuda does not carry deltaspec's kernels")
+    path = write_tiny_vocab_model(tmp_path / "early.gguf", seed=4, quant="q4_k", ssm_state=128, ssm_k_heads=2,
+                                  ssm_v_heads=4, **Q4K_SHAPE)
+    rng = np.random.default_rng(9)
+    prefix, batch = rng.integers(0, 256, size=20).tolist(), rng.integers(0, 256, size=17).astype(np.int32)
+
+    def run(flag):
+        monkeypatch.setenv("DELTASPEC_CUDA_PDL", flag)
+        with Model(path, device="cuda", n_ctx=256) as m:
+            engine = m._live()
+            engine.reserve_slots(len(batch))
+            steps = [m.eval(prefix)] + [m.eval([t]) for t in (3, 141, 59)]  # the last two replay a CUDA graph
+            verify = engine.eval_verify(batch)
+            engine.keep(6)
+            state = {k: np.frombuffer(v, dtype=np.float32).copy() for k, v in engine.state_arrays().items()
+                     if k.startswith(("ssm", "conv"))}
+            return np.concatenate(steps), verify, state, m.eval([99])
+
+    (early_steps, early_verify, early_state, early_next) = run("1")
+    (plain_steps, plain_verify, plain_state, plain_next) = run("0")
+    assert np.array_equal(early_steps, plain_steps)
+    assert np.array_equal(early_verify, plain_verify)
+    assert np.array_equal(early_next, plain_next)
+    for k in plain_state:
+        assert np.array_equal(early_state[k], plain_state[k]), k

@@ -17,6 +17,7 @@
 // rest goes to ggml's kernel.
 #include "common.cuh"
 #include "gated_delta_net.cuh"
+#include "gemv_common.cuh"
 
 #include <atomic>
 #include <cstdint>
@@ -58,6 +59,7 @@ deltanet_snapshots(const float * q, const float * k, const float * v, const floa
                    int64_t q_head, int64_t q_token, int64_t q_seq, int64_t v_head, int64_t v_token, int64_t v_seq,
                    int64_t gate_head, int64_t gate_token, int64_t gate_seq, int64_t n_qk_heads, int64_t seqs_per_qk,
                    float scale, int64_t snapshot_stride, int K) {
+    deltaspec_cuda::wait_for_inputs();
     const int64_t head = blockIdx.x, seq = blockIdx.y;
     const int lane = threadIdx.x;
     const int col = blockIdx.z * blockDim.y + threadIdx.y;
@@ -144,12 +146,13 @@ void deltaspec_op_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_tensor *
     float * out = (float *)dst->data;
     float * snapshots = out + kStateDim * H * n_tokens * n_seqs;  // the snapshots follow the outputs
     const dim3 grid((unsigned)H, (unsigned)n_seqs, kStateDim / kColumnsPerBlock), block(32, kColumnsPerBlock, 1);
-    deltanet_snapshots<<<grid, block, 0, ctx.stream()>>>(
-        (const float *)q->data, (const float *)dst->src[1]->data, (const float *)v->data,
-        (const float *)dst->src[3]->data, (const float *)beta->data, (const float *)dst->src[5]->data, out, snapshots,
-        H, n_tokens, q->nb[1] / f, q->nb[2] / f, q->nb[3] / f, v->nb[1] / f, v->nb[2] / f, v->nb[3] / f,
-        beta->nb[1] / f, beta->nb[2] / f, beta->nb[3] / f, q->ne[1], n_seqs / q->ne[3], 1.0f / sqrtf((float)kStateDim),
-        kStateDim * kStateDim * H * n_seqs, ggml_get_op_params_i32(dst, 0));
+    deltaspec_cuda::launch(deltanet_snapshots, grid, block, 0, ctx.stream(), (const float *)q->data,
+                           (const float *)dst->src[1]->data, (const float *)v->data, (const float *)dst->src[3]->data,
+                           (const float *)beta->data, (const float *)dst->src[5]->data, out, snapshots, H, n_tokens,
+                           q->nb[1] / f, q->nb[2] / f, q->nb[3] / f, v->nb[1] / f, v->nb[2] / f, v->nb[3] / f,
+                           beta->nb[1] / f, beta->nb[2] / f, beta->nb[3] / f, q->ne[1], n_seqs / q->ne[3],
+                           1.0f / sqrtf((float)kStateDim), kStateDim * kStateDim * H * n_seqs,
+                           (int)ggml_get_op_params_i32(dst, 0));
     CUDA_CHECK(cudaGetLastError());
     ++g_launches;
 }

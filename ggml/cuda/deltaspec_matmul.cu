@@ -47,6 +47,13 @@ extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_kernel
     g_deltaspec_kernels = on;
 }
 
+bool deltaspec_cuda_kernels_on() { return g_deltaspec_kernels; }  // for our other ops (deltaspec_concat.cu)
+
+// Our kernels' early launch (gemv_common.cuh launch): on with the kernels unless DELTASPEC_CUDA_PDL=0
+extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_early_launch(bool on) {
+    deltaspec_cuda::early_launch() = on;
+}
+
 // 16-row tiles per thread block of the tensor-core kernels (mma_x.cuh with_row_tiles): 0 lets
 // them choose by the matrix's rows; 1, 2 or 4 forces it (tests, A/B runs)
 static int g_mma_row_tiles = 0;

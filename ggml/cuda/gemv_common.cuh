@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace deltaspec_cuda {
@@ -126,19 +127,69 @@ __device__ __forceinline__ XShared prepare_x(const float * __restrict__ x, int n
     return XShared{values, slices, scale};
 }
 
-// SMs of the current device, asked once per device (the launchers run for every product a graph
-// holds while ggml-cuda is not replaying a captured CUDA graph).
-inline int device_sm_count() {
-    static std::atomic<int> known[64] = {};  // 0: not asked yet
+// What the launchers need to know of the current device, asked once per device (the launchers
+// run for every product a graph holds while ggml-cuda is not replaying a captured CUDA graph).
+struct DeviceFacts {
+    int sm_count = 1;
+    int cc_major = 0;  // compute capability
+};
+
+inline DeviceFacts device_facts() {
+    static std::atomic<int> known_sms[64] = {}, known_cc[64] = {};  // 0: not asked yet
     int device = 0;
     cudaGetDevice(&device);
-    std::atomic<int> & n_sm = known[device % 64];
+    std::atomic<int> & n_sm = known_sms[device % 64];
+    std::atomic<int> & cc = known_cc[device % 64];
     if (n_sm.load() == 0) {
-        int n = 1;
+        int n = 1, major = 0;
         cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+        cc = major;
         n_sm = n > 0 ? n : 1;
     }
-    return n_sm.load();
+    return DeviceFacts{n_sm.load(), cc.load()};
+}
+
+inline int device_sm_count() { return device_facts().sm_count; }
+
+// Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
+// kernel before it in the stream is still finishing. Ours then issue their first weight loads
+// (weights never change during a graph), wait in wait_for_inputs() until that kernel has finished
+// and its writes are visible, and only then read activations or write anything. Right after the
+// wait each lets the next kernel launch early in turn (ggml-cuda's own kernels take part the same
+// way, ggml_cuda_pdl_sync / ggml_cuda_pdl_lc), so the next kernel's thread blocks move onto SMs as
+// ours leave them instead of after the whole grid and a launch gap. Without the launch attribute
+// (or before sm_90) the wait returns at once.
+__device__ __forceinline__ void wait_for_inputs() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// Whether the launchers use it: off until the engine switches it on (deltaspec_cuda_set_early_launch),
+// so that the standalone kernel benchmark times each launch on its own.
+inline std::atomic<bool> & early_launch() {
+    static std::atomic<bool> on{false};
+    return on;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), early-launched as above when switched on and
+// the device has it. The launch's error, if any, is left for cudaGetLastError as with <<<>>>.
+template <typename... Params, typename... Args>
+inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args &&... args) {
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = early_launch().load() && device_facts().cc_major >= 9 ? 1 : 0;
+    cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 // Blocks of 256 threads of `kernel` with `smem` bytes that the current device keeps resident at

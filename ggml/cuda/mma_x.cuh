@@ -82,6 +82,7 @@ inline MmaX mma_x_layout(void * scratch, int64_t n_k, int n_cols) {
 template <bool HALVES_INTERLEAVED, bool SUMS>
 __global__ void quantize_x256(const float * __restrict__ x, int64_t ldx, int n_cols, int n_k, int n_pad, MmaX out,
                               XNorm norm, XGlu glu) {
+    wait_for_inputs();  // x comes from earlier kernels, and so do the last reads of the scratch
     const int lane = threadIdx.x & 31, n_blocks = n_k / 256;
     int col, b;
     if (norm.w != nullptr) {
@@ -171,9 +172,9 @@ inline MmaX launch_quantize_x256(const float * x, int64_t ldx, int64_t n_k, int 
     const auto kernel = quantize_x256<HALVES_INTERLEAVED, SUMS>;
     if (norm.w != nullptr) {
         const unsigned threads = (unsigned)(n_k / 256 * 32);
-        kernel<<<(unsigned)n_pad, threads, 0, stream>>>(x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu);
+        launch(kernel, (unsigned)n_pad, threads, 0, stream, x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu);
     } else {
-        kernel<<<(unsigned)((warps + 7) / 8), 256, 0, stream>>>(x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu);
+        launch(kernel, (unsigned)((warps + 7) / 8), 256, 0, stream, x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu);
     }
     return out;
 }

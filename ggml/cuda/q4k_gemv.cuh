@@ -119,7 +119,8 @@ q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const f
         if (first_ib < n_blocks) load(first_ib, head, qs);
     };
     int row = blockIdx.x * kRowsPerBlock + (SPLIT_K ? 0 : warp);
-    if (row < n_rows) start_row(row);  // in flight while x is prepared
+    if (row < n_rows) start_row(row);  // in flight while x is prepared (and the kernel before ends)
+    wait_for_inputs();
     const XShared xs_block = prepare_x(x, n_blocks * 256, smem, norm);
 
     for (; row < n_rows; row += stride) {
@@ -199,8 +200,8 @@ inline void launch_q4k_gemv(const void * W, const void * G, const float * x, flo
                         : paired ? q4k_gemv<false, false, true>
                                  : (G ? q4k_gemv<true, false, false> : q4k_gemv<false, false, false>);
     const unsigned grid = launch_grid(kernel, smem, groups, resident);
-    kernel<<<grid, 256, smem, stream>>>((const uint8_t *)W, (const uint8_t *)G, x, G ? nullptr : bias, y, (int)n_rows,
-                                        n_blocks, row_bytes, norm);
+    launch(kernel, grid, 256, smem, stream, (const uint8_t *)W, (const uint8_t *)G, x, G ? nullptr : bias, y,
+           (int)n_rows, n_blocks, row_bytes, norm);
 }
 
 }  // namespace deltaspec_cuda

@@ -75,6 +75,7 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     Q4KTileBlock cur, next;
     int b = warp / R;
     if (b < n_blocks) load_tile_block(cur, row0, row1, b, t);
+    wait_for_inputs();  // x and the residual come from earlier kernels
     for (; b < n_blocks; b += KS) {
         if (b + KS < n_blocks) load_tile_block(next, row0, row1, b + KS, t);
         int S[NT][4] = {};
@@ -147,8 +148,8 @@ inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float *
     with_row_tiles<4>(row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4), [&](auto r) {
         const unsigned grid = (unsigned)((n_rows + 16 * r.value - 1) / (16 * r.value));
         with_column_tiles(n_cols, [&](auto nt) {
-            q4k_mma<nt.value, r.value>
-                <<<grid, 256, 0, stream>>>(w, xq, y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
+            launch(q4k_mma<nt.value, r.value>, grid, 256, 0, stream, w, xq, y, ldy, residual, (int)n_rows, n_cols,
+                   n_blocks, row_bytes);
         });
     });
 }

@@ -73,7 +73,8 @@ q6k_gemv(const uint8_t * __restrict__ W, const float * __restrict__ x, const flo
         }
     };
     int row = blockIdx.x * 8 + warp;
-    if (row < n_rows) load_step(row, 0);  // in flight while x is prepared
+    if (row < n_rows) load_step(row, 0);  // in flight while x is prepared (and the kernel before ends)
+    wait_for_inputs();
     const XShared xs = prepare_x(x, n_blocks * 256, smem, norm);
 
     for (; row < n_rows; row += stride) {
@@ -145,7 +146,7 @@ inline void launch_q6k_gemv(const void * W, const float * x, float * y, int64_t 
     const int n_blocks = (int)(n_cols / 256);
     const size_t smem = x_smem_bytes(n_cols) + 8 * kQ6KStageBytes;
     const unsigned grid = launch_grid(q6k_gemv, smem, (n_rows + 7) / 8, resident);
-    q6k_gemv<<<grid, 256, smem, stream>>>((const uint8_t *)W, x, bias, y, (int)n_rows, n_blocks, row_bytes, norm);
+    launch(q6k_gemv, grid, 256, smem, stream, (const uint8_t *)W, x, bias, y, (int)n_rows, n_blocks, row_bytes, norm);
 }
 
 }  // namespace deltaspec_cuda

@@ -87,6 +87,7 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
 
     float acc[NT][4] = {};
     stage_step(0);
+    wait_for_inputs();  // x and the residual come from earlier kernels
     for (int s = 0; s < n_steps; ++s) {
         if (s + 1 < n_steps) {
             stage_step(s + 1);
@@ -198,8 +199,8 @@ inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float *
         const unsigned grid = (unsigned)((n_rows + 16 * r.value - 1) / (16 * r.value));
         with_column_tiles(n_cols, [&](auto nt) {
             allow_q6k_mma_smem<nt.value, r.value>();
-            q6k_mma<nt.value, r.value><<<grid, 256, q6k_mma_smem(r.value), stream>>>(
-                w, xq, y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
+            launch(q6k_mma<nt.value, r.value>, grid, 256, q6k_mma_smem(r.value), stream, w, xq, y, ldy, residual,
+                   (int)n_rows, n_cols, n_blocks, row_bytes);
         });
     });
 }
