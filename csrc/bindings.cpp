@@ -376,7 +376,9 @@ PYBIND11_MODULE(_core, m) {
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
         .def("eval_verify", [](Runner & r, Tokens tokens) {
                  return verify(r, tokens, {tokens.shape(0), r.engine->hparams().n_vocab}, &Engine::eval_verify);
-             }, py::arg("tokens"), "Append a verify batch (logits of every row; state after each row kept).")
+             }, py::arg("tokens"),
+             "Append a verify batch (logits of every row); keep(n) then keeps its first n tokens, anything "
+             "else all of them.")
         .def("eval_verify_argmax", [](Runner & r, Tokens tokens) {
                  return verify(r, tokens, {tokens.shape(0)}, &Engine::eval_verify_argmax);
              }, py::arg("tokens"), "eval_verify returning the argmax of every row (computed on the device).")
@@ -388,8 +390,11 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("tokens"), "Append tokens; the argmax of the last row's logits (computed on the device).")
         .def("reserve_slots", [](Runner & r, int64_t n) { r.engine->ensure_slots(n); }, py::arg("n"),
              "Room for verify batches of n tokens (re-allocates the state: the sequence starts empty).")
-        .def("keep", [](Runner & r, int64_t n) { r.engine->keep(n); }, py::arg("n_keep"),
-             "After eval_verify, keep only the batch's first n_keep tokens (rollback without re-running).")
+        .def("keep", [](Runner & r, int64_t n) {
+                 py::gil_scoped_release release;  // replays n tokens' recurrence (a launch on CUDA)
+                 r.engine->keep(n);
+             }, py::arg("n_keep"),
+             "After eval_verify, keep only the batch's first n_keep tokens (without re-running the target).")
         .def("cancel", [](Runner & r) { r.cancel = true; }, "Ask a running generate() to stop (thread-safe).")
         .def("clear_cancel", [](Runner & r) { r.cancel = false; },
              "Re-arm before a generate(); cleared by the caller so a cancel that races the start still counts.")

@@ -17,6 +17,8 @@ extern "C" void deltaspec_cuda_set_mma_row_tiles(int row_tiles) __attribute__((w
 extern "C" void deltaspec_cuda_set_deltanet(bool on) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_early_launch(bool on) __attribute__((weak));
 extern "C" int64_t deltaspec_cuda_deltanet_launches() __attribute__((weak));
+extern "C" bool deltaspec_cuda_deltanet_replay(const deltaspec_deltanet_replay * shape,
+                                               const deltaspec_deltanet_layer * layers, int n_layers) __attribute__((weak));
 
 namespace deltaspec {
 
@@ -49,6 +51,11 @@ int64_t cuda_deltanet_launches() {
 bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights) {
     return deltaspec_cuda_fold_input != nullptr &&
            deltaspec_cuda_fold_input(input, weights.data(), (int)weights.size());
+}
+
+bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape, const std::vector<deltaspec_deltanet_layer> & layers) {
+    return deltaspec_cuda_deltanet_replay != nullptr &&
+           deltaspec_cuda_deltanet_replay(&shape, layers.data(), (int)layers.size());
 }
 
 bool cuda_copy_rows(const std::vector<deltaspec_copy> & jobs) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "deltaspec_copies.h"
+#include "deltaspec_deltanet.h"
 #include "ggml.h"
 
 namespace deltaspec {
@@ -22,8 +23,9 @@ bool cuda_kernels_available();
 // waits for the whole kernel before it, as ggml-cuda's GGML_CUDA_PDL=0 does for ggml's).
 bool enable_cuda_kernels();
 
-// How many times our DeltaNet kernel (ggml/cuda/deltaspec_deltanet.cu) was launched from the host
-// in this process (a replayed CUDA graph launches it without the host); -1 without it.
+// How many times our DeltaNet kernels (ggml/cuda/deltaspec_deltanet.cu: verify batches' op and
+// keep()'s replay) were launched from the host in this process (a replayed CUDA graph launches
+// the op without the host); -1 without them.
 int64_t cuda_deltanet_launches();
 
 // Offers an op output, MUL(RMS_NORM(x), w) or (2..32 columns) a SWIGLU, to our CUDA kernels:
@@ -32,6 +34,12 @@ int64_t cuda_deltanet_launches();
 // (ggml/cuda/deltaspec_matmul.cu); returns whether it was folded. Also offers (2..32 columns) an
 // ADD of a residual and the product with weights[0], which that product then writes itself.
 bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights);
+
+// keep()'s replay of the first shape.n_tokens tokens of a verify batch's DeltaNet recurrences, all
+// layers in one launch, waited for (ggml/cuda/deltaspec_deltanet.h); false when this ggml-cuda
+// lacks it, it is off (DELTASPEC_CUDA_KERNELS=0 or DELTASPEC_CUDA_DELTANET=0), the shape is not
+// one it serves, or it failed (then the caller replays another way).
+bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape, const std::vector<deltaspec_deltanet_layer> & layers);
 
 // Device copies of f32 rows, all in one launch, waited for (ggml/cuda/deltaspec_copies.h); false
 // when this ggml-cuda lacks them or the copy failed (then the caller copies another way).

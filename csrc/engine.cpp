@@ -167,9 +167,13 @@ void Engine::keep(int64_t n_keep) {
     if (verify_T_ == 0 || n_keep < 1 || n_keep > verify_T_) {
         throw std::logic_error("keep(n) needs 1 <= n <= the tokens of the verify batch just evaluated");
     }
-    if (n_keep < verify_T_) restore_verify_state(verify_T_ - n_keep);
+    advance_verify_state(n_keep);
     state_.n_past = verify_p0_ + n_keep;
     verify_T_ = 0;
+}
+
+void Engine::settle_verify() {
+    if (verify_T_ > 0) keep(verify_T_);
 }
 
 void Engine::ensure_slots(int64_t n) {
@@ -183,6 +187,7 @@ void Engine::ensure_slots(int64_t n) {
 }
 
 void Engine::checkpoint() {
+    settle_verify();
     copy_recurrent_state(state_, /*to_saved =*/true);
     checkpoint_n_past_ = state_.n_past;
 }
@@ -232,77 +237,6 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
 
 namespace {
 
-// A tensor of ctx over t's data, without t's op and sources (a graph of copies out of t must
-// not pull in the graph that computed it).
-ggml_tensor * detached(ggml_context * ctx, const ggml_tensor * t) {
-    ggml_tensor * d = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
-    if (ggml_backend_tensor_alloc(t->buffer, d, t->data) != GGML_STATUS_SUCCESS) {
-        throw std::runtime_error("cannot alias a verify graph output");
-    }
-    return d;
-}
-
-}  // namespace
-
-void Engine::restore_verify_state(int64_t r) {
-    // Copies (2 per recurrent layer) out of the verify graph's outputs, which stay allocated and
-    // untouched until the next step graph runs: on a GPU with our kernels one batched launch;
-    // else one small graph of copies (on CUDA that graph ran launch by launch: ~0.9 ms on the 27B).
-    const VerifyStates & vs = step_.verify;
-    if (backend_ != backend_cpu_ && restore_verify_state_batched(r)) return;
-    // per recurrent layer: 2 aliases, 2 views, 2 copies (tensors); the views and copies are the
-    // graph's nodes, the aliases and the live state its leaves
-    const size_t n_tensors = 6 * (size_t)hp_.n_layer + 16, n_nodes = 4 * (size_t)hp_.n_layer + 16;
-    ggml_init_params params = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_nodes, false),
-                               nullptr, /*no_alloc =*/true};
-    ggml_context * ctx = ggml_init(params);
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_nodes, false);
-    for (int il = 0; il < hp_.n_layer; ++il) {
-        if (!vs.states[il]) continue;
-        ggml_tensor * conv = state_.conv[il];
-        ggml_tensor * ssm = state_.ssm[il];
-        ggml_tensor * conv_in = detached(ctx, vs.conv_in[il]);
-        ggml_tensor * window = ggml_view_2d(ctx, conv_in, conv->ne[0], conv->ne[1], conv_in->nb[1],
-                                            vs.window_column(r) * conv_in->nb[0]);
-        ggml_tensor * states = detached(ctx, vs.states[il]);
-        ggml_tensor * state = ggml_view_1d(ctx, states, ssm->ne[0], vs.state_offset(r));
-        for (auto [from, to] : {std::pair{window, conv}, std::pair{state, ssm}}) {
-            ggml_backend_view_init(from);
-            ggml_tensor * copy = ggml_cpy(ctx, from, to);  // a view of `to`
-            ggml_backend_view_init(copy);
-            ggml_build_forward_expand(gf, copy);
-        }
-    }
-    const ggml_status status = ggml_backend_graph_compute(backend_, gf);
-    ggml_free(ctx);
-    if (status != GGML_STATUS_SUCCESS) throw std::runtime_error("restoring the recurrent state failed");
-}
-
-bool Engine::restore_verify_state_batched(int64_t r) {
-    const VerifyStates & vs = step_.verify;
-    std::vector<deltaspec_copy> jobs;
-    for (int il = 0; il < hp_.n_layer; ++il) {
-        if (!vs.states[il]) continue;
-        const ggml_tensor * conv = state_.conv[il];
-        const ggml_tensor * ssm = state_.ssm[il];
-        const ggml_tensor * conv_in = vs.conv_in[il];
-        if (conv->type != GGML_TYPE_F32 || ssm->type != GGML_TYPE_F32 || !ggml_is_contiguous(ssm) ||
-            conv->nb[0] != sizeof(float) || conv_in->nb[0] != sizeof(float)) {
-            return false;
-        }
-        // the window: Kc-1 columns of every channel's row
-        const int64_t conv_in_stride = conv_in->nb[1] / sizeof(float), conv_stride = conv->nb[1] / sizeof(float);
-        jobs.push_back({(const float *)conv_in->data + vs.window_column(r), (float *)conv->data, conv->ne[1],
-                        conv->ne[0], conv_in_stride, conv_stride});
-        const char * state = (const char *)vs.states[il]->data + vs.state_offset(r);
-        jobs.push_back({(const float *)state, (float *)ssm->data, 1, ggml_nelements(ssm), 0, 0});
-    }
-    ggml_backend_synchronize(backend_);  // the copies run on a stream of their own
-    return cuda_copy_rows(jobs);
-}
-
-namespace {
-
 // An input no kept node reads is not allocated (e.g. the mask when the last layer is an attention
 // layer and the batch wants no logits): there is nothing to set then.
 void set_input(ggml_tensor * t, const void * data, size_t size) {
@@ -312,10 +246,10 @@ void set_input(ggml_tensor * t, const void * data, size_t size) {
 }  // namespace
 
 void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool keep_states) {
+    settle_verify();  // before a new graph may take the memory of the last one's outputs
     const int64_t p0 = state_.n_past;
     const int64_t n_kv = state_.n_kv_for(p0 + T);
     StepGraph & g = step_graph(T, n_kv, wanted, keep_states);
-    verify_T_ = 0;  // any step ends the window in which keep() may roll back
 
     set_input(g.in.tokens, tokens, T * sizeof(int32_t));
     std::vector<int32_t> pos(4 * T, 0);

@@ -43,8 +43,9 @@ class Engine {
     void reset();                 // start a new, empty sequence
 
     // Speculative verification: append a batch of at most n_slots tokens and return logits for
-    // every row, keeping the recurrent state after each token reachable (VerifyStates); then
-    // `keep(n)` keeps only the batch's first n tokens (KV rows past them are dead; the mask hides them).
+    // every row, leaving what the recurrent state after each token needs (VerifyStates); then
+    // `keep(n)` keeps only the batch's first n tokens (KV rows past them are dead; the mask hides
+    // them). Anything else that reads or extends the sequence first keeps the whole batch.
     void eval_verify(const int32_t * tokens, int64_t n_tokens, float * logits);
     void eval_verify_argmax(const int32_t * tokens, int64_t n_tokens, int32_t * argmax);  // greedy
     void keep(int64_t n_keep);
@@ -58,7 +59,10 @@ class Engine {
     int64_t n_past() const { return state_.n_past; }
     int64_t n_ctx() const { return state_.n_ctx; }
     const std::string & backend_name() const { return backend_name_; }
-    const SequenceState & state() const { return state_; }
+    const SequenceState & state() {  // the live state (a pending verify batch kept whole first)
+        settle_verify();
+        return state_;
+    }
     std::vector<std::string> weight_buffer_types() const { return deltaspec::weight_buffer_types(weights_); }
     std::vector<std::vector<std::string>> weight_stacks() const { return deltaspec::weight_stacks(weights_); }
     // Weight bytes one decode step reads (every matrix; one embedding row): what a step costs
@@ -70,8 +74,14 @@ class Engine {
     void eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
     void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
                      bool keep_states = false);
-    void restore_verify_state(int64_t r);  // the recurrent state after token T-1-r of the last verify batch
-    bool restore_verify_state_batched(int64_t r);  // the same in one CUDA launch; false: not done
+    // verify_rollback.cpp: the recurrent state after the first n tokens of the last verify batch,
+    // from the one before it (conv windows copied, DeltaNet recurrences replayed), and the
+    // same for all of them when the batch is followed by anything but keep()
+    void advance_verify_state(int64_t n);
+    bool copy_conv_windows_cuda(int64_t n);  // one CUDA launch; false: not done
+    bool replay_deltanet_cuda(int64_t n);    // one CUDA launch; false: not done
+    void advance_verify_state_graph(int64_t n, bool conv, bool deltanet);  // a ggml graph, any backend
+    void settle_verify();
 
     // The last graph built stays allocated: a step of the same shape (every decode step until the
     // visible KV length grows by kv_pad) only sets its inputs and computes, no rebuild, no

@@ -185,18 +185,19 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     // The op scales q by 1/sqrt(S) itself and broadcasts q/k head h % Hk to value head h, which is
     // the tiled V-head order the converter writes.
     ggml_tensor * state = ggml_reshape_4d(ctx, ssm_state, S, S, Hv, 1);
-    // With K > 1 the op also returns the states after each of the last K tokens (r = 0 .. K-1
-    // tokens before the end, after the outputs); a verify batch keeps all T of them for a rollback.
-    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, in.keep_states ? T : 1);
+    // The op returns the outputs, then the state after the last token.
+    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, 1);
     ggml_tensor * o = ggml_view_4d(ctx, res, S, Hv, T, 1, S * f, S * Hv * f, S * Hv * T * f, 0);
-    ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * Hv, S * Hv * T * f);
-    ggml_build_forward_expand(gf, ggml_cpy(ctx, new_state, ssm_state));
-    if (in.keep_states) {
-        ggml_set_output(res);
-        verify->states[il] = res;
+    if (in.keep_states) {  // the state stays; keep(n) replays n tokens from these (VerifyStates)
+        for (ggml_tensor * t : {qk, y, g, beta}) ggml_set_output(t->view_src ? t->view_src : t);
+        verify->qk[il] = qk;
+        verify->y[il] = y;
+        verify->g[il] = g;
+        verify->beta[il] = beta;
         verify->n_tokens = T;
-        verify->states_offs = S * Hv * T * f;
-        verify->state_bytes = S * S * Hv * f;
+    } else {
+        ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * Hv, S * Hv * T * f);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, new_state, ssm_state));
     }
 
     // Gated RMSNorm per head: norm(o) * w * silu(z), as one SwiGLU of rows (which takes z's
@@ -234,8 +235,9 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
                            const FoldInput & fold_input, VerifyStates * verify) {
     if (in.keep_states) {
         if (verify == nullptr) throw std::logic_error("build_qwen35: a verify batch needs VerifyStates");
-        verify->conv_in.assign(hp.n_layer, nullptr);
-        verify->states.assign(hp.n_layer, nullptr);
+        for (auto * per_layer : {&verify->conv_in, &verify->qk, &verify->y, &verify->g, &verify->beta}) {
+            per_layer->assign(hp.n_layer, nullptr);
+        }
     }
     const float eps = hp.rms_eps;
     ggml_tensor * x = ggml_get_rows(ctx, w.token_embd, in.tokens);  // {E, T}

@@ -19,28 +19,27 @@ struct StepInputs {
     ggml_tensor * kq_mask = nullptr; // F16 {n_kv, T}: 0 where a query may attend, -inf elsewhere
     int64_t n_tokens = 0;
     int64_t n_kv = 0;                // KV rows attention reads (multiple of SequenceState::kv_pad)
-    bool keep_states = false;        // a verify batch: keep every token's recurrent state (VerifyStates)
+    bool keep_states = false;        // a verify batch: leave the recurrent state for keep() (VerifyStates)
 };
 
 StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool keep_states = false);
 
-// Where a verify batch's graph leaves the recurrent state after each of its T tokens, for a
-// rollback (Engine::keep) without re-running the target and without copying every token's state
-// away: graph outputs, which the allocator keeps untouched until the next graph runs. Per layer
-// (null for attention layers):
+// Where a verify batch's graph leaves what keeping its first n tokens (Engine::keep) needs,
+// without re-running the target: graph outputs, which the allocator keeps untouched until the
+// next graph runs. The graph advances the conv windows by all T tokens and leaves the DeltaNet
+// states as they were before the batch: keep(n) then replays the recurrence of the first n
+// tokens from these inputs (one launch on CUDA; writing every token's 3 MB state per layer, as
+// the op did before, cost more: bench/README). Per layer (null for attention layers):
 //   conv_in: {Kc-1+T, C}, the conv window before the batch and the batch's inputs; the window
 //            after token T-1-r is columns window_column(r) .. window_column(r)+Kc-2;
-//   states:  the DeltaNet op's result; the state after token T-1-r ({S*S*Hv} F32) starts
-//            state_offset(r) bytes in.
+//   qk:      {S, 2*Hk, T}, the l2-normed q heads (the first Hk) and k heads of every token;
+//   y:       {C, T}, the conv output, whose last Hv*S values of a column are v;
+//   g, beta: {1, Hv, T}, the log-decay and beta of every token.
 struct VerifyStates {
-    std::vector<ggml_tensor *> conv_in;
-    std::vector<ggml_tensor *> states;
-    int64_t n_tokens = 0;     // T
-    size_t states_offs = 0;   // where the states start in the op's result (after the outputs)
-    size_t state_bytes = 0;   // one state
+    std::vector<ggml_tensor *> conv_in, qk, y, g, beta;
+    int64_t n_tokens = 0;  // T
 
     int64_t window_column(int64_t r) const { return n_tokens - r; }
-    size_t state_offset(int64_t r) const { return states_offs + (size_t)r * state_bytes; }
 };
 
 // Offered each op output that only weight products read and that our CUDA kernels may apply

@@ -1,6 +1,7 @@
 // Draft-verify decoding: the drafter proposes, the target verifies all drafts in one forward pass,
-// the accept rule decides, the target's recurrent state is rolled back to the last accepted
-// token from the state the verify pass kept after each token (never re-run). Lossless: greedy
+// the accept rule decides, and the target keeps the accepted tokens only (Engine::keep: its
+// recurrent state advanced by their recurrence, replayed from the verify pass's inputs; the
+// target is never re-run). Lossless: greedy
 // output equals plain greedy output, and sampled output is distributed as plain sampling with the
 // same settings.
 #pragma once

@@ -264,10 +264,12 @@ def test_mma_row_tiles_agree(tmp_path, monkeypatch, quant, shape):
 
 
 def test_deltanet_verify_kernel_matches_ggml(tmp_path, monkeypatch):
-    """Verify batches' DeltaNet recurrence in our kernel (ggml/cuda/deltaspec_deltanet.cu: the next
-    token's inputs loaded during this token's math, ggml's math expression for expression) against
-    ggml's kernel (DELTASPEC_CUDA_DELTANET=0): every row's logits, the state keep() rolls back to
-    (a snapshot from the middle of the batch) and the step after it. The tiny model gets the real
+    """Verify batches' DeltaNet recurrence and keep()'s replay of it in our kernels
+    (ggml/cuda/deltaspec_deltanet.cu: 4 columns a warp, reduced together in the order of ggml's
+    warp sums, the next token's inputs loaded during this token's math, ggml's math expression for
+    expression) against ggml's kernel, in the verify graph and in keep()'s replay graph
+    (DELTASPEC_CUDA_DELTANET=0): every row's logits, the state keep() rolls forward to (6 of the
+    batch's 17 tokens) and the step after it. The tiny model gets the real
     models' 128-value DeltaNet heads (the only size our kernel serves), and 2 k-heads for 4
     v-heads (the op's head broadcast). The same sums in the same order give the same bits; the
     bound below only forgives a compiler contracting one multiply-add differently (an index
@@ -289,9 +291,11 @@ def test_deltanet_verify_kernel_matches_ggml(tmp_path, monkeypatch):
             m.eval(prefix)
             launches = _core.cuda_deltanet_launches()
             verify = engine.eval_verify(batch)
-            # the switch took effect: ours ran for the verify batch, or did not
+            # the switch took effect: ours ran for the verify batch and the replay, or did not
             assert (_core.cuda_deltanet_launches() > launches) == (flag == "1")
+            launches = _core.cuda_deltanet_launches()
             engine.keep(6)
+            assert (_core.cuda_deltanet_launches() > launches) == (flag == "1")
             state = {k: np.frombuffer(v, dtype=np.float32).copy() for k, v in engine.state_arrays().items()
                      if k.startswith(("ssm", "conv"))}
             return verify, state, m.eval([99])

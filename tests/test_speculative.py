@@ -89,8 +89,8 @@ def test_greedy_with_penalties_is_lossless(models):
 
 
 def test_longest_verify_batch(models):
-    # a 256-token verify: every DeltaNet layer keeps 256 states in the graph's outputs, and keep()
-    # copies one back (a graph sized too small once aborted inside ggml's scheduler)
+    # a 256-token verify: keep() replays 100 tokens of every DeltaNet layer's recurrence from the
+    # graph's outputs (a graph sized too small once aborted inside ggml's scheduler)
     target = models["target"]
     batch = np.random.default_rng(3).integers(0, 256, size=256).astype(np.int32)
     want = target.logits([5, 6] + batch.tolist())[2:]
@@ -262,8 +262,9 @@ def test_bad_speculation_arguments(models, tmp_path):
 
 
 def test_rollback_with_the_27b_layer_count(tmp_path):
-    # 64 layers, 48 of them DeltaNet, as the 27B: keep() builds one graph of copies for all of
-    # them (its descriptor pool, sized for fewer tensors, once aborted at this count)
+    # 64 layers, 48 of them DeltaNet, as the 27B: keep() builds one graph (window copies and
+    # recurrence replays) for all of them (its descriptor pool, sized for fewer tensors, once
+    # aborted at this count)
     path = write_tiny_vocab_model(tmp_path / "deep.gguf", seed=2, n_layer=64)
     kw = dict(n_ctx=256, n_threads=2, type_k="f32", type_v="f32")
     with Model(path, **kw) as spec, Model(path, **kw) as plain:
@@ -272,3 +273,16 @@ def test_rollback_with_the_27b_layer_count(tmp_path):
         spec._live().eval_verify(np.array([40, 41, 42, 43, 44], dtype=np.int32))
         spec._live().keep(2)
         assert np.abs(spec.eval([99]) - plain.logits([5, 77, 120, 40, 41, 99])[-1]).max() <= 1e-4
+
+
+def test_keep_without_deltanet_layers(tmp_path):
+    # every layer full attention: keep() has no recurrence to replay and only moves n_past
+    path = write_tiny_vocab_model(tmp_path / "attention.gguf", seed=3, full_attention_interval=1)
+    kw = dict(n_ctx=128, n_threads=1, type_k="f32", type_v="f32")
+    with Model(path, **kw) as spec, Model(path, **kw) as plain:
+        spec._live().reserve_slots(4)
+        spec.eval([5, 77])
+        spec._live().eval_verify(np.array([40, 41, 42], dtype=np.int32))
+        spec._live().keep(2)
+        assert spec.n_past == 4
+        assert np.abs(spec.eval([99]) - plain.logits([5, 77, 40, 41, 99])[-1]).max() <= 1e-4

@@ -1,8 +1,10 @@
-// Many small device-to-device copies in one launch: rolling a verify batch back (Engine::keep)
-// copies two pieces of recurrent state per DeltaNet layer (96 on the 27B). As a ggml graph those
-// ran eagerly, launch by launch (a new graph each time, so ggml-cuda never captured it): about
-// 0.9 ms on the H200 for ~0.1 ms of memory traffic.
+// Many small device-to-device copies in one launch: keeping part of a verify batch
+// (Engine::keep) copies each DeltaNet layer's conv window back (48 on the 27B; it once also
+// copied a kept state per layer). As a ggml graph such copies ran eagerly, launch by launch (a
+// new graph each time, so ggml-cuda never captured it): about 0.9 ms on the H200 for ~0.1 ms of
+// memory traffic.
 #include "deltaspec_copies.h"
+#include "side_stream.cuh"
 
 #include <cuda_runtime.h>
 
@@ -38,36 +40,26 @@ __global__ void copy_rows(const Jobs jobs) {
 
 }  // namespace
 
+cudaStream_t deltaspec_side_stream(int device) {
+    static std::mutex mutex;  // engines on other threads may get here first at the same time
+    static cudaStream_t streams[64] = {};
+    std::lock_guard<std::mutex> lock(mutex);
+    cudaStream_t & mine = streams[device % 64];
+    if (mine == nullptr && cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking) != cudaSuccess) mine = nullptr;
+    return mine;
+}
+
 extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs,
                                                                                  int n_jobs) {
     if (n_jobs <= 0) return true;
-    cudaPointerAttributes attr;
-    if (cudaPointerGetAttributes(&attr, jobs[0].dst) != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
-        cudaGetLastError();  // clear it: the caller falls back
-        return false;
-    }
-    int device_before = 0;
-    if (cudaGetDevice(&device_before) != cudaSuccess || cudaSetDevice(attr.device) != cudaSuccess) return false;
-    // ggml-cuda's streams do not synchronize with the legacy default stream: the caller has
-    // synchronized the backend, and this waits for its own stream before returning
-    static std::mutex mutex;  // engines on other threads may get here first at the same time
-    static cudaStream_t streams[64] = {};
-    cudaStream_t stream = nullptr;
-    bool ok = true;
-    {
-        std::lock_guard<std::mutex> lock(mutex);
-        cudaStream_t & mine = streams[attr.device % 64];
-        if (mine == nullptr) ok = cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking) == cudaSuccess;
-        stream = mine;
-    }
-    for (int first = 0; ok && first < n_jobs; first += kJobsPerLaunch) {
-        const int n = std::min(kJobsPerLaunch, n_jobs - first);
-        Jobs batch;
-        std::copy(jobs + first, jobs + first + n, batch.job);
-        copy_rows<<<dim3(kBlocksPerJob, n), 256, 0, stream>>>(batch);
-        ok = cudaGetLastError() == cudaSuccess;
-    }
-    ok = ok && cudaStreamSynchronize(stream) == cudaSuccess;
-    cudaSetDevice(device_before);
-    return ok;
+    return run_on_side_stream(jobs[0].dst, [&](cudaStream_t stream) {
+        for (int first = 0; first < n_jobs; first += kJobsPerLaunch) {
+            const int n = std::min(kJobsPerLaunch, n_jobs - first);
+            Jobs batch;
+            std::copy(jobs + first, jobs + first + n, batch.job);
+            copy_rows<<<dim3(kBlocksPerJob, n), 256, 0, stream>>>(batch);
+            if (cudaGetLastError() != cudaSuccess) return false;
+        }
+        return true;
+    });
 }

@@ -1,24 +1,36 @@
-// The Gated DeltaNet recurrence of a verify batch (ggml_gated_delta_net over T tokens keeping the
-// state after each of them: K = T snapshots), as ggml-cuda computes it, with the next token's
-// inputs loaded while this token is computed.
+// The Gated DeltaNet recurrence of a verify batch (ggml_gated_delta_net over T > 1 tokens), and
+// the replay that rolls the live state forward by the first n of those tokens when the engine
+// keeps them (deltaspec_cuda_deltanet_replay, Engine::keep): the verify op itself no longer
+// writes a state per token.
 //
-// ggml's kernel (gated_delta_net.cu) gives each warp one column of one head's state (a
-// 128 x 128 matrix per head, 4 values a lane in registers) and walks the tokens: per token it
-// loads q, k (4 values a lane), v[col], g and beta, then two warp reductions (S^T k, then S^T q
-// after the update). The loads start only when the token does, so every token waits on them
-// (the batch's inputs were just written: L2 hits, but hundreds of cycles each), and a 17-token
-// verify spent ~1.1 ms of its 1.4 ms in DeltaNet ops on that chain rather than on the 2.6 GB of
-// states it writes (bench/README, the replay experiment). Here the loads of token t + 1 are issued
-// before token t's math; the math itself is ggml's, expression for expression, so the results
-// are the same sums in the same order.
+// ggml's kernel (gated_delta_net.cu) gives each warp one column of one head's state (a 128 x 128
+// matrix per head, 4 values a lane in registers) and walks the tokens: per token it loads q and k
+// (4 values a lane), v[col], g and beta from global memory, then two warp reductions of 5
+// shuffles (S^T k, then S^T q after the update). That kernel's form, with the next token's
+// inputs loaded during this token's math, took 27 us per layer on a 16-token verify of the 27B
+// (H200, Nsight Compute; it also wrote every token's state then), bound by latency and
+// instruction issue, not by memory.
 //
-// Served: f32, scalar gate (not KDA), S_v = 128, what ggml-cuda routes to its plain entry
+// Here a warp owns 4 columns, and the 4 warps of a thread block (16 columns of one head) first
+// stage a chunk of tokens' inputs in shared memory with coalesced loads all in flight at once
+// (stage_chunk); the token loop then reads q and k once for 4 columns from there, and reduces the
+// 4 columns' sums together (reduce_scatter: 6 shuffles for 4 sums instead of 20; each lane ends
+// with the total of one column, which the lanes share back with 3 more where every lane needs
+// it). The additions are the ones ggml's warp_reduce_sum makes (lane l adds lane l ^ 16, then ^ 8,
+// ^ 4, ^ 2, ^ 1; a + b is b + a in floats), and every other expression is ggml's: the results are
+// ggml's bits. (4 columns a warp with each token's inputs loaded from global memory during the
+// token before: 20 us per layer, a third of the SMs' issue rate used.)
+//
+// Served: f32, scalar gate (not KDA), S_v = 128, T > 1, what ggml-cuda routes to its plain entry
 // (ggml_cuda_op_gated_delta_net: the op's result is read as it is, no fused cache copy). The
 // rest goes to ggml's kernel.
 #include "common.cuh"
+#include "deltaspec_deltanet.h"
 #include "gated_delta_net.cuh"
 #include "gemv_common.cuh"
+#include "side_stream.cuh"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -28,102 +40,219 @@ bool g_on = false;
 std::atomic<int64_t> g_launches{0};  // launches of ours (host side: a replayed CUDA graph adds none)
 
 constexpr int kStateDim = 128;                    // S_v
-constexpr int kRowsPerLane = kStateDim / 32;      // the column's 128 values over 32 lanes
-constexpr int kColumnsPerBlock = 4;               // one warp per column, as ggml's launch
+constexpr int kRowsPerLane = kStateDim / 32;      // a column's 128 values over 32 lanes
+constexpr int kColumnsPerWarp = 4;
+constexpr int kWarpsPerBlock = 4;
+constexpr int kColumnsPerBlock = kColumnsPerWarp * kWarpsPerBlock;
 
-// One token's inputs as one lane needs them.
-struct TokenInputs {
-    float q[kRowsPerLane], k[kRowsPerLane];
-    float v, g, beta;
+// Where one sequence's inputs of one head are: strides in floats (g and beta share theirs, as in
+// ggml's op).
+struct Inputs {
+    const float * q;
+    const float * k;
+    const float * v;
+    const float * g;
+    const float * beta;
+    int64_t qk_token, v_token, gate_token;
 };
 
-__device__ __forceinline__ void load_token(TokenInputs & in, const float * q_t, const float * k_t, const float * v_t,
-                                           const float * g_t, const float * beta_t, int col, int lane) {
-#pragma unroll
-    for (int r = 0; r < kRowsPerLane; r++) {
-        const int i = r * 32 + lane;
-        in.k[r] = k_t[i];
-        in.q[r] = q_t[i];
+// A chunk of tokens' inputs in shared memory, loaded by the whole thread block (whose warps share
+// one head) with coalesced loads all in flight at once; the token loop then reads them from here
+// instead of waiting on a global load per token (the loop's other latencies are a few hundred
+// cycles a token: before this, a 16-token verify took ~20 us per layer at a third of the SMs'
+// issue rate).
+constexpr int kChunkTokens = 16;
+
+struct Staged {
+    float q[kChunkTokens][kStateDim], k[kChunkTokens][kStateDim];
+    float v[kChunkTokens][kColumnsPerBlock];  // the block's columns
+    float g[kChunkTokens], beta[kChunkTokens];
+};
+
+__device__ __forceinline__ void stage_chunk(Staged & st, const Inputs & x, int64_t t0, int n, int first_block_col) {
+    const int tid = threadIdx.y * 32 + threadIdx.x;
+    constexpr int kThreads = 32 * kWarpsPerBlock;
+    for (int i = tid; i < n * kStateDim; i += kThreads) {
+        const int t = i / kStateDim, row = i % kStateDim;
+        st.q[t][row] = x.q[(t0 + t) * x.qk_token + row];
+        st.k[t][row] = x.k[(t0 + t) * x.qk_token + row];
     }
-    in.v = v_t[col];
-    in.g = *g_t;
-    in.beta = *beta_t;
+    for (int i = tid; i < n * kColumnsPerBlock; i += kThreads) {
+        const int t = i / kColumnsPerBlock, c = i % kColumnsPerBlock;
+        st.v[t][c] = x.v[(t0 + t) * x.v_token + first_block_col + c];
+    }
+    if (tid < n) {
+        st.g[tid] = x.g[(t0 + tid) * x.gate_token];
+        st.beta[tid] = x.beta[(t0 + tid) * x.gate_token];
+    }
 }
 
-// grid (H, n_seqs, S_v / 4), block (32, 4): warp y of block z owns column 4z + y of head x's state
-// (stored transposed: the column's values are contiguous). Strides in floats; g and beta share
-// theirs (as in ggml's op).
-__global__ void __launch_bounds__(32 * kColumnsPerBlock, 2)
-deltanet_snapshots(const float * q, const float * k, const float * v, const float * g, const float * beta,
-                   const float * state_in, float * out, float * snapshots, int64_t H, int64_t n_tokens,
-                   int64_t q_head, int64_t q_token, int64_t q_seq, int64_t v_head, int64_t v_token, int64_t v_seq,
-                   int64_t gate_head, int64_t gate_token, int64_t gate_seq, int64_t n_qk_heads, int64_t seqs_per_qk,
-                   float scale, int64_t snapshot_stride, int K) {
+// The column (0..3 of the warp's) whose total lane `lane` holds after reduce_scatter.
+__device__ __forceinline__ int reduced_column(int lane) { return (lane >> 3) & 3; }
+
+// Warp sums of the 4 columns' shares p[0..3]; lane l gets the total of column reduced_column(l),
+// added in the order of ggml's warp_reduce_sum (partners l ^ 16, l ^ 8, l ^ 4, l ^ 2, l ^ 1).
+__device__ __forceinline__ float reduce_scatter(const float (&p)[kColumnsPerWarp], int lane) {
+    const bool upper16 = lane & 16, upper8 = lane & 8;
+    // partners 16 apart: this lane keeps columns 2 * upper16 + {0, 1}, gives the other two
+    float keep0 = upper16 ? p[2] : p[0], keep1 = upper16 ? p[3] : p[1];
+    const float give0 = upper16 ? p[0] : p[2], give1 = upper16 ? p[1] : p[3];
+    keep0 += __shfl_xor_sync(0xffffffffu, give0, 16);
+    keep1 += __shfl_xor_sync(0xffffffffu, give1, 16);
+    // partners 8 apart: keeps column 2 * upper16 + upper8
+    float sum = upper8 ? keep1 : keep0;
+    sum += __shfl_xor_sync(0xffffffffu, upper8 ? keep0 : keep1, 8);
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    return sum;
+}
+
+// Every lane gets all 4 columns' values from the lanes holding them after reduce_scatter.
+__device__ __forceinline__ void share_columns(float mine, int lane, float (&all)[kColumnsPerWarp]) {
+    const bool upper16 = lane & 16, upper8 = lane & 8;
+    const float other = __shfl_xor_sync(0xffffffffu, mine, 8);  // column reduced_column(lane) ^ 1
+    const float pair0 = upper8 ? other : mine, pair1 = upper8 ? mine : other;  // columns 2 * upper16 + {0, 1}
+    const float far0 = __shfl_xor_sync(0xffffffffu, pair0, 16), far1 = __shfl_xor_sync(0xffffffffu, pair1, 16);
+    all[0] = upper16 ? far0 : pair0;
+    all[1] = upper16 ? far1 : pair1;
+    all[2] = upper16 ? pair0 : far0;
+    all[3] = upper16 ? pair1 : far1;
+}
+
+// The recurrence of one warp's 4 columns (first_col..first_col+3 of one head's state s, this
+// lane's rows r * 32 + lane in registers; first_col - first_block_col of the block's staged
+// columns) over n_tokens tokens, staged kChunkTokens at a time by the whole block (every warp
+// of it must call this). OUTPUT: also o[col] = (S^T q) * scale after each token (token t's at
+// o + t * o_token), and the state after the last K tokens (slot 0 = after the last token, slot
+// i = i tokens back; slot_stride floats apart).
+template <bool OUTPUT>
+__device__ __forceinline__ void walk_tokens(float (&s)[kColumnsPerWarp][kRowsPerLane], const Inputs & x,
+                                            int64_t n_tokens, int first_block_col, int first_col, int lane,
+                                            float * o, int64_t o_token, float scale, float * slots,
+                                            int64_t slot_stride, int K) {
+    __shared__ Staged st;
+    const int my_col = first_col + reduced_column(lane), my_staged = my_col - first_block_col;
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += kChunkTokens) {
+        const int n = (int)min((int64_t)kChunkTokens, n_tokens - t0);
+        __syncthreads();  // the chunk before is read
+        stage_chunk(st, x, t0, n, first_block_col);
+        __syncthreads();
+        for (int i = 0; i < n; i++) {
+            // every expression below is ggml's, in its order: the same bits
+            const float decay = expf(st.g[i]);
+            float k[kRowsPerLane];
+#pragma unroll
+            for (int r = 0; r < kRowsPerLane; r++) k[r] = st.k[i][r * 32 + lane];
+            float sk_part[kColumnsPerWarp];  // (S^T k)[col], this lane's share
+#pragma unroll
+            for (int c = 0; c < kColumnsPerWarp; c++) {
+                sk_part[c] = 0.0f;
+#pragma unroll
+                for (int r = 0; r < kRowsPerLane; r++) sk_part[c] += s[c][r] * k[r];
+            }
+            const float sk = reduce_scatter(sk_part, lane);
+            float delta[kColumnsPerWarp];
+            share_columns((st.v[i][my_staged] - decay * sk) * st.beta[i], lane, delta);
+#pragma unroll
+            for (int c = 0; c < kColumnsPerWarp; c++) {
+#pragma unroll
+                for (int r = 0; r < kRowsPerLane; r++) s[c][r] = decay * s[c][r] + k[r] * delta[c];
+            }
+            if constexpr (OUTPUT) {
+                float out_part[kColumnsPerWarp];  // (S^T q)[col] after the update
+#pragma unroll
+                for (int c = 0; c < kColumnsPerWarp; c++) {
+                    out_part[c] = 0.0f;
+#pragma unroll
+                    for (int r = 0; r < kRowsPerLane; r++) out_part[c] += s[c][r] * st.q[i][r * 32 + lane];
+                }
+                const int64_t t = t0 + i;
+                const float o_col = reduce_scatter(out_part, lane);
+                if ((lane & 7) == 0) o[t * o_token + my_col] = o_col * scale;
+                const int64_t slot = n_tokens - 1 - t;
+                if (slot < K) {
+#pragma unroll
+                    for (int c = 0; c < kColumnsPerWarp; c++) {
+#pragma unroll
+                        for (int r = 0; r < kRowsPerLane; r++) {
+                            slots[slot * slot_stride + (first_col + c) * kStateDim + r * 32 + lane] = s[c][r];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// this warp's 4 columns of a state stored transposed (a column's 128 values contiguous)
+__device__ __forceinline__ void load_columns(float (&s)[kColumnsPerWarp][kRowsPerLane], const float * state,
+                                             int first_col, int lane) {
+#pragma unroll
+    for (int c = 0; c < kColumnsPerWarp; c++) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerLane; r++) s[c][r] = state[(first_col + c) * kStateDim + r * 32 + lane];
+    }
+}
+
+// The op: grid (H, n_seqs, S_v / 16), block (32, 4): warp y of block z owns columns 16 z + 4 y ..
+// + 3 of head x's state. Strides in floats; q/k heads tile the v heads (head % n_qk_heads).
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+deltanet_verify(const float * q, const float * k, const float * v, const float * g, const float * beta,
+                const float * state_in, float * out, float * slots, int64_t H, int64_t n_tokens, int64_t q_head,
+                int64_t q_token, int64_t q_seq, int64_t v_head, int64_t v_token, int64_t v_seq, int64_t gate_head,
+                int64_t gate_token, int64_t gate_seq, int64_t n_qk_heads, int64_t seqs_per_qk, float scale,
+                int64_t slot_stride, int K) {
     deltaspec_cuda::wait_for_inputs();
     const int64_t head = blockIdx.x, seq = blockIdx.y;
-    const int lane = threadIdx.x;
-    const int col = blockIdx.z * blockDim.y + threadIdx.y;
-    const int64_t qk_head = head % n_qk_heads, qk_seq = seq / seqs_per_qk;  // q/k heads tile the v heads
-
+    const int lane = threadIdx.x, first_block_col = blockIdx.z * kColumnsPerBlock;
+    const int first_col = first_block_col + threadIdx.y * kColumnsPerWarp;
+    const int64_t qk = (seq / seqs_per_qk) * q_seq + (head % n_qk_heads) * q_head;
+    const int64_t gate = seq * gate_seq + head * gate_head;
+    const Inputs x{q + qk, k + qk, v + seq * v_seq + head * v_head, g + gate, beta + gate, q_token, v_token, gate_token};
     constexpr int64_t kStateSize = kStateDim * kStateDim;
-    snapshots += (seq * H + head) * kStateSize + col * kStateDim;
-    state_in += (seq * H + head) * kStateSize + col * kStateDim;
-    float * o = out + (seq * n_tokens * H + head) * kStateDim;
+    float s[kColumnsPerWarp][kRowsPerLane];
+    load_columns(s, state_in + (seq * H + head) * kStateSize, first_col, lane);
+    walk_tokens<true>(s, x, n_tokens, first_block_col, first_col, lane, out + (seq * n_tokens * H + head) * kStateDim,
+                      kStateDim * H, scale, slots + (seq * H + head) * kStateSize, slot_stride, K);
+}
 
-    float s[kRowsPerLane];  // this lane's values of the column (state stored transposed)
-#pragma unroll
-    for (int r = 0; r < kRowsPerLane; r++) s[r] = state_in[r * 32 + lane];
+// The replay: grid (H, layers, S_v / 16), block (32, 4); each layer's state rolled forward in place.
+constexpr int kReplayLayersPerLaunch = 64;  // by value in the kernel's parameters (64 x 48 bytes)
 
-    auto load = [&](TokenInputs & in, int64_t t) {
-        const int64_t gate = seq * gate_seq + t * gate_token + head * gate_head;
-        const int64_t qk = qk_seq * q_seq + t * q_token + qk_head * q_head;
-        load_token(in, q + qk, k + qk, v + seq * v_seq + t * v_token + head * v_head, g + gate, beta + gate, col, lane);
-    };
-    TokenInputs cur;
-    load(cur, 0);
-    for (int64_t t = 0; t < n_tokens; t++) {
-        TokenInputs next;
-        if (t + 1 < n_tokens) load(next, t + 1);  // in flight during this token's math
+struct ReplayLayers {
+    deltaspec_deltanet_layer layer[kReplayLayersPerLaunch];
+};
 
-        // the order of every sum below is ggml's: the same bits
-        const float decay = expf(cur.g);
-        float sk_part = 0.0f;  // (S^T k)[col], this lane's share
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+deltanet_replay(const ReplayLayers layers, const deltaspec_deltanet_replay shape) {
+    const deltaspec_deltanet_layer & l = layers.layer[blockIdx.y];
+    const int64_t head = blockIdx.x;
+    const int lane = threadIdx.x, first_block_col = blockIdx.z * kColumnsPerBlock;
+    const int first_col = first_block_col + threadIdx.y * kColumnsPerWarp;
+    const int64_t qk = (head % shape.n_qk_heads) * shape.qk_head, gate = head * shape.gate_head;
+    const Inputs x{l.q + qk, l.k + qk, l.v + head * shape.v_head, l.g + gate, l.beta + gate,
+                   shape.qk_token, shape.v_token, shape.gate_token};
+    float * state = l.state + head * kStateDim * kStateDim;
+    float s[kColumnsPerWarp][kRowsPerLane];
+    load_columns(s, state, first_col, lane);
+    walk_tokens<false>(s, x, shape.n_tokens, first_block_col, first_col, lane, nullptr, 0, 0.0f, nullptr, 0, 0);
 #pragma unroll
-        for (int r = 0; r < kRowsPerLane; r++) sk_part += s[r] * cur.k[r];
-        const float sk = warp_reduce_sum<32>(sk_part);
-        const float delta = (cur.v - decay * sk) * cur.beta;
-        float out_part = 0.0f;  // (S^T q)[col] after the update
+    for (int c = 0; c < kColumnsPerWarp; c++) {
 #pragma unroll
-        for (int r = 0; r < kRowsPerLane; r++) {
-            s[r] = decay * s[r] + cur.k[r] * delta;
-            out_part += s[r] * cur.q[r];
-        }
-        const float o_col = warp_reduce_sum<32>(out_part);
-        if (lane == 0) o[col] = o_col * scale;
-        o += kStateDim * H;
-
-        // snapshot slot 0 = the state after the last token, slot i = i tokens back
-        const int64_t slot = n_tokens - 1 - t;
-        if (slot < K) {
-#pragma unroll
-            for (int r = 0; r < kRowsPerLane; r++) snapshots[slot * snapshot_stride + r * 32 + lane] = s[r];
-        }
-        if (t + 1 < n_tokens) cur = next;
+        for (int r = 0; r < kRowsPerLane; r++) state[(first_col + c) * kStateDim + r * 32 + lane] = s[c][r];
     }
 }
 
 bool serves(const ggml_tensor * dst) {
     const ggml_tensor * v = dst->src[2];
     const ggml_tensor * g = dst->src[3];
-    const int K = ggml_get_op_params_i32(dst, 0);
     for (int i = 0; i < 6; ++i) {
         if (dst->src[i]->type != GGML_TYPE_F32) return false;
     }
-    return g_on && K > 1 && v->ne[0] == kStateDim && dst->src[0]->ne[0] == kStateDim && g->ne[0] == 1 &&
-           dst->src[0]->ne[1] == dst->src[1]->ne[1] &&
-           ggml_are_same_stride(dst->src[0], dst->src[1]) && ggml_is_contiguous_rows(dst->src[0]) &&
-           ggml_is_contiguous_rows(v) && ggml_is_contiguous(g) && ggml_is_contiguous(dst->src[4]) &&
-           ggml_is_contiguous(dst->src[5]) && v->ne[3] % dst->src[0]->ne[3] == 0;
+    return g_on && v->ne[2] > 1 && v->ne[0] == kStateDim && dst->src[0]->ne[0] == kStateDim && g->ne[0] == 1 &&
+           dst->src[0]->ne[1] == dst->src[1]->ne[1] && ggml_are_same_stride(dst->src[0], dst->src[1]) &&
+           ggml_is_contiguous_rows(dst->src[0]) && ggml_is_contiguous_rows(v) && ggml_is_contiguous(g) &&
+           ggml_is_contiguous(dst->src[4]) && ggml_is_contiguous(dst->src[5]) && v->ne[3] % dst->src[0]->ne[3] == 0;
 }
 
 }  // namespace
@@ -131,6 +260,25 @@ bool serves(const ggml_tensor * dst) {
 extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_deltanet(bool on) { g_on = on; }
 
 extern "C" __attribute__((visibility("default"))) int64_t deltaspec_cuda_deltanet_launches() { return g_launches; }
+
+extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_deltanet_replay(
+    const deltaspec_deltanet_replay * shape, const deltaspec_deltanet_layer * layers, int n_layers) {
+    if (!g_on || shape->state_dim != kStateDim || shape->n_tokens < 1 || shape->n_qk_heads < 1) return false;
+    if (n_layers <= 0) return true;
+    // the caller has synchronized the backend that wrote the inputs
+    return run_on_side_stream(layers[0].state, [&](cudaStream_t stream) {
+        for (int first = 0; first < n_layers; first += kReplayLayersPerLaunch) {
+            const int n = std::min(kReplayLayersPerLaunch, n_layers - first);
+            ReplayLayers batch;
+            std::copy(layers + first, layers + first + n, batch.layer);
+            const dim3 grid((unsigned)shape->n_v_heads, (unsigned)n, kStateDim / kColumnsPerBlock);
+            deltanet_replay<<<grid, dim3(32, kWarpsPerBlock), 0, stream>>>(batch, *shape);
+            ++g_launches;
+            if (cudaGetLastError() != cudaSuccess) return false;
+        }
+        return true;
+    });
+}
 
 // ggml-cuda.cu calls this in place of ggml_cuda_op_gated_delta_net (inject.cmake renames it).
 void deltaspec_op_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -144,11 +292,11 @@ void deltaspec_op_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_tensor *
     const int64_t H = v->ne[1], n_tokens = v->ne[2], n_seqs = v->ne[3];
     const int64_t f = sizeof(float);
     float * out = (float *)dst->data;
-    float * snapshots = out + kStateDim * H * n_tokens * n_seqs;  // the snapshots follow the outputs
-    const dim3 grid((unsigned)H, (unsigned)n_seqs, kStateDim / kColumnsPerBlock), block(32, kColumnsPerBlock, 1);
-    deltaspec_cuda::launch(deltanet_snapshots, grid, block, 0, ctx.stream(), (const float *)q->data,
+    float * slots = out + kStateDim * H * n_tokens * n_seqs;  // the states follow the outputs
+    const dim3 grid((unsigned)H, (unsigned)n_seqs, kStateDim / kColumnsPerBlock), block(32, kWarpsPerBlock, 1);
+    deltaspec_cuda::launch(deltanet_verify, grid, block, 0, ctx.stream(), (const float *)q->data,
                            (const float *)dst->src[1]->data, (const float *)v->data, (const float *)dst->src[3]->data,
-                           (const float *)beta->data, (const float *)dst->src[5]->data, out, snapshots, H, n_tokens,
+                           (const float *)beta->data, (const float *)dst->src[5]->data, out, slots, H, n_tokens,
                            q->nb[1] / f, q->nb[2] / f, q->nb[3] / f, v->nb[1] / f, v->nb[2] / f, v->nb[3] / f,
                            beta->nb[1] / f, beta->nb[2] / f, beta->nb[3] / f, q->ne[1], n_seqs / q->ne[3],
                            1.0f / sqrtf((float)kStateDim), kStateDim * kStateDim * H * n_seqs,

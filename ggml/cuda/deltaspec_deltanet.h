@@ -1,0 +1,42 @@
+// deltaspec_cuda_deltanet_replay (deltaspec_deltanet.cu, inside ggml-cuda when it carries our
+// kernels): rolls every DeltaNet layer's live state forward by the first tokens of a verify batch,
+// in one launch. Plain C, so that the engine can declare it weak and link against a ggml-cuda
+// without it.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// One layer: the recurrence's inputs as the verify graph left them (q, k: the l2-normed heads; v;
+// g: the log-decay; beta) and its live state (n_v_heads states of state_dim^2 floats, each stored
+// transposed as ggml's op stores it), which is read and rewritten in place.
+struct deltaspec_deltanet_layer {
+    const float * q;
+    const float * k;
+    const float * v;
+    const float * g;
+    const float * beta;
+    float * state;
+};
+
+// What every layer shares: head counts (q/k head h % n_qk_heads serves v head h), the tokens to
+// replay, and strides in floats (g and beta share theirs).
+struct deltaspec_deltanet_replay {
+    int64_t n_v_heads, n_qk_heads, state_dim, n_tokens;
+    int64_t qk_head, qk_token, v_head, v_token, gate_head, gate_token;
+};
+
+// Runs the first shape->n_tokens tokens of every layer's recurrence on the device holding
+// layers[0].state and waits for it; the caller must have synchronized whatever wrote the inputs.
+// The arithmetic is that of the verify op (ggml's, see the .cu), so the state is the one the op
+// passed through. Returns false when our kernels are off, the state size is not one it serves, or
+// on a CUDA error (then nothing or not everything was replayed: the caller falls back).
+bool deltaspec_cuda_deltanet_replay(const struct deltaspec_deltanet_replay * shape,
+                                    const struct deltaspec_deltanet_layer * layers, int n_layers);
+
+#ifdef __cplusplus
+}
+#endif
