@@ -261,10 +261,11 @@ extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_deltan
 
 extern "C" __attribute__((visibility("default"))) int64_t deltaspec_cuda_deltanet_launches() { return g_launches; }
 
-extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_deltanet_replay(
+extern "C" __attribute__((visibility("default"))) int deltaspec_cuda_deltanet_replay(
     const deltaspec_deltanet_replay * shape, const deltaspec_deltanet_layer * layers, int n_layers) {
-    if (!g_on || shape->state_dim != kStateDim || shape->n_tokens < 1 || shape->n_qk_heads < 1) return false;
-    if (n_layers <= 0) return true;
+    if (!g_on || shape->state_dim != kStateDim || shape->n_tokens < 1 || shape->n_qk_heads < 1) return 0;
+    if (n_layers <= 0) return 1;
+    if (!is_device_memory(layers[0].state)) return 0;
     // the caller has synchronized the backend that wrote the inputs
     return run_on_side_stream(layers[0].state, [&](cudaStream_t stream) {
         for (int first = 0; first < n_layers; first += kReplayLayersPerLaunch) {
@@ -277,7 +278,7 @@ extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_deltanet_r
             if (cudaGetLastError() != cudaSuccess) return false;
         }
         return true;
-    });
+    }) ? 1 : -1;
 }
 
 // ggml-cuda.cu calls this in place of ggml_cuda_op_gated_delta_net (inject.cmake renames it).

@@ -32,10 +32,11 @@ struct deltaspec_deltanet_replay {
 // Runs the first shape->n_tokens tokens of every layer's recurrence on the device holding
 // layers[0].state and waits for it; the caller must have synchronized whatever wrote the inputs.
 // The arithmetic is that of the verify op (ggml's, see the .cu), so the state is the one the op
-// passed through. Returns false when our kernels are off, the state size is not one it serves, or
-// on a CUDA error (then nothing or not everything was replayed: the caller falls back).
-bool deltaspec_cuda_deltanet_replay(const struct deltaspec_deltanet_replay * shape,
-                                    const struct deltaspec_deltanet_layer * layers, int n_layers);
+// passed through. Returns 1 when done; 0 when nothing was launched (our kernels are off, the
+// state size is not one it serves, the state is not device memory: the caller replays another
+// way); -1 on a CUDA error after launching (the states may be partly advanced).
+int deltaspec_cuda_deltanet_replay(const struct deltaspec_deltanet_replay * shape,
+                                   const struct deltaspec_deltanet_layer * layers, int n_layers);
 
 #ifdef __cplusplus
 }

@@ -83,7 +83,7 @@ struct XNorm {
 // With a norm, x * norm.w is quantized and the norm's 1/rms, common to every value, becomes
 // `scale` (per-slice int8 scales do not care about a common factor), so one pass over x serves
 // both the sum of squares and the quantization.
-__device__ __forceinline__ XShared prepare_x(const float * __restrict__ x, int n_cols, uint8_t * smem,
+__device__ __forceinline__ XShared prepare_x(const float * x, int n_cols, uint8_t * smem,
                                              XNorm norm = XNorm{}) {
     __shared__ float warp_sumsq[8];
     const int n_blocks = n_cols / 256;
@@ -93,7 +93,7 @@ __device__ __forceinline__ XShared prepare_x(const float * __restrict__ x, int n
 #pragma unroll 2
     for (int sl = threadIdx.x; sl < n_cols / 16; sl += blockDim.x) {
         const float4 * p = reinterpret_cast<const float4 *>(x + 16 * sl);
-        float4 v[4] = {__ldg(p), __ldg(p + 1), __ldg(p + 2), __ldg(p + 3)};
+        float4 v[4] = {p[0], p[1], p[2], p[3]};  // an activation: a coherent load (see wait_for_inputs)
         if (norm.w != nullptr) {
             const float4 * pw = reinterpret_cast<const float4 *>(norm.w + 16 * sl);
 #pragma unroll
@@ -160,6 +160,11 @@ inline int device_sm_count() { return device_facts().sm_count; }
 // way, ggml_cuda_pdl_sync / ggml_cuda_pdl_lc), so the next kernel's thread blocks move onto SMs as
 // ours leave them instead of after the whole grid and a launch gap. Without the launch attribute
 // (or before sm_90) the wait returns at once.
+// What the kernel before writes (activations, x's quantized scratch) is read with plain,
+// coherent loads through pointers that are not const __restrict__ and not with __ldg: the
+// compiler may treat read-only-path loads as invariant and move them above the wait, and the
+// memory model that orders the wait does not cover that path (llama.cpp PR 24030 found such races
+// and dropped __restrict__ where ggml-cuda uses early launch). Weights keep it: they never change.
 __device__ __forceinline__ void wait_for_inputs() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

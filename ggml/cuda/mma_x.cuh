@@ -80,7 +80,7 @@ inline MmaX mma_x_layout(void * scratch, int64_t n_k, int n_cols) {
 // SUMS: also write the sub-block sums. With a norm, a thread block is one column's n_k / 256 warps
 // (n_k <= 8192), which add up the column's sum of squares in shared memory.
 template <bool HALVES_INTERLEAVED, bool SUMS>
-__global__ void quantize_x256(const float * __restrict__ x, int64_t ldx, int n_cols, int n_k, int n_pad, MmaX out,
+__global__ void quantize_x256(const float * x, int64_t ldx, int n_cols, int n_k, int n_pad, MmaX out,
                               XNorm norm, XGlu glu) {
     wait_for_inputs();  // x comes from earlier kernels, and so do the last reads of the scratch
     const int lane = threadIdx.x & 31, n_blocks = n_k / 256;
@@ -182,8 +182,8 @@ inline MmaX launch_quantize_x256(const float * x, int64_t ldx, int64_t n_k, int 
 // Row tiles of 16 rows one thread block of a tensor-core kernel covers: its 8 warps split into R
 // row tiles x 8 / R phases along k. Every block reads all of x (n_k x 8 NT int8) through L2,
 // which for one tile of 16 rows is NP / 9 times the Q4_K weight bytes it reads (x of 16
-// columns: 1.8x); the warps of two or four tiles read the same x at about the same time (__ldg:
-// through L1), so L2 serves it once per R tiles. Measured (H200, kernels_bench): it helps
+// columns: 1.8x); the warps of two or four tiles read the same x at about the same time (through L1,
+// which caches global loads), so L2 serves it once per R tiles. Measured (H200, kernels_bench): it helps
 // where the larger blocks still fill the device (DeltaNet stack at 16 columns 1.31 -> 1.22x one
 // column), but the step from 8 to 9 columns (+0.2x) stays: L2 was not the main limit. (An L1
 // prefetch of the next block's x, one line a lane, made every case slower: 1.22 -> 2.01x.)

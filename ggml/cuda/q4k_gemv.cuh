@@ -91,7 +91,7 @@ constexpr int kQ4KRowsPerBlock = SPLIT_K ? 1 : PAIRED ? 16 : 8;
 
 template <bool GATED, bool SPLIT_K, bool PAIRED>
 __global__ void __launch_bounds__(256)
-q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const float * __restrict__ x,
+q4k_gemv(const uint8_t * __restrict__ W, const uint8_t * __restrict__ G, const float * x,
          const float * bias, float * y, int n_rows, int n_blocks, int64_t row_bytes, XNorm norm) {
     static_assert(!(PAIRED && (GATED || SPLIT_K)), "PAIRED is a form of the plain kernel");
     constexpr int L = GATED || PAIRED ? 2 : 1;

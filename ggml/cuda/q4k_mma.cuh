@@ -67,7 +67,7 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     __shared__ float partial[mma_partial_floats<NT>];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int row_base = blockIdx.x * 16 * R, tile_base = row_base + 16 * (warp % R);
-    const int8_t * __restrict__ xq = x.values;
+    const int8_t * xq = x.values;  // the quantize kernel's output: coherent loads (wait_for_inputs)
     const uint8_t * row0 = W + min(tile_base + g, n_rows - 1) * row_bytes;
     const uint8_t * row1 = W + min(tile_base + g + 8, n_rows - 1) * row_bytes;
 
@@ -97,8 +97,8 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
                 const uint32_t a3 = (cur.qs[1][j].y >> (4 * h)) & 0x0F0F0F0Fu;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 bq = __ldg(reinterpret_cast<const uint2 *>(
-                        xq + ((int64_t)(8 * b + s) * NP + 8 * nt + g) * 32 + 8 * t));
+                    const uint2 bq =
+                        *reinterpret_cast<const uint2 *>(xq + ((int64_t)(8 * b + s) * NP + 8 * nt + g) * 32 + 8 * t);
                     int c[4];
                     mma_s8(c, a0, a1, a2, a3, bq.x, bq.y);
                     S[nt][0] += sc[0][h] * c[0];
@@ -115,12 +115,12 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
         for (int nt = 0; nt < NT; ++nt) {
             // mins: k slots 0..7 = sub-blocks (held by lanes t = 0, 1), the rest zero
             const XSums & xsum = x.sums[(int64_t)b * NP + 8 * nt + g];
-            const uint32_t hi = t < 2 ? __ldg(reinterpret_cast<const uint32_t *>(xsum.hi) + t) : 0u;
-            const uint32_t lo = t < 2 ? __ldg(reinterpret_cast<const uint32_t *>(xsum.lo) + t) : 0u;
+            const uint32_t hi = t < 2 ? reinterpret_cast<const uint32_t *>(xsum.hi)[t] : 0u;
+            const uint32_t lo = t < 2 ? reinterpret_cast<const uint32_t *>(xsum.lo)[t] : 0u;
             int mh[4], ml[4];
             mma_s8(mh, mins[0], mins[1], 0u, 0u, hi, 0u);
             mma_s8(ml, mins[0], mins[1], 0u, 0u, lo, 0u);
-            const float2 d = __ldg(reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t));
+            const float2 d = *reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const float2 rd = dm[k >> 1];

@@ -49,7 +49,7 @@ __device__ __forceinline__ uint32_t stage_word(const uint8_t * stage, int o) {
 __device__ __forceinline__ int sbyte(uint32_t w, int i) { return (int)(int8_t)(w >> (8 * i)); }
 
 __global__ void __launch_bounds__(256)
-q6k_gemv(const uint8_t * __restrict__ W, const float * __restrict__ x, const float * bias, float * y, int n_rows,
+q6k_gemv(const uint8_t * __restrict__ W, const float * x, const float * bias, float * y, int n_rows,
          int n_blocks, int64_t row_bytes, XNorm norm) {
     extern __shared__ uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

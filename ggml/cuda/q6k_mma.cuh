@@ -132,8 +132,8 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
                     const int sub = 4 * n + k;  // x's 32-value sub-block
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        const uint2 bq = __ldg(reinterpret_cast<const uint2 *>(
-                            x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t));
+                        const uint2 bq = *reinterpret_cast<const uint2 *>(  // coherent (wait_for_inputs)
+                            x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t);
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             const int i = 8 * n + 2 * k + h;  // the group's scale
@@ -156,7 +156,7 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
             }
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                const float2 dx = __ldg(reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t));
+                const float2 dx = *reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t);
 #pragma unroll
                 for (int k = 0; k < 4; ++k) acc[nt][k] += (k & 1 ? dx.y : dx.x) * d[k >> 1] * (float)S[nt][k];
             }

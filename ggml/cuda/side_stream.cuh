@@ -8,6 +8,16 @@
 // The stream on `device`, created once (deltaspec_copies.cu); nullptr if that failed.
 cudaStream_t deltaspec_side_stream(int device);
 
+// Whether p points to device memory (a failed query's error is cleared).
+inline bool is_device_memory(const void * p) {
+    cudaPointerAttributes attr;
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+    }
+    return attr.type == cudaMemoryTypeDevice;
+}
+
 // Calls launch(stream) (which returns whether its launches succeeded) on the device holding
 // device_ptr and waits for them. False when device_ptr is not device memory (nothing launched:
 // the caller falls back) or on a CUDA error.
