@@ -75,11 +75,13 @@ class Engine {
     void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
                      bool keep_states = false);
     // verify_rollback.cpp: the recurrent state after the first n tokens of the last verify batch,
-    // from the one before it (conv windows copied, DeltaNet recurrences replayed), and the
-    // same for all of them when the batch is followed by anything but keep()
+    // from the one before it (conv windows copied, DeltaNet recurrences replayed; for all T
+    // tokens the states after the batch copied), and the same for all of them when the batch is
+    // followed by anything but keep()
     void advance_verify_state(int64_t n);
     bool copy_conv_windows_cuda(int64_t n);  // one CUDA launch; false: not done
-    bool replay_deltanet_cuda(int64_t n);    // one CUDA launch; false: not done
+    bool copy_last_states_cuda();            // n = T: the same
+    bool replay_deltanet_cuda(int64_t n);    // n < T: the same
     void advance_verify_state_graph(int64_t n, bool conv, bool deltanet);  // a ggml graph, any backend
     void settle_verify();
 

@@ -27,17 +27,21 @@ StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, 
 // Where a verify batch's graph leaves what keeping its first n tokens (Engine::keep) needs,
 // without re-running the target: graph outputs, which the allocator keeps untouched until the
 // next graph runs. The graph advances the conv windows by all T tokens and leaves the DeltaNet
-// states as they were before the batch: keep(n) then replays the recurrence of the first n
+// states as they were before the batch: keep(n < T) then replays the recurrence of the first n
 // tokens from these inputs (one launch on CUDA; writing every token's 3 MB state per layer, as
-// the op did before, cost more: bench/README). Per layer (null for attention layers):
+// the op did before, cost more: bench/README), keep(T) copies the op's state after the last
+// token. Per layer (null for attention layers):
 //   conv_in: {Kc-1+T, C}, the conv window before the batch and the batch's inputs; the window
 //            after token T-1-r is columns window_column(r) .. window_column(r)+Kc-2;
 //   qk:      {S, 2*Hk, T}, the l2-normed q heads (the first Hk) and k heads of every token;
 //   y:       {C, T}, the conv output, whose last Hv*S values of a column are v;
-//   g, beta: {1, Hv, T}, the log-decay and beta of every token.
+//   g, beta: {1, Hv, T}, the log-decay and beta of every token;
+//   result:  the op's result, whose state after the last token ({S*S*Hv} F32) starts
+//            last_state_offs bytes in.
 struct VerifyStates {
-    std::vector<ggml_tensor *> conv_in, qk, y, g, beta;
-    int64_t n_tokens = 0;  // T
+    std::vector<ggml_tensor *> conv_in, qk, y, g, beta, result;
+    int64_t n_tokens = 0;        // T
+    size_t last_state_offs = 0;  // after the outputs
 
     int64_t window_column(int64_t r) const { return n_tokens - r; }
 };

@@ -1,8 +1,10 @@
 // Keeping the first n tokens of a verify batch (Engine::keep): the batch's graph advanced the KV
 // rows and conv windows by all T tokens and left the DeltaNet states as they were before it, with
-// the recurrence's inputs as graph outputs (VerifyStates). Here the conv windows after token n-1
-// are copied back and each DeltaNet state is rolled forward by the recurrence of the first n
-// tokens: on CUDA with our kernels one launch for all layers, otherwise a small ggml graph.
+// the recurrence's inputs and the state after the last token as graph outputs (VerifyStates).
+// For n < T the conv windows after token n-1 are copied back and each DeltaNet state is rolled
+// forward by the recurrence of the first n tokens; for n = T the states after the batch are
+// copied in. On CUDA with our kernels each is one launch for all layers, otherwise a small ggml
+// graph does it.
 #include <stdexcept>
 #include <vector>
 
@@ -27,11 +29,11 @@ ggml_tensor * detached(ggml_context * ctx, const ggml_tensor * t) {
 }  // namespace
 
 void Engine::advance_verify_state(int64_t n) {
-    const bool conv_done = n == verify_T_;  // the graph left the windows after all T tokens
+    const bool all = n == verify_T_;  // the graph left the windows after all T tokens
     const bool on_gpu = backend_ != backend_cpu_;
     if (on_gpu) ggml_backend_synchronize(backend_);  // our launches run on a stream of their own
-    const bool conv = conv_done || (on_gpu && copy_conv_windows_cuda(n));
-    const bool deltanet = on_gpu && replay_deltanet_cuda(n);
+    const bool conv = all || (on_gpu && copy_conv_windows_cuda(n));
+    const bool deltanet = on_gpu && (all ? copy_last_states_cuda() : replay_deltanet_cuda(n));
     if (!conv || !deltanet) advance_verify_state_graph(n, !conv, !deltanet);
 }
 
@@ -49,6 +51,19 @@ bool Engine::copy_conv_windows_cuda(int64_t n) {
         const int64_t conv_in_stride = conv_in->nb[1] / sizeof(float), conv_stride = conv->nb[1] / sizeof(float);
         jobs.push_back({(const float *)conv_in->data + vs.window_column(verify_T_ - n), (float *)conv->data,
                         conv->ne[1], conv->ne[0], conv_in_stride, conv_stride});
+    }
+    return cuda_copy_rows(jobs);
+}
+
+bool Engine::copy_last_states_cuda() {
+    const VerifyStates & vs = step_.verify;
+    std::vector<deltaspec_copy> jobs;
+    for (int il = 0; il < hp_.n_layer; ++il) {
+        if (!vs.result[il]) continue;
+        const ggml_tensor * ssm = state_.ssm[il];
+        if (ssm->type != GGML_TYPE_F32 || !ggml_is_contiguous(ssm)) return false;
+        const char * last = (const char *)vs.result[il]->data + vs.last_state_offs;
+        jobs.push_back({(const float *)last, (float *)ssm->data, 1, ggml_nelements(ssm), 0, 0});
     }
     return cuda_copy_rows(jobs);
 }
@@ -96,7 +111,12 @@ void Engine::advance_verify_state_graph(int64_t n, bool conv, bool deltanet) {
                                                     vs.window_column(verify_T_ - n) * conv_in->nb[0]);
                 ggml_build_forward_expand(gf, ggml_cpy(ctx, window, state));
             }
-            if (deltanet) {  // the verify graph's op over the first n tokens, from the live state
+            if (deltanet && n == verify_T_) {  // the state after the batch, as the op left it
+                ggml_tensor * ssm = state_.ssm[il];
+                ggml_tensor * result = detached(ctx, vs.result[il]);
+                ggml_tensor * last = ggml_view_1d(ctx, result, ggml_nelements(ssm), vs.last_state_offs);
+                ggml_build_forward_expand(gf, ggml_cpy(ctx, last, ssm));
+            } else if (deltanet) {  // the verify graph's op over the first n tokens, from the live state
                 ggml_tensor * ssm = state_.ssm[il];
                 ggml_tensor * qk = detached(ctx, vs.qk[il]);
                 ggml_tensor * y = detached(ctx, vs.y[il]);
