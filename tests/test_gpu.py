@@ -266,10 +266,11 @@ def test_mma_row_tiles_agree(tmp_path, monkeypatch, quant, shape):
 def test_deltanet_verify_kernel_matches_ggml(tmp_path, monkeypatch):
     """Verify batches' DeltaNet recurrence and keep()'s replay of it in our kernels
     (ggml/cuda/deltaspec_deltanet.cu: 4 columns a warp, reduced together in the order of ggml's
-    warp sums, the next token's inputs loaded during this token's math, ggml's math expression for
+    warp sums, each chunk of tokens' inputs staged in shared memory, ggml's math expression for
     expression) against ggml's kernel, in the verify graph and in keep()'s replay graph
     (DELTASPEC_CUDA_DELTANET=0): every row's logits, the state keep() rolls forward to (6 of the
-    batch's 17 tokens) and the step after it. The tiny model gets the real
+    batch's 17 tokens) and the step after it; then a 9-token batch kept whole (keep(T) copies the
+    op's last state) and the step after it. The tiny model gets the real
     models' 128-value DeltaNet heads (the only size our kernel serves), and 2 k-heads for 4
     v-heads (the op's head broadcast). The same sums in the same order give the same bits; the
     bound below only forgives a compiler contracting one multiply-add differently (an index
@@ -296,9 +297,16 @@ def test_deltanet_verify_kernel_matches_ggml(tmp_path, monkeypatch):
             launches = _core.cuda_deltanet_launches()
             engine.keep(6)
             assert (_core.cuda_deltanet_launches() > launches) == (flag == "1")
-            state = {k: np.frombuffer(v, dtype=np.float32).copy() for k, v in engine.state_arrays().items()
-                     if k.startswith(("ssm", "conv"))}
-            return verify, state, m.eval([99])
+            state = recurrent_state(engine)
+            after = m.eval([99])
+            engine.eval_verify(batch[:9])
+            engine.keep(9)
+            state |= {"all." + k: v for k, v in recurrent_state(engine).items()}
+            return verify, state, np.concatenate([after, m.eval([7])])
+
+    def recurrent_state(engine):
+        return {k: np.frombuffer(v, dtype=np.float32).copy() for k, v in engine.state_arrays().items()
+                if k.startswith(("ssm", "conv"))}
 
     (ours, ours_state, ours_next), (ggml, ggml_state, ggml_next) = run("1"), run("0")
     bitwise = np.array_equal(ours, ggml) and np.array_equal(ours_next, ggml_next) and all(
