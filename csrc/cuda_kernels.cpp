@@ -18,7 +18,8 @@ extern "C" void deltaspec_cuda_set_deltanet(bool on) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_early_launch(bool on) __attribute__((weak));
 extern "C" int64_t deltaspec_cuda_deltanet_launches() __attribute__((weak));
 extern "C" int deltaspec_cuda_deltanet_replay(const deltaspec_deltanet_replay * shape,
-                                              const deltaspec_deltanet_layer * layers, int n_layers) __attribute__((weak));
+                                              const deltaspec_deltanet_layer * layers,
+                                              int n_layers) __attribute__((weak));
 
 namespace deltaspec {
 
@@ -53,7 +54,8 @@ bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *>
            deltaspec_cuda_fold_input(input, weights.data(), (int)weights.size());
 }
 
-bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape, const std::vector<deltaspec_deltanet_layer> & layers) {
+bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape,
+                          const std::vector<deltaspec_deltanet_layer> & layers) {
     if (deltaspec_cuda_deltanet_replay == nullptr) return false;
     const int done = deltaspec_cuda_deltanet_replay(&shape, layers.data(), (int)layers.size());
     if (done < 0) throw std::runtime_error("replaying the DeltaNet states on the GPU failed (a CUDA error)");

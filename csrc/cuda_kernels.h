@@ -40,7 +40,8 @@ bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *>
 // ggml-cuda lacks it, it is off (DELTASPEC_CUDA_KERNELS=0 or DELTASPEC_CUDA_DELTANET=0) or the
 // shape is not one it serves (then the caller replays another way). Throws std::runtime_error on
 // a CUDA error after launching (the states may be partly advanced: no other way can recover them).
-bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape, const std::vector<deltaspec_deltanet_layer> & layers);
+bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape,
+                          const std::vector<deltaspec_deltanet_layer> & layers);
 
 // Device copies of f32 rows, all in one launch, waited for (ggml/cuda/deltaspec_copies.h); false
 // when this ggml-cuda lacks them or the copy failed (then the caller copies another way).

@@ -127,7 +127,8 @@ void Engine::advance_verify_state_graph(int64_t n, bool conv, bool deltanet) {
                 ggml_tensor * v = ggml_view_4d(ctx, y, S, Hv, n, 1, S * f, y->nb[1], y->nb[2], 2 * Hk * S * f);
                 g = ggml_view_4d(ctx, g, 1, Hv, n, 1, g->nb[1], g->nb[2], g->nb[3], 0);
                 beta = ggml_view_4d(ctx, beta, 1, Hv, n, 1, beta->nb[1], beta->nb[2], beta->nb[3], 0);
-                ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, ggml_reshape_4d(ctx, ssm, S, S, Hv, 1), 1);
+                ggml_tensor * state = ggml_reshape_4d(ctx, ssm, S, S, Hv, 1);
+                ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, 1);
                 ggml_tensor * after = ggml_view_1d(ctx, res, S * S * Hv, S * Hv * n * f);
                 ggml_build_forward_expand(gf, ggml_cpy(ctx, after, ssm));
                 replays = true;

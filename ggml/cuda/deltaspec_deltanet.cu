@@ -208,7 +208,8 @@ deltanet_verify(const float * q, const float * k, const float * v, const float *
     const int first_col = first_block_col + threadIdx.y * kColumnsPerWarp;
     const int64_t qk = (seq / seqs_per_qk) * q_seq + (head % n_qk_heads) * q_head;
     const int64_t gate = seq * gate_seq + head * gate_head;
-    const Inputs x{q + qk, k + qk, v + seq * v_seq + head * v_head, g + gate, beta + gate, q_token, v_token, gate_token};
+    const Inputs x{q + qk, k + qk, v + seq * v_seq + head * v_head, g + gate, beta + gate,
+                   q_token, v_token, gate_token};
     constexpr int64_t kStateSize = kStateDim * kStateDim;
     float s[kColumnsPerWarp][kRowsPerLane];
     load_columns(s, state_in + (seq * H + head) * kStateSize, first_col, lane);
