@@ -189,14 +189,14 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, 1);
     ggml_tensor * o = ggml_view_4d(ctx, res, S, Hv, T, 1, S * f, S * Hv * f, S * Hv * T * f, 0);
     if (in.keep_states) {  // the state stays; keep(n) advances it from these (VerifyStates)
-        for (ggml_tensor * t : {qk, y, g, beta, res}) ggml_set_output(t->view_src ? t->view_src : t);
-        verify->qk[il] = qk;
-        verify->y[il] = y;
+        for (ggml_tensor * t : {q, k, v, g, beta, res}) ggml_set_output(t->view_src ? t->view_src : t);
+        verify->q[il] = q;
+        verify->k[il] = k;
+        verify->v[il] = v;
         verify->g[il] = g;
         verify->beta[il] = beta;
         verify->result[il] = res;
         verify->n_tokens = T;
-        verify->last_state_offs = S * Hv * T * f;
     } else {
         ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * Hv, S * Hv * T * f);
         ggml_build_forward_expand(gf, ggml_cpy(ctx, new_state, ssm_state));
@@ -238,7 +238,7 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
     if (in.keep_states) {
         if (verify == nullptr) throw std::logic_error("build_qwen35: a verify batch needs VerifyStates");
         VerifyStates & v = *verify;
-        for (auto * per_layer : {&v.conv_in, &v.qk, &v.y, &v.g, &v.beta, &v.result}) {
+        for (auto * per_layer : {&v.conv_in, &v.q, &v.k, &v.v, &v.g, &v.beta, &v.result}) {
             per_layer->assign(hp.n_layer, nullptr);
         }
     }

@@ -33,15 +33,12 @@ StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, 
 // token. Per layer (null for attention layers):
 //   conv_in: {Kc-1+T, C}, the conv window before the batch and the batch's inputs; the window
 //            after token T-1-r is columns window_column(r) .. window_column(r)+Kc-2;
-//   qk:      {S, 2*Hk, T}, the l2-normed q heads (the first Hk) and k heads of every token;
-//   y:       {C, T}, the conv output, whose last Hv*S values of a column are v;
-//   g, beta: {1, Hv, T}, the log-decay and beta of every token;
-//   result:  the op's result, whose state after the last token ({S*S*Hv} F32) starts
-//            last_state_offs bytes in.
+//   q, k, v, g, beta: the DeltaNet op's inputs ({S, Hk, T, 1}, {S, Hk, T, 1}, {S, Hv, T, 1},
+//            {1, Hv, T, 1}, {1, Hv, T, 1}; views of graph outputs);
+//   result:  the op's result, which ends with the state after the last token ({S*S*Hv} F32).
 struct VerifyStates {
-    std::vector<ggml_tensor *> conv_in, qk, y, g, beta, result;
-    int64_t n_tokens = 0;        // T
-    size_t last_state_offs = 0;  // after the outputs
+    std::vector<ggml_tensor *> conv_in, q, k, v, g, beta, result;
+    int64_t n_tokens = 0;  // T
 
     int64_t window_column(int64_t r) const { return n_tokens - r; }
 };

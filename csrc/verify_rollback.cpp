@@ -5,6 +5,7 @@
 // forward by the recurrence of the first n tokens; for n = T the states after the batch are
 // copied in. On CUDA with our kernels each is one launch for all layers, otherwise a small ggml
 // graph does it.
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -26,9 +27,23 @@ ggml_tensor * detached(ggml_context * ctx, const ggml_tensor * t) {
     return d;
 }
 
+// The first n tokens (dim 2) of t, a view of a verify graph output, as a view in ctx.
+ggml_tensor * first_tokens(ggml_context * ctx, const ggml_tensor * t, int64_t n) {
+    ggml_tensor * base = detached(ctx, t->view_src ? t->view_src : t);
+    return ggml_view_4d(ctx, base, t->ne[0], t->ne[1], n, t->ne[3], t->nb[1], t->nb[2], t->nb[3],
+                        t->view_src ? t->view_offs : 0);
+}
+
+// Where the DeltaNet op's result (outputs, then the state after the last token) holds that state.
+size_t last_state_offset(const ggml_tensor * result, const ggml_tensor * state) {
+    return ggml_nbytes(result) - ggml_nbytes(state);
+}
+
 }  // namespace
 
 void Engine::advance_verify_state(int64_t n) {
+    const bool any_recurrent = std::any_of(hp_.recurrent.begin(), hp_.recurrent.end(), [](bool r) { return r; });
+    if (!any_recurrent) return;  // attention layers only: the KV rows past n are dead, nothing to advance
     const bool all = n == verify_T_;  // the graph left the windows after all T tokens
     const bool on_gpu = backend_ != backend_cpu_;
     if (on_gpu) ggml_backend_synchronize(backend_);  // our launches run on a stream of their own
@@ -62,7 +77,7 @@ bool Engine::copy_last_states_cuda() {
         if (!vs.result[il]) continue;
         const ggml_tensor * ssm = state_.ssm[il];
         if (ssm->type != GGML_TYPE_F32 || !ggml_is_contiguous(ssm)) return false;
-        const char * last = (const char *)vs.result[il]->data + vs.last_state_offs;
+        const char * last = (const char *)vs.result[il]->data + last_state_offset(vs.result[il], ssm);
         jobs.push_back({(const float *)last, (float *)ssm->data, 1, ggml_nelements(ssm), 0, 0});
     }
     return cuda_copy_rows(jobs);
@@ -70,29 +85,28 @@ bool Engine::copy_last_states_cuda() {
 
 bool Engine::replay_deltanet_cuda(int64_t n) {
     const VerifyStates & vs = step_.verify;
-    const int64_t S = hp_.ssm_state_size, Hk = hp_.ssm_n_k_heads, Hv = hp_.ssm_n_v_heads, f = sizeof(float);
+    const int64_t f = sizeof(float);
     std::vector<deltaspec_deltanet_layer> layers;
     deltaspec_deltanet_replay shape = {};
     for (int il = 0; il < hp_.n_layer; ++il) {
-        if (!vs.qk[il]) continue;
-        const ggml_tensor *qk = vs.qk[il], *y = vs.y[il], *g = vs.g[il], *beta = vs.beta[il];
+        if (!vs.q[il]) continue;
+        const ggml_tensor *q = vs.q[il], *k = vs.k[il], *v = vs.v[il], *g = vs.g[il], *beta = vs.beta[il];
         const ggml_tensor * ssm = state_.ssm[il];
-        for (const ggml_tensor * t : {qk, y, g, beta, ssm}) {
-            if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t)) return false;
+        for (const ggml_tensor * t : {q, k, v, g, beta, ssm}) {
+            if (t->type != GGML_TYPE_F32 || t->nb[0] != f) return false;
         }
-        // q: heads 0..Hk-1 of a token's qk column, k: heads Hk..2Hk-1; v: the last Hv*S of y's
-        shape = {Hv, Hk, S, n, S, qk->nb[2] / f, S, y->nb[1] / f, g->nb[1] / f, g->nb[2] / f};
-        const float * qk_data = (const float *)qk->data;
-        layers.push_back({qk_data, qk_data + Hk * S, (const float *)y->data + 2 * Hk * S, (const float *)g->data,
-                          (const float *)beta->data, (float *)ssm->data});
+        if (!ggml_are_same_stride(q, k) || !ggml_are_same_stride(g, beta) || !ggml_is_contiguous(ssm)) return false;
+        // the strides are the graph's, the same in every layer (the kernel takes one set)
+        shape = {v->ne[1], q->ne[1], v->ne[0], n, q->nb[1] / f, q->nb[2] / f, v->nb[1] / f, v->nb[2] / f,
+                 g->nb[1] / f, g->nb[2] / f};
+        layers.push_back({(const float *)q->data, (const float *)k->data, (const float *)v->data,
+                          (const float *)g->data, (const float *)beta->data, (float *)ssm->data});
     }
-    return layers.empty() || cuda_deltanet_replay(shape, layers);
+    return cuda_deltanet_replay(shape, layers);
 }
 
 void Engine::advance_verify_state_graph(int64_t n, bool conv, bool deltanet) {
     const VerifyStates & vs = step_.verify;
-    const int64_t S = hp_.ssm_state_size, Hk = hp_.ssm_n_k_heads, Hv = hp_.ssm_n_v_heads;
-    const size_t f = sizeof(float);
     // per recurrent layer at most 6 aliases and 18 other tensors, 12 of them the graph's nodes
     const size_t n_tensors = 24 * (size_t)hp_.n_layer + 16, n_nodes = 12 * (size_t)hp_.n_layer + 16;
     ggml_init_params params = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_nodes, false),
@@ -114,22 +128,18 @@ void Engine::advance_verify_state_graph(int64_t n, bool conv, bool deltanet) {
             if (deltanet && n == verify_T_) {  // the state after the batch, as the op left it
                 ggml_tensor * ssm = state_.ssm[il];
                 ggml_tensor * result = detached(ctx, vs.result[il]);
-                ggml_tensor * last = ggml_view_1d(ctx, result, ggml_nelements(ssm), vs.last_state_offs);
+                ggml_tensor * last =
+                    ggml_view_1d(ctx, result, ggml_nelements(ssm), last_state_offset(vs.result[il], ssm));
                 ggml_build_forward_expand(gf, ggml_cpy(ctx, last, ssm));
             } else if (deltanet) {  // the verify graph's op over the first n tokens, from the live state
                 ggml_tensor * ssm = state_.ssm[il];
-                ggml_tensor * qk = detached(ctx, vs.qk[il]);
-                ggml_tensor * y = detached(ctx, vs.y[il]);
-                ggml_tensor * g = detached(ctx, vs.g[il]);
-                ggml_tensor * beta = detached(ctx, vs.beta[il]);
-                ggml_tensor * q = ggml_view_4d(ctx, qk, S, Hk, n, 1, qk->nb[1], qk->nb[2], qk->nb[3], 0);
-                ggml_tensor * k = ggml_view_4d(ctx, qk, S, Hk, n, 1, qk->nb[1], qk->nb[2], qk->nb[3], Hk * qk->nb[1]);
-                ggml_tensor * v = ggml_view_4d(ctx, y, S, Hv, n, 1, S * f, y->nb[1], y->nb[2], 2 * Hk * S * f);
-                g = ggml_view_4d(ctx, g, 1, Hv, n, 1, g->nb[1], g->nb[2], g->nb[3], 0);
-                beta = ggml_view_4d(ctx, beta, 1, Hv, n, 1, beta->nb[1], beta->nb[2], beta->nb[3], 0);
-                ggml_tensor * state = ggml_reshape_4d(ctx, ssm, S, S, Hv, 1);
-                ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, 1);
-                ggml_tensor * after = ggml_view_1d(ctx, res, S * S * Hv, S * Hv * n * f);
+                const ggml_tensor * v = vs.v[il];
+                ggml_tensor * state = ggml_reshape_4d(ctx, ssm, v->ne[0], v->ne[0], v->ne[1], 1);
+                ggml_tensor * res =
+                    ggml_gated_delta_net(ctx, first_tokens(ctx, vs.q[il], n), first_tokens(ctx, vs.k[il], n),
+                                         first_tokens(ctx, v, n), first_tokens(ctx, vs.g[il], n),
+                                         first_tokens(ctx, vs.beta[il], n), state, 1);
+                ggml_tensor * after = ggml_view_1d(ctx, res, ggml_nelements(ssm), last_state_offset(res, ssm));
                 ggml_build_forward_expand(gf, ggml_cpy(ctx, after, ssm));
                 replays = true;
             }

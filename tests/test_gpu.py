@@ -30,6 +30,12 @@ if not _cuda_available():
     pytest.skip("no CUDA device in this build of deltaspec (CPU-only build or no GPU)", allow_module_level=True)
 
 
+def recurrent_state(engine):
+    """The live conv and DeltaNet states, name -> float32 values."""
+    return {k: np.frombuffer(v, dtype=np.float32).copy() for k, v in engine.state_arrays().items()
+            if k.startswith(("ssm", "conv"))}
+
+
 def assert_parts_only_at_near_tie(reference, prompt, a, b, label):
     """Greedy token lists a and b may part only where `reference` (the model that produced a) has
     its top-2 logits within NEAR_TIE of each other."""
@@ -304,10 +310,6 @@ def test_deltanet_verify_kernel_matches_ggml(tmp_path, monkeypatch):
             state |= {"all." + k: v for k, v in recurrent_state(engine).items()}
             return verify, state, np.concatenate([after, m.eval([7])])
 
-    def recurrent_state(engine):
-        return {k: np.frombuffer(v, dtype=np.float32).copy() for k, v in engine.state_arrays().items()
-                if k.startswith(("ssm", "conv"))}
-
     (ours, ours_state, ours_next), (ggml, ggml_state, ggml_next) = run("1"), run("0")
     bitwise = np.array_equal(ours, ggml) and np.array_equal(ours_next, ggml_next) and all(
         np.array_equal(ours_state[k], ggml_state[k]) for k in ggml_state)
@@ -343,9 +345,7 @@ def test_early_launch_changes_no_bits(tmp_path, monkeypatch):
             steps = [m.eval(prefix)] + [m.eval([t]) for t in (3, 141, 59)]  # the last two replay a CUDA graph
             verify = engine.eval_verify(batch)
             engine.keep(6)
-            state = {k: np.frombuffer(v, dtype=np.float32).copy() for k, v in engine.state_arrays().items()
-                     if k.startswith(("ssm", "conv"))}
-            return np.concatenate(steps), verify, state, m.eval([99])
+            return np.concatenate(steps), verify, recurrent_state(engine), m.eval([99])
 
     (early_steps, early_verify, early_state, early_next) = run("1")
     (plain_steps, plain_verify, plain_state, plain_next) = run("0")
