@@ -122,6 +122,7 @@ def main() -> int:
     ap.add_argument("--one-column-only", action="store_true", help="skip the 1..32 column table")
     ap.add_argument("--row-tiles", default="0",
                     help="comma-separated 16-row tiles per tensor-core thread block to time (0: the kernels' choice)")
+    ap.add_argument("--matrix", default="", help="time only the matrices whose name contains this")
     ap.add_argument("--out")
     args = ap.parse_args()
     lib = ctypes.CDLL(args.lib)
@@ -140,7 +141,7 @@ def main() -> int:
     copy_bw = device_bandwidth()
 
     one_col = []
-    for qtype, name, rows, cols, gated in ONE_COLUMN:
+    for qtype, name, rows, cols, gated in [m for m in ONE_COLUMN if args.matrix in m[1]]:
         w = random_blocks(qtype, rows, cols, rng)
         g = random_blocks(qtype, rows, cols, rng) if gated else None
         x = rng.standard_normal(cols).astype(np.float32)
@@ -175,7 +176,7 @@ def main() -> int:
         del wd, gd
 
     multi = []
-    for qtype, name, rows, cols in [] if args.one_column_only else MULTI_COLUMN:
+    for qtype, name, rows, cols in [] if args.one_column_only else [m for m in MULTI_COLUMN if args.matrix in m[1]]:
         w = random_blocks(qtype, rows, cols, rng)
         wd = device_copies(w, dev)
         x = rng.standard_normal((max(COLUMNS), cols)).astype(np.float32)

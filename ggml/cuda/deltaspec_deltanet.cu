@@ -13,8 +13,8 @@
 //
 // Here a warp owns 4 columns, and the 4 warps of a thread block (16 columns of one head) first
 // stage a chunk of tokens' inputs in shared memory with coalesced loads all in flight at once
-// (stage_chunk); the token loop then reads q and k once for 4 columns from there, and reduces the
-// 4 columns' sums together (reduce_scatter: 6 shuffles for 4 sums instead of 20; each lane ends
+// (fetch_chunk, store_chunk); the token loop then reads q and k once for 4 columns from there,
+// and reduces the 4 columns' sums together (reduce_scatter: 6 shuffles for 4 sums instead of 20; each lane ends
 // with the total of one column, which the lanes share back with 3 more where every lane needs
 // it). The additions are the ones ggml's warp_reduce_sum makes (lane l adds lane l ^ 16, then ^ 8,
 // ^ 4, ^ 2, ^ 1; a + b is b + a in floats), and every other expression is ggml's: the results are
@@ -57,11 +57,15 @@ struct Inputs {
 };
 
 // A chunk of tokens' inputs in shared memory, loaded by the whole thread block (whose warps share
-// one head) with coalesced loads all in flight at once; the token loop then reads them from here
-// instead of waiting on a global load per token (the loop's other latencies are a few hundred
-// cycles a token: before this, a 16-token verify took ~20 us per layer at a third of the SMs'
-// issue rate).
+// one head); the token loop then reads them from here instead of waiting on a global load per
+// token (the loop's other latencies are a few hundred cycles a token: before this, a 16-token
+// verify took ~20 us per layer at a third of the SMs' issue rate). Each thread first loads its
+// share of a chunk into registers, every load in flight at once (fetch_chunk), and only then
+// stores it (store_chunk): a loop that stored each value as it arrived waited on one load
+// round trip per token. The next chunk's loads are issued before this chunk's tokens, and the
+// first chunk's before the state's.
 constexpr int kChunkTokens = 16;
+constexpr int kBlockThreads = 32 * kWarpsPerBlock;
 
 struct Staged {
     float q[kChunkTokens][kStateDim], k[kChunkTokens][kStateDim];
@@ -69,21 +73,55 @@ struct Staged {
     float g[kChunkTokens], beta[kChunkTokens];
 };
 
-__device__ __forceinline__ void stage_chunk(Staged & st, const Inputs & x, int64_t t0, int n, int first_block_col) {
+// One thread's share of a chunk: row `tid` of every token's q and k, two of the chunk's v values
+// (i = tid, tid + 128 of token i / 16, column i % 16), and token tid's g and beta.
+struct ChunkShare {
+    float q[kChunkTokens], k[kChunkTokens];
+    float v[2];
+    float g, beta;
+};
+static_assert(kBlockThreads == kStateDim && kChunkTokens * kColumnsPerBlock == 2 * kBlockThreads,
+              "ChunkShare's split of a chunk");
+
+__device__ __forceinline__ void fetch_chunk(ChunkShare & c, const Inputs & x, int64_t t0, int n, int first_block_col) {
     const int tid = threadIdx.y * 32 + threadIdx.x;
-    constexpr int kThreads = 32 * kWarpsPerBlock;
-    for (int i = tid; i < n * kStateDim; i += kThreads) {
-        const int t = i / kStateDim, row = i % kStateDim;
-        st.q[t][row] = x.q[(t0 + t) * x.qk_token + row];
-        st.k[t][row] = x.k[(t0 + t) * x.qk_token + row];
+#pragma unroll
+    for (int j = 0; j < kChunkTokens; ++j) {
+        if (j < n) {
+            c.q[j] = x.q[(t0 + j) * x.qk_token + tid];
+            c.k[j] = x.k[(t0 + j) * x.qk_token + tid];
+        }
     }
-    for (int i = tid; i < n * kColumnsPerBlock; i += kThreads) {
-        const int t = i / kColumnsPerBlock, c = i % kColumnsPerBlock;
-        st.v[t][c] = x.v[(t0 + t) * x.v_token + first_block_col + c];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int i = tid + kBlockThreads * j;
+        if (i < n * kColumnsPerBlock) {
+            c.v[j] = x.v[(t0 + i / kColumnsPerBlock) * x.v_token + first_block_col + i % kColumnsPerBlock];
+        }
     }
     if (tid < n) {
-        st.g[tid] = x.g[(t0 + tid) * x.gate_token];
-        st.beta[tid] = x.beta[(t0 + tid) * x.gate_token];
+        c.g = x.g[(t0 + tid) * x.gate_token];
+        c.beta = x.beta[(t0 + tid) * x.gate_token];
+    }
+}
+
+__device__ __forceinline__ void store_chunk(Staged & st, const ChunkShare & c, int n) {
+    const int tid = threadIdx.y * 32 + threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < kChunkTokens; ++j) {
+        if (j < n) {
+            st.q[j][tid] = c.q[j];
+            st.k[j][tid] = c.k[j];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int i = tid + kBlockThreads * j;
+        if (i < n * kColumnsPerBlock) st.v[i / kColumnsPerBlock][i % kColumnsPerBlock] = c.v[j];
+    }
+    if (tid < n) {
+        st.g[tid] = c.g;
+        st.beta[tid] = c.beta;
     }
 }
 
@@ -119,24 +157,41 @@ __device__ __forceinline__ void share_columns(float mine, int lane, float (&all)
     all[3] = upper16 ? pair1 : far1;
 }
 
-// The recurrence of one warp's 4 columns (first_col..first_col+3 of one head's state s, this
-// lane's rows r * 32 + lane in registers; first_col - first_block_col of the block's staged
-// columns) over n_tokens tokens, staged kChunkTokens at a time by the whole block (every warp
-// of it must call this). OUTPUT: also o[col] = (S^T q) * scale after each token (token t's at
-// o + t * o_token), and the state after the last K tokens (slot 0 = after the last token, slot
-// i = i tokens back; slot_stride floats apart).
+// this warp's 4 columns of a state stored transposed (a column's 128 values contiguous)
+__device__ __forceinline__ void load_columns(float (&s)[kColumnsPerWarp][kRowsPerLane], const float * state,
+                                             int first_col, int lane) {
+#pragma unroll
+    for (int c = 0; c < kColumnsPerWarp; c++) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerLane; r++) s[c][r] = state[(first_col + c) * kStateDim + r * 32 + lane];
+    }
+}
+
+// The recurrence of one warp's 4 columns (first_col..first_col+3 of one head's state, loaded
+// from `state` into s: this lane's rows r * 32 + lane in registers; first_col - first_block_col
+// of the block's staged columns) over n_tokens tokens, staged kChunkTokens at a time by the
+// whole block (every warp of it must call this). OUTPUT: also o[col] = (S^T q) * scale after
+// each token (token t's at o + t * o_token), and the state after the last K tokens (slot 0 =
+// after the last token, slot i = i tokens back; slot_stride floats apart).
 template <bool OUTPUT>
-__device__ __forceinline__ void walk_tokens(float (&s)[kColumnsPerWarp][kRowsPerLane], const Inputs & x,
-                                            int64_t n_tokens, int first_block_col, int first_col, int lane,
-                                            float * o, int64_t o_token, float scale, float * slots,
+__device__ __forceinline__ void walk_tokens(float (&s)[kColumnsPerWarp][kRowsPerLane], const float * state,
+                                            const Inputs & x, int64_t n_tokens, int first_block_col, int first_col,
+                                            int lane, float * o, int64_t o_token, float scale, float * slots,
                                             int64_t slot_stride, int K) {
     __shared__ Staged st;
     const int my_col = first_col + reduced_column(lane), my_staged = my_col - first_block_col;
+    ChunkShare next;
+    fetch_chunk(next, x, 0, (int)min((int64_t)kChunkTokens, n_tokens), first_block_col);
+    load_columns(s, state, first_col, lane);
     for (int64_t t0 = 0; t0 < n_tokens; t0 += kChunkTokens) {
         const int n = (int)min((int64_t)kChunkTokens, n_tokens - t0);
         __syncthreads();  // the chunk before is read
-        stage_chunk(st, x, t0, n, first_block_col);
+        store_chunk(st, next, n);
         __syncthreads();
+        if (t0 + kChunkTokens < n_tokens) {  // in flight during this chunk's tokens
+            fetch_chunk(next, x, t0 + kChunkTokens, (int)min((int64_t)kChunkTokens, n_tokens - t0 - kChunkTokens),
+                        first_block_col);
+        }
         for (int i = 0; i < n; i++) {
             // every expression below is ggml's, in its order: the same bits
             const float decay = expf(st.g[i]);
@@ -184,19 +239,9 @@ __device__ __forceinline__ void walk_tokens(float (&s)[kColumnsPerWarp][kRowsPer
     }
 }
 
-// this warp's 4 columns of a state stored transposed (a column's 128 values contiguous)
-__device__ __forceinline__ void load_columns(float (&s)[kColumnsPerWarp][kRowsPerLane], const float * state,
-                                             int first_col, int lane) {
-#pragma unroll
-    for (int c = 0; c < kColumnsPerWarp; c++) {
-#pragma unroll
-        for (int r = 0; r < kRowsPerLane; r++) s[c][r] = state[(first_col + c) * kStateDim + r * 32 + lane];
-    }
-}
-
 // The op: grid (H, n_seqs, S_v / 16), block (32, 4): warp y of block z owns columns 16 z + 4 y ..
 // + 3 of head x's state. Strides in floats; q/k heads tile the v heads (head % n_qk_heads).
-__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+__global__ void __launch_bounds__(kBlockThreads)
 deltanet_verify(const float * q, const float * k, const float * v, const float * g, const float * beta,
                 const float * state_in, float * out, float * slots, int64_t H, int64_t n_tokens, int64_t q_head,
                 int64_t q_token, int64_t q_seq, int64_t v_head, int64_t v_token, int64_t v_seq, int64_t gate_head,
@@ -212,9 +257,9 @@ deltanet_verify(const float * q, const float * k, const float * v, const float *
                    q_token, v_token, gate_token};
     constexpr int64_t kStateSize = kStateDim * kStateDim;
     float s[kColumnsPerWarp][kRowsPerLane];
-    load_columns(s, state_in + (seq * H + head) * kStateSize, first_col, lane);
-    walk_tokens<true>(s, x, n_tokens, first_block_col, first_col, lane, out + (seq * n_tokens * H + head) * kStateDim,
-                      kStateDim * H, scale, slots + (seq * H + head) * kStateSize, slot_stride, K);
+    walk_tokens<true>(s, state_in + (seq * H + head) * kStateSize, x, n_tokens, first_block_col, first_col, lane,
+                      out + (seq * n_tokens * H + head) * kStateDim, kStateDim * H, scale,
+                      slots + (seq * H + head) * kStateSize, slot_stride, K);
 }
 
 // The replay: grid (H, layers, S_v / 16), block (32, 4); each layer's state rolled forward in place.
@@ -224,7 +269,7 @@ struct ReplayLayers {
     deltaspec_deltanet_layer layer[kReplayLayersPerLaunch];
 };
 
-__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+__global__ void __launch_bounds__(kBlockThreads)
 deltanet_replay(const ReplayLayers layers, const deltaspec_deltanet_replay shape) {
     const deltaspec_deltanet_layer & l = layers.layer[blockIdx.y];
     const int64_t head = blockIdx.x;
@@ -235,8 +280,8 @@ deltanet_replay(const ReplayLayers layers, const deltaspec_deltanet_replay shape
                    shape.qk_token, shape.v_token, shape.gate_token};
     float * state = l.state + head * kStateDim * kStateDim;
     float s[kColumnsPerWarp][kRowsPerLane];
-    load_columns(s, state, first_col, lane);
-    walk_tokens<false>(s, x, shape.n_tokens, first_block_col, first_col, lane, nullptr, 0, 0.0f, nullptr, 0, 0);
+    walk_tokens<false>(s, state, x, shape.n_tokens, first_block_col, first_col, lane, nullptr, 0, 0.0f, nullptr, 0,
+                       0);
 #pragma unroll
     for (int c = 0; c < kColumnsPerWarp; c++) {
 #pragma unroll

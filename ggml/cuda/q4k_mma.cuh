@@ -15,12 +15,21 @@
 // and only then touches floats once:  y += dx * (d * S - dmin * M).  (A first version scaled
 // every sub-block's result in f32: its cost grew with the column count, 2.9x one column at 17.)
 //
+// Weights go through shared memory: each warp copies its 16 rows' next block there (cp.async, 16
+// bytes a lane) while it multiplies the current one, and loads all of x's fragments of a block at
+// once, before it waits for the block's weights. An earlier form held the current and next block
+// in registers (48 of its 128), which left no room to load x ahead: its fragments came one
+// sub-block at a time between the mma, each an L1/L2 round trip. H200, kernels_bench, 16 columns
+// against that form: ffn gate+up stack 55.4 -> 46.2 us, ffn down 36.7 -> 34.5, DeltaNet stack
+// 28.1 -> 24.0, ssm_out 17.4 -> 16.5 (one column, the mat-vec: 36.7 / 25.4 / 20.2 / 11.7). Three
+// or four blocks in flight per warp were slower than two: the extra shared memory comes out of
+// the L1 that serves x to the warps of a block.
+//
 // Which weights of a sub-block a lane gives to the mma's k slots only has to agree with x's: lane
-// (g, t) of the mma (g = lane / 4, t = lane % 4) loads bytes 8t..8t+7 of each 32-byte group of
-// its rows' nibbles (one 8-byte load: slots 4t..4t+3 and 16+4t..16+4t+3) and x's int8 values
-// 8t..8t+7 of the same sub-block for column g (again one 8-byte load, and the 8 columns' loads
-// are 256 contiguous bytes), so neither side needs a shuffle. The byte groups of 8 lanes per row
-// are 32 contiguous bytes: whole memory sectors.
+// (g, t) of the mma (g = lane / 4, t = lane % 4) reads bytes 8t..8t+7 of each 32-byte group of
+// its rows' nibbles (slots 4t..4t+3 and 16+4t..16+4t+3) and x's int8 values 8t..8t+7 of the same
+// sub-block for column g (one 8-byte load; the 8 columns' loads are 256 contiguous bytes), so
+// neither side needs a shuffle.
 #pragma once
 
 #include "gemv_common.cuh"
@@ -39,22 +48,17 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, ui
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
 }
 
-// One Q4_K block (256 weights) of two rows as the mma lane (g, t) needs it: the 16-byte header of
-// each row, and bytes 8t..8t+7 of each of the 4 32-byte nibble groups.
-struct Q4KTileBlock {
-    uint4 head[2];
-    uint2 qs[2][4];
-};
+// A block's 16 rows sit kQ4KStageRowBytes apart in a stage, so that a lane's 8-byte reads (row
+// g + 8r, bytes 16 + 32j + 8t) hit 32 distinct banks per half-warp.
+constexpr int kQ4KStageRowBytes = 160;
+constexpr int kQ4KStageBytes = 16 * kQ4KStageRowBytes;
+constexpr int kQ4KMmaStages = 2;  // blocks of weights per warp in shared memory
+constexpr size_t kQ4KMmaSmem = (size_t)8 * kQ4KMmaStages * kQ4KStageBytes;  // 40 KB: no opt-in needed
+static_assert(kQ4KMmaSmem <= 48 * 1024, "more than 48 KiB of dynamic shared memory needs an opt-in");
 
-__device__ __forceinline__ void load_tile_block(Q4KTileBlock & tb, const uint8_t * row0, const uint8_t * row1,
-                                                int b, int t) {
-    const uint8_t * rows[2] = {row0 + (int64_t)b * kQ4KBytes, row1 + (int64_t)b * kQ4KBytes};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        tb.head[r] = load_stream(rows[r]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) tb.qs[r][j] = load_stream8(rows[r] + 16 + 32 * j + 8 * t);
-    }
+__device__ __forceinline__ void cp_async16(void * smem, const void * gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
+                 "l"(gmem));
 }
 
 // y[c * ldy + r] = W[r] . x[c] for r < n_rows, c < n_cols (<= 8 * NT), from x as quantize_x256
@@ -63,44 +67,84 @@ template <int NT, int R>
 __global__ void __launch_bounds__(256, 2)  // two blocks per SM: <= 128 registers
 q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YResidual residual, int n_rows,
         int n_cols, int n_blocks, int64_t row_bytes) {
-    constexpr int NP = 8 * NT, KS = 8 / R;  // KS: the warps of a row tile, which split its blocks
-    __shared__ float partial[mma_partial_floats<NT>];
+    constexpr int NP = 8 * NT, KS = 8 / R, STAGES = kQ4KMmaStages;
+    constexpr int XSUB = NT <= 2 ? 8 : 4;  // sub-blocks of x loaded at once (2 NT registers each)
+    extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int row_base = blockIdx.x * 16 * R, tile_base = row_base + 16 * (warp % R);
-    const int8_t * xq = x.values;  // the quantize kernel's output: coherent loads (wait_for_inputs)
-    const uint8_t * row0 = W + min(tile_base + g, n_rows - 1) * row_bytes;
-    const uint8_t * row1 = W + min(tile_base + g + 8, n_rows - 1) * row_bytes;
+    uint8_t * stages = smem + warp * STAGES * kQ4KStageBytes;
+
+    // the 144 16-byte chunks of one block of 16 rows: lane L copies chunks L, L + 32, ... (row c / 9)
+    int64_t src[5];
+    int dst[5];
+#pragma unroll
+    for (int i = 0; i < 5; ++i) {
+        const int c = min(lane + 32 * i, 143), r = c / 9, part = c % 9;
+        src[i] = min(tile_base + r, n_rows - 1) * row_bytes + 16 * part;
+        dst[i] = r * kQ4KStageRowBytes + 16 * part;
+    }
+    const int first = warp / R, n_mine = first < n_blocks ? (n_blocks - first + KS - 1) / KS : 0;
+    auto stage_block = [&](int i) {  // this warp's i-th block into stage i % STAGES
+        if (i < n_mine) {
+            const uint8_t * w = W + (int64_t)(first + i * KS) * kQ4KBytes;
+            uint8_t * s = stages + (i % STAGES) * kQ4KStageBytes;
+#pragma unroll
+            for (int k = 0; k < 5; ++k) {
+                if (k < 4 || lane < 16) cp_async16(s + dst[k], w + src[k]);
+            }
+        }
+        asm volatile("cp.async.commit_group;");  // empty groups too: the wait below counts groups
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) stage_block(i);
+    wait_for_inputs();  // x and the residual come from earlier kernels
 
     float acc[NT][4] = {};
-    Q4KTileBlock cur, next;
-    int b = warp / R;
-    if (b < n_blocks) load_tile_block(cur, row0, row1, b, t);
-    wait_for_inputs();  // x and the residual come from earlier kernels
-    for (; b < n_blocks; b += KS) {
-        if (b + KS < n_blocks) load_tile_block(next, row0, row1, b + KS, t);
+    for (int i = 0; i < n_mine; ++i) {
+        const int b = first + i * KS;
+        uint2 xf[XSUB][NT];  // x's B fragments, loaded while the weights land
+        auto load_x = [&](int s0) {
+#pragma unroll
+            for (int s = 0; s < XSUB; ++s) {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    xf[s][nt] = *reinterpret_cast<const uint2 *>(
+                        x.values + ((int64_t)(8 * b + s0 + s) * NP + 8 * nt + g) * 32 + 8 * t);
+                }
+            }
+        };
+        load_x(0);
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
+        __syncwarp();  // every lane's chunks of block i have landed, and stage (i - 1) % STAGES is read
+        stage_block(i + STAGES - 1);
+        const uint8_t * s = stages + (i % STAGES) * kQ4KStageBytes;
+        const uint8_t * rows[2] = {s + g * kQ4KStageRowBytes, s + (g + 8) * kQ4KStageRowBytes};
+        uint4 head[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) head[r] = *reinterpret_cast<const uint4 *>(rows[r]);
+
         int S[NT][4] = {};
         uint32_t mins[2] = {0, 0};  // lanes t = 0, 1: the mins of sub-blocks 4t..4t+3 of rows g, g + 8
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
+            if (XSUB < 8 && 2 * j == XSUB) load_x(XSUB);
             int sc[2][2], mn[2][2];  // [row][low / high nibble sub-block]
+            uint2 qs[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                q4k_scales(cur.head[r].y, cur.head[r].z, cur.head[r].w, j, sc[r][0], mn[r][0], sc[r][1], mn[r][1]);
+                q4k_scales(head[r].y, head[r].z, head[r].w, j, sc[r][0], mn[r][0], sc[r][1], mn[r][1]);
                 if ((j >> 1) == t) mins[r] |= (uint32_t)(mn[r][0] | (mn[r][1] << 8)) << (16 * (j & 1));
+                qs[r] = *reinterpret_cast<const uint2 *>(rows[r] + 16 + 32 * j + 8 * t);
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int s = 2 * j + h;
-                const uint32_t a0 = (cur.qs[0][j].x >> (4 * h)) & 0x0F0F0F0Fu;
-                const uint32_t a1 = (cur.qs[1][j].x >> (4 * h)) & 0x0F0F0F0Fu;
-                const uint32_t a2 = (cur.qs[0][j].y >> (4 * h)) & 0x0F0F0F0Fu;
-                const uint32_t a3 = (cur.qs[1][j].y >> (4 * h)) & 0x0F0F0F0Fu;
+                const uint2 * xs = xf[(2 * j + h) % XSUB];
+                const uint32_t a0 = (qs[0].x >> (4 * h)) & 0x0F0F0F0Fu, a1 = (qs[1].x >> (4 * h)) & 0x0F0F0F0Fu;
+                const uint32_t a2 = (qs[0].y >> (4 * h)) & 0x0F0F0F0Fu, a3 = (qs[1].y >> (4 * h)) & 0x0F0F0F0Fu;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 bq =
-                        *reinterpret_cast<const uint2 *>(xq + ((int64_t)(8 * b + s) * NP + 8 * nt + g) * 32 + 8 * t);
                     int c[4];
-                    mma_s8(c, a0, a1, a2, a3, bq.x, bq.y);
+                    mma_s8(c, a0, a1, a2, a3, xs[nt].x, xs[nt].y);
                     S[nt][0] += sc[0][h] * c[0];
                     S[nt][1] += sc[0][h] * c[1];
                     S[nt][2] += sc[1][h] * c[2];
@@ -110,10 +154,9 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
         }
         float2 dm[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) dm[r] = __half22float2(*reinterpret_cast<const __half2 *>(&cur.head[r].x));
+        for (int r = 0; r < 2; ++r) dm[r] = __half22float2(*reinterpret_cast<const __half2 *>(&head[r].x));
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            // mins: k slots 0..7 = sub-blocks (held by lanes t = 0, 1), the rest zero
             const XSums & xsum = x.sums[(int64_t)b * NP + 8 * nt + g];
             const uint32_t hi = t < 2 ? reinterpret_cast<const uint32_t *>(xsum.hi)[t] : 0u;
             const uint32_t lo = t < 2 ? reinterpret_cast<const uint32_t *>(xsum.lo)[t] : 0u;
@@ -128,9 +171,10 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
                 acc[nt][k] += (k & 1 ? d.y : d.x) * v;
             }
         }
-        cur = next;
     }
-    mma_reduce_store<NT, R>(acc, &partial[0], y, ldy, residual, row_base, n_rows, n_cols);
+    asm volatile("cp.async.wait_group 0;");
+    __syncthreads();  // the stages are free: the warps' partial sums take their place
+    mma_reduce_store<NT, R>(acc, reinterpret_cast<float *>(smem), y, ldy, residual, row_base, n_rows, n_cols);
 }
 
 // Host side: W in ggml's Q4_K layout (n_k a multiple of 256, 16-byte aligned rows), x: n_cols (2..32)
@@ -148,8 +192,8 @@ inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float *
     with_row_tiles<4>(row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4), [&](auto r) {
         const unsigned grid = (unsigned)((n_rows + 16 * r.value - 1) / (16 * r.value));
         with_column_tiles(n_cols, [&](auto nt) {
-            launch(q4k_mma<nt.value, r.value>, grid, 256, 0, stream, w, xq, y, ldy, residual, (int)n_rows, n_cols,
-                   n_blocks, row_bytes);
+            launch(q4k_mma<nt.value, r.value>, grid, 256, kQ4KMmaSmem, stream, w, xq, y, ldy, residual, (int)n_rows,
+                   n_cols, n_blocks, row_bytes);
         });
     });
 }
