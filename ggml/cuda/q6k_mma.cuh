@@ -68,6 +68,11 @@ __global__ void __launch_bounds__(256, 2)  // two blocks per SM: <= 128 register
 q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YResidual residual, int n_rows,
         int n_cols, int n_blocks, int64_t row_bytes) {
     constexpr int NP = 8 * NT, KS = 8 / R, kStageBytes = q6k_mma_stage_bytes(R);
+    // x's fragments of a block (8 sub-blocks, 16 registers per 8 columns) loaded together before
+    // its math, at 9..16 columns only. H200, kernels_bench, ffn down (5120 x 17408): 16 columns
+    // 59.6 -> 57.1 us, output head 528.9 -> 524.1; at 8 columns 48.4 -> 51.5 and at 17 (with x
+    // in two halves) 63.4 -> 76.1: more registers held across the mma than those forms spare.
+    constexpr bool kPreloadX = NT == 2;
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int row_base = blockIdx.x * 16 * R, tile = warp % R;
@@ -100,6 +105,17 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
         for (int blk = warp / R; blk < kQ6KMmaStepBlocks; blk += KS) {
             const int b = s * kQ6KMmaStepBlocks + blk;
             if (b >= n_blocks) break;
+            uint2 xf[kPreloadX ? 8 : 1][NT];
+            if (kPreloadX) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        xf[i][nt] = *reinterpret_cast<const uint2 *>(  // coherent (wait_for_inputs)
+                            x.values + ((int64_t)(8 * b + i) * NP + 8 * nt + g) * 32 + 8 * t);
+                    }
+                }
+            }
             const uint8_t * stage = smem + (s & 1) * kStageBytes;
             const int r0 = 16 * tile + g;
             const int o[2] = {r0 * kQ6KMmaRowStage + blk * kQ6KBytes, (r0 + 8) * kQ6KMmaRowStage + blk * kQ6KBytes};
@@ -132,8 +148,10 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
                     const int sub = 4 * n + k;  // x's 32-value sub-block
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        const uint2 bq = *reinterpret_cast<const uint2 *>(  // coherent (wait_for_inputs)
-                            x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t);
+                        const uint2 bq =
+                            kPreloadX ? xf[kPreloadX ? sub : 0][nt]
+                                      : *reinterpret_cast<const uint2 *>(  // coherent (wait_for_inputs)
+                                            x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t);
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             const int i = 8 * n + 2 * k + h;  // the group's scale
