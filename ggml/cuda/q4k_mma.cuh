@@ -69,6 +69,7 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
         int n_cols, int n_blocks, int64_t row_bytes) {
     constexpr int NP = 8 * NT, KS = 8 / R, STAGES = kQ4KMmaStages;
     constexpr int XSUB = NT <= 2 ? 8 : 4;  // sub-blocks of x loaded at once (2 NT registers each)
+    static_assert(mma_partial_floats<NT> * sizeof(float) <= kQ4KMmaSmem, "the partial sums reuse the stages");
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int row_base = blockIdx.x * 16 * R, tile_base = row_base + 16 * (warp % R);
