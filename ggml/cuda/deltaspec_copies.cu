@@ -52,7 +52,9 @@ cudaStream_t deltaspec_side_stream(int device) {
 extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs,
                                                                                  int n_jobs) {
     if (n_jobs <= 0) return true;
-    return run_on_side_stream(jobs[0].dst, [&](cudaStream_t stream) {
+    const int device = device_of(jobs[0].dst);
+    if (device < 0) return false;  // host memory: the caller copies another way
+    return run_on_side_stream(device, [&](cudaStream_t stream) {
         for (int first = 0; first < n_jobs; first += kJobsPerLaunch) {
             const int n = std::min(kJobsPerLaunch, n_jobs - first);
             Jobs batch;

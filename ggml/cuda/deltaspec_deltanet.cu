@@ -311,9 +311,10 @@ extern "C" __attribute__((visibility("default"))) int deltaspec_cuda_deltanet_re
     const deltaspec_deltanet_replay * shape, const deltaspec_deltanet_layer * layers, int n_layers) {
     if (!g_on || shape->state_dim != kStateDim || shape->n_tokens < 1 || shape->n_qk_heads < 1) return 0;
     if (n_layers <= 0) return 1;
-    if (!is_device_memory(layers[0].state)) return 0;
+    const int device = device_of(layers[0].state);
+    if (device < 0) return 0;
     // the caller has synchronized the backend that wrote the inputs
-    return run_on_side_stream(layers[0].state, [&](cudaStream_t stream) {
+    return run_on_side_stream(device, [&](cudaStream_t stream) {
         for (int first = 0; first < n_layers; first += kReplayLayersPerLaunch) {
             const int n = std::min(kReplayLayersPerLaunch, n_layers - first);
             ReplayLayers batch;

@@ -179,6 +179,20 @@ inline MmaX launch_quantize_x256(const float * x, int64_t ldx, int64_t n_k, int 
     return out;
 }
 
+// Asynchronous global -> shared copies of the tensor-core kernels' weight stages (ggml's
+// cp-async.cuh has the 16-byte one, but needs ggml-cuda's common.cuh; these headers also compile
+// alone, for kernels_bench). 16 bytes bypass L1 (.cg, the only form that size allows); 8 go
+// through it (.ca).
+__device__ __forceinline__ void cp_async16(void * smem, const void * gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
+                 "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async8(void * smem, const void * gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
+                 "l"(gmem));
+}
+
 // Row tiles of 16 rows one thread block of a tensor-core kernel covers: its 8 warps split into R
 // row tiles x 8 / R phases along k. Every block reads all of x (n_k x 8 NT int8) through L2,
 // which for one tile of 16 rows is NP / 9 times the Q4_K weight bytes it reads (x of 16

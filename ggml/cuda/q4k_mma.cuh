@@ -56,11 +56,6 @@ constexpr int kQ4KMmaStages = 2;  // blocks of weights per warp in shared memory
 constexpr size_t kQ4KMmaSmem = (size_t)8 * kQ4KMmaStages * kQ4KStageBytes;  // 40 KB: no opt-in needed
 static_assert(kQ4KMmaSmem <= 48 * 1024, "more than 48 KiB of dynamic shared memory needs an opt-in");
 
-__device__ __forceinline__ void cp_async16(void * smem, const void * gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
-                 "l"(gmem));
-}
-
 // y[c * ldy + r] = W[r] . x[c] for r < n_rows, c < n_cols (<= 8 * NT), from x as quantize_x256
 // wrote it (with sums), padded to 8 * NT columns; R tiles of 16 rows per thread block.
 template <int NT, int R>

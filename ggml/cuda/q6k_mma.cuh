@@ -49,11 +49,6 @@ __device__ __forceinline__ void mma_s8_k16(int (&c)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(b), "r"(0));
 }
 
-__device__ __forceinline__ void cp_async8(void * smem, const void * gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
-                 "l"(gmem));
-}
-
 // 4 weights q - 32 as signed bytes, from 4 low-bit nibbles and 4 high-bit pairs (each in bits 0..3
 // and 0..1 of its byte): (q + 128 - 32) ^ 128 per byte, with no borrow between bytes.
 __device__ __forceinline__ uint32_t q6_bytes(uint32_t low, uint32_t high) {
@@ -106,7 +101,7 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
             const int b = s * kQ6KMmaStepBlocks + blk;
             if (b >= n_blocks) break;
             uint2 xf[kPreloadX ? 8 : 1][NT];
-            if (kPreloadX) {
+            if constexpr (kPreloadX) {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -148,10 +143,13 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
                     const int sub = 4 * n + k;  // x's 32-value sub-block
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        const uint2 bq =
-                            kPreloadX ? xf[kPreloadX ? sub : 0][nt]
-                                      : *reinterpret_cast<const uint2 *>(  // coherent (wait_for_inputs)
-                                            x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t);
+                        uint2 bq;
+                        if constexpr (kPreloadX) {
+                            bq = xf[sub][nt];
+                        } else {
+                            bq = *reinterpret_cast<const uint2 *>(  // coherent (wait_for_inputs)
+                                x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t);
+                        }
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             const int i = 8 * n + 2 * k + h;  // the group's scale

@@ -8,29 +8,24 @@
 // The stream on `device`, created once (deltaspec_copies.cu); nullptr if that failed.
 cudaStream_t deltaspec_side_stream(int device);
 
-// Whether p points to device memory (a failed query's error is cleared).
-inline bool is_device_memory(const void * p) {
+// The device whose memory p points to, or -1 when it is not device memory (a failed query's
+// error is cleared: the callers then fall back).
+inline int device_of(const void * p) {
     cudaPointerAttributes attr;
     if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
         cudaGetLastError();
-        return false;
+        return -1;
     }
-    return attr.type == cudaMemoryTypeDevice;
+    return attr.type == cudaMemoryTypeDevice ? attr.device : -1;
 }
 
-// Calls launch(stream) (which returns whether its launches succeeded) on the device holding
-// device_ptr and waits for them. False when device_ptr is not device memory (nothing launched:
-// the caller falls back) or on a CUDA error.
+// Calls launch(stream) (which returns whether its launches succeeded) with our stream on
+// `device` and waits for them; false on a CUDA error.
 template <typename Launch>
-inline bool run_on_side_stream(const void * device_ptr, Launch && launch) {
-    cudaPointerAttributes attr;
-    if (cudaPointerGetAttributes(&attr, device_ptr) != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
-        cudaGetLastError();  // clear it: the caller falls back
-        return false;
-    }
+inline bool run_on_side_stream(int device, Launch && launch) {
     int device_before = 0;
-    if (cudaGetDevice(&device_before) != cudaSuccess || cudaSetDevice(attr.device) != cudaSuccess) return false;
-    cudaStream_t stream = deltaspec_side_stream(attr.device);
+    if (cudaGetDevice(&device_before) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) return false;
+    cudaStream_t stream = deltaspec_side_stream(device);
     bool ok = stream != nullptr && launch(stream);
     ok = ok && cudaStreamSynchronize(stream) == cudaSuccess;
     cudaSetDevice(device_before);
