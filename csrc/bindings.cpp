@@ -10,6 +10,7 @@
 #include "cuda_kernels.h"
 #include "engine.h"
 #include "generate.h"
+#include "ggml_log.h"
 #include "speculative.h"
 #include "ggml-backend.h"
 #include "ggml.h"
@@ -262,6 +263,7 @@ py::array_t<T> verify(Runner & r, const Tokens & tokens, std::vector<py::ssize_t
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "deltaspec native engine (ggml)";
+    install_ggml_log();  // before anything makes ggml-cuda start up and log
     m.attr("ggml_version") = ggml_version();
     m.attr("ggml_commit") = ggml_commit();
     m.attr("kv_pad") = SequenceState::kv_pad;  // n_ctx is rounded up to a multiple of this

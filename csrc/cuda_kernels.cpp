@@ -14,6 +14,7 @@ extern "C" bool deltaspec_cuda_fold_input(ggml_tensor * input, const ggml_tensor
                                           int n_weights) __attribute__((weak));
 extern "C" bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs, int n_jobs) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_mma_row_tiles(int row_tiles) __attribute__((weak));
+extern "C" void deltaspec_cuda_set_mma_k_split(int k_split) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_deltanet(bool on) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_early_launch(bool on) __attribute__((weak));
 extern "C" int64_t deltaspec_cuda_deltanet_launches() __attribute__((weak));
@@ -41,6 +42,14 @@ bool enable_cuda_kernels() {
                                         "'");
         }
         deltaspec_cuda_set_mma_row_tiles(std::stoi(value));
+    }
+    if (deltaspec_cuda_set_mma_k_split != nullptr) {
+        const char * split = std::getenv("DELTASPEC_MMA_K_SPLIT");
+        const std::string value = split != nullptr ? split : "0";
+        if (value != "0" && value != "1" && value != "2" && value != "4") {
+            throw std::invalid_argument("DELTASPEC_MMA_K_SPLIT must be 0 (automatic), 1, 2 or 4, not '" + value + "'");
+        }
+        deltaspec_cuda_set_mma_k_split(std::stoi(value));
     }
     return on;
 }

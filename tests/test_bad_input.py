@@ -212,3 +212,23 @@ def test_vocabulary_mismatch_names_the_tokenizer(tmp_path, monkeypatch):
     with pytest.raises(E.TensorShapeError, match=r"'token_embd.weight' has shape \[64, 266\], expected \[64, 265\] "
                                                  r"\(one row per token: tokenizer.ggml.tokens has 265\)"):
         Model(path, n_ctx=64)
+
+
+def test_bad_ggml_log_level_is_named():
+    """DELTASPEC_GGML_LOG (which of ggml's log messages reach stderr) is read when the native module
+    loads: a value it does not know stops the import with a message naming the variable and the
+    values it takes, and each known value loads."""
+    import os
+    import subprocess
+    import sys
+
+    def import_with(level):
+        env = dict(os.environ, DELTASPEC_GGML_LOG=level)
+        return subprocess.run([sys.executable, "-c", "import deltaspec._core"], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    bad = import_with("loud")
+    assert bad.returncode != 0
+    assert "DELTASPEC_GGML_LOG must be debug, info, warn, error or none, not 'loud'" in bad.stderr
+    for level in ("debug", "info", "warn", "error", "none"):
+        assert import_with(level).returncode == 0, level

@@ -9,6 +9,8 @@ tests therefore bound the error at 1e-2 and allow argmax / greedy differences on
 which they report.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -232,14 +234,16 @@ def test_folded_norms_and_stacks_match(tmp_path, monkeypatch, quant, shape, chun
 
 
 @pytest.mark.parametrize("quant,shape", [("q4_k", Q4K_SHAPE), ("q6_k", Q6K_SHAPE)], ids=["q4_k", "q6_k"])
-def test_mma_row_tiles_agree(tmp_path, monkeypatch, quant, shape):
+def test_mma_tilings_agree(tmp_path, monkeypatch, quant, shape):
     """The tensor-core kernels with 1, 2 and 4 tiles of 16 rows per thread block
-    (DELTASPEC_MMA_ROW_TILES; Q6_K takes at most 2), on 17-token batches: the tiny models' few rows
-    make the automatic choice 1, so the wider tiles are forced here. Each tile's warps split the
-    blocks differently, so only the order of the float sums changes; a wrong tile offset or a
-    warp summed into the wrong tile would move logits by their whole spread. So: no further from
-    one tile than the GPU is from the CPU, argmax changed only at near-ties. And a value that is
-    not a tile count is refused when the model loads."""
+    (DELTASPEC_MMA_ROW_TILES; Q6_K takes at most 2) and with a tile's k shared by 1, 2 or 4 thread
+    blocks of a cluster (DELTASPEC_MMA_K_SPLIT; with the tiny models' short rows some blocks of a
+    cluster get no k at all), on 17-token batches: the tiny models' few rows make the automatic
+    choice 1 and 1, so the others are forced here. The warps split the blocks differently, so only
+    the order of the float sums changes; a wrong tile offset, a warp summed into the wrong tile or
+    a cluster's partial sums lost or added twice would move logits by their whole spread. So: no
+    further from one tile and one block than the GPU is from the CPU, argmax changed only at
+    near-ties. And a value that is not a tile count or split is refused when the model loads."""
     from deltaspec import _core
     from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
 
@@ -248,25 +252,30 @@ def test_mma_row_tiles_agree(tmp_path, monkeypatch, quant, shape):
     path = write_tiny_vocab_model(tmp_path / f"{quant}.gguf", seed=2, quant=quant, **shape)
     ids = np.random.default_rng(7).integers(0, 256, size=34).tolist()
 
-    def logits(device, tiles="0"):
+    def logits(device, tiles="0", split="0"):
         monkeypatch.setenv("DELTASPEC_MMA_ROW_TILES", tiles)
+        monkeypatch.setenv("DELTASPEC_MMA_K_SPLIT", split)
         with Model(path, device=device, n_ctx=128) as m:
             return np.concatenate([m.eval(ids[i:i + 17], logits="all") for i in range(0, len(ids), 17)])
 
     cpu = logits("cpu")
-    one = logits("cuda", "1")
+    one = logits("cuda", "1", "1")
     noise = np.abs(one - cpu).mean()
-    for tiles in ("2", "4"):
-        wide = logits("cuda", tiles)
-        moved = np.abs(wide - one).mean()
-        print(f"{quant}, {tiles} row tiles: mean |difference| to 1 tile {moved:.3e}, 1 tile to the CPU {noise:.3e}")
+    for tiles, split in [("2", "1"), ("4", "1"), ("1", "2"), ("1", "4"), ("2", "2")]:
+        other = logits("cuda", tiles, split)
+        moved = np.abs(other - one).mean()
+        print(f"{quant}, {tiles} row tiles, k split {split}: mean |difference| to 1 and 1 {moved:.3e}, "
+              f"1 and 1 to the CPU {noise:.3e}")
         assert moved <= 1.5 * noise
-        flips = np.nonzero(wide.argmax(-1) != one.argmax(-1))[0]
-        gaps = one[flips].max(-1) - one[flips, wide.argmax(-1)[flips]]
-        assert np.all(gaps <= 6 * max(np.sqrt(np.mean((wide - one) ** 2)), 1e-6))
-    monkeypatch.setenv("DELTASPEC_MMA_ROW_TILES", "3")
-    with pytest.raises(ValueError, match="DELTASPEC_MMA_ROW_TILES"):
-        Model(path, device="cuda", n_ctx=128)
+        flips = np.nonzero(other.argmax(-1) != one.argmax(-1))[0]
+        gaps = one[flips].max(-1) - one[flips, other.argmax(-1)[flips]]
+        assert np.all(gaps <= 6 * max(np.sqrt(np.mean((other - one) ** 2)), 1e-6))
+    for var in ("DELTASPEC_MMA_ROW_TILES", "DELTASPEC_MMA_K_SPLIT"):
+        monkeypatch.setenv("DELTASPEC_MMA_ROW_TILES", "0")
+        monkeypatch.setenv("DELTASPEC_MMA_K_SPLIT", "0")
+        monkeypatch.setenv(var, "3")
+        with pytest.raises(ValueError, match=var):
+            Model(path, device="cuda", n_ctx=128)
 
 
 def test_deltanet_verify_kernel_matches_ggml(tmp_path, monkeypatch):
@@ -354,3 +363,31 @@ def test_early_launch_changes_no_bits(tmp_path, monkeypatch):
     assert np.array_equal(early_next, plain_next)
     for k in plain_state:
         assert np.array_equal(early_state[k], plain_state[k]), k
+
+
+def test_ggml_debug_log_quiet_by_default(tmp_path):
+    """ggml prints every log level unless told otherwise, among them a debug line per replayed CUDA
+    graph: a line on stderr per decoded token. deltaspec keeps warnings and errors only unless
+    DELTASPEC_GGML_LOG asks for more (a fresh process each way: the level is read at import)."""
+    import subprocess
+    import sys
+
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    path = write_tiny_vocab_model(tmp_path / "m.gguf", seed=0)
+    code = ("import sys; from deltaspec import Model\n"
+            "with Model(sys.argv[1], device='cuda', n_ctx=128) as m:\n"
+            "    m.generate([1, 2, 3], max_tokens=16, temperature=0.0)\n")
+
+    def stderr(level):
+        env = {k: v for k, v in os.environ.items() if k != "DELTASPEC_GGML_LOG"}
+        if level is not None:
+            env["DELTASPEC_GGML_LOG"] = level
+        done = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stderr
+
+    assert "CUDA Graph id" in stderr("debug")  # the message this is about does exist
+    quiet = stderr(None)
+    assert "CUDA Graph id" not in quiet and "ggml_cuda_init" not in quiet, quiet[-2000:]

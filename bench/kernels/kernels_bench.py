@@ -9,7 +9,8 @@ Three tables, for the Qwen3.5-27B shapes:
     Q4_K also with the resident grid and two rows a warp, the PAIRED form);
   * 1..32 columns (verifying a draft chain) with the Q4_K and Q6_K tensor-core kernels, next to
     one column (the mat-vec); --row-tiles times them at each given number of 16-row tiles per
-    thread block (0: the kernels' own choice).
+    thread block, --k-splits at each number of thread blocks per cluster sharing a tile's k (0:
+    the kernels' own choice of either).
 Weights are random blocks (random quants and scales, random f16 d / dmin within sane ranges); the
 reference is y = dequantize(W) @ x in float64 with gguf-py's own dequantizers (the llama.cpp
 project's Python implementation), over the first 4096 rows; the kernels round x to int8 (per 16
@@ -122,7 +123,12 @@ def main() -> int:
     ap.add_argument("--one-column-only", action="store_true", help="skip the 1..32 column table")
     ap.add_argument("--row-tiles", default="0",
                     help="comma-separated 16-row tiles per tensor-core thread block to time (0: the kernels' choice)")
-    ap.add_argument("--matrix", default="", help="time only the matrices whose name contains this")
+    ap.add_argument("--k-splits", default="0",
+                    help="comma-separated thread blocks per cluster sharing a tile's k to time (0: the kernels' choice)")
+    ap.add_argument("--columns", default=",".join(map(str, COLUMNS)),
+                    help="comma-separated column counts of the 1..32 column table (1: the mat-vec, always timed)")
+    ap.add_argument("--matrix", default="",
+                    help="time only the matrices whose name contains one of these comma-separated strings")
     ap.add_argument("--out")
     args = ap.parse_args()
     lib = ctypes.CDLL(args.lib)
@@ -131,9 +137,13 @@ def main() -> int:
     lib.deltaspec_q6k_gemv.argtypes = [vp] * 3 + [ll] * 3 + [vp, ctypes.c_int]
     lib.deltaspec_mma_x_bytes.argtypes = [ll, ctypes.c_int]
     lib.deltaspec_mma_x_bytes.restype = ll
-    lib.deltaspec_q4k_mma.argtypes = [vp, vp, ll, vp, ll, ll, ll, ctypes.c_int, ll, vp, vp, ctypes.c_int]
+    lib.deltaspec_q4k_mma.argtypes = [vp, vp, ll, vp, ll, ll, ll, ctypes.c_int, ll, vp, vp, ctypes.c_int, ctypes.c_int]
     lib.deltaspec_q6k_mma.argtypes = lib.deltaspec_q4k_mma.argtypes
     row_tiles = [int(t) for t in args.row_tiles.split(",")]
+    k_splits = [int(c) for c in args.k_splits.split(",")]
+    columns = sorted({1} | {int(n) for n in args.columns.split(",")})
+    if not all(1 <= n <= max(COLUMNS) for n in columns):
+        ap.error(f"--columns: each count must be 1..{max(COLUMNS)}")
     rng = np.random.default_rng(0)
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -141,7 +151,8 @@ def main() -> int:
     copy_bw = device_bandwidth()
 
     one_col = []
-    for qtype, name, rows, cols, gated in [m for m in ONE_COLUMN if args.matrix in m[1]]:
+    wanted = args.matrix.split(",")
+    for qtype, name, rows, cols, gated in [m for m in ONE_COLUMN if any(w in m[1] for w in wanted)]:
         w = random_blocks(qtype, rows, cols, rng)
         g = random_blocks(qtype, rows, cols, rng) if gated else None
         x = rng.standard_normal(cols).astype(np.float32)
@@ -176,7 +187,7 @@ def main() -> int:
         del wd, gd
 
     multi = []
-    for qtype, name, rows, cols in [] if args.one_column_only else [m for m in MULTI_COLUMN if args.matrix in m[1]]:
+    for qtype, name, rows, cols in [] if args.one_column_only else [m for m in MULTI_COLUMN if any(w in m[1] for w in wanted)]:
         w = random_blocks(qtype, rows, cols, rng)
         wd = device_copies(w, dev)
         x = rng.standard_normal((max(COLUMNS), cols)).astype(np.float32)
@@ -186,7 +197,8 @@ def main() -> int:
         scratch = torch.empty(lib.deltaspec_mma_x_bytes(cols, max(COLUMNS)), dtype=torch.uint8, device=dev)
         mma = lib.deltaspec_q4k_mma if qtype == Q4K else lib.deltaspec_q6k_mma
         one_us = None
-        for n, tiles in [(n, t) for n in COLUMNS for t in ([0] if n == 1 else row_tiles)]:
+        shapes = [(n, t, c) for n in columns for t in ([0] if n == 1 else row_tiles) for c in ([0] if n == 1 else k_splits)]
+        for n, tiles, split in shapes:
             def launch(i):  # one column: the mat-vec in the form the engine picks (-1: its rule)
                 if n == 1 and qtype == Q4K:
                     check(lib.deltaspec_q4k_gemv(wd[i].data_ptr(), None, xd.data_ptr(), yd.data_ptr(), rows, cols,
@@ -196,7 +208,7 @@ def main() -> int:
                                                  w.shape[1], stream, -1))
                 else:
                     check(mma(wd[i].data_ptr(), xd.data_ptr(), cols, yd.data_ptr(), rows, rows, cols, n, w.shape[1],
-                              scratch.data_ptr(), stream, tiles))
+                              scratch.data_ptr(), stream, tiles, split))
 
             yd.fill_(float("nan"))
             launch(0)
@@ -205,7 +217,7 @@ def main() -> int:
             err = rel_error(got, ref_all[:, :n])
             us = timer(launch, len(wd))
             one_us = one_us or us
-            multi.append(dict(type=qtype.name, shape=name, rows=rows, cols=cols, n=n, row_tiles=tiles,
+            multi.append(dict(type=qtype.name, shape=name, rows=rows, cols=cols, n=n, row_tiles=tiles, k_split=split,
                               bytes=w.nbytes, us=us,
                               tb_s=w.nbytes / (us * 1e-6) / 1e12, x_one_column=us / one_us, max_rel_error=err))
         del wd
@@ -219,11 +231,12 @@ def main() -> int:
         print(f"| {r['type']} | {r['shape']} | {dims} | {grid} | "
               f"{r['bytes'] / 1e6:.1f} | {r['us']:.1f} | {r['tb_s']:.2f} | {100 * r['tb_s'] * 1e12 / copy_bw:.0f}% | "
               f"{r['max_rel_error']:.1e} |")
-    print("\n| type | matrix | rows x cols | columns | row tiles | us | x one column | weight TB/s | max rel. error |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| type | matrix | rows x cols | columns | row tiles | k split | us | x one column | weight TB/s | "
+          "max rel. error |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in multi:
-        tiles = r["row_tiles"] or "auto"
-        print(f"| {r['type']} | {r['shape']} | {r['rows']} x {r['cols']} | {r['n']} | {tiles} | {r['us']:.1f} | "
+        tiles, split = r["row_tiles"] or "auto", r["k_split"] or "auto"
+        print(f"| {r['type']} | {r['shape']} | {r['rows']} x {r['cols']} | {r['n']} | {tiles} | {split} | {r['us']:.1f} | "
               f"{r['x_one_column']:.2f} | {r['tb_s']:.2f} | {r['max_rel_error']:.1e} |")
     if args.out:
         with open(args.out, "w") as f:

@@ -28,19 +28,23 @@ long long deltaspec_mma_x_bytes(long long n_k, int n_cols) {
     return (long long)deltaspec_cuda::mma_x_bytes(n_k, n_cols);
 }
 
-// row_tiles: 16-row tiles per thread block (1, 2, 4; 0: the kernel's own choice)
+// row_tiles: 16-row tiles per thread block (1, 2, 4), k_split: thread blocks per cluster sharing
+// a tile's k (1, 2, 4); 0: the kernel's own choice
 int deltaspec_q4k_mma(const void * W, const float * x, long long ldx, float * y, long long ldy, long long n_rows,
-                      long long n_k, int n_cols, long long row_bytes, void * scratch, void * stream, int row_tiles) {
+                      long long n_k, int n_cols, long long row_bytes, void * scratch, void * stream, int row_tiles,
+                      int k_split) {
     deltaspec_cuda::launch_q4k_mma(W, x, ldx, y, ldy, n_rows, n_k, n_cols, row_bytes, scratch, (cudaStream_t)stream,
-                                    {}, {}, {}, row_tiles);
+                                    {}, {}, {}, row_tiles, k_split);
     return (int)cudaGetLastError();
 }
 
-// row_tiles: 16-row tiles per thread block (1, 2, 4; 0: the kernel's own choice)
+// row_tiles: 16-row tiles per thread block (1, 2, 4), k_split: thread blocks per cluster sharing
+// a tile's k (1, 2, 4); 0: the kernel's own choice
 int deltaspec_q6k_mma(const void * W, const float * x, long long ldx, float * y, long long ldy, long long n_rows,
-                      long long n_k, int n_cols, long long row_bytes, void * scratch, void * stream, int row_tiles) {
+                      long long n_k, int n_cols, long long row_bytes, void * scratch, void * stream, int row_tiles,
+                      int k_split) {
     deltaspec_cuda::launch_q6k_mma(W, x, ldx, y, ldy, n_rows, n_k, n_cols, row_bytes, scratch, (cudaStream_t)stream,
-                                    {}, {}, {}, row_tiles);
+                                    {}, {}, {}, row_tiles, k_split);
     return (int)cudaGetLastError();
 }
 

@@ -62,6 +62,14 @@ extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_mma_ro
     g_mma_row_tiles = row_tiles;
 }
 
+// Thread blocks per cluster sharing a row tile's k in the tensor-core kernels (mma_x.cuh; sm_90+,
+// else 1): 0 lets them choose (q6k_mma_k_split; 1 for Q4_K); 1, 2 or 4 forces it (tests, A/B runs)
+static int g_mma_k_split = 0;
+
+extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_mma_k_split(int k_split) {
+    g_mma_k_split = k_split;
+}
+
 namespace {
 
 constexpr int64_t kMaxColumns = 32;
@@ -248,7 +256,7 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
             ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::mma_x_bytes(n_k, n));
             const auto launch = k == Kernel::q4k_mma ? deltaspec_cuda::launch_q4k_mma : deltaspec_cuda::launch_q6k_mma;
             launch(src0->data, x, ldx, y, dst->nb[1] / sizeof(float), rows, n_k, n, src0->nb[1], scratch.get(),
-                   ctx.stream(), norm, glu, residual, g_mma_row_tiles);
+                   ctx.stream(), norm, glu, residual, g_mma_row_tiles, g_mma_k_split);
             break;
         }
         case Kernel::none:

@@ -180,21 +180,36 @@ inline std::atomic<bool> & early_launch() {
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), early-launched as above when switched on and
-// the device has it. The launch's error, if any, is left for cudaGetLastError as with <<<>>>.
+// the device has it, in thread block clusters of `cluster` blocks along x (sm_90 and later; 1: no
+// clusters; grid.x must be a multiple). The launch's error, if any, is left for cudaGetLastError as
+// with <<<>>>.
 template <typename... Params, typename... Args>
-inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   Args &&... args) {
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
+inline void launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             int cluster, Args &&... args) {
+    cudaLaunchAttribute attrs[2] = {};
+    int n_attrs = 0;
+    if (early_launch().load() && device_facts().cc_major >= 9) {
+        attrs[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attrs[n_attrs++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster > 1) {
+        attrs[n_attrs].id = cudaLaunchAttributeClusterDimension;
+        attrs[n_attrs++].val.clusterDim = {(unsigned)cluster, 1, 1};
+    }
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = block;
     config.dynamicSmemBytes = smem;
     config.stream = stream;
-    config.attrs = &attr;
-    config.numAttrs = early_launch().load() && device_facts().cc_major >= 9 ? 1 : 0;
+    config.attrs = attrs;
+    config.numAttrs = n_attrs;
     cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+template <typename... Params, typename... Args>
+inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args &&... args) {
+    launch_clustered(kernel, grid, block, smem, stream, 1, std::forward<Args>(args)...);
 }
 
 // Blocks of 256 threads of `kernel` with `smem` bytes that the current device keeps resident at

@@ -12,6 +12,7 @@
 //     both halves are one 8-byte load.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cstdint>
 #include <cuda_runtime.h>
 #include <type_traits>
@@ -228,10 +229,41 @@ inline int mma_row_tiles(int64_t n_rows, int max_tiles) {
     return 1;
 }
 
+// Split along k: a row tile's blocks shared by the C thread blocks of a cluster (sm_90+), which add
+// up their partial sums through distributed shared memory at the end. Meant for matrices of few
+// rows: 5120 rows are 320 tiles of 16, 1.2 waves of the H200's 264 slots (two blocks per SM), so
+// the second wave runs a fifth full. The order of the sums is fixed (cluster rank, then warp), so
+// results do not vary from run to run. Measured (H200, kernels_bench, 5120 x 17408 and 5120 x
+// 6144, 2..32 columns; bench/README): it pays only for Q6_K, and only C = 2 (ffn down at 16
+// columns 53.6 -> 50.1 us, 8: 47.7 -> 45.0, 17: 60.5 -> 55.8; C = 4: 63.8 at 16). Q4_K lost with
+// both (ffn down at 16: 34.6 -> 36.5 / 50.1; ssm_out 16.7 -> 22.3 / 35.2), so the wave's tail is
+// not what holds Q4_K back there (what does was not measured). A guess at Q6_K's gain: its
+// thread blocks stage their rows together and wait for each other at every 8-block step.
+__device__ __forceinline__ int k_split_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return (int)cooperative_groups::this_cluster().block_rank();
+#else
+    return 0;
+#endif
+}
+
+__device__ __forceinline__ int k_split_size() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return (int)cooperative_groups::this_cluster().num_blocks();
+#else
+    return 1;
+#endif
+}
+
+// The C a launch asks for, as the device allows it: clusters need sm_90 or later.
+inline int mma_k_split_allowed(int k_split) { return device_facts().cc_major >= 9 ? k_split : 1; }
+
 // The end of a tensor-core kernel whose 8 warps each hold partial sums of 16 rows (R row tiles,
 // warp w on tile w % R; lane (g, t): acc[nt] = rows g, g + 8 of its tile x columns 8 nt + 2t,
-// 8 nt + 2t + 1, the mma's C layout): add up each tile's 8 / R warps in shared memory
-// (mma_partial_floats<NT> floats) and write y[c * ldy + r] (plus the residual's value there).
+// 8 nt + 2t + 1, the mma's C layout): add up each tile's 8 / R warps, and those of the other
+// thread blocks of its cluster (the split above), in shared memory (mma_partial_floats<NT> floats a
+// block) and write y[c * ldy + r] (plus the residual's value there); each block of a cluster
+// writes every C-th value.
 constexpr int kPartialRowStride = 20;  // 16 rows + 4: the lanes' stores, 8t + g apart, hit 32 banks
 template <int NT>
 constexpr int mma_partial_floats = 8 * 8 * NT * kPartialRowStride;
@@ -250,18 +282,37 @@ __device__ __forceinline__ void mma_reduce_store(const float (&acc)[NT][4], floa
         mine[c * kPartialRowStride + g + 8] = acc[nt][2];
         mine[(c + 1) * kPartialRowStride + g + 8] = acc[nt][3];
     }
+    const int n_split = k_split_size(), rank = k_split_rank();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const auto cluster = cooperative_groups::this_cluster();
+    if (n_split > 1) {
+        cluster.sync();  // every block's partial sums are in its shared memory
+    } else {
+        __syncthreads();
+    }
+#else
     __syncthreads();
-    for (int i = threadIdx.x; i < 16 * R * NP; i += blockDim.x) {
+#endif
+    for (int i = threadIdx.x + rank * blockDim.x; i < 16 * R * NP; i += blockDim.x * n_split) {
         const int r = i & 15, tile = (i >> 4) % R, col = i / (16 * R);
         float v = 0.0f;
+        for (int c = 0; c < n_split; ++c) {
+            const float * sums = partial;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            if (n_split > 1) sums = cluster.map_shared_rank(partial, c);
+#endif
 #pragma unroll
-        for (int k = 0; k < KS; ++k) v += partial[((k * R + tile) * NP + col) * kPartialRowStride + r];
+            for (int k = 0; k < KS; ++k) v += sums[((k * R + tile) * NP + col) * kPartialRowStride + r];
+        }
         const int row = row_base + 16 * tile + r;
         if (col < n_cols && row < n_rows) {
             if (residual.res != nullptr) v += residual.res[col * residual.ld + row];
             y[col * ldy + row] = v;
         }
     }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (n_split > 1) cluster.sync();  // no block leaves while another still reads its shared memory
+#endif
 }
 
 }  // namespace deltaspec_cuda

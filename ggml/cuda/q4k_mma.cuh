@@ -67,7 +67,8 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     static_assert(mma_partial_floats<NT> * sizeof(float) <= kQ4KMmaSmem, "the partial sums reuse the stages");
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int row_base = blockIdx.x * 16 * R, tile_base = row_base + 16 * (warp % R);
+    const int n_split = k_split_size();  // thread blocks of a cluster sharing the tiles' k (mma_x.cuh)
+    const int row_base = blockIdx.x / n_split * 16 * R, tile_base = row_base + 16 * (warp % R);
     uint8_t * stages = smem + warp * STAGES * kQ4KStageBytes;
 
     // the 144 16-byte chunks of one block of 16 rows: lane L copies chunks L, L + 32, ... (row c / 9)
@@ -79,10 +80,12 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
         src[i] = min(tile_base + r, n_rows - 1) * row_bytes + 16 * part;
         dst[i] = r * kQ4KStageRowBytes + 16 * part;
     }
-    const int first = warp / R, n_mine = first < n_blocks ? (n_blocks - first + KS - 1) / KS : 0;
+    // this warp's blocks: first, first + stride, ...
+    const int first = k_split_rank() * KS + warp / R, stride = KS * n_split;
+    const int n_mine = first < n_blocks ? (n_blocks - first + stride - 1) / stride : 0;
     auto stage_block = [&](int i) {  // this warp's i-th block into stage i % STAGES
         if (i < n_mine) {
-            const uint8_t * w = W + (int64_t)(first + i * KS) * kQ4KBytes;
+            const uint8_t * w = W + (int64_t)(first + i * stride) * kQ4KBytes;
             uint8_t * s = stages + (i % STAGES) * kQ4KStageBytes;
 #pragma unroll
             for (int k = 0; k < 5; ++k) {
@@ -97,7 +100,7 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
 
     float acc[NT][4] = {};
     for (int i = 0; i < n_mine; ++i) {
-        const int b = first + i * KS;
+        const int b = first + i * stride;
         uint2 xf[XSUB][NT];  // x's B fragments, loaded while the weights land
         auto load_x = [&](int s0) {
 #pragma unroll
@@ -169,7 +172,8 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
         }
     }
     asm volatile("cp.async.wait_group 0;");
-    __syncthreads();  // the stages are free: the warps' partial sums take their place
+    __syncthreads();  // the stages are free: the warps' partial sums take their place (and the
+                      // other blocks of the cluster read them there)
     mma_reduce_store<NT, R>(acc, reinterpret_cast<float *>(smem), y, ldy, residual, row_base, n_rows, n_cols);
 }
 
@@ -177,19 +181,22 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
 // f32 columns of n_k values, ldx floats apart, 16-byte aligned; y: n_cols columns of n_rows, ldy
 // apart. scratch: mma_x_bytes(n_k, n_cols) bytes of device memory, 16-byte aligned.
 // norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
-// residual: added to y as it is stored, or none. row_tiles: R (1, 2 or 4), 0 = mma_row_tiles.
+// residual: added to y as it is stored, or none. row_tiles: R (1, 2 or 4), 0 = mma_row_tiles;
+// k_split: thread blocks per cluster sharing a tile's k (1, 2 or 4, sm_90+), 0 = 1 (mma_x.cuh:
+// splitting made Q4_K slower).
 inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
                            int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
                            XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{},
-                           int row_tiles = 0) {
+                           int row_tiles = 0, int k_split = 0) {
     const MmaX xq = launch_quantize_x256<false, true>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const int n_blocks = (int)(n_k / 256);
     const uint8_t * w = static_cast<const uint8_t *>(W);
     with_row_tiles<4>(row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4), [&](auto r) {
-        const unsigned grid = (unsigned)((n_rows + 16 * r.value - 1) / (16 * r.value));
+        const int64_t tiles = (n_rows + 16 * r.value - 1) / (16 * r.value);
+        const int c = mma_k_split_allowed(k_split > 0 ? k_split : 1);
         with_column_tiles(n_cols, [&](auto nt) {
-            launch(q4k_mma<nt.value, r.value>, grid, 256, kQ4KMmaSmem, stream, w, xq, y, ldy, residual, (int)n_rows,
-                   n_cols, n_blocks, row_bytes);
+            launch_clustered(q4k_mma<nt.value, r.value>, (unsigned)(tiles * c), 256, kQ4KMmaSmem, stream, c, w, xq,
+                             y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
         });
     });
 }

@@ -15,6 +15,8 @@
 //     int8 scale and per 8 columns, one int8 mma.m16n8k16: A = the 16 rows' weights q - 32
 //     (-32..31, assembled from the 4 low and 2 high bits), B = x's int8 values, C; then
 //     S += sc * C per row. Once per block  y += dx * d * S.
+//   * few rows (5120: 1.2 waves of thread blocks): two thread blocks of a cluster share a tile,
+//     each taking every other step, and add up their sums at the end (q6k_mma_k_split, mma_x.cuh).
 // Lane (g, t) gives the mma weights 4t..4t+3 of a 16-weight group: the same byte offsets in ql
 // (low bits) and qh (high bits), read from the stage as 4-byte words (shifted by 2 bytes for odd
 // blocks, which start 2 bytes past a word).
@@ -70,32 +72,38 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     constexpr bool kPreloadX = NT == 2;
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int row_base = blockIdx.x * 16 * R, tile = warp % R;
+    // the thread blocks of a cluster share the tiles' steps (mma_x.cuh): this one takes steps
+    // rank, rank + n_split, ...
+    const int n_split = k_split_size(), rank = k_split_rank();
+    const int row_base = blockIdx.x / n_split * 16 * R, tile = warp % R;
     const int n_steps = (n_blocks + kQ6KMmaStepBlocks - 1) / kQ6KMmaStepBlocks;
+    const int n_mine = rank < n_steps ? (n_steps - rank + n_split - 1) / n_split : 0;
 
-    auto stage_step = [&](int s) {  // this warp's 2R rows, blocks 8s.., into stage s % 2
+    auto stage_step = [&](int j) {  // this warp's 2R rows of the block's j-th step into stage j % 2
+        const int s = rank + j * n_split;
         const int words = min(kQ6KMmaStepBlocks, n_blocks - s * kQ6KMmaStepBlocks) * kQ6KBytes / 8;
 #pragma unroll
         for (int r = 0; r < 2 * R; ++r) {
             const int row = 2 * R * warp + r;
             const uint8_t * src = W + min(row_base + row, n_rows - 1) * row_bytes + (int64_t)s * kQ6KMmaRowStage;
-            uint8_t * dst = smem + (s & 1) * kStageBytes + row * kQ6KMmaRowStage;
+            uint8_t * dst = smem + (j & 1) * kStageBytes + row * kQ6KMmaRowStage;
             for (int i = lane; i < words; i += 32) cp_async8(dst + 8 * i, src + 8 * i);
         }
         asm volatile("cp.async.commit_group;");
     };
 
     float acc[NT][4] = {};
-    stage_step(0);
+    if (n_mine > 0) stage_step(0);
     wait_for_inputs();  // x and the residual come from earlier kernels
-    for (int s = 0; s < n_steps; ++s) {
-        if (s + 1 < n_steps) {
-            stage_step(s + 1);
+    for (int j = 0; j < n_mine; ++j) {
+        const int s = rank + j * n_split;
+        if (j + 1 < n_mine) {
+            stage_step(j + 1);
             asm volatile("cp.async.wait_group 1;");
         } else {
             asm volatile("cp.async.wait_group 0;");
         }
-        __syncthreads();  // every warp's rows of stage s have landed
+        __syncthreads();  // every warp's rows of stage j have landed
 #pragma unroll 1
         for (int blk = warp / R; blk < kQ6KMmaStepBlocks; blk += KS) {
             const int b = s * kQ6KMmaStepBlocks + blk;
@@ -111,7 +119,7 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
                     }
                 }
             }
-            const uint8_t * stage = smem + (s & 1) * kStageBytes;
+            const uint8_t * stage = smem + (j & 1) * kStageBytes;
             const int r0 = 16 * tile + g;
             const int o[2] = {r0 * kQ6KMmaRowStage + blk * kQ6KBytes, (r0 + 8) * kQ6KMmaRowStage + blk * kQ6KBytes};
             uint32_t sc[2][4];  // the 16 int8 scales of rows g, g + 8
@@ -177,7 +185,7 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
                 for (int k = 0; k < 4; ++k) acc[nt][k] += (k & 1 ? dx.y : dx.x) * d[k >> 1] * (float)S[nt][k];
             }
         }
-        __syncthreads();  // stage s is read: the next iteration's copy may overwrite it
+        __syncthreads();  // stage j is read: the next iteration's copy may overwrite it
     }
     mma_reduce_store<NT, R>(acc, reinterpret_cast<float *>(smem), y, ldy, residual, row_base, n_rows, n_cols);
 }
@@ -196,27 +204,38 @@ inline void allow_q6k_mma_smem() {
     }
 }
 
+// Thread blocks per cluster sharing a tile's k (mma_x.cuh) for `blocks` thread blocks at one and
+// `k_steps` 8-block steps per row: 2 where those blocks fill less than two waves and each half
+// keeps 4 or more steps (5120 x 17408: 320 blocks, 9 steps), else 1.
+inline int q6k_mma_k_split(int64_t blocks, int k_steps) {
+    const int64_t slots = 2 * (int64_t)device_sm_count();
+    return blocks < 2 * slots && k_steps >= 8 ? 2 : 1;
+}
+
 // Host side: W in ggml's Q6_K layout with n_k a multiple of 1024 (rows then start 8-byte aligned)
 // and an 8-byte aligned base; x: n_cols (2..32) f32 columns of n_k values, ldx floats apart,
 // 16-byte aligned; y: n_cols columns of n_rows, ldy apart. scratch: mma_x_bytes(n_k, n_cols)
 // bytes of device memory, 16-byte aligned.
 // norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
-// residual: added to y as it is stored, or none. row_tiles: R (1 or 2), 0 = mma_row_tiles.
+// residual: added to y as it is stored, or none. row_tiles: R (1 or 2), 0 = mma_row_tiles;
+// k_split: thread blocks per cluster sharing a tile's k (1, 2 or 4, sm_90+), 0 = q6k_mma_k_split.
 inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
                            int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
                            XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{},
-                           int row_tiles = 0) {
+                           int row_tiles = 0, int k_split = 0) {
     const MmaX xq = launch_quantize_x256<true, false>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const uint8_t * w = static_cast<const uint8_t *>(W);
     const int n_blocks = (int)(n_k / 256);
     const int tiles =
         row_tiles > 0 ? std::min(row_tiles, kQ6KMmaMaxRowTiles) : mma_row_tiles(n_rows, kQ6KMmaMaxRowTiles);
+    const int n_steps = (n_blocks + kQ6KMmaStepBlocks - 1) / kQ6KMmaStepBlocks;
     with_row_tiles<kQ6KMmaMaxRowTiles>(tiles, [&](auto r) {
-        const unsigned grid = (unsigned)((n_rows + 16 * r.value - 1) / (16 * r.value));
+        const int64_t row_groups = (n_rows + 16 * r.value - 1) / (16 * r.value);
+        const int c = mma_k_split_allowed(k_split > 0 ? k_split : q6k_mma_k_split(row_groups, n_steps));
         with_column_tiles(n_cols, [&](auto nt) {
             allow_q6k_mma_smem<nt.value, r.value>();
-            launch(q6k_mma<nt.value, r.value>, grid, 256, q6k_mma_smem(r.value), stream, w, xq, y, ldy, residual,
-                   (int)n_rows, n_cols, n_blocks, row_bytes);
+            launch_clustered(q6k_mma<nt.value, r.value>, (unsigned)(row_groups * c), 256, q6k_mma_smem(r.value),
+                             stream, c, w, xq, y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
         });
     });
 }
