@@ -24,6 +24,21 @@ extern "C" int deltaspec_cuda_deltanet_replay(const deltaspec_deltanet_replay * 
 
 namespace deltaspec {
 
+namespace {
+
+// A count the tensor-core kernels take from the environment: 0 (unset: the kernels choose), 1, 2
+// or 4; anything else is refused.
+int env_power_of_two_up_to_4(const char * name) {
+    const char * env = std::getenv(name);
+    const std::string value = env != nullptr ? env : "0";
+    if (value != "0" && value != "1" && value != "2" && value != "4") {
+        throw std::invalid_argument(std::string(name) + " must be 0 (automatic), 1, 2 or 4, not '" + value + "'");
+    }
+    return std::stoi(value);
+}
+
+}  // namespace
+
 bool cuda_kernels_available() { return deltaspec_cuda_set_kernels != nullptr; }
 
 bool enable_cuda_kernels() {
@@ -35,21 +50,10 @@ bool enable_cuda_kernels() {
         deltaspec_cuda_set_early_launch(on && env_on("DELTASPEC_CUDA_PDL"));
     }
     if (deltaspec_cuda_set_mma_row_tiles != nullptr) {
-        const char * tiles = std::getenv("DELTASPEC_MMA_ROW_TILES");
-        const std::string value = tiles != nullptr ? tiles : "0";
-        if (value != "0" && value != "1" && value != "2" && value != "4") {
-            throw std::invalid_argument("DELTASPEC_MMA_ROW_TILES must be 0 (automatic), 1, 2 or 4, not '" + value +
-                                        "'");
-        }
-        deltaspec_cuda_set_mma_row_tiles(std::stoi(value));
+        deltaspec_cuda_set_mma_row_tiles(env_power_of_two_up_to_4("DELTASPEC_MMA_ROW_TILES"));
     }
     if (deltaspec_cuda_set_mma_k_split != nullptr) {
-        const char * split = std::getenv("DELTASPEC_MMA_K_SPLIT");
-        const std::string value = split != nullptr ? split : "0";
-        if (value != "0" && value != "1" && value != "2" && value != "4") {
-            throw std::invalid_argument("DELTASPEC_MMA_K_SPLIT must be 0 (automatic), 1, 2 or 4, not '" + value + "'");
-        }
-        deltaspec_cuda_set_mma_k_split(std::stoi(value));
+        deltaspec_cuda_set_mma_k_split(env_power_of_two_up_to_4("DELTASPEC_MMA_K_SPLIT"));
     }
     return on;
 }

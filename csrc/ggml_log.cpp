@@ -2,10 +2,12 @@
 
 #include "ggml.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace deltaspec {
 
@@ -30,20 +32,18 @@ void filtered_log(ggml_log_level level, const char * text, void *) {
 void install_ggml_log() {
     const char * env = std::getenv("DELTASPEC_GGML_LOG");
     const std::string value = env != nullptr ? env : "warn";
-    if (value == "debug") {
-        g_min_level = GGML_LOG_LEVEL_DEBUG;
-    } else if (value == "info") {
-        g_min_level = GGML_LOG_LEVEL_INFO;
-    } else if (value == "warn") {
-        g_min_level = GGML_LOG_LEVEL_WARN;
-    } else if (value == "error") {
-        g_min_level = GGML_LOG_LEVEL_ERROR;
-    } else if (value == "none") {
-        g_min_level = GGML_LOG_LEVEL_CONT + 1;  // above every level
-    } else {
+    constexpr std::pair<const char *, int> kLevels[] = {{"debug", GGML_LOG_LEVEL_DEBUG},
+                                                         {"info", GGML_LOG_LEVEL_INFO},
+                                                         {"warn", GGML_LOG_LEVEL_WARN},
+                                                         {"error", GGML_LOG_LEVEL_ERROR},
+                                                         {"none", GGML_LOG_LEVEL_CONT + 1}};  // above every level
+    const auto * level = std::find_if(std::begin(kLevels), std::end(kLevels),
+                                      [&](const auto & l) { return value == l.first; });
+    if (level == std::end(kLevels)) {
         throw std::invalid_argument("DELTASPEC_GGML_LOG must be debug, info, warn, error or none, not '" + value +
                                     "'");
     }
+    g_min_level = level->second;
     ggml_log_set(filtered_log, nullptr);
 }
 

@@ -239,20 +239,40 @@ inline int mma_row_tiles(int64_t n_rows, int max_tiles) {
 // both (ffn down at 16: 34.6 -> 36.5 / 50.1; ssm_out 16.7 -> 22.3 / 35.2), so the wave's tail is
 // not what holds Q4_K back there (what does was not measured). A guess at Q6_K's gain: its
 // thread blocks stage their rows together and wait for each other at every 8-block step.
-__device__ __forceinline__ int k_split_rank() {
+// This thread block's place in its cluster along k: rank and number of blocks (0 and 1 without
+// clusters, as before sm_90).
+struct KSplit {
+    int rank, size;
+};
+
+__device__ __forceinline__ KSplit k_split() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return (int)cooperative_groups::this_cluster().block_rank();
+    const auto cluster = cooperative_groups::this_cluster();
+    return {(int)cluster.block_rank(), (int)cluster.num_blocks()};
 #else
-    return 0;
+    return {0, 1};
 #endif
 }
 
-__device__ __forceinline__ int k_split_size() {
+// A barrier for the thread block, or for the whole cluster (with its shared memory writes
+// visible to every block of it) when the blocks split k.
+__device__ __forceinline__ void k_split_sync(const KSplit & ks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return (int)cooperative_groups::this_cluster().num_blocks();
-#else
-    return 1;
+    if (ks.size > 1) {
+        cooperative_groups::this_cluster().sync();
+        return;
+    }
 #endif
+    __syncthreads();
+}
+
+// p, an address in this block's shared memory, as block `rank` of the cluster holds it.
+template <typename T>
+__device__ __forceinline__ T * k_split_peer(T * p, const KSplit & ks, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (ks.size > 1) return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+#endif
+    return p;
 }
 
 // The C a launch asks for, as the device allows it: clusters need sm_90 or later.
@@ -282,25 +302,13 @@ __device__ __forceinline__ void mma_reduce_store(const float (&acc)[NT][4], floa
         mine[c * kPartialRowStride + g + 8] = acc[nt][2];
         mine[(c + 1) * kPartialRowStride + g + 8] = acc[nt][3];
     }
-    const int n_split = k_split_size(), rank = k_split_rank();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const auto cluster = cooperative_groups::this_cluster();
-    if (n_split > 1) {
-        cluster.sync();  // every block's partial sums are in its shared memory
-    } else {
-        __syncthreads();
-    }
-#else
-    __syncthreads();
-#endif
-    for (int i = threadIdx.x + rank * blockDim.x; i < 16 * R * NP; i += blockDim.x * n_split) {
+    const KSplit ks = k_split();
+    k_split_sync(ks);  // every block's partial sums are in its shared memory
+    for (int i = threadIdx.x + ks.rank * blockDim.x; i < 16 * R * NP; i += blockDim.x * ks.size) {
         const int r = i & 15, tile = (i >> 4) % R, col = i / (16 * R);
         float v = 0.0f;
-        for (int c = 0; c < n_split; ++c) {
-            const float * sums = partial;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            if (n_split > 1) sums = cluster.map_shared_rank(partial, c);
-#endif
+        for (int c = 0; c < ks.size; ++c) {
+            const float * sums = k_split_peer(partial, ks, c);
 #pragma unroll
             for (int k = 0; k < KS; ++k) v += sums[((k * R + tile) * NP + col) * kPartialRowStride + r];
         }
@@ -310,9 +318,7 @@ __device__ __forceinline__ void mma_reduce_store(const float (&acc)[NT][4], floa
             y[col * ldy + row] = v;
         }
     }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (n_split > 1) cluster.sync();  // no block leaves while another still reads its shared memory
-#endif
+    if (ks.size > 1) k_split_sync(ks);  // no block leaves while another still reads its shared memory
 }
 
 }  // namespace deltaspec_cuda

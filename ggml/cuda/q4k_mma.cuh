@@ -67,8 +67,8 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     static_assert(mma_partial_floats<NT> * sizeof(float) <= kQ4KMmaSmem, "the partial sums reuse the stages");
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int n_split = k_split_size();  // thread blocks of a cluster sharing the tiles' k (mma_x.cuh)
-    const int row_base = blockIdx.x / n_split * 16 * R, tile_base = row_base + 16 * (warp % R);
+    const KSplit ks = k_split();  // thread blocks of a cluster sharing the tiles' k (mma_x.cuh)
+    const int row_base = blockIdx.x / ks.size * 16 * R, tile_base = row_base + 16 * (warp % R);
     uint8_t * stages = smem + warp * STAGES * kQ4KStageBytes;
 
     // the 144 16-byte chunks of one block of 16 rows: lane L copies chunks L, L + 32, ... (row c / 9)
@@ -81,7 +81,7 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
         dst[i] = r * kQ4KStageRowBytes + 16 * part;
     }
     // this warp's blocks: first, first + stride, ...
-    const int first = k_split_rank() * KS + warp / R, stride = KS * n_split;
+    const int first = ks.rank * KS + warp / R, stride = KS * ks.size;
     const int n_mine = first < n_blocks ? (n_blocks - first + stride - 1) / stride : 0;
     auto stage_block = [&](int i) {  // this warp's i-th block into stage i % STAGES
         if (i < n_mine) {

@@ -73,14 +73,14 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     // the thread blocks of a cluster share the tiles' steps (mma_x.cuh): this one takes steps
-    // rank, rank + n_split, ...
-    const int n_split = k_split_size(), rank = k_split_rank();
-    const int row_base = blockIdx.x / n_split * 16 * R, tile = warp % R;
+    // rank, rank + size, ...
+    const KSplit ks = k_split();
+    const int row_base = blockIdx.x / ks.size * 16 * R, tile = warp % R;
     const int n_steps = (n_blocks + kQ6KMmaStepBlocks - 1) / kQ6KMmaStepBlocks;
-    const int n_mine = rank < n_steps ? (n_steps - rank + n_split - 1) / n_split : 0;
+    const int n_mine = ks.rank < n_steps ? (n_steps - ks.rank + ks.size - 1) / ks.size : 0;
 
     auto stage_step = [&](int j) {  // this warp's 2R rows of the block's j-th step into stage j % 2
-        const int s = rank + j * n_split;
+        const int s = ks.rank + j * ks.size;
         const int words = min(kQ6KMmaStepBlocks, n_blocks - s * kQ6KMmaStepBlocks) * kQ6KBytes / 8;
 #pragma unroll
         for (int r = 0; r < 2 * R; ++r) {
@@ -96,7 +96,7 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     if (n_mine > 0) stage_step(0);
     wait_for_inputs();  // x and the residual come from earlier kernels
     for (int j = 0; j < n_mine; ++j) {
-        const int s = rank + j * n_split;
+        const int s = ks.rank + j * ks.size;
         if (j + 1 < n_mine) {
             stage_step(j + 1);
             asm volatile("cp.async.wait_group 1;");
