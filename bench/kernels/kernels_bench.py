@@ -106,8 +106,8 @@ class Timer:
         return self.t0.elapsed_time(self.t1) * 1e3 / self.iters
 
 
-def device_copies(w: np.ndarray, dev) -> list:
-    copies = max(1, -(-400_000_000 // w.nbytes))
+def device_copies(w: np.ndarray, dev, copies: int = 0) -> list:
+    copies = copies or max(1, -(-400_000_000 // w.nbytes))
     return [torch.from_numpy(w).to(dev) for _ in range(copies)]
 
 
@@ -129,6 +129,8 @@ def main() -> int:
                     help="comma-separated column counts of the 1..32 column table (1: the mat-vec, always timed)")
     ap.add_argument("--matrix", default="",
                     help="time only the matrices whose name contains one of these comma-separated strings")
+    ap.add_argument("--copies", type=int, default=0,
+                    help="weight copies to cycle through (0: enough to defeat the L2; 1 for a profiler run)")
     ap.add_argument("--out")
     args = ap.parse_args()
     lib = ctypes.CDLL(args.lib)
@@ -160,8 +162,8 @@ def main() -> int:
         if gated:
             gr = reference(qtype, g, x)
             ref = ref * gr / (1 + np.exp(-gr))
-        wd = device_copies(w, dev)
-        gd = device_copies(g, dev) if gated else None
+        wd = device_copies(w, dev, args.copies)
+        gd = device_copies(g, dev, args.copies) if gated else None
         xd = torch.from_numpy(x).to(dev)
         yd = torch.empty(rows, dtype=torch.float32, device=dev)
         # grids: resident blocks walking the rows, one block per 8 rows, and (plain Q4_K) the
@@ -189,7 +191,7 @@ def main() -> int:
     multi = []
     for qtype, name, rows, cols in [] if args.one_column_only else [m for m in MULTI_COLUMN if any(w in m[1] for w in wanted)]:
         w = random_blocks(qtype, rows, cols, rng)
-        wd = device_copies(w, dev)
+        wd = device_copies(w, dev, args.copies)
         x = rng.standard_normal((max(COLUMNS), cols)).astype(np.float32)
         ref_all = reference(qtype, w, x.T)  # (rows checked, columns)
         xd = torch.from_numpy(x).to(dev)
