@@ -3,11 +3,12 @@
 // softplus-mul, three tiny kernels per DeltaNet layer (144 per step of the 27B).
 //
 // The graph builds the four ops in place on the products' outputs (graph_qwen35.cpp) and offers
-// them to deltaspec_cuda_fold_gates, which marks them: the ADD then computes both gates (by the
-// ADD, both products are done: beta's comes before the sigmoid, alpha's before the ADD), and the
-// SIGMOID, SOFTPLUS and MUL are skipped (ggml-cuda.cu's entries for them are renamed to the ones
-// here, inject.cmake). In place, every op's output is its input's memory, so skipping them leaves
-// nothing unwritten and no buffer the graph allocator could have handed to another tensor.
+// them to deltaspec_cuda_fold_gates, which marks them when beta and alpha are rows of one stacked
+// product (DELTASPEC_STACK_PROJECTIONS): the ADD then computes both gates (it depends on that
+// product, so both are done), and the SIGMOID, SOFTPLUS and MUL are skipped (ggml-cuda.cu's
+// entries for them are renamed to the ones here, inject.cmake). In place, every op's output is
+// its input's memory, so skipping them leaves nothing unwritten and no buffer the graph
+// allocator could have handed to another tensor.
 #include "binbcast.cuh"
 #include "common.cuh"
 #include "gemv_common.cuh"
@@ -32,9 +33,21 @@ bool gate_done(const ggml_tensor * t) {
     return deltaspec_cuda_kernels_on() && std::strcmp(t->name, kGateDoneName) == 0;
 }
 
-// n f32 values, contiguous, computed in place on src
+// The tensor whose memory t is, and t's byte offset in it. (The graph is built before it is
+// allocated: data pointers are not known yet when the gates are offered.)
+const ggml_tensor * memory_of(const ggml_tensor * t) { return t->view_src ? t->view_src : t; }
+size_t offset_of(const ggml_tensor * t) { return t->view_src ? t->view_offs : 0; }
+
+// n f32 values, contiguous, computed in place on src (ggml's in-place ops view their input)
 bool in_place_vector(const ggml_tensor * t, const ggml_tensor * src, int64_t n) {
-    return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && ggml_nelements(t) == n && t->data == src->data;
+    return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && ggml_nelements(t) == n &&
+           memory_of(t) == memory_of(src) && offset_of(t) == offset_of(src);
+}
+
+// whether n-value f32 vectors a and b share any byte
+bool overlap(const ggml_tensor * a, const ggml_tensor * b, int64_t n) {
+    const size_t bytes = (size_t)n * sizeof(float), oa = offset_of(a), ob = offset_of(b);
+    return memory_of(a) == memory_of(b) && oa < ob + bytes && ob < oa + bytes;
 }
 
 bool plain_vector(const ggml_tensor * t, int64_t n) {
@@ -68,9 +81,12 @@ extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_fold_gates
     const int64_t n = ggml_nelements(beta_sigmoid);
     if (!in_place_vector(beta_sigmoid, beta_sigmoid->src[0], n) || !in_place_vector(add, add->src[0], n) ||
         !in_place_vector(softplus, add, n) || !in_place_vector(g, softplus, n) || !plain_vector(add->src[1], n) ||
-        !plain_vector(g->src[1], n) || add->src[0]->data == beta_sigmoid->data) {
+        !plain_vector(g->src[1], n) || overlap(add, beta_sigmoid, n)) {
         return false;
     }
+    // beta and alpha rows of one stacked product: then the ADD depends on the product that wrote
+    // beta, whatever order ggml-cuda runs the graph's nodes in
+    if (memory_of(beta_sigmoid) != memory_of(add)) return false;
     const ggml_tensor * pointers[2] = {beta_sigmoid, g->src[1]};
     std::memcpy((char *)add->op_params + kGatePointersOffset, pointers, sizeof(pointers));
     ggml_set_name(add, kGatesName);
