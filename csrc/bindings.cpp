@@ -280,8 +280,6 @@ PYBIND11_MODULE(_core, m) {
 
     m.def("cuda_deltanet_launches", &cuda_deltanet_launches,
           "Host-side launches of deltaspec's DeltaNet kernel for verify batches so far (-1: not in this build).");
-    m.def("cuda_gate_launches", &cuda_gate_launches,
-          "Host-side launches of deltaspec's kernel of a decode step's DeltaNet gates so far (-1: not in this build).");
 
     m.def("cpu_extra_buffer_types", &cpu_extra_buffer_types,
           "ggml's extra CPU buffer types available here (AMX, repacking): weights placed in one select its matmuls.");

@@ -12,14 +12,12 @@
 extern "C" void deltaspec_cuda_set_kernels(bool on) __attribute__((weak));
 extern "C" bool deltaspec_cuda_fold_input(ggml_tensor * input, const ggml_tensor * const * weights,
                                           int n_weights) __attribute__((weak));
-extern "C" bool deltaspec_cuda_fold_gates(ggml_tensor * beta_sigmoid, ggml_tensor * g) __attribute__((weak));
 extern "C" bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs, int n_jobs) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_mma_row_tiles(int row_tiles) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_mma_k_split(int k_split) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_deltanet(bool on) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_early_launch(bool on) __attribute__((weak));
 extern "C" int64_t deltaspec_cuda_deltanet_launches() __attribute__((weak));
-extern "C" int64_t deltaspec_cuda_gate_launches() __attribute__((weak));
 extern "C" int deltaspec_cuda_deltanet_replay(const deltaspec_deltanet_replay * shape,
                                               const deltaspec_deltanet_layer * layers,
                                               int n_layers) __attribute__((weak));
@@ -64,17 +62,9 @@ int64_t cuda_deltanet_launches() {
     return deltaspec_cuda_deltanet_launches != nullptr ? deltaspec_cuda_deltanet_launches() : -1;
 }
 
-int64_t cuda_gate_launches() {
-    return deltaspec_cuda_gate_launches != nullptr ? deltaspec_cuda_gate_launches() : -1;
-}
-
 bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights) {
     return deltaspec_cuda_fold_input != nullptr &&
            deltaspec_cuda_fold_input(input, weights.data(), (int)weights.size());
-}
-
-bool cuda_fold_gates(ggml_tensor * beta_sigmoid, ggml_tensor * g) {
-    return deltaspec_cuda_fold_gates != nullptr && deltaspec_cuda_fold_gates(beta_sigmoid, g);
 }
 
 bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape,

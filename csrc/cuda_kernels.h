@@ -28,21 +28,12 @@ bool enable_cuda_kernels();
 // the op without the host); -1 without them.
 int64_t cuda_deltanet_launches();
 
-// The same for our kernel of a decode step's DeltaNet gates (cuda_fold_gates).
-int64_t cuda_gate_launches();
-
 // Offers an op output, MUL(RMS_NORM(x), w) or (2..32 columns) a SWIGLU, to our CUDA kernels:
 // when they are on and serve every one of `weights` (the products that read it) for its column
 // count (1..32), they apply the op themselves and ggml-cuda skips it
 // (ggml/cuda/deltaspec_matmul.cu); returns whether it was folded. Also offers (2..32 columns) an
 // ADD of a residual and the product with weights[0], which that product then writes itself.
 bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights);
-
-// Offers a decode step's DeltaNet gates, beta_sigmoid = SIGMOID(beta) and g = MUL(SOFTPLUS(ADD(
-// alpha, dt_bias)), a), all in place on f32 vectors, to our CUDA kernels: when they are on, one
-// launch computes both and ggml-cuda skips the four ops (ggml/cuda/deltaspec_gates.cu); returns
-// whether it was folded.
-bool cuda_fold_gates(ggml_tensor * beta_sigmoid, ggml_tensor * g);
 
 // keep()'s replay of the first shape.n_tokens tokens of a verify batch's DeltaNet recurrences, all
 // layers in one launch, waited for (ggml/cuda/deltaspec_deltanet.h); false when nothing ran: this

@@ -52,7 +52,6 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
         } else {
             backend_cpu_ = ggml_backend_cpu_init();
             fold_inputs_ = enable_cuda_kernels() && env_on("DELTASPEC_FOLD_INPUTS");
-            fold_gates_ = fold_inputs_ && env_on("DELTASPEC_FOLD_GATES");
         }
         ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts.n_threads));
 
@@ -218,8 +217,7 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all;
     const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
     step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, state_, step_.in, n_rows,
-                             fold_inputs_ ? FoldInput(cuda_fold_input) : FoldInput(), &step_.verify,
-                             fold_gates_ ? FoldGates(cuda_fold_gates) : FoldGates());
+                             fold_inputs_ ? FoldInput(cuda_fold_input) : FoldInput(), &step_.verify);
     if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {  // per row
         step_.out = ggml_argmax(step_.ctx, step_.out);
         ggml_set_output(step_.out);

@@ -109,8 +109,7 @@ class Engine {
     ggml_backend_t backend_cpu_ = nullptr;  // the scheduler's mandatory CPU fallback
     ggml_backend_sched_t sched_ = nullptr;
     std::string backend_name_;
-    bool fold_inputs_ = false;  // norms, SwiGLUs and adds offered to our CUDA kernels (cuda_kernels.h)
-    bool fold_gates_ = false;   // and a decode step's DeltaNet gates
+    bool fold_inputs_ = false;  // norms and SwiGLUs offered to our CUDA kernels (cuda_kernels.h)
     ModelWeights weights_;
     SequenceState state_;
     std::vector<uint8_t> graph_meta_;       // scratch for graph/tensor descriptors

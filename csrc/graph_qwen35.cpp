@@ -147,7 +147,7 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
 
 ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
                               const SequenceState & st, int il, ggml_tensor * x, const StepInputs & in,
-                              const FoldInput & fold_input, VerifyStates * verify, const FoldGates & fold_gates) {
+                              const FoldInput & fold_input, VerifyStates * verify) {
     ggml_tensor * conv_state = st.conv[il];
     ggml_tensor * ssm_state = st.ssm[il];
     const int64_t T = in.n_tokens, S = hp.ssm_state_size, Hk = hp.ssm_n_k_heads, Hv = hp.ssm_n_v_heads;
@@ -158,24 +158,12 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     SharedInputProducts project(ctx, x);
     ggml_tensor * qkv = project(l.wqkv);    // {C, T}
     ggml_tensor * z = project(l.wgate);     // {Hv*S, T}
-    // beta = sigmoid(beta), log-decay g = softplus(alpha + dt_bias) * (-exp(A_log)) <= 0
-    ggml_tensor * beta = nullptr;
-    ggml_tensor * g = nullptr;
-    if (T == 1 && fold_gates) {
-        // one token: in place on the products' outputs, which fold_gates may then compute in one
-        // launch (their ops skipped: in place, nothing is left unwritten)
-        beta = ggml_sigmoid_inplace(ctx, project(l.wbeta));
-        g = ggml_add_inplace(ctx, project(l.walpha), l.dt_bias);
-        g = ggml_mul_inplace(ctx, ggml_softplus_inplace(ctx, g), l.ssm_a);
-        fold_gates(beta, g);
-    } else {
-        beta = project(l.wbeta);  // {Hv, T}
-        if (!ggml_is_contiguous(beta)) beta = ggml_cont(ctx, beta);  // ggml-cuda's sigmoid reads contiguous data
-        beta = ggml_sigmoid(ctx, beta);
-        g = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, project(l.walpha), l.dt_bias)), l.ssm_a);
-    }
-    beta = ggml_reshape_4d(ctx, beta, 1, Hv, T, 1);
-    g = ggml_reshape_4d(ctx, g, 1, Hv, T, 1);
+    ggml_tensor * beta = project(l.wbeta);  // {Hv, T}
+    if (!ggml_is_contiguous(beta)) beta = ggml_cont(ctx, beta);  // ggml-cuda's sigmoid reads contiguous data
+    beta = ggml_reshape_4d(ctx, ggml_sigmoid(ctx, beta), 1, Hv, T, 1);
+    // log-decay g = softplus(alpha + dt_bias) * (-exp(A_log)) <= 0
+    ggml_tensor * g = ggml_softplus(ctx, ggml_add(ctx, project(l.walpha), l.dt_bias));
+    g = ggml_reshape_4d(ctx, ggml_mul(ctx, g, l.ssm_a), 1, Hv, T, 1);
 
     // Causal depthwise conv over [previous Kc-1 inputs | this batch]; keep the last Kc-1 as new state.
     ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, qkv), 0);  // {Kc-1+T, C}
@@ -250,7 +238,7 @@ ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeight
 
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
                            const SequenceState & st, const StepInputs & in, int64_t n_logit_rows,
-                           const FoldInput & fold_input, VerifyStates * verify, const FoldGates & fold_gates) {
+                           const FoldInput & fold_input, VerifyStates * verify) {
     if (in.keep_states) {
         if (verify == nullptr) throw std::logic_error("build_qwen35: a verify batch needs VerifyStates");
         VerifyStates & v = *verify;
@@ -267,7 +255,7 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
                               ? input_norm(ctx, x, l.attn_norm, eps, fold_input, {l.wqkv, l.wgate, l.wbeta, l.walpha})
                               : input_norm(ctx, x, l.attn_norm, eps, fold_input, {l.wq, l.wk, l.wv});
         ggml_tensor * mixed = hp.recurrent[il]
-                                  ? gated_delta_net(ctx, gf, hp, l, st, il, a, in, fold_input, verify, fold_gates)
+                                  ? gated_delta_net(ctx, gf, hp, l, st, il, a, in, fold_input, verify)
                                   : gated_attention(ctx, gf, hp, l, st.k[il], st.v[il], a, in);
         x = residual_add(ctx, fold_input, x, mixed);
         ggml_tensor * h = input_norm(ctx, x, l.post_norm, eps, fold_input, {l.ffn_gate, l.ffn_up});

@@ -51,18 +51,12 @@ struct VerifyStates {
 // Empty: no folding.
 using FoldInput = std::function<bool(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights)>;
 
-// Offered a decode step's DeltaNet gates, built in place on the products' outputs: beta_sigmoid =
-// SIGMOID(beta) and g = MUL(SOFTPLUS(ADD(alpha, dt_bias)), a), which our CUDA kernels may compute
-// in one launch (cuda_kernels.h); returns whether they will. Empty: no folding.
-using FoldGates = std::function<bool(ggml_tensor * beta_sigmoid, ggml_tensor * g)>;
-
 // Builds the graph into gf; returns logits {n_vocab, n_logit_rows} of the batch's last rows
 // (n_logit_rows 1: the last token; T: every token; 0: no LM head at all, nullptr is returned).
 // The graph also writes the new KV rows, conv windows and DeltaNet states into `st`; for a verify
 // batch (in.keep_states) it fills `verify` (not null then).
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
                            const SequenceState & st, const StepInputs & in, int64_t n_logit_rows,
-                           const FoldInput & fold_input = nullptr, VerifyStates * verify = nullptr,
-                           const FoldGates & fold_gates = nullptr);
+                           const FoldInput & fold_input = nullptr, VerifyStates * verify = nullptr);
 
 }  // namespace deltaspec

@@ -37,8 +37,6 @@
 #include <cstdlib>
 #include <cstring>
 
-bool deltaspec_run_gates(ggml_backend_cuda_context & ctx, ggml_tensor * add);  // deltaspec_gates.cu
-
 // ggml's tile-kernel entry (mmq.cuh); declared here rather than including that heavy header
 void ggml_cuda_mul_mat_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                          const ggml_tensor * ids, ggml_tensor * dst);
@@ -344,7 +342,6 @@ void deltaspec_op_swiglu(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
 void deltaspec_op_add(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     if (fused_add(dst)) return;  // its product wrote the sum (or ran it, see run_ours)
-    if (deltaspec_run_gates(ctx, dst)) return;  // the DeltaNet gates' ADD (deltaspec_gates.cu)
     ggml_cuda_op_add(ctx, dst);
 }
 
