@@ -55,7 +55,11 @@ q6k_gemv(const uint8_t * __restrict__ W, const float * x, const float * bias, fl
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint8_t * stage = smem + x_smem_bytes(n_blocks * 256) + warp * kQ6KStageBytes;
     uint2 * stage8 = reinterpret_cast<uint2 *>(stage);
-    const int bi = lane >> 2, hn = (lane >> 1) & 1, hl = lane & 1;
+    // lane = 16 n + 8 h + b: the 8 lanes of a quarter warp, which share a 16-byte shared-memory
+    // load's cycle, take the 8 blocks, whose x rows (272 bytes apart) start on 8 different groups
+    // of 4 banks. (With b in the high bits, the lanes of a block and of the next one met on the
+    // same banks: each 16-byte x load took 4 passes instead of 1.)
+    const int bi = lane & 7, hl = (lane >> 3) & 1, hn = lane >> 4;
     const int n_steps = (n_blocks + kQ6KStepBlocks - 1) / kQ6KStepBlocks;
     constexpr int kLoads = (kQ6KStepBlocks * kQ6KBytes / 8 + 31) / 32;  // 8-byte loads per lane and step
     const int stride = gridDim.x * 8;
@@ -134,7 +138,7 @@ q6k_gemv(const uint8_t * __restrict__ W, const float * x, const float * bias, fl
 // Whether the engine runs a Q6_K mat-vec on the resident grid: not over more columns than rows
 // (ffn down, 5120 x 17408), which ran one thread block per 8 rows faster: 36.6-36.7 vs 39.2-39.3
 // us in three H200 runs of kernels_bench (the output head, 248320 rows, is the other way round:
-// 390 vs 491 us).
+// 390 vs 491 us); with the conflict-free x reads 30.1 vs 30.5 and 299-304 vs 421-433.
 inline bool q6k_resident_grid(int64_t n_rows, int64_t n_cols) { return n_cols <= n_rows; }
 
 // Host side: W in ggml's Q6_K layout with n_cols a multiple of 1024 (rows then start 8-byte
