@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -26,15 +27,16 @@ namespace deltaspec {
 
 namespace {
 
-// A count the tensor-core kernels take from the environment: 0 (unset: the kernels choose), 1, 2
-// or 4; anything else is refused.
-int env_power_of_two_up_to_4(const char * name) {
+// A count the tensor-core kernels take from the environment: 0 (unset: the kernels choose) or one
+// of `allowed`, described as `what`; anything else is refused.
+int env_count(const char * name, std::initializer_list<int> allowed, const char * what) {
     const char * env = std::getenv(name);
     const std::string value = env != nullptr ? env : "0";
-    if (value != "0" && value != "1" && value != "2" && value != "4") {
-        throw std::invalid_argument(std::string(name) + " must be 0 (automatic), 1, 2 or 4, not '" + value + "'");
+    for (const int v : allowed) {
+        if (value == std::to_string(v)) return v;
     }
-    return std::stoi(value);
+    if (value == "0") return 0;
+    throw std::invalid_argument(std::string(name) + " must be 0 (automatic), " + what + ", not '" + value + "'");
 }
 
 }  // namespace
@@ -50,10 +52,10 @@ bool enable_cuda_kernels() {
         deltaspec_cuda_set_early_launch(on && env_on("DELTASPEC_CUDA_PDL"));
     }
     if (deltaspec_cuda_set_mma_row_tiles != nullptr) {
-        deltaspec_cuda_set_mma_row_tiles(env_power_of_two_up_to_4("DELTASPEC_MMA_ROW_TILES"));
+        deltaspec_cuda_set_mma_row_tiles(env_count("DELTASPEC_MMA_ROW_TILES", {1, 2, 4}, "1, 2 or 4"));
     }
     if (deltaspec_cuda_set_mma_k_split != nullptr) {
-        deltaspec_cuda_set_mma_k_split(env_power_of_two_up_to_4("DELTASPEC_MMA_K_SPLIT"));
+        deltaspec_cuda_set_mma_k_split(env_count("DELTASPEC_MMA_K_SPLIT", {1, 2, 3, 4}, "1, 2, 3 or 4"));
     }
     return on;
 }

@@ -236,7 +236,7 @@ def test_folded_norms_and_stacks_match(tmp_path, monkeypatch, quant, shape, chun
 @pytest.mark.parametrize("quant,shape", [("q4_k", Q4K_SHAPE), ("q6_k", Q6K_SHAPE)], ids=["q4_k", "q6_k"])
 def test_mma_tilings_agree(tmp_path, monkeypatch, quant, shape):
     """The tensor-core kernels with 1, 2 and 4 tiles of 16 rows per thread block
-    (DELTASPEC_MMA_ROW_TILES; Q6_K takes at most 2) and with a tile's k shared by 1, 2 or 4 thread
+    (DELTASPEC_MMA_ROW_TILES; Q6_K takes at most 2) and with a tile's k shared by 1..4 thread
     blocks of a cluster (DELTASPEC_MMA_K_SPLIT; with the tiny models' short rows some blocks of a
     cluster get no k at all), on 17-token batches: the tiny models' few rows make the automatic
     choice 1 and 1, so the others are forced here. The warps split the blocks differently, so only
@@ -261,7 +261,7 @@ def test_mma_tilings_agree(tmp_path, monkeypatch, quant, shape):
     cpu = logits("cpu")
     one = logits("cuda", "1", "1")
     noise = np.abs(one - cpu).mean()
-    for tiles, split in [("2", "1"), ("4", "1"), ("1", "2"), ("1", "4"), ("2", "2")]:
+    for tiles, split in [("2", "1"), ("4", "1"), ("1", "2"), ("1", "3"), ("1", "4"), ("2", "2")]:
         other = logits("cuda", tiles, split)
         moved = np.abs(other - one).mean()
         print(f"{quant}, {tiles} row tiles, k split {split}: mean |difference| to 1 and 1 {moved:.3e}, "
@@ -270,10 +270,10 @@ def test_mma_tilings_agree(tmp_path, monkeypatch, quant, shape):
         flips = np.nonzero(other.argmax(-1) != one.argmax(-1))[0]
         gaps = one[flips].max(-1) - one[flips, other.argmax(-1)[flips]]
         assert np.all(gaps <= 6 * max(np.sqrt(np.mean((other - one) ** 2)), 1e-6))
-    for var in ("DELTASPEC_MMA_ROW_TILES", "DELTASPEC_MMA_K_SPLIT"):
+    for var, bad in (("DELTASPEC_MMA_ROW_TILES", "3"), ("DELTASPEC_MMA_K_SPLIT", "5")):
         monkeypatch.setenv("DELTASPEC_MMA_ROW_TILES", "0")
         monkeypatch.setenv("DELTASPEC_MMA_K_SPLIT", "0")
-        monkeypatch.setenv(var, "3")
+        monkeypatch.setenv(var, bad)
         with pytest.raises(ValueError, match=var):
             Model(path, device="cuda", n_ctx=128)
 

@@ -29,7 +29,7 @@ long long deltaspec_mma_x_bytes(long long n_k, int n_cols) {
 }
 
 // row_tiles: 16-row tiles per thread block (1, 2, 4), k_split: thread blocks per cluster sharing
-// a tile's k (1, 2, 4); 0: the kernel's own choice
+// a tile's k (1..4); 0: the kernel's own choice
 int deltaspec_q4k_mma(const void * W, const float * x, long long ldx, float * y, long long ldy, long long n_rows,
                       long long n_k, int n_cols, long long row_bytes, void * scratch, void * stream, int row_tiles,
                       int k_split) {
@@ -39,7 +39,7 @@ int deltaspec_q4k_mma(const void * W, const float * x, long long ldx, float * y,
 }
 
 // row_tiles: 16-row tiles per thread block (1, 2, 4), k_split: thread blocks per cluster sharing
-// a tile's k (1, 2, 4); 0: the kernel's own choice
+// a tile's k (1..4); 0: the kernel's own choice
 int deltaspec_q6k_mma(const void * W, const float * x, long long ldx, float * y, long long ldy, long long n_rows,
                       long long n_k, int n_cols, long long row_bytes, void * scratch, void * stream, int row_tiles,
                       int k_split) {

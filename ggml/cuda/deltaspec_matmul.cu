@@ -63,7 +63,7 @@ extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_mma_ro
 }
 
 // Thread blocks per cluster sharing a row tile's k in the tensor-core kernels (mma_x.cuh; sm_90+,
-// else 1): 0 lets them choose (q6k_mma_k_split; 1 for Q4_K); 1, 2 or 4 forces it (tests, A/B runs)
+// else 1): 0 lets them choose (q6k_mma_k_split; 1 for Q4_K); 1..4 forces it (tests, A/B runs)
 static int g_mma_k_split = 0;
 
 extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_mma_k_split(int k_split) {

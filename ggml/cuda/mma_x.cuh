@@ -10,6 +10,8 @@
 //   * Q6_K (k = 16 per mma, one scale per 16 weights): the sub-block's two 16-value halves are
 //     interleaved by 4, o' = 8 (o % 16 / 4) + 4 (o / 16) + o % 4, so lane t's values 4t..4t+3 of
 //     both halves are one 8-byte load.
+// Both also get the integer sums of x's values the kernels' offsets need (XSums): Q4_K's mins
+// per 32-value sub-block, Q6_K's -32 per 16-value group.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -21,10 +23,17 @@
 
 namespace deltaspec_cuda {
 
-// Per column and 256-value block: the sub-block sums of x's int8 values as int8 high and low
-// parts (sum = 64 * hi + lo, lo in 0..63), 8 sub-blocks each (Q4_K's mins need them).
+// Per column and 256-value block: sums of x's int8 values as int8 high and low parts (sum = 64 *
+// hi + lo, lo in 0..63), as mma B fragments: per 32-value sub-block for Q4_K (entries 0..7), per
+// 16-value group for Q6_K (0..15).
 struct alignas(16) XSums {
-    int8_t hi[8], lo[8];
+    int8_t hi[16], lo[16];
+};
+
+// How quantize_x256 lays x out, for which kernel.
+enum class XFormat {
+    q4k,  // values in order, sums per 32
+    q6k,  // halves interleaved, sums per 16
 };
 
 // A SwiGLU folded into the quantization: the products' x is silu(x) * up (ggml's SWIGLU of split
@@ -78,9 +87,9 @@ inline MmaX mma_x_layout(void * scratch, int64_t n_k, int n_cols) {
 
 // x (n_cols columns of n_k f32, column c at x + c * ldx) -> the layout above; columns
 // n_cols..n_pad-1 are zero. One warp per 256 values, 8 per lane (lanes 4s..4s+3 hold sub-block s).
-// SUMS: also write the sub-block sums. With a norm, a thread block is one column's n_k / 256 warps
+// With a norm, a thread block is one column's n_k / 256 warps
 // (n_k <= 8192), which add up the column's sum of squares in shared memory.
-template <bool HALVES_INTERLEAVED, bool SUMS>
+template <XFormat F>
 __global__ void quantize_x256(const float * x, int64_t ldx, int n_cols, int n_k, int n_pad, MmaX out,
                               XNorm norm, XGlu glu) {
     wait_for_inputs();  // x comes from earlier kernels, and so do the last reads of the scratch
@@ -141,22 +150,21 @@ __global__ void quantize_x256(const float * x, int64_t ldx, int n_cols, int n_k,
     const uint32_t hi4 = __byte_perm(__byte_perm(q[4], q[5], 0x0040), __byte_perm(q[6], q[7], 0x0040), 0x5410);
     const int s = lane >> 2, t = lane & 3;  // values 8t..8t+7 of sub-block s
     int8_t * sub = out.values + ((int64_t)(8 * b + s) * n_pad + col) * 32;
-    if (HALVES_INTERLEAVED) {  // values 8t..8t+3: half t / 2, slot 2 (t % 2); 8t+4..8t+7: slot 2 (t % 2) + 1
+    if (F == XFormat::q6k) {  // values 8t..8t+3: half t / 2, slot 2 (t % 2); 8t+4..8t+7: slot 2 (t % 2) + 1
         const int o = 16 * (t & 1) + 4 * (t >> 1);
         reinterpret_cast<uint32_t *>(sub + o)[0] = lo4;
         reinterpret_cast<uint32_t *>(sub + o + 8)[0] = hi4;
     } else {
         *reinterpret_cast<uint2 *>(sub + 8 * t) = make_uint2(lo4, hi4);
     }
-    if (SUMS) {
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        if (t == 0) {
-            const int hi = sum >= 0 ? sum / 64 : -((-sum + 63) / 64);
-            XSums & xs = out.sums[(int64_t)b * n_pad + col];
-            xs.hi[s] = (int8_t)hi;
-            xs.lo[s] = (int8_t)(sum - 64 * hi);
-        }
+    // the sums: lanes t, t ^ 1 hold a 16-value group (2s + t / 2), all four the sub-block s
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (F == XFormat::q4k) sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (F == XFormat::q4k ? t == 0 : (t & 1) == 0) {
+        const int hi = sum >= 0 ? sum / 64 : -((-sum + 63) / 64), i = F == XFormat::q4k ? s : 2 * s + (t >> 1);
+        XSums & xs = out.sums[(int64_t)b * n_pad + col];
+        xs.hi[i] = (int8_t)hi;
+        xs.lo[i] = (int8_t)(sum - 64 * hi);
     }
     if (lane == 0) out.dx[(int64_t)b * n_pad + col] = amax / 127.0f * col_scale;
 }
@@ -164,13 +172,13 @@ __global__ void quantize_x256(const float * x, int64_t ldx, int n_cols, int n_k,
 // The largest n_k a folded norm allows: one thread block holds a column.
 constexpr int64_t kMmaNormMaxK = 32 * 256;
 
-template <bool HALVES_INTERLEAVED, bool SUMS>
+template <XFormat F>
 inline MmaX launch_quantize_x256(const float * x, int64_t ldx, int64_t n_k, int n_cols, void * scratch,
                                  cudaStream_t stream, XNorm norm, XGlu glu) {
     const int n_pad = mma_padded_cols(n_cols);
     const MmaX out = mma_x_layout(scratch, n_k, n_cols);
     const int64_t warps = (int64_t)n_pad * (n_k / 256);
-    const auto kernel = quantize_x256<HALVES_INTERLEAVED, SUMS>;
+    const auto kernel = quantize_x256<F>;
     if (norm.w != nullptr) {
         const unsigned threads = (unsigned)(n_k / 256 * 32);
         launch(kernel, (unsigned)n_pad, threads, 0, stream, x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu);

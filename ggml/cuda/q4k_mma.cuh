@@ -57,7 +57,7 @@ constexpr size_t kQ4KMmaSmem = (size_t)8 * kQ4KMmaStages * kQ4KStageBytes;  // 4
 static_assert(kQ4KMmaSmem <= 48 * 1024, "more than 48 KiB of dynamic shared memory needs an opt-in");
 
 // y[c * ldy + r] = W[r] . x[c] for r < n_rows, c < n_cols (<= 8 * NT), from x as quantize_x256
-// wrote it (with sums), padded to 8 * NT columns; R tiles of 16 rows per thread block.
+// wrote it (XFormat::q4k), padded to 8 * NT columns; R tiles of 16 rows per thread block.
 template <int NT, int R>
 __global__ void __launch_bounds__(256, 2)  // two blocks per SM: <= 128 registers
 q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YResidual residual, int n_rows,
@@ -182,13 +182,13 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
 // apart. scratch: mma_x_bytes(n_k, n_cols) bytes of device memory, 16-byte aligned.
 // norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
 // residual: added to y as it is stored, or none. row_tiles: R (1, 2 or 4), 0 = mma_row_tiles;
-// k_split: thread blocks per cluster sharing a tile's k (1, 2 or 4, sm_90+), 0 = 1 (mma_x.cuh:
+// k_split: thread blocks per cluster sharing a tile's k (1..4, sm_90+), 0 = 1 (mma_x.cuh:
 // splitting made Q4_K slower).
 inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
                            int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
                            XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{},
                            int row_tiles = 0, int k_split = 0) {
-    const MmaX xq = launch_quantize_x256<false, true>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
+    const MmaX xq = launch_quantize_x256<XFormat::q4k>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const int n_blocks = (int)(n_k / 256);
     const uint8_t * w = static_cast<const uint8_t *>(W);
     with_row_tiles<4>(row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4), [&](auto r) {

@@ -12,14 +12,20 @@
 //     stages: the next 8 blocks load while these are multiplied);
 //   * math: warp w then takes tile w % R and blocks w / R, w / R + 8 / R, ... of the stage (the
 //     warps of the R tiles read the same x at once: L2 serves it once). Per 16 weights under one
-//     int8 scale and per 8 columns, one int8 mma.m16n8k16: A = the 16 rows' weights q - 32
-//     (-32..31, assembled from the 4 low and 2 high bits), B = x's int8 values, C; then
-//     S += sc * C per row. Once per block  y += dx * d * S.
+//     int8 scale and per 8 columns, one int8 mma.m16n8k16: A = the 16 rows' weights q (0..63 as
+//     unsigned bytes, assembled from the 4 low and 2 high bits), B = x's int8 values, C; then
+//     S += sc * C per row. Once per block the weights' offset of -32, S -= 32 * sum_g sc_g X_g
+//     (X_g: x's sum over group g, from quantize_x256) as two more mma over the 16 groups, and
+//     y += dx * d * S. The same integers as q - 32 in the mma (an earlier form), for fewer
+//     instructions a weight: these kernels are bound by their issue rate (Nsight Compute, ffn
+//     down at 16 columns: 2.4 instructions a cycle per SM of 4, 23 a mma, 3 of them turning q
+//     into q - 32 bytes; 22.8 -> 17.7 M instructions; bench/README).
 //   * few rows (5120: 1.2 waves of thread blocks): two thread blocks of a cluster share a tile,
 //     each taking every other step, and add up their sums at the end (q6k_mma_k_split, mma_x.cuh).
 // Lane (g, t) gives the mma weights 4t..4t+3 of a 16-weight group: the same byte offsets in ql
-// (low bits) and qh (high bits), read from the stage as 4-byte words (shifted by 2 bytes for odd
-// blocks, which start 2 bytes past a word).
+// (low bits) and qh (high bits), read from the stage as 4-byte words: two words funnel-shifted
+// by 16 bits for odd blocks, which start 2 bytes past a word (by 0 for even ones, so that one
+// form serves both without predicates or address math per word).
 //
 // Block layout (q6k_gemv.cuh): ql[128], qh[64], int8 scales[16], half d. Half n (0, 1) of 128
 // weights, quadrant k (0..3) of 32 and group l16 (0, 1) of 16: weight 128n + 32k + 16 l16 + i has
@@ -51,15 +57,23 @@ __device__ __forceinline__ void mma_s8_k16(int (&c)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(b), "r"(0));
 }
 
-// 4 weights q - 32 as signed bytes, from 4 low-bit nibbles and 4 high-bit pairs (each in bits 0..3
-// and 0..1 of its byte): (q + 128 - 32) ^ 128 per byte, with no borrow between bytes.
-__device__ __forceinline__ uint32_t q6_bytes(uint32_t low, uint32_t high) {
-    const uint32_t q = (low & 0x0F0F0F0Fu) | ((high & 0x03030303u) << 4);
-    return ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+// The same with A unsigned (the weights' q, 0..63, before their offset of -32).
+__device__ __forceinline__ void mma_u8s8_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b), "r"(0));
+}
+
+// 4 weights' q (0..63) as bytes, quadrant k (0..3): low bits from the nibbles of ql (low nibbles
+// for k < 2, high for k >= 2), high bits from bits 2k, 2k + 1 of each byte of qh.
+__device__ __forceinline__ uint32_t q6_unsigned(uint32_t ql, uint32_t qh, int k) {
+    const uint32_t low = (k < 2 ? ql : ql >> 4) & 0x0F0F0F0Fu;
+    const uint32_t high = k < 2 ? qh << (4 - 2 * k) : qh >> (2 * k - 4);
+    return low | (high & 0x30303030u);
 }
 
 // y[c * ldy + r] = W[r] . x[c] for r < n_rows, c < n_cols (<= 8 * NT), from x as quantize_x256
-// wrote it with interleaved halves, padded to 8 * NT columns; R tiles of 16 rows per thread block.
+// wrote it (XFormat::q6k), padded to 8 * NT columns; R tiles of 16 rows per thread block.
 template <int NT, int R>
 __global__ void __launch_bounds__(256, 2)  // two blocks per SM: <= 128 registers
 q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YResidual residual, int n_rows,
@@ -69,6 +83,8 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     // its math, at 9..16 columns only. H200, kernels_bench, ffn down (5120 x 17408): 16 columns
     // 59.6 -> 57.1 us, output head 528.9 -> 524.1; at 8 columns 48.4 -> 51.5 and at 17 (with x
     // in two halves) 63.4 -> 76.1: more registers held across the mma than those forms spare.
+    // (Loading the step's first block's x before the step's barrier, to overlap the stage's
+    // wait: ffn down at 16 columns 47.3 -> 46.5 us, output head 482 -> 501; not kept.)
     constexpr bool kPreloadX = NT == 2;
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -97,8 +113,8 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     wait_for_inputs();  // x and the residual come from earlier kernels
     for (int j = 0; j < n_mine; ++j) {
         const int s = ks.rank + j * ks.size;
+        if (j + 1 < n_mine) stage_step(j + 1);
         if (j + 1 < n_mine) {
-            stage_step(j + 1);
             asm volatile("cp.async.wait_group 1;");
         } else {
             asm volatile("cp.async.wait_group 0;");
@@ -119,70 +135,91 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
                     }
                 }
             }
+            // rows g and g + 8 of the block, from the 4-byte word at or below its start: an odd
+            // block starts 2 bytes past a word, so each word a lane needs is two words shifted by sh
             const uint8_t * stage = smem + (j & 1) * kStageBytes;
-            const int r0 = 16 * tile + g;
-            const int o[2] = {r0 * kQ6KMmaRowStage + blk * kQ6KBytes, (r0 + 8) * kQ6KMmaRowStage + blk * kQ6KBytes};
-            uint32_t sc[2][4];  // the 16 int8 scales of rows g, g + 8
+            const int r0 = 16 * tile + g, sh = 16 * (blk & 1);
+            const uint32_t * rw[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int o = (r0 + 8 * r) * kQ6KMmaRowStage + blk * kQ6KBytes;
+                rw[r] = reinterpret_cast<const uint32_t *>(stage + (o & ~3));
+            }
+            auto word = [&](int r, int i) { return __funnelshift_r(rw[r][i], rw[r][i + 1], sh); };  // bytes 4i..4i+3
+            uint32_t sc[2][4];  // the 16 int8 scales of rows g, g + 8 (bytes 192..207)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
 #pragma unroll
-                for (int k = 0; k < 4; ++k) sc[r][k] = stage_word(stage, o[r] + 192 + 4 * k);
+                for (int k = 0; k < 4; ++k) sc[r][k] = word(r, 48 + k);
             }
             int S[NT][4] = {};
 #pragma unroll
             for (int n = 0; n < 2; ++n) {
-                uint32_t qh[2][2];  // [row][l16]
+                uint32_t qh[2][2];  // [row][l16]: high bits of weights 4t..4t+3 (bytes 128 + 32n + 16 l16)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) qh[r][h] = stage_word(stage, o[r] + 128 + 32 * n + 16 * h + 4 * t);
+                    for (int h = 0; h < 2; ++h) qh[r][h] = word(r, 32 + 8 * n + 4 * h + t);
                 }
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    uint32_t a[2][2];  // [row][l16]: weights 4t..4t+3 of the group
+                for (int k2 = 0; k2 < 2; ++k2) {
+                    uint32_t ql[2][2];  // [row][l16]: low bits, quadrants k2 and k2 + 2 (bytes 64n + 32 k2 + 16 l16)
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const uint32_t ql = stage_word(stage, o[r] + 64 * n + 32 * (k & 1) + 16 * h + 4 * t);
-                            a[r][h] = q6_bytes(ql >> (4 * (k >> 1)), qh[r][h] >> (2 * k));
-                        }
+                        for (int h = 0; h < 2; ++h) ql[r][h] = word(r, 16 * n + 8 * k2 + 4 * h + t);
                     }
-                    const int sub = 4 * n + k;  // x's 32-value sub-block
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        uint2 bq;
-                        if constexpr (kPreloadX) {
-                            bq = xf[sub][nt];
-                        } else {
-                            bq = *reinterpret_cast<const uint2 *>(  // coherent (wait_for_inputs)
-                                x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t);
+                    for (int k = k2; k < 4; k += 2) {
+                        uint32_t a[2][2];  // [row][l16]: weights 4t..4t+3 of the group, 0..63
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) a[r][h] = q6_unsigned(ql[r][h], qh[r][h], k);
                         }
+                        const int sub = 4 * n + k;  // x's 32-value sub-block
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int i = 8 * n + 2 * k + h;  // the group's scale
-                            int c[4];
-                            mma_s8_k16(c, a[0][h], a[1][h], h ? bq.y : bq.x);
-                            const int s0 = sbyte(sc[0][i >> 2], i & 3), s1 = sbyte(sc[1][i >> 2], i & 3);
-                            S[nt][0] += s0 * c[0];
-                            S[nt][1] += s0 * c[1];
-                            S[nt][2] += s1 * c[2];
-                            S[nt][3] += s1 * c[3];
+                        for (int nt = 0; nt < NT; ++nt) {
+                            uint2 bq;
+                            if constexpr (kPreloadX) {
+                                bq = xf[sub][nt];
+                            } else {
+                                bq = *reinterpret_cast<const uint2 *>(  // coherent (wait_for_inputs)
+                                    x.values + ((int64_t)(8 * b + sub) * NP + 8 * nt + g) * 32 + 8 * t);
+                            }
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const int i = 8 * n + 2 * k + h;  // the group's scale
+                                int c[4];
+                                mma_u8s8_k16(c, a[0][h], a[1][h], h ? bq.y : bq.x);
+                                const int s0 = sbyte(sc[0][i >> 2], i & 3), s1 = sbyte(sc[1][i >> 2], i & 3);
+                                S[nt][0] += s0 * c[0];
+                                S[nt][1] += s0 * c[1];
+                                S[nt][2] += s1 * c[2];
+                                S[nt][3] += s1 * c[3];
+                            }
                         }
                     }
                 }
             }
             float d[2];
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const uint32_t dw = stage_word(stage, o[r] + 208);
-                d[r] = __half2float(__ushort_as_half((unsigned short)(dw & 0xFFFFu)));
-            }
+            for (int r = 0; r < 2; ++r) d[r] = __half2float(__ushort_as_half((unsigned short)(rw[r][52] >> sh)));
+            // the weights' offset: S -= 32 * sum over groups of scale x (x's group sum), two more mma
+            // (the sums as int8 high and low parts), whose A is the scales of groups 4t..4t+3
+            const uint32_t sct[2] = {word(0, 48 + t), word(1, 48 + t)};
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
+                const XSums & xsum = x.sums[(int64_t)b * NP + 8 * nt + g];
+                int mh[4], ml[4];
+                mma_s8_k16(mh, sct[0], sct[1], reinterpret_cast<const uint32_t *>(xsum.hi)[t]);
+                mma_s8_k16(ml, sct[0], sct[1], reinterpret_cast<const uint32_t *>(xsum.lo)[t]);
                 const float2 dx = *reinterpret_cast<const float2 *>(x.dx + (int64_t)b * NP + 8 * nt + 2 * t);
 #pragma unroll
-                for (int k = 0; k < 4; ++k) acc[nt][k] += (k & 1 ? dx.y : dx.x) * d[k >> 1] * (float)S[nt][k];
+                for (int k = 0; k < 4; ++k) {
+                    const int v = S[nt][k] - 32 * (64 * mh[k] + ml[k]);
+                    acc[nt][k] += (k & 1 ? dx.y : dx.x) * d[k >> 1] * (float)v;
+                }
             }
         }
         __syncthreads();  // stage j is read: the next iteration's copy may overwrite it
@@ -206,7 +243,9 @@ inline void allow_q6k_mma_smem() {
 
 // Thread blocks per cluster sharing a tile's k (mma_x.cuh) for `blocks` thread blocks at one and
 // `k_steps` 8-block steps per row: 2 where those blocks fill less than two waves and each half
-// keeps 4 or more steps (5120 x 17408: 320 blocks, 9 steps), else 1.
+// keeps 4 or more steps (5120 x 17408: 320 blocks, 9 steps), else 1. (A rule that counted waves
+// x steps a block chose 3 there, 960 blocks of 3 steps, 4 waves against 3 of 5: slower, 47.9 ->
+// 52.9 us at 16 columns; kernels_bench --k-splits 1,2,3,4, bench/README.)
 inline int q6k_mma_k_split(int64_t blocks, int k_steps) {
     const int64_t slots = 2 * (int64_t)device_sm_count();
     return blocks < 2 * slots && k_steps >= 8 ? 2 : 1;
@@ -218,12 +257,12 @@ inline int q6k_mma_k_split(int64_t blocks, int k_steps) {
 // bytes of device memory, 16-byte aligned.
 // norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
 // residual: added to y as it is stored, or none. row_tiles: R (1 or 2), 0 = mma_row_tiles;
-// k_split: thread blocks per cluster sharing a tile's k (1, 2 or 4, sm_90+), 0 = q6k_mma_k_split.
+// k_split: thread blocks per cluster sharing a tile's k (1..4, sm_90+), 0 = q6k_mma_k_split.
 inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
                            int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
                            XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{},
                            int row_tiles = 0, int k_split = 0) {
-    const MmaX xq = launch_quantize_x256<true, false>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
+    const MmaX xq = launch_quantize_x256<XFormat::q6k>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const uint8_t * w = static_cast<const uint8_t *>(W);
     const int n_blocks = (int)(n_k / 256);
     const int tiles =
