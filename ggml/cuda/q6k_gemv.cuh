@@ -39,12 +39,6 @@ __device__ __forceinline__ void stage_words(const uint8_t * stage, int o, uint32
     }
 }
 
-// the 4 bytes at byte offset o (even) of a 4-byte aligned shared buffer (stage_words for one)
-__device__ __forceinline__ uint32_t stage_word(const uint8_t * stage, int o) {
-    const uint32_t * p = reinterpret_cast<const uint32_t *>(stage + (o & ~3));
-    return o & 2 ? __funnelshift_r(p[0], p[1], 16) : p[0];
-}
-
 // the signed byte i (0..3) of w
 __device__ __forceinline__ int sbyte(uint32_t w, int i) { return (int)(int8_t)(w >> (8 * i)); }
 
