@@ -87,8 +87,8 @@ inline MmaX mma_x_layout(void * scratch, int64_t n_k, int n_cols) {
 
 // x (n_cols columns of n_k f32, column c at x + c * ldx) -> the layout above; columns
 // n_cols..n_pad-1 are zero. One warp per 256 values, 8 per lane (lanes 4s..4s+3 hold sub-block s).
-// With a norm, a thread block is one column's n_k / 256 warps
-// (n_k <= 8192), which add up the column's sum of squares in shared memory.
+// With a norm, a thread block is one column's n_k / 256 warps (n_k <= 8192), which add up the
+// column's sum of squares in shared memory.
 template <XFormat F>
 __global__ void quantize_x256(const float * x, int64_t ldx, int n_cols, int n_k, int n_pad, MmaX out,
                               XNorm norm, XGlu glu) {

@@ -113,8 +113,8 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     wait_for_inputs();  // x and the residual come from earlier kernels
     for (int j = 0; j < n_mine; ++j) {
         const int s = ks.rank + j * ks.size;
-        if (j + 1 < n_mine) stage_step(j + 1);
         if (j + 1 < n_mine) {
+            stage_step(j + 1);
             asm volatile("cp.async.wait_group 1;");
         } else {
             asm volatile("cp.async.wait_group 0;");
@@ -206,7 +206,8 @@ q6k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
 #pragma unroll
             for (int r = 0; r < 2; ++r) d[r] = __half2float(__ushort_as_half((unsigned short)(rw[r][52] >> sh)));
             // the weights' offset: S -= 32 * sum over groups of scale x (x's group sum), two more mma
-            // (the sums as int8 high and low parts), whose A is the scales of groups 4t..4t+3
+            // (the sums as int8 high and low parts), whose A is the scales of groups 4t..4t+3: sc[r][t],
+            // read again (indexing sc at run time would put it in local memory)
             const uint32_t sct[2] = {word(0, 48 + t), word(1, 48 + t)};
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
