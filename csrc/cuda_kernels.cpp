@@ -28,15 +28,18 @@ namespace deltaspec {
 namespace {
 
 // A count the tensor-core kernels take from the environment: 0 (unset: the kernels choose) or one
-// of `allowed`, described as `what`; anything else is refused.
-int env_count(const char * name, std::initializer_list<int> allowed, const char * what) {
+// of `allowed`; anything else is refused, naming the values it takes.
+int env_count(const char * name, std::initializer_list<int> allowed) {
     const char * env = std::getenv(name);
     const std::string value = env != nullptr ? env : "0";
+    if (value == "0") return 0;
+    std::string choices;
     for (const int v : allowed) {
         if (value == std::to_string(v)) return v;
+        choices += (choices.empty() ? "" : ", ") + std::to_string(v);
     }
-    if (value == "0") return 0;
-    throw std::invalid_argument(std::string(name) + " must be 0 (automatic), " + what + ", not '" + value + "'");
+    throw std::invalid_argument(std::string(name) + " must be 0 (automatic) or one of " + choices + ", not '" + value +
+                                "'");
 }
 
 }  // namespace
@@ -52,10 +55,10 @@ bool enable_cuda_kernels() {
         deltaspec_cuda_set_early_launch(on && env_on("DELTASPEC_CUDA_PDL"));
     }
     if (deltaspec_cuda_set_mma_row_tiles != nullptr) {
-        deltaspec_cuda_set_mma_row_tiles(env_count("DELTASPEC_MMA_ROW_TILES", {1, 2, 4}, "1, 2 or 4"));
+        deltaspec_cuda_set_mma_row_tiles(env_count("DELTASPEC_MMA_ROW_TILES", {1, 2, 4}));
     }
     if (deltaspec_cuda_set_mma_k_split != nullptr) {
-        deltaspec_cuda_set_mma_k_split(env_count("DELTASPEC_MMA_K_SPLIT", {1, 2, 3, 4}, "1, 2, 3 or 4"));
+        deltaspec_cuda_set_mma_k_split(env_count("DELTASPEC_MMA_K_SPLIT", {1, 2, 3, 4}));
     }
     return on;
 }
