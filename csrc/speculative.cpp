@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <unordered_map>
 
 namespace deltaspec {
@@ -42,8 +44,18 @@ Distribution residual(const Distribution & p, const Distribution * q, int32_t dr
 
 }  // namespace
 
+PlantedBug planted_bug() {
+    const char * env = std::getenv("DELTASPEC_TEST_WRONG_SPEC_RULE");
+    const std::string v = env ? env : "";
+    if (v.empty()) return PlantedBug::none;
+    if (v == "residual") return PlantedBug::residual_is_p;
+    if (v == "accept") return PlantedBug::accept_ignores_q;
+    throw std::invalid_argument("DELTASPEC_TEST_WRONG_SPEC_RULE (test only) must be unset, 'residual' or 'accept', not '" +
+                                v + "'");
+}
+
 int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, Sampler & sampler,
-                     std::vector<int32_t> & history, int32_t & next) {
+                     std::vector<int32_t> & history, int32_t & next, PlantedBug bug) {
     Distribution p;
     const int64_t k = (int64_t)draft.tokens.size();
     for (int64_t i = 0; i < k; ++i) {
@@ -53,9 +65,10 @@ int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, S
         const float pd = prob_of(p, d);
         const float qd = q ? prob_of(*q, d) : 1.0f;
         // greedy targets have one-hot p: this is exact match; otherwise accept with min(1, p/q)
-        const bool accepted = pd > 0.0f && (pd >= qd || sampler.uniform() < (double)pd / qd);
+        const double ratio = bug == PlantedBug::accept_ignores_q ? (double)pd : (double)pd / qd;
+        const bool accepted = pd > 0.0f && (ratio >= 1.0 || sampler.uniform() < ratio);
         if (!accepted) {
-            next = sampler.draw(residual(p, q, d));
+            next = sampler.draw(bug == PlantedBug::residual_is_p ? p : residual(p, q, d));
             return i;
         }
         history.push_back(d);
@@ -79,6 +92,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
     if ((int64_t)pieces.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
     GenerateResult res;
+    const PlantedBug bug = planted_bug();
     Sampler sampler(req.sampling);
     std::vector<int32_t> history = req.prompt;  // prompt + every committed token
     std::vector<float> rows;
@@ -161,7 +175,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         stats.n_drafted += (int64_t)draft.tokens.size();
 
         const int64_t n_acc = device_argmax ? accept_argmax(argmax.data(), draft, history, next)
-                                            : accept_draft(rows.data(), n_vocab, draft, sampler, history, next);
+                                            : accept_draft(rows.data(), n_vocab, draft, sampler, history, next, bug);
         stats.n_accepted += n_acc;
         auto tr = Clock::now();
         target.keep(1 + n_acc);  // `next` (the old one) and the accepted drafts stay

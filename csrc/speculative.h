@@ -30,11 +30,20 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
                                     const std::atomic<bool> & cancel, const TokenCallback & on_token,
                                     SpecStats & stats);
 
+// Test only: a wrong accept rule, planted so that the statistical tests of speculative sampling
+// (tests/test_speculative_sampling.py) can show they reject it. Read from
+// DELTASPEC_TEST_WRONG_SPEC_RULE at the start of every speculative generation: unset or empty (every
+// real use) is the right rule; "residual" draws a rejected draft's replacement from p instead of
+// norm(max(0, p - q)); "accept" accepts a draft with probability p(d) instead of min(1, p(d)/q(d)).
+// Any other value is an error (std::invalid_argument).
+enum class PlantedBug { none, residual_is_p, accept_ignores_q };
+PlantedBug planted_bug();
+
 // The accept rule for one verified draft. rows: target logits, one row per verified position
 // (row i predicts the token after batch[i]); returns the accepted draft prefix length and sets
 // `next` to the token the target contributes after it (correction or bonus).
 int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, Sampler & sampler,
-                     std::vector<int32_t> & history, int32_t & next);
+                     std::vector<int32_t> & history, int32_t & next, PlantedBug bug = PlantedBug::none);
 
 // The same rule for greedy decoding without penalties, from the argmax of every row: the longest
 // prefix of drafts that equal the target's argmax.

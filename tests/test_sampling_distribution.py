@@ -11,31 +11,13 @@ model's logits, on a model whose greedy text repeats (so every case changes the 
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 from deltaspec import Model
 from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
+from sampling_reference import chi_square_p, expected_probs, penalize
 
 N_SAMPLES = 3000
 PROMPT = [72, 101, 108]  # bytes of "Hel"
-
-
-def expected_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    logits = logits.astype(np.float64)
-    order = np.argsort(-logits, kind="stable")
-    keep = order[:top_k] if top_k > 0 else order
-    p = np.exp(logits[keep] - logits[keep].max())
-    p /= p.sum()
-    if top_p < 1.0:
-        n = int(np.searchsorted(np.cumsum(p), top_p) + 1)
-        keep = keep[:n]
-        p = p[:n] / p[:n].sum()
-    if min_p > 0.0:
-        keep = keep[p >= min_p * p[0]]
-    q = np.exp((logits[keep] - logits[keep].max()) / temperature)
-    out = np.zeros_like(logits)
-    out[keep] = q / q.sum()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +32,6 @@ def draw(model: Model, **params) -> np.ndarray:
         token = model.generate(PROMPT, max_tokens=1, seed=seed, **params).tokens[0]
         counts[token] += 1
     return counts
-
-
-def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
-    """p-value of counts under probs, pooling bins expected below 5 into one."""
-    expected = probs * counts.sum()
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs, exp).pvalue
 
 
 CASES = {
@@ -103,19 +74,12 @@ def test_greedy_is_argmax(model):
 
 def penalized_greedy(model: Model, prompt: list[int], n: int, repeat_penalty: float, presence_penalty: float,
                      frequency_penalty: float, penalty_last_n: int) -> list[int]:
-    """Greedy decoding with llama.cpp's penalties (llama_sampler_penalties_apply) applied here, in
-    numpy, to the model's logits: every token seen c > 0 times among the last penalty_last_n tokens
-    (prompt included; -1: all of them, 0: none) has its logit divided by repeat_penalty when
-    positive, multiplied when not, then lowered by c * frequency_penalty + presence_penalty."""
+    """Greedy decoding with llama.cpp's penalties (sampling_reference.penalize) applied here, in
+    numpy, to the model's logits."""
     history, out = list(prompt), []
     logits = model.logits(prompt)[-1]
     for _ in range(n):
-        window = history if penalty_last_n < 0 else history[-penalty_last_n:] if penalty_last_n > 0 else []
-        ids, counts = np.unique(np.array(window, dtype=np.int64), return_counts=True)
-        adjusted = logits.copy()
-        seen = adjusted[ids]
-        seen = np.where(seen <= 0, seen * repeat_penalty, seen / repeat_penalty)
-        adjusted[ids] = seen - (counts * frequency_penalty + presence_penalty)
+        adjusted = penalize(logits, history, repeat_penalty, presence_penalty, frequency_penalty, penalty_last_n)
         token = int(np.argmax(adjusted))
         out.append(token)
         history.append(token)
