@@ -185,6 +185,8 @@ def test_wrong_accept_probability_is_rejected(model_pair, monkeypatch):
 
 
 def test_unknown_wrong_rule_is_an_error(model_pair, monkeypatch):
+    """A mistyped switch must not pass silently for the right rule (a power check that then
+    passed would show nothing)."""
     target, draft = model_pair
     monkeypatch.setenv(WRONG_RULE, "sometimes")
     with pytest.raises(ValueError, match=WRONG_RULE):
