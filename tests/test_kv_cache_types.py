@@ -164,8 +164,9 @@ def _row_bytes(type_name: str, width: int) -> int:
     return width // blck * size
 
 
-def check_allocated(path, info: dict, type_k: str, type_v: str) -> None:
-    """kv_cache_info() holds the asked-for types at every attention layer, in the bytes they take."""
+def check_allocated(path, info: dict, type_k: str, type_v: str, buffer: str = "CPU") -> None:
+    """kv_cache_info() holds the asked-for types at every attention layer, in the bytes they take,
+    in device buffers whose names start with `buffer` ("CUDA" for CUDA0, ...)."""
     want = _expected_state(path)
     pair = f"{type_k}/{type_v}"
     assert info["n_ctx"] == N_CTX
@@ -175,10 +176,11 @@ def check_allocated(path, info: dict, type_k: str, type_v: str) -> None:
     for a in info["attention_layers"]:
         assert (a["type_k"], a["type_v"]) == (type_k, type_v), f"{pair}: layer {a['layer']} allocated {a}"
         assert (a["k_bytes"], a["v_bytes"]) == (k_bytes, v_bytes), f"{pair}: layer {a['layer']} allocated {a}"
-        assert a["buffer"] == "CPU"
+        assert a["buffer"].startswith(buffer), f"{pair}: layer {a['layer']} in buffer {a['buffer']}"
     for r in info["recurrent_layers"]:
         assert (r["conv_type"], r["ssm_type"], r["conv_bytes"], r["ssm_bytes"]) == (
             "f32", "f32", want["conv_bytes"], want["ssm_bytes"]), f"{pair}: layer {r['layer']} allocated {r}"
+        assert r["buffer"].startswith(buffer), f"{pair}: layer {r['layer']} in buffer {r['buffer']}"
     n_attn, n_rec = len(want["attention"]), len(want["recurrent"])
     assert (info["k_bytes"], info["v_bytes"]) == (n_attn * k_bytes, n_attn * v_bytes)
     assert info["kv_bytes"] == info["k_bytes"] + info["v_bytes"]
