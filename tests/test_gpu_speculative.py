@@ -40,7 +40,7 @@ import shutil
 import numpy as np
 import pytest
 
-from deltaspec import Model
+from deltaspec import Model, _core
 from deltaspec.gguf_file import read_gguf
 from test_gpu import _cuda_available
 from test_speculative_quantized import (N_PROMPTS, Q4K_SHAPE, check_near_ties, cycle_prompts, greedy_divergences,
@@ -122,6 +122,7 @@ def run_case(target, prompts, label, record_property, **spec):
 def test_synth_08b_q4km_speculative_greedy(synth_08b, drafter, record_property):
     target = synth_08b["target"]
     rng = np.random.default_rng(21)
+    launches = _core.cuda_deltanet_launches()
     if drafter == "ngram":
         # token ids below the special tokens (Qwen's control tokens start at 248044)
         run_case(target, repetitive_prompts(rng, 1000, 150000), "0.8b-ngram", record_property,
@@ -132,6 +133,8 @@ def test_synth_08b_q4km_speculative_greedy(synth_08b, drafter, record_property):
         # draft repeats too; rollback is asserted on the tiny model below.
         run_case(target, random_prompts(rng, 150000, low=1000), "0.8b-draft", record_property,
                  draft_model=synth_08b["draft"], draft_n_max=8, draft_n_min=1)
+    if _core.cuda_kernels_available():  # the real models' 128-wide DeltaNet heads: our verify kernel ran
+        assert _core.cuda_deltanet_launches() > launches
 
 
 @pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
