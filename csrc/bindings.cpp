@@ -403,6 +403,22 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_past", [](const Runner & r) { return r.engine->n_past(); })
         .def_property_readonly("n_ctx", [](const Runner & r) { return r.engine->n_ctx(); })
         .def_property_readonly("backend", [](const Runner & r) { return r.engine->backend_name(); })
+        .def_property_readonly("state_info", [](const Runner & r) {
+                 py::list out;
+                 for (const StateTensorInfo & t : r.engine->state_info()) {
+                     py::dict d;
+                     d["kind"] = t.kind;
+                     d["layer"] = t.layer;
+                     d["type"] = std::string(ggml_type_name(t.type));
+                     d["nbytes"] = t.nbytes;
+                     d["shape"] = py::make_tuple(t.ne0, t.ne1);
+                     d["buffer"] = t.buffer;
+                     out.append(d);
+                 }
+                 return out;
+             },
+             "The state's tensors as allocated, one dict each: kind ('k', 'v', 'conv', 'ssm', 'conv_saved', "
+             "'ssm_saved'), layer, type (ggml's name), nbytes, shape (ne0, ne1), buffer.")
         .def_property_readonly("weight_buffer_types", [](const Runner & r) { return r.engine->weight_buffer_types(); },
                                "Names of the ggml buffer types the weights live in (plain 'CPU' on a CPU engine).")
         .def_property_readonly("weight_stacks", [](const Runner & r) { return r.engine->weight_stacks(); },

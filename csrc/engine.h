@@ -63,6 +63,8 @@ class Engine {
         settle_verify();
         return state_;
     }
+    // The state's tensors as allocated: KV cache types and bytes per attention layer, recurrent state.
+    std::vector<StateTensorInfo> state_info() const { return state_tensor_info(state_); }
     std::vector<std::string> weight_buffer_types() const { return deltaspec::weight_buffer_types(weights_); }
     std::vector<std::vector<std::string>> weight_stacks() const { return deltaspec::weight_stacks(weights_); }
     // Weight bytes one decode step reads (every matrix; one embedding row): what a step costs

@@ -1,6 +1,8 @@
 #include "state.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -42,6 +44,18 @@ int64_t SequenceState::n_kv_for(int64_t n_tokens_total) const {
     return std::min(n_ctx, std::max(kv_pad, padded));
 }
 
+namespace {
+
+// DELTASPEC_TEST_FORCE_KV_F32=1 allocates every KV cache as F32 whatever type was asked for: a
+// planted bug, so that the tests of the cache types (tests/test_kv_cache_types.py) can show that
+// they notice a cache of the wrong type. Never set it otherwise.
+bool force_kv_f32() {
+    const char * env = std::getenv("DELTASPEC_TEST_FORCE_KV_F32");
+    return env != nullptr && std::strcmp(env, "1") == 0;
+}
+
+}  // namespace
+
 void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_type type_k, ggml_type type_v,
                     int64_t n_slots, ggml_backend_t backend) {
     st.n_slots = n_slots;
@@ -51,6 +65,7 @@ void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_
     st.ctx = ggml_init(params);
 
     const int64_t kv_width = hp.n_head_kv * hp.head_dim;
+    if (force_kv_f32()) type_k = type_v = GGML_TYPE_F32;
     st.k.assign(hp.n_layer, nullptr);
     st.v.assign(hp.n_layer, nullptr);
     st.conv.assign(hp.n_layer, nullptr);
@@ -83,6 +98,29 @@ void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_
     // zero everything once: masked KV rows are still multiplied by 0, and garbage may be NaN
     ggml_backend_buffer_clear(st.buffer, 0);
     st.n_past = 0;
+}
+
+std::vector<StateTensorInfo> state_tensor_info(const SequenceState & st) {
+    std::vector<StateTensorInfo> out;
+    const std::pair<const char *, const std::vector<ggml_tensor *> *> kinds[] = {
+        {"k", &st.k}, {"v", &st.v}, {"conv", &st.conv}, {"ssm", &st.ssm},
+        {"conv_saved", &st.conv_saved}, {"ssm_saved", &st.ssm_saved}};
+    for (size_t il = 0; il < st.k.size(); ++il) {
+        for (const auto & [kind, tensors] : kinds) {
+            const ggml_tensor * t = il < tensors->size() ? (*tensors)[il] : nullptr;
+            if (!t) continue;
+            StateTensorInfo info;
+            info.kind = kind;
+            info.layer = (int)il;
+            info.type = t->type;
+            info.nbytes = ggml_nbytes(t);
+            info.ne0 = t->ne[0];
+            info.ne1 = t->ne[1];
+            info.buffer = t->buffer ? ggml_backend_buffer_name(t->buffer) : "";
+            out.push_back(std::move(info));
+        }
+    }
+    return out;
 }
 
 }  // namespace deltaspec

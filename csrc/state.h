@@ -1,6 +1,7 @@
 // Per-sequence model state: the attention KV cache and the DeltaNet recurrent state.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "ggml-backend.h"
@@ -44,6 +45,20 @@ struct SequenceState {
 
 void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_type type_k, ggml_type type_v,
                     int64_t n_slots, ggml_backend_t backend);
+
+// One tensor of the state as allocated (read from the ggml tensor, not from what was asked for).
+struct StateTensorInfo {
+    std::string kind;    // "k", "v" (attention KV cache), "conv", "ssm" (live recurrent state),
+                         // "conv_saved", "ssm_saved" (the drafter's checkpoint copy)
+    int layer = -1;
+    ggml_type type = GGML_TYPE_COUNT;
+    size_t nbytes = 0;   // ggml_nbytes
+    int64_t ne0 = 0, ne1 = 0;
+    std::string buffer;  // the backend buffer holding it ("CPU", "CUDA0", ...)
+};
+
+// Every allocated tensor of the state, by layer, in the order k, v, conv, ssm, conv_saved, ssm_saved.
+std::vector<StateTensorInfo> state_tensor_info(const SequenceState & st);
 
 // the saved recurrent state <- the live one (or the reverse), every recurrent layer; device copies.
 void copy_recurrent_state(SequenceState & st, bool to_saved);

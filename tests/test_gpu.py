@@ -18,7 +18,6 @@ from deltaspec import Model
 from deltaspec.convert import convert_hf_to_gguf
 from deltaspec.testing.tiny_models import TINY_CONFIGS, tiny_model_dir
 
-pytestmark = pytest.mark.gpu
 NEAR_TIE = 1e-2  # top-2 logit gap, relative to the largest |logit|, below which argmax may flip
 
 
@@ -28,8 +27,10 @@ def _cuda_available() -> bool:
     return _core.has_device("cuda")
 
 
-if not _cuda_available():
-    pytest.skip("no CUDA device in this build of deltaspec (CPU-only build or no GPU)", allow_module_level=True)
+# Collected everywhere, so that -m "not gpu" deselects them (nothing skipped); run with -m gpu
+# where there is no CUDA device, they skip.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason="no CUDA device in this build "
+                                                  "of deltaspec (CPU-only build or no GPU)")]
 
 
 def recurrent_state(engine):
@@ -391,3 +392,106 @@ def test_ggml_debug_log_quiet_by_default(tmp_path):
     assert "CUDA Graph id" in stderr("debug")  # the message this is about does exist
     quiet = stderr(None)
     assert "CUDA Graph id" not in quiet and "ggml_cuda_init" not in quiet, quiet[-2000:]
+
+
+# --- KV cache types on CUDA ---------------------------------------------------------------------------
+# Every (type_k, type_v) pair CUDA runs (kv_cache.supported_pairs("cuda"): every pair of the types
+# ggml-cuda's flash attention takes, ggml_cuda_fattn_kv_type_supported in ggml/src/ggml-cuda/fattn.cu,
+# i.e. all but iq4_nl), on test_kv_cache_types' model and prompt. A batch (the 100-token prompt) runs
+# FA's tensor-core kernel, which converts a quantized K/V to F16 first; one-token steps run the
+# vector kernel where the pair is compiled in (CUDA_VEC_PAIRS_DEFAULT) and ggml's F16 conversion
+# otherwise, so both paths are compared.
+from deltaspec.kv_cache import CACHE_TYPES, supported_pairs  # noqa: E402
+from test_kv_cache_types import N_CTX, PROMPT, _pair_tolerance, check_allocated  # noqa: E402
+
+CUDA_KV_PAIRS = sorted(supported_pairs("cuda"))
+CUDA_REFUSED_PAIRS = sorted({(k, v) for k in CACHE_TYPES for v in CACHE_TYPES} - set(CUDA_KV_PAIRS))
+KV_STEPS = np.random.default_rng(3).integers(0, 256, size=16).tolist()  # fed one at a time after PROMPT
+
+
+@pytest.fixture(scope="module")
+def kv_model():
+    from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
+
+    return tiny_vocab_model_path(n_layer=8, n_head=4, n_head_kv=1)
+
+
+def kv_run(path, device, type_k, type_v):
+    """(kv_cache_info(), logits of PROMPT's 100 positions and of KV_STEPS' 16 one-token steps)."""
+    with Model(path, device=device, n_ctx=N_CTX, n_threads=1, type_k=type_k, type_v=type_v) as m:
+        info = m.kv_cache_info()
+        rows = [m.logits(PROMPT)] + [m.eval([t]) for t in KV_STEPS]
+    return info, np.concatenate(rows)
+
+
+def kv_difference(a, b):
+    """(rms, max) |a - b| in units of the std of a's logits (as test_kv_cache_types measures)."""
+    d = np.abs(a - b)
+    return float(np.sqrt(np.mean(d ** 2)) / a.std()), float(d.max() / a.std())
+
+
+@pytest.fixture(scope="module")
+def kv_noise(kv_model):
+    """CUDA's own difference to the CPU with F32 caches: the TF32 products of the F32 weights, and
+    CUDA's flash attention, which casts F32 K/V to F16 (the CPU's reads them as they are)."""
+    (_, cpu), (info, cuda) = kv_run(kv_model, "cpu", "f32", "f32"), kv_run(kv_model, "cuda", "f32", "f32")
+    check_allocated(kv_model, info, "f32", "f32", buffer="CUDA")
+    rel = np.abs(cuda - cpu).max() / np.abs(cpu).max()
+    rms, mx = kv_difference(cpu, cuda)
+    print(f"f32/f32 KV cache: CUDA vs CPU rms {rms:.3g}, max {mx:.3g} of the logit std; "
+          f"max {rel:.3g} of max |logit|")
+    assert rel < 1e-2  # the bound test_cuda_logits_match_cpu holds CUDA's F32 arithmetic to
+    return rms, mx
+
+
+@pytest.mark.parametrize("type_k,type_v", CUDA_KV_PAIRS, ids=lambda t: t)
+def test_cuda_kv_pair_matches_cpu(kv_model, kv_noise, type_k, type_v, record_property):
+    """On CUDA the cache is allocated in the asked-for types, in CUDA memory, with the bytes the
+    GGUF's shapes give; its logits match the CPU's with the same cache types.
+
+    Tolerance: each device rounds K and V to the pair's types, so each is off its own F32-cache
+    logits by the pair's rounding error, which test_kv_cache_types' TOLERANCE bounds on the CPU at
+    ~2.5x its measurement (CUDA quantizes with the same block formats and rounding; its vector FA
+    kernel quantizes Q to q8_1 where the CPU's takes q8_0, the same 8-bit step); the two F32-cache
+    results differ by kv_noise. Hence |cuda - cpu| <= 2 * TOLERANCE(pair) + kv_noise (x1.5 for
+    the noise's own spread), rms and max alike. A cache garbled or read at the wrong rows moves
+    logits by rms 0.4 of their std (test_kv_cache_types' docstring), above every pair's bound
+    (the 4-bit pairs': rms 0.12 + noise).
+
+    Planted bug for the allocation half: DELTASPEC_TEST_FORCE_KV_F32=1 (every cache F32) fails it,
+    see test_cuda_planted_all_f32_cache_is_caught; the logits half passes that bug by design (the
+    closeness bound is one-sided), which is why the types and bytes are read back."""
+    info, cuda = kv_run(kv_model, "cuda", type_k, type_v)
+    check_allocated(kv_model, info, type_k, type_v, buffer="CUDA")
+    _, cpu = kv_run(kv_model, "cpu", type_k, type_v)
+    rms, mx = kv_difference(cpu, cuda)
+    tol_max, tol_rms, _ = _pair_tolerance(type_k, type_v)
+    bound_rms, bound_max = 2 * tol_rms + 1.5 * kv_noise[0], 2 * tol_max + 1.5 * kv_noise[1]
+    record_property("rms_over_std", rms)
+    record_property("max_over_std", mx)
+    print(f"{type_k}/{type_v}: CUDA vs CPU rms {rms:.3g} (bound {bound_rms:.3g}), max {mx:.3g} "
+          f"(bound {bound_max:.3g}) of the logit std")
+    assert rms <= bound_rms, f"{type_k}/{type_v}: CUDA vs CPU rms {rms:.3g} of the logit std > {bound_rms:.3g}"
+    assert mx <= bound_max, f"{type_k}/{type_v}: CUDA vs CPU max {mx:.3g} of the logit std > {bound_max:.3g}"
+
+
+def test_cuda_refuses_iq4_nl(kv_model):
+    """ggml-cuda has no flash attention for IQ4_NL (ggml would run the op on the CPU behind the
+    user's back): every pair with it is refused with a ValueError naming the type and the device,
+    before anything is loaded. With the pairs above, every one of the 81 is accounted for."""
+    assert len(CUDA_KV_PAIRS) + len(CUDA_REFUSED_PAIRS) == 81 and len(CUDA_REFUSED_PAIRS) == 17
+    for type_k, type_v in CUDA_REFUSED_PAIRS:
+        which = "type_k" if type_k == "iq4_nl" else "type_v"
+        with pytest.raises(ValueError, match=rf"{which}='iq4_nl' is not supported on cuda"):
+            Model(kv_model, device="cuda", n_ctx=N_CTX, type_k=type_k, type_v=type_v)
+
+
+def test_cuda_planted_all_f32_cache_is_caught(kv_model, monkeypatch):
+    """The planted bug DELTASPEC_TEST_FORCE_KV_F32=1 (every cache allocated F32 whatever was
+    asked, csrc/state.cpp) on CUDA: kv_cache_info() shows it, so the pair test's allocation check
+    fails."""
+    monkeypatch.setenv("DELTASPEC_TEST_FORCE_KV_F32", "1")
+    info, _ = kv_run(kv_model, "cuda", "q8_0", "q4_0")
+    assert {(a["type_k"], a["type_v"]) for a in info["attention_layers"]} == {("f32", "f32")}
+    with pytest.raises(AssertionError, match="q8_0/q4_0: layer 3 allocated"):
+        check_allocated(kv_model, info, "q8_0", "q4_0", buffer="CUDA")

@@ -5,9 +5,18 @@ Model: the tiny byte-level vocabulary model (`tiny_vocab`, 265 tokens) with 8 la
 full attention (3, 7), GQA 4:1 (4 query heads, 1 KV head) of head dim 64 (two 32-blocks per row),
 F32 weights. It loads in milliseconds and a token costs well under one, so all 81 pairs run in
 about 2 s. Prompt: 100 fixed pseudo-random byte tokens, then 16 greedy tokens. Each pair is
-compared with the f32/f32 cache on the prompt's logits (all 100 positions), and its greedy
-continuation with the f16/f16 cache's (the default); generate()'s greedy tokens must equal the
-eval loop's.
+checked three ways:
+
+- allocated: `Model.kv_cache_info()` (read from the engine's ggml tensors) must report the asked-for
+  K and V types at every attention layer, with n_ctx * row bytes computed here from gguf's
+  GGML_QUANT_SIZES and the head sizes read from the GGUF, and F32 recurrent state of the size
+  the GGUF's shapes give;
+- close enough: compared with the f32/f32 cache on the prompt's logits (all 100 positions), and
+  its greedy continuation with the f16/f16 cache's (the default); generate()'s greedy tokens must
+  equal the eval loop's;
+- lossy where it must be: every pair with a type narrower than F32 must move the logits by at
+  least a floor (`ERROR_FLOOR`), and f32/f32 must give the reference bit for bit. The first two
+  checks alone are one-sided: a cache that silently stays F32 passes them.
 
 Measured (n_threads=1; std = std of the f32-cache logits = 2.53; "greedy" = tokens equal to the
 f16 cache's before the first difference). Each row is the worst over the pairs whose looser type
@@ -27,12 +36,31 @@ worst with an f32 K). Tolerances below are ~2.5x these:
 (f32/f32 is the reference itself: 0.) For scale: changing only the prompt's first token moves the
 later positions' logits by max/std 4.3, rms/std 0.40, so a cache that loses or garbles context
 fails these tolerances by an order of magnitude or more.
+
+The smallest error, rms/std, over the pairs that hold each type (the other type anything, F32
+included; the least is always with the other type F32, F16 or BF16), from which `ERROR_FLOOR` is
+a third:
+
+    f16 3.9e-05 (f16/f32)   bf16 3.3e-04 (bf16/f32)   q8_0 1.0e-03 (q8_0/f32)
+    q5_1 5.0e-03            q5_0 5.5e-03              q4_1 1.03e-02   iq4_nl 1.04e-02   q4_0 1.17e-02
+
+With K = V, rms/std orders the types f16 5.1e-05 < bf16 4.7e-04 < q8_0 1.5e-03 < q5_1 8.3e-03,
+q5_0 1.0e-02 < q4_1 1.9e-02, iq4_nl 2.0e-02, q4_0 2.2e-02: each group at least 1.9x the one before
+(within the 5-bit and the 4-bit groups the order is within noise, so it is not asserted).
+
+Planted bug, seen to fail: DELTASPEC_TEST_FORCE_KV_F32=1 (read by the engine when it allocates the
+state, csrc/state.cpp) makes every cache F32 whatever was asked. With it, the old checks (close
+enough, greedy) still passed all 81 pairs; the allocated-type check and the error floor fail every
+pair but f32/f32, and the ordering fails: `test_planted_all_f32_cache_is_caught` runs them under
+the switch and asserts that they raise.
 """
 
+import functools
 import itertools
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES, GGUFReader
 
 from deltaspec import Model
 from deltaspec.kv_cache import (CACHE_TYPES, CUDA_VEC_PAIRS_DEFAULT, block_size, bytes_per_element, ggml_type,
@@ -43,6 +71,7 @@ from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
 
 PROMPT = np.random.default_rng(0).integers(0, 256, size=100).tolist()
 N_GEN = 16
+N_CTX = 256  # a whole number of the engine's 256-row KV blocks: the engine allocates exactly this
 # One thread: with two, ggml's workers spin-wait for each other, and on a busy 2-core machine a
 # 16-token decode then took 1-6 s of CPU instead of 0.05 s.
 N_THREADS = 1
@@ -62,6 +91,12 @@ TOLERANCE = {
     "q4_1": (0.45, 0.05, 4),
     "iq4_nl": (0.4, 0.05, 4),
 }
+# Per cache type: the least rms diff / std a pair holding it must show against the f32 cache
+# (a third of the least measured, docstring). f32/f32 must be exact instead.
+ERROR_FLOOR = {"f32": 0.0, "f16": 1.3e-5, "bf16": 1.1e-4, "q8_0": 3.4e-4, "q5_0": 1.8e-3, "q5_1": 1.6e-3,
+               "q4_0": 3.9e-3, "q4_1": 3.4e-3, "iq4_nl": 3.4e-3}
+# K = V pairs, from less to more error: each group's worst below the next group's best
+ERROR_ORDER = [("f16",), ("bf16",), ("q8_0",), ("q5_0", "q5_1"), ("q4_0", "q4_1", "iq4_nl")]
 
 
 def _pair_tolerance(k: str, v: str) -> tuple[float, float, int]:
@@ -74,9 +109,11 @@ def gguf_path():
     return tiny_vocab_model_path(n_layer=8, n_head=4, n_head_kv=1)
 
 
-def _run(path, type_k: str, type_v: str) -> tuple[np.ndarray, list[int]]:
-    """Logits of PROMPT (all positions) and the greedy continuation, with the given cache types."""
-    with Model(path, n_ctx=256, n_threads=N_THREADS, type_k=type_k, type_v=type_v) as m:
+def _run(path, type_k: str, type_v: str) -> tuple[np.ndarray, list[int], dict]:
+    """Logits of PROMPT (all positions), the greedy continuation and kv_cache_info(), with the
+    given cache types."""
+    with Model(path, n_ctx=N_CTX, n_threads=N_THREADS, type_k=type_k, type_v=type_v) as m:
+        info = m.kv_cache_info()
         logits = m.logits(PROMPT)
         last, greedy = logits[-1], []
         for _ in range(N_GEN):
@@ -84,13 +121,94 @@ def _run(path, type_k: str, type_v: str) -> tuple[np.ndarray, list[int]]:
             last = m.eval([greedy[-1]])[-1]
         generated = m.generate(PROMPT, max_tokens=N_GEN, temperature=0).tokens  # may stop early at EOG
     assert generated == greedy[:len(generated)], f"{type_k}/{type_v}: generate() {generated} vs eval loop {greedy}"
-    return logits, greedy
+    return logits, greedy, info
 
 
 @pytest.fixture(scope="module")
-def reference(gguf_path):
+def runs(gguf_path):
+    """_run per pair, each pair run once for the module (the pair tests and the ordering share them)."""
+    return functools.cache(lambda k, v: _run(gguf_path, k, v))
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
     """(f32-cache logits, f16-cache greedy tokens)."""
-    return _run(gguf_path, "f32", "f32")[0], _run(gguf_path, "f16", "f16")[1]
+    return runs("f32", "f32")[0], runs("f16", "f16")[1]
+
+
+def _gguf_int(reader: GGUFReader, key: str) -> int:
+    field = reader.fields[key]
+    return int(field.parts[field.data[0]][0])
+
+
+@functools.cache
+def _expected_state(path) -> dict:
+    """What the engine must allocate, from the GGUF's own metadata (read with gguf-py, not with
+    deltaspec's reader): attention layers, K / V row widths, conv and DeltaNet state sizes."""
+    r = GGUFReader(path)
+    n_layer = _gguf_int(r, "qwen35.block_count")
+    interval = _gguf_int(r, "qwen35.full_attention_interval")
+    n_head_kv = _gguf_int(r, "qwen35.attention.head_count_kv")
+    s, n_k, n_v = (_gguf_int(r, f"qwen35.ssm.{k}") for k in ("state_size", "group_count", "time_step_rank"))
+    d_inner, kernel = _gguf_int(r, "qwen35.ssm.inner_size"), _gguf_int(r, "qwen35.ssm.conv_kernel")
+    return {"attention": [il for il in range(n_layer) if (il + 1) % interval == 0],
+            "recurrent": [il for il in range(n_layer) if (il + 1) % interval != 0],
+            "k_width": n_head_kv * _gguf_int(r, "qwen35.attention.key_length"),
+            "v_width": n_head_kv * _gguf_int(r, "qwen35.attention.value_length"),
+            "conv_bytes": 4 * (kernel - 1) * (d_inner + 2 * n_k * s), "ssm_bytes": 4 * s * s * n_v}
+
+
+def _row_bytes(type_name: str, width: int) -> int:
+    blck, size = GGML_QUANT_SIZES[CACHE_TYPES[type_name]]
+    assert width % blck == 0
+    return width // blck * size
+
+
+def check_allocated(path, info: dict, type_k: str, type_v: str, buffer: str = "CPU") -> None:
+    """kv_cache_info() holds the asked-for types at every attention layer, in the bytes they take,
+    in device buffers whose names start with `buffer` ("CUDA" for CUDA0, ...)."""
+    want = _expected_state(path)
+    pair = f"{type_k}/{type_v}"
+    assert info["n_ctx"] == N_CTX
+    assert [a["layer"] for a in info["attention_layers"]] == want["attention"], pair
+    assert [r["layer"] for r in info["recurrent_layers"]] == want["recurrent"], pair
+    k_bytes, v_bytes = N_CTX * _row_bytes(type_k, want["k_width"]), N_CTX * _row_bytes(type_v, want["v_width"])
+    for a in info["attention_layers"]:
+        assert (a["type_k"], a["type_v"]) == (type_k, type_v), f"{pair}: layer {a['layer']} allocated {a}"
+        assert (a["k_bytes"], a["v_bytes"]) == (k_bytes, v_bytes), f"{pair}: layer {a['layer']} allocated {a}"
+        assert a["buffer"].startswith(buffer), f"{pair}: layer {a['layer']} in buffer {a['buffer']}"
+    for r in info["recurrent_layers"]:
+        assert (r["conv_type"], r["ssm_type"], r["conv_bytes"], r["ssm_bytes"]) == (
+            "f32", "f32", want["conv_bytes"], want["ssm_bytes"]), f"{pair}: layer {r['layer']} allocated {r}"
+        assert r["buffer"].startswith(buffer), f"{pair}: layer {r['layer']} in buffer {r['buffer']}"
+    n_attn, n_rec = len(want["attention"]), len(want["recurrent"])
+    assert (info["k_bytes"], info["v_bytes"]) == (n_attn * k_bytes, n_attn * v_bytes)
+    assert info["kv_bytes"] == info["k_bytes"] + info["v_bytes"]
+    assert info["recurrent_bytes"] == n_rec * (want["conv_bytes"] + want["ssm_bytes"])
+    assert info["checkpoint_bytes"] == 0  # no speculation has run
+    assert info["total_bytes"] == info["kv_bytes"] + info["recurrent_bytes"]
+
+
+def rms_error(logits: np.ndarray, ref_logits: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((logits - ref_logits) ** 2)) / ref_logits.std())
+
+
+def check_lossy(logits: np.ndarray, ref_logits: np.ndarray, type_k: str, type_v: str) -> None:
+    """A cache narrower than F32 must show its rounding; f32/f32 must be exact."""
+    if (type_k, type_v) == ("f32", "f32"):
+        assert np.array_equal(logits, ref_logits), "f32/f32: logits differ from the f32 cache's"
+        return
+    floor = max(ERROR_FLOOR[type_k], ERROR_FLOOR[type_v])
+    err = rms_error(logits, ref_logits)
+    assert err >= floor, (f"{type_k}/{type_v}: rms diff {err:.3g} of the logit std, below the {floor:.3g} its "
+                          "types must lose: is the cache really of these types?")
+
+
+def check_order(runs) -> None:
+    ref = runs("f32", "f32")[0]
+    err = {t: rms_error(runs(t, t)[0], ref) for group in ERROR_ORDER for t in group}
+    for lo, hi in zip(ERROR_ORDER, ERROR_ORDER[1:]):
+        assert max(err[t] for t in lo) < min(err[t] for t in hi), f"rms errors out of order: {err}"
 
 
 def test_every_cpu_pair_is_tested():
@@ -98,9 +216,11 @@ def test_every_cpu_pair_is_tested():
 
 
 @pytest.mark.parametrize("type_k,type_v", CPU_PAIRS, ids=lambda t: t)
-def test_cache_type_matches_f32_cache(gguf_path, reference, type_k, type_v):
+def test_cache_type_matches_f32_cache(gguf_path, runs, reference, type_k, type_v):
     ref_logits, f16_greedy = reference
-    logits, greedy = _run(gguf_path, type_k, type_v)
+    logits, greedy, info = runs(type_k, type_v)
+    check_allocated(gguf_path, info, type_k, type_v)
+    check_lossy(logits, ref_logits, type_k, type_v)
     std = float(ref_logits.std())
     diff = np.abs(logits - ref_logits)
     max_rel = float(diff.max()) / std
@@ -110,6 +230,43 @@ def test_cache_type_matches_f32_cache(gguf_path, reference, type_k, type_v):
     assert rms_rel <= tol_rms, f"{type_k}/{type_v}: rms diff {rms_rel:.3g} of the logit std (tolerance {tol_rms})"
     assert greedy[:n_greedy] == f16_greedy[:n_greedy], (
         f"{type_k}/{type_v}: greedy {greedy} vs f16 cache {f16_greedy} (first {n_greedy} must agree)")
+
+
+def test_error_grows_as_the_type_narrows(runs):
+    check_order(runs)
+
+
+def test_cache_types_survive_speculation(gguf_path):
+    """Speculation re-allocates the state with room for verify batches (ensure_slots): the cache
+    keeps the asked-for types, and the recurrent state's checkpoint copy appears."""
+    kw = dict(n_ctx=N_CTX, n_threads=N_THREADS, type_k="q5_1", type_v="iq4_nl")
+    with Model(gguf_path, **kw) as m, Model(gguf_path, **kw) as draft:
+        out = m.generate(PROMPT, max_tokens=N_GEN, temperature=0, draft_model=draft, draft_n_min=1)
+        assert out.stats.n_drafted > 0
+        info = m.kv_cache_info()
+    want = _expected_state(gguf_path)
+    assert {(a["type_k"], a["type_v"]) for a in info["attention_layers"]} == {("q5_1", "iq4_nl")}
+    assert info["kv_bytes"] == len(want["attention"]) * N_CTX * (
+        _row_bytes("q5_1", want["k_width"]) + _row_bytes("iq4_nl", want["v_width"]))
+    assert info["checkpoint_bytes"] == info["recurrent_bytes"] > 0
+    assert info["total_bytes"] == info["kv_bytes"] + 2 * info["recurrent_bytes"]
+
+
+def test_planted_all_f32_cache_is_caught(gguf_path, reference, monkeypatch):
+    """The planted bug (DELTASPEC_TEST_FORCE_KV_F32=1: every cache allocated F32) passes the
+    closeness checks, as it passed the old pair tests, and fails each new one."""
+    ref_logits, _ = reference
+    monkeypatch.setenv("DELTASPEC_TEST_FORCE_KV_F32", "1")
+    forced = functools.cache(lambda k, v: _run(gguf_path, k, v))
+    for type_k, type_v in [("q8_0", "q4_0"), ("f16", "f16"), ("f32", "iq4_nl"), ("bf16", "q5_1")]:
+        logits, _, info = forced(type_k, type_v)
+        assert np.array_equal(logits, ref_logits)  # the bug took effect: an F32 cache, exactly
+        with pytest.raises(AssertionError, match=f"{type_k}/{type_v}: layer 3 allocated"):
+            check_allocated(gguf_path, info, type_k, type_v)
+        with pytest.raises(AssertionError, match="below the"):
+            check_lossy(logits, ref_logits, type_k, type_v)
+    with pytest.raises(AssertionError, match="out of order"):
+        check_order(forced)
 
 
 # --- the table: sizes --------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ fixed-size F32 recurrent state that no cache type changes (spec §7.1). The name
 
     validate_cache_types(type_k, type_v, device, hparams.head_dim)   # ValueError on a bad choice
     per_token = kv_bytes_per_token(hparams, type_k, type_v)
+
+and, after, to see what the engine allocated: `Model.kv_cache_info()` (`allocated_state` below).
 """
 
 from __future__ import annotations
@@ -123,6 +125,40 @@ def validate_cache_types(type_k: str, type_v: str, device: str = "cpu", head_dim
                              f"(supported on {device}: {', '.join(types)})")
         if head_dim is not None:
             _check_block(param, name, head_dim)
+
+
+def allocated_state(tensors: list[dict], n_ctx: int) -> dict:
+    """`Model.kv_cache_info()`'s dict from the engine's `state_info` (one dict per allocated state
+    tensor: kind, layer, type, nbytes, shape, buffer): the KV cache per attention layer, the
+    recurrent state per Gated DeltaNet layer, and byte totals. Every type and size is the
+    allocated tensor's own, not the one asked for."""
+    by_layer: dict[int, dict[str, dict]] = {}
+    for t in tensors:
+        by_layer.setdefault(t["layer"], {})[t["kind"]] = t
+    attention, recurrent = [], []
+    for layer, kinds in sorted(by_layer.items()):
+        if "k" in kinds:
+            k, v = kinds["k"], kinds["v"]
+            attention.append({"layer": layer, "type_k": k["type"], "type_v": v["type"], "k_bytes": k["nbytes"],
+                              "v_bytes": v["nbytes"], "buffer": k["buffer"]})
+        else:
+            conv, ssm = kinds["conv"], kinds["ssm"]
+            recurrent.append({"layer": layer, "conv_type": conv["type"], "conv_bytes": conv["nbytes"],
+                              "ssm_type": ssm["type"], "ssm_bytes": ssm["nbytes"], "buffer": conv["buffer"]})
+    total = {kind: sum(t["nbytes"] for t in tensors if t["kind"] in kinds)
+             for kind, kinds in (("k", ("k",)), ("v", ("v",)), ("recurrent", ("conv", "ssm")),
+                                 ("checkpoint", ("conv_saved", "ssm_saved")))}
+    return {
+        "n_ctx": n_ctx,
+        "attention_layers": attention,
+        "recurrent_layers": recurrent,
+        "k_bytes": total["k"],
+        "v_bytes": total["v"],
+        "kv_bytes": total["k"] + total["v"],
+        "recurrent_bytes": total["recurrent"],
+        "checkpoint_bytes": total["checkpoint"],
+        "total_bytes": sum(t["nbytes"] for t in tensors),
+    }
 
 
 def _known(name: str, param: str) -> str:

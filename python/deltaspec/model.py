@@ -16,7 +16,7 @@ from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation,
                          validate_flag, validate_stop)
 from .gguf_file import read_gguf
 from .qwen35 import Qwen35HParams, check_tensors, read_hparams
-from .kv_cache import ggml_type, validate_cache_types
+from .kv_cache import allocated_state, ggml_type, validate_cache_types
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
 
@@ -147,6 +147,26 @@ class Model:
     def n_past(self) -> int:
         """Tokens currently held in the sequence state."""
         return self._live().n_past
+
+    def kv_cache_info(self) -> dict[str, Any]:
+        """The sequence state as the engine allocated it, read from its tensors (not from the
+        type_k / type_v asked for):
+
+            {"n_ctx": 256,                       # rows per KV cache (n_ctx rounded up to 256)
+             "attention_layers": [{"layer": 3, "type_k": "q8_0", "type_v": "q4_0",
+                                   "k_bytes": 17408, "v_bytes": 9216, "buffer": "CPU"}, ...],
+             "recurrent_layers": [{"layer": 0, "conv_type": "f32", "conv_bytes": 1536,
+                                   "ssm_type": "f32", "ssm_bytes": 8192, "buffer": "CPU"}, ...],
+             "k_bytes": ..., "v_bytes": ..., "kv_bytes": ...,   # totals over the attention layers
+             "recurrent_bytes": ...,             # the live Gated DeltaNet state (conv + DeltaNet)
+             "checkpoint_bytes": ...,            # its saved copy, once speculation has run
+             "total_bytes": ...}
+
+        Types are ggml's names (as type_k / type_v take them); bytes are ggml_nbytes of each tensor;
+        "buffer" is the device memory holding it ("CPU", "CUDA0"). Like the other calls, it waits
+        for the model (a running generation makes it raise RuntimeError)."""
+        with engine_of(self) as engine:
+            return allocated_state(engine.state_info, engine.n_ctx)
 
     # --- tokens --------------------------------------------------------------------------------
     def tokenize(self, text: str, special: bool = False) -> list[int]:
