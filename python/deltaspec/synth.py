@@ -30,10 +30,10 @@ tensor names; n_expert = 0, not Falcon, no imatrix, no overrides):
   untied `token_embd.weight` stays at the default Q4_K;
 * "attn_v-like" tensors, i.e. names containing "attn_v.weight" or "attn_qkv.weight" (so the Gated
   DeltaNet `attn_qkv` counts too, and its dedicated ATTENTION_QKV -> Q5_K branch is unreachable):
-  Q6_K when use_more_bits(i, n) else Q4_K, i = how many attn_v-like tensors came before in file
-  order, n = their total count;
-* `ffn_down`: Q6_K when use_more_bits(i, n_layer_all) else Q4_K, i = how many ffn_down came before
-  in file order, n_layer_all = block_count (trunk + MTP layers);
+  Q6_K when use_more_bits(i, n) else Q4_K, i = how many attn_v-like tensors llama-quantize visited
+  before this one, n = their total count;
+* `ffn_down`: Q6_K when use_more_bits(i, n_layer_all) else Q4_K, i = how many ffn_down were
+  visited before, n_layer_all = block_count (trunk + MTP layers);
 * everything else (attn_q/k/output, ffn_gate/up, attn_gate, ssm_alpha/beta/out, nextn.eh_proj) Q4_K;
 * use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2 (integer division);
 * a row length that the target type cannot block falls back (Q4_K -> Q5_0, Q6_K -> Q8_0, then F16),
@@ -41,11 +41,22 @@ tensor names; n_expert = 0, not Falcon, no imatrix, no overrides):
 Not mapped: the 70B-only attn_v bump (`LLM_TYPE_70B`) and the n_expert == 8 rules cannot apply to
 qwen35; the MXFP4/IQ*/Q2/Q3 branches belong to other file types.
 
-File order (which decides the counters above): the order convert_hf_to_gguf.py writes for a
-single-shard checkpoint, i.e. sorted by Hugging Face tensor name (`lm_head` first, then
-`model.language_model.embed_tokens`, `layers.0`, `layers.1`, `layers.10`, ..., `norm`, then `mtp.*`).
-Real multi-shard checkpoints are sorted per shard, so which layers of a real 27B file got Q6_K can
-differ; the number of Q6_K tensors of each kind (and so the file size, within a few MB) does not.
+Visiting order (which decides the counters above) is not the file order: llama.cpp's model loader
+keeps the tensors in a map sorted by layer number ("blk.N." parsed as an integer; tensors outside
+a block count as layer -1, so they come first) and then by name, and llama-quantize walks that map
+(`_llama_loader_order`). Every qwen35 layer has exactly one attn_v-like tensor (attn_qkv in Gated
+DeltaNet layers, attn_v in attention layers and the MTP layer) and one ffn_down, so in effect both
+counters are the layer number: layer L gets Q6_K for both when use_more_bits(L, n_layer_all). The
+file order (by Hugging Face name: `layers.0, layers.1, layers.10, ...`) would give other layers
+Q6_K, e.g. blk.5.ffn_down and blk.6.attn_qkv (32 of 320 tensors differ for 0.8b), and another byte
+count, since attn_qkv and attn_v differ in size. The loader's order depends on neither the file
+order nor the shards (llama-quantize sorts by shard only with --keep-split), so a real checkpoint
+quantized to Q4_K_M gets the same layers as this plan. tests/test_synth.py checks every preset's types
+against `llama-quantize --dry-run` run on a header-only F16 file (`write_synthetic_gguf(hollow=True)`).
+
+File order: the order convert_hf_to_gguf.py writes for a single-shard checkpoint, i.e. sorted by
+Hugging Face tensor name (`lm_head` first, then `model.language_model.embed_tokens`, `layers.0`,
+`layers.1`, `layers.10`, ..., `norm`, then `mtp.*`). It decides offsets only, not the quant mix.
 """
 
 from __future__ import annotations
@@ -223,17 +234,32 @@ def _converter_type(name: str, shape: tuple[int, ...], default: gguf.GGMLQuantiz
     return default if shape[0] % gguf.GGML_QUANT_SIZES[default][0] == 0 else _QT.F16
 
 
+def _llama_loader_order(names: Sequence[str]) -> list[int]:
+    """Indices of `names` in the order llama.cpp's model loader keeps (and llama-quantize visits)
+    tensors: by the layer number of a "blk.N." prefix (none: -1), then by name."""
+    def key(i: int) -> tuple[int, str]:
+        name = names[i]
+        layer = -1
+        if name.startswith("blk."):
+            digits = name[4:].split(".", 1)[0]
+            if digits.isdigit():
+                layer = int(digits)
+        return layer, name
+    return sorted(range(len(names)), key=key)
+
+
 def _q4_k_m_types(names: Sequence[str], shapes: Sequence[tuple[int, ...]], base: Sequence[gguf.GGMLQuantizationType],
                   n_layer_all: int) -> list[gguf.GGMLQuantizationType]:
-    """llama-quantize Q4_K_M applied, in file order, to a file whose types are `base` (the f16 mix)."""
+    """llama-quantize Q4_K_M applied to a file whose types are `base` (the f16 mix); the result is in
+    the order of `names`, the counters run in llama-quantize's visiting order."""
     tied = "output.weight" not in names
     n_attn_v = sum(1 for n in names if "attn_v.weight" in n or "attn_qkv.weight" in n)
     i_attn_v = i_ffn_down = 0
-    out: list[gguf.GGMLQuantizationType] = []
-    for name, shape, cur in zip(names, shapes, base):
+    out: list[gguf.GGMLQuantizationType] = list(base)
+    for k in _llama_loader_order(names):
+        name, shape = names[k], shapes[k]
         if (len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name or "ssm_conv1d" in name):
-            out.append(cur)  # tensor_allows_quantization is false: the type stays as converted
-            continue
+            continue  # tensor_allows_quantization is false: the type stays as converted
         t = _QT.Q4_K
         if name == "output.weight" or (tied and name == "token_embd.weight"):
             t = _QT.Q6_K if shape[0] % gguf.GGML_QUANT_SIZES[_QT.Q4_K][0] == 0 else _QT.Q8_0
@@ -247,7 +273,7 @@ def _q4_k_m_types(names: Sequence[str], shapes: Sequence[tuple[int, ...]], base:
             if _use_more_bits(i_ffn_down, n_layer_all):
                 t = _QT.Q6_K
             i_ffn_down += 1
-        out.append(_fallback(t, shape[0]))
+        out[k] = _fallback(t, shape[0])
     return out
 
 
@@ -554,13 +580,17 @@ def _add_tokenizer(w: gguf.GGUFWriter, chat_template: str | None) -> None:
 
 def write_synthetic_gguf(path: str | os.PathLike[str], preset: str | SynthPreset, quant: str, seed: int = 0,
                          progress: Callable[[int, int, str], None] | None = None, *, mtp: bool = False,
-                         chat_template: str | None = None, threads: int | None = None) -> SynthResult:
+                         chat_template: str | None = None, threads: int | None = None,
+                         hollow: bool = False) -> SynthResult:
     """Write a synthetic qwen35 GGUF for `preset` (a `PRESETS` key) in `quant` ("q4_k_m", "q8_0",
     "f16"); the same arguments always give the same bytes.
 
     `progress(bytes_done, bytes_total, tensor_name)` is called after each tensor. `mtp` adds the MTP
     (NextN) layer the pinned converter exports by default (the engine does not run it; off by default,
     like `deltaspec convert`). `threads` producing data defaults to the usable CPUs.
+    `hollow` writes the header, metadata and tensor infos only and extends the file to its full
+    size with a hole: no disk used, the tensor data reads as zeros. It is for tools that read only
+    the header (llama-quantize --dry-run), not a model to run.
     Raises SynthError for an unknown preset or quant or a bad output path.
     """
     t0 = time.perf_counter()
@@ -584,50 +614,59 @@ def write_synthetic_gguf(path: str | os.PathLike[str], preset: str | SynthPreset
         writer.add_tensor_info(t.name, shape, dtype, t.n_bytes, raw_dtype=t.qtype)
     _add_metadata(writer, p, quant, seed, mtp, chat_template)
 
-    total = sum(t.n_bytes for t in plan)
     align = writer.data_alignment
-    pools = _Pools(seed)
     with gguf_written_to(out, writer) as tmp:
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         fout = writer.fout[0]
         _pad(fout, align)
-        done = 0
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="synth") as ex:
-            jobs = ((t, job) for i, t in enumerate(plan) for job in _tensor_chunks(t, i, seed, pools))
-            pending: deque = deque()
-            current, written = None, 0
-
-            def finish_tensor() -> None:
-                nonlocal done
-                if written != current.n_bytes:
-                    raise AssertionError(f"{current.name}: wrote {written} bytes, expected {current.n_bytes}")
-                _pad(fout, align)
-                done += current.n_bytes
-                if progress is not None:
-                    progress(done, total, current.name)
-
-            def drain_one() -> None:
-                nonlocal current, written
-                t, fut = pending.popleft()
-                if t is not current:
-                    if current is not None:
-                        finish_tensor()
-                    current, written = t, 0
-                data = fut.result()
-                fout.write(memoryview(data).cast("B"))
-                written += data.nbytes
-
-            for t, job in jobs:
-                pending.append((t, ex.submit(job)))
-                if len(pending) >= threads + 4:
-                    drain_one()
-            while pending:
-                drain_one()
-            if current is not None:
-                finish_tensor()
+        if hollow:  # GGUFWriter pads every tensor's data to the alignment
+            fout.truncate(fout.tell() + sum(-(-t.n_bytes // align) * align for t in plan))
+        else:
+            _write_data(fout, plan, seed, threads, align, progress)
     return SynthResult(out, out.stat().st_size, time.perf_counter() - t0, type_bytes(plan))
+
+
+def _write_data(fout: Any, plan: Sequence[PlannedTensor], seed: int, threads: int, align: int,
+                progress: Callable[[int, int, str], None] | None) -> None:
+    """Every tensor's data in file order, each padded to `align`, produced by `threads` workers."""
+    total = sum(t.n_bytes for t in plan)
+    pools = _Pools(seed)
+    done = 0
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="synth") as ex:
+        jobs = ((t, job) for i, t in enumerate(plan) for job in _tensor_chunks(t, i, seed, pools))
+        pending: deque = deque()
+        current, written = None, 0
+
+        def finish_tensor() -> None:
+            nonlocal done
+            if written != current.n_bytes:
+                raise AssertionError(f"{current.name}: wrote {written} bytes, expected {current.n_bytes}")
+            _pad(fout, align)
+            done += current.n_bytes
+            if progress is not None:
+                progress(done, total, current.name)
+
+        def drain_one() -> None:
+            nonlocal current, written
+            t, fut = pending.popleft()
+            if t is not current:
+                if current is not None:
+                    finish_tensor()
+                current, written = t, 0
+            data = fut.result()
+            fout.write(memoryview(data).cast("B"))
+            written += data.nbytes
+
+        for t, job in jobs:
+            pending.append((t, ex.submit(job)))
+            if len(pending) >= threads + 4:
+                drain_one()
+        while pending:
+            drain_one()
+        if current is not None:
+            finish_tensor()
 
 
 def _pad(f: Any, align: int) -> None:
