@@ -5,9 +5,10 @@ metadata into its pipeline. That happens at every model load (~0.5 s CPU for Qwe
 and the per-token byte table for decoding is built lazily on the first decode.
 
 Behaviour follows llama.cpp's `llm_tokenizer_bpe` for the pre-tokenizer types we accept, except that
-text is first normalized to NFC as Qwen's own tokenizers do (llama.cpp skips that step); no BOS added, merges applied by rank without the `ignore_merges`
-short-cut (llama.cpp enables it only for llama3-style vocabularies), control tokens matched in
-the text only when asked (`parse_special`), user-defined tokens (e.g. `<think>`) always matched.
+text is first normalized to NFC as Qwen's own tokenizers do (llama.cpp skips that step): no BOS
+added, merges applied by rank without the `ignore_merges` short-cut (llama.cpp enables it only for
+llama3-style vocabularies), control tokens matched in the text only when asked (`parse_special`),
+user-defined tokens (e.g. `<think>`) always matched.
 """
 
 from __future__ import annotations
