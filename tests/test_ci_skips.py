@@ -44,6 +44,11 @@ def test_never_collected():
 '''
 
 
+def _run(pytester, *args):
+    # plugins the inner runs do not use take seconds to load in each of them
+    return pytester.runpytest(*args, "-p", "no:hypothesispytest", "-p", "no:benchmark")
+
+
 @pytest.fixture
 def suite(pytester):
     pytester.makeconftest(HOOKS)
@@ -54,7 +59,7 @@ def suite(pytester):
 
 def test_skips_fail_the_run_under_ci(suite, monkeypatch):
     monkeypatch.setenv("CI", "true")
-    result = suite.runpytest("-rA")
+    result = _run(suite, "-rA")
     # a skip at setup (skipif mark) becomes an error, one at call time a failure
     result.assert_outcomes(passed=1, failed=1, errors=1, skipped=1, xfailed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
@@ -66,20 +71,20 @@ def test_skips_fail_the_run_under_ci(suite, monkeypatch):
 
 def test_skips_stay_skips_without_ci(suite, monkeypatch):
     monkeypatch.delenv("CI", raising=False)
-    result = suite.runpytest()
+    result = _run(suite)
     result.assert_outcomes(passed=1, skipped=3, xfailed=1)
     assert result.ret == pytest.ExitCode.OK
     monkeypatch.setenv("CI", "false")
-    suite.runpytest().assert_outcomes(passed=1, skipped=3, xfailed=1)
+    _run(suite).assert_outcomes(passed=1, skipped=3, xfailed=1)
 
 
 def test_module_level_skip_fails_under_ci(suite, monkeypatch):
     suite.makepyfile(test_import=IMPORT_SKIP)
     monkeypatch.setenv("CI", "true")
-    result = suite.runpytest("test_import.py")
+    result = _run(suite, "test_import.py")
     assert result.ret == pytest.ExitCode.INTERRUPTED  # a collection error stops the run
     result.stdout.fnmatch_lines(["*test_import.py was skipped under CI=true*deltaspec_no_such_reference_package*"])
     monkeypatch.delenv("CI")
-    result = suite.runpytest("test_import.py")
+    result = _run(suite, "test_import.py")
     result.assert_outcomes(skipped=1)
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
