@@ -10,6 +10,7 @@ if importlib.util.find_spec("deltaspec") is None:
 
 
 import pytest  # noqa: E402
+from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401  (hooks)
 
 
 @pytest.fixture(scope="session")

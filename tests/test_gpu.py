@@ -27,10 +27,10 @@ def _cuda_available() -> bool:
     return _core.has_device("cuda")
 
 
-# Collected everywhere, so that -m "not gpu" deselects them (nothing skipped); run with -m gpu
-# where there is no CUDA device, they skip.
+# A skipif mark, not a module-level skip: -m "not gpu" then deselects these tests instead of reporting
+# a skip, which fails a CI=true run (tests/ci_skips.py).
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason="no CUDA device in this build "
-                                                  "of deltaspec (CPU-only build or no GPU)")]
+                                                   "of deltaspec (CPU-only build or no GPU)")]
 
 
 def recurrent_state(engine):

@@ -18,6 +18,7 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize
 
 from deltaspec import Model, _core
+from deltaspec.qwen35 import mrope_sections
 from deltaspec.qwen_vocab import gguf_tokenizer_metadata
 
 E, L, H, HKV, D, FF = 256, 4, 4, 2, 64, 512
@@ -60,7 +61,7 @@ def _write(path, weights: dict[str, np.ndarray], quantized: bool) -> None:
         w.add_uint32(f"qwen35.{key}", value)
     w.add_float32("qwen35.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_float32("qwen35.rope.freq_base", 1e7)
-    w.add_array("qwen35.rope.dimension_sections", [4, 2, 2, 0])
+    w.add_array("qwen35.rope.dimension_sections", mrope_sections(D // 8))
     tok = gguf_tokenizer_metadata()
     w.add_tokenizer_model(tok["tokenizer.ggml.model"])
     w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])

@@ -25,6 +25,7 @@ import gguf
 
 from .atomic_write import gguf_written_to
 from .errors import ConversionError
+from .qwen35 import rope_sections_problem
 
 ARCH = "qwen35"
 SUPPORTED_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
@@ -195,6 +196,14 @@ def _load_hparams(folder: Path) -> dict[str, Any]:
     if "rope_type" not in rope and "type" in rope:
         rope["rope_type"] = rope["type"]
     hp["rope_parameters"] = rope
+    # Sections the config gives are refused here as the loader would refuse them (a pair without a
+    # section means different things to transformers and llama.cpp). Without them llama.cpp writes its
+    # default whatever the rotary width, and so do we; the loader judges that file.
+    if "mrope_section" in rope:
+        sections = (list(rope["mrope_section"]) + [0, 0, 0, 0])[:4]
+        problem = rope_sections_problem(sections, int(hp["head_dim"] * rope["partial_rotary_factor"]))
+        if problem:
+            raise ConversionError(f"{cfg_path}: rope_parameters.mrope_section = {problem}")
 
     n_layer = hp["num_hidden_layers"]
     if hp.get("layer_types") is None:  # transformers derives it from full_attention_interval

