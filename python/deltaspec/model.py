@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _core, completions
 from .cpu import default_threads
-from .errors import EngineError
+from .errors import EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
                          validate_flag, validate_stop)
 from .gguf_file import read_gguf
@@ -111,7 +111,10 @@ class Model:
         self.metadata: dict[str, Any] = {k: v for k, v in gguf.metadata.items()
                                          if not (isinstance(v, list) and len(v) > SMALL_ARRAY)}
         # n_vocab is the token list's length, and check_tensors held token_embd to it
-        self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        try:
+            self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        except TokenizerError as e:  # its messages name the key; the file is named here
+            raise TokenizerError(f"{self.path}: {e}") from None
         on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
             self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
