@@ -587,17 +587,20 @@ def run_case(case: BadFile, path: str) -> dict:
             "model": _attempt(lambda: Model(path, n_ctx=64, n_threads=1, progress=False))}
 
 
-def run_corpus(base_path: str, workdir: str, out=sys.stdout) -> None:
-    """Two passes over the corpus: the first reports each case as a JSON line (flushed, so a crash
-    leaves the cases before it), the second measures resident memory, open descriptors and mappings
-    of the case file after a warm-up, reported on the last line."""
+def run_corpus(base_path: str, workdir: str, out=sys.stdout, leak_pass: bool = True, family: str | None = None) -> None:
+    """Every case (of `family`, or all) opened in turn, each reported as a JSON line (flushed, so a
+    crash leaves the cases before it). With `leak_pass`, a second pass follows the first (which
+    warms caches up) and the last line reports resident memory and open descriptors before and
+    after it, and the mappings of the case file left at the end."""
     with open(base_path, "rb") as f:
         base = f.read()
-    cases = corpus(base)
+    cases = [c for c in corpus(base) if family is None or c.family == family]
     path = os.path.join(workdir, "case.gguf")
     for case in cases:
         out.write(json.dumps(run_case(case, path)) + "\n")
         out.flush()
+    if not leak_pass:
+        return
     gc.collect()
     rss0, fds0 = _status_kib("VmRSS"), _open_fds()
     for case in cases:
