@@ -21,6 +21,7 @@ crash or hang names the case it happened in (see tests/test_bad_file_corpus.py).
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import struct
@@ -573,15 +574,17 @@ def _attempt(fn) -> list | None:
 
 
 def run_case(case: BadFile, path: str) -> dict:
-    """Write the case to `path` (a new file each time) and open it three ways."""
+    """Write the case to `path` (a new file each time, so a mapping left open shows in
+    /proc/self/maps as a deleted file) and open it three ways."""
     from .. import Model
     from ..gguf_file import read_gguf
     from ..info import describe
     if os.path.exists(path):
         os.unlink(path)
+    data = case.make()
     with open(path, "wb") as f:
-        f.write(case.make())
-    return {"id": case.id,
+        f.write(data)
+    return {"id": case.id, "sha1": hashlib.sha1(data).hexdigest(),
             "read": _attempt(lambda: read_gguf(path)),
             "info": _attempt(lambda: describe(path, n_ctx=64)),
             "model": _attempt(lambda: Model(path, n_ctx=64, n_threads=1, progress=False))}
