@@ -206,7 +206,8 @@ def _model_calls(path, folder, n_vocab):
     from deltaspec import Model
     calls = []
     for i, (name, kwargs) in enumerate(BAD_MODEL_ARGS):
-        calls.append((f"Model/{name}#{i}", name, lambda m, kw=kwargs: Model(path, **{"n_ctx": 64, "n_threads": 1, **kw})))
+        calls.append((f"Model/{name}#{i}", name,
+                      lambda m, kw=kwargs: Model(path, **{"n_ctx": 64, "n_threads": 1, **kw})))
     for i, (name, p) in enumerate(BAD_PATHS):
         p = folder if p == "FOLDER" else p
         calls.append((f"Model/path#{i}", name, lambda m, p=p: Model(p, n_ctx=64, n_threads=1)))

@@ -248,10 +248,12 @@ class BadFile:
     make: Callable[[], bytes] = field(repr=False, compare=False)
 
 
-def _patched(buf: bytes, at: int, data: bytes) -> Callable[[], bytes]:
+def _patched(buf: bytes, at: int, data: bytes, *more: tuple[int, bytes]) -> Callable[[], bytes]:
+    """`buf` with `data` written at `at` (and each further (offset, data) pair)."""
     def make() -> bytes:
         out = bytearray(buf)
-        out[at:at + len(data)] = data
+        for offset, raw in ((at, data), *more):
+            out[offset:offset + len(raw)] = raw
         return bytes(out)
     return make
 
@@ -280,9 +282,18 @@ def corpus(base: bytes) -> list[BadFile]:
     def add(id_: str, family: str, expect: tuple[str, ...] | str, stage: str, make: Callable[[], bytes]) -> None:
         cases.append(BadFile(id_, family, (expect,) if isinstance(expect, str) else tuple(expect), stage, make))
 
-    last_tensor_end = max(lay.data_start + t.offset + t.n_bytes for t in lay.infos)
+    for family_cases in (_truncations, _header_and_counts, _metadata_entries, _tensor_entries, _rebuilt,
+                         _wrong_values):
+        family_cases(base, lay, whole, add)
 
-    # truncation: at every section boundary and inside a few sections
+    ids = [c.id for c in cases]
+    assert len(ids) == len(set(ids)), "case ids must be unique"
+    return cases
+
+
+def _truncations(base: bytes, lay: Layout, whole: Parts, add: Callable[..., None]) -> None:
+    """Cuts at every section boundary and inside a few sections."""
+    last_tensor_end = max(lay.data_start + t.offset + t.n_bytes for t in lay.infos)
     for n in (0, 3, 4, 8, 16, 23):
         add(f"cut/header@{n}", "truncation", "too short", "read", _cut(base, n))
     for k in lay.kvs:
@@ -305,7 +316,9 @@ def corpus(base: bytes) -> list[BadFile]:
             _cut(base, lay.data_start + t.offset + t.n_bytes // 2 + 1))
     add("cut/last-byte", "truncation", f"'{lay.infos[-1].name}'", "read", _cut(base, last_tensor_end - 1))
 
-    # header: magic, version, counts
+
+def _header_and_counts(base: bytes, lay: Layout, whole: Parts, add: Callable[..., None]) -> None:
+    """Magic, version, and counts that lie about the entries the file holds."""
     for i in range(4):
         add(f"header/magic{i}", "header", "magic", "read", _patched(base, i, bytes([base[i] ^ 0x20])))
     add("header/magic-ggml", "header", "magic", "read", _patched(base, 0, b"GGML"))
@@ -335,7 +348,9 @@ def corpus(base: bytes) -> list[BadFile]:
         add(f"count/kv{k.index}.array=max", "lying count", f"'{k.key}'", "read",
             _patched(base, k.value_at + 4, struct.pack("<Q", 1 << 26)))
 
-    # metadata entries: key length, key bytes, value type, string lengths and bytes, array element types
+
+def _metadata_entries(base: bytes, lay: Layout, whole: Parts, add: Callable[..., None]) -> None:
+    """Key lengths and bytes, value types, string lengths and bytes, array element types."""
     for k in lay.kvs:
         i = k.index
         add(f"kv{i}/key-length=huge", "metadata", f"key #{i}", "read", _patched(base, k.start, struct.pack("<Q", HUGE)))
@@ -362,7 +377,10 @@ def corpus(base: bytes) -> list[BadFile]:
         stage = "model" if key in TOKENIZER_KEYS else "info"
         add(f"kv{k.index}/renamed", "missing key", f"'{key}'", stage, _patched(base, k.start + 8, renamed.encode()))
 
-    # tensor table entries: name, n_dims, dims, type, offset
+
+def _tensor_entries(base: bytes, lay: Layout, whole: Parts, add: Callable[..., None]) -> None:
+    """Names, n_dims, dims, types and offsets of the tensor table."""
+    n_t = len(lay.infos)
     for t in lay.infos:
         j, name = t.index, t.name
         add(f"tensor{j}/name-length=huge", "tensor info", f"tensor #{j}", "read",
@@ -395,8 +413,7 @@ def corpus(base: bytes) -> list[BadFile]:
     for a, b in same_size[:6]:
         # two tensors' offsets swapped: each would read the other's bytes
         add(f"tensor{a.index}/offset-swapped-{b.index}", "offset", (f"'{a.name}'", "offset"), "read",
-            lambda a=a, b=b: _patched(_patched(base, a.offset_at, struct.pack("<Q", b.offset))(),
-                                      b.offset_at, struct.pack("<Q", a.offset))())
+            _patched(base, a.offset_at, struct.pack("<Q", b.offset), (b.offset_at, struct.pack("<Q", a.offset))))
     for t in lay.infos:
         if t.name in OPTIONAL_TENSORS:
             continue
@@ -412,7 +429,9 @@ def corpus(base: bytes) -> list[BadFile]:
         add(f"tensor{t.index}/renamed", "missing tensor", f"'{t.name}' is missing", "info",
             _patched(base, t.start + 8 + len(t.name) - 1, t.name[-1].upper().encode()))
 
-    # rebuilt files: duplicates, alignment, architecture, missing or mismatched parts
+
+def _rebuilt(base: bytes, lay: Layout, whole: Parts, add: Callable[..., None]) -> None:
+    """Duplicates, alignment, architecture, missing keys and tensors: files written again."""
     for key in ("general.architecture", "qwen35.block_count", "tokenizer.ggml.tokens", "tokenizer.ggml.eos_token_id"):
         raw = dict(whole.kvs)[key]
         add(f"dup/key:{key}", "duplicate", (f"'{key}'", "twice"), "read",
@@ -450,9 +469,13 @@ def corpus(base: bytes) -> list[BadFile]:
         # the global tensors and one layer of each kind
         if t.name in OPTIONAL_TENSORS or (t.name.startswith("blk.") and not t.name.startswith(("blk.0.", "blk.3."))):
             continue
-        add(f"missing/{t.name}", "missing tensor", f"'{t.name}' is missing", "info", _built(whole.without_tensor(t.name)))
+        add(f"missing/{t.name}", "missing tensor", f"'{t.name}' is missing", "info",
+            _built(whole.without_tensor(t.name)))
 
-    # known keys holding a value of the wrong GGUF type, each written properly
+
+def _wrong_values(base: bytes, lay: Layout, whole: Parts, add: Callable[..., None]) -> None:
+    """Known keys holding a value of the wrong GGUF type, out of range, or inconsistent with the
+    tensors (the file itself parses)."""
     for key in ("qwen35.embedding_length", "qwen35.block_count", "qwen35.attention.head_count",
                 "qwen35.ssm.state_size", "qwen35.context_length"):
         add(f"wrong-type/{key}:string", "wrong value type", (f"'{key}'", "integer"), "info",
@@ -465,7 +488,8 @@ def corpus(base: bytes) -> list[BadFile]:
         "info", _built(whole.with_kv("qwen35.attention.layer_norm_rms_epsilon", STRING, "1e-6")))
     for key, vtype, value, word in (
             ("tokenizer.ggml.tokens", UINT32, 265, "array"), ("tokenizer.ggml.merges", STRING, "a b", "array"),
-            ("tokenizer.ggml.model", UINT32, 2, "string"), ("tokenizer.ggml.pre", ARRAY, (STRING, ["qwen35"]), "string"),
+            ("tokenizer.ggml.model", UINT32, 2, "string"),
+            ("tokenizer.ggml.pre", ARRAY, (STRING, ["qwen35"]), "string"),
             ("tokenizer.ggml.eos_token_id", STRING, "eos", "token id"),
             ("tokenizer.ggml.tokens", ARRAY, (UINT32, list(range(265))), "tokenizer.ggml.tokens")):
         add(f"wrong-type/{key}:{vtype}", "wrong value type", (f"{key}", word), "model",
@@ -510,9 +534,7 @@ def corpus(base: bytes) -> list[BadFile]:
     add("shape/ssm_a:f16", "tensor type", ("'blk.0.ssm_a'", "F16"), "info",
         _built(whole.with_tensor(Tensor("blk.0.ssm_a", (2,), 1, bytes(4)))))
 
-    ids = [c.id for c in cases]
-    assert len(ids) == len(set(ids)), "case ids must be unique"
-    return cases
+
 
 
 def _padded(n: int, alignment: int = ALIGNMENT) -> int:
@@ -590,7 +612,8 @@ def run_case(case: BadFile, path: str) -> dict:
             "model": _attempt(lambda: Model(path, n_ctx=64, n_threads=1, progress=False))}
 
 
-def run_corpus(base_path: str, workdir: str, out=sys.stdout, leak_pass: bool = True, family: str | None = None) -> None:
+def run_corpus(base_path: str, workdir: str, out=sys.stdout, leak_pass: bool = True,
+               family: str | None = None) -> None:
     """Every case (of `family`, or all) opened in turn, each reported as a JSON line (flushed, so a
     crash leaves the cases before it). With `leak_pass`, a second pass follows the first (which
     warms caches up) and the last line reports resident memory and open descriptors before and
