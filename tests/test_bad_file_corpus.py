@@ -41,7 +41,8 @@ def _run_child(base, workdir, plant: str = "", args: str = "") -> tuple[list[dic
 def _judge(case, result, path) -> str | None:
     """Why the case's result is wrong, or None. Entry points before the case's stage must accept
     the file (its damage is for a later check), the others refuse it with a DeltaspecError whose
-    message holds the file's path and every expected word."""
+    message holds the file's path and every expected word; `deltaspec info` prints that message
+    and exits 2 when describe refuses the file, and shows it otherwise."""
     for stage in STAGES:
         got = result[stage]
         if STAGES.index(stage) < STAGES.index(case.stage):
@@ -56,6 +57,11 @@ def _judge(case, result, path) -> str | None:
         missing = [w for w in (path, *case.expect) if w not in message]
         if missing:
             return f"{stage} raised {name} without {missing}: {message}"
+    code, stderr = result["cli"]
+    if case.stage == "model":
+        return None if code == 0 else f"`deltaspec info` should show the file, but: {code} {stderr}"
+    if code != 2 or not stderr.startswith("deltaspec: error: ") or result["info"][3] not in stderr:
+        return f"`deltaspec info` should exit 2 with the error, but: {code} {stderr}"
     return None
 
 

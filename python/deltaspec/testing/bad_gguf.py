@@ -595,9 +595,25 @@ def _attempt(fn) -> list | None:
     return None
 
 
+def _cli_info(path: str) -> list:
+    """[exit code, stderr] of `deltaspec info PATH` run in this process (stdout discarded)."""
+    import contextlib
+    import io
+
+    from ..cli import main
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = main(["info", path, "-c", "64"])
+        except Exception as e:  # escaping main is a failure the test reports
+            code = f"raised {type(e).__name__}: {e}"
+    return [code, err.getvalue()]
+
+
 def run_case(case: BadFile, path: str) -> dict:
     """Write the case to `path` (a new file each time, so a mapping left open shows in
-    /proc/self/maps as a deleted file) and open it three ways."""
+    /proc/self/maps as a deleted file) and open it with read_gguf, describe (what `deltaspec info`
+    prints), `deltaspec info` itself and Model."""
     from .. import Model
     from ..gguf_file import read_gguf
     from ..info import describe
@@ -609,6 +625,7 @@ def run_case(case: BadFile, path: str) -> dict:
     return {"id": case.id, "sha1": hashlib.sha1(data).hexdigest(),
             "read": _attempt(lambda: read_gguf(path)),
             "info": _attempt(lambda: describe(path, n_ctx=64)),
+            "cli": _cli_info(path),
             "model": _attempt(lambda: Model(path, n_ctx=64, n_threads=1, progress=False))}
 
 
