@@ -98,8 +98,9 @@ def test_bad_file_corpus(base, tmp_path):
     resident memory nor open descriptors, and leaves no mapping of the case file.
 
     Seen red: before gguf_file checked tensor placement, duplicate and empty keys, general.alignment's
-    type and tensor name lengths, 82 files passed read_gguf and 70 of them reached the engine, which
-    refused them only as "not a readable GGUF file"; test_planted_placement_bug keeps one such check
+    type, tensor name lengths and nested arrays, 83 files passed read_gguf and 71 of them reached the
+    engine, which refused them only as "not a readable GGUF file" (the other 12 were caught later
+    by the shape checks, naming the wrong tensor); test_planted_placement_bug keeps one such check
     disabled and sees it go red."""
     families = Counter(c.family for c in corpus(base.read_bytes()))
     failures, leak, n_cases = corpus_failures(base, tmp_path)

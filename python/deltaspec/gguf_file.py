@@ -51,8 +51,8 @@ class GGUFFile:
     tensors: dict[str, TensorInfo]
     data_offset: int
     value_offsets: dict[str, int] = field(default_factory=dict)  # key -> file offset of its value
-    # key -> GGUF value type id (0..12, e.g. 4 = uint32, 8 = string); arrays as (9, element type id),
-    # the outer array's element type only (an array of arrays is (9, 9)). The metadata values alone
+    # key -> GGUF value type id (0..12, e.g. 4 = uint32, 8 = string); arrays as (9, element type id)
+    # (arrays of arrays are refused, as ggml's loader does). The metadata values alone
     # cannot tell uint32 from int32 or float32 from float64; comparing files key by key needs this.
     value_types: dict[str, int | tuple[int, int]] = field(default_factory=dict)
 
@@ -103,18 +103,24 @@ class _Cursor:
             return self.string(what)
         if vtype == _ARRAY:
             etype = self.scalar("<I", what)
+            if etype == _ARRAY:  # the format could nest arrays; ggml's loader refuses them
+                raise CorruptFileError(f"{self.path}: {what} is an array of arrays, which ggml's loader refuses")
+            if etype not in _SCALARS and etype != _STRING:
+                raise CorruptFileError(f"{self.path}: {what} has unknown array element type {etype}")
             n = self.count(what)
+            # each element takes at least this many bytes (a string its u64 length): a count the
+            # rest of the file cannot hold fails before a list is built
+            least = n * (struct.calcsize(_SCALARS[etype][0]) if etype in _SCALARS else 8)
+            if least > self.size - self.pos:
+                raise TruncatedFileError(f"{self.path}: file ends inside its {what} ({n} entries need at least "
+                                         f"{least} bytes, {self.size - self.pos} remain)")
             if etype in _SCALARS:
                 dtype = np.dtype(_SCALARS[etype][1]).newbyteorder("<")
                 self.need(n * dtype.itemsize, what)
                 arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
                 self.pos += n * dtype.itemsize
                 return arr.tolist()
-            if etype == _STRING:
-                return [self.string(what) for _ in range(n)]
-            if etype == _ARRAY:
-                return [self.value(_ARRAY, what) for _ in range(n)]
-            raise CorruptFileError(f"{self.path}: {what} has unknown array element type {etype}")
+            return [self.string(what) for _ in range(n)]
         raise CorruptFileError(f"{self.path}: {what} has unknown value type {vtype}")
 
 

@@ -440,6 +440,10 @@ def _rebuilt(base: bytes, lay: Layout, whole: Parts, add: Callable[..., None]) -
         add(f"dup/tensor:{t.name}", "duplicate", (f"'{t.name}'", "twice"), "read",
             _built(replace(whole, tensors=whole.tensors + (t,))))
     add("dup/key:empty", "duplicate", "is empty", "read", _built(whole.with_kv("", UINT32, 1)))
+    # an array whose elements are arrays: GGUF's type system allows it, ggml's loader does not
+    nested = encode_string("general.nested") + struct.pack("<IIQIQI", ARRAY, ARRAY, 1, UINT32, 1, 7)
+    add("kv/array-of-arrays", "metadata", ("'general.nested'", "array of arrays"), "read",
+        _built(replace(whole, kvs=whole.kvs + (("general.nested", nested),))))
     long_name = "blk.0." + "x" * 58 + ".weight"
     add("tensor/name-too-long", "tensor info", ("name", "long"), "read",
         _built(whole.with_tensor(Tensor(long_name, (4,), 0, bytes(16)))))
