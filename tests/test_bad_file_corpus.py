@@ -99,8 +99,8 @@ def test_bad_file_corpus(base, tmp_path):
 
     Seen red: before gguf_file checked tensor placement, duplicate and empty keys, general.alignment's
     type, tensor name lengths and nested arrays, 83 files passed read_gguf and 71 of them reached the
-    engine, which refused them only as "not a readable GGUF file" (the other 12 were caught later
-    by the shape checks, naming the wrong tensor); test_planted_placement_bug keeps one such check
+    engine, which refused them only as "not a readable GGUF file" (the other 12, tensors whose
+    first dimension grew into the next one's data, only by the later shape check); test_planted_placement_bug keeps one such check
     disabled and sees it go red."""
     families = Counter(c.family for c in corpus(base.read_bytes()))
     failures, leak, n_cases = corpus_failures(base, tmp_path)
