@@ -17,17 +17,18 @@ RSS_GROWTH_LIMIT_KIB = 16 * 1024  # a leaked mapping or copy of the 0.9 MB file 
 STAGES = ("read", "info", "model")
 
 
-def _run_child(base, workdir, plant: str = "", args: str = "") -> tuple[list[dict], dict | None, str]:
+def _run_child(base, workdir, plant: str = "", args: str = "",
+               timeout: float = CORPUS_TIMEOUT_S) -> tuple[list[dict], dict | None, str]:
     """The corpus run in one child process: (per-case results, leak report, how the child ended).
     `plant` is Python run in the child first (a planted bug); `args` extra run_corpus arguments."""
     code = (plant + "\nimport sys\nfrom deltaspec.testing.bad_gguf import run_corpus\n"
             f"run_corpus(sys.argv[1], sys.argv[2]{args})\n")
     try:
         proc = subprocess.run([sys.executable, "-c", code, str(base), str(workdir)], capture_output=True, text=True,
-                              timeout=CORPUS_TIMEOUT_S)
+                              timeout=timeout)
         stdout, ended = proc.stdout, f"exit code {proc.returncode}: {proc.stderr[-2000:]}"
     except subprocess.TimeoutExpired as e:
-        stdout, ended = (e.stdout or b"").decode(), f"hung: killed after {CORPUS_TIMEOUT_S} s"
+        stdout, ended = (e.stdout or b"").decode(), f"hung: killed after {timeout} s"
     results, leak = [], None
     for line in stdout.splitlines():
         record = json.loads(line)
@@ -65,12 +66,12 @@ def _judge(case, result, path) -> str | None:
     return None
 
 
-def corpus_failures(base, workdir, plant: str = "", family: str | None = None,
-                    leak_pass: bool = True) -> tuple[list[str], dict | None, int]:
+def corpus_failures(base, workdir, plant: str = "", family: str | None = None, leak_pass: bool = True,
+                    timeout: float = CORPUS_TIMEOUT_S) -> tuple[list[str], dict | None, int]:
     """(what went wrong, case by case, leak report, number of cases) for the corpus run in a child."""
     cases = [c for c in corpus(base.read_bytes()) if family is None or c.family == family]
     args = f", leak_pass={leak_pass}, family={family!r}"
-    results, leak, ended = _run_child(base, workdir, plant, args)
+    results, leak, ended = _run_child(base, workdir, plant, args, timeout)
     if len(results) < len(cases):
         return [f"the corpus child stopped after {len(results)} of {len(cases)} cases, in case "
                 f"'{cases[len(results)].id}' ({ended})"], leak, len(cases)
@@ -280,3 +281,13 @@ def test_bad_arguments(tmp_path):
     print(f"\nbad argument sets: {len(calls)}")
     assert not wrong, f"{len(wrong)} of {len(calls)} argument sets wrong:\n" + "\n".join(wrong)
     assert len(calls) >= 100
+
+
+def test_planted_hang_names_the_case(base, tmp_path):
+    """Planted bug: one case never returns (run_case sleeps in the child). The child is killed at
+    the timeout and the corpus reports the case it hung in."""
+    plant = ("import time\nimport deltaspec.testing.bad_gguf as b\nrun = b.run_case\n"
+             "b.run_case = lambda case, path: time.sleep(3600) if case.id == 'tensor0/offset+0x1' else run(case, path)")
+    failures, _, _ = corpus_failures(base, tmp_path, plant=plant, family="offset", leak_pass=False, timeout=15)
+    assert len(failures) == 1
+    assert "in case 'tensor0/offset+0x1' (hung: killed after 15 s)" in failures[0], failures
