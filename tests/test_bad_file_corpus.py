@@ -1,5 +1,7 @@
-"""A corpus of corrupted GGUF files (deltaspec.testing.bad_gguf): each must be refused with a
-DeltaspecError naming the file and what is wrong, never a crash, a hang, a silent load or a leak.
+"""A corpus of corrupted GGUF files (deltaspec.testing.bad_gguf) and of bad arguments: each must be
+refused with a DeltaspecError (files) or ValueError / TypeError / DeltaspecError (arguments) naming
+the file and what is wrong, never a crash, a hang, a silent load or a leak. The counts are printed
+(pytest -s): files per family of damage, argument sets.
 """
 
 import json
@@ -285,9 +287,10 @@ def test_bad_arguments(tmp_path):
 
 def test_planted_hang_names_the_case(base, tmp_path):
     """Planted bug: one case never returns (run_case sleeps in the child). The child is killed at
-    the timeout and the corpus reports the case it hung in."""
+    the timeout; the cases before it were reported, and the corpus names the one it hung in."""
     plant = ("import time\nimport deltaspec.testing.bad_gguf as b\nrun = b.run_case\n"
-             "b.run_case = lambda case, path: time.sleep(3600) if case.id == 'tensor0/offset+0x1' else run(case, path)")
-    failures, _, _ = corpus_failures(base, tmp_path, plant=plant, family="offset", leak_pass=False, timeout=15)
+             "b.run_case = lambda case, path: time.sleep(3600) if case.id == 'tensor4/offset+0x1' else run(case, path)")
+    failures, _, _ = corpus_failures(base, tmp_path, plant=plant, family="offset", leak_pass=False, timeout=10)
     assert len(failures) == 1
-    assert "in case 'tensor0/offset+0x1' (hung: killed after 15 s)" in failures[0], failures
+    assert "stopped after 4 of " in failures[0], failures
+    assert "cases, in case 'tensor4/offset+0x1' (hung: killed after 10 s)" in failures[0], failures

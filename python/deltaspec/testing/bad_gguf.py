@@ -1,7 +1,8 @@
 """A deterministic corpus of corrupted GGUF files, made from one small valid file.
 
 `corpus(base)` takes the bytes of a valid qwen35 GGUF (the tiny-vocabulary model of `tiny_vocab`)
-and returns `BadFile`s: each has a short id, a family, how it was damaged, the words the error must
+and returns `BadFile`s: each has a short id saying what was damaged (e.g. "kv4/key-length=huge",
+"tensor7/offset+0x20", "missing/qwen35.ssm.state_size"), a family, the words the error must
 contain, and where the damage must be caught ("read": `gguf_file.read_gguf`, "info": the
 hyper-parameter and tensor checks that `deltaspec info` runs too, "model": only when `Model` builds
 the tokenizer). `make()` returns the damaged bytes.
@@ -33,7 +34,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 HEADER = 24  # magic, u32 version, u64 tensor count, u64 metadata count
-_SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUF scalar value type id -> struct format
+_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_SIZE = {t: struct.calcsize(f) for t, f in _FORMATS.items()}
 STRING, ARRAY, UINT32, UINT64, FLOAT32 = 8, 9, 4, 10, 6
 ALIGNMENT = 32  # the tiny-vocab file has no general.alignment key: GGUF's default
 
@@ -172,9 +175,6 @@ def encode_kv(key: str, vtype: int, value) -> bytes:
         out += struct.pack("<IQ", etype, len(items))
         return out + b"".join(_encode_scalar(etype, v) for v in items)
     return out + _encode_scalar(vtype, value)
-
-
-_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
 def _encode_scalar(vtype: int, value) -> bytes:
@@ -439,7 +439,7 @@ def _rebuilt(base: bytes, lay: Layout, whole: Parts, add: Callable[..., None]) -
     for t in (whole.tensors[0], whole.tensors[5], whole.tensors[-1]):
         add(f"dup/tensor:{t.name}", "duplicate", (f"'{t.name}'", "twice"), "read",
             _built(replace(whole, tensors=whole.tensors + (t,))))
-    add("dup/key:empty", "duplicate", "is empty", "read", _built(whole.with_kv("", UINT32, 1)))
+    add("kv/empty-key", "metadata", "is empty", "read", _built(whole.with_kv("", UINT32, 1)))
     # an array whose elements are arrays: GGUF's type system allows it, ggml's loader does not
     nested = encode_string("general.nested") + struct.pack("<IIQIQI", ARRAY, ARRAY, 1, UINT32, 1, 7)
     add("kv/array-of-arrays", "metadata", ("'general.nested'", "array of arrays"), "read",
