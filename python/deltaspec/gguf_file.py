@@ -24,6 +24,7 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_COUNT = 1 << 26  # more keys, tensors or array elements than this means a corrupt count
+MAX_NAME = 64  # ggml's GGML_MAX_NAME: a tensor name must be shorter
 
 # GGUF value type id -> (struct format, numpy dtype); 8 = string, 9 = array
 _SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),
@@ -50,8 +51,8 @@ class GGUFFile:
     tensors: dict[str, TensorInfo]
     data_offset: int
     value_offsets: dict[str, int] = field(default_factory=dict)  # key -> file offset of its value
-    # key -> GGUF value type id (0..12, e.g. 4 = uint32, 8 = string); arrays as (9, element type id),
-    # the outer array's element type only (an array of arrays is (9, 9)). The metadata values alone
+    # key -> GGUF value type id (0..12, e.g. 4 = uint32, 8 = string); arrays as (9, element type id)
+    # (arrays of arrays are refused, as ggml's loader does). The metadata values alone
     # cannot tell uint32 from int32 or float32 from float64; comparing files key by key needs this.
     value_types: dict[str, int | tuple[int, int]] = field(default_factory=dict)
 
@@ -102,18 +103,24 @@ class _Cursor:
             return self.string(what)
         if vtype == _ARRAY:
             etype = self.scalar("<I", what)
+            if etype == _ARRAY:  # the format could nest arrays; ggml's loader refuses them
+                raise CorruptFileError(f"{self.path}: {what} is an array of arrays, which ggml's loader refuses")
+            if etype not in _SCALARS and etype != _STRING:
+                raise CorruptFileError(f"{self.path}: {what} has unknown array element type {etype}")
             n = self.count(what)
+            # each element takes at least this many bytes (a string its u64 length): a count the
+            # rest of the file cannot hold fails before a list is built
+            least = n * (struct.calcsize(_SCALARS[etype][0]) if etype in _SCALARS else 8)
+            if least > self.size - self.pos:
+                raise TruncatedFileError(f"{self.path}: file ends inside its {what} ({n} entries need at least "
+                                         f"{least} bytes, {self.size - self.pos} remain)")
             if etype in _SCALARS:
                 dtype = np.dtype(_SCALARS[etype][1]).newbyteorder("<")
                 self.need(n * dtype.itemsize, what)
                 arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
                 self.pos += n * dtype.itemsize
                 return arr.tolist()
-            if etype == _STRING:
-                return [self.string(what) for _ in range(n)]
-            if etype == _ARRAY:
-                return [self.value(_ARRAY, what) for _ in range(n)]
-            raise CorruptFileError(f"{self.path}: {what} has unknown array element type {etype}")
+            return [self.string(what) for _ in range(n)]
         raise CorruptFileError(f"{self.path}: {what} has unknown value type {vtype}")
 
 
@@ -153,9 +160,14 @@ def _parse(buf, path: str, size: int) -> GGUFFile:
     value_types: dict[str, int | tuple[int, int]] = {}
     for i in range(n_kv):
         key = c.string(f"metadata (key #{i})")
-        vtype = c.scalar("<I", f"metadata (type of '{key}')")
+        # ggml's loader refuses these files too; refusing them here names the key instead of failing later
+        if not key:
+            raise CorruptFileError(f"{path}: metadata key #{i} is empty")
+        if key in metadata:
+            raise CorruptFileError(f"{path}: metadata key #{i} '{key}' appears twice")
+        vtype = c.scalar("<I", f"metadata (type of key #{i} '{key}')")
         value_offsets[key] = c.pos
-        metadata[key] = c.value(vtype, f"metadata (value of '{key}')")
+        metadata[key] = c.value(vtype, f"metadata (value of key #{i} '{key}')")
         # an array's value starts with its u32 element type, already bounds-checked by c.value
         value_types[key] = (vtype, struct.unpack_from("<I", buf, value_offsets[key])[0]) if vtype == _ARRAY else vtype
 
@@ -163,20 +175,30 @@ def _parse(buf, path: str, size: int) -> GGUFFile:
     for i in range(n_tensors):
         info_offset = c.pos
         name = c.string(f"tensor table (name of tensor #{i})")
-        n_dims = c.scalar("<I", f"tensor table ('{name}')")
+        if not name:
+            raise CorruptFileError(f"{path}: tensor #{i} has an empty name")
+        if len(name.encode()) >= MAX_NAME:
+            raise CorruptFileError(f"{path}: tensor #{i} name '{name[:80]}' is {len(name.encode())} bytes long "
+                                   f"(ggml's limit is {MAX_NAME - 1})")
+        n_dims = c.scalar("<I", f"tensor table (tensor #{i} '{name}')")
         if not 1 <= n_dims <= 4:
-            raise CorruptFileError(f"{path}: tensor '{name}' has {n_dims} dimensions (expected 1 to 4)")
-        shape = tuple(c.scalar("<Q", f"tensor table ('{name}')") for _ in range(n_dims))
-        type_id = c.scalar("<I", f"tensor table ('{name}')")
-        offset = c.scalar("<Q", f"tensor table ('{name}')")
+            raise CorruptFileError(f"{path}: tensor #{i} '{name}' has {n_dims} dimensions (expected 1 to 4)")
+        shape = tuple(c.scalar("<Q", f"tensor table (tensor #{i} '{name}')") for _ in range(n_dims))
+        type_id = c.scalar("<I", f"tensor table (tensor #{i} '{name}')")
+        offset = c.scalar("<Q", f"tensor table (tensor #{i} '{name}')")
         infos.append((name, shape, type_id, offset, info_offset))
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    if "general.alignment" in metadata and value_types["general.alignment"] != 4:
+        # ggml reads the key only as uint32 and refuses the file otherwise
+        raise CorruptFileError(f"{path}: general.alignment must be a uint32, got GGUF type "
+                               f"{value_types['general.alignment']} ({alignment!r})")
+    if alignment <= 0 or alignment & (alignment - 1):
         raise CorruptFileError(f"{path}: general.alignment {alignment!r} is not a power of two")
     data_offset = (c.pos + alignment - 1) // alignment * alignment
 
     tensors: dict[str, TensorInfo] = {}
+    expected_offset, previous = 0, None
     for name, shape, type_id, rel_offset, info_offset in infos:
         try:
             ttype = GGMLQuantizationType(type_id)
@@ -185,12 +207,29 @@ def _parse(buf, path: str, size: int) -> GGUFFile:
             raise CorruptFileError(f"{path}: tensor '{name}' has unknown ggml type id {type_id}") from None
         if any(d == 0 or d > MAX_COUNT * 64 for d in shape) or shape[0] % block != 0:
             raise CorruptFileError(f"{path}: tensor '{name}' has shape {list(shape)}, invalid for type {ttype.name}")
+        if name in tensors:
+            raise CorruptFileError(f"{path}: tensor '{name}' appears twice")
         n_bytes = int(np.prod(shape, dtype=np.float64)) // block * type_size
+        _check_placement(path, name, rel_offset, expected_offset, previous, alignment)
         offset = data_offset + rel_offset
         if offset + n_bytes > size:
             raise TruncatedFileError(
                 f"{path}: tensor '{name}' needs bytes {offset}..{offset + n_bytes} but the file has {size} bytes")
-        if name in tensors:
-            raise CorruptFileError(f"{path}: tensor '{name}' appears twice")
         tensors[name] = TensorInfo(name, shape, ttype, n_bytes, offset, info_offset)
+        expected_offset = rel_offset + (n_bytes + alignment - 1) // alignment * alignment
+        previous = tensors[name]
     return GGUFFile(path, version, metadata, tensors, data_offset, value_offsets, value_types)
+
+
+def _check_placement(path: str, name: str, rel_offset: int, expected: int, previous: TensorInfo | None,
+                     alignment: int) -> None:
+    """ggml's loader takes tensor data only packed in table order, each tensor padded to the
+    alignment: any other offset (unaligned, overlapping, a gap, two tensors swapped) is refused
+    there, so it is refused here with the tensors named. A wrong offset is often the symptom of a
+    wrong shape or type of the tensor before it, so that one is named too."""
+    if rel_offset == expected:
+        return
+    before = (f"'{previous.name}' before it (shape {list(previous.shape)}, {previous.type.name}) ends at {expected}"
+              if previous is not None else "it is the first tensor, which starts at 0")
+    raise CorruptFileError(f"{path}: tensor '{name}' has data offset {rel_offset}, expected {expected}: {before} "
+                           f"(tensors are stored in table order, each padded to alignment {alignment})")

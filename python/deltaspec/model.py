@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _core, completions
 from .cpu import default_threads
-from .errors import EngineError
+from .errors import EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
                          validate_flag, validate_stop)
 from .gguf_file import read_gguf
@@ -21,6 +21,10 @@ from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
 
 DEVICES = ("cpu", "cuda")
+LOGITS = ("all", "last", "none")
+MAX_N_CTX = 1 << 24      # as qwen35.context_length; past it the KV arithmetic overflows before memory runs out
+MAX_N_UBATCH = 1 << 24
+MAX_THREADS = 512        # ggml's GGML_MAX_N_THREADS
 SPEC_TYPES = ("draft-simple", "ngram-simple")
 SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of Model.metadata
 
@@ -67,6 +71,12 @@ def _load_progress(progress, label: str):
     return on_fraction, None
 
 
+def _check_count(name: str, value: Any, hi: int, alternatives: str = "") -> None:
+    """A positive int up to `hi` (a bool is not a count: True would mean 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [1, {hi}]{alternatives}, got {value!r}")
+
+
 def _stderr_is_tty() -> bool:
     try:
         return sys.stderr is not None and sys.stderr.isatty()
@@ -89,15 +99,15 @@ class Model:
         the fraction done, 0.0 .. 1.0, ending with exactly 1.0 (at most ~100 calls; raising aborts
         the load)."""
         self._engine = None
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike naming a GGUF file, got {type(path).__name__} "
+                            f"{path!r}")
         self.path = os.fspath(path)
-        if not isinstance(n_ctx, int) or n_ctx < 1:
-            raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
-        if not isinstance(n_ubatch, int) or n_ubatch < 1:
-            raise ValueError(f"n_ubatch must be a positive integer, got {n_ubatch!r}")
+        _check_count("n_ctx", n_ctx, MAX_N_CTX)
+        _check_count("n_ubatch", n_ubatch, MAX_N_UBATCH)
         if n_threads is None:
-            n_threads = default_threads()
-        if not isinstance(n_threads, int) or n_threads < 1:
-            raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
+            n_threads = min(default_threads(), MAX_THREADS)
+        _check_count("n_threads", n_threads, MAX_THREADS, " or None")
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         if not (progress is None or isinstance(progress, bool) or callable(progress)):
@@ -111,7 +121,10 @@ class Model:
         self.metadata: dict[str, Any] = {k: v for k, v in gguf.metadata.items()
                                          if not (isinstance(v, list) and len(v) > SMALL_ARRAY)}
         # n_vocab is the token list's length, and check_tensors held token_embd to it
-        self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        try:
+            self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        except TokenizerError as e:  # its messages name the key; the file is named here
+            raise TokenizerError(f"{self.path}: {e}") from None
         on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
             self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
@@ -171,12 +184,15 @@ class Model:
     # --- tokens --------------------------------------------------------------------------------
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         """Token ids of `text`; with special=True, control tokens such as <|im_start|> are parsed."""
-        return self.tokenizer.encode(text, special=special)
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__} {text!r:.80}")
+        return self.tokenizer.encode(text, special=validate_flag("special", special))
 
     def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
         """Text of token ids; control tokens such as <|im_start|> render only with special=True
         (llama-cpp-python's default, and how generated text is made)."""
-        return self.tokenizer.decode(ids, special=special)
+        arr = self._token_array(ids, "ids", allow_empty=True)
+        return self.tokenizer.decode(arr.tolist(), special=validate_flag("special", special))
 
     # --- compute -------------------------------------------------------------------------------
     # Each call below holds the model for its duration (engine_of): calls from several threads run
@@ -191,6 +207,8 @@ class Model:
         """Append tokens to the sequence. Returns float32 logits of shape (rows, n_vocab), rows being
         len(ids) for logits="all", 1 for "last" and 0 for "none"."""
         arr = self._token_array(ids)
+        if not isinstance(logits, str) or logits not in LOGITS:
+            raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
         with engine_of(self) as engine:
             return self._append(engine, arr, logits)
 
@@ -285,6 +303,9 @@ class Model:
             return Speculation(None, n_max, n_min)
         if draft_model is None:
             raise ValueError("spec_type 'draft-simple' needs draft_model (a Model or a GGUF path)")
+        if not isinstance(draft_model, (Model, str, os.PathLike)):
+            raise TypeError(f"draft_model must be a Model or a GGUF path, got {type(draft_model).__name__} "
+                            f"{draft_model!r}")
         if not isinstance(draft_model, Model):
             draft_model = self._draft_cache(draft_model)
         if draft_model is self:
@@ -308,19 +329,29 @@ class Model:
             if not prompt:
                 raise ValueError("the prompt is empty")
             ids = self.tokenize(prompt, special=True)
+        elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Sequence, np.ndarray)):
+            raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__} "
+                            f"{prompt!r:.80}")
         else:
-            ids = self._token_array(prompt).tolist()
+            ids = self._token_array(prompt, "prompt").tolist()
         if len(ids) >= self.n_ctx:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx} "
                              "(n_ctx); shorten the prompt or load the model with a larger n_ctx")
         return ids
 
-    def _token_array(self, ids: Sequence[int]) -> np.ndarray:
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or len(arr) == 0:
-            raise ValueError("ids must be a non-empty 1-D sequence of token ids")
+    def _token_array(self, ids: Sequence[int], what: str = "ids", allow_empty: bool = False) -> np.ndarray:
+        if isinstance(ids, (str, bytes, bytearray)):  # np.asarray would make a 0-d string array
+            raise TypeError(f"{what} must be a sequence of token ids, got {type(ids).__name__} {ids!r:.80}")
+        try:
+            arr = np.asarray(ids)
+        except ValueError:  # ragged nesting
+            arr = np.empty((0, 0))
+        if arr.ndim != 1 or (len(arr) == 0 and not allow_empty):
+            raise ValueError(f"{what} must be a non-empty 1-D sequence of token ids")
+        if len(arr) == 0:
+            return arr.astype(np.int32)
         if not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+            raise TypeError(f"token ids ({what}) must be integers, got dtype {arr.dtype}")
         bad = np.flatnonzero((arr < 0) | (arr >= self.n_vocab))
         if len(bad):
             raise ValueError(f"token id {int(arr[bad[0]])} at index {int(bad[0])} is outside the vocabulary "

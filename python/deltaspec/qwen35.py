@@ -309,10 +309,30 @@ def expected_tensors(hp: Qwen35HParams, f: GGUFFile) -> dict[str, tuple[tuple[in
     return want
 
 
+def _layer_kind_mismatch(hp: Qwen35HParams, f: GGUFFile, name: str) -> str | None:
+    """Why a layer's tensor is missing when the file holds the other kind of layer there: the
+    metadata's layer pattern (full_attention_interval or attention.recurrent_layers) disagrees with
+    the tensors. Only Gated DeltaNet layers have ssm_a, only attention layers attn_q_norm, so a
+    fused-QKV attention layer (which has neither of the other's) is not mistaken for one."""
+    parts = name.split(".")
+    if parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    il = int(parts[1])
+    other = f"blk.{il}.attn_q_norm.weight" if hp.recurrent[il] else f"blk.{il}.ssm_a"
+    if other not in f.tensors:
+        return None
+    has, wants = ("full attention", "Gated DeltaNet") if hp.recurrent[il] else ("Gated DeltaNet", "full attention")
+    return (f"layer {il} holds {has} tensors ('{other}'), but the metadata's layer pattern "
+            f"('{ARCH}.full_attention_interval' or '{ARCH}.attention.recurrent_layers') makes it a {wants} layer")
+
+
 def check_tensors(hp: Qwen35HParams, f: GGUFFile) -> None:
     for name, (shape, types) in expected_tensors(hp, f).items():
         info = f.tensors.get(name)
         if info is None:
+            layer = _layer_kind_mismatch(hp, f, name)
+            if layer:
+                raise MissingTensorError(f"{f.path}: tensor '{name}' is missing: {layer}")
             fused = name.replace("attn_q.weight", "attn_qkv.weight")
             if fused != name and fused in f.tensors:
                 # a missing tensor, not a bad type: the layout is what deltaspec does not run
