@@ -23,7 +23,12 @@ for name in $NAMES; do
     elif git diff --quiet HEAD -- "$path" 2>/dev/null && [[ -z $(git ls-files --others -- "$path") ]]; then
         continue  # neither changed nor new
     fi
-    if git cat-file -e "HEAD:$path" 2>/dev/null; then
+    blob=$(git rev-parse -q --verify "HEAD:$path" || true)
+    copy=""  # the same bytes committed under archive/ already: nothing to keep twice
+    [[ -n $blob ]] && copy=$(git ls-tree -r HEAD bench/results/archive | awk -v b="$blob" '$3 == b {print $4; exit}')
+    if [[ -n $copy ]]; then
+        echo "$path is archived already as $copy"
+    elif [[ -n $blob ]]; then
         dir=bench/results/archive/$(git log -1 --format='%ad_%h' --date=short -- "$path")
         if [[ -e $dir/$name ]]; then
             echo "archive_latest.sh: $dir/$name exists already; not overwriting it" >&2

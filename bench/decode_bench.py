@@ -152,11 +152,19 @@ def table(result: dict, model_path: str | None = None, bandwidth: float | None =
     lines = [f"| test | KV | {a} tok/s, median [min-max] | {b} tok/s, median [min-max] | ratio of medians |"
              + (f" {a} % roofline |" if roof_col else ""),
              "|---|---|---:|---:|---:|" + ("---:|" if roof_col else "")]
+    if len(result["sides"]) == 1:
+        lines[0] = lines[0].replace(f" {b} tok/s, median [min-max] | ratio of medians |", "")
+        lines[1] = lines[1][:-10]
     order = {t[0]: i for i, t in enumerate(TESTS)}
-    for (test, ctk), by_side in sorted(reps.items(), key=lambda kv: (kv[0][1] != "f16", kv[0][1], order.get(kv[0][0], 9))):
+    def row_order(item):  # f16 KV first, then the tests in TESTS' order
+        (test, ctk), _ = item
+        return ctk != "f16", ctk, order.get(test, len(order))
+
+    for (test, ctk), by_side in sorted(reps.items(), key=row_order):
         va, vb = by_side.get(a, []), by_side.get(b, [])
         ratio = f"{statistics.median(va) / statistics.median(vb):.2f}x" if va and vb else "-"
-        line = f"| {test} | {ctk} | {_spread(va) if va else '-'} | {_spread(vb) if vb else '-'} | {ratio} |"
+        line = (f"| {test} | {ctk} | {_spread(va) if va else '-'} | {_spread(vb) if vb else '-'} | {ratio} |"
+                if len(result["sides"]) > 1 else f"| {test} | {ctk} | {_spread(va)} |")
         if roof_col:
             roof = ""
             if test.startswith("tg") and va:
@@ -165,10 +173,11 @@ def table(result: dict, model_path: str | None = None, bandwidth: float | None =
                 roof = f"{100 * statistics.median(va) / limit:.0f}% of {limit:.0f}"
             line += f" {roof} |"
         lines.append(line)
-    lines.append(f"\n{n} repetitions per side, interleaved ({a} r1, {b} r1, {a} r2, ...), each a fresh process."
-                 if len(result["sides"]) > 1 else f"\n{n} repetitions, each a fresh process.")
     if result.get("meta", {}).get("note"):
-        lines.append(result["meta"]["note"] + ".")
+        lines.append("\n" + result["meta"]["note"] + ".")
+    else:
+        lines.append(f"\n{n} repetitions per side, interleaved ({a} r1, {b} r1, {a} r2, ...), each a fresh process."
+                     if len(result["sides"]) > 1 else f"\n{n} repetitions, each a fresh process.")
     if bandwidth:
         lines.append(f"Measured device bandwidth (copy, read+write): {bandwidth / 1e12:.2f} TB/s.")
     return "\n".join(lines)

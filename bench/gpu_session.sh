@@ -7,7 +7,7 @@
 #   build-ours: deltaspec alone (its own ggml-cuda, no llama.cpp; about 4 minutes less)
 #   test: every gpu-marked test under tests/ (CUDA vs CPU on the tiny models) -> gpu_tests.xml
 #   bench: deltaspec and llama-bench on a shape-faithful synthetic 27B Q4_K_M, interleaved
-#      repetitions (BENCH_REPS, default 3) -> decode_bench.json
+#      repetitions (BENCH_REPS, default 3; BENCH_TESTS: a subset of the tests) -> decode_bench.json
 #   bench-ours: the same for deltaspec alone (after build-ours: no llama-bench)
 #   stock: llama-bench built from the same tree WITHOUT deltaspec's dispatchers (into /tmp, in the
 #      background while the tests and the model writer run), then stock vs injected-off llama-bench,
@@ -124,12 +124,15 @@ if has_step profile; then  # one decode step and one 17-row verify, kernel by ke
         | tee "$OUT/profile.md"
 fi
 if has_step bench-ours; then
+    # shellcheck disable=SC2086  # BENCH_TESTS: a list of test names
     python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
-        --out "$OUT/decode_bench.json" | tee "$OUT/decode_bench.md"
+        ${BENCH_TESTS:+--tests $BENCH_TESTS} --out "$OUT/decode_bench.json" | tee "$OUT/decode_bench.md"
 fi
 if has_step bench; then
+    # shellcheck disable=SC2086  # BENCH_TESTS: a list of test names
     python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
-        --llama-bench "$LLAMA_BUILD/bin/llama-bench" --out "$OUT/decode_bench.json" | tee "$OUT/decode_bench.md"
+        ${BENCH_TESTS:+--tests $BENCH_TESTS} --llama-bench "$LLAMA_BUILD/bin/llama-bench" \
+        --out "$OUT/decode_bench.json" | tee "$OUT/decode_bench.md"
 fi
 if has_step stock; then
     python3 "$REPO/bench/decode_bench.py" stock /tmp/q27.gguf --reps "${BENCH_REPS:-3}" \

@@ -1,6 +1,6 @@
 """Speculative decoding on the CPU: plain vs speculative decode speed, acceptance and time split.
 
-    python bench/spec_bench.py [--out FILE.json]   # markdown table to stdout, JSON to bench/results/latest/spec_bench.json
+    python bench/spec_bench.py [--out FILE.json]   # table to stdout, JSON to bench/results/latest/spec_bench.json
 
 Drafters on a synthetic tiny-vocabulary qwen35 model (`deltaspec.testing.tiny_vocab`, a
 larger shape so a token costs about a millisecond; RANDOM WEIGHTS, so acceptance says nothing about
