@@ -25,13 +25,13 @@ for name in $NAMES; do
     fi
     blob=$(git rev-parse -q --verify "HEAD:$path" || true)
     copy=""  # the same bytes committed under archive/ already: nothing to keep twice
-    [[ -n $blob ]] && copy=$(git ls-tree -r HEAD bench/results/archive | awk -v b="$blob" '$3 == b {print $4; exit}')
+    [[ -n $blob ]] && copy=$(git ls-tree -r HEAD bench/results/archive | awk -v b="$blob" '$3 == b && !found {print $4; found = 1}')
     if [[ -n $copy ]]; then
         echo "$path is archived already as $copy"
     elif [[ -n $blob ]]; then
         dir=bench/results/archive/$(git log -1 --format='%ad_%h' --date=short -- "$path")
-        if [[ -e $dir/$name ]]; then
-            echo "archive_latest.sh: $dir/$name exists already; not overwriting it" >&2
+        if [[ -e $dir/$name ]] && ! git show "HEAD:$path" | cmp -s - "$dir/$name"; then
+            echo "archive_latest.sh: $dir/$name exists already and differs; not overwriting it" >&2
             exit 1
         fi
         mkdir -p "$dir"
