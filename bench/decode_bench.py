@@ -94,8 +94,10 @@ def measure_llama_bench(binary: str, model_path: str, tests: list[str] | None = 
                "-ctk", ctk, "-ctv", ctk, "-fa", "1", "-ngl", "99", "-r", "1", "-o", "json"]
         if threads:
             cmd += ["-t", str(threads)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        for rec in json.loads(out):
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+        for rec in json.loads(p.stdout):
             n_prompt, n_gen, depth = rec["n_prompt"], rec["n_gen"], rec.get("n_depth", 0)
             if (n_prompt and n_gen) or (not n_prompt and not n_gen):
                 continue
