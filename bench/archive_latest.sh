@@ -7,7 +7,8 @@
 # Only the result files listed below move; logs and tables in DIR stay where they are.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.json gpu_tests.xml profile.md spec_bench.json"
+NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.json gpu_tests.xml profile.md
+       spec_bench.json"
 LATEST=bench/results/latest
 FROM=${1:-}
 if [[ -n $FROM && ! -d $FROM ]]; then
@@ -25,7 +26,8 @@ for name in $NAMES; do
     fi
     blob=$(git rev-parse -q --verify "HEAD:$path" || true)
     copy=""  # the same bytes committed under archive/ already: nothing to keep twice
-    [[ -n $blob ]] && copy=$(git ls-tree -r HEAD bench/results/archive | awk -v b="$blob" '$3 == b && !found {print $4; found = 1}')
+    [[ -n $blob ]] && copy=$(git ls-tree -r HEAD bench/results/archive |
+                             awk -v b="$blob" '$3 == b && !found {print $4; found = 1}')
     if [[ -n $copy ]]; then
         echo "$path is archived already as $copy"
     elif [[ -n $blob ]]; then

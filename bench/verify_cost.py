@@ -19,7 +19,8 @@ depth of --depth tokens; then keep(n) alone after the longest chain for n = 1, h
 of it. The sampler is not reachable from Python, so its cost is taken from generate() itself:
 speculative generation with a self-draft (the target's file loaded a second time, draft_n_min =
 draft_n_max, so every round drafts T-1 tokens and, the draft being the target, accepts nearly all
-of them: a batch's kernels may round differently from one token's, so the acceptance is printed), greedy and sampled, split by generate()'s own stats into draft, verify
+of them: a batch's kernels may round differently from one token's, so the acceptance is
+printed), greedy and sampled, split by generate()'s own stats into draft, verify
 (the pass itself, logits or argmax to the host included), rollback and the rest of a round (for
 the sampled path: the sampler on all T rows, the acceptance test, the text pieces out), and the
 same for plain decoding (one row: eval_argmax, or the last row's logits + the sampler).
