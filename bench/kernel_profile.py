@@ -107,7 +107,8 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("model")
     r.add_argument("--what", choices=["decode", "verify"], default="decode")
-    r.add_argument("--chain", type=int, default=17)
+    r.add_argument("--chain", type=int, default=17,
+                   help="T, rows of the verify pass (default 17: generate()'s default draft_n_max 16 + 1)")
     r.add_argument("--depth", type=int, default=256)
     p = sub.add_parser("report")
     p.add_argument("csv", nargs="+")

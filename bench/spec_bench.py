@@ -1,6 +1,6 @@
 """Speculative decoding on the CPU: plain vs speculative decode speed, acceptance and time split.
 
-    python bench/spec_bench.py --out spec.json            # markdown table to stdout, JSON to --out
+    python bench/spec_bench.py [--out FILE.json]   # table to stdout, JSON to bench/results/latest/spec_bench.json
 
 Drafters on a synthetic tiny-vocabulary qwen35 model (`deltaspec.testing.tiny_vocab`, a
 larger shape so a token costs about a millisecond; RANDOM WEIGHTS, so acceptance says nothing about
@@ -89,7 +89,8 @@ def summarize(rows) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "latest" / "spec_bench.json"),
+                    help="JSON results (default: %(default)s)")
     ap.add_argument("--prompts", type=int, default=6, help="prompts per drafter (default: %(default)s)")
     ap.add_argument("-n", "--n-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=5, help="repetitions, the fastest kept (default: %(default)s)")
@@ -162,6 +163,7 @@ def main() -> int:
         print(f"{r['case']}: {rnd:.2f}x plain time per token ({'within' if rnd <= 1.15 else 'EXCEEDS'} "
               "the 1.15x bound).")
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=2) + "\n")
     return 0
 

@@ -3,7 +3,7 @@
 //
 // ggml's kernel for a non-contiguous source gives each of the C = 10240 rows (channels) a thread
 // block of its own and reads the transposed part one value per row, T * 4 * C bytes apart: a
-// 17-token verify spent 0.45 ms in its 48 launches (9.4 us each; bench/README). Here a thread
+// 17-token verify spent 0.45 ms in its 48 launches (9.4 us each; bench/HISTORY.md). Here a thread
 // block takes 32 channels: it reads each token's 32 channel values (128 contiguous bytes of
 // qkv) into a shared tile and writes the 32 rows, which are contiguous in the result, in one
 // coalesced sweep.

@@ -1,7 +1,7 @@
 // The Gated DeltaNet recurrence of a verify batch (ggml_gated_delta_net over T > 1 tokens), and
 // the replay that rolls the live state forward by the first n of those tokens when the engine
-// keeps them (deltaspec_cuda_deltanet_replay, Engine::keep): the verify op itself no longer
-// writes a state per token.
+// keeps them (deltaspec_cuda_deltanet_replay, Engine::keep): the verify op itself does not
+// write a state per token.
 //
 // ggml's kernel (gated_delta_net.cu) gives each warp one column of one head's state (a 128 x 128
 // matrix per head, 4 values a lane in registers) and walks the tokens: per token it loads q and k
@@ -58,8 +58,8 @@ struct Inputs {
 
 // A chunk of tokens' inputs in shared memory, loaded by the whole thread block (whose warps share
 // one head); the token loop then reads them from here instead of waiting on a global load per
-// token (the loop's other latencies are a few hundred cycles a token: before this, a 16-token
-// verify took ~20 us per layer at a third of the SMs' issue rate). Each thread first loads its
+// token (the loop's other latencies are a few hundred cycles a token: with a global load per token, a
+// 16-token verify took ~20 us per layer at a third of the SMs' issue rate). Each thread first loads its
 // share of a chunk into registers, every load in flight at once (fetch_chunk), and only then
 // stores it (store_chunk): a loop that stored each value as it arrived waited on one load
 // round trip per token. The next chunk's loads are issued before this chunk's tokens, and the

@@ -242,7 +242,7 @@ inline int mma_row_tiles(int64_t n_rows, int max_tiles) {
 // rows: 5120 rows are 320 tiles of 16, 1.2 waves of the H200's 264 slots (two blocks per SM), so
 // the second wave runs a fifth full. The order of the sums is fixed (cluster rank, then warp), so
 // results do not vary from run to run. Measured (H200, kernels_bench, 5120 x 17408 and 5120 x
-// 6144, 2..32 columns; bench/README): it pays only for Q6_K, and only C = 2 (ffn down at 16
+// 6144, 2..32 columns; bench/HISTORY.md): it pays only for Q6_K, and only C = 2 (ffn down at 16
 // columns 53.6 -> 50.1 us, 8: 47.7 -> 45.0, 17: 60.5 -> 55.8; C = 4: 63.8 at 16). Q4_K lost with
 // both (ffn down at 16: 34.6 -> 36.5 / 50.1; ssm_out 16.7 -> 22.3 / 35.2), so the wave's tail is
 // not what holds Q4_K back there (what does was not measured). A guess at Q6_K's gain: its

@@ -15,7 +15,7 @@
 // quantized in each warp's registers: no better; splitting K across warps: worse (189 registers,
 // 12 % occupancy, latency-bound per Nsight Compute); x prepared once per block in shared memory,
 // one row per warp (39-61 registers): 1.7-2.5 TB/s; then a grid of resident blocks that each
-// prepare x once and walk many rows (bench/README has the numbers).
+// prepare x once and walk many rows (bench/HISTORY.md has the numbers).
 #pragma once
 
 #include "gemv_common.cuh"
@@ -81,8 +81,8 @@ __device__ __forceinline__ float q4k_chunk(uint4 head, uint4 qs, int j, const XS
 // gridDim.x * 8 apart. With SPLIT_K (matrices of few rows, such as DeltaNet's 48-row alpha and
 // beta, which 8 rows a block would leave on a handful of SMs), the 8 warps of a block share one
 // row, each walking every 8th group of 4 blocks, and a block's rows are gridDim.x apart. With
-// PAIRED (first for wide matrices of a few thousand rows, such as ffn down: 5120 x 17408; now any
-// plain product of 4096+ rows), a warp takes two rows 8 apart at once, so a block covers 16 rows:
+// PAIRED (any plain product of 4096+ rows, made for wide matrices of a few thousand rows such as
+// ffn down: 5120 x 17408), a warp takes two rows 8 apart at once, so a block covers 16 rows:
 // twice the weight loads in flight per warp, all rows of ffn down in one wave of resident blocks
 // (with one row a warp, 5120 rows needed a second wave on a fifth of the blocks), and x is
 // prepared once per 16 rows.

@@ -1,7 +1,7 @@
 // Q4_K matrix x 2..32 f32 columns on tensor cores: the products of verifying a draft (a chain of
 // up to 32 tokens), meant to cost close to one column's weight read. ggml sends 2-8 columns to its
 // mat-vec (which re-reads and re-decodes the weights per column group) and 9+ to its tile kernels
-// (mmq); verifying 17 tokens cost 2.9 decode steps that way (bench/README).
+// (mmq); verifying 17 tokens costs 2.9 decode steps that way (bench/HISTORY.md).
 //
 // x is first quantized per column and per 256 values (one Q4_K block) to int8 with one f32 scale,
 // plus the integer sum of each 32-value sub-block (quantize_x256, mma_x.cuh). A thread block of 8
@@ -12,15 +12,15 @@
 //     B = x's int8 values, C_s; then  S += sc_s * C_s  (the 6-bit sub-block scale, per row);
 //   * the mins  M = sum_s m_s * xsum_s  as two more mma (xsum up to +-4064 is split into int8
 //     high and low parts: xsum = 64 * hi + lo);
-// and only then touches floats once:  y += dx * (d * S - dmin * M).  (A first version scaled
-// every sub-block's result in f32: its cost grew with the column count, 2.9x one column at 17.)
+// and only then touches floats once:  y += dx * (d * S - dmin * M).  (Scaling every
+// sub-block's result in f32 costs more with every column: 2.9x one column at 17.)
 //
 // Weights go through shared memory: each warp copies its 16 rows' next block there (cp.async, 16
 // bytes a lane) while it multiplies the current one, and loads all of x's fragments of a block at
-// once, before it waits for the block's weights. An earlier form held the current and next block
-// in registers (48 of its 128), which left no room to load x ahead: its fragments came one
-// sub-block at a time between the mma, each an L1/L2 round trip. H200, kernels_bench, 16 columns
-// against that form: ffn gate+up stack 55.4 -> 46.2 us, ffn down 36.7 -> 34.5, DeltaNet stack
+// once, before it waits for the block's weights. Holding the current and next block in registers
+// instead (48 of its 128) leaves no room to load x ahead: its fragments come one sub-block at a
+// time between the mma, each an L1/L2 round trip. H200, kernels_bench, 16 columns, against that
+// form: ffn gate+up stack 55.4 -> 46.2 us, ffn down 36.7 -> 34.5, DeltaNet stack
 // 28.1 -> 24.0, ssm_out 17.4 -> 16.5 (one column, the mat-vec: 36.7 / 25.4 / 20.2 / 11.7). Three
 // or four blocks in flight per warp were slower than two: the extra shared memory comes out of
 // the L1 that serves x to the warps of a block.

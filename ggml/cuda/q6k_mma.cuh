@@ -1,6 +1,6 @@
 // Q6_K matrix x 2..32 f32 columns on tensor cores: Q4_K_M's Q6_K tensors (the output head, half
 // the ffn down matrices, attention v) when verifying a draft chain. ggml's tile kernels took them
-// at ~4.9 ms of a 17-token verify on the 27B (bench/README), several times their weight read.
+// at ~4.9 ms of a 17-token verify on the 27B (bench/HISTORY.md), several times their weight read.
 //
 // x is quantized as for q4k_mma (per column and 256 values to int8 with one scale; mma_x.cuh), with
 // each 32-value sub-block's two halves interleaved for this kernel's k = 16 mma. A thread block of
@@ -16,10 +16,10 @@
 //     unsigned bytes, assembled from the 4 low and 2 high bits), B = x's int8 values, C; then
 //     S += sc * C per row. Once per block the weights' offset of -32, S -= 32 * sum_g sc_g X_g
 //     (X_g: x's sum over group g, from quantize_x256) as two more mma over the 16 groups, and
-//     y += dx * d * S. The same integers as q - 32 in the mma (an earlier form), for fewer
+//     y += dx * d * S. The same integers as q - 32 fed to the mma would give, for fewer
 //     instructions a weight: these kernels are bound by their issue rate (Nsight Compute, ffn
 //     down at 16 columns: 2.4 instructions a cycle per SM of 4, 23 a mma, 3 of them turning q
-//     into q - 32 bytes; 22.8 -> 17.7 M instructions; bench/README).
+//     into q - 32 bytes; 22.8 -> 17.7 M instructions without them; bench/HISTORY.md).
 //   * few rows (5120: 1.2 waves of thread blocks): two thread blocks of a cluster share a tile,
 //     each taking every other step, and add up their sums at the end (q6k_mma_k_split, mma_x.cuh).
 // Lane (g, t) gives the mma weights 4t..4t+3 of a 16-weight group: the same byte offsets in ql
@@ -246,7 +246,7 @@ inline void allow_q6k_mma_smem() {
 // `k_steps` 8-block steps per row: 2 where those blocks fill less than two waves and each half
 // keeps 4 or more steps (5120 x 17408: 320 blocks, 9 steps), else 1. (A rule that counted waves
 // x steps a block chose 3 there, 960 blocks of 3 steps, 4 waves against 3 of 5: slower, 47.9 ->
-// 52.9 us at 16 columns; kernels_bench --k-splits 1,2,3,4, bench/README.)
+// 52.9 us at 16 columns; kernels_bench --k-splits 1,2,3,4, bench/HISTORY.md.)
 inline int q6k_mma_k_split(int64_t blocks, int k_steps) {
     const int64_t slots = 2 * (int64_t)device_sm_count();
     return blocks < 2 * slots && k_steps >= 8 ? 2 : 1;

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Put new benchmark results into bench/results/latest/ and the committed ones they replace into
+# bench/results/archive/<date>_<commit>/ (the date and commit that last wrote each of them), then
+# stage both; the commit is left to you.
+#   bash bench/archive_latest.sh DIR   # results of a GPU session (gpu_session.sh's $OUT, fetched here)
+#   bash bench/archive_latest.sh       # results a script already wrote into latest/ (its default)
+# Only the result files listed below move; logs and tables in DIR stay where they are.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.json gpu_tests.xml profile.md
+       spec_bench.json"
+LATEST=bench/results/latest
+FROM=${1:-}
+if [[ -n $FROM && ! -d $FROM ]]; then
+    echo "archive_latest.sh: $FROM is not a folder" >&2
+    exit 2
+fi
+mkdir -p "$LATEST"
+changed=0
+for name in $NAMES; do
+    path=$LATEST/$name
+    if [[ -n $FROM ]]; then
+        [[ -f $FROM/$name ]] || continue
+    elif git diff --quiet HEAD -- "$path" 2>/dev/null && [[ -z $(git ls-files --others -- "$path") ]]; then
+        continue  # neither changed nor new
+    fi
+    blob=$(git rev-parse -q --verify "HEAD:$path" || true)
+    copy=""  # the same bytes committed under archive/ already: nothing to keep twice
+    [[ -n $blob ]] && copy=$(git ls-tree -r HEAD bench/results/archive |
+                             awk -v b="$blob" '$3 == b && !found {print $4; found = 1}')
+    if [[ -n $copy ]]; then
+        echo "$path is archived already as $copy"
+    elif [[ -n $blob ]]; then
+        dir=bench/results/archive/$(git log -1 --format='%ad_%h' --date=short -- "$path")
+        if [[ -e $dir/$name ]] && ! git show "HEAD:$path" | cmp -s - "$dir/$name"; then
+            echo "archive_latest.sh: $dir/$name exists already and differs; not overwriting it" >&2
+            exit 1
+        fi
+        mkdir -p "$dir"
+        git show "HEAD:$path" > "$dir/$name"
+        git add "$dir/$name"
+        echo "archived $path -> $dir/$name"
+    fi
+    [[ -n $FROM ]] && cp "$FROM/$name" "$path"
+    git add "$path"
+    echo "latest: $path"
+    changed=1
+done
+[[ $changed == 1 ]] || echo "archive_latest.sh: no new results found" >&2
