@@ -9,9 +9,11 @@
 #   bench: deltaspec and llama-bench on a shape-faithful synthetic 27B Q4_K_M, interleaved
 #      repetitions (BENCH_REPS, default 3; BENCH_TESTS: a subset of the tests) -> decode_bench.json
 #   bench-ours: the same for deltaspec alone (after build-ours: no llama-bench)
-#   stock: llama-bench built from the same tree WITHOUT deltaspec's dispatchers (into /tmp, in the
-#      background while the tests and the model writer run), then stock vs injected-off llama-bench,
-#      interleaved, tg128 and pp512 with an f16 KV cache -> stock_vs_injected.json
+#   stock-build: starts building llama-bench from the same tree WITHOUT deltaspec's dispatchers
+#      (into /tmp, niced, in a process session of its own, so that it goes on after the call that
+#      started it ends: a CUDA build does not fit one call beside `build test`)
+#   stock: stock vs injected-off llama-bench, interleaved, tg128 and pp512 with an f16 KV cache
+#      -> stock_vs_injected.json (starts the stock build if no earlier call did)
 #   verify: what verifying a draft chain (greedy and sampled) and rolling back cost next to a
 #      decode step (27B) -> verify_cost.json
 #   profile: GPU time per kernel group of one decode step and one 17-row verify (Nsight Compute)
@@ -25,7 +27,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours stock test bench bench-ours ab verify profile
+# steps: any of kernels build build-ours stock-build stock test bench bench-ours ab verify profile
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -72,12 +74,22 @@ if [[ -n ${kernels_pid:-} ]]; then  # on an idle host, before anything else uses
     fi
     cat "$OUT/kernels_bench.md"
 fi
-if has_step stock && [[ ! -x $STOCK_BUILD/bin/llama-bench ]]; then  # the same tree, no --deltaspec-kernels
-    ( t0=$(date +%s); rc=0
-      python3 bench/peers/llama_cpp.py build --cuda --build-dir "$STOCK_BUILD" -j "$(nproc)" \
-          > "$OUT/stock_build.log" 2>&1 || rc=$?
-      echo "stock llama.cpp CUDA build: $(( $(date +%s) - t0 )) s (exit $rc)" >> "$OUT/stock_build.log" ) &
+# The stock build's log and exit status live in /tmp (not $OUT, which each call empties); STOCK_DONE
+# appears when it has ended, whatever its outcome.
+STOCK_LOG=/tmp/stock_build.log STOCK_DONE=/tmp/stock_build.done
+if { has_step stock-build || has_step stock; } && [[ ! -f $STOCK_DONE && ! -f $STOCK_LOG ]]; then
+    # from a copy of the tree: the next call lays the carried tree anew under a running compile
+    rm -rf /tmp/stock-src && cp -r "$DELTASPEC_GGML_SOURCE" /tmp/stock-src
+    DELTASPEC_GGML_SOURCE=/tmp/stock-src setsid nohup nice -n 19 bash -c 't0=$(date +%s); rc=0
+        python3 bench/peers/llama_cpp.py build --cuda --build-dir "$1" -j "$(nproc)" || rc=$?
+        echo "stock llama.cpp CUDA build: $(( $(date +%s) - t0 )) s (exit $rc)"; touch "$2"' \
+        _ "$STOCK_BUILD" "$STOCK_DONE" > "$STOCK_LOG" 2>&1 < /dev/null &
 fi
+wait_for_stock_build() {  # nothing is timed while a compile runs
+    [[ -f $STOCK_LOG ]] || return 0
+    while [[ ! -f $STOCK_DONE ]]; do sleep 5; done
+    tail -1 "$STOCK_LOG"; cp "$STOCK_LOG" "$OUT/stock_build.log"
+}
 cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
@@ -96,9 +108,9 @@ if has_step test; then
     tail -25 "$OUT/gpu_tests.log"
 fi
 if needs_model; then
-    wait  # the model, and the stock build: nothing is timed while a compile runs
+    wait  # the model
     cat "$OUT/synth.log" 2>/dev/null || true
-    tail -1 "$OUT/stock_build.log" 2>/dev/null || true
+    wait_for_stock_build
 fi
 if has_step ab; then
     IFS='|' read -ra configs <<< "${AB_CONFIGS:-}"
