@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _core, completions
+from . import _core, batch_invariance, completions
 from .cpu import default_threads
 from .errors import EngineError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
@@ -112,6 +112,8 @@ class Model:
                                          if not (isinstance(v, list) and len(v) > SMALL_ARRAY)}
         # n_vocab is the token list's length, and check_tensors held token_embd to it
         self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        # before the engine: ggml reads the matmul variable it sets once, at the process's first matmul
+        self.batch_invariant = batch_invariance.apply()
         on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
             self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
