@@ -79,6 +79,9 @@ class Model:
 
     The file is validated completely (metadata, tensor names, shapes and types) before the native
     engine reads it; problems raise subclasses of `deltaspec.errors.DeltaspecError`.
+
+    `batch_invariant` says whether a row's logits on the CPU are bitwise the same whatever batch
+    width computes them (DELTASPEC_BATCH_INVARIANT=1; see `deltaspec.batch_invariance`).
     """
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
