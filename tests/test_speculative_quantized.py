@@ -30,7 +30,7 @@ case at draft_n_max 8 is token-identical, asserted in a child process (ggml read
 per process) by `test_batch_invariant_option_makes_q4k_speculation_exact`; the same child without
 the option shows the K-quant rows differing and the divergence above
 (`test_batch_invariant_option_off`). GGML_CPU_TILED_MM_FORCE=1 (the tiled kernel at every width) is
-invariant too but decodes ~15x slower (bench/batch_invariance_cpu.py).
+invariant too but decodes ~10x slower (bench/batch_invariance_cpu.py).
 
 Planted bug, seen to fail: `test_planted_divergence_is_caught` replaces one token of a speculative
 result by plain decoding's second choice (what a verifier that accepted a wrong draft would
