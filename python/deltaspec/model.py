@@ -80,8 +80,8 @@ class Model:
     The file is validated completely (metadata, tensor names, shapes and types) before the native
     engine reads it; problems raise subclasses of `deltaspec.errors.DeltaspecError`.
 
-    `batch_invariant` says whether a row's logits on the CPU are bitwise the same whatever batch
-    width computes them (DELTASPEC_BATCH_INVARIANT=1; see `deltaspec.batch_invariance`).
+    `batch_invariant` says whether a row's logits are bitwise the same whatever batch width computes
+    them: True for a CPU model under DELTASPEC_BATCH_INVARIANT=1 (see `deltaspec.batch_invariance`).
     """
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
@@ -115,8 +115,9 @@ class Model:
                                          if not (isinstance(v, list) and len(v) > SMALL_ARRAY)}
         # n_vocab is the token list's length, and check_tensors held token_embd to it
         self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
-        # before the engine: ggml reads the matmul variable it sets once, at the process's first matmul
-        self.batch_invariant = batch_invariance.apply()
+        # before the engine: ggml reads the matmul variable it sets once, at the process's first
+        # matmul. The setting is ggml-cpu's: it says nothing of the CUDA backend's kernels.
+        self.batch_invariant = batch_invariance.apply() and device == "cpu"
         on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
             self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
