@@ -13,9 +13,7 @@ weights the pinned ggml-cpu multiplies batches of 8 or more rows in its tiled K-
 (ggml-cpu/tiled/tiled.cpp, ggml_tiled_min_batch) and fewer rows with vec_dot; the two sum in
 another order (the model with only output.weight in Q4_K already differs by 2e-6), and where a
 later layer re-quantizes its input to Q8_K such a difference can flip one int8 step, which moved
-logits by up to 0.21 (std 2.5). GGML_CPU_TILED_MM_FORCE=1, which sends every batch width to the
-tiled kernel, made every row bitwise equal again (not used here: ggml reads it once per process).
-So, on the CPU with a Q4_K model:
+logits by up to 0.21 (std 2.5). So, on the CPU with a Q4_K model and the default settings:
 
 - verify batches under 8 tokens (draft_n_max <= 6: the last token and up to 6 drafts) run the
   one-token step's kernel: speculative greedy is token-identical, asserted (`exact` cases);
@@ -26,6 +24,14 @@ So, on the CPU with a Q4_K model:
   NEAR_TIE_NOISE x its rms) and that difference is rounding, not a wrong result (rms <=
   NOISE_BOUND x the logit std; a wrong row or state moves it by the std itself).
 
+With DELTASPEC_BATCH_INVARIANT=1 (python/deltaspec/batch_invariance.py: GGML_CPU_TILED_MM=0, so
+every width takes vec_dot) every weight type's rows are bitwise batch-invariant and the draft-model
+case at draft_n_max 8 is token-identical, asserted in a child process (ggml reads the variable once
+per process) by `test_batch_invariant_option_makes_q4k_speculation_exact`; the same child without
+the option shows the K-quant rows differing and the divergence above
+(`test_batch_invariant_option_off`). GGML_CPU_TILED_MM_FORCE=1 (the tiled kernel at every width) is
+invariant too but decodes ~10x slower (bench/batch_invariance_cpu.py).
+
 Planted bug, seen to fail: `test_planted_divergence_is_caught` replaces one token of a speculative
 result by plain decoding's second choice (what a verifier that accepted a wrong draft would
 produce); the comparison finds it at that position with the gap it has, and both `check_identical`
@@ -34,13 +40,20 @@ and `check_near_ties` reject it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import deltaspec
 from deltaspec import Model
-from deltaspec.testing.tiny_vocab import cycle_prompt, write_tiny_vocab_model
+from deltaspec.batch_invariance import ENV, GGML_TILED, GGML_TILED_FORCE, BatchInvarianceError
+from deltaspec.testing.tiny_vocab import QUANT_TYPES, cycle_prompt, write_tiny_vocab_model
 
 N_PROMPTS, N_TOKENS = 20, 128
 NEAR_TIE_NOISE = 6.0  # a divergence's gap, in rms step-vs-batch differences at its row
@@ -247,3 +260,104 @@ def test_planted_divergence_is_caught(q4k_models):
         check_identical(found)
     with pytest.raises(AssertionError, match="planted prompt 1 token 7: speculative token .* not a near-tie"):
         check_near_ties(found, NOISE_BOUND)
+
+
+# --- DELTASPEC_BATCH_INVARIANT=1 -------------------------------------------------------------------
+K_QUANTS = {"q2_k", "q3_k", "q4_k", "q5_k", "q6_k"}  # the types ggml-cpu's tiled kernel takes
+DIVERGENT_PROMPT = 15  # where the default settings part at draft_n_max 8 (module docstring)
+
+
+def invariance_child(target: str, draft: str, type_dir: str, prompt_ids: list[int]) -> None:
+    """Runs in a process of its own (ggml reads its matmul variables once per process): for each
+    weight type, the logits of a 40-token batch against the same tokens as one-token steps; then
+    the draft-model case at draft_n_max 8 for the prompts `prompt_ids`. Prints one JSON line."""
+    rows = {}
+    for p in sorted(Path(type_dir).glob("*.gguf")):
+        with Model(p, n_ctx=256, n_threads=1) as m:
+            ids = np.random.default_rng(3).integers(0, m.n_vocab, 40).tolist()
+            batch = m.logits(ids)
+            m.reset()
+            steps = np.concatenate([m.eval([t]) for t in ids])
+            rows[p.stem] = float(np.abs(batch - steps).max()) if not np.array_equal(batch, steps) else 0.0
+    with Model(target, n_ctx=512, n_threads=1) as t, Model(draft, n_ctx=512, n_threads=1) as d:
+        prompts = random_prompts(np.random.default_rng(11), t.n_vocab)
+        found, drafted, accepted = greedy_divergences(t, [prompts[k] for k in prompt_ids], "child", draft_model=d,
+                                                      draft_n_max=8, draft_n_min=1)
+        model_flag = t.batch_invariant
+    print(json.dumps({"batch_invariant": deltaspec.batch_invariant(), "model_flag": model_flag,
+                      "ggml_env": {k: os.environ.get(k) for k in (GGML_TILED, GGML_TILED_FORCE)},
+                      "row_diff": rows, "drafted": drafted, "accepted": accepted,
+                      "divergences": [dict(asdict(x), prompt=prompt_ids[x.prompt]) for x in found]}))
+
+
+@pytest.fixture(scope="module")
+def weight_type_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weight-types")
+    for q in [None, *QUANT_TYPES]:
+        write_tiny_vocab_model(root / f"{q or 'f32'}.gguf", quant=q, **Q4K_SHAPE)
+    return root
+
+
+def run_child(q4k_models, type_dir: Path, prompt_ids: list[int], invariant: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in (ENV, GGML_TILED, GGML_TILED_FORCE)}
+    if invariant:
+        env[ENV] = "1"
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"from test_speculative_quantized import invariance_child; "
+            f"invariance_child({q4k_models['target'].path!r}, {q4k_models['perturbed'].path!r}, "
+            f"{str(type_dir)!r}, {prompt_ids!r})")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(json.dumps({k: result[k] for k in ("batch_invariant", "ggml_env", "row_diff", "drafted", "accepted")}))
+    report([Divergence(**d) for d in result["divergences"]], f"invariant={invariant}", result["drafted"],
+           result["accepted"])
+    assert len(result["row_diff"]) == len(QUANT_TYPES) + 1  # every weight type was compared
+    return result
+
+
+def test_batch_invariant_option_makes_q4k_speculation_exact(q4k_models, weight_type_models):
+    """With DELTASPEC_BATCH_INVARIANT=1 (GGML_CPU_TILED_MM=0 for ggml), every weight type's rows are
+    bitwise the same in a 40-token batch and in one-token steps, and the draft-model case at
+    draft_n_max 8 (verify batches of 9 rows) is token-identical to plain greedy on all 20 prompts x
+    128 tokens, including the prompt where the default settings part.
+
+    The planted bug is the option left out, in the same child: the K-quant types' rows then differ
+    (the tiled kernel ran) and the known divergence appears; `test_batch_invariant_option_off`
+    asserts that, so this test's checks are seen to fail without the option."""
+    r = run_child(q4k_models, weight_type_models, list(range(N_PROMPTS)), invariant=True)
+    assert r["batch_invariant"] and r["model_flag"]
+    assert r["ggml_env"][GGML_TILED] == "0"
+    assert r["row_diff"] == {q: 0.0 for q in r["row_diff"]}
+    assert r["drafted"] > 0 and 0 < r["accepted"] < r["drafted"]  # verify batches kept in part
+    check_identical([Divergence(**d) for d in r["divergences"]])
+
+
+def test_batch_invariant_option_off(q4k_models, weight_type_models):
+    """The same child without the option (the planted bug of the test above): F32, F16, BF16 and
+    the legacy quants are bitwise batch-invariant anyway, the K-quants are not, and speculative
+    greedy parts from plain greedy on the known prompt, so check_identical fails there."""
+    r = run_child(q4k_models, weight_type_models, [DIVERGENT_PROMPT], invariant=False)
+    assert not r["batch_invariant"] and not r["model_flag"]
+    assert {q for q, diff in r["row_diff"].items() if diff > 0} == K_QUANTS
+    assert [d["prompt"] for d in r["divergences"]] == [DIVERGENT_PROMPT]
+    with pytest.raises(AssertionError, match=f"child prompt {DIVERGENT_PROMPT} token"):
+        check_identical([Divergence(**d) for d in r["divergences"]])
+
+
+def test_batch_invariant_is_fixed_per_process(q4k_models, monkeypatch):
+    """A Model exists in this process, so ggml has fixed its matmul choice: asking for the other
+    choice raises instead of silently not applying, and a malformed value is refused. Planted bug,
+    seen to fail: batch_invariance._in_effect reset to None (apply() forgetting the first Model)
+    made Model() accept DELTASPEC_BATCH_INVARIANT=1 and the first pytest.raises fail."""
+    fixed = q4k_models["target"].batch_invariant
+    assert fixed == deltaspec.batch_invariant()
+    monkeypatch.setenv(ENV, "0" if fixed else "1")
+    with pytest.raises(BatchInvarianceError, match=f"{ENV}=.* after this process's first Model"):
+        Model(q4k_models["target"].path, n_ctx=64, n_threads=1)
+    monkeypatch.setenv(ENV, "yes")
+    with pytest.raises(BatchInvarianceError, match=f"{ENV} must be 0 or 1, got 'yes'"):
+        Model(q4k_models["target"].path, n_ctx=64, n_threads=1)
+    monkeypatch.setenv(ENV, "1" if fixed else "0")
+    with Model(q4k_models["target"].path, n_ctx=64, n_threads=1) as m:
+        assert m.batch_invariant == fixed

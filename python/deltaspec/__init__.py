@@ -1,8 +1,9 @@
 """deltaspec: Qwen3.5 / Qwen3.6 hybrid models from GGUF on ggml, with speculative decoding."""
 
+from .batch_invariance import batch_invariant
 from .errors import DeltaspecError
 
-__all__ = ["Model", "DeltaspecError"]
+__all__ = ["Model", "DeltaspecError", "batch_invariant"]
 __version__ = "0.1.0"
 
 

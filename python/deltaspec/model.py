@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _core, completions
+from . import _core, batch_invariance, completions
 from .cpu import default_threads
 from .errors import EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
@@ -89,6 +89,9 @@ class Model:
 
     The file is validated completely (metadata, tensor names, shapes and types) before the native
     engine reads it; problems raise subclasses of `deltaspec.errors.DeltaspecError`.
+
+    `batch_invariant` says whether a row's logits are bitwise the same whatever batch width computes
+    them: True for a CPU model under DELTASPEC_BATCH_INVARIANT=1 (see `deltaspec.batch_invariance`).
     """
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
@@ -125,6 +128,9 @@ class Model:
             self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
         except TokenizerError as e:  # its messages name the key; the file is named here
             raise TokenizerError(f"{self.path}: {e}") from None
+        # before the engine: ggml reads the matmul variable it sets once, at the process's first
+        # matmul. The setting is ggml-cpu's: it says nothing of the CUDA backend's kernels.
+        self.batch_invariant = batch_invariance.apply() and device == "cpu"
         on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
             self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
