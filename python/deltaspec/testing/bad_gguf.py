@@ -121,6 +121,12 @@ def _skip_value(buf: bytes, at: int, vtype: int) -> int:
     return at
 
 
+def _string(buf: bytes, at: int) -> tuple[str, int]:
+    """The length-prefixed string at `at` (a key or a tensor name) and where the field after it starts."""
+    n = _u64(buf, at)
+    return buf[at + 8:at + 8 + n].decode(), at + 8 + n
+
+
 def _n_bytes(shape: tuple[int, ...], type_id: int) -> int:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
     return int(np.prod(shape)) // block * size
@@ -132,9 +138,7 @@ def layout(buf: bytes) -> Layout:
     at, kvs = HEADER, []
     for i in range(n_kv):
         start = at
-        key_len = _u64(buf, at)
-        key = buf[at + 8:at + 8 + key_len].decode()
-        type_at = at + 8 + key_len
+        key, type_at = _string(buf, at)
         vtype = _u32(buf, type_at)
         value_at = type_at + 4
         end = _skip_value(buf, value_at, vtype)
@@ -144,9 +148,7 @@ def layout(buf: bytes) -> Layout:
     infos = []
     for i in range(n_tensors):
         start = at
-        name_len = _u64(buf, at)
-        name = buf[at + 8:at + 8 + name_len].decode()
-        n_dims_at = at + 8 + name_len
+        name, n_dims_at = _string(buf, at)
         n_dims = _u32(buf, n_dims_at)
         dims_at = n_dims_at + 4
         shape = tuple(_u64(buf, dims_at + 8 * j) for j in range(n_dims))
