@@ -60,6 +60,7 @@ extern "C" {
 
 #define DELTASPEC_ROWS_MAGIC 0x77524453  // "DSRw": op_params[1] of a rows node
 #define DELTASPEC_ROWS_MAX 65536         // rows per batch (the plan's indices fit in int32 with room)
+#define DELTASPEC_ROWS_MAX_KC 16         // the conv's kernel size Kc: 2 .. this (qwen35: 4)
 
 enum deltaspec_row_flag {
     DELTASPEC_ROW_WRITE_BACK = 1,
@@ -118,7 +119,7 @@ struct ggml_tensor * deltaspec_rows_gated_delta_net(struct ggml_context * ctx, s
 //   pool  : F32 [Kc-1, C, n_slots] contiguous, each slot's last Kc-1 inputs per channel, oldest
 //           first; rewritten in place only by WRITE_BACK rows
 //   x     : F32 [C, R] (rows of C contiguous), this batch's inputs
-//   c     : F32 [Kc, C] contiguous, the conv weights
+//   c     : F32 [Kc, C] contiguous, the conv weights (2 <= Kc <= DELTASPEC_ROWS_MAX_KC)
 //   rows  : I32 [DELTASPEC_ROWS_N_COLS, R] from deltaspec_rows_plan
 // result: F32 [C, R, 1]: y[c, r] = sum_j c[j, c] * w_r[j] over j = 0 .. Kc-1 in that order, w_r = the
 //   Kc-1 inputs before row r (its window) then x[:, r]; not written for skipped rows. ggml-cuda may
