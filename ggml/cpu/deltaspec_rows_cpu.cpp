@@ -1,29 +1,20 @@
-// The rows ops on the CPU (deltaspec_rows.h), compiled into ggml-cpu (ggml/cpu/inject.cmake), whose
-// ggml-cpu.c calls the two dispatchers below in place of ggml_compute_forward_gated_delta_net and
-// ggml_compute_forward_ssm_conv. Being part of ggml-cpu, this file is built with its flags and calls
-// the same vector helpers (vec.h) in the same order as ggml's ops.cpp does for one sequence: that is
-// what makes a chain's results ggml's bits.
+// The rows recurrence on the CPU (deltaspec_rows.h), compiled into ggml-cpu (ggml/cpu/inject.cmake),
+// whose ggml-cpu.c calls the two dispatchers below in place of ggml_compute_forward_gated_delta_net
+// and ggml_compute_forward_ssm_conv (the conv: deltaspec_rows_conv_cpu.cpp). Being part of ggml-cpu,
+// this file is built with its flags and calls the same vector helpers (vec.h) in the same order as
+// ggml's ops.cpp does for one sequence: that is what makes a chain's results ggml's bits.
 #include "deltaspec_rows.h"
 #include "ggml-cpu-impl.h"
 #include "ops.h"
+#include "rows_cpu.h"
 #include "vec.h"
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 
+using namespace deltaspec_rows_cpu;
+
 namespace {
-
-const int32_t * rows_of(const ggml_tensor * dst, int src) { return (const int32_t *)dst->src[src]->data; }
-
-int32_t entry(const int32_t * rows, int64_t i, int e) { return rows[i * DELTASPEC_ROWS_N_COLS + e]; }
-
-// The test-only planted bugs (tests/test_rows_op.py): DELTASPEC_TEST_ROWS_BUG names one. Read where
-// a walk or a thread's share starts, not per value.
-bool planted(const char * name) {
-    const char * bug = std::getenv("DELTASPEC_TEST_ROWS_BUG");
-    return bug != nullptr && std::strcmp(bug, name) == 0;
-}
 
 // One (head, walk) of the recurrence: the walk's rows in order, one working state `s` (S*S floats,
 // transposed as ggml stores it) carried from row to row, reloaded where a row does not continue the
@@ -88,6 +79,10 @@ void walk_head(const ggml_tensor * dst, int64_t head, int64_t begin, int64_t end
     }
 }
 
+}  // namespace
+
+namespace deltaspec_rows_cpu {
+
 // Work items are (head, walk) pairs, which share nothing: each thread takes every nth.
 void rows_gated_delta_net(const ggml_compute_params * params, ggml_tensor * dst) {
     const int32_t * rows = rows_of(dst, 6);
@@ -105,76 +100,7 @@ void rows_gated_delta_net(const ggml_compute_params * params, ggml_tensor * dst)
     }
 }
 
-// The conv: each thread takes a range of channels through every row. A row's window is gathered
-// along its ancestors (anc: the newest Kc-1 of them, oldest first, m of them found), the rest from
-// its slot's committed window. Write-backs come after every row of the range has read the pool.
-void rows_ssm_conv(const ggml_compute_params * params, ggml_tensor * dst) {
-    const ggml_tensor *pool_t = dst->src[0], *c_t = dst->src[1], *x_t = dst->src[2];
-    const int32_t * rows = rows_of(dst, 3);
-    const int64_t Kc = c_t->ne[0], C = c_t->ne[1], R = x_t->ne[1], W = Kc - 1;
-    float * pool = (float *)pool_t->data;
-    const float * w = (const float *)c_t->data;
-    float * y = (float *)dst->data;
-    const int64_t per_thread = (C + params->nth - 1) / params->nth;
-    const int64_t c0 = params->ith * per_thread, c1 = c0 + per_thread < C ? c0 + per_thread : C;
-    if (c0 >= c1) return;
-    int64_t anc[DELTASPEC_ROWS_MAX_KC];
-    const bool bug_short_window = planted("short_window"), bug_conv_order = planted("conv_order");
-    const bool bug_no_write_back = planted("no_write_back");
-
-    // the window entry j (0 = oldest) of row r, given its m ancestors anc[W-m..W-1]
-    auto window = [&](int64_t r, int64_t m, int64_t j, int64_t ch) -> float {
-        if (j >= W - m) return ((const float *)((const char *)x_t->data + anc[j] * x_t->nb[1]))[ch];
-        const int64_t slot = entry(rows, r, DELTASPEC_ROWS_SLOT);
-        return pool[(slot * C + ch) * W + j + m];
-    };
-    auto ancestors = [&](int64_t r) {
-        int64_t m = 0;
-        for (int64_t a = entry(rows, r, DELTASPEC_ROWS_PARENT); a >= 0 && m < W;
-             a = entry(rows, a, DELTASPEC_ROWS_PARENT)) {
-            anc[W - 1 - m++] = a;
-            if (bug_short_window) break;  // planted: only the parent, then the pool
-        }
-        return m;
-    };
-
-    for (int64_t r = 0; r < R; ++r) {
-        if (entry(rows, r, DELTASPEC_ROWS_SLOT) < 0) continue;
-        const int64_t m = ancestors(r);
-        const float * x_r = (const float *)((const char *)x_t->data + r * x_t->nb[1]);
-        float * y_r = y + r * C;
-        for (int64_t ch = c0; ch < c1; ++ch) {
-            // ggml's ssm_conv order: oldest input first, one float sum
-            const float * w_ch = w + ch * Kc;
-            float sumf = 0.0f;
-            if (bug_conv_order) {  // planted: newest input first (other bits)
-                sumf += x_r[ch] * w_ch[W];
-                for (int64_t j = W - 1; j >= 0; --j) sumf += window(r, m, j, ch) * w_ch[j];
-            } else {
-                for (int64_t j = 0; j < W; ++j) sumf += window(r, m, j, ch) * w_ch[j];
-                sumf += x_r[ch] * w_ch[W];
-            }
-            y_r[ch] = sumf;
-        }
-    }
-    for (int64_t r = 0; r < R; ++r) {
-        const int64_t slot = entry(rows, r, DELTASPEC_ROWS_SLOT);
-        if (slot < 0 || !(entry(rows, r, DELTASPEC_ROWS_FLAGS) & DELTASPEC_ROW_WRITE_BACK)) continue;
-        if (bug_no_write_back) continue;
-        const int64_t m = ancestors(r);
-        const float * x_r = (const float *)((const char *)x_t->data + r * x_t->nb[1]);
-        for (int64_t ch = c0; ch < c1; ++ch) {
-            // the window after r: its own window shifted by one, then x_r
-            float * dst_w = pool + (slot * C + ch) * W;
-            float next[DELTASPEC_ROWS_MAX_KC];
-            for (int64_t j = 0; j + 1 < W; ++j) next[j] = window(r, m, j + 1, ch);
-            for (int64_t j = 0; j + 1 < W; ++j) dst_w[j] = next[j];
-            dst_w[W - 1] = x_r[ch];
-        }
-    }
-}
-
-}  // namespace
+}  // namespace deltaspec_rows_cpu
 
 extern "C" {
 

@@ -1,5 +1,5 @@
-# Puts deltaspec's CPU ops (deltaspec_rows_cpu.cpp: the rows recurrence and conv of
-# ggml/deltaspec_rows.h) into ggml's ggml-cpu target, built with its flags and vector helpers, and
+# Puts deltaspec's CPU ops (the rows recurrence and conv of ggml/deltaspec_rows.h:
+# deltaspec_rows_cpu.cpp, deltaspec_rows_conv_cpu.cpp) into ggml's ggml-cpu target, built with its flags and vector helpers, and
 # compiles ggml-cpu.c with its gated_delta_net and ssm_conv entries renamed to our dispatchers, which
 # run our nodes and hand every other node to ggml's own function. No upstream file is changed.
 #
@@ -12,7 +12,8 @@ function(deltaspec_add_cpu_ops)
         return()
     endif()
     get_target_property(cpu_src_dir ggml-cpu SOURCE_DIR)
-    target_sources(ggml-cpu PRIVATE "${DELTASPEC_CPU_DIR}/deltaspec_rows_cpu.cpp")
+    target_sources(ggml-cpu PRIVATE "${DELTASPEC_CPU_DIR}/deltaspec_rows_cpu.cpp"
+                                    "${DELTASPEC_CPU_DIR}/deltaspec_rows_conv_cpu.cpp")
     target_include_directories(ggml-cpu PRIVATE "${cpu_src_dir}/ggml-cpu" "${DELTASPEC_CPU_DIR}/..")
     set_property(SOURCE "${cpu_src_dir}/ggml-cpu/ggml-cpu.c" TARGET_DIRECTORY ggml-cpu APPEND PROPERTY
         COMPILE_DEFINITIONS ggml_compute_forward_gated_delta_net=deltaspec_cpu_gated_delta_net
