@@ -41,7 +41,7 @@ class OneGraph {
         backend_ = ggml_backend_dev_init(dev, nullptr);
         if (backend_ == nullptr) throw std::runtime_error("cannot initialise device '" + device + "'");
         if (!cuda) ggml_backend_cpu_set_n_threads(backend_, n_threads);
-        ggml_init_params params = {64 * ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, true};
+        ggml_init_params params = {1024 * ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, true};
         ctx_ = ggml_init(params);
         gf_ = ggml_new_graph(ctx_);
     }
@@ -65,9 +65,9 @@ class OneGraph {
         return t;
     }
 
-    // computes `out` (and whatever it needs), repeat + 1 times; returns seconds per repeat (0 without)
-    double compute(ggml_tensor * out, int repeat) {
-        ggml_build_forward_expand(gf_, out);
+    // computes `outs` (and whatever they need), repeat + 1 times; returns seconds per repeat (0 without)
+    double compute(const std::vector<ggml_tensor *> & outs, int repeat) {
+        for (ggml_tensor * out : outs) ggml_build_forward_expand(gf_, out);
         buffer_ = ggml_backend_alloc_ctx_tensors(ctx_, backend_);
         if (buffer_ == nullptr) throw std::runtime_error("cannot allocate the op's tensors");
         py::gil_scoped_release release;  // the arrays' memory stays: inputs_ holds them
@@ -109,6 +109,15 @@ bool lenient() {
     return bug != nullptr && std::strcmp(bug, "lenient") == 0;
 }
 
+// copies: that many nodes of the op over the same inputs in one graph (a benchmark's, so that one
+// launch of the graph times many kernels); they must not write the pool back, or they would race.
+void check_copies(int copies, const I32 & flags) {
+    if (copies < 1 || copies > 512) throw std::invalid_argument("copies must be 1..512");
+    for (py::ssize_t i = 0; copies > 1 && i < flags.size(); ++i) {
+        if (flags.data()[i] & DELTASPEC_ROW_WRITE_BACK) throw std::invalid_argument("copies > 1 with a write-back row");
+    }
+}
+
 // The rows tensor's data for parent/slot/flags (R values each), to be filled by plan().
 I32 rows_array(const I32 & parent, const I32 & slot, const I32 & flags) {
     const py::ssize_t R = parent.size();
@@ -138,8 +147,10 @@ py::object rows_plan_py(const I32 & parent, const I32 & slot, const I32 & flags,
 
 py::object rows_gated_delta_net_py(const std::string & device, const F32 & q, const F32 & k, const F32 & v,
                                    const F32 & g, const F32 & beta, const F32 & pool, const I32 & parent,
-                                   const I32 & slot, const I32 & flags, int64_t n_saved, int n_threads, int repeat) {
+                                   const I32 & slot, const I32 & flags, int64_t n_saved, int n_threads, int repeat,
+                                   int copies) {
     if (lenient()) return py::none();
+    check_copies(copies, flags);
     require_cpu_side();
     OneGraph graph(device, n_threads);
     ggml_tensor *tq = graph.input(q, GGML_TYPE_F32), *tk = graph.input(k, GGML_TYPE_F32),
@@ -159,9 +170,13 @@ py::object rows_gated_delta_net_py(const std::string & device, const F32 & q, co
         throw std::invalid_argument("n_saved " + std::to_string(n_saved) + " is less than the " +
                                     std::to_string(needed) + " saved states these rows need");
     }
-    ggml_tensor * out = deltaspec_rows_gated_delta_net(graph.ctx(), tq, tk, tv, tg, tb, tp, trows, n_saved);
+    std::vector<ggml_tensor *> outs;
+    for (int i = 0; i < copies; ++i) {
+        outs.push_back(deltaspec_rows_gated_delta_net(graph.ctx(), tq, tk, tv, tg, tb, tp, trows, n_saved));
+    }
+    ggml_tensor * out = outs[0];
     // the pool is a source the op writes: read it back after the compute
-    const double seconds = graph.compute(out, repeat);
+    const double seconds = graph.compute(outs, repeat);
     const py::ssize_t S = tv->ne[0], H = tv->ne[1], R = tv->ne[2];
     py::dict res;
     res["y"] = graph.read(out, {R, H, S});
@@ -174,7 +189,8 @@ py::object rows_gated_delta_net_py(const std::string & device, const F32 & q, co
 }
 
 py::object gated_delta_net_py(const std::string & device, const F32 & q, const F32 & k, const F32 & v, const F32 & g,
-                              const F32 & beta, const F32 & state, int n_threads, int repeat) {
+                              const F32 & beta, const F32 & state, int n_threads, int repeat, int copies) {
+    check_copies(copies, I32(0));
     OneGraph graph(device, n_threads);
     ggml_tensor *tq = graph.input(q, GGML_TYPE_F32), *tk = graph.input(k, GGML_TYPE_F32),
                 *tv = graph.input(v, GGML_TYPE_F32), *tg = graph.input(g, GGML_TYPE_F32),
@@ -185,8 +201,10 @@ py::object gated_delta_net_py(const std::string & device, const F32 & q, const F
         throw std::invalid_argument("gated_delta_net: shapes must be q, k (T, H_k, S), v (T, H, S), g, beta (T, H, 1), "
                                     "state (1, H, S, S)");
     }
-    ggml_tensor * out = ggml_gated_delta_net(graph.ctx(), tq, tk, tv, tg, tb, ts, 1);
-    const double seconds = graph.compute(out, repeat);
+    std::vector<ggml_tensor *> outs;
+    for (int i = 0; i < copies; ++i) outs.push_back(ggml_gated_delta_net(graph.ctx(), tq, tk, tv, tg, tb, ts, 1));
+    ggml_tensor * out = outs[0];
+    const double seconds = graph.compute(outs, repeat);
     py::dict res;
     res["y"] = graph.read(out, {T, H, S});
     res["state"] = graph.read(out, {H, S, S}, T * H * S * sizeof(float));
@@ -212,7 +230,7 @@ py::object rows_ssm_conv_py(const std::string & device, const F32 & pool, const 
     plan(parent, slot, flags, n_slots, rows_data);
     ggml_tensor * out = deltaspec_rows_ssm_conv(graph.ctx(), tp, tx, tc, trows);
     if (silu) out = ggml_silu(graph.ctx(), out);  // ggml-cuda fuses it into the conv node
-    const double seconds = graph.compute(out, repeat);
+    const double seconds = graph.compute({out}, repeat);
     py::dict res;
     res["y"] = graph.read(out, {(py::ssize_t)tx->ne[1], (py::ssize_t)tc->ne[1]});
     res["pool"] = graph.read(tp, {(py::ssize_t)n_slots, (py::ssize_t)tc->ne[1], (py::ssize_t)tc->ne[0] - 1});
@@ -228,7 +246,7 @@ py::object ssm_conv_py(const std::string & device, const F32 & sx, const F32 & c
     }
     ggml_tensor * out = ggml_ssm_conv(graph.ctx(), tsx, tc);
     if (silu) out = ggml_silu(graph.ctx(), out);
-    graph.compute(out, 0);
+    graph.compute({out}, 0);
     return graph.read(out, {(py::ssize_t)out->ne[2], (py::ssize_t)out->ne[1], (py::ssize_t)out->ne[0]});
 }
 
@@ -240,10 +258,12 @@ void bind_rows_ops(py::module_ & m) {
     m.def("rows_gated_delta_net", &rows_gated_delta_net_py, py::arg("device"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("pool"), py::arg("parent"), py::arg("slot"),
           py::arg("flags"), py::arg("n_saved") = -1, py::arg("n_threads") = 1, py::arg("repeat") = 0,
+          py::arg("copies") = 1,
           "Test-only: the rows recurrence on numpy arrays q, k (R, H_k, S), v (R, H, S), g, beta (R, H, 1), pool "
           "(n_slots, H, S, S); returns {y, saved, pool (after), n_saved, rows, seconds}.");
     m.def("gated_delta_net", &gated_delta_net_py, py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("n_threads") = 1, py::arg("repeat") = 0,
+          py::arg("copies") = 1,
           "Test-only: ggml_gated_delta_net over one sequence; returns {y (T, H, S), state (H, S, S), seconds}.");
     m.def("rows_ssm_conv", &rows_ssm_conv_py, py::arg("device"), py::arg("pool"), py::arg("x"), py::arg("c"),
           py::arg("parent"), py::arg("slot"), py::arg("flags"), py::arg("silu") = false, py::arg("n_threads") = 1,

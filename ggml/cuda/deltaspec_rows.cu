@@ -34,6 +34,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 void deltaspec_rows_cuda_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 
@@ -54,6 +56,13 @@ __device__ __forceinline__ int32_t entry(const int32_t * rows, int64_t i, int e)
     return rows[i * DELTASPEC_ROWS_N_COLS + e];
 }
 
+// The test-only planted bugs (tests/test_gpu_rows_op.py): DELTASPEC_TEST_ROWS_BUG names one, read at
+// each launch.
+bool planted(const char * name) {
+    const char * bug = std::getenv("DELTASPEC_TEST_ROWS_BUG");
+    return bug != nullptr && std::strcmp(bug, name) == 0;
+}
+
 // What the recurrence reads and writes; strides in floats.
 struct RowsArgs {
     const float * q;
@@ -68,6 +77,7 @@ struct RowsArgs {
     int64_t H, n_qk_heads;
     int64_t q_head, q_row, v_head, v_row, gate_head, gate_row;  // q and k share theirs, g and beta theirs
     float scale;
+    bool bug_continue;  // test-only planted bug: no branch reloads its parent's state (planted() below)
 };
 
 // One walk position's plan entries.
@@ -218,7 +228,7 @@ __global__ void __launch_bounds__(kBlockThreads) rows_deltanet(const RowsArgs a)
             const Meta m = st.meta[i];
             if (t0 + i > 0) {  // where the row does not continue the one before it
                 if (m.start == -2) load_columns<S>(s, pool, first_col, lane);
-                if (m.start >= 0) load_columns<S>(s, saved + m.start * all_heads, first_col, lane);
+                if (m.start >= 0 && !a.bug_continue) load_columns<S>(s, saved + m.start * all_heads, first_col, lane);
             }
             const float o = deltaspec_cuda::token_step<S / 32, true>(s, st.k[i], st.q[i], st.v[i][my_staged], st.g[i],
                                                                       st.beta[i], lane);
@@ -240,7 +250,7 @@ void launch_rows_deltanet(const RowsArgs & a, int64_t n_walks_max, cudaStream_t 
 template <int KC, bool SILU>
 __global__ void __launch_bounds__(128) rows_conv(const float * pool, const float * x, const float * w,
                                                  const float * bias, const int32_t * rows, float * y, int64_t C,
-                                                 int kc, int64_t x_row, int64_t y_row) {
+                                                 int kc, int64_t x_row, int64_t y_row, bool bug_short_window) {
     deltaspec_cuda::wait_for_inputs();
     const int Kc = KC > 0 ? KC : kc, W = Kc - 1;
     const int64_t r = blockIdx.y, ch = (int64_t)blockIdx.x * 128 + threadIdx.x;
@@ -250,6 +260,7 @@ __global__ void __launch_bounds__(128) rows_conv(const float * pool, const float
     int m = 0;
     for (int a = entry(rows, r, DELTASPEC_ROWS_PARENT); a >= 0 && m < W; a = entry(rows, a, DELTASPEC_ROWS_PARENT)) {
         anc[W - 1 - m++] = a;
+        if (bug_short_window) break;  // planted: only the parent, then the committed window
     }
     const float * w_ch = w + ch * Kc;
     float sumf = 0.0f;  // ggml's order: oldest input first
@@ -303,7 +314,8 @@ void rows_ssm_conv(ggml_backend_cuda_context & ctx, ggml_tensor * dst, ggml_tens
     auto launch = [&](auto kernel) {
         deltaspec_cuda::launch(kernel, grid, block, 0, ctx.stream(), (const float *)pool->data,
                                (const float *)x->data, (const float *)c->data, bias_d, (const int32_t *)rows->data,
-                               (float *)out->data, C, Kc, (int64_t)(x->nb[1] / f), (int64_t)(out->nb[1] / f));
+                               (float *)out->data, C, Kc, (int64_t)(x->nb[1] / f), (int64_t)(out->nb[1] / f),
+                               planted("cuda_short_window"));
     };
     const bool silu = silu_dst != nullptr;
     if (Kc == 4) {
@@ -329,7 +341,7 @@ void deltaspec_rows_cuda_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_t
                   (const float *)g->data, (const float *)dst->src[4]->data, (float *)pool->data,
                   (const int32_t *)dst->src[6]->data, y, y + S * H * R, H, q->ne[1], floats(q->nb[1]),
                   floats(q->nb[2]), floats(v->nb[1]), floats(v->nb[2]), floats(g->nb[1]), floats(g->nb[2]),
-                  1.0f / sqrtf((float)S)};
+                  1.0f / sqrtf((float)S), planted("cuda_continue")};
     GGML_ASSERT(ggml_are_same_stride(q, dst->src[1]) && ggml_are_same_stride(g, dst->src[4]));
     const int64_t n_walks_max = std::min(R, n_slots);  // a walk per slot that has rows
     GGML_ASSERT(n_walks_max <= 65535);
