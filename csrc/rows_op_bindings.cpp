@@ -105,7 +105,7 @@ void require_cpu_side() {
 // The test-only planted bug "lenient": every check below is skipped and nothing computes, which the
 // bad-input tests must notice (they see no exception).
 bool lenient() {
-    const char * bug = std::getenv("DELTASPEC_TEST_ROWS_BUG");
+    static const char * const bug = std::getenv("DELTASPEC_TEST_ROWS_BUG");
     return bug != nullptr && std::strcmp(bug, "lenient") == 0;
 }
 

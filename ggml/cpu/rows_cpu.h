@@ -14,10 +14,10 @@ inline const int32_t * rows_of(const ggml_tensor * dst, int src) { return (const
 // entry e (DELTASPEC_ROWS_*) of row, position or walk i
 inline int32_t entry(const int32_t * rows, int64_t i, int e) { return rows[i * DELTASPEC_ROWS_N_COLS + e]; }
 
-// The test-only planted bugs (tests/test_rows_op.py): DELTASPEC_TEST_ROWS_BUG names one. Read where
-// a walk or a thread's share starts, not per value.
+// The test-only planted bugs (tests/test_rows_op.py): DELTASPEC_TEST_ROWS_BUG names one for the whole
+// process (read once, so that no op call pays for scanning the environment).
 inline bool planted(const char * name) {
-    const char * bug = std::getenv("DELTASPEC_TEST_ROWS_BUG");
+    static const char * const bug = std::getenv("DELTASPEC_TEST_ROWS_BUG");
     return bug != nullptr && std::strcmp(bug, name) == 0;
 }
 

@@ -56,10 +56,10 @@ __device__ __forceinline__ int32_t entry(const int32_t * rows, int64_t i, int e)
     return rows[i * DELTASPEC_ROWS_N_COLS + e];
 }
 
-// The test-only planted bugs (tests/test_gpu_rows_op.py): DELTASPEC_TEST_ROWS_BUG names one, read at
-// each launch.
+// The test-only planted bugs (tests/test_gpu_rows_op.py): DELTASPEC_TEST_ROWS_BUG names one for the
+// whole process (read once).
 bool planted(const char * name) {
-    const char * bug = std::getenv("DELTASPEC_TEST_ROWS_BUG");
+    static const char * const bug = std::getenv("DELTASPEC_TEST_ROWS_BUG");
     return bug != nullptr && std::strcmp(bug, name) == 0;
 }
 
