@@ -34,8 +34,11 @@ class OneGraph {
   public:
     OneGraph(const std::string & device, int n_threads) {
         const bool cuda = device == "cuda";
-        if (!cuda && device != "cpu") throw std::invalid_argument("device must be 'cpu' or 'cuda', got '" + device + "'");
-        ggml_backend_dev_t dev = ggml_backend_dev_by_type(cuda ? GGML_BACKEND_DEVICE_TYPE_GPU : GGML_BACKEND_DEVICE_TYPE_CPU);
+        if (!cuda && device != "cpu") {
+            throw std::invalid_argument("device must be 'cpu' or 'cuda', got '" + device + "'");
+        }
+        ggml_backend_dev_t dev =
+            ggml_backend_dev_by_type(cuda ? GGML_BACKEND_DEVICE_TYPE_GPU : GGML_BACKEND_DEVICE_TYPE_CPU);
         if (dev == nullptr) throw std::runtime_error("device '" + device + "' is not available in this build");
         if (cuda) enable_cuda_kernels();
         backend_ = ggml_backend_dev_init(dev, nullptr);
@@ -72,7 +75,9 @@ class OneGraph {
         if (buffer_ == nullptr) throw std::runtime_error("cannot allocate the op's tensors");
         py::gil_scoped_release release;  // the arrays' memory stays: inputs_ holds them
         for (auto & [t, a] : inputs_) ggml_backend_tensor_set(t, a.data(), 0, ggml_nbytes(t));
-        if (ggml_backend_graph_compute(backend_, gf_) != GGML_STATUS_SUCCESS) throw std::runtime_error("compute failed");
+        if (ggml_backend_graph_compute(backend_, gf_) != GGML_STATUS_SUCCESS) {
+            throw std::runtime_error("computing the op failed");
+        }
         ggml_backend_synchronize(backend_);
         if (repeat <= 0) return 0.0;
         const auto t0 = std::chrono::steady_clock::now();
@@ -268,7 +273,8 @@ void bind_rows_ops(py::module_ & m) {
     m.def("rows_ssm_conv", &rows_ssm_conv_py, py::arg("device"), py::arg("pool"), py::arg("x"), py::arg("c"),
           py::arg("parent"), py::arg("slot"), py::arg("flags"), py::arg("silu") = false, py::arg("n_threads") = 1,
           py::arg("repeat") = 0,
-          "Test-only: the rows conv on pool (n_slots, C, Kc-1), x (R, C), c (C, Kc); returns {y (R, C), pool, seconds}.");
+          "Test-only: the rows conv on pool (n_slots, C, Kc-1), x (R, C), c (C, Kc); "
+          "returns {y (R, C), pool, seconds}.");
     m.def("ssm_conv", &ssm_conv_py, py::arg("device"), py::arg("sx"), py::arg("c"), py::arg("silu") = false,
           py::arg("n_threads") = 1,
           "Test-only: ggml_ssm_conv on sx (n_s, C, Kc-1+T), c (C, Kc); returns y (n_s, T, C).");

@@ -152,12 +152,13 @@ int64_t deltaspec_rows_plan(int64_t n_rows, const int32_t * parent, const int32_
         int32_t * at = rows + pos * DELTASPEC_ROWS_N_COLS;
         at[DELTASPEC_ROWS_ORDER] = r;
         const bool walk_start = pos == walk_begin[slot[r]];
-        at[DELTASPEC_ROWS_START] = p < 0 ? -2 : (!walk_start && order[pos - 1] == p) ? -1
-                                                                                      : rows[p * DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_SAVED];
+        const bool continues = !walk_start && order[pos - 1] == p;
+        at[DELTASPEC_ROWS_START] = p < 0 ? -2 : continues ? -1 : rows[p * DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_SAVED];
     }
     int64_t n_walks = 0;
     for (int64_t s = 0; s < n_slots; ++s) {
-        if (n_in_slot[s] > 0) rows[n_walks++ * DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_WALK_END] = (int32_t)walk_begin[s + 1];
+        if (n_in_slot[s] == 0) continue;
+        rows[n_walks++ * DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_WALK_END] = (int32_t)walk_begin[s + 1];
     }
     return n_saved;
 }
@@ -184,8 +185,8 @@ bool deltaspec_rows_gated_delta_net_check(const ggml_tensor * q, const ggml_tens
     }
     for (const ggml_tensor * t : {g, beta}) {
         if (!has_shape(t, 1, H, R, 1) || !ggml_is_contiguous(t)) {
-            return fail(err, err_size, "%s must be contiguous [1, H_v=%lld, R=%lld, 1] (a scalar gate per head), got %s",
-                        t == g ? "g" : "beta", (long long)H, (long long)R, Shape(t).text);
+            return fail(err, err_size, "%s must be contiguous [1, H_v=%lld, R=%lld, 1] (a scalar gate per head), "
+                        "got %s", t == g ? "g" : "beta", (long long)H, (long long)R, Shape(t).text);
         }
     }
     if (pool->ne[0] != S || pool->ne[1] != S || pool->ne[2] != H || !ggml_is_contiguous(pool)) {

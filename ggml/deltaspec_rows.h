@@ -18,7 +18,9 @@
 // On CUDA the recurrence uses the arithmetic of deltaspec's verify kernel (ggml/cuda/deltaspec_deltanet.cu),
 // so a chain gives that kernel's bits, and a tree path its chain's.
 //
-// Committing. The pools are read, never written, unless a row asks for it:
+// Committing. The pools are read, never written, unless a row asks for it (the write goes to the
+// pool tensor's own memory: keep the pools in a persistent buffer of the backend that runs the node,
+// so that no scheduler copy of them takes the write instead):
 //   DELTASPEC_ROW_WRITE_BACK  the DeltaNet state and the conv window after this row are stored to
 //                             pool[slot[r]]. At most one row per slot, and it must be that slot's last
 //                             row in the batch (so every row of the slot has read the pool before).

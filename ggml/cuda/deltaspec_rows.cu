@@ -349,7 +349,8 @@ void deltaspec_rows_cuda_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_t
         case 32: launch_rows_deltanet<32>(a, n_walks_max, ctx.stream()); break;
         case 64: launch_rows_deltanet<64>(a, n_walks_max, ctx.stream()); break;
         case 128: launch_rows_deltanet<128>(a, n_walks_max, ctx.stream()); break;
-        default: GGML_ABORT("deltaspec_rows_gated_delta_net on CUDA: state size %lld (32, 64 or 128 served)", (long long)S);
+        default:
+            GGML_ABORT("deltaspec_rows_gated_delta_net on CUDA: state size %lld (32, 64 or 128 served)", (long long)S);
     }
     CUDA_CHECK(cudaGetLastError());
 }
