@@ -38,6 +38,7 @@ void rows_ssm_conv(const ggml_compute_params * params, ggml_tensor * dst) {
     auto x_at = [&](int64_t r) { return (const float *)((const char *)x_t->data + r * x_t->nb[1]); };
     // sx[ch * Kc + j], ch of this thread's range: row r's window (j < W) and input (j = W)
     float * sx = (float *)malloc(n_ch * Kc * sizeof(float));
+    GGML_ASSERT(sx != nullptr && "deltaspec_rows_ssm_conv: no memory for a window");
     auto gather = [&](int64_t r) {
         const int64_t m = ancestors(r), slot = entry(rows, r, DELTASPEC_ROWS_SLOT);
         for (int64_t j = 0; j < W; ++j) {

@@ -26,3 +26,12 @@ void rows_gated_delta_net(const ggml_compute_params * params, ggml_tensor * dst)
 void rows_ssm_conv(const ggml_compute_params * params, ggml_tensor * dst);
 
 }  // namespace deltaspec_rows_cpu
+
+extern "C" {
+// ggml-cpu.c's calls of ggml_compute_forward_gated_delta_net and ggml_compute_forward_ssm_conv, renamed
+// (inject.cmake): our nodes go to the functions above, every other node to ggml's
+void deltaspec_cpu_gated_delta_net(const ggml_compute_params * params, ggml_tensor * dst);
+void deltaspec_cpu_ssm_conv(const ggml_compute_params * params, ggml_tensor * dst);
+// present when this ggml-cpu carries the ops (deltaspec_rows_cpu_available())
+int deltaspec_rows_cpu_marker(void);
+}
