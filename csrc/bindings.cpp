@@ -11,6 +11,7 @@
 #include "engine.h"
 #include "generate.h"
 #include "ggml_log.h"
+#include "rows_op_bindings.h"
 #include "speculative.h"
 #include "ggml-backend.h"
 #include "ggml.h"
@@ -284,6 +285,8 @@ PYBIND11_MODULE(_core, m) {
     m.def("cpu_extra_buffer_types", &cpu_extra_buffer_types,
           "ggml's extra CPU buffer types available here (AMX, repacking): weights placed in one select its matmuls.");
     m.def("cpu_features", &cpu_features, "Instruction-set features ggml-cpu was compiled with, name -> value.");
+
+    bind_rows_ops(m);  // test-only: single ops on numpy arrays
 
     m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
           "Quantize float32 rows with ggml's reference quantizer; returns (rows, row_bytes) uint8.");

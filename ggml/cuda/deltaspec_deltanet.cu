@@ -25,7 +25,9 @@
 // (ggml_cuda_op_gated_delta_net: the op's result is read as it is, no fused cache copy). The
 // rest goes to ggml's kernel.
 #include "common.cuh"
+#include "deltanet_columns.cuh"
 #include "deltaspec_deltanet.h"
+#include "deltaspec_rows.h"
 #include "gated_delta_net.cuh"
 #include "gemv_common.cuh"
 #include "side_stream.cuh"
@@ -41,7 +43,10 @@ std::atomic<int64_t> g_launches{0};  // launches of ours (host side: a replayed 
 
 constexpr int kStateDim = 128;                    // S_v
 constexpr int kRowsPerLane = kStateDim / 32;      // a column's 128 values over 32 lanes
-constexpr int kColumnsPerWarp = 4;
+using deltaspec_cuda::kColumnsPerWarp;
+using deltaspec_cuda::reduce_scatter;
+using deltaspec_cuda::reduced_column;
+using deltaspec_cuda::share_columns;
 constexpr int kWarpsPerBlock = 4;
 constexpr int kColumnsPerBlock = kColumnsPerWarp * kWarpsPerBlock;
 
@@ -125,38 +130,6 @@ __device__ __forceinline__ void store_chunk(Staged & st, const ChunkShare & c, i
     }
 }
 
-// The column (0..3 of the warp's) whose total lane `lane` holds after reduce_scatter.
-__device__ __forceinline__ int reduced_column(int lane) { return (lane >> 3) & 3; }
-
-// Warp sums of the 4 columns' shares p[0..3]; lane l gets the total of column reduced_column(l),
-// added in the order of ggml's warp_reduce_sum (partners l ^ 16, l ^ 8, l ^ 4, l ^ 2, l ^ 1).
-__device__ __forceinline__ float reduce_scatter(const float (&p)[kColumnsPerWarp], int lane) {
-    const bool upper16 = lane & 16, upper8 = lane & 8;
-    // partners 16 apart: this lane keeps columns 2 * upper16 + {0, 1}, gives the other two
-    float keep0 = upper16 ? p[2] : p[0], keep1 = upper16 ? p[3] : p[1];
-    const float give0 = upper16 ? p[0] : p[2], give1 = upper16 ? p[1] : p[3];
-    keep0 += __shfl_xor_sync(0xffffffffu, give0, 16);
-    keep1 += __shfl_xor_sync(0xffffffffu, give1, 16);
-    // partners 8 apart: keeps column 2 * upper16 + upper8
-    float sum = upper8 ? keep1 : keep0;
-    sum += __shfl_xor_sync(0xffffffffu, upper8 ? keep0 : keep1, 8);
-#pragma unroll
-    for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    return sum;
-}
-
-// Every lane gets all 4 columns' values from the lanes holding them after reduce_scatter.
-__device__ __forceinline__ void share_columns(float mine, int lane, float (&all)[kColumnsPerWarp]) {
-    const bool upper16 = lane & 16, upper8 = lane & 8;
-    const float other = __shfl_xor_sync(0xffffffffu, mine, 8);  // column reduced_column(lane) ^ 1
-    const float pair0 = upper8 ? other : mine, pair1 = upper8 ? mine : other;  // columns 2 * upper16 + {0, 1}
-    const float far0 = __shfl_xor_sync(0xffffffffu, pair0, 16), far1 = __shfl_xor_sync(0xffffffffu, pair1, 16);
-    all[0] = upper16 ? far0 : pair0;
-    all[1] = upper16 ? far1 : pair1;
-    all[2] = upper16 ? pair0 : far0;
-    all[3] = upper16 ? pair1 : far1;
-}
-
 // this warp's 4 columns of a state stored transposed (a column's 128 values contiguous)
 __device__ __forceinline__ void load_columns(float (&s)[kColumnsPerWarp][kRowsPerLane], const float * state,
                                              int first_col, int lane) {
@@ -193,7 +166,9 @@ __device__ __forceinline__ void walk_tokens(float (&s)[kColumnsPerWarp][kRowsPer
                         first_block_col);
         }
         for (int i = 0; i < n; i++) {
-            // every expression below is ggml's, in its order: the same bits
+            // every expression below is ggml's, in its order: the same bits (deltanet_columns.cuh's
+            // token_step, which the rows op uses, is this step; kept inline here, where the
+            // compiler gave the function form 123 registers instead of 96)
             const float decay = expf(st.g[i]);
             float k[kRowsPerLane];
 #pragma unroll
@@ -328,8 +303,14 @@ extern "C" __attribute__((visibility("default"))) int deltaspec_cuda_deltanet_re
     }) ? 1 : -1;
 }
 
+void deltaspec_rows_cuda_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_tensor * dst);  // deltaspec_rows.cu
+
 // ggml-cuda.cu calls this in place of ggml_cuda_op_gated_delta_net (inject.cmake renames it).
 void deltaspec_op_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (deltaspec_is_rows_node(dst)) {  // ours, whether our other kernels are on or not: ggml has no such op
+        deltaspec_rows_cuda_gated_delta_net(ctx, dst);
+        return;
+    }
     if (!serves(dst)) {
         ggml_cuda_op_gated_delta_net(ctx, dst);
         return;

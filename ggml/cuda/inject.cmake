@@ -1,10 +1,11 @@
 # Puts deltaspec's CUDA kernels into ggml's ggml-cuda target: adds deltaspec_matmul.cu (and the
 # batched state copies, deltaspec_copies.cu, and the verify batches' DeltaNet recurrence,
-# deltaspec_deltanet.cu, and short-row concatenation, deltaspec_concat.cu) and compiles
-# ggml-cuda.cu with its quantized mat-vec and tile-kernel entries (and its fused rms_norm, swiglu
-# and add, for the norms, SwiGLUs and residual adds folded into our kernels, and its
-# gated_delta_net and concat entries) renamed to our dispatchers, which compute what
-# our kernels serve and hand the rest to ggml's own functions. No upstream file is changed.
+# deltaspec_deltanet.cu, and short-row concatenation, deltaspec_concat.cu, and the rows ops of
+# ggml/deltaspec_rows.h, deltaspec_rows.cu) and compiles ggml-cuda.cu with its quantized mat-vec
+# and tile-kernel entries (and its fused rms_norm, swiglu and add, for the norms, SwiGLUs and
+# residual adds folded into our kernels, and its gated_delta_net, ssm_conv and concat entries)
+# renamed to our dispatchers, which compute what our kernels serve and hand the rest to ggml's own
+# functions. No upstream file is changed.
 #
 # Our build includes this file and calls deltaspec_add_cuda_kernels() after add_subdirectory(ggml).
 # A llama.cpp build gets it with -DCMAKE_PROJECT_INCLUDE=<this file>: the call is then deferred
@@ -20,8 +21,9 @@ function(deltaspec_add_cuda_kernels)
     target_sources(ggml-cuda PRIVATE "${DELTASPEC_CUDA_DIR}/deltaspec_matmul.cu"
                                      "${DELTASPEC_CUDA_DIR}/deltaspec_copies.cu"
                                      "${DELTASPEC_CUDA_DIR}/deltaspec_deltanet.cu"
-                                     "${DELTASPEC_CUDA_DIR}/deltaspec_concat.cu")
-    target_include_directories(ggml-cuda PRIVATE "${cuda_src_dir}" "${DELTASPEC_CUDA_DIR}")
+                                     "${DELTASPEC_CUDA_DIR}/deltaspec_concat.cu"
+                                     "${DELTASPEC_CUDA_DIR}/deltaspec_rows.cu")
+    target_include_directories(ggml-cuda PRIVATE "${cuda_src_dir}" "${DELTASPEC_CUDA_DIR}" "${DELTASPEC_CUDA_DIR}/..")
     set(renamed
         ggml_cuda_mul_mat_vec_q=deltaspec_mul_mat_vec_q
         ggml_cuda_mul_mat_q=deltaspec_mul_mat_q
@@ -29,6 +31,8 @@ function(deltaspec_add_cuda_kernels)
         ggml_cuda_op_swiglu=deltaspec_op_swiglu
         ggml_cuda_op_add=deltaspec_op_add
         ggml_cuda_op_gated_delta_net=deltaspec_op_gated_delta_net
+        ggml_cuda_op_gated_delta_net_fused_cache=deltaspec_op_gated_delta_net_fused_cache
+        ggml_cuda_op_ssm_conv=deltaspec_op_ssm_conv
         ggml_cuda_op_concat=deltaspec_op_concat)
     set_source_files_properties("${cuda_src_dir}/ggml-cuda.cu" TARGET_DIRECTORY ggml-cuda
         PROPERTIES COMPILE_DEFINITIONS "${renamed}")
@@ -38,4 +42,7 @@ endfunction()
 if(PROJECT_NAME STREQUAL "ggml" AND NOT DELTASPEC_CUDA_KERNELS_DEFERRED)
     set(DELTASPEC_CUDA_KERNELS_DEFERRED ON)
     cmake_language(DEFER CALL deltaspec_add_cuda_kernels)
+    # the rows ops' CPU side too: their nodes may run on either backend (ggml/deltaspec_rows.h)
+    include("${CMAKE_CURRENT_LIST_DIR}/../cpu/inject.cmake")
+    cmake_language(DEFER CALL deltaspec_add_cpu_ops)
 endif()
