@@ -36,7 +36,7 @@ class Shapes:
     linear_head_dim: int        # DeltaNet key/value head dim S
     block_size: int = 16        # DFlash block: anchor + 15 drafted positions
     seq_len: int = 512          # training sequence length
-    max_corpus_bytes: int = 160_000_000
+    max_corpus_bytes: int = 120_000_000
     extra: dict = field(default_factory=dict)
 
     def qwen35_config(self, n_layers: int, layer_types: list[str] | None = None) -> dict:

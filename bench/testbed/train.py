@@ -220,7 +220,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--drafter-seconds", type=float, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--bpe-bytes", type=int, default=40_000_000, help="corpus bytes the BPE is trained on")
+    ap.add_argument("--deadline-seconds", type=float, default=None,
+                    help="shrink both training budgets so that the whole script ends within this many seconds")
+    ap.add_argument("--bpe-bytes", type=int, default=24_000_000, help="corpus bytes the BPE is trained on")
     args = ap.parse_args(argv)
     sh = SHAPES["smoke" if args.smoke else "full"]
     target_s = args.target_seconds if args.target_seconds is not None else (8 if args.smoke else 170)
@@ -231,6 +233,7 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     args.out.mkdir(parents=True, exist_ok=True)
+    t_main = time.time()
     times = {}
 
     t = time.time()
@@ -254,10 +257,16 @@ def main(argv=None) -> dict:
     times["tokenizer_s"] = round(time.time() - t, 1)
     log(f"BPE {sh.vocab_size}: train {len(train_stream)} tokens, held-out {len(held_stream)} tokens "
         f"({times['tokenizer_s']} s)")
-    np.save(args.out / "heldout_tokens.npy", held_stream)
+    # the acceptance report's prompts: fixed here, with the split, so every later run uses the same
+    n_prompts, prompt_len, tail = (4, 32, 32) if args.smoke else (64, 128, 256)
+    prompts = data.heldout_prompts(tk, [f.text for f in held_files], n_prompts, prompt_len, tail, args.seed)
     (args.out / "split.json").write_text(json.dumps({
         "train": sorted({f.path for f in train_files}), "heldout": sorted({f.path for f in held_files})}))
 
+    if args.deadline_seconds is not None:  # corpus + BPE took what they took: training gives way
+        left = args.deadline_seconds - (time.time() - t_main) - 30  # evaluation and saving
+        scale = min(1.0, max(0.0, left) / (target_s + drafter_s))
+        target_s, drafter_s = target_s * scale, drafter_s * scale
     target, draft, dflash, mtp = build_models(sh, mask_id, device)
     win = data.Windows(train_stream, sh.seq_len, device, args.seed)
     log(f"target {sum(p.numel() for p in target.parameters())} params on {device}, {target_s:.0f} s")
@@ -280,8 +289,9 @@ def main(argv=None) -> dict:
                    "heldout_packages": len({f.package for f in held_files}),
                    "train_tokens": int(len(train_stream)), "heldout_tokens": int(len(held_stream)),
                    "roots": sorted({f.root for f in files})},
-        "vocab_size": sh.vocab_size, "mask_token_id": mask_id,
-        "target": target_stats, "drafters": drafter_stats, "heldout": heldout, "times": times,
+        "vocab_size": sh.vocab_size, "mask_token_id": mask_id, "block_size": sh.block_size,
+        "prompts": prompts,
+        "total_s": round(time.time() - t_main, 1), "target": target_stats, "drafters": drafter_stats, "heldout": heldout, "times": times,
     }
     (args.out / "training.json").write_text(json.dumps(summary, indent=1))
     log(f"saved {args.out / 'hf'}; target held-out CE {heldout['target_ce']:.3f} (train {target_stats['train_loss']:.3f})")
