@@ -13,6 +13,7 @@ acceptance is agreement with the target, and it stands in for the recipe's targe
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -261,7 +262,8 @@ def main(argv=None) -> dict:
     n_prompts, prompt_len, tail = (4, 32, 32) if args.smoke else (64, 128, 256)
     prompts = data.heldout_prompts(tk, [f.text for f in held_files], n_prompts, prompt_len, tail, args.seed)
     (args.out / "split.json").write_text(json.dumps({
-        "train": sorted({f.path for f in train_files}), "heldout": sorted({f.path for f in held_files})}))
+        side: [{"package": f.package, "path": f.path, "sha256": hashlib.sha256(f.text.encode()).hexdigest()}
+               for f in fs] for side, fs in (("train", train_files), ("heldout", held_files))}))
 
     if args.deadline_seconds is not None:  # corpus + BPE took what they took: training gives way
         left = args.deadline_seconds - (time.time() - t_main) - 30  # evaluation and saving
