@@ -34,7 +34,14 @@ def smoke(tmp_path_factory) -> Path:
     import export
     import train
     out = tmp_path_factory.mktemp("testbed")
-    train.main(["--smoke", "--out", str(out), "--target-seconds", "3", "--drafter-seconds", "2"])
+    # one thread: on a shared 2-core machine torch's intra-op threads mostly wait for each other
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        # a step budget (not seconds): the same models on any machine, however busy
+        train.main(["--smoke", "--out", str(out), "--target-steps", "150", "--drafter-steps", "60"])
+    finally:
+        torch.set_num_threads(threads)
     export.main(["--out", str(out)])
     return out
 
@@ -60,8 +67,8 @@ def test_split_keeps_files_and_packages_on_one_side(smoke, tmp_path):
 
 def test_tokenizer_round_trip_and_agreement_with_deltaspec(smoke):
     """deltaspec's tokenizer, built from the exported GGUF, splits held-out source exactly as the
-    trained HF tokenizer does, and decoding gives the text back. Seen to fail with the BPE trained
-    under a pre-tokenizer regex that groups digits (`\\p{N}+` in place of qwen35's `\\p{N}`)."""
+    trained HF tokenizer does, and decoding gives the text back. Seen to fail with the BPE's
+    byte-level step adding a prefix space (`add_prefix_space=True`), which the GGUF cannot carry."""
     import tokenizers
     from deltaspec.gguf_file import read_gguf
     from deltaspec.tokenizer import Tokenizer
@@ -232,10 +239,12 @@ def test_dflash_block_sees_only_context_before_its_anchor(smoke):
         assert not torch.allclose(blocks(earlier, [25]), one, atol=1e-3)
 
 
-def test_reference_draft_chain_matches_deltaspec(smoke):
+@pytest.mark.parametrize("drafter", ["draft", "target"])
+def test_reference_draft_chain_matches_deltaspec(smoke, drafter):
     """The torch reference's draft-model chain and deltaspec's (fixed length 4, greedy) commit the
-    same tokens in the same number of target passes. Seen to fail with the reference's draft
-    length rule off by one (min_len 3 where deltaspec has draft_n_min 4)."""
+    same tokens in the same number of target passes, with the trained draft model and with the
+    target drafting for itself (every draft then accepted, so a wrong draft shows at once). Seen to
+    fail with the reference's draft model reading the committed prefix without its last token."""
     import acceptance
     import deltaspec
     target, draft, dflash, mtp = acceptance.load_torch_models(smoke, torch.device("cpu"))
@@ -243,11 +252,16 @@ def test_reference_draft_chain_matches_deltaspec(smoke):
     n_new = 24
     cont = reference.continuation(target, torch.tensor(prompts), n_new, 0.0, 0)
     n_gen = reference.generated_lengths(cont, len(prompts[0]), 0)
-    drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=1)
+    # the path under test needs a target whose text varies (a constant text accepts any wrong draft)
+    assert all(len(set(cont[i, len(p):].tolist())) >= 3 for i, p in enumerate(prompts))
+    drafters = reference.Drafters(target, cont, draft=draft if drafter == "draft" else target,
+                                  dflash=dflash, mtp=mtp, mask_id=1)
     ref = reference.simulate(cont, len(prompts[0]), n_gen, drafters.draft_model_chain(4), 4, 4)
+    if drafter == "target":
+        assert ref.accepted == ref.drafted > 0
     steps = accepted = 0
     with deltaspec.Model(smoke / "target.gguf", n_ctx=256, progress=False) as model, \
-            deltaspec.Model(smoke / "draft.gguf", n_ctx=256, progress=False) as dm:
+            deltaspec.Model(smoke / f"{drafter}.gguf", n_ctx=256, progress=False) as dm:
         for i, p in enumerate(prompts):
             r = model.generate(p, max_tokens=n_new, temperature=0, draft_model=dm, draft_n_max=4, draft_n_min=4)
             assert r.tokens == cont[i, len(p):len(p) + n_gen[i]].tolist()

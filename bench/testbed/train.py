@@ -72,13 +72,20 @@ def build_models(sh, mask_id: int, device):
     return target, draft, dflash, mtp
 
 
-def train_target(target, win, budget_s, batch, device, peak_lr=3e-3):
+def progress(elapsed: float, budget_s: float, step: int, max_steps: int | None) -> float | None:
+    """Fraction of the budget spent (None: done). A step budget, when given, replaces the time
+    budget: the same model on any machine (tests); a time budget fits a call limit (the GPU run)."""
+    frac = step / max_steps if max_steps else elapsed / budget_s
+    return frac if frac < 1 else None
+
+
+def train_target(target, win, budget_s, batch, device, peak_lr=3e-3, max_steps=None):
     opt = torch.optim.AdamW(target.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     t0, step, losses = time.time(), 0, []
     target.train()
-    while (elapsed := time.time() - t0) < budget_s:
+    while (frac := progress(elapsed := time.time() - t0, budget_s, step, max_steps)) is not None:
         for g in opt.param_groups:
-            g["lr"] = peak_lr * lr_factor(elapsed / budget_s)
+            g["lr"] = peak_lr * lr_factor(frac)
         x = win.batch(batch)
         with autocast(device):
             logits = target(input_ids=x).logits
@@ -126,7 +133,8 @@ def drafter_losses(target, draft, dflash, mtp, x, sh, mask_id, n_anchors, gen):
     return out
 
 
-def train_drafters(target, draft, dflash, mtp, win, sh, mask_id, budget_s, batch, device, seed, peak_lr=2e-3):
+def train_drafters(target, draft, dflash, mtp, win, sh, mask_id, budget_s, batch, device, seed, peak_lr=2e-3,
+                   max_steps=None):
     for p in target.parameters():
         p.requires_grad_(False)
     mods = {"draft": draft, "dflash": dflash, "mtp": mtp}
@@ -137,10 +145,10 @@ def train_drafters(target, draft, dflash, mtp, win, sh, mask_id, budget_s, batch
     t0, step, hist = time.time(), 0, {k: [] for k in mods}
     for m in mods.values():
         m.train()
-    while (elapsed := time.time() - t0) < budget_s:
+    while (frac := progress(elapsed := time.time() - t0, budget_s, step, max_steps)) is not None:
         for o in opts.values():
             for g in o.param_groups:
-                g["lr"] = peak_lr * lr_factor(elapsed / budget_s)
+                g["lr"] = peak_lr * lr_factor(frac)
         x = win.batch(batch)
         with autocast(device):
             out = drafter_losses(target, draft, dflash, mtp, x, sh, mask_id, n_anchors, gen)
@@ -219,6 +227,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, a 1.5 MB corpus, seconds of CPU")
     ap.add_argument("--target-seconds", type=float, default=None)
     ap.add_argument("--drafter-seconds", type=float, default=None)
+    ap.add_argument("--target-steps", type=int, default=None, help="a step budget in place of the time budget")
+    ap.add_argument("--drafter-steps", type=int, default=None, help="a step budget in place of the time budget")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-seconds", type=float, default=None,
@@ -272,11 +282,12 @@ def main(argv=None) -> dict:
     target, draft, dflash, mtp = build_models(sh, mask_id, device)
     win = data.Windows(train_stream, sh.seq_len, device, args.seed)
     log(f"target {sum(p.numel() for p in target.parameters())} params on {device}, {target_s:.0f} s")
-    target_stats = train_target(target, win, target_s, batch, device)
+    target_stats = train_target(target, win, target_s, batch, device, max_steps=args.target_steps)
     log(f"drafters: draft {sum(p.numel() for p in draft.parameters())}, dflash "
         f"{sum(p.numel() for p in dflash.parameters())}, mtp {sum(p.numel() for p in mtp.parameters())} params, "
         f"{drafter_s:.0f} s")
-    drafter_stats = train_drafters(target, draft, dflash, mtp, win, sh, mask_id, drafter_s, batch, device, args.seed)
+    drafter_stats = train_drafters(target, draft, dflash, mtp, win, sh, mask_id, drafter_s, batch, device, args.seed,
+                                   max_steps=args.drafter_steps)
     t = time.time()
     heldout = evaluate(target, draft, dflash, mtp, held_stream, sh, mask_id, device,
                        n_batches=2 if args.smoke else 16, batch=batch, seed=args.seed)
