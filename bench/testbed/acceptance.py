@@ -12,7 +12,7 @@ can be compared on the same drafter (greedy: the same tokens are expected).
 Verification rules, which decide acceptance at T = 1: deltaspec verifies by rejection sampling;
 the torch reference by exact match against the target's sample (the DFlash / DDTree reference
 rule, algorithms_brief.md §5.2), which accepts less. At T = 0 both are "draft == target argmax".
-Writes OUT/acceptance.json and OUT/acceptance.md.
+Writes OUT/acceptance.json, OUT/acceptance.md and OUT/deltaspec.log.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,36 +87,44 @@ def torch_rows(models, prompts, n_new, T, device, mask_id, block, eos_id, seed):
     return rows, cont, n_gen, t_cont
 
 
-def deltaspec_rows(folder: Path, prompts: list[list[int]], n_new, T, device, seed):
+# deltaspec's rows: key -> (row name, shape); plain decoding only at T = 0, where it is compared
+DELTASPEC_CONFIGS = {
+    "plain": ("plain", "-"),
+    "ngram": ("n-gram (prompt lookup)", "chain"),
+    "draft_fixed": (f"draft model chain k={DRAFT_CHAIN_K}", "chain"),
+    "draft_adaptive": ("draft model chain adaptive (n_max 16)", "chain"),
+}
+
+
+def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed, key):
+    """One deltaspec configuration over every prompt: (row or None for plain, the tokens)."""
     import deltaspec
+    name, shape = DELTASPEC_CONFIGS[key]
     n_ctx = len(prompts[0]) + n_new + 64
-    model = deltaspec.Model(folder / "target.gguf", n_ctx=n_ctx, device=device, progress=False)
-    draft = deltaspec.Model(folder / "draft.gguf", n_ctx=n_ctx, device=device, progress=False)
-    sampling = dict(temperature=T, top_k=0, top_p=1.0, min_p=0.0)
-    # plain decoding only where it is compared (greedy); at T = 1 it would only cost time
-    configs = [("plain", "-", {})] if T == 0 else []
-    configs += [("n-gram (prompt lookup)", "chain", dict(spec_type="ngram-simple")),
-               (f"draft model chain k={DRAFT_CHAIN_K}", "chain",
-                dict(draft_model=draft, draft_n_max=DRAFT_CHAIN_K, draft_n_min=DRAFT_CHAIN_K)),
-               ("draft model chain adaptive (n_max 16)", "chain", dict(draft_model=draft, draft_n_max=16))]
-    rows, tokens = [], {}
-    for name, shape, kw in configs:
-        t = time.time()
-        steps = drafted = accepted = 0
-        outs = []
-        for i, p in enumerate(prompts):
-            r = model.generate(p, max_tokens=n_new, seed=seed + i, **sampling, **kw)
-            outs.append(r.tokens)
-            steps += r.stats.n_steps
-            drafted += r.stats.n_drafted
-            accepted += r.stats.n_accepted
-        tokens[name] = outs
-        if name != "plain":
-            rows.append(row(name, shape, f"deltaspec ({device})", T, steps, drafted, accepted, time.time() - t))
-            print(f"  T={T} {name:32s} AL {rows[-1]['mean_acceptance_length']:.3f} ({rows[-1]['seconds']} s)", flush=True)
+    # two threads each: seven of these run at once beside the torch reference
+    model = deltaspec.Model(folder / "target.gguf", n_ctx=n_ctx, device=device, n_threads=2, progress=False)
+    draft = (deltaspec.Model(folder / "draft.gguf", n_ctx=n_ctx, device=device, n_threads=2, progress=False)
+             if "draft" in key else None)
+    kw = {"plain": {}, "ngram": dict(spec_type="ngram-simple"),
+          "draft_fixed": dict(draft_model=draft, draft_n_max=DRAFT_CHAIN_K, draft_n_min=DRAFT_CHAIN_K),
+          "draft_adaptive": dict(draft_model=draft, draft_n_max=16)}[key]
+    t = time.time()
+    steps = drafted = accepted = 0
+    outs = []
+    for i, p in enumerate(prompts):
+        r = model.generate(p, max_tokens=n_new, seed=seed + i, temperature=T, top_k=0, top_p=1.0, min_p=0.0, **kw)
+        outs.append(r.tokens)
+        steps += r.stats.n_steps
+        drafted += r.stats.n_drafted
+        accepted += r.stats.n_accepted
     model.close()
-    draft.close()
-    return rows, tokens
+    if draft is not None:
+        draft.close()
+    if key == "plain":
+        return None, outs
+    r = row(name, shape, f"deltaspec ({device})", T, steps, drafted, accepted, time.time() - t)
+    print(f"  T={T:g} {name:32s} AL {r['mean_acceptance_length']:.3f} ({r['seconds']} s)", flush=True)
+    return r, outs
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -160,30 +169,34 @@ def main(argv=None) -> dict:
     ap.add_argument("--n-new", type=int, default=256)
     ap.add_argument("--n-prompts", type=int, default=None, help="default: every prompt fixed at training")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--deltaspec-only", type=float, default=None, metavar="T",
-                    help="(internal) run deltaspec's rows at temperature T and write them to --out")
+    ap.add_argument("--deltaspec-only", default=None, metavar="T:CONFIG",
+                    help="(internal) run one of deltaspec's rows and write it to the file --out")
     args = ap.parse_args(argv)
     manifest = json.loads((args.dir / "manifest.json").read_text())
     training = manifest["training"]
     prompts_list = training["prompts"][:args.n_prompts]
     if args.deltaspec_only is not None:
-        t = time.time()
-        r, toks = deltaspec_rows(args.dir, prompts_list, args.n_new, args.deltaspec_only, args.device, args.seed)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"deltaspec_T{args.deltaspec_only:g}.json").write_text(
-            json.dumps({"rows": r, "tokens": toks, "seconds": round(time.time() - t, 1)}))
+        T, key = args.deltaspec_only.split(":")
+        r, toks = deltaspec_row(args.dir, prompts_list, args.n_new, float(T), args.device, args.seed, key)
+        args.out.write_text(json.dumps({"row": r, "tokens": toks}))
         return {}
-    # deltaspec's rows run in processes of their own, one per temperature, beside the torch reference:
-    # each decodes token by token (its speed is not what is measured here), so together they take
-    # the time of the slowest instead of the sum
+    # deltaspec's rows run in processes of their own, one per configuration and temperature, beside
+    # the torch reference: each decodes token by token (its speed is not what is measured here), so
+    # together they take the time of the slowest instead of the sum. Their files stay out of OUT
+    # (the GPU machine hands back few files).
     args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="testbed_acceptance_"))
     workers = {}
     for T in (0.0, 1.0):
-        cmd = [sys.executable, os.path.abspath(__file__), "--dir", str(args.dir), "--out", str(args.out),
-               "--device", args.device, "--n-new", str(args.n_new), "--seed", str(args.seed),
-               "--deltaspec-only", str(T)] + (["--n-prompts", str(args.n_prompts)] if args.n_prompts else [])
-        log = open(args.out / f"deltaspec_T{T:g}.log", "w")
-        workers[T] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
+        for key in DELTASPEC_CONFIGS:
+            if key == "plain" and T != 0:
+                continue
+            result = work / f"T{T:g}_{key}.json"
+            cmd = [sys.executable, os.path.abspath(__file__), "--dir", str(args.dir), "--out", str(result),
+                   "--device", args.device, "--n-new", str(args.n_new), "--seed", str(args.seed),
+                   "--deltaspec-only", f"{T:g}:{key}"] + (["--n-prompts", str(args.n_prompts)] if args.n_prompts else [])
+            log = open(result.with_suffix(".log"), "w")
+            workers[(T, key)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, result)
     tdev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models = load_torch_models(args.dir, tdev)
     prompts = torch.tensor(prompts_list, device=tdev)
@@ -198,17 +211,22 @@ def main(argv=None) -> dict:
         conts[T] = [cont[i, prompts.shape[1]:prompts.shape[1] + n_gen[i]].tolist() for i in range(len(prompts_list))]
         times[f"torch_T{T:g}_s"] = round(time.time() - t, 1)
         times[f"torch_continuation_T{T:g}_s"] = round(t_cont, 1)
-    ds_tokens = {}
-    for T, (proc, log) in workers.items():
-        rc = proc.wait()
-        log.close()
-        print((args.out / f"deltaspec_T{T:g}.log").read_text(), end="")
-        if rc != 0:
-            raise RuntimeError(f"deltaspec rows at T={T:g} failed (exit {rc}); see {args.out}/deltaspec_T{T:g}.log")
-        got = json.loads((args.out / f"deltaspec_T{T:g}.json").read_text())
-        rows += got["rows"]
-        ds_tokens[T] = got["tokens"]
-        times[f"deltaspec_T{T:g}_s"] = got["seconds"]
+    ds_tokens: dict[float, dict[str, list]] = {0.0: {}, 1.0: {}}
+    t = time.time()
+    with open(args.out / "deltaspec.log", "w") as all_logs:
+        for (T, key), (proc, log, result) in workers.items():
+            rc = proc.wait()
+            log.close()
+            text = result.with_suffix(".log").read_text()
+            all_logs.write(f"== T={T:g} {key} (exit {rc})\n{text}")
+            print(text, end="")
+            if rc != 0:
+                raise RuntimeError(f"deltaspec {key} at T={T:g} failed (exit {rc}): {text[-2000:]}")
+            got = json.loads(result.read_text())
+            if got["row"] is not None:
+                rows.append(got["row"])
+            ds_tokens[T][DELTASPEC_CONFIGS[key][0]] = got["tokens"]
+    times["deltaspec_wait_after_torch_s"] = round(time.time() - t, 1)
     ag = {
         "deltaspec plain vs torch greedy": agreement(ds_tokens[0.0]["plain"], conts[0.0]),
         f"deltaspec draft model chain k={DRAFT_CHAIN_K} vs torch greedy":
