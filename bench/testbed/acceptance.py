@@ -1,0 +1,254 @@
+"""Acceptance report of the trained testbed: mean acceptance length (tokens committed per target
+pass) and acceptance rate of every drafter, on the held-out prompts fixed at training time, greedy
+(T = 0) and sampled (T = 1, no top-k / top-p / min-p).
+
+    python bench/testbed/acceptance.py --dir /tmp/testbed --out OUT [--device cuda] [--n-new 256]
+
+Measured by deltaspec (on --device) where deltaspec has the drafter: n-gram (prompt lookup) and the
+draft model (chain). Everything else by the torch reference (bench/testbed/reference.py), labelled
+so: DFlash chain, DDTree budgets, MTP 1-5, and the draft model chain again, so deltaspec and torch
+can be compared on the same drafter (greedy: the same tokens are expected).
+
+Verification rules, which decide acceptance at T = 1: deltaspec verifies by rejection sampling;
+the torch reference by exact match against the target's sample (the DFlash / DDTree reference
+rule, algorithms_brief.md §5.2), which accepts less. At T = 0 both are "draft == target argmax".
+Writes OUT/acceptance.json, OUT/acceptance.md and OUT/deltaspec.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reference  # noqa: E402
+from heads import MTPHead  # noqa: E402
+
+DDTREE_BUDGETS = (8, 16, 22, 32, 64)
+MTP_STEPS = (1, 2, 3, 4, 5)
+DRAFT_CHAIN_K = 4      # the fixed draft length at which deltaspec and torch are compared
+
+
+def load_torch_models(folder: Path, device):
+    from dflash.model import DFlashDraftModel
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5ForCausalLM, Qwen3Config
+    target = Qwen3_5ForCausalLM.from_pretrained(folder / "hf/target", dtype=torch.float32).to(device).eval()
+    draft = Qwen3_5ForCausalLM.from_pretrained(folder / "hf/draft", dtype=torch.float32).to(device).eval()
+    fcfg = Qwen3Config.from_pretrained(folder / "hf/dflash")
+    fcfg._attn_implementation = "sdpa"
+    dflash = DFlashDraftModel(fcfg)
+    dflash.load_state_dict({k: v.float() for k, v in load_file(folder / "hf/dflash/model.safetensors").items()})
+    dflash = dflash.to(device).eval()
+    mtp = MTPHead(target.config)
+    sd = load_file(folder / "hf/target/model.safetensors")
+    mtp.load_state_dict({k[len("mtp."):]: v.float() for k, v in sd.items() if k.startswith("mtp.")})
+    mtp = mtp.to(device).eval()
+    return target, draft, dflash, mtp
+
+
+def row(drafter, shape, by, T, steps, drafted, accepted, seconds, **extra):
+    return {"drafter": drafter, "shape": shape, "measured_by": by, "temperature": T, "steps": steps,
+            "drafted": drafted, "accepted": accepted,
+            "mean_acceptance_length": round((accepted + steps) / steps, 3) if steps else 0.0,
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+            "drafted_per_step": round(drafted / steps, 2) if steps else 0.0,
+            "seconds": round(seconds, 1), **extra}
+
+
+def torch_rows(models, prompts, n_new, T, device, mask_id, block, eos_id, seed):
+    target, draft, dflash, mtp = models
+    P = prompts.shape[1]
+    t0 = time.time()
+    cont = reference.continuation(target, prompts, n_new, T, seed)
+    n_gen = reference.generated_lengths(cont, P, eos_id)
+    t_cont = time.time() - t0
+    drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=mask_id)
+    specs = [(f"draft model chain k={DRAFT_CHAIN_K}", "chain", drafters.draft_model_chain(DRAFT_CHAIN_K),
+              DRAFT_CHAIN_K, DRAFT_CHAIN_K),
+             (f"DFlash chain (block {block})", "chain", drafters.dflash_chain(), block - 1, 1)]
+    specs += [(f"DFlash + DDTree budget {b}", "tree", drafters.dflash_tree(b), block - 1, 1) for b in DDTREE_BUDGETS]
+    specs += [(f"MTP k={k}", "chain", drafters.mtp_chain(k), k, 1) for k in MTP_STEPS]
+    rows = []
+    for name, shape, propose, max_len, min_len in specs:
+        t = time.time()
+        acc = reference.simulate(cont, P, n_gen, propose, max_len, min_len)
+        rows.append(row(name, shape, "torch reference", T, acc.steps, acc.drafted, acc.accepted, time.time() - t))
+        print(f"  T={T} {name:32s} AL {rows[-1]['mean_acceptance_length']:.3f} ({rows[-1]['seconds']} s)", flush=True)
+    return rows, cont, n_gen, t_cont
+
+
+# deltaspec's rows: key -> (row name, shape); plain decoding only at T = 0, where it is compared
+DELTASPEC_CONFIGS = {
+    "plain": ("plain", "-"),
+    "ngram": ("n-gram (prompt lookup)", "chain"),
+    "draft_fixed": (f"draft model chain k={DRAFT_CHAIN_K}", "chain"),
+    "draft_adaptive": ("draft model chain adaptive (n_max 16)", "chain"),
+}
+
+
+def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed, key):
+    """One deltaspec configuration over every prompt: (row or None for plain, the tokens)."""
+    import deltaspec
+    name, shape = DELTASPEC_CONFIGS[key]
+    n_ctx = len(prompts[0]) + n_new + 64
+    # two threads each: seven of these run at once beside the torch reference
+    model = deltaspec.Model(folder / "target.gguf", n_ctx=n_ctx, device=device, n_threads=2, progress=False)
+    draft = (deltaspec.Model(folder / "draft.gguf", n_ctx=n_ctx, device=device, n_threads=2, progress=False)
+             if "draft" in key else None)
+    kw = {"plain": {}, "ngram": dict(spec_type="ngram-simple"),
+          "draft_fixed": dict(draft_model=draft, draft_n_max=DRAFT_CHAIN_K, draft_n_min=DRAFT_CHAIN_K),
+          "draft_adaptive": dict(draft_model=draft, draft_n_max=16)}[key]
+    t = time.time()
+    steps = drafted = accepted = 0
+    outs = []
+    for i, p in enumerate(prompts):
+        r = model.generate(p, max_tokens=n_new, seed=seed + i, temperature=T, top_k=0, top_p=1.0, min_p=0.0, **kw)
+        outs.append(r.tokens)
+        steps += r.stats.n_steps
+        drafted += r.stats.n_drafted
+        accepted += r.stats.n_accepted
+    model.close()
+    if draft is not None:
+        draft.close()
+    if key == "plain":
+        return None, outs
+    r = row(name, shape, f"deltaspec ({device})", T, steps, drafted, accepted, time.time() - t)
+    print(f"  T={T:g} {name:32s} AL {r['mean_acceptance_length']:.3f} ({r['seconds']} s)", flush=True)
+    return r, outs
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Per prompt: identical token lists? and where the first difference is."""
+    same, first = 0, []
+    for x, y in zip(a, b):
+        if x == y:
+            same += 1
+        else:
+            first.append(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y))))
+    return {"identical": same, "prompts": len(a), "first_divergence": sorted(first)}
+
+
+def markdown(report: dict) -> str:
+    out = [f"# Testbed acceptance ({report['n_prompts']} held-out prompts x {report['n_new']} new tokens)", "",
+           "Acceptance length = tokens committed per target pass (accepted drafts + the target's own token). "
+           "T = 1 is plain sampling; deltaspec verifies by rejection sampling, the torch reference by exact match "
+           "against the target's sample (the DFlash/DDTree rule), so at T = 1 the two are different rules.", "",
+           "| drafter | shape | measured by | T | mean acceptance length | acceptance rate | drafted/step | steps |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        out.append(f"| {r['drafter']} | {r['shape']} | {r['measured_by']} | {r['temperature']:g} | "
+                   f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.3f} | {r['drafted_per_step']} | {r['steps']} |")
+    ag = report["agreement_greedy"]
+    out += ["", "## deltaspec vs torch, greedy", ""]
+    for k, v in ag.items():
+        out.append(f"- {k}: {v['identical']}/{v['prompts']} prompts token-identical"
+                   + (f"; first differences at tokens {v['first_divergence'][:12]}" if v["first_divergence"] else ""))
+    out += ["", "## The target's greedy completions (held-out prompts)", ""]
+    for s in report["samples"]:
+        out += ["```python", s["prompt_tail"] + "⟨" + s["completion"] + "⟩", "```", ""]
+    out += [f"Training: {json.dumps(report['losses'])}", ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", required=True, type=Path, help="what train.py + export.py wrote")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="deltaspec's device (the torch reference uses CUDA when it exists)")
+    ap.add_argument("--n-new", type=int, default=256)
+    ap.add_argument("--n-prompts", type=int, default=None, help="default: every prompt fixed at training")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--deltaspec-only", default=None, metavar="T:CONFIG",
+                    help="(internal) run one of deltaspec's rows and write it to the file --out")
+    args = ap.parse_args(argv)
+    manifest = json.loads((args.dir / "manifest.json").read_text())
+    training = manifest["training"]
+    prompts_list = training["prompts"][:args.n_prompts]
+    if args.deltaspec_only is not None:
+        T, key = args.deltaspec_only.split(":")
+        r, toks = deltaspec_row(args.dir, prompts_list, args.n_new, float(T), args.device, args.seed, key)
+        args.out.write_text(json.dumps({"row": r, "tokens": toks}))
+        return {}
+    # deltaspec's rows run in processes of their own, one per configuration and temperature, beside
+    # the torch reference: each decodes token by token (its speed is not what is measured here), so
+    # together they take the time of the slowest instead of the sum. Their files stay out of OUT
+    # (the GPU machine hands back few files).
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="testbed_acceptance_"))
+    workers = {}
+    for T in (0.0, 1.0):
+        for key in DELTASPEC_CONFIGS:
+            if key == "plain" and T != 0:
+                continue
+            result = work / f"T{T:g}_{key}.json"
+            cmd = [sys.executable, os.path.abspath(__file__), "--dir", str(args.dir), "--out", str(result),
+                   "--device", args.device, "--n-new", str(args.n_new), "--seed", str(args.seed),
+                   "--deltaspec-only", f"{T:g}:{key}"] + (["--n-prompts", str(args.n_prompts)] if args.n_prompts else [])
+            log = open(result.with_suffix(".log"), "w")
+            workers[(T, key)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, result)
+    tdev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    models = load_torch_models(args.dir, tdev)
+    prompts = torch.tensor(prompts_list, device=tdev)
+    mask_id, block = training["mask_token_id"], training["block_size"]
+    eos_id = 0
+    t_start = time.time()
+    rows, conts, times = [], {}, {}
+    for T in (0.0, 1.0):
+        t = time.time()
+        r, cont, n_gen, t_cont = torch_rows(models, prompts, args.n_new, T, tdev, mask_id, block, eos_id, args.seed)
+        rows += r
+        conts[T] = [cont[i, prompts.shape[1]:prompts.shape[1] + n_gen[i]].tolist() for i in range(len(prompts_list))]
+        times[f"torch_T{T:g}_s"] = round(time.time() - t, 1)
+        times[f"torch_continuation_T{T:g}_s"] = round(t_cont, 1)
+    ds_tokens: dict[float, dict[str, list]] = {0.0: {}, 1.0: {}}
+    t = time.time()
+    with open(args.out / "deltaspec.log", "w") as all_logs:
+        for (T, key), (proc, log, result) in workers.items():
+            rc = proc.wait()
+            log.close()
+            text = result.with_suffix(".log").read_text()
+            all_logs.write(f"== T={T:g} {key} (exit {rc})\n{text}")
+            print(text, end="")
+            if rc != 0:
+                raise RuntimeError(f"deltaspec {key} at T={T:g} failed (exit {rc}): {text[-2000:]}")
+            got = json.loads(result.read_text())
+            if got["row"] is not None:
+                rows.append(got["row"])
+            ds_tokens[T][DELTASPEC_CONFIGS[key][0]] = got["tokens"]
+    times["deltaspec_wait_after_torch_s"] = round(time.time() - t, 1)
+    ag = {
+        "deltaspec plain vs torch greedy": agreement(ds_tokens[0.0]["plain"], conts[0.0]),
+        f"deltaspec draft model chain k={DRAFT_CHAIN_K} vs torch greedy":
+            agreement(ds_tokens[0.0][f"draft model chain k={DRAFT_CHAIN_K}"], conts[0.0]),
+        f"deltaspec draft model chain k={DRAFT_CHAIN_K} vs deltaspec plain":
+            agreement(ds_tokens[0.0][f"draft model chain k={DRAFT_CHAIN_K}"], ds_tokens[0.0]["plain"]),
+    }
+    import tokenizers
+    tk = tokenizers.Tokenizer.from_file(str(args.dir / "hf/target/tokenizer.json"))
+    samples = [{"prompt_tail": tk.decode(prompts_list[i])[-300:], "completion": tk.decode(conts[0.0][i][:96])}
+               for i in range(min(3, len(prompts_list)))]
+    report = {"n_prompts": len(prompts_list), "n_new": args.n_new, "prompt_tokens": len(prompts_list[0]),
+              "deltaspec_device": args.device, "torch_device": str(tdev), "rows": rows, "agreement_greedy": ag,
+              "samples": samples, "losses": manifest["losses"], "files": manifest["files"], "times": times,
+              "total_seconds": round(time.time() - t_start, 1)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "acceptance.json").write_text(json.dumps(report, indent=1))
+    md = markdown(report)
+    (args.out / "acceptance.md").write_text(md)
+    print(md)
+    return report
+
+
+if __name__ == "__main__":
+    main()

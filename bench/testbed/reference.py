@@ -1,0 +1,195 @@
+"""The torch reference: acceptance of every drafter measured against the target's own output.
+
+Why this is exact without running a verify pass per round: with greedy verification, and with
+exact-match verification at T > 0 (the DFlash/DDTree reference rule, algorithms_brief.md §5.2),
+the committed text is the target's own continuation (greedy, or one sample of it), whatever the
+drafter proposed; the drafter only decides how much of it each target pass commits. So each row's
+continuation is generated once (`continuation`), and a round starting after committed index
+`start` accepts the longest path of the draft tree that matches continuation[start+1:]
+(`ddtree.walk`). The drafters see only committed tokens and the target's features of committed
+positions, which a causal target computes the same in the continuation's forward as in the verify
+passes. Numerics can differ from an incremental run near ties; that is what the deltaspec
+comparison (same drafter, greedy) measures.
+
+All rows of a batch run in lock-step rounds, each at its own position; models run on the whole
+(right-padded) row each time, without KV caches, which keeps this independent of transformers'
+cache API at the price of recomputation (small models, one GPU: seconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import ddtree
+from heads import dflash_blocks, mtp_forward, target_features
+
+
+@torch.no_grad()
+def continuation(target, prompts: torch.Tensor, n_new: int, temperature: float, seed: int) -> torch.Tensor:
+    """prompts [B, P] -> [B, P + n_new]: greedy (temperature 0) or plain sampling at `temperature`
+    (no top-k / top-p), recomputing the whole row each step."""
+    gen = torch.Generator(device=prompts.device).manual_seed(seed)
+    ids = prompts
+    for _ in range(n_new):
+        logits = target(input_ids=ids).logits[:, -1].float()
+        if temperature == 0:
+            nxt = logits.argmax(-1)
+        else:
+            probs = torch.softmax(logits / temperature, -1)
+            nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        ids = torch.cat([ids, nxt[:, None]], 1)
+    return ids
+
+
+def generated_lengths(cont: torch.Tensor, prompt_len: int, eos_id: int) -> list[int]:
+    """Tokens generated per row, up to and including the first EOS (where generation stops)."""
+    out = []
+    for row in cont[:, prompt_len:].tolist():
+        out.append(row.index(eos_id) + 1 if eos_id in row else len(row))
+    return out
+
+
+@dataclass
+class Acceptance:
+    steps: int = 0       # target passes after the prompt
+    drafted: int = 0
+    accepted: int = 0
+    per_row_steps: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def simulate(cont: torch.Tensor, prompt_len: int, n_gen: list[int], propose, max_len: int,
+             min_len: int = 1) -> Acceptance:
+    """Rounds of draft + verify over every row until each has its n_gen tokens.
+
+    propose(rows, starts, rooms) -> one ddtree.Tree per row: the draft after committed index
+    starts[i], at most rooms[i] deep. A row drafts at most max_len tokens and at most what is
+    left to generate minus the target's own token; when that room is below min_len it takes a
+    plain step (no draft), as deltaspec does with draft_n_min."""
+    B = cont.shape[0]
+    produced = [1] * B          # the first token comes from the prefill
+    acc = Acceptance(per_row_steps=[0] * B)
+    cont_list = cont.tolist()
+    while True:
+        rows = [b for b in range(B) if produced[b] < n_gen[b]]
+        if not rows:
+            return acc
+        rooms = [min(max_len, n_gen[b] - produced[b] - 1) for b in rows]
+        drafting = [(b, r) for b, r in zip(rows, rooms) if r >= max(min_len, 1)]
+        trees = {}
+        if drafting:
+            d_rows = [b for b, _ in drafting]
+            starts = [prompt_len + produced[b] - 1 for b in d_rows]
+            for b, tree in zip(d_rows, propose(d_rows, starts, [r for _, r in drafting])):
+                trees[b] = tree
+        for b in rows:
+            acc.steps += 1
+            acc.per_row_steps[b] += 1
+            n = 0
+            if b in trees:
+                tree = trees[b]
+                acc.drafted += len(tree.tokens)  # nodes the target verifies (a chain: its length)
+                start = prompt_len + produced[b] - 1
+                n = ddtree.walk(tree, cont_list[b][start + 1:start + 1 + max(tree.depths, default=0)])
+            acc.accepted += n
+            produced[b] += n + 1
+
+
+def _right_pad(seqs: list[list[int]], pad: int, device) -> torch.Tensor:
+    n = max(len(s) for s in seqs)
+    return torch.tensor([s + [pad] * (n - len(s)) for s in seqs], dtype=torch.long, device=device)
+
+
+class Drafters:
+    """Draft proposers over one continuation batch: each method returns a `propose` for simulate."""
+
+    def __init__(self, target, cont: torch.Tensor, draft=None, dflash=None, mtp=None, mask_id: int | None = None):
+        self.target, self.cont, self.draft, self.dflash, self.mtp, self.mask_id = target, cont, draft, dflash, mtp, mask_id
+        self.cont_list = cont.tolist()
+        with torch.no_grad():
+            layer_ids = list(dflash.target_layer_ids) if dflash is not None else [0]
+            _, self.hidden, self.features = target_features(target, cont, layer_ids)
+
+    @torch.no_grad()
+    def draft_model_chain(self, k: int):
+        """The draft model's greedy chain of (up to) k tokens after the committed prefix."""
+        def propose(rows, starts, rooms):
+            seqs = [self.cont_list[b][:s + 1] for b, s in zip(rows, starts)]
+            drafts = [[] for _ in rows]
+            for step in range(max(rooms)):
+                ids = _right_pad(seqs, 0, self.cont.device)
+                logits = self.draft(input_ids=ids).logits
+                at = torch.tensor([len(s) - 1 for s in seqs], device=ids.device)
+                nxt = logits[torch.arange(len(rows), device=ids.device), at].argmax(-1).tolist()
+                for i, t in enumerate(nxt):
+                    if step < rooms[i]:
+                        drafts[i].append(t)
+                        seqs[i] = seqs[i] + [t]
+            return [ddtree.chain(d) for d in drafts]
+        return propose
+
+    @torch.no_grad()
+    def _dflash_logprobs(self, rows, starts) -> torch.Tensor:
+        """[len(rows), block-1, V] log-probabilities of one DFlash block opened at each start."""
+        idx = torch.tensor(rows, device=self.cont.device)
+        anchors = torch.tensor(starts, device=self.cont.device)[:, None]
+        anchor_tokens = self.cont[idx].gather(1, anchors)
+        logits = dflash_blocks(self.dflash, self.target, self.features[idx], anchors, anchor_tokens, self.mask_id)
+        return torch.log_softmax(logits[:, 0].float(), -1)
+
+    def dflash_chain(self):
+        def propose(rows, starts, rooms):
+            top = self._dflash_logprobs(rows, starts).argmax(-1).tolist()
+            return [ddtree.chain(t[:r]) for t, r in zip(top, rooms)]
+        return propose
+
+    def dflash_tree(self, budget: int):
+        def propose(rows, starts, rooms):
+            lp = self._dflash_logprobs(rows, starts)
+            vals, toks = lp.topk(min(budget, lp.shape[-1]), -1)
+            vals, toks = vals.cpu().numpy(), toks.cpu().numpy()
+            return [ddtree.build(toks[i], vals[i], budget, max_depth=r) for i, r in enumerate(rooms)]
+        return propose
+
+    @torch.no_grad()
+    def mtp_chain(self, k: int):
+        """k MTP steps: step 0 reads (committed token, target hidden before it) at the last committed
+        position, with the head's attention over every committed (token, hidden) pair; step i > 0
+        reads (draft i, the head's own output hidden of step i-1), as llama.cpp drives it."""
+        def propose(rows, starts, rooms):
+            dev = self.cont.device
+            n = len(rows)
+            idx = torch.tensor(rows, device=dev)
+            # pair p (p = 1 .. start): token at p with the target's hidden at p-1
+            toks = [self.cont_list[b][1:s + 1] for b, s in zip(rows, starts)]
+            hid = [self.hidden[b, :s] for b, s in zip(rows, starts)]
+            drafts = [[] for _ in rows]
+            for step in range(max(rooms)):
+                T = max(len(t) for t in toks)
+                ids = _right_pad(toks, 0, dev)
+                h = torch.zeros(n, T, self.hidden.shape[-1], device=dev, dtype=self.hidden.dtype)
+                for i in range(n):
+                    h[i, :hid[i].shape[0]] = hid[i]
+                pos = torch.arange(1, T + 1, device=dev).expand(n, T)
+                logits, out_h = mtp_forward(self.mtp, self.target, ids, h, pos)
+                at = torch.tensor([len(t) - 1 for t in toks], device=dev)
+                sel = torch.arange(n, device=dev)
+                nxt = logits[sel, at].argmax(-1).tolist()
+                for i, t in enumerate(nxt):
+                    if step < rooms[i]:
+                        drafts[i].append(t)
+                        toks[i] = toks[i] + [t]
+                        hid[i] = torch.cat([hid[i], out_h[i, at[i]][None]], 0)
+            del idx
+            return [ddtree.chain(d) for d in drafts]
+        return propose

