@@ -474,6 +474,48 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
              "Queue a request for step(); returns its id.")
         .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")
+        .def("eval_in_slot", [](Runner & r, int64_t slot, Tokens tokens, const std::string & logits) {
+                 Engine & e = r.single();
+                 e.use_slot(slot);
+                 try {
+                     py::array_t<float> out = eval(e, tokens, logits);
+                     e.use_slot(0);
+                     return out;
+                 } catch (...) {
+                     e.use_slot(0);
+                     throw;
+                 }
+             }, py::arg("slot"), py::arg("tokens"), py::arg("logits") = "last",
+             "eval() on sequence slot `slot` (reset_slot starts it empty).")
+        .def("reset_slot", [](Runner & r, int64_t slot) {
+                 Engine & e = r.single();
+                 e.use_slot(slot);
+                 e.reset();
+                 e.use_slot(0);
+             }, py::arg("slot"))
+        .def("slot_n_past", [](Runner & r, int64_t slot) { return r.engine->slot_n_past(slot); }, py::arg("slot"))
+        .def("decode_slots", [](Runner & r, Tokens tokens) {
+                 Engine & e = r.single();
+                 RowBatch rows;
+                 for (py::ssize_t i = 0; i < tokens.shape(0); ++i) {
+                     rows.add(tokens.at(i), (int32_t)e.slot_n_past(i), (int32_t)i);
+                 }
+                 py::array_t<float> out({(int64_t)rows.size(), e.hparams().n_vocab});
+                 float * dst = out.mutable_data();
+                 py::gil_scoped_release release;
+                 e.decode(rows, LogitsWanted::all, dst);
+                 return out;
+             }, py::arg("tokens"),
+             "One row per slot 0 .. len(tokens)-1, each appending its token to its slot, in one batch: "
+             "logits (len(tokens), n_vocab).")
+        .def_property_readonly("decode_stats", [](const Runner & r) {
+                 const auto & s = r.engine->decode_stats();
+                 py::dict d;
+                 d["calls"] = s.calls;
+                 d["rows"] = s.rows;
+                 d["max_rows"] = s.max_rows;
+                 return d;
+             }, "What batched decoding has run: calls, rows in all, the most rows of one call.")
         .def("cancel_request", [](Runner & r, int64_t id) {
                  if (r.scheduler) r.scheduler->cancel(id);
              }, py::arg("id"), "Cancel a request added with add_request (finishes at the next step).")

@@ -3,6 +3,7 @@
 // the slots and scattered back (StatePool), attention reads each slot's KV rows as a FA stream.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -17,11 +18,7 @@ void set_input(ggml_tensor * t, const void * data, size_t size) {
     if (t->buffer) ggml_backend_tensor_set(t, data, 0, size);  // an input no kept node reads is not allocated
 }
 
-// DELTASPEC_TEST_BATCH_BUG (test only) plants a bug in decode(), so that the tests of batched
-// decoding (tests/test_batch.py) can show they notice it: "shared_slot" makes every row of a batch
-// of 2+ start from the first row's recurrent state (and write back into it), "position" shifts
-// the position of every row after the first by one. Unset or empty in every real use.
-enum class BatchBug { none, shared_slot, position };
+}  // namespace
 
 BatchBug batch_bug() {
     const char * env = std::getenv("DELTASPEC_TEST_BATCH_BUG");
@@ -29,11 +26,11 @@ BatchBug batch_bug() {
     if (v.empty()) return BatchBug::none;
     if (v == "shared_slot") return BatchBug::shared_slot;
     if (v == "position") return BatchBug::position;
-    throw std::invalid_argument("DELTASPEC_TEST_BATCH_BUG (test only) must be unset, 'shared_slot' or 'position', not '" +
-                                v + "'");
+    if (v == "no_move") return BatchBug::no_move;
+    if (v == "no_reset") return BatchBug::no_reset;
+    throw std::invalid_argument("DELTASPEC_TEST_BATCH_BUG (test only) must be unset, 'shared_slot', 'position', "
+                                "'no_move' or 'no_reset', not '" + v + "'");
 }
-
-}  // namespace
 
 void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
     const int64_t N = rows.size();
@@ -103,6 +100,9 @@ void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
 
     compute(g);
     for (int64_t i = 0; i < N; ++i) pool_.slots[rows.slot[i]].n_past += 1;
+    decode_stats_.calls += 1;
+    decode_stats_.rows += N;
+    decode_stats_.max_rows = std::max(decode_stats_.max_rows, N);
 
     // every row's result came out; keep those asked for, in row order
     const size_t row_bytes = wanted == LogitsWanted::all ? hp_.n_vocab * sizeof(float) : sizeof(int32_t);

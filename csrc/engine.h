@@ -61,6 +61,11 @@ class Engine {
     // logits and in row order, n_vocab floats each (LogitsWanted::all) or the argmax
     // (LogitsWanted::argmax_all, on the device).
     void decode(const RowBatch & rows, LogitsWanted wanted, void * out);
+    // What decode() has run (tests assert that batches of several sequences happened).
+    struct DecodeStats {
+        int64_t calls = 0, rows = 0, max_rows = 0;
+    };
+    const DecodeStats & decode_stats() const { return decode_stats_; }
 
     // Speculative verification: append a batch of at most n_slots tokens and return logits for
     // every row, leaving what the recurrent state after each token needs (VerifyStates); then
@@ -141,6 +146,7 @@ class Engine {
     ModelWeights weights_;
     StatePool pool_;
     int64_t cur_ = 0;  // the slot of the one-sequence calls
+    DecodeStats decode_stats_;
     std::vector<uint8_t> graph_meta_;       // scratch for graph/tensor descriptors
     size_t graph_size_ = 0;
     StepGraph step_;

@@ -98,7 +98,7 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
         s->slot = (int64_t)running_.size();
         engine_.use_slot(s->slot);
         const auto t0 = Clock::now();
-        engine_.reset();
+        if (batch_bug() != BatchBug::no_reset) engine_.reset();
         const int64_t n = (int64_t)s->req.prompt.size();
         int32_t token = -1;
         if (s->req.sampling.argmax_only()) {
@@ -151,7 +151,7 @@ void Scheduler::release_finished() {
         if (!running_[i]->finished) continue;
         const int64_t last = (int64_t)running_.size() - 1;
         if (i != last) {
-            engine_.move_slot(last, i);
+            if (batch_bug() != BatchBug::no_move) engine_.move_slot(last, i);
             running_[i] = std::move(running_[last]);
             running_[i]->slot = i;
         }
