@@ -1,6 +1,7 @@
 // Engine::decode: one graph over one row per sequence, for sequences in consecutive slots. Each row
-// starts from its slot's committed state: the DeltaNet states and conv windows are gathered from
-// the slots and scattered back (StatePool), attention reads each slot's KV rows as a FA stream.
+// starts from its slot's committed state: the DeltaNet states and conv windows of consecutive
+// slots sit side by side in the pool (StatePool), so the graph reads and writes them in place as
+// one view; attention reads each slot's KV rows as a FA stream.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -76,20 +77,26 @@ void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
 
     const BatchBug bug = N > 1 ? batch_bug() : BatchBug::none;
     StepGraph & g = step_graph(N, n_kv, wanted, /*keep_states =*/false, N, first);
-    std::vector<int32_t> pos(4 * N, 0), slot_ids(N);
-    std::vector<int64_t> kv_rows(N), slot_rows(N);
+    std::vector<int32_t> pos(4 * N, 0);
+    std::vector<int64_t> kv_rows(N);
     for (int64_t i = 0; i < N; ++i) {
         const int32_t p = rows.pos[i] + (bug == BatchBug::position && i > 0 ? 1 : 0);
         pos[i] = pos[N + i] = pos[2 * N + i] = p;
         kv_rows[i] = rows.slot[i] * pool_.n_ctx + p;
-        slot_ids[i] = bug == BatchBug::shared_slot ? first : rows.slot[i];
-        slot_rows[i] = slot_ids[i];
+    }
+    if (bug == BatchBug::shared_slot) {  // the first row's recurrent state, in every row's slot
+        const SequenceState & src = pool_.slots[first];
+        for (int64_t i = 1; i < N; ++i) {
+            for (size_t il = 0; il < src.conv.size(); ++il) {
+                if (!src.conv[il]) continue;
+                ggml_backend_tensor_copy(src.conv[il], pool_.slots[first + i].conv[il]);
+                ggml_backend_tensor_copy(src.ssm[il], pool_.slots[first + i].ssm[il]);
+            }
+        }
     }
     set_input(g.in.tokens, rows.token.data(), N * sizeof(int32_t));
     set_input(g.in.pos, pos.data(), pos.size() * sizeof(int32_t));
     set_input(g.in.kv_rows, kv_rows.data(), N * sizeof(int64_t));
-    set_input(g.in.slot_ids, slot_ids.data(), N * sizeof(int32_t));
-    set_input(g.in.slot_rows, slot_rows.data(), N * sizeof(int64_t));
     // mask {n_kv, 1, 1, N}: row i sees its own slot's rows 0 .. pos_i
     std::vector<ggml_fp16_t> mask(n_kv * N);
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);

@@ -34,9 +34,7 @@ StepInputs make_batch_inputs(ggml_context * ctx, int64_t n_seqs, int64_t n_per_s
     in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T);
     in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, T);
     in.kq_mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, n_per_seq, 1, n_seqs);
-    in.slot_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_seqs);
-    in.slot_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_seqs);
-    for (ggml_tensor * t : {in.tokens, in.pos, in.kv_rows, in.kq_mask, in.slot_ids, in.slot_rows}) ggml_set_input(t);
+    for (ggml_tensor * t : {in.tokens, in.pos, in.kv_rows, in.kq_mask}) ggml_set_input(t);
     return in;
 }
 
@@ -183,7 +181,7 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
                               const StepInputs & in, const FoldInput & fold_input, VerifyStates * verify) {
     ggml_tensor * conv_state = st.conv[il];
     ggml_tensor * ssm_state = st.ssm[il];
-    const bool several = in.n_seqs > 0;   // rows of several sequences, states gathered from their slots
+    const bool several = in.n_seqs > 0;   // rows of several sequences, in consecutive slots
     const int64_t N = several ? in.n_seqs : 1;
     const int64_t T = in.n_tokens, Tq = T / N, S = hp.ssm_state_size, Hk = hp.ssm_n_k_heads, Hv = hp.ssm_n_v_heads;
     const int64_t C = hp.conv_channels(), Kc = hp.ssm_conv_kernel;
@@ -202,13 +200,13 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
 
     // Causal depthwise conv over [previous Kc-1 inputs | this batch]; keep the last Kc-1 as new state.
     ggml_tensor * conv_in = nullptr;
-    if (several) {  // per sequence: {Kc-1+Tq, C, N}; the windows go back to their slots
-        ggml_tensor * windows = ggml_reshape_3d(ctx, ggml_get_rows(ctx, pool.conv[il], in.slot_ids), Kc - 1, C, N);
+    if (several) {  // per sequence: {Kc-1+Tq, C, N}; the windows of the slots, read and written in place
+        ggml_tensor * windows = ggml_view_3d(ctx, pool.conv[il], Kc - 1, C, N, (Kc - 1) * f, pool.conv[il]->nb[1],
+                                             in.first_slot * pool.conv[il]->nb[1]);
         ggml_tensor * rows = ggml_view_3d(ctx, qkv, C, Tq, N, qkv->nb[1], Tq * qkv->nb[1], 0);
         conv_in = ggml_concat(ctx, windows, ggml_permute(ctx, rows, 1, 0, 2, 3), 0);
         ggml_tensor * last = ggml_view_3d(ctx, conv_in, Kc - 1, C, N, conv_in->nb[1], conv_in->nb[2], Tq * f);
-        last = ggml_reshape_2d(ctx, ggml_cont(ctx, last), (Kc - 1) * C, N);
-        ggml_build_forward_expand(gf, ggml_set_rows(ctx, pool.conv[il], last, in.slot_rows));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, last, windows));
     } else {
         conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, qkv), 0);  // {Kc-1+T, C}
         ggml_tensor * last_window = ggml_view_2d(ctx, conv_in, Kc - 1, C, conv_in->nb[1], T * f);
@@ -229,14 +227,19 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
 
     // The op scales q by 1/sqrt(S) itself and broadcasts q/k head h % Hk to value head h, which is
     // the tiled V-head order the converter writes.
-    ggml_tensor * state = several ? ggml_get_rows(ctx, pool.ssm[il], in.slot_ids) : ssm_state;
-    state = ggml_reshape_4d(ctx, state, S, S, Hv, N);
+    // several: the slots' states side by side in the pool, a view (the op reads them in place)
+    ggml_tensor * slots_state =
+        several ? ggml_view_2d(ctx, pool.ssm[il], S * S * Hv, N, pool.ssm[il]->nb[1], in.first_slot * pool.ssm[il]->nb[1])
+                : nullptr;
+    ggml_tensor * state = ggml_reshape_4d(ctx, several ? slots_state : ssm_state, S, S, Hv, N);
     // The op returns the outputs, then the state after the last token (per sequence).
     ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, 1);
     ggml_tensor * o = ggml_view_4d(ctx, res, S, Hv, Tq, N, S * f, S * Hv * f, S * Hv * Tq * f, 0);
     if (several) {
+        // back into the slots' view: one token per sequence is the form ggml-cuda fuses into the
+        // op (the kernel writes the new states in place), as for one sequence below
         ggml_tensor * new_states = ggml_view_2d(ctx, res, S * S * Hv, N, S * S * Hv * f, S * Hv * T * f);
-        ggml_build_forward_expand(gf, ggml_set_rows(ctx, pool.ssm[il], new_states, in.slot_rows));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, new_states, slots_state));
     } else if (in.keep_states) {  // the state stays; keep(n) advances it from these (VerifyStates)
         for (ggml_tensor * t : {q, k, v, g, beta, res}) ggml_set_output(t->view_src ? t->view_src : t);
         verify->q[il] = q;

@@ -22,14 +22,12 @@ struct StepInputs {
                                      // tensors when n_seqs > 0: slot * n_ctx + position)
     ggml_tensor * kq_mask = nullptr; // F16 {n_kv, T}, or {n_kv, T/n_seqs, 1, n_seqs}: 0 where a query
                                      // may attend, -inf elsewhere
-    ggml_tensor * slot_ids = nullptr;   // n_seqs > 0: I32 {n_seqs}, each sequence's slot (state gather)
-    ggml_tensor * slot_rows = nullptr;  // n_seqs > 0: I64 {n_seqs}, the same (state scatter)
     int64_t n_tokens = 0;
     int64_t n_kv = 0;                // KV rows attention reads per sequence (multiple of SequenceState::kv_pad)
     int64_t n_seqs = 0;              // 0: one sequence; else the sequences of the rows
-    // n_seqs > 0: attention reads the KV rows of slots first_slot .. first_slot + n_seqs - 1, in
-    // that order, as FA's streams (one strided view), so sequence i of the rows must live in slot
-    // first_slot + i; the recurrent states are gathered by slot_ids and need no such order.
+    // n_seqs > 0: sequence i of the rows lives in slot first_slot + i. Its KV rows are read as FA's
+    // stream i (one strided view of the pool) and its recurrent state is row first_slot + i of the
+    // pool's (one view, read and written in place: no gather, no scatter).
     int64_t first_slot = 0;
     bool keep_states = false;        // a verify batch: leave the recurrent state for keep() (VerifyStates)
 };

@@ -32,7 +32,7 @@ struct RowBatch {
 
 // DELTASPEC_TEST_BATCH_BUG (test only) plants a bug, so that the tests of batched decoding
 // (tests/test_batch.py) can show they notice it: "shared_slot" makes every row of a decode batch
-// of 2+ start from the first row's recurrent state (and write back into it), "position" shifts
+// of 2+ start from the first row's recurrent state (copied over the others'), "position" shifts
 // the position of every row after the first by one, "no_move" makes the scheduler forget to copy
 // a sequence's state when it moves the sequence into a freed slot, "no_reset" makes it admit a
 // sequence into a slot without emptying the slot. Unset or empty in every real use; anything else

@@ -126,8 +126,18 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
         rows_.add(s->pending, (int32_t)engine_.slot_n_past(s->slot), (int32_t)s->slot);
         all_argmax = all_argmax && s->req.sampling.argmax_only();
     }
-    // greedy everywhere: only the argmax ids cross over; otherwise every row's logits
-    if (all_argmax) {
+    // greedy everywhere: only the argmax ids cross over; otherwise every row's logits. One sequence
+    // takes the one-sequence step, whose graph writes its state in place (ggml-cuda's fused forms)
+    // and which is what generate() runs.
+    if (N == 1) {
+        engine_.use_slot(0);
+        if (all_argmax) {
+            argmax_.assign(1, engine_.eval_argmax(&rows_.token[0], 1));
+        } else {
+            logits_.resize(n_vocab);
+            engine_.eval(&rows_.token[0], 1, LogitsWanted::last, logits_.data());
+        }
+    } else if (all_argmax) {
         argmax_.resize(N);
         engine_.decode(rows_, LogitsWanted::argmax_all, argmax_.data());
     } else {

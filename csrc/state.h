@@ -43,8 +43,8 @@ struct SequenceState {
 // Every slot's state; per layer one tensor holds all slots, slot s at a fixed offset:
 //   k, v: {Hkv*D, n_ctx * n_seq}: slot s owns rows s*n_ctx .. (s+1)*n_ctx-1
 //   conv: {(Kc-1)*C, n_seq} F32, ssm: {S*S*Hv, n_seq} F32: slot s is row s
-// so a graph over several sequences gathers their recurrent states with ggml_get_rows, scatters
-// them back with ggml_set_rows, and reads their KV rows as FA streams (a strided view).
+// so a graph over sequences in consecutive slots reads and writes their recurrent states as one view
+// and their KV rows as FA streams (a strided view).
 struct StatePool {
     int64_t n_seq = 0;
     int64_t n_ctx = 0;  // per slot, as SequenceState::n_ctx
