@@ -344,19 +344,36 @@ PYBIND11_MODULE(_core, m) {
     m.def("dequantize", &dequantize, py::arg("data"), py::arg("type_id"), py::arg("n_per_row"),
           "Dequantize ggml-quantized rows to float32 with ggml's own to_float.");
 
-    py::class_<HParams>(m, "HParams")
-        .def(py::init<>())
+    // deltaspec.errors' class for each kind of HParamsError (read_hparams)
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const HParamsError & e) {
+            static const char * names[] = {"MissingMetadataError", "HyperParameterError", "UnsupportedArchitectureError",
+                                           "MissingTensorError"};
+            py::object cls = py::module_::import("deltaspec.errors").attr(names[e.kind]);
+            PyErr_SetObject(cls.ptr(), py::str(e.what()).ptr());
+        }
+    });
+
+    // The values come from read_hparams; the setters let a test build its own (HParams()).
+    py::class_<HParams> hparams(m, "HParams", "qwen35 hyper-parameters, as read_hparams reads and checks them.");
+    hparams.def(py::init<>())
         .def_readwrite("n_vocab", &HParams::n_vocab)
         .def_readwrite("n_embd", &HParams::n_embd)
-        .def_readwrite("n_layer", &HParams::n_layer)
+        .def_readwrite("n_layer", &HParams::n_layer, "trunk layers (block_count - nextn_predict_layers)")
+        .def_readwrite("n_layer_nextn", &HParams::n_layer_nextn, "MTP layers stored after the trunk (not run yet)")
         .def_readwrite("n_ctx_train", &HParams::n_ctx_train)
         .def_readwrite("rms_eps", &HParams::rms_eps)
+        .def_readwrite("tied_output", &HParams::tied_output)
         .def_readwrite("n_head", &HParams::n_head)
         .def_readwrite("n_head_kv", &HParams::n_head_kv)
         .def_readwrite("head_dim", &HParams::head_dim)
         .def_readwrite("n_rot", &HParams::n_rot)
         .def_readwrite("rope_freq_base", &HParams::rope_freq_base)
         .def_readwrite("rope_sections", &HParams::rope_sections)
+        .def_readwrite("rope_scaling_type", &HParams::rope_scaling_type)
+        .def_readwrite("rope_scaling_factor", &HParams::rope_scaling_factor)
         .def_readwrite("rope_freq_scale", &HParams::rope_freq_scale)
         .def_readwrite("rope_ext_factor", &HParams::rope_ext_factor)
         .def_readwrite("rope_attn_factor", &HParams::rope_attn_factor)
@@ -367,7 +384,27 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("ssm_state_size", &HParams::ssm_state_size)
         .def_readwrite("ssm_n_k_heads", &HParams::ssm_n_k_heads)
         .def_readwrite("ssm_n_v_heads", &HParams::ssm_n_v_heads)
-        .def_readwrite("recurrent", &HParams::recurrent);
+        .def_readwrite("recurrent", &HParams::recurrent, "per trunk layer: True = Gated DeltaNet, False = attention")
+        .def_property_readonly("conv_channels", &HParams::conv_channels)
+        .def_property_readonly("n_attention_layers", &HParams::n_attention_layers)
+        .def_property_readonly("recurrent_state_bytes", &HParams::recurrent_state_bytes,
+                               "F32 DeltaNet states plus conv windows of every recurrent layer, for one sequence")
+        .def_property_readonly("rope_scaling", [](const HParams & h) {
+                 return py::module_::import("deltaspec.qwen35").attr("RopeScaling")(
+                     h.rope_scaling_type, h.rope_scaling_factor, h.rope_freq_scale, h.rope_ext_factor,
+                     h.rope_attn_factor, h.rope_beta_fast, h.rope_beta_slow, h.rope_n_ctx_orig);
+             }, "The RoPE scaling fields as a deltaspec.qwen35.RopeScaling.")
+        .def("__repr__", [](const HParams & h) {
+                 return "HParams(n_vocab=" + std::to_string(h.n_vocab) + ", n_embd=" + std::to_string(h.n_embd) +
+                        ", n_layer=" + std::to_string(h.n_layer) + ", n_head=" + std::to_string(h.n_head) +
+                        ", n_head_kv=" + std::to_string(h.n_head_kv) + ", head_dim=" + std::to_string(h.head_dim) +
+                        ", ssm_state_size=" + std::to_string(h.ssm_state_size) + ")";
+             });
+
+    m.def("read_hparams", &read_hparams, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+          "The qwen35 hyper-parameters of the GGUF at path, checked (deltaspec.errors' exceptions name the key).");
+    m.def("mrope_sections", &mrope_sections, py::arg("n_pairs"));
+    m.def("rope_sections_problem", &rope_sections_problem, py::arg("sections"), py::arg("n_rot"));
 
     py::class_<SamplingParams>(m, "SamplingParams")
         .def(py::init<>())

@@ -116,8 +116,9 @@ ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos, const
     int sections[GGML_MROPE_SECTIONS];
     for (int i = 0; i < GGML_MROPE_SECTIONS; ++i) sections[i] = hp.rope_sections[i];
     return ggml_rope_multi(ctx, x, pos, nullptr, (int)hp.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
-                           (int)hp.rope_n_ctx_orig, hp.rope_freq_base, hp.rope_freq_scale, hp.rope_ext_factor,
-                           hp.rope_attn_factor, hp.rope_beta_fast, hp.rope_beta_slow);
+                           (int)hp.rope_n_ctx_orig, hp.rope_freq_base, (float)hp.rope_freq_scale,
+                           (float)hp.rope_ext_factor, (float)hp.rope_attn_factor, (float)hp.rope_beta_fast,
+                           (float)hp.rope_beta_slow);
 }
 
 // k_cache, v_cache: the sequence's own (one sequence) or every slot's (in.n_seqs > 0, StatePool).

@@ -41,7 +41,7 @@ CUDA_VEC_PAIRS_DEFAULT: frozenset[tuple[str, str]] = frozenset(
 
 
 class _KVHParams(Protocol):
-    """What the size functions read; `deltaspec.qwen35.Qwen35HParams` has it."""
+    """What the size functions read; the engine's hyper-parameters (`deltaspec.qwen35.read_hparams`) have it."""
     n_head_kv: int
     head_dim: int
 

@@ -17,7 +17,7 @@ from .errors import DeltaspecError, EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
                          result_of, validate_flag, validate_stop)
 from .gguf_file import read_gguf
-from .qwen35 import Qwen35HParams, check_tensors, read_hparams
+from .qwen35 import check_tensors, read_hparams
 from .kv_cache import allocated_state, ggml_type, validate_cache_types
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
@@ -43,19 +43,6 @@ class RequestOutput:
     tokens: list[int]                   # the tokens committed in this step
     finished: bool
     result: GenerationResult | None     # once finished
-
-
-def _native_hparams(hp: Qwen35HParams) -> _core.HParams:
-    n = _core.HParams()
-    for name in ("n_vocab", "n_embd", "n_layer", "n_ctx_train", "rms_eps", "n_head", "n_head_kv", "head_dim",
-                 "n_rot", "rope_freq_base", "ssm_conv_kernel", "ssm_state_size", "ssm_n_k_heads", "ssm_n_v_heads",
-                 "recurrent"):
-        setattr(n, name, getattr(hp, name))
-    n.rope_sections = list(hp.rope_sections)
-    rs = hp.rope_scaling
-    n.rope_freq_scale, n.rope_ext_factor, n.rope_attn_factor = rs.freq_scale, rs.ext_factor, rs.attn_factor
-    n.rope_beta_fast, n.rope_beta_slow, n.rope_n_ctx_orig = rs.beta_fast, rs.beta_slow, rs.n_ctx_orig
-    return n
 
 
 def _load_progress(progress, label: str):
@@ -153,7 +140,7 @@ class Model:
         self.batch_invariant = batch_invariance.apply() and device == "cpu"
         on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
-            self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
+            self._engine = _core.Engine(self.path, self.hparams, n_ctx=n_ctx, n_ubatch=n_ubatch,
                                         n_threads=n_threads, device=device, type_k=int(ggml_type(type_k)),
                                         type_v=int(ggml_type(type_v)),
                                         progress=on_bytes, n_seq_max=n_seq_max)
