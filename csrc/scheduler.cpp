@@ -24,7 +24,7 @@ int32_t first_argmax(const float * row, int64_t n) {
 Sequence::Sequence(int64_t id_, GenerateRequest request, const PieceTable & pieces)
     : id(id_), req(std::move(request)), sampler(req.sampling), history(req.prompt), out(pieces, req, on_token, res) {}
 
-int64_t Scheduler::add_request(const GenerateRequest & req) {
+int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_token) {
     const int64_t n_vocab = engine_.hparams().n_vocab;
     if ((int64_t)pieces_.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
     if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
@@ -40,14 +40,13 @@ int64_t Scheduler::add_request(const GenerateRequest & req) {
     }
     if (req.max_tokens < 1) throw std::invalid_argument("max_tokens must be >= 1");
     waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
+    waiting_.back()->on_token = std::move(on_token);
     return next_id_++;
 }
 
 void Scheduler::cancel(int64_t id) {
-    for (auto * queue : {&running_}) {
-        for (auto & s : *queue) {
-            if (s->id == id) s->cancel_requested = true;
-        }
+    for (auto & s : running_) {
+        if (s->id == id) s->cancel_requested = true;
     }
     for (auto & s : waiting_) {
         if (s->id == id) s->cancel_requested = true;

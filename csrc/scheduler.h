@@ -46,8 +46,9 @@ class Scheduler {
   public:
     Scheduler(Engine & engine, const PieceTable & pieces) : engine_(engine), pieces_(pieces) {}
 
-    // Queues a request (validated now); returns its id.
-    int64_t add_request(const GenerateRequest & req);
+    // Queues a request (validated now); returns its id. `on_token` hears each of its tokens as it
+    // is committed; returning false cancels it (streaming).
+    int64_t add_request(const GenerateRequest & req, TokenCallback on_token = {});
     // A waiting request finishes at once, a running one at the next step (finish "cancelled",
     // with the tokens it has); unknown or finished ids are ignored.
     void cancel(int64_t id);
