@@ -21,13 +21,15 @@
 #   kernels: deltaspec's CUDA kernels alone (bench/kernels/kernels_bench.py): compiled while the
 #      builds run, timed before anything else uses the machine (timed during a 16-job build, its
 #      small launches came out host-bound: 30 us for an 11 us mat-vec) -> kernels_bench.json
+#   batch: aggregate decode tok/s with 1/4/16/32 sequences at once (bench/batch_bench.py),
+#      against llama-batched-bench when the `build` step made one -> batch_bench.json
 #   ab: tg128 (f16 KV) of deltaspec alone under each environment of AB_CONFIGS ('|'-separated
 #      lists of VAR=VALUE, e.g. "DELTASPEC_CUDA_KERNELS=1|DELTASPEC_CUDA_KERNELS=0"), one process each
 # Benchmarks never run while a compile does: a step that measures waits for every background job.
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours stock-build stock test bench bench-ours ab verify profile
+# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify profile
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -93,7 +95,8 @@ wait_for_stock_build() {  # nothing is timed while a compile runs
 cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
-    has_step bench || has_step bench-ours || has_step stock || has_step ab || has_step verify || has_step profile
+    has_step bench || has_step bench-ours || has_step batch || has_step stock || has_step ab || has_step verify ||
+        has_step profile
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
@@ -145,6 +148,12 @@ if has_step bench; then
     python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
         ${BENCH_TESTS:+--tests $BENCH_TESTS} --llama-bench "$LLAMA_BUILD/bin/llama-bench" \
         --out "$OUT/decode_bench.json" | tee "$OUT/decode_bench.md"
+fi
+if has_step batch; then
+    peer=()
+    [[ -x $LLAMA_BUILD/bin/llama-batched-bench ]] && peer=(--batched-bench "$LLAMA_BUILD/bin/llama-batched-bench")
+    python3 "$REPO/bench/batch_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
+        --out "$OUT/batch_bench.json" | tee "$OUT/batch_bench.md"
 fi
 if has_step stock; then
     python3 "$REPO/bench/decode_bench.py" stock /tmp/q27.gguf --reps "${BENCH_REPS:-3}" \

@@ -10,6 +10,7 @@
 #include "cuda_kernels.h"
 #include "engine.h"
 #include "generate.h"
+#include "scheduler.h"
 #include "ggml_log.h"
 #include "rows_op_bindings.h"
 #include "speculative.h"
@@ -29,11 +30,22 @@ LogitsWanted parse_wanted(const std::string & s) {
 }
 
 // The engine plus what generation needs from Python once: the detokenizer's piece table (for stop
-// strings) and a cancel flag that another thread may set.
+// strings), a cancel flag that another thread may set, and the scheduler of add_request / step.
 struct Runner {
     std::unique_ptr<Engine> engine;
     PieceTable pieces;
     std::atomic<bool> cancel{false};
+    std::unique_ptr<Scheduler> scheduler;  // created by the first add_request
+
+    // The engine for a one-sequence call (slot 0); refused while scheduled requests hold slots.
+    Engine & single() {
+        if (scheduler && !scheduler->idle()) {
+            throw std::runtime_error("requests added with add_request() are still running; step() them to the end "
+                                     "or cancel them before a one-sequence call");
+        }
+        engine->use_slot(0);
+        return *engine;
+    }
 };
 
 const char * finish_name(FinishReason f) {
@@ -82,7 +94,7 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
     GenerateResult res;
     {
         py::gil_scoped_release release;
-        res = generate(*r.engine, r.pieces, req, r.cancel, on_token);
+        res = generate(r.single(), r.pieces, req, r.cancel, on_token);
     }
     return result_dict(res);
 }
@@ -102,10 +114,10 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     GenerateResult res;
     {
         py::gil_scoped_release release;
-        r.engine->ensure_slots(n_max + 1);
+        r.single().ensure_slots(n_max + 1);
         std::unique_ptr<Drafter> drafter;
         if (draft) {
-            draft->engine->ensure_slots(1);
+            draft->single().ensure_slots(1);
             SamplingParams ds = sampling;
             ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
             const double step_cost = (double)draft->engine->step_weight_bytes() / (double)r.engine->step_weight_bytes();
@@ -125,10 +137,50 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     return out;
 }
 
+// Requests (prompt, max_tokens, sampling, stop) run concurrently on the engine's slots.
+py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids) {
+    if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate_batch()");
+    std::vector<GenerateRequest> reqs;
+    for (py::handle h : requests) {
+        auto t = h.cast<py::tuple>();
+        reqs.push_back(make_request(t[0].cast<std::vector<int32_t>>(), t[1].cast<int32_t>(),
+                                    t[2].cast<SamplingParams>(), eog_ids, t[3].cast<std::vector<std::string>>()));
+    }
+    r.single();  // no step()-driven requests in the slots
+    std::vector<GenerateResult> results;
+    {
+        py::gil_scoped_release release;
+        Scheduler scheduler(*r.engine, r.pieces);
+        results = scheduler.run(reqs, r.cancel);
+    }
+    py::list out;
+    for (const GenerateResult & res : results) out.append(result_dict(res));
+    return out;
+}
+
+py::list step_py(Runner & r) {
+    py::list out;
+    if (!r.scheduler) return out;
+    std::vector<StepEvent> events;
+    {
+        py::gil_scoped_release release;
+        events = r.scheduler->step();
+    }
+    for (const StepEvent & ev : events) {
+        py::dict d;
+        d["id"] = ev.id;
+        d["tokens"] = ev.tokens;
+        d["finished"] = ev.finished;
+        d["result"] = ev.finished ? py::object(result_dict(ev.result)) : py::object(py::none());
+        out.append(d);
+    }
+    return out;
+}
+
 // Live recurrent and KV state of the sequence, for tests comparing rollback with plain decoding.
 py::dict state_arrays(Runner & r) {
     py::dict out;
-    const SequenceState & st = r.engine->state();
+    const SequenceState & st = r.single().state();
     auto grab = [](ggml_tensor * t) {
         py::array_t<uint8_t> a((py::ssize_t)ggml_nbytes(t));
         ggml_backend_tensor_get(t, a.mutable_data(), 0, ggml_nbytes(t));
@@ -255,9 +307,10 @@ py::array_t<T> verify(Runner & r, const Tokens & tokens, std::vector<py::ssize_t
     const int32_t * ids = tokens.data();
     T * dst = out.mutable_data();
     const int64_t n = tokens.shape(0);
+    Engine & e = r.single();
     {
         py::gil_scoped_release release;
-        (r.engine.get()->*fn)(ids, n, dst);
+        (e.*fn)(ids, n, dst);
     }
     return out;
 }
@@ -294,19 +347,36 @@ PYBIND11_MODULE(_core, m) {
     m.def("dequantize", &dequantize, py::arg("data"), py::arg("type_id"), py::arg("n_per_row"),
           "Dequantize ggml-quantized rows to float32 with ggml's own to_float.");
 
-    py::class_<HParams>(m, "HParams")
-        .def(py::init<>())
+    // deltaspec.errors' class for each kind of HParamsError (read_hparams)
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const HParamsError & e) {
+            static const char * names[] = {"MissingMetadataError", "HyperParameterError", "UnsupportedArchitectureError",
+                                           "MissingTensorError"};
+            py::object cls = py::module_::import("deltaspec.errors").attr(names[e.kind]);
+            PyErr_SetObject(cls.ptr(), py::str(e.what()).ptr());
+        }
+    });
+
+    // The values come from read_hparams; the setters let a test build its own (HParams()).
+    py::class_<HParams> hparams(m, "HParams", "qwen35 hyper-parameters, as read_hparams reads and checks them.");
+    hparams.def(py::init<>())
         .def_readwrite("n_vocab", &HParams::n_vocab)
         .def_readwrite("n_embd", &HParams::n_embd)
-        .def_readwrite("n_layer", &HParams::n_layer)
+        .def_readwrite("n_layer", &HParams::n_layer, "trunk layers (block_count - nextn_predict_layers)")
+        .def_readwrite("n_layer_nextn", &HParams::n_layer_nextn, "MTP layers stored after the trunk (not run yet)")
         .def_readwrite("n_ctx_train", &HParams::n_ctx_train)
         .def_readwrite("rms_eps", &HParams::rms_eps)
+        .def_readwrite("tied_output", &HParams::tied_output)
         .def_readwrite("n_head", &HParams::n_head)
         .def_readwrite("n_head_kv", &HParams::n_head_kv)
         .def_readwrite("head_dim", &HParams::head_dim)
         .def_readwrite("n_rot", &HParams::n_rot)
         .def_readwrite("rope_freq_base", &HParams::rope_freq_base)
         .def_readwrite("rope_sections", &HParams::rope_sections)
+        .def_readwrite("rope_scaling_type", &HParams::rope_scaling_type)
+        .def_readwrite("rope_scaling_factor", &HParams::rope_scaling_factor)
         .def_readwrite("rope_freq_scale", &HParams::rope_freq_scale)
         .def_readwrite("rope_ext_factor", &HParams::rope_ext_factor)
         .def_readwrite("rope_attn_factor", &HParams::rope_attn_factor)
@@ -317,7 +387,27 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("ssm_state_size", &HParams::ssm_state_size)
         .def_readwrite("ssm_n_k_heads", &HParams::ssm_n_k_heads)
         .def_readwrite("ssm_n_v_heads", &HParams::ssm_n_v_heads)
-        .def_readwrite("recurrent", &HParams::recurrent);
+        .def_readwrite("recurrent", &HParams::recurrent, "per trunk layer: True = Gated DeltaNet, False = attention")
+        .def_property_readonly("conv_channels", &HParams::conv_channels)
+        .def_property_readonly("n_attention_layers", &HParams::n_attention_layers)
+        .def_property_readonly("recurrent_state_bytes", &HParams::recurrent_state_bytes,
+                               "F32 DeltaNet states plus conv windows of every recurrent layer, for one sequence")
+        .def_property_readonly("rope_scaling", [](const HParams & h) {
+                 return py::module_::import("deltaspec.qwen35").attr("RopeScaling")(
+                     h.rope_scaling_type, h.rope_scaling_factor, h.rope_freq_scale, h.rope_ext_factor,
+                     h.rope_attn_factor, h.rope_beta_fast, h.rope_beta_slow, h.rope_n_ctx_orig);
+             }, "The RoPE scaling fields as a deltaspec.qwen35.RopeScaling.")
+        .def("__repr__", [](const HParams & h) {
+                 return "HParams(n_vocab=" + std::to_string(h.n_vocab) + ", n_embd=" + std::to_string(h.n_embd) +
+                        ", n_layer=" + std::to_string(h.n_layer) + ", n_head=" + std::to_string(h.n_head) +
+                        ", n_head_kv=" + std::to_string(h.n_head_kv) + ", head_dim=" + std::to_string(h.head_dim) +
+                        ", ssm_state_size=" + std::to_string(h.ssm_state_size) + ")";
+             });
+
+    m.def("read_hparams", &read_hparams, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+          "The qwen35 hyper-parameters of the GGUF at path, checked (deltaspec.errors' exceptions name the key).");
+    m.def("mrope_sections", &mrope_sections, py::arg("n_pairs"));
+    m.def("rope_sections_problem", &rope_sections_problem, py::arg("sections"), py::arg("n_rot"));
 
     py::class_<SamplingParams>(m, "SamplingParams")
         .def(py::init<>())
@@ -334,9 +424,10 @@ PYBIND11_MODULE(_core, m) {
     py::class_<Runner>(m, "Engine")
         .def(py::init([](const std::string & path, const HParams & hp, int64_t n_ctx, int64_t n_ubatch, int n_threads,
                          const std::string & device, int type_k, int type_v,
-                         py::object progress) {
+                         py::object progress, int64_t n_seq_max) {
                  EngineOptions o;
                  o.n_ctx = n_ctx;
+                 o.n_seq_max = n_seq_max;
                  o.n_ubatch = n_ubatch;
                  o.n_threads = n_threads;
                  o.device = device;
@@ -360,13 +451,18 @@ PYBIND11_MODULE(_core, m) {
              }),
              py::arg("path"), py::arg("hparams"), py::arg("n_ctx"), py::arg("n_ubatch"), py::arg("n_threads"),
              py::arg("device"), py::arg("type_k"), py::arg("type_v"), py::arg("progress") = py::none(),
+             py::arg("n_seq_max") = 1,
              "progress: None or a callable(done_bytes, total_bytes), called with the GIL held at most ~100 "
              "times while the weights are copied to the device, last with done == total.")
         .def("eval", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
-                        const std::string & logits) { return eval(*r.engine, tokens, logits); },
+                        const std::string & logits) { return eval(r.single(), tokens, logits); },
              py::arg("tokens"), py::arg("logits") = "last",
              "Append tokens to the sequence; returns float32 logits of shape (rows, n_vocab).")
-        .def("reset", [](Runner & r) { r.engine->reset(); }, py::call_guard<py::gil_scoped_release>())
+        .def("reset", [](Runner & r) {
+                 Engine & e = r.single();
+                 py::gil_scoped_release release;
+                 e.reset();
+             })
         .def("set_pieces", [](Runner & r, std::vector<py::bytes> pieces) {
                  r.pieces.clear();
                  for (const auto & p : pieces) r.pieces.emplace_back(p);
@@ -390,20 +486,82 @@ PYBIND11_MODULE(_core, m) {
         .def("eval_argmax", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
                  const int32_t * ids = tokens.data();
                  const int64_t n = tokens.shape(0);
+                 Engine & e = r.single();
                  py::gil_scoped_release release;
-                 return r.engine->eval_argmax(ids, n);
+                 return e.eval_argmax(ids, n);
              }, py::arg("tokens"), "Append tokens; the argmax of the last row's logits (computed on the device).")
-        .def("reserve_slots", [](Runner & r, int64_t n) { r.engine->ensure_slots(n); }, py::arg("n"),
+        .def("reserve_slots", [](Runner & r, int64_t n) { r.single().ensure_slots(n); }, py::arg("n"),
              "Room for verify batches of n tokens (re-allocates the state: the sequence starts empty).")
         .def("keep", [](Runner & r, int64_t n) {
+                 Engine & e = r.single();
                  py::gil_scoped_release release;  // replays n tokens' recurrence (a launch on CUDA)
-                 r.engine->keep(n);
+                 e.keep(n);
              }, py::arg("n_keep"),
              "After eval_verify, keep only the batch's first n_keep tokens (without re-running the target).")
         .def("cancel", [](Runner & r) { r.cancel = true; }, "Ask a running generate() to stop (thread-safe).")
         .def("clear_cancel", [](Runner & r) { r.cancel = false; },
              "Re-arm before a generate(); cleared by the caller so a cancel that races the start still counts.")
-        .def_property_readonly("n_past", [](const Runner & r) { return r.engine->n_past(); })
+        .def_property_readonly("n_past", [](const Runner & r) { return r.engine->slot_n_past(0); })
+        .def_property_readonly("n_seq_max", [](const Runner & r) { return r.engine->n_seq_max(); })
+        .def("generate_batch", &generate_batch_py, py::arg("requests"), py::arg("eog_ids"),
+             "Run (prompt, max_tokens, sampling, stop) requests concurrently to the end; result dicts in order.")
+        .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
+                               std::vector<int32_t> eog_ids, std::vector<std::string> stop) {
+                 if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
+                 if (!r.scheduler) r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces);
+                 return r.scheduler->add_request(
+                     make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop)));
+             }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
+             "Queue a request for step(); returns its id.")
+        .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")
+        .def("eval_in_slot", [](Runner & r, int64_t slot, Tokens tokens, const std::string & logits) {
+                 Engine & e = r.single();
+                 e.use_slot(slot);
+                 try {
+                     py::array_t<float> out = eval(e, tokens, logits);
+                     e.use_slot(0);
+                     return out;
+                 } catch (...) {
+                     e.use_slot(0);
+                     throw;
+                 }
+             }, py::arg("slot"), py::arg("tokens"), py::arg("logits") = "last",
+             "eval() on sequence slot `slot` (reset_slot starts it empty).")
+        .def("reset_slot", [](Runner & r, int64_t slot) {
+                 Engine & e = r.single();
+                 e.use_slot(slot);
+                 e.reset();
+                 e.use_slot(0);
+             }, py::arg("slot"))
+        .def("slot_n_past", [](Runner & r, int64_t slot) { return r.engine->slot_n_past(slot); }, py::arg("slot"))
+        .def("decode_slots", [](Runner & r, Tokens tokens) {
+                 Engine & e = r.single();
+                 RowBatch rows;
+                 for (py::ssize_t i = 0; i < tokens.shape(0); ++i) {
+                     rows.add(tokens.at(i), (int32_t)e.slot_n_past(i), (int32_t)i);
+                 }
+                 py::array_t<float> out({(int64_t)rows.size(), e.hparams().n_vocab});
+                 float * dst = out.mutable_data();
+                 py::gil_scoped_release release;
+                 e.decode(rows, LogitsWanted::all, dst);
+                 return out;
+             }, py::arg("tokens"),
+             "One row per slot 0 .. len(tokens)-1, each appending its token to its slot, in one batch: "
+             "logits (len(tokens), n_vocab).")
+        .def_property_readonly("decode_stats", [](const Runner & r) {
+                 const auto & s = r.engine->decode_stats();
+                 py::dict d;
+                 d["calls"] = s.calls;
+                 d["rows"] = s.rows;
+                 d["max_rows"] = s.max_rows;
+                 return d;
+             }, "What batched decoding has run: calls, rows in all, the most rows of one call.")
+        .def("cancel_request", [](Runner & r, int64_t id) {
+                 if (r.scheduler) r.scheduler->cancel(id);
+             }, py::arg("id"), "Cancel a request added with add_request (finishes at the next step).")
+        .def_property_readonly("n_requests", [](const Runner & r) {
+                 return r.scheduler ? r.scheduler->n_running() + r.scheduler->n_waiting() : 0;
+             }, "Requests added with add_request() that have not finished.")
         .def_property_readonly("n_ctx", [](const Runner & r) { return r.engine->n_ctx(); })
         .def_property_readonly("backend", [](const Runner & r) { return r.engine->backend_name(); })
         .def_property_readonly("state_info", [](const Runner & r) {
@@ -412,6 +570,7 @@ PYBIND11_MODULE(_core, m) {
                      py::dict d;
                      d["kind"] = t.kind;
                      d["layer"] = t.layer;
+                     d["slot"] = t.slot;
                      d["type"] = std::string(ggml_type_name(t.type));
                      d["nbytes"] = t.nbytes;
                      d["shape"] = py::make_tuple(t.ne0, t.ne1);

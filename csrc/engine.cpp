@@ -37,6 +37,7 @@ ggml_backend_t init_backend(const std::string & device) {
 Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions & opts) : hp_(hp), opts_(opts) {
     if ((int64_t)hp.recurrent.size() != hp.n_layer) throw std::invalid_argument("recurrent flags != n_layer");
     if (opts.n_ubatch < 1) throw std::invalid_argument("n_ubatch must be >= 1");
+    if (opts.n_seq_max < 1) throw std::invalid_argument("n_seq_max must be >= 1");
     for (auto [t, which] : {std::pair{opts.type_k, "type_k"}, std::pair{opts.type_v, "type_v"}}) {
         if (hp.head_dim % ggml_blck_size(t) != 0) {
             throw std::invalid_argument(std::string(which) + ": the block size of " + ggml_type_name(t) +
@@ -56,7 +57,7 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
         ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts.n_threads));
 
         load_weights(weights_, path, hp_, backend_, env_on("DELTASPEC_STACK_PROJECTIONS"), opts.progress);
-        allocate_state(state_, hp_, opts.n_ctx, opts.type_k, opts.type_v, opts.n_slots, backend_);
+        allocate_state(pool_, hp_, opts.n_ctx, opts.n_seq_max, opts.type_k, opts.type_v, opts.n_slots, backend_);
         make_scheduler();
     } catch (...) {
         if (sched_) ggml_backend_sched_free(sched_);
@@ -69,13 +70,13 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
 Engine::~Engine() {
     drop_step_graph();
     ggml_backend_sched_free(sched_);
-    // weights_ and state_ free their buffers in their destructors, which run after this body;
+    // weights_ and pool_ free their buffers in their destructors, which run after this body;
     // the backends must outlive those buffers, so release the buffers first.
     if (weights_.buffer) {
         ggml_backend_buffer_free(weights_.buffer);
         weights_.buffer = nullptr;
     }
-    state_.release();
+    pool_.release();
     if (backend_cpu_ != backend_) ggml_backend_free(backend_cpu_);
     ggml_backend_free(backend_);
 }
@@ -86,9 +87,24 @@ size_t Engine::step_weight_bytes() const {
 }
 
 void Engine::reset() {
-    state_.clear();
+    seq().clear();
     verify_T_ = 0;
     checkpoint_n_past_ = -1;
+}
+
+void Engine::use_slot(int64_t slot) {
+    if (slot < 0 || slot >= pool_.n_seq) {
+        throw std::out_of_range("sequence slot " + std::to_string(slot) + " outside [0, " + std::to_string(pool_.n_seq) + ")");
+    }
+    if (slot == cur_) return;
+    settle_verify();
+    cur_ = slot;
+    checkpoint_n_past_ = -1;  // a checkpoint belongs to the slot it was taken in
+}
+
+void Engine::move_slot(int64_t from, int64_t to) {
+    settle_verify();
+    pool_.copy_slot(from, to);
 }
 
 void Engine::eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits) {
@@ -117,9 +133,9 @@ void Engine::make_scheduler() {
 
 void Engine::check_batch(const int32_t * tokens, int64_t n_tokens) const {
     if (n_tokens < 1) throw std::invalid_argument("eval needs at least one token");
-    if (state_.n_past + n_tokens > state_.n_ctx) {
-        throw std::length_error("sequence of " + std::to_string(state_.n_past + n_tokens) +
-                                " tokens does not fit the context of " + std::to_string(state_.n_ctx));
+    if (seq().n_past + n_tokens > seq().n_ctx) {
+        throw std::length_error("sequence of " + std::to_string(seq().n_past + n_tokens) +
+                                " tokens does not fit the context of " + std::to_string(seq().n_ctx));
     }
     for (int64_t i = 0; i < n_tokens; ++i) {
         if (tokens[i] < 0 || tokens[i] >= hp_.n_vocab) {
@@ -152,12 +168,12 @@ void Engine::eval_verify_argmax(const int32_t * tokens, int64_t T, int32_t * arg
 }
 
 void Engine::verify(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out) {
-    if (T < 1 || T > state_.n_slots || T > opts_.n_ubatch) {
-        throw std::invalid_argument("a verify batch holds 1 to " + std::to_string(std::min(state_.n_slots, opts_.n_ubatch)) +
+    if (T < 1 || T > seq().n_slots || T > opts_.n_ubatch) {
+        throw std::invalid_argument("a verify batch holds 1 to " + std::to_string(std::min(seq().n_slots, opts_.n_ubatch)) +
                                     " tokens (n_slots, n_ubatch), got " + std::to_string(T));
     }
     check_batch(tokens, T);
-    const int64_t p0 = state_.n_past;
+    const int64_t p0 = seq().n_past;
     eval_ubatch(tokens, T, wanted, out, /*keep_states =*/true);
     verify_p0_ = p0;
     verify_T_ = T;
@@ -168,7 +184,7 @@ void Engine::keep(int64_t n_keep) {
         throw std::logic_error("keep(n) needs 1 <= n <= the tokens of the verify batch just evaluated");
     }
     advance_verify_state(n_keep);
-    state_.n_past = verify_p0_ + n_keep;
+    seq().n_past = verify_p0_ + n_keep;
     verify_T_ = 0;
 }
 
@@ -177,25 +193,25 @@ void Engine::settle_verify() {
 }
 
 void Engine::ensure_slots(int64_t n) {
-    if (n <= state_.n_slots) return;
+    if (n <= seq().n_slots) return;
     drop_step_graph();
-    const int64_t n_ctx = state_.n_ctx;
-    state_.release();
-    allocate_state(state_, hp_, n_ctx, opts_.type_k, opts_.type_v, n, backend_);
+    const int64_t n_ctx = pool_.n_ctx, n_seq = pool_.n_seq;
+    pool_.release();
+    allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_);
     verify_T_ = 0;
     checkpoint_n_past_ = -1;
 }
 
 void Engine::checkpoint() {
     settle_verify();
-    copy_recurrent_state(state_, /*to_saved =*/true);
-    checkpoint_n_past_ = state_.n_past;
+    copy_recurrent_state(seq(), /*to_saved =*/true);
+    checkpoint_n_past_ = seq().n_past;
 }
 
 void Engine::restore_checkpoint() {
     if (checkpoint_n_past_ < 0) throw std::logic_error("restore_checkpoint() without checkpoint()");
-    copy_recurrent_state(state_, /*to_saved =*/false);
-    state_.n_past = checkpoint_n_past_;
+    copy_recurrent_state(seq(), /*to_saved =*/false);
+    seq().n_past = checkpoint_n_past_;
     verify_T_ = 0;
 }
 
@@ -204,19 +220,24 @@ void Engine::drop_step_graph() {
     step_ = StepGraph{};
 }
 
-Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wanted, bool keep_states) {
+Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wanted, bool keep_states,
+                                       int64_t n_seqs, int64_t first_slot) {
+    const int64_t slot = n_seqs > 0 ? -1 : cur_;  // a one-sequence graph names its slot's tensors
     if (step_.ctx && step_.n_tokens == T && step_.n_kv == n_kv && step_.wanted == wanted &&
-        step_.keep_states == keep_states) {
+        step_.keep_states == keep_states && step_.n_seqs == n_seqs && step_.first_slot == first_slot &&
+        step_.slot == slot) {
         return step_;
     }
     drop_step_graph();
     ggml_init_params params = {graph_meta_.size(), graph_meta_.data(), /*no_alloc =*/true};
     step_.ctx = ggml_init(params);
     step_.gf = ggml_new_graph_custom(step_.ctx, graph_size_, false);
-    step_.in = make_step_inputs(step_.ctx, T, n_kv, keep_states);
+    step_.in = n_seqs > 0 ? make_batch_inputs(step_.ctx, n_seqs, T / n_seqs, n_kv, first_slot)
+                          : make_step_inputs(step_.ctx, T, n_kv, keep_states);
     const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all;
     const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
-    step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, state_, step_.in, n_rows,
+    step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, pool_, n_seqs > 0 ? pool_.slots[first_slot] : seq(),
+                             step_.in, n_rows,
                              fold_inputs_ ? FoldInput(cuda_fold_input) : FoldInput(), &step_.verify);
     if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {  // per row
         step_.out = ggml_argmax(step_.ctx, step_.out);
@@ -232,6 +253,9 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.n_kv = n_kv;
     step_.wanted = wanted;
     step_.keep_states = keep_states;
+    step_.n_seqs = n_seqs;
+    step_.first_slot = first_slot;
+    step_.slot = slot;
     return step_;
 }
 
@@ -247,8 +271,8 @@ void set_input(ggml_tensor * t, const void * data, size_t size) {
 
 void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool keep_states) {
     settle_verify();  // before a new graph may take the memory of the last one's outputs
-    const int64_t p0 = state_.n_past;
-    const int64_t n_kv = state_.n_kv_for(p0 + T);
+    const int64_t p0 = seq().n_past;
+    const int64_t n_kv = seq().n_kv_for(p0 + T);
     StepGraph & g = step_graph(T, n_kv, wanted, keep_states);
 
     set_input(g.in.tokens, tokens, T * sizeof(int32_t));
@@ -267,12 +291,20 @@ void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted,
     }
     set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
 
+    compute(g);
+    seq().n_past = p0 + T;
+    if (wanted != LogitsWanted::none) ggml_backend_tensor_get(g.out, out, 0, ggml_nbytes(g.out));
+}
+
+}  // namespace deltaspec
+
+namespace deltaspec {
+
+void Engine::compute(StepGraph & g) {
     if (ggml_backend_sched_graph_compute(sched_, g.gf) != GGML_STATUS_SUCCESS) {
         drop_step_graph();
         throw std::runtime_error("graph computation failed");
     }
-    state_.n_past = p0 + T;
-    if (wanted != LogitsWanted::none) ggml_backend_tensor_get(g.out, out, 0, ggml_nbytes(g.out));
 }
 
 }  // namespace deltaspec

@@ -1,4 +1,6 @@
-// One qwen35 model with one sequence: weights, state, backends and the step that runs the graph.
+// One qwen35 model: weights, backends, the state of n_seq_max sequence slots and the step that
+// runs the graph. The one-sequence calls (eval, verify, keep, checkpoint) act on the slot chosen
+// with use_slot (0 unless changed); decode() runs rows of several slots in one graph.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +10,7 @@
 #include "ggml-backend.h"
 #include "graph_qwen35.h"
 #include "hparams.h"
+#include "rows.h"
 #include "state.h"
 #include "weights.h"
 
@@ -25,6 +28,7 @@ struct EngineOptions {
     ggml_type type_k = GGML_TYPE_F16;  // KV cache types (Python maps llama.cpp's names to these)
     ggml_type type_v = GGML_TYPE_F16;
     int64_t n_slots = 0;          // the longest verify batch (0: no speculation)
+    int64_t n_seq_max = 1;        // sequence slots
     LoadProgress progress;        // optional: hears (done_bytes, total_bytes) while weights upload
 };
 
@@ -40,7 +44,28 @@ class Engine {
     void eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits);
     // Appends tokens and returns the argmax of the last row's logits (greedy decoding).
     int32_t eval_argmax(const int32_t * tokens, int64_t n_tokens);
-    void reset();                 // start a new, empty sequence
+    void reset();                 // start a new, empty sequence (in the current slot)
+
+    // The slot the one-sequence calls act on (a pending verify batch of the old one is kept whole).
+    void use_slot(int64_t slot);
+    int64_t current_slot() const { return cur_; }
+    int64_t n_seq_max() const { return pool_.n_seq; }
+    int64_t slot_n_past(int64_t slot) const { return pool_.slots.at(slot).n_past; }
+    // slot `to` <- slot `from`: its KV rows, recurrent state and length (a scheduler compacting
+    // its sequences into the lowest slots); `from` keeps its copy.
+    void move_slot(int64_t from, int64_t to);
+
+    // One row per sequence, each continuing its slot's committed state (parent -1, position =
+    // the slot's length), in consecutive slots rows.slot[0], rows.slot[0] + 1, ...: one graph for
+    // all of them, each slot then one token longer. `out` receives, for the rows that want
+    // logits and in row order, n_vocab floats each (LogitsWanted::all) or the argmax
+    // (LogitsWanted::argmax_all, on the device).
+    void decode(const RowBatch & rows, LogitsWanted wanted, void * out);
+    // What decode() has run (tests assert that batches of several sequences happened).
+    struct DecodeStats {
+        int64_t calls = 0, rows = 0, max_rows = 0;
+    };
+    const DecodeStats & decode_stats() const { return decode_stats_; }
 
     // Speculative verification: append a batch of at most n_slots tokens and return logits for
     // every row, leaving what the recurrent state after each token needs (VerifyStates); then
@@ -56,15 +81,16 @@ class Engine {
     void ensure_slots(int64_t n);
 
     const HParams & hparams() const { return hp_; }
-    int64_t n_past() const { return state_.n_past; }
-    int64_t n_ctx() const { return state_.n_ctx; }
+    int64_t n_past() const { return pool_.slots[cur_].n_past; }
+    int64_t n_ctx() const { return pool_.n_ctx; }
     const std::string & backend_name() const { return backend_name_; }
-    const SequenceState & state() {  // the live state (a pending verify batch kept whole first)
+    const SequenceState & state() {  // the current slot's live state (a pending verify batch kept whole first)
         settle_verify();
-        return state_;
+        return seq();
     }
-    // The state's tensors as allocated: KV cache types and bytes per attention layer, recurrent state.
-    std::vector<StateTensorInfo> state_info() const { return state_tensor_info(state_); }
+    // The state's tensors as allocated, every slot: KV cache types and bytes per attention layer,
+    // recurrent state.
+    std::vector<StateTensorInfo> state_info() const { return state_tensor_info(pool_); }
     std::vector<std::string> weight_buffer_types() const { return deltaspec::weight_buffer_types(weights_); }
     std::vector<std::vector<std::string>> weight_stacks() const { return deltaspec::weight_stacks(weights_); }
     // Weight bytes one decode step reads (every matrix; one embedding row): what a step costs
@@ -98,9 +124,14 @@ class Engine {
         int64_t n_tokens = -1, n_kv = -1;
         LogitsWanted wanted = LogitsWanted::none;
         bool keep_states = false;
+        int64_t n_seqs = 0, first_slot = 0, slot = -1;  // rows of several slots, or the one slot
         VerifyStates verify;  // keep_states: where each token's recurrent state is
     };
-    StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool keep_states);
+    StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool keep_states,
+                           int64_t n_seqs = 0, int64_t first_slot = 0);
+    void compute(StepGraph & g);
+    SequenceState & seq() { return pool_.slots[cur_]; }
+    const SequenceState & seq() const { return pool_.slots[cur_]; }
     void check_batch(const int32_t * tokens, int64_t n_tokens) const;  // fits the context, ids in range
     void make_scheduler();  // sizes the graph scratch; (re)creates sched_
     void drop_step_graph();
@@ -113,7 +144,9 @@ class Engine {
     std::string backend_name_;
     bool fold_inputs_ = false;  // norms and SwiGLUs offered to our CUDA kernels (cuda_kernels.h)
     ModelWeights weights_;
-    SequenceState state_;
+    StatePool pool_;
+    int64_t cur_ = 0;  // the slot of the one-sequence calls
+    DecodeStats decode_stats_;
     std::vector<uint8_t> graph_meta_;       // scratch for graph/tensor descriptors
     size_t graph_size_ = 0;
     StepGraph step_;

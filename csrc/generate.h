@@ -1,5 +1,6 @@
-// The decode loop: prefill a prompt, then sample token after token until a stop condition, all
-// in C++. Python only hears about tokens when it passes a callback (streaming).
+// One request: prefill a prompt, then sample token after token until a stop condition, all in
+// C++ (the scheduler of scheduler.h with one sequence). Python only hears about tokens when it
+// passes a callback (streaming).
 #pragma once
 
 #include <atomic>

@@ -23,6 +23,21 @@ StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, 
     return in;
 }
 
+StepInputs make_batch_inputs(ggml_context * ctx, int64_t n_seqs, int64_t n_per_seq, int64_t n_kv, int64_t first_slot) {
+    const int64_t T = n_seqs * n_per_seq;
+    StepInputs in;
+    in.n_tokens = T;
+    in.n_kv = n_kv;
+    in.n_seqs = n_seqs;
+    in.first_slot = first_slot;
+    in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
+    in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T);
+    in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, T);
+    in.kq_mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, n_per_seq, 1, n_seqs);
+    for (ggml_tensor * t : {in.tokens, in.pos, in.kv_rows, in.kq_mask}) ggml_set_input(t);
+    return in;
+}
+
 namespace {
 
 ggml_tensor * rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * weight, float eps) {
@@ -101,12 +116,14 @@ ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos, const
     int sections[GGML_MROPE_SECTIONS];
     for (int i = 0; i < GGML_MROPE_SECTIONS; ++i) sections[i] = hp.rope_sections[i];
     return ggml_rope_multi(ctx, x, pos, nullptr, (int)hp.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
-                           (int)hp.rope_n_ctx_orig, hp.rope_freq_base, hp.rope_freq_scale, hp.rope_ext_factor,
-                           hp.rope_attn_factor, hp.rope_beta_fast, hp.rope_beta_slow);
+                           (int)hp.rope_n_ctx_orig, hp.rope_freq_base, (float)hp.rope_freq_scale,
+                           (float)hp.rope_ext_factor, (float)hp.rope_attn_factor, (float)hp.rope_beta_fast,
+                           (float)hp.rope_beta_slow);
 }
 
+// k_cache, v_cache: the sequence's own (one sequence) or every slot's (in.n_seqs > 0, StatePool).
 ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
-                              ggml_tensor * k_cache, ggml_tensor * v_cache, ggml_tensor * x,
+                              ggml_tensor * k_cache, ggml_tensor * v_cache, int64_t n_ctx_slot, ggml_tensor * x,
                               const StepInputs & in) {
     const int64_t T = in.n_tokens, D = hp.head_dim, H = hp.n_head, Hkv = hp.n_head_kv;
     const float eps = hp.rms_eps;
@@ -131,26 +148,43 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
     // the first n_kv rows; the mask hides rows past each query's position.
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, D * Hkv, T), in.kv_rows));
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, vp, in.kv_rows));
-    ggml_tensor * kv_k = ggml_view_3d(ctx, k_cache, D, Hkv, in.n_kv, ggml_row_size(k_cache->type, D),
-                                      k_cache->nb[1], 0);
-    ggml_tensor * kv_v = ggml_view_3d(ctx, v_cache, D, Hkv, in.n_kv, ggml_row_size(v_cache->type, D),
-                                      v_cache->nb[1], 0);
-    ggml_tensor * out = ggml_flash_attn_ext(ctx, ggml_permute(ctx, q, 0, 2, 1, 3), ggml_permute(ctx, kv_k, 0, 2, 1, 3),
-                                            ggml_permute(ctx, kv_v, 0, 2, 1, 3), in.kq_mask,
-                                            1.0f / std::sqrt((float)D), 0.0f, 0.0f);
+    ggml_tensor * out = nullptr;
+    if (in.n_seqs > 0) {
+        // one FA stream per sequence: its slot's first n_kv KV rows, its own queries and mask rows
+        const int64_t N = in.n_seqs, Tq = T / N;
+        auto streams = [&](ggml_tensor * cache) {
+            const size_t slot_bytes = n_ctx_slot * cache->nb[1];
+            ggml_tensor * view = ggml_view_4d(ctx, cache, D, Hkv, in.n_kv, N, ggml_row_size(cache->type, D), cache->nb[1],
+                                              slot_bytes, in.first_slot * slot_bytes);
+            return ggml_permute(ctx, view, 0, 2, 1, 3);  // {D, n_kv, Hkv, N}
+        };
+        ggml_tensor * qs = ggml_permute(ctx, ggml_reshape_4d(ctx, q, D, H, Tq, N), 0, 2, 1, 3);  // {D, Tq, H, N}
+        out = ggml_flash_attn_ext(ctx, qs, streams(k_cache), streams(v_cache), in.kq_mask, 1.0f / std::sqrt((float)D),
+                                  0.0f, 0.0f);
+    } else {
+        ggml_tensor * kv_k = ggml_view_3d(ctx, k_cache, D, Hkv, in.n_kv, ggml_row_size(k_cache->type, D),
+                                          k_cache->nb[1], 0);
+        ggml_tensor * kv_v = ggml_view_3d(ctx, v_cache, D, Hkv, in.n_kv, ggml_row_size(v_cache->type, D),
+                                          v_cache->nb[1], 0);
+        out = ggml_flash_attn_ext(ctx, ggml_permute(ctx, q, 0, 2, 1, 3), ggml_permute(ctx, kv_k, 0, 2, 1, 3),
+                                  ggml_permute(ctx, kv_v, 0, 2, 1, 3), in.kq_mask, 1.0f / std::sqrt((float)D), 0.0f,
+                                  0.0f);
+    }
     ggml_prec_set_acc(out, GGML_PREC_F32);
-    out = ggml_reshape_2d(ctx, out, H * D, T);  // FA returns {D, H, T}
+    out = ggml_reshape_2d(ctx, out, H * D, T);  // FA returns {D, H, T} ({D, H, Tq, N} for streams)
 
     out = ggml_mul(ctx, out, ggml_sigmoid(ctx, ggml_reshape_2d(ctx, ggml_cont(ctx, gate), H * D, T)));
     return ggml_mul_mat(ctx, l.wo, out);
 }
 
 ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
-                              const SequenceState & st, int il, ggml_tensor * x, const StepInputs & in,
-                              const FoldInput & fold_input, VerifyStates * verify) {
+                              const StatePool & pool, const SequenceState & st, int il, ggml_tensor * x,
+                              const StepInputs & in, const FoldInput & fold_input, VerifyStates * verify) {
     ggml_tensor * conv_state = st.conv[il];
     ggml_tensor * ssm_state = st.ssm[il];
-    const int64_t T = in.n_tokens, S = hp.ssm_state_size, Hk = hp.ssm_n_k_heads, Hv = hp.ssm_n_v_heads;
+    const bool several = in.n_seqs > 0;   // rows of several sequences, in consecutive slots
+    const int64_t N = several ? in.n_seqs : 1;
+    const int64_t T = in.n_tokens, Tq = T / N, S = hp.ssm_state_size, Hk = hp.ssm_n_k_heads, Hv = hp.ssm_n_v_heads;
     const int64_t C = hp.conv_channels(), Kc = hp.ssm_conv_kernel;
     const float eps = hp.rms_eps;
     const size_t f = sizeof(float);
@@ -160,35 +194,54 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     ggml_tensor * z = project(l.wgate);     // {Hv*S, T}
     ggml_tensor * beta = project(l.wbeta);  // {Hv, T}
     if (!ggml_is_contiguous(beta)) beta = ggml_cont(ctx, beta);  // ggml-cuda's sigmoid reads contiguous data
-    beta = ggml_reshape_4d(ctx, ggml_sigmoid(ctx, beta), 1, Hv, T, 1);
+    beta = ggml_reshape_4d(ctx, ggml_sigmoid(ctx, beta), 1, Hv, Tq, N);
     // log-decay g = softplus(alpha + dt_bias) * (-exp(A_log)) <= 0
     ggml_tensor * g = ggml_softplus(ctx, ggml_add(ctx, project(l.walpha), l.dt_bias));
-    g = ggml_reshape_4d(ctx, ggml_mul(ctx, g, l.ssm_a), 1, Hv, T, 1);
+    g = ggml_reshape_4d(ctx, ggml_mul(ctx, g, l.ssm_a), 1, Hv, Tq, N);
 
     // Causal depthwise conv over [previous Kc-1 inputs | this batch]; keep the last Kc-1 as new state.
-    ggml_tensor * conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, qkv), 0);  // {Kc-1+T, C}
-    ggml_tensor * last_window = ggml_view_2d(ctx, conv_in, Kc - 1, C, conv_in->nb[1], T * f);
-    ggml_build_forward_expand(gf, ggml_cpy(ctx, last_window, conv_state));
+    ggml_tensor * conv_in = nullptr;
+    if (several) {  // per sequence: {Kc-1+Tq, C, N}; the windows of the slots, read and written in place
+        ggml_tensor * windows = ggml_view_3d(ctx, pool.conv[il], Kc - 1, C, N, (Kc - 1) * f, pool.conv[il]->nb[1],
+                                             in.first_slot * pool.conv[il]->nb[1]);
+        ggml_tensor * rows = ggml_view_3d(ctx, qkv, C, Tq, N, qkv->nb[1], Tq * qkv->nb[1], 0);
+        conv_in = ggml_concat(ctx, windows, ggml_permute(ctx, rows, 1, 0, 2, 3), 0);
+        ggml_tensor * last = ggml_view_3d(ctx, conv_in, Kc - 1, C, N, conv_in->nb[1], conv_in->nb[2], Tq * f);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, last, windows));
+    } else {
+        conv_in = ggml_concat(ctx, conv_state, ggml_transpose(ctx, qkv), 0);  // {Kc-1+T, C}
+        ggml_tensor * last_window = ggml_view_2d(ctx, conv_in, Kc - 1, C, conv_in->nb[1], T * f);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, last_window, conv_state));
+    }
     if (in.keep_states) {  // every token's window, for a rollback
         ggml_set_output(conv_in);
         verify->conv_in[il] = conv_in;
     }
-    ggml_tensor * y = ggml_ssm_conv(ctx, ggml_reshape_3d(ctx, conv_in, Kc - 1 + T, C, 1), l.conv1d);  // {C, T, 1}
+    ggml_tensor * y = ggml_ssm_conv(ctx, ggml_reshape_3d(ctx, conv_in, Kc - 1 + Tq, C, N), l.conv1d);  // {C, Tq, N}
     y = ggml_silu(ctx, y);
 
     // q and k heads sit side by side in y: one l2-norm (one launch) covers both
-    ggml_tensor * qk = l2_norm(ctx, ggml_view_4d(ctx, y, S, 2 * Hk, T, 1, S * f, y->nb[1], y->nb[2], 0), eps);
-    ggml_tensor * q = ggml_view_4d(ctx, qk, S, Hk, T, 1, qk->nb[1], qk->nb[2], qk->nb[3], 0);
-    ggml_tensor * k = ggml_view_4d(ctx, qk, S, Hk, T, 1, qk->nb[1], qk->nb[2], qk->nb[3], Hk * qk->nb[1]);
-    ggml_tensor * v = ggml_view_4d(ctx, y, S, Hv, T, 1, S * f, y->nb[1], y->nb[2], 2 * Hk * S * f);
+    ggml_tensor * qk = l2_norm(ctx, ggml_view_4d(ctx, y, S, 2 * Hk, Tq, N, S * f, y->nb[1], y->nb[2], 0), eps);
+    ggml_tensor * q = ggml_view_4d(ctx, qk, S, Hk, Tq, N, qk->nb[1], qk->nb[2], qk->nb[3], 0);
+    ggml_tensor * k = ggml_view_4d(ctx, qk, S, Hk, Tq, N, qk->nb[1], qk->nb[2], qk->nb[3], Hk * qk->nb[1]);
+    ggml_tensor * v = ggml_view_4d(ctx, y, S, Hv, Tq, N, S * f, y->nb[1], y->nb[2], 2 * Hk * S * f);
 
     // The op scales q by 1/sqrt(S) itself and broadcasts q/k head h % Hk to value head h, which is
     // the tiled V-head order the converter writes.
-    ggml_tensor * state = ggml_reshape_4d(ctx, ssm_state, S, S, Hv, 1);
-    // The op returns the outputs, then the state after the last token.
+    // several: the slots' states side by side in the pool, a view (the op reads them in place)
+    ggml_tensor * slots_state =
+        several ? ggml_view_2d(ctx, pool.ssm[il], S * S * Hv, N, pool.ssm[il]->nb[1], in.first_slot * pool.ssm[il]->nb[1])
+                : nullptr;
+    ggml_tensor * state = ggml_reshape_4d(ctx, several ? slots_state : ssm_state, S, S, Hv, N);
+    // The op returns the outputs, then the state after the last token (per sequence).
     ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, 1);
-    ggml_tensor * o = ggml_view_4d(ctx, res, S, Hv, T, 1, S * f, S * Hv * f, S * Hv * T * f, 0);
-    if (in.keep_states) {  // the state stays; keep(n) advances it from these (VerifyStates)
+    ggml_tensor * o = ggml_view_4d(ctx, res, S, Hv, Tq, N, S * f, S * Hv * f, S * Hv * Tq * f, 0);
+    if (several) {
+        // back into the slots' view: one token per sequence is the form ggml-cuda fuses into the
+        // op (the kernel writes the new states in place), as for one sequence below
+        ggml_tensor * new_states = ggml_view_2d(ctx, res, S * S * Hv, N, S * S * Hv * f, S * Hv * T * f);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, new_states, slots_state));
+    } else if (in.keep_states) {  // the state stays; keep(n) advances it from these (VerifyStates)
         for (ggml_tensor * t : {q, k, v, g, beta, res}) ggml_set_output(t->view_src ? t->view_src : t);
         verify->q[il] = q;
         verify->k[il] = k;
@@ -237,8 +290,11 @@ ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeight
 }  // namespace
 
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
-                           const SequenceState & st, const StepInputs & in, int64_t n_logit_rows,
-                           const FoldInput & fold_input, VerifyStates * verify) {
+                           const StatePool & pool, const SequenceState & st, const StepInputs & in,
+                           int64_t n_logit_rows, const FoldInput & fold_input, VerifyStates * verify) {
+    if (in.n_seqs > 0 && (in.keep_states || in.n_tokens % in.n_seqs != 0 || (n_logit_rows != 0 && n_logit_rows != in.n_tokens))) {
+        throw std::logic_error("build_qwen35: rows of several sequences: equal rows per sequence, logits of every row or none, no verify");
+    }
     if (in.keep_states) {
         if (verify == nullptr) throw std::logic_error("build_qwen35: a verify batch needs VerifyStates");
         VerifyStates & v = *verify;
@@ -255,8 +311,9 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
                               ? input_norm(ctx, x, l.attn_norm, eps, fold_input, {l.wqkv, l.wgate, l.wbeta, l.walpha})
                               : input_norm(ctx, x, l.attn_norm, eps, fold_input, {l.wq, l.wk, l.wv});
         ggml_tensor * mixed = hp.recurrent[il]
-                                  ? gated_delta_net(ctx, gf, hp, l, st, il, a, in, fold_input, verify)
-                                  : gated_attention(ctx, gf, hp, l, st.k[il], st.v[il], a, in);
+                                  ? gated_delta_net(ctx, gf, hp, l, pool, st, il, a, in, fold_input, verify)
+                                  : in.n_seqs > 0 ? gated_attention(ctx, gf, hp, l, pool.k[il], pool.v[il], pool.n_ctx, a, in)
+                                                  : gated_attention(ctx, gf, hp, l, st.k[il], st.v[il], st.n_ctx, a, in);
         x = residual_add(ctx, fold_input, x, mixed);
         ggml_tensor * h = input_norm(ctx, x, l.post_norm, eps, fold_input, {l.ffn_gate, l.ffn_up});
         x = residual_add(ctx, fold_input, x, swiglu_ffn(ctx, gf, l, h, fold_input));

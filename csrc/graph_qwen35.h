@@ -11,18 +11,30 @@
 
 namespace deltaspec {
 
-// Graph inputs of one micro-batch of T tokens appended to the sequence.
+// Graph inputs of one micro-batch of T rows. Either T tokens appended to one sequence (n_seqs = 0:
+// the graph reads and writes that sequence's SequenceState), or rows of n_seqs sequences,
+// T / n_seqs consecutive rows each, every sequence starting from its slot's committed state and
+// written back to it (the graph reads and writes the StatePool).
 struct StepInputs {
     ggml_tensor * tokens = nullptr;  // I32 {T}
     ggml_tensor * pos = nullptr;     // I32 {4*T}: IMROPE positions, section-major [p.., p.., p.., 0..]
-    ggml_tensor * kv_rows = nullptr; // I64 {T}: KV cache rows written by this batch
-    ggml_tensor * kq_mask = nullptr; // F16 {n_kv, T}: 0 where a query may attend, -inf elsewhere
+    ggml_tensor * kv_rows = nullptr; // I64 {T}: KV cache rows written by this batch (of the pool's
+                                     // tensors when n_seqs > 0: slot * n_ctx + position)
+    ggml_tensor * kq_mask = nullptr; // F16 {n_kv, T}, or {n_kv, T/n_seqs, 1, n_seqs}: 0 where a query
+                                     // may attend, -inf elsewhere
     int64_t n_tokens = 0;
-    int64_t n_kv = 0;                // KV rows attention reads (multiple of SequenceState::kv_pad)
+    int64_t n_kv = 0;                // KV rows attention reads per sequence (multiple of SequenceState::kv_pad)
+    int64_t n_seqs = 0;              // 0: one sequence; else the sequences of the rows
+    // n_seqs > 0: sequence i of the rows lives in slot first_slot + i. Its KV rows are read as FA's
+    // stream i (one strided view of the pool) and its recurrent state is row first_slot + i of the
+    // pool's (one view, read and written in place: no gather, no scatter).
+    int64_t first_slot = 0;
     bool keep_states = false;        // a verify batch: leave the recurrent state for keep() (VerifyStates)
 };
 
 StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool keep_states = false);
+// Inputs for n_seqs sequences of n_per_seq rows each, in slots first_slot, first_slot + 1, ...
+StepInputs make_batch_inputs(ggml_context * ctx, int64_t n_seqs, int64_t n_per_seq, int64_t n_kv, int64_t first_slot);
 
 // Where a verify batch's graph leaves what keeping its first n tokens (Engine::keep) needs,
 // without re-running the target: graph outputs, which the allocator keeps untouched until the
@@ -53,10 +65,12 @@ using FoldInput = std::function<bool(ggml_tensor * input, const std::vector<cons
 
 // Builds the graph into gf; returns logits {n_vocab, n_logit_rows} of the batch's last rows
 // (n_logit_rows 1: the last token; T: every token; 0: no LM head at all, nullptr is returned).
-// The graph also writes the new KV rows, conv windows and DeltaNet states into `st`; for a verify
-// batch (in.keep_states) it fills `verify` (not null then).
+// The graph also writes the new KV rows, conv windows and DeltaNet states into `st` (one sequence)
+// or into `pool` (in.n_seqs > 0); for a verify batch (in.keep_states, one sequence) it fills
+// `verify` (not null then).
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
-                           const SequenceState & st, const StepInputs & in, int64_t n_logit_rows,
+                           const StatePool & pool, const SequenceState & st, const StepInputs & in,
+                           int64_t n_logit_rows,
                            const FoldInput & fold_input = nullptr, VerifyStates * verify = nullptr);
 
 }  // namespace deltaspec

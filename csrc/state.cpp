@@ -10,21 +10,35 @@
 
 namespace deltaspec {
 
-SequenceState::~SequenceState() { release(); }
+StatePool::~StatePool() { release(); }
 
-void SequenceState::release() {
+void StatePool::release() {
     if (buffer) ggml_backend_buffer_free(buffer);
+    if (alias_ctx) ggml_free(alias_ctx);
     if (ctx) ggml_free(ctx);
     buffer = nullptr;
-    ctx = nullptr;
+    ctx = alias_ctx = nullptr;
     k.clear();
     v.clear();
     conv.clear();
     ssm.clear();
-    conv_saved.clear();
-    ssm_saved.clear();
-    n_slots = 0;
-    n_past = 0;
+    slots.clear();
+    n_seq = 0;
+}
+
+void StatePool::copy_slot(int64_t from, int64_t to) {
+    if (from < 0 || from >= n_seq || to < 0 || to >= n_seq) throw std::out_of_range("copy_slot: no such slot");
+    if (from == to) return;
+    SequenceState & src = slots[from];
+    SequenceState & dst = slots[to];
+    for (size_t il = 0; il < src.k.size(); ++il) {
+        using Tensors = std::vector<ggml_tensor *> SequenceState::*;
+        for (Tensors kind : {&SequenceState::k, &SequenceState::v, &SequenceState::conv, &SequenceState::ssm}) {
+            ggml_tensor * s = (src.*kind)[il];
+            if (s) ggml_backend_tensor_copy(s, (dst.*kind)[il]);
+        }
+    }
+    dst.n_past = src.n_past;
 }
 
 void SequenceState::clear() {
@@ -54,83 +68,122 @@ bool force_kv_f32() {
     return env != nullptr && std::strcmp(env, "1") == 0;
 }
 
-}  // namespace
-
-void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_type type_k, ggml_type type_v,
-                    int64_t n_slots, ggml_backend_t backend) {
-    st.n_slots = n_slots;
-    st.n_ctx = (n_ctx + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
-    const size_t n_tensors = 4 * (size_t)hp.n_layer;
-    ggml_init_params params = {ggml_tensor_overhead() * (n_tensors + 1), nullptr, /*no_alloc =*/true};
-    st.ctx = ggml_init(params);
-
-    const int64_t kv_width = hp.n_head_kv * hp.head_dim;
-    if (force_kv_f32()) type_k = type_v = GGML_TYPE_F32;
-    st.k.assign(hp.n_layer, nullptr);
-    st.v.assign(hp.n_layer, nullptr);
-    st.conv.assign(hp.n_layer, nullptr);
-    st.ssm.assign(hp.n_layer, nullptr);
-    st.conv_saved.assign(hp.n_layer, nullptr);
-    st.ssm_saved.assign(hp.n_layer, nullptr);
-    for (int il = 0; il < hp.n_layer; ++il) {
-        const std::string suffix = std::to_string(il);
-        if (hp.recurrent[il]) {
-            st.conv[il] = ggml_new_tensor_2d(st.ctx, GGML_TYPE_F32, hp.ssm_conv_kernel - 1, hp.conv_channels());
-            st.ssm[il] = ggml_new_tensor_1d(st.ctx, GGML_TYPE_F32,
-                                            hp.ssm_state_size * hp.ssm_state_size * hp.ssm_n_v_heads);
-            ggml_set_name(st.conv[il], ("conv_state_" + suffix).c_str());
-            ggml_set_name(st.ssm[il], ("ssm_state_" + suffix).c_str());
-            if (n_slots > 0) {
-                st.conv_saved[il] = ggml_dup_tensor(st.ctx, st.conv[il]);
-                st.ssm_saved[il] = ggml_dup_tensor(st.ctx, st.ssm[il]);
-                ggml_set_name(st.conv_saved[il], ("conv_saved_" + suffix).c_str());
-                ggml_set_name(st.ssm_saved[il], ("ssm_saved_" + suffix).c_str());
-            }
-        } else {
-            st.k[il] = ggml_new_tensor_2d(st.ctx, type_k, kv_width, st.n_ctx);
-            st.v[il] = ggml_new_tensor_2d(st.ctx, type_v, kv_width, st.n_ctx);
-            ggml_set_name(st.k[il], ("cache_k_" + suffix).c_str());
-            ggml_set_name(st.v[il], ("cache_v_" + suffix).c_str());
-        }
+// A tensor of shape `like` over `whole`'s bytes from `offset` on: a plain tensor (no view op),
+// so graphs treat it as a state tensor of its own.
+ggml_tensor * alias(ggml_context * ctx, ggml_tensor * whole, int64_t ne0, int64_t ne1, size_t offset,
+                    const std::string & name) {
+    ggml_tensor * t = ne1 > 0 ? ggml_new_tensor_2d(ctx, whole->type, ne0, ne1) : ggml_new_tensor_1d(ctx, whole->type, ne0);
+    ggml_set_name(t, name.c_str());
+    if (offset + ggml_nbytes(t) > ggml_nbytes(whole) ||
+        ggml_backend_tensor_alloc(whole->buffer, t, (char *)whole->data + offset) != GGML_STATUS_SUCCESS) {
+        throw std::runtime_error("cannot place the state of a sequence slot");
     }
-    st.buffer = ggml_backend_alloc_ctx_tensors(st.ctx, backend);
-    if (!st.buffer) throw std::runtime_error("cannot allocate the KV/recurrent state (n_ctx too large?)");
-    // zero everything once: masked KV rows are still multiplied by 0, and garbage may be NaN
-    ggml_backend_buffer_clear(st.buffer, 0);
-    st.n_past = 0;
+    return t;
 }
 
-std::vector<StateTensorInfo> state_tensor_info(const SequenceState & st) {
+}  // namespace
+
+void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t n_seq, ggml_type type_k,
+                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend) {
+    if (n_seq < 1) throw std::invalid_argument("n_seq_max must be >= 1");
+    pool.n_seq = n_seq;
+    pool.n_ctx = (n_ctx + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
+    const int64_t L = hp.n_layer;
+    ggml_init_params params = {ggml_tensor_overhead() * (6 * (size_t)L + 1), nullptr, /*no_alloc =*/true};
+    pool.ctx = ggml_init(params);
+
+    const int64_t kv_width = hp.n_head_kv * hp.head_dim;
+    const int64_t conv_elems = (hp.ssm_conv_kernel - 1) * hp.conv_channels();
+    const int64_t ssm_elems = hp.ssm_state_size * hp.ssm_state_size * hp.ssm_n_v_heads;
+    if (force_kv_f32()) type_k = type_v = GGML_TYPE_F32;
+    for (auto * t : {&pool.k, &pool.v, &pool.conv, &pool.ssm}) t->assign(L, nullptr);
+    std::vector<ggml_tensor *> conv_saved(L, nullptr), ssm_saved(L, nullptr);
+    for (int il = 0; il < L; ++il) {
+        const std::string suffix = std::to_string(il);
+        if (hp.recurrent[il]) {
+            pool.conv[il] = ggml_new_tensor_2d(pool.ctx, GGML_TYPE_F32, conv_elems, n_seq);
+            pool.ssm[il] = ggml_new_tensor_2d(pool.ctx, GGML_TYPE_F32, ssm_elems, n_seq);
+            ggml_set_name(pool.conv[il], ("conv_states_" + suffix).c_str());
+            ggml_set_name(pool.ssm[il], ("ssm_states_" + suffix).c_str());
+            if (n_slots > 0) {
+                conv_saved[il] = ggml_new_tensor_2d(pool.ctx, GGML_TYPE_F32, hp.ssm_conv_kernel - 1, hp.conv_channels());
+                ssm_saved[il] = ggml_new_tensor_1d(pool.ctx, GGML_TYPE_F32, ssm_elems);
+                ggml_set_name(conv_saved[il], ("conv_saved_" + suffix).c_str());
+                ggml_set_name(ssm_saved[il], ("ssm_saved_" + suffix).c_str());
+            }
+        } else {
+            pool.k[il] = ggml_new_tensor_2d(pool.ctx, type_k, kv_width, pool.n_ctx * n_seq);
+            pool.v[il] = ggml_new_tensor_2d(pool.ctx, type_v, kv_width, pool.n_ctx * n_seq);
+            ggml_set_name(pool.k[il], ("caches_k_" + suffix).c_str());
+            ggml_set_name(pool.v[il], ("caches_v_" + suffix).c_str());
+        }
+    }
+    pool.buffer = ggml_backend_alloc_ctx_tensors(pool.ctx, backend);
+    if (!pool.buffer) throw std::runtime_error("cannot allocate the KV/recurrent state (n_ctx or n_seq_max too large?)");
+    // zero everything once: masked KV rows are still multiplied by 0, and garbage may be NaN
+    ggml_backend_buffer_clear(pool.buffer, 0);
+
+    ggml_init_params alias_params = {ggml_tensor_overhead() * (4 * (size_t)L * n_seq + 1), nullptr, true};
+    pool.alias_ctx = ggml_init(alias_params);
+    pool.slots.resize(n_seq);
+    for (int64_t s = 0; s < n_seq; ++s) {
+        SequenceState & st = pool.slots[s];
+        st.n_ctx = pool.n_ctx;
+        st.n_past = 0;
+        st.n_slots = n_slots;
+        for (auto * t : {&st.k, &st.v, &st.conv, &st.ssm, &st.conv_saved, &st.ssm_saved}) t->assign(L, nullptr);
+        for (int il = 0; il < L; ++il) {
+            const std::string suffix = std::to_string(il) + (n_seq > 1 ? "_s" + std::to_string(s) : "");
+            if (hp.recurrent[il]) {
+                st.conv[il] = alias(pool.alias_ctx, pool.conv[il], hp.ssm_conv_kernel - 1, hp.conv_channels(),
+                                    s * pool.conv[il]->nb[1], "conv_state_" + suffix);
+                st.ssm[il] = alias(pool.alias_ctx, pool.ssm[il], ssm_elems, 0, s * pool.ssm[il]->nb[1], "ssm_state_" + suffix);
+                if (s == 0) {
+                    st.conv_saved[il] = conv_saved[il];
+                    st.ssm_saved[il] = ssm_saved[il];
+                }
+            } else {
+                st.k[il] = alias(pool.alias_ctx, pool.k[il], kv_width, pool.n_ctx, s * pool.n_ctx * pool.k[il]->nb[1],
+                                 "cache_k_" + suffix);
+                st.v[il] = alias(pool.alias_ctx, pool.v[il], kv_width, pool.n_ctx, s * pool.n_ctx * pool.v[il]->nb[1],
+                                 "cache_v_" + suffix);
+            }
+        }
+    }
+}
+
+std::vector<StateTensorInfo> state_tensor_info(const StatePool & pool) {
     std::vector<StateTensorInfo> out;
-    const std::pair<const char *, const std::vector<ggml_tensor *> *> kinds[] = {
-        {"k", &st.k}, {"v", &st.v}, {"conv", &st.conv}, {"ssm", &st.ssm},
-        {"conv_saved", &st.conv_saved}, {"ssm_saved", &st.ssm_saved}};
-    for (size_t il = 0; il < st.k.size(); ++il) {
-        for (const auto & [kind, tensors] : kinds) {
-            const ggml_tensor * t = il < tensors->size() ? (*tensors)[il] : nullptr;
-            if (!t) continue;
-            StateTensorInfo info;
-            info.kind = kind;
-            info.layer = (int)il;
-            info.type = t->type;
-            info.nbytes = ggml_nbytes(t);
-            info.ne0 = t->ne[0];
-            info.ne1 = t->ne[1];
-            info.buffer = t->buffer ? ggml_backend_buffer_name(t->buffer) : "";
-            out.push_back(std::move(info));
+    for (size_t s = 0; s < pool.slots.size(); ++s) {
+        const SequenceState & st = pool.slots[s];
+        const std::pair<const char *, const std::vector<ggml_tensor *> *> kinds[] = {
+            {"k", &st.k}, {"v", &st.v}, {"conv", &st.conv}, {"ssm", &st.ssm},
+            {"conv_saved", &st.conv_saved}, {"ssm_saved", &st.ssm_saved}};
+        for (size_t il = 0; il < st.k.size(); ++il) {
+            for (const auto & [kind, tensors] : kinds) {
+                const ggml_tensor * t = il < tensors->size() ? (*tensors)[il] : nullptr;
+                if (!t) continue;
+                StateTensorInfo info;
+                info.kind = kind;
+                info.layer = (int)il;
+                info.slot = (int)s;
+                info.type = t->type;
+                info.nbytes = ggml_nbytes(t);
+                info.ne0 = t->ne[0];
+                info.ne1 = t->ne[1];
+                info.buffer = t->buffer ? ggml_backend_buffer_name(t->buffer) : "";
+                out.push_back(std::move(info));
+            }
         }
     }
     return out;
 }
 
-}  // namespace deltaspec
-
-namespace deltaspec {
-
 void copy_recurrent_state(SequenceState & st, bool to_saved) {
     if (st.n_slots == 0) throw std::logic_error("no saved recurrent state: the state was allocated without slots");
     for (size_t il = 0; il < st.conv.size(); ++il) {
         if (!st.conv[il]) continue;
+        if (!st.conv_saved[il]) throw std::logic_error("a checkpoint is kept for sequence slot 0 only");
         if (to_saved) {
             ggml_backend_tensor_copy(st.conv[il], st.conv_saved[il]);
             ggml_backend_tensor_copy(st.ssm[il], st.ssm_saved[il]);

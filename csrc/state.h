@@ -1,4 +1,5 @@
-// Per-sequence model state: the attention KV cache and the DeltaNet recurrent state.
+// Model state for up to n_seq_max sequences: per sequence slot the attention KV cache and the
+// DeltaNet recurrent state (conv window + DeltaNet state), all slots of a layer in one tensor.
 #pragma once
 
 #include <string>
@@ -10,6 +11,10 @@
 
 namespace deltaspec {
 
+// One sequence slot. Its tensors are plain tensors (no view op) over the slot's part of the pool's
+// tensors, so a one-sequence graph reads and writes them exactly as it would tensors of its own
+// (ggml-cuda's fusions look for those forms), while a graph over several sequences reads the
+// pool's tensors (StatePool).
 struct SequenceState {
     int64_t n_ctx = 0;            // KV rows, a multiple of kv_pad
     int64_t n_past = 0;           // tokens already in the state
@@ -22,43 +27,62 @@ struct SequenceState {
 
     // Speculative verification (n_slots = 0 when unused): the longest verify batch. The state
     // after each of its tokens stays in the verify graph's outputs until keep() (see
-    // VerifyStates); here is one saved copy of the live state, for a drafter's checkpoint.
+    // VerifyStates); here is one saved copy of the live state, for a drafter's checkpoint
+    // (slot 0 only: speculation runs one sequence).
     int64_t n_slots = 0;
     std::vector<ggml_tensor *> conv_saved;  // like conv (n_slots > 0)
     std::vector<ggml_tensor *> ssm_saved;   // like ssm (n_slots > 0)
 
-    ggml_context * ctx = nullptr;
-    ggml_backend_buffer_t buffer = nullptr;
-
     // FA's CUDA vector kernels want the visible KV length to be a multiple of 256.
     static constexpr int64_t kv_pad = 256;
 
-    SequenceState() = default;
-    SequenceState(const SequenceState &) = delete;
-    SequenceState & operator=(const SequenceState &) = delete;
-    ~SequenceState();
-
     void clear();                 // empty sequence: zero the live recurrent state, n_past = 0
-    void release();               // free the tensors (allocate_state may then run again)
     int64_t n_kv_for(int64_t n_tokens_total) const;  // KV rows attention must see
 };
 
-void allocate_state(SequenceState & st, const HParams & hp, int64_t n_ctx, ggml_type type_k, ggml_type type_v,
-                    int64_t n_slots, ggml_backend_t backend);
+// Every slot's state; per layer one tensor holds all slots, slot s at a fixed offset:
+//   k, v: {Hkv*D, n_ctx * n_seq}: slot s owns rows s*n_ctx .. (s+1)*n_ctx-1
+//   conv: {(Kc-1)*C, n_seq} F32, ssm: {S*S*Hv, n_seq} F32: slot s is row s
+// so a graph over sequences in consecutive slots reads and writes their recurrent states as one view
+// and their KV rows as FA streams (a strided view).
+struct StatePool {
+    int64_t n_seq = 0;
+    int64_t n_ctx = 0;  // per slot, as SequenceState::n_ctx
+    std::vector<ggml_tensor *> k, v, conv, ssm;  // by layer, null where the layer is of the other kind
+    std::vector<SequenceState> slots;
+
+    ggml_context * ctx = nullptr;        // the pool's tensors (and the checkpoint copies)
+    ggml_context * alias_ctx = nullptr;  // the slots' tensors over them
+    ggml_backend_buffer_t buffer = nullptr;
+
+    StatePool() = default;
+    StatePool(const StatePool &) = delete;
+    StatePool & operator=(const StatePool &) = delete;
+    ~StatePool();
+
+    void release();  // free the tensors (allocate_state may then run again)
+    // slot `to` <- slot `from` (KV rows, recurrent state, n_past): device copies
+    void copy_slot(int64_t from, int64_t to);
+};
+
+void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t n_seq, ggml_type type_k,
+                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend);
 
 // One tensor of the state as allocated (read from the ggml tensor, not from what was asked for).
 struct StateTensorInfo {
     std::string kind;    // "k", "v" (attention KV cache), "conv", "ssm" (live recurrent state),
                          // "conv_saved", "ssm_saved" (the drafter's checkpoint copy)
     int layer = -1;
+    int slot = 0;        // the sequence slot it belongs to
     ggml_type type = GGML_TYPE_COUNT;
     size_t nbytes = 0;   // ggml_nbytes
     int64_t ne0 = 0, ne1 = 0;
     std::string buffer;  // the backend buffer holding it ("CPU", "CUDA0", ...)
 };
 
-// Every allocated tensor of the state, by layer, in the order k, v, conv, ssm, conv_saved, ssm_saved.
-std::vector<StateTensorInfo> state_tensor_info(const SequenceState & st);
+// Every allocated tensor of every slot, by slot, then layer, in the order k, v, conv, ssm,
+// conv_saved, ssm_saved.
+std::vector<StateTensorInfo> state_tensor_info(const StatePool & pool);
 
 // the saved recurrent state <- the live one (or the reverse), every recurrent layer; device copies.
 void copy_recurrent_state(SequenceState & st, bool to_saved);

@@ -57,7 +57,7 @@ bool Engine::copy_conv_windows_cuda(int64_t n) {
     std::vector<deltaspec_copy> jobs;
     for (int il = 0; il < hp_.n_layer; ++il) {
         if (!vs.conv_in[il]) continue;
-        const ggml_tensor * conv = state_.conv[il];
+        const ggml_tensor * conv = seq().conv[il];
         const ggml_tensor * conv_in = vs.conv_in[il];
         if (conv->type != GGML_TYPE_F32 || conv->nb[0] != sizeof(float) || conv_in->nb[0] != sizeof(float)) {
             return false;
@@ -75,7 +75,7 @@ bool Engine::copy_last_states_cuda() {
     std::vector<deltaspec_copy> jobs;
     for (int il = 0; il < hp_.n_layer; ++il) {
         if (!vs.result[il]) continue;
-        const ggml_tensor * ssm = state_.ssm[il];
+        const ggml_tensor * ssm = seq().ssm[il];
         if (ssm->type != GGML_TYPE_F32 || !ggml_is_contiguous(ssm)) return false;
         const char * last = (const char *)vs.result[il]->data + last_state_offset(vs.result[il], ssm);
         jobs.push_back({(const float *)last, (float *)ssm->data, 1, ggml_nelements(ssm), 0, 0});
@@ -91,7 +91,7 @@ bool Engine::replay_deltanet_cuda(int64_t n) {
     for (int il = 0; il < hp_.n_layer; ++il) {
         if (!vs.q[il]) continue;
         const ggml_tensor *q = vs.q[il], *k = vs.k[il], *v = vs.v[il], *g = vs.g[il], *beta = vs.beta[il];
-        const ggml_tensor * ssm = state_.ssm[il];
+        const ggml_tensor * ssm = seq().ssm[il];
         for (const ggml_tensor * t : {q, k, v, g, beta, ssm}) {
             if (t->type != GGML_TYPE_F32 || t->nb[0] != f) return false;
         }
@@ -119,20 +119,20 @@ void Engine::advance_verify_state_graph(int64_t n, bool conv, bool deltanet) {
         for (int il = 0; il < hp_.n_layer; ++il) {
             if (!vs.conv_in[il]) continue;
             if (conv) {
-                ggml_tensor * state = state_.conv[il];
+                ggml_tensor * state = seq().conv[il];
                 ggml_tensor * conv_in = detached(ctx, vs.conv_in[il]);
                 ggml_tensor * window = ggml_view_2d(ctx, conv_in, state->ne[0], state->ne[1], conv_in->nb[1],
                                                     vs.window_column(verify_T_ - n) * conv_in->nb[0]);
                 ggml_build_forward_expand(gf, ggml_cpy(ctx, window, state));
             }
             if (deltanet && n == verify_T_) {  // the state after the batch, as the op left it
-                ggml_tensor * ssm = state_.ssm[il];
+                ggml_tensor * ssm = seq().ssm[il];
                 ggml_tensor * result = detached(ctx, vs.result[il]);
                 ggml_tensor * last =
                     ggml_view_1d(ctx, result, ggml_nelements(ssm), last_state_offset(vs.result[il], ssm));
                 ggml_build_forward_expand(gf, ggml_cpy(ctx, last, ssm));
             } else if (deltanet) {  // the verify graph's op over the first n tokens, from the live state
-                ggml_tensor * ssm = state_.ssm[il];
+                ggml_tensor * ssm = seq().ssm[il];
                 const ggml_tensor * v = vs.v[il];
                 ggml_tensor * state = ggml_reshape_4d(ctx, ssm, v->ne[0], v->ne[0], v->ne[1], 1);
                 ggml_tensor * res =

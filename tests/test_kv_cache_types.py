@@ -273,10 +273,10 @@ def test_planted_all_f32_cache_is_caught(gguf_path, reference, monkeypatch):
 
 def _hparams(n_layer: int, n_head_kv: int, head_dim: int, interval: int = 4) -> Qwen35HParams:
     """Only the fields kv_cache reads matter; layers (i+1) % interval == 0 are full attention."""
-    return Qwen35HParams(n_vocab=1, n_embd=1, n_layer=n_layer, n_layer_nextn=0, n_ctx_train=1, rms_eps=1e-6,
-                         n_head=n_head_kv, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=2, rope_freq_base=1e7,
-                         rope_sections=[1, 0, 0, 0], ssm_conv_kernel=4, ssm_state_size=1, ssm_n_k_heads=1,
-                         ssm_n_v_heads=1, recurrent=[(i + 1) % interval != 0 for i in range(n_layer)])
+    hp = Qwen35HParams()
+    hp.n_layer, hp.n_head, hp.n_head_kv, hp.head_dim = n_layer, n_head_kv, n_head_kv, head_dim
+    hp.recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
+    return hp
 
 
 QWEN35_27B = _hparams(64, 4, 256)   # 16 attention layers, K or V row per layer = 4*256 = 1024 elements

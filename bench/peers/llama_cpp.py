@@ -28,8 +28,8 @@ Configured with CMake + Ninja, Release, ``-j os.cpu_count()``::
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_COMMON=ON -DLLAMA_OPENSSL=OFF
     (--cuda adds) -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a
 
-Only the targets ``llama-completion`` and ``llama-tokenize`` are built (plus ``llama-bench`` with
-``--cuda``; on CPU add it with ``--target llama-bench`` / ``extra_targets=["llama-bench"]``, 17 s
+Only the targets ``llama-completion`` and ``llama-tokenize`` are built (plus ``llama-bench`` and
+``llama-batched-bench`` with ``--cuda``; on CPU add it with ``--target llama-bench`` / ``extra_targets=["llama-bench"]``, 17 s
 more); that pulls in ggml, ggml-base, ggml-cpu, llama and llama-common and nothing else. With
 GGML_NATIVE=OFF ggml-cpu gets exactly ``-msse4.2 -mf16c -mfma -mbmi2 -mavx -mavx2``, so neither
 ``__AMX_INT8__`` nor ``__AVX512VNNI__`` is defined and the AMX code (ggml-cpu/amx/*, the
@@ -128,7 +128,7 @@ DEFAULT_BUILD_DIR_CUDA = DEPS / "llama.cpp-build-cuda"
 STAMP_NAME = "deltaspec-build.json"
 
 CPU_TARGETS = ("llama-completion", "llama-tokenize")
-CUDA_EXTRA_TARGETS = ("llama-bench",)
+CUDA_EXTRA_TARGETS = ("llama-bench", "llama-batched-bench")  # the second: bench/batch_bench.py's peer
 
 COMMON_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -212,7 +212,8 @@ def cmake_flags(cuda: bool = False, deltaspec_kernels: bool = False) -> list[str
 
 
 def build_targets(cuda: bool = False, extra: Sequence[str] = ()) -> list[str]:
-    """llama-completion (greedy ids), llama-tokenize; llama-bench too for CUDA; plus ``extra``."""
+    """llama-completion (greedy ids), llama-tokenize; llama-bench and llama-batched-bench too for CUDA;
+    plus ``extra``."""
     targets = list(CPU_TARGETS) + (list(CUDA_EXTRA_TARGETS) if cuda else [])
     return targets + [t for t in extra if t not in targets]
 
@@ -483,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or reuse) llama.cpp; prints the bin folder")
-    b.add_argument("--cuda", action="store_true", help="CUDA build for sm_90a (+ llama-bench)")
+    b.add_argument("--cuda", action="store_true", help="CUDA build for sm_90a (+ llama-bench, llama-batched-bench)")
     b.add_argument("--deltaspec-kernels", action="store_true",
                    help="with --cuda: put deltaspec's CUDA kernels (off by default) into ggml-cuda")
     b.add_argument("--build-dir", default=None)

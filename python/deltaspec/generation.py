@@ -321,19 +321,22 @@ class Generator:
             yield rest.decode("utf-8", errors="replace")
 
     def _finish(self) -> GenerationResult:
-        out = self._outcome
-        tokens = list(out["tokens"])
-        tok = self._model.tokenizer
-        body = tokens[:-1] if tokens and tok.is_eog(tokens[-1]) else tokens
-        data = tok.decode_bytes(body, special=TEXT_SPECIAL)
-        if out["stop_offset"] >= 0:
-            data = data[:out["stop_offset"]]
-        self._final_bytes = data
-        spec = {k: out[k] for k in ("n_steps", "n_drafted", "n_accepted", "draft_seconds", "verify_seconds",
-                                    "rollback_seconds") if k in out}
-        stats = GenerationStats(prompt_tokens=len(self._req.prompt), generated_tokens=len(tokens),
-                                prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"], **spec)
-        return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats)
+        result, self._final_bytes = result_of(self._model.tokenizer, len(self._req.prompt), self._outcome)
+        return result
+
+
+def result_of(tokenizer, n_prompt: int, out: dict) -> tuple[GenerationResult, bytes]:
+    """The GenerationResult of an engine's result dict, and its text's bytes."""
+    tokens = list(out["tokens"])
+    body = tokens[:-1] if tokens and tokenizer.is_eog(tokens[-1]) else tokens
+    data = tokenizer.decode_bytes(body, special=TEXT_SPECIAL)
+    if out["stop_offset"] >= 0:
+        data = data[:out["stop_offset"]]
+    spec = {k: out[k] for k in ("n_steps", "n_drafted", "n_accepted", "draft_seconds", "verify_seconds",
+                                "rollback_seconds") if k in out}
+    stats = GenerationStats(prompt_tokens=n_prompt, generated_tokens=len(tokens),
+                            prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"], **spec)
+    return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats), data
 
 
 class TextStream:

@@ -41,7 +41,7 @@ CUDA_VEC_PAIRS_DEFAULT: frozenset[tuple[str, str]] = frozenset(
 
 
 class _KVHParams(Protocol):
-    """What the size functions read; `deltaspec.qwen35.Qwen35HParams` has it."""
+    """What the size functions read; the engine's hyper-parameters (`deltaspec.qwen35.read_hparams`) have it."""
     n_head_kv: int
     head_dim: int
 
@@ -129,12 +129,14 @@ def validate_cache_types(type_k: str, type_v: str, device: str = "cpu", head_dim
 
 def allocated_state(tensors: list[dict], n_ctx: int) -> dict:
     """`Model.kv_cache_info()`'s dict from the engine's `state_info` (one dict per allocated state
-    tensor: kind, layer, type, nbytes, shape, buffer): the KV cache per attention layer, the
-    recurrent state per Gated DeltaNet layer, and byte totals. Every type and size is the
-    allocated tensor's own, not the one asked for."""
+    tensor: kind, layer, slot, type, nbytes, shape, buffer): the KV cache per attention layer and
+    the recurrent state per Gated DeltaNet layer of one sequence slot (every slot is alike), the
+    bytes of each slot, and byte totals over all slots. Every type and size is the allocated
+    tensor's own, not the one asked for."""
     by_layer: dict[int, dict[str, dict]] = {}
     for t in tensors:
-        by_layer.setdefault(t["layer"], {})[t["kind"]] = t
+        if t.get("slot", 0) == 0:
+            by_layer.setdefault(t["layer"], {})[t["kind"]] = t
     attention, recurrent = [], []
     for layer, kinds in sorted(by_layer.items()):
         if "k" in kinds:
@@ -145,19 +147,33 @@ def allocated_state(tensors: list[dict], n_ctx: int) -> dict:
             conv, ssm = kinds["conv"], kinds["ssm"]
             recurrent.append({"layer": layer, "conv_type": conv["type"], "conv_bytes": conv["nbytes"],
                               "ssm_type": ssm["type"], "ssm_bytes": ssm["nbytes"], "buffer": conv["buffer"]})
-    total = {kind: sum(t["nbytes"] for t in tensors if t["kind"] in kinds)
-             for kind, kinds in (("k", ("k",)), ("v", ("v",)), ("recurrent", ("conv", "ssm")),
-                                 ("checkpoint", ("conv_saved", "ssm_saved")))}
+
+    def totals(ts: list[dict]) -> dict[str, int]:
+        out = {kind: sum(t["nbytes"] for t in ts if t["kind"] in kinds)
+               for kind, kinds in (("k", ("k",)), ("v", ("v",)), ("recurrent", ("conv", "ssm")),
+                                   ("checkpoint", ("conv_saved", "ssm_saved")))}
+        out["total"] = sum(t["nbytes"] for t in ts)
+        return out
+
+    n_slots = 1 + max((t.get("slot", 0) for t in tensors), default=0)
+    slots = []
+    for s in range(n_slots):
+        per = totals([t for t in tensors if t.get("slot", 0) == s])
+        slots.append({"slot": s, "kv_bytes": per["k"] + per["v"], "recurrent_bytes": per["recurrent"],
+                      "checkpoint_bytes": per["checkpoint"], "total_bytes": per["total"]})
+    total = totals(tensors)
     return {
         "n_ctx": n_ctx,
+        "n_seq_max": n_slots,
         "attention_layers": attention,
         "recurrent_layers": recurrent,
+        "slots": slots,
         "k_bytes": total["k"],
         "v_bytes": total["v"],
         "kv_bytes": total["k"] + total["v"],
         "recurrent_bytes": total["recurrent"],
         "checkpoint_bytes": total["checkpoint"],
-        "total_bytes": sum(t["nbytes"] for t in tensors),
+        "total_bytes": total["total"],
     }
 
 

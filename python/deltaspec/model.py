@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from . import _core, batch_invariance, completions
 from .cpu import default_threads
-from .errors import EngineError, TokenizerError
+from .errors import DeltaspecError, EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
-                         validate_flag, validate_stop)
+                         result_of, validate_flag, validate_stop)
 from .gguf_file import read_gguf
-from .qwen35 import Qwen35HParams, check_tensors, read_hparams
+from .qwen35 import check_tensors, read_hparams
 from .kv_cache import allocated_state, ggml_type, validate_cache_types
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
@@ -25,21 +27,22 @@ LOGITS = ("all", "last", "none")
 MAX_N_CTX = 1 << 24      # as qwen35.context_length; past it the KV arithmetic overflows before memory runs out
 MAX_N_UBATCH = 1 << 24
 MAX_THREADS = 512        # ggml's GGML_MAX_N_THREADS
+MAX_N_SEQ = 256          # sequence slots; each holds a whole KV cache and recurrent state
 SPEC_TYPES = ("draft-simple", "ngram-simple")
 SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of Model.metadata
 
 
-def _native_hparams(hp: Qwen35HParams) -> _core.HParams:
-    n = _core.HParams()
-    for name in ("n_vocab", "n_embd", "n_layer", "n_ctx_train", "rms_eps", "n_head", "n_head_kv", "head_dim",
-                 "n_rot", "rope_freq_base", "ssm_conv_kernel", "ssm_state_size", "ssm_n_k_heads", "ssm_n_v_heads",
-                 "recurrent"):
-        setattr(n, name, getattr(hp, name))
-    n.rope_sections = list(hp.rope_sections)
-    rs = hp.rope_scaling
-    n.rope_freq_scale, n.rope_ext_factor, n.rope_attn_factor = rs.freq_scale, rs.ext_factor, rs.attn_factor
-    n.rope_beta_fast, n.rope_beta_slow, n.rope_n_ctx_orig = rs.beta_fast, rs.beta_slow, rs.n_ctx_orig
-    return n
+class BatchSpeculationError(DeltaspecError, NotImplementedError):
+    """Speculative decoding asked of generate_batch / add_request, which decode without a drafter."""
+
+
+@dataclass
+class RequestOutput:
+    """What one `Model.step()` did to one request added with `Model.add_request`."""
+    request_id: int
+    tokens: list[int]                   # the tokens committed in this step
+    finished: bool
+    result: GenerationResult | None     # once finished
 
 
 def _load_progress(progress, label: str):
@@ -96,11 +99,14 @@ class Model:
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
                  device: str = "cpu", n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16",
-                 progress: bool | Callable[[float], None] | None = None):
+                 progress: bool | Callable[[float], None] | None = None, n_seq_max: int = 1):
         """`progress` reports the weight upload: None shows a tqdm bar on stderr when stderr is a
         terminal (and tqdm is installed), False or True force it off or on, and a callable receives
         the fraction done, 0.0 .. 1.0, ending with exactly 1.0 (at most ~100 calls; raising aborts
-        the load)."""
+        the load).
+
+        `n_seq_max` sequence slots, each with a KV cache of n_ctx rows and a recurrent state, let
+        generate_batch / add_request run that many sequences at once (the weights are shared)."""
         self._engine = None
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike naming a GGUF file, got {type(path).__name__} "
@@ -108,6 +114,7 @@ class Model:
         self.path = os.fspath(path)
         _check_count("n_ctx", n_ctx, MAX_N_CTX)
         _check_count("n_ubatch", n_ubatch, MAX_N_UBATCH)
+        _check_count("n_seq_max", n_seq_max, MAX_N_SEQ)
         if n_threads is None:
             n_threads = min(default_threads(), MAX_THREADS)
         _check_count("n_threads", n_threads, MAX_THREADS, " or None")
@@ -133,10 +140,10 @@ class Model:
         self.batch_invariant = batch_invariance.apply() and device == "cpu"
         on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
-            self._engine = _core.Engine(self.path, _native_hparams(self.hparams), n_ctx=n_ctx, n_ubatch=n_ubatch,
+            self._engine = _core.Engine(self.path, self.hparams, n_ctx=n_ctx, n_ubatch=n_ubatch,
                                         n_threads=n_threads, device=device, type_k=int(ggml_type(type_k)),
                                         type_v=int(ggml_type(type_v)),
-                                        progress=on_bytes)
+                                        progress=on_bytes, n_seq_max=n_seq_max)
         except RuntimeError as e:  # the file passed validation: device, memory, or the file changed since
             message = str(e)
             raise EngineError(message if message.startswith(self.path) else f"{self.path}: {message}") from None
@@ -152,6 +159,9 @@ class Model:
         self._busy = threading.Lock()
         self.device = device
         self.n_threads = n_threads
+        self.n_seq_max = n_seq_max
+        self._batch_running = False  # a generate_batch call runs (cancel() reaches it)
+        self._request_prompts: dict[int, int] = {}  # add_request id -> prompt length
 
     # --- sizes ---------------------------------------------------------------------------------
     @property
@@ -172,11 +182,15 @@ class Model:
         type_k / type_v asked for):
 
             {"n_ctx": 256,                       # rows per KV cache (n_ctx rounded up to 256)
+             "n_seq_max": 1,                     # sequence slots; the layer lists are one slot's
+
              "attention_layers": [{"layer": 3, "type_k": "q8_0", "type_v": "q4_0",
                                    "k_bytes": 17408, "v_bytes": 9216, "buffer": "CPU"}, ...],
              "recurrent_layers": [{"layer": 0, "conv_type": "f32", "conv_bytes": 1536,
                                    "ssm_type": "f32", "ssm_bytes": 8192, "buffer": "CPU"}, ...],
-             "k_bytes": ..., "v_bytes": ..., "kv_bytes": ...,   # totals over the attention layers
+             "slots": [{"slot": 0, "kv_bytes": ..., "recurrent_bytes": ..., "checkpoint_bytes": ...,
+                        "total_bytes": ...}, ...],   # what each slot holds
+             "k_bytes": ..., "v_bytes": ..., "kv_bytes": ...,   # totals over the attention layers and slots
              "recurrent_bytes": ...,             # the live Gated DeltaNet state (conv + DeltaNet)
              "checkpoint_bytes": ...,            # its saved copy, once speculation has run
              "total_bytes": ...}
@@ -255,19 +269,109 @@ class Model:
         vocabulary) or "ngram-simple" (prompt lookup); draft_n_max / draft_n_min bound the draft
         length, which adapts to the acceptance rate. Stats then report n_drafted, n_accepted,
         acceptance_rate, mean_acceptance_length and draft / verify / rollback time."""
-        sampling = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                   repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                                   frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n, seed=seed)
         validate_flag("stream", stream)
+        request = self._request(prompt, max_tokens, SamplingOptions(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
+            seed=seed), stop)
+        request.speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min)
+        generator = Generator(self, request)
+        return TextStream(generator) if stream else generator.result()
+
+    def _request(self, prompt, max_tokens, sampling: SamplingOptions, stop) -> _Request:
         ids = self._prompt_ids(prompt)
         if max_tokens is None:
             # until the context is full: the last token is sampled from the last row, never evaluated
             max_tokens = self.n_ctx - len(ids) + 1
         elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
-        speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min)
-        generator = Generator(self, _Request(ids, max_tokens, sampling, validate_stop(stop), speculation))
-        return TextStream(generator) if stream else generator.result()
+        return _Request(ids, max_tokens, sampling, validate_stop(stop))
+
+    def _batch_request(self, prompt, options: dict[str, Any], where: str) -> _Request:
+        """A request for generate_batch / add_request from generate()'s keyword arguments."""
+        unknown = sorted(set(options) - set(_GENERATE_DEFAULTS))
+        if unknown:
+            raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+        o = {**_GENERATE_DEFAULTS, **options}
+        if o["draft_model"] is not None or o["spec_type"] is not None:
+            raise BatchSpeculationError(f"{where}(): speculative decoding (draft_model / spec_type) is not available "
+                                        "for concurrent sequences yet; call generate() per prompt to speculate")
+        if validate_flag("stream", o["stream"]):
+            raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
+        sampling = SamplingOptions(**{k: o[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                                                          "presence_penalty", "frequency_penalty", "penalty_last_n",
+                                                          "seed")})
+        return self._request(prompt, o["max_tokens"], sampling, o["stop"])
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], per_prompt: Sequence[dict] | None = None,
+                       **generate_kwargs: Any) -> list[GenerationResult]:
+        """Generate continuations of several prompts concurrently, up to n_seq_max at a time (the
+        rest wait for a slot): each prompt is prefilled, then every running sequence decodes in
+        one batch per step. Each result equals generate(prompt, **generate_kwargs) alone (same
+        tokens for greedy and for seeded sampling); sequences finish independently.
+
+        generate_kwargs are generate()'s (max_tokens, temperature, ..., seed, stop), for every
+        prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
+        max_tokens, seed or stop). Speculation (draft_model, spec_type) raises
+        BatchSpeculationError; stream=True raises ValueError. cancel() stops every sequence."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise TypeError(f"prompts must be a non-empty list of prompts (str or token ids), got {prompts!r:.80}")
+        if per_prompt is None:
+            per_prompt = [{}] * len(prompts)
+        if (isinstance(per_prompt, (str, bytes)) or not isinstance(per_prompt, Sequence) or len(per_prompt) != len(prompts)
+                or not all(isinstance(d, dict) for d in per_prompt)):
+            raise TypeError(f"per_prompt must be None or a list of {len(prompts)} dicts (one per prompt), "
+                            f"got {per_prompt!r:.80}")
+        requests = [self._batch_request(p, {**generate_kwargs, **extra}, "generate_batch")
+                    for p, extra in zip(prompts, per_prompt)]
+        eog = sorted(self.tokenizer.eog_ids)
+        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop]) for r in requests]
+        with engine_of(self) as engine:
+            with self._control:
+                engine.clear_cancel()
+                self._batch_running = True
+            try:
+                outs = engine.generate_batch(native, eog)
+            finally:
+                with self._control:
+                    self._batch_running = False
+        return [result_of(self.tokenizer, len(r.prompt), out)[0] for r, out in zip(requests, outs)]
+
+    # --- requests stepped by the caller (a server's loop) ----------------------------------------
+    def add_request(self, prompt: str | Sequence[int], **generate_kwargs: Any) -> int:
+        """Queue a request (generate()'s keyword arguments, no speculation or streaming) for step();
+        returns its id. While requests are unfinished, one-sequence calls (generate, eval, ...)
+        raise RuntimeError."""
+        req = self._batch_request(prompt, generate_kwargs, "add_request")
+        with engine_of(self) as engine:
+            request_id = engine.add_request(req.prompt, req.max_tokens, req.sampling.native(),
+                                            sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop])
+        self._request_prompts[request_id] = len(req.prompt)
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step: waiting requests that find a free slot are prefilled, then every
+        running request decodes one token (all in one batch). Returns what happened to each."""
+        with engine_of(self) as engine:
+            events = engine.step()
+        out = []
+        for ev in events:
+            result = None
+            if ev["finished"]:
+                n_prompt = self._request_prompts.pop(ev["id"])
+                result = result_of(self.tokenizer, n_prompt, ev["result"])[0]
+            out.append(RequestOutput(ev["id"], list(ev["tokens"]), ev["finished"], result))
+        return out
+
+    def cancel_request(self, request_id: int) -> None:
+        """Cancel a request from add_request: it finishes at the next step with finish_reason
+        "cancelled" and the tokens it has."""
+        with engine_of(self) as engine:
+            engine.cancel_request(request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self._live().n_requests > 0
 
     def cancel(self) -> None:
         """Stop the generation running on this model, from any thread (or from a stream's loop):
@@ -276,6 +380,9 @@ class Model:
         active = self._active()
         if active is not None:
             active.cancel()
+        with self._control:
+            if self._batch_running:
+                self._live().cancel()
 
     def create_completion(self, prompt: str | Sequence[int], stream: bool = False, max_tokens: int | None = 16,
                           **kwargs: Any):
@@ -384,3 +491,8 @@ class Model:
         hp = self.hparams
         return (f"Model({self.path!r}, n_layer={hp.n_layer}, n_embd={hp.n_embd}, n_vocab={hp.n_vocab}, "
                 f"device={getattr(self, 'device', '?')!r})")
+
+
+# generate()'s keyword arguments and defaults: what generate_batch and add_request take
+_GENERATE_DEFAULTS = {name: p.default for name, p in inspect.signature(Model.generate).parameters.items()
+                      if name not in ("self", "prompt")}

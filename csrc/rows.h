@@ -1,0 +1,43 @@
+// A step is a batch of rows: the one contract between whoever decides what to compute (the
+// scheduler) and the graph. Decode of N sequences is one row per sequence; prefill chunks, chain
+// verify (parent = the previous row) and tree verify (any parent) are rows too.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace deltaspec {
+
+// Struct of arrays, one entry per row.
+struct RowBatch {
+    std::vector<int32_t> token;
+    std::vector<int32_t> pos;      // position in its sequence
+    std::vector<int32_t> slot;     // the sequence slot it belongs to
+    std::vector<int32_t> parent;   // the row whose state it continues; -1: its slot's committed state
+    std::vector<uint8_t> wants_logits;
+
+    void add(int32_t t, int32_t p, int32_t s, int32_t par = -1, bool logits = true) {
+        token.push_back(t);
+        pos.push_back(p);
+        slot.push_back(s);
+        parent.push_back(par);
+        wants_logits.push_back(logits ? 1 : 0);
+    }
+    int64_t size() const { return (int64_t)token.size(); }
+    void clear() {
+        for (auto * v : {&token, &pos, &slot, &parent}) v->clear();
+        wants_logits.clear();
+    }
+};
+
+// DELTASPEC_TEST_BATCH_BUG (test only) plants a bug, so that the tests of batched decoding
+// (tests/test_batch.py) can show they notice it: "shared_slot" makes every row of a decode batch
+// of 2+ start from the first row's recurrent state (copied over the others'), "position" shifts
+// the position of every row after the first by one, "no_move" makes the scheduler forget to copy
+// a sequence's state when it moves the sequence into a freed slot, "no_reset" makes it admit a
+// sequence into a slot without emptying the slot. Unset or empty in every real use; anything else
+// throws std::invalid_argument.
+enum class BatchBug { none, shared_slot, position, no_move, no_reset };
+BatchBug batch_bug();
+
+}  // namespace deltaspec

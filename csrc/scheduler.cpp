@@ -1,0 +1,201 @@
+#include "scheduler.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+namespace deltaspec {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// The first maximum, as ggml's argmax picks it: a greedy sequence in a batch that also samples
+// gets the token the device's argmax would have given it.
+int32_t first_argmax(const float * row, int64_t n) {
+    return (int32_t)(std::max_element(row, row + n) - row);
+}
+
+}  // namespace
+
+Sequence::Sequence(int64_t id_, GenerateRequest request, const PieceTable & pieces)
+    : id(id_), req(std::move(request)), sampler(req.sampling), history(req.prompt), out(pieces, req, on_token, res) {}
+
+int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_token) {
+    const int64_t n_vocab = engine_.hparams().n_vocab;
+    if ((int64_t)pieces_.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
+    if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
+    if ((int64_t)req.prompt.size() >= engine_.n_ctx()) {
+        throw std::invalid_argument("the prompt has " + std::to_string(req.prompt.size()) +
+                                    " tokens but the context holds " + std::to_string(engine_.n_ctx()) + " (n_ctx)");
+    }
+    for (size_t i = 0; i < req.prompt.size(); ++i) {
+        if (req.prompt[i] < 0 || req.prompt[i] >= n_vocab) {
+            throw std::out_of_range("token id " + std::to_string(req.prompt[i]) + " at index " + std::to_string(i) +
+                                    " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
+        }
+    }
+    if (req.max_tokens < 1) throw std::invalid_argument("max_tokens must be >= 1");
+    waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
+    waiting_.back()->on_token = std::move(on_token);
+    return next_id_++;
+}
+
+void Scheduler::cancel(int64_t id) {
+    for (auto & s : running_) {
+        if (s->id == id) s->cancel_requested = true;
+    }
+    for (auto & s : waiting_) {
+        if (s->id == id) s->cancel_requested = true;
+    }
+}
+
+StepEvent & Scheduler::event_of(std::vector<StepEvent> & events, const Sequence & s) {
+    for (StepEvent & ev : events) {
+        if (ev.id == s.id) return ev;
+    }
+    events.emplace_back();
+    events.back().id = s.id;
+    return events.back();
+}
+
+void Scheduler::finish(Sequence & s, FinishReason why, StepEvent & ev) {
+    s.finished = true;
+    s.res.finish = why;
+    if (s.slot >= 0) s.res.decode_seconds = seconds_since(s.decode_start);
+    ev.finished = true;
+    ev.result = s.res;
+}
+
+bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev) {
+    s.history.push_back(token);
+    ev.tokens.push_back(token);
+    if (!s.out.emit(token)) {  // the Emitter set res.finish
+        finish(s, s.res.finish, ev);
+        return false;
+    }
+    if (engine_.slot_n_past(s.slot) >= engine_.n_ctx()) {
+        finish(s, FinishReason::length, ev);
+        return false;
+    }
+    s.pending = token;
+    return true;
+}
+
+void Scheduler::admit(std::vector<StepEvent> & events) {
+    const int64_t n_vocab = engine_.hparams().n_vocab;
+    while (!waiting_.empty() && (int64_t)running_.size() < engine_.n_seq_max()) {
+        std::unique_ptr<Sequence> s = std::move(waiting_.front());
+        waiting_.pop_front();
+        if (s->cancel_requested) {
+            finish(*s, FinishReason::cancelled, event_of(events, *s));
+            continue;
+        }
+        s->slot = (int64_t)running_.size();
+        engine_.use_slot(s->slot);
+        const auto t0 = Clock::now();
+        if (batch_bug() != BatchBug::no_reset) engine_.reset();
+        const int64_t n = (int64_t)s->req.prompt.size();
+        int32_t token = -1;
+        if (s->req.sampling.argmax_only()) {
+            token = engine_.eval_argmax(s->req.prompt.data(), n);
+        } else {
+            logits_.resize(n_vocab);
+            engine_.eval(s->req.prompt.data(), n, LogitsWanted::last, logits_.data());
+            token = s->sampler.sample(logits_.data(), n_vocab, s->history);
+        }
+        s->res.prefill_seconds = seconds_since(t0);
+        s->decode_start = Clock::now();
+        Sequence & seq = *s;
+        running_.push_back(std::move(s));
+        commit(seq, token, event_of(events, seq));
+    }
+}
+
+void Scheduler::decode_running(std::vector<StepEvent> & events) {
+    if (running_.empty()) return;
+    const int64_t n_vocab = engine_.hparams().n_vocab;
+    const int64_t N = (int64_t)running_.size();
+    bool all_argmax = true;
+    rows_.clear();
+    for (const auto & s : running_) {
+        rows_.add(s->pending, (int32_t)engine_.slot_n_past(s->slot), (int32_t)s->slot);
+        all_argmax = all_argmax && s->req.sampling.argmax_only();
+    }
+    // greedy everywhere: only the argmax ids cross over; otherwise every row's logits. One sequence
+    // takes the one-sequence step, whose graph writes its state in place (ggml-cuda's fused forms)
+    // and which is what generate() runs.
+    if (N == 1) {
+        engine_.use_slot(0);
+        if (all_argmax) {
+            argmax_.assign(1, engine_.eval_argmax(&rows_.token[0], 1));
+        } else {
+            logits_.resize(n_vocab);
+            engine_.eval(&rows_.token[0], 1, LogitsWanted::last, logits_.data());
+        }
+    } else if (all_argmax) {
+        argmax_.resize(N);
+        engine_.decode(rows_, LogitsWanted::argmax_all, argmax_.data());
+    } else {
+        logits_.resize(N * n_vocab);
+        engine_.decode(rows_, LogitsWanted::all, logits_.data());
+    }
+    for (int64_t i = 0; i < N; ++i) {
+        Sequence & s = *running_[i];
+        const float * row = all_argmax ? nullptr : logits_.data() + i * n_vocab;
+        const int32_t token = all_argmax                       ? argmax_[i]
+                              : s.req.sampling.argmax_only() ? first_argmax(row, n_vocab)
+                                                               : s.sampler.sample(row, n_vocab, s.history);
+        commit(s, token, event_of(events, s));
+    }
+}
+
+void Scheduler::release_finished() {
+    // from the top, so that the sequence moved into a freed slot (the last one) is never one
+    // still to be released
+    for (int64_t i = (int64_t)running_.size() - 1; i >= 0; --i) {
+        if (!running_[i]->finished) continue;
+        const int64_t last = (int64_t)running_.size() - 1;
+        if (i != last) {
+            if (batch_bug() != BatchBug::no_move) engine_.move_slot(last, i);
+            running_[i] = std::move(running_[last]);
+            running_[i]->slot = i;
+        }
+        running_.pop_back();
+    }
+}
+
+std::vector<StepEvent> Scheduler::step() {
+    std::vector<StepEvent> events;
+    for (auto & s : running_) {
+        if (s->cancel_requested && !s->finished) finish(*s, FinishReason::cancelled, event_of(events, *s));
+    }
+    release_finished();
+    admit(events);
+    release_finished();
+    decode_running(events);
+    release_finished();
+    return events;
+}
+
+std::vector<GenerateResult> Scheduler::run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel) {
+    std::vector<int64_t> ids;
+    for (const GenerateRequest & r : reqs) ids.push_back(add_request(r));
+    std::unordered_map<int64_t, GenerateResult> done;
+    while (!idle()) {
+        if (cancel.load()) {
+            for (int64_t id : ids) this->cancel(id);
+        }
+        for (StepEvent & ev : step()) {
+            if (ev.finished) done[ev.id] = std::move(ev.result);
+        }
+    }
+    std::vector<GenerateResult> out;
+    for (int64_t id : ids) out.push_back(std::move(done.at(id)));
+    return out;
+}
+
+}  // namespace deltaspec

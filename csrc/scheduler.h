@@ -1,0 +1,84 @@
+// Many requests on one engine, in the shape of nano-vllm's engine loop: a Sequence per request, a
+// step that admits waiting requests into free slots (prefill) and then decodes every running
+// sequence in one batch of rows, sampling and committing per sequence. Sequences finish
+// independently (their own max_tokens, stop tokens and strings, sampler and seed); each gives the
+// tokens generate() gives it alone.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "engine.h"
+#include "generate.h"
+#include "sampler.h"
+
+namespace deltaspec {
+
+struct Sequence {
+    explicit Sequence(int64_t id, GenerateRequest request, const PieceTable & pieces);
+
+    int64_t id;
+    GenerateRequest req;
+    Sampler sampler;
+    GenerateResult res;
+    std::vector<int32_t> history;  // prompt + every committed token (the penalties read it)
+    TokenCallback on_token;        // none: the scheduler's caller reads tokens from step()
+    Emitter out;
+    int64_t slot = -1;             // while running
+    int32_t pending = -1;          // the token emitted last, not yet in the slot's state
+    bool finished = false;
+    bool cancel_requested = false;
+    std::chrono::steady_clock::time_point decode_start;
+};
+
+// What one step did to one sequence.
+struct StepEvent {
+    int64_t id = -1;
+    std::vector<int32_t> tokens;   // the tokens this step committed (the first comes from the prefill)
+    bool finished = false;
+    GenerateResult result;         // when finished
+};
+
+class Scheduler {
+  public:
+    Scheduler(Engine & engine, const PieceTable & pieces) : engine_(engine), pieces_(pieces) {}
+
+    // Queues a request (validated now); returns its id. `on_token` hears each of its tokens as it
+    // is committed; returning false cancels it (streaming).
+    int64_t add_request(const GenerateRequest & req, TokenCallback on_token = {});
+    // A waiting request finishes at once, a running one at the next step (finish "cancelled",
+    // with the tokens it has); unknown or finished ids are ignored.
+    void cancel(int64_t id);
+    // Admit, prefill, decode one token for every running sequence; what happened to each.
+    std::vector<StepEvent> step();
+    bool idle() const { return waiting_.empty() && running_.empty(); }
+    int64_t n_running() const { return (int64_t)running_.size(); }
+    int64_t n_waiting() const { return (int64_t)waiting_.size(); }
+
+    // Runs the requests to the end; results in request order. `cancel` (checked each step)
+    // cancels all of them.
+    std::vector<GenerateResult> run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel);
+
+  private:
+    void admit(std::vector<StepEvent> & events);
+    void decode_running(std::vector<StepEvent> & events);
+    // commits a sampled token; false when the sequence is done
+    bool commit(Sequence & s, int32_t token, StepEvent & ev);
+    void finish(Sequence & s, FinishReason why, StepEvent & ev);
+    void release_finished();
+    StepEvent & event_of(std::vector<StepEvent> & events, const Sequence & s);
+
+    Engine & engine_;
+    const PieceTable & pieces_;
+    int64_t next_id_ = 0;
+    std::deque<std::unique_ptr<Sequence>> waiting_;
+    std::vector<std::unique_ptr<Sequence>> running_;  // running_[i] lives in slot i
+    std::vector<float> logits_;
+    std::vector<int32_t> argmax_;
+    RowBatch rows_;
+};
+
+}  // namespace deltaspec
