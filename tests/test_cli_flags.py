@@ -59,10 +59,10 @@ def test_llama_cpp_spelling_parses(args, attr, value):
     assert ns.prompt == "hi" and ns.n_predict == (5 if args == ["-n", "5"] else -1)  # nothing else was eaten
 
 
-# Former misparses and abbreviations: each must fail naming the flag the user typed. Seen red with
-# StrictParser._check_flags emptied (argparse's own messages came back: "-n/--n-predict: invalid int
-# value: 'gl'" style for -ngl2, "unrecognized arguments" naming the top-level usage for --n-pred) and
-# with allow_abbrev forced back to True (--n-pred 5 parsed as -n 5).
+# Former misparses and abbreviations: each must fail naming the flag the user typed. Seen red (all 11
+# rows) with StrictParser._check_flags emptied: argparse's own messages came back ("-n/--n-predict:
+# invalid int value" style for -n5/-ngl2, "unrecognized arguments" under the top-level usage for
+# --n-pred). allow_abbrev=False is checked on its own by test_every_parser_refuses_abbreviations.
 @pytest.mark.parametrize("argv, expect", [
     (["run", "-m", "m", "-p", "hi", "--n-pred", "5"], "unrecognized flag --n-pred (flags are matched whole"),
     (["run", "-m", "m", "-p", "hi", "--chat-template-kw", "{}"], "unrecognized flag --chat-template-kw"),
@@ -84,7 +84,7 @@ def test_unknown_flag_is_named(capsys, argv, expect):
 
 def test_every_parser_refuses_abbreviations():
     """allow_abbrev=False everywhere, subcommands included (StrictParser is the subparsers' class).
-    Seen red with StrictParser.__init__ not forcing allow_abbrev."""
+    Seen red with StrictParser.__init__ setting allow_abbrev=True."""
     parser = cli.build_parser()
     subs = parser._subparsers._group_actions[0].choices
     assert set(subs) == {"run", "info", "convert", "synth"}

@@ -60,7 +60,7 @@ def _positive_int(text: str) -> int:
 
 RUN_DESCRIPTION = """Generate text from a prompt (-p / -f), or chat (-i), with llama.cpp's flag names and defaults.
 Output streams to stdout; load progress and the timing line (one per reply with -i) go to stderr.
-With -i, -p / -f give the system message; type /exit (or end the input) to quit, /clear to start
+With -i (-cnv), -sys or -p / -f give the system message; type /exit (or end the input) to quit, /clear to start
 over, and Ctrl-C to stop a reply."""
 
 # Model / generate parameter -> the flag that sets it, to name the flag in error messages
