@@ -7,8 +7,12 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltaspec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__
+    from .cli_args import StrictParser
+
+    parser = StrictParser(prog="deltaspec", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"deltaspec {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")  # StrictParser too (parser_class)
 
     p = sub.add_parser("convert", help="convert a Hugging Face Qwen3.5 text checkpoint to GGUF")
     p.add_argument("hf_dir", help="folder with config.json, *.safetensors and tokenizer files")
@@ -56,7 +60,7 @@ def _positive_int(text: str) -> int:
 
 RUN_DESCRIPTION = """Generate text from a prompt (-p / -f), or chat (-i), with llama.cpp's flag names and defaults.
 Output streams to stdout; load progress and the timing line (one per reply with -i) go to stderr.
-With -i, -p / -f give the system message; type /exit (or end the input) to quit, /clear to start
+With -i (-cnv), -sys or -p / -f give the system message; type /exit (or end the input) to quit, /clear to start
 over, and Ctrl-C to stop a reply."""
 
 # Model / generate parameter -> the flag that sets it, to name the flag in error messages
@@ -84,8 +88,16 @@ def _add_run_parser(sub) -> None:
     src.add_argument("-p", "--prompt", metavar="PROMPT", help="prompt to continue (with -i: the system message)")
     src.add_argument("-f", "--file", metavar="FNAME", help="read the prompt from a file (one trailing newline "
                                                            "is dropped, as llama.cpp does)")
-    p.add_argument("-i", "--interactive", action="store_true",
+    p.add_argument("-i", "--interactive", "-cnv", "--conversation", dest="interactive", action="store_true",
                    help="chat: read user turns from stdin, render them with the GGUF's chat template")
+    p.add_argument("-no-cnv", "--no-conversation", dest="interactive", action="store_false",
+                   help="complete the prompt, no chat (the default here)")
+    p.add_argument("-sys", "--system-prompt", metavar="PROMPT", default=None,
+                   help="with -i: the system message (as -p is there)")
+    p.add_argument("-e", "--escape", dest="escape", action="store_true", default=True,
+                   help="turn \\n \\r \\t \\' \\\" \\\\ \\xHH in -p, -f, -sys and --stop into the characters "
+                        "they name (default: on, as llama.cpp)")
+    p.add_argument("--no-escape", dest="escape", action="store_false", help="keep backslashes as typed")
     p.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=-1, metavar="N",
                    help="tokens to generate (per reply with -i); -1 = until an end token or a full context "
                         "(default: %(default)s)")
@@ -93,6 +105,8 @@ def _add_run_parser(sub) -> None:
                    help="context size in tokens; 0 = the model's training context (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads (default: all usable CPUs)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
+                   help="llama.cpp's logical batch; the physical one is min(-b, -ub) (default: %(default)s)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="largest batch of prompt tokens per graph (default: %(default)s)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
@@ -100,7 +114,16 @@ def _add_run_parser(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE",
                    help="KV cache type for V (default: %(default)s)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: %(default)s)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cpu, or as -ngl says)")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", metavar="N", default=None,
+                   help="the engine runs on one device, whole: 0 = CPU; N >= 1, 'all' = every layer on the GPU "
+                        "(--device cuda); 'auto' = --device's choice (default: auto)")
+    p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto",
+                   help="attention always runs as ggml's flash attention here: on and auto accepted, off refused")
+    p.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
+                   help="also print the settings in use to stderr")
+    p.add_argument("--log-disable", action="store_true",
+                   help="no load progress, banner, seed or timing lines on stderr (errors still print)")
     g = p.add_argument_group("sampling (llama.cpp's chain: penalties, top-k, top-p, min-p, temperature)")
     g.add_argument("--temp", type=float, default=0.8, metavar="N",
                    help="temperature; 0 = greedy (default: %(default)s)")
@@ -127,6 +150,11 @@ def _add_run_parser(sub) -> None:
                    help="most tokens drafted per step; the draft length adapts below it (default: %(default)s)")
     g.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N",
                    help="fewest tokens drafted per step (default: %(default)s)")
+    p.add_argument("--chat-template", metavar="JINJA|FILE", default=None,
+                   help="with -i: a Jinja chat template, as text or a file, instead of the GGUF's (no built-in "
+                        "names such as chatml)")
+    p.add_argument("--chat-template-file", metavar="FILE", default=None, help="with -i: a Jinja chat template file")
+    p.add_argument("--jinja", action="store_true", help="accepted: templates are always rendered with Jinja")
     p.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
                    help='with -i: options for the chat template, e.g. \'{"enable_thinking": false}\' '
                         "(enable_thinking is the one understood)")
@@ -190,6 +218,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
               repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
               frequency_penalty=args.frequency_penalty, penalty_last_n=args.repeat_last_n,
               seed=None if args.seed == -1 else args.seed)
+    args.stop = [_escaped(args, s) for s in args.stop]
     try:
         SamplingOptions(**kw)
         validate_stop(args.stop)
@@ -211,10 +240,83 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
             text = text[:-1]
         if not text:
             raise RunError(f"-f/--file: {args.file} is empty")
-        return text
+        return _escaped(args, text)
     if args.prompt is not None and not args.prompt:
         raise RunError("-p/--prompt: the prompt is empty")
-    return args.prompt
+    return None if args.prompt is None else _escaped(args, args.prompt)
+
+
+def _escaped(args: argparse.Namespace, text: str) -> str:
+    from .cli_args import process_escapes
+
+    return process_escapes(text) if args.escape else text
+
+
+def _system_prompt(args: argparse.Namespace, prompt: str | None) -> str | None:
+    """-i's system message: -sys, or -p / -f as before -sys existed (llama-cli takes -p as the first turn)."""
+    if args.system_prompt is None:
+        return prompt
+    if not args.interactive:
+        raise RunError("-sys/--system-prompt: only used with -i/-cnv (chat)")
+    if prompt is not None:
+        raise RunError("-sys/--system-prompt: give the system message once: -sys or -p/-f, not both")
+    return _escaped(args, args.system_prompt)
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """--chat-template (Jinja text, or a file as a convenience) / --chat-template-file, read and compiled now."""
+    import os
+
+    from .chat import ChatTemplate
+    from .errors import ChatTemplateError
+
+    if args.chat_template is not None and args.chat_template_file is not None:
+        raise RunError("--chat-template: give --chat-template or --chat-template-file, not both")
+    flag, value = ("--chat-template", args.chat_template) if args.chat_template is not None else \
+        ("--chat-template-file", args.chat_template_file)
+    if value is None:
+        return None
+    if not args.interactive:
+        raise RunError(f"{flag}: only used with -i/-cnv (chat)")
+    is_text = flag == "--chat-template" and ("{{" in value or "{%" in value)
+    if not is_text:
+        if flag == "--chat-template" and not os.path.isfile(value):
+            raise RunError(f"--chat-template: {value!r} is neither Jinja template text nor a file; deltaspec has "
+                           "no built-in template names (chatml, llama3, ...): pass the template's Jinja text or "
+                           "--chat-template-file FILE")
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise RunError(f"{flag}: cannot read {value}: {why}") from None
+    try:
+        ChatTemplate(value)
+    except ChatTemplateError as e:
+        raise RunError(f"{flag}: {e}") from None
+    return value
+
+
+def _device(args: argparse.Namespace) -> str:
+    """-ngl for an engine that holds the whole model on one device: 0 = CPU, any layer count = GPU."""
+    ngl = args.n_gpu_layers
+    if ngl is None or ngl == "auto":
+        return args.device or "cpu"
+    if ngl == "all":
+        wanted = "cuda"
+    else:
+        try:
+            n = int(ngl)
+        except ValueError:
+            raise RunError(f"-ngl/--n-gpu-layers: expected a number, 'auto' or 'all', got {ngl!r}") from None
+        if n < -1:  # llama.cpp: -1 = auto
+            raise RunError(f"-ngl/--n-gpu-layers: must be >= 0, 'auto' or 'all', got {n}")
+        if n == -1:
+            return args.device or "cpu"
+        wanted = "cuda" if n > 0 else "cpu"
+    if args.device is not None and args.device != wanted:
+        raise RunError(f"-ngl/--n-gpu-layers: {ngl} means --device {wanted}, but --device {args.device} was given")
+    return wanted
 
 
 def _template_kwargs(args: argparse.Namespace) -> dict:
@@ -235,7 +337,7 @@ def _template_kwargs(args: argparse.Namespace) -> dict:
 
 def _model_kwargs(args: argparse.Namespace) -> dict:
     for flag, value, lo in (("-t/--threads", args.threads, 1), ("-ub/--ubatch-size", args.ubatch_size, 1),
-                            ("-c/--ctx-size", args.ctx_size, 0)):
+                            ("-b/--batch-size", args.batch_size, 1), ("-c/--ctx-size", args.ctx_size, 0)):
         if value is not None and value < lo:
             raise RunError(f"{flag}: must be >= {lo}, got {value}")
     n_ctx = args.ctx_size
@@ -244,8 +346,10 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
         from .qwen35 import read_hparams
 
         n_ctx = read_hparams(read_gguf(args.model)).n_ctx_train
-    return dict(n_ctx=n_ctx, n_threads=args.threads, n_ubatch=args.ubatch_size, device=args.device,
-                type_k=args.cache_type_k, type_v=args.cache_type_v)
+    # llama.cpp caps the physical batch at the logical one; this engine has only the physical one
+    return dict(n_ctx=n_ctx, n_threads=args.threads, n_ubatch=min(args.batch_size, args.ubatch_size),
+                device=_device(args), type_k=args.cache_type_k, type_v=args.cache_type_v,
+                progress=False if args.log_disable else None)
 
 
 def _spec_kwargs(args: argparse.Namespace) -> dict:
@@ -277,27 +381,48 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.flash_attn == "off":
+        raise RunError("-fa/--flash-attn: off is not available: attention here always runs as ggml's flash "
+                       "attention (on / auto)")
     prompt = _read_prompt(args)
     if prompt is None and not args.interactive:
         raise RunError("one of -p/--prompt, -f/--file or -i/--interactive is required")
+    system = _system_prompt(args, prompt)
     sampling = _sampling_kwargs(args)
     sampling.update(_spec_kwargs(args))
     template_kwargs = _template_kwargs(args)
     if template_kwargs and not args.interactive:
         raise RunError("--chat-template-kwargs: only used with -i/--interactive")
+    template = _chat_template(args)
+    if template is not None:
+        template_kwargs["chat_template"] = template
     model_kwargs = _model_kwargs(args)
+    if args.verbose and not args.log_disable:
+        shown = {k: v for k, v in {**model_kwargs, **sampling}.items() if k != "progress"}
+        print("deltaspec: " + ", ".join(f"{k}={v}" for k, v in shown.items()), file=sys.stderr)
     if hasattr(sys.stdout, "reconfigure"):  # never die on a character the terminal cannot show
         sys.stdout.reconfigure(errors="replace")
 
     from .model import Model
 
     with Model(args.model, **model_kwargs) as model:
+        log = not args.log_disable
+        if args.interactive and "chat_template" not in template_kwargs:  # --chat-template's compiled already
+            _check_model_template(model)
+        if sampling["seed"] is None and sampling["temperature"] > 0:
+            # llama.cpp draws a 32-bit seed and prints it so a run can be repeated with -s
+            import secrets
+
+            sampling["seed"] = secrets.randbits(32)
+            if log:
+                print(f"deltaspec: seed {sampling['seed']} (random; -s {sampling['seed']} repeats this run)",
+                      file=sys.stderr)
         if args.interactive:
-            return _chat(model, prompt, sampling, template_kwargs)
-        return _complete(model, prompt, sampling, display_prompt=not args.no_display_prompt)
+            return _chat(model, system, sampling, template_kwargs, log)
+        return _complete(model, prompt, sampling, display_prompt=not args.no_display_prompt, log=log)
 
 
-def _complete(model, prompt: str, sampling: dict, display_prompt: bool) -> int:
+def _complete(model, prompt: str, sampling: dict, display_prompt: bool, log: bool) -> int:
     out = sys.stdout
     stream = model.generate(prompt, stream=True, **sampling)
     try:
@@ -311,7 +436,8 @@ def _complete(model, prompt: str, sampling: dict, display_prompt: bool) -> int:
         stream.close()  # cancels the generation when interrupted
     out.write("\n")
     out.flush()
-    _print_timing(stream.result, speculative="spec_type" in sampling)
+    if log:
+        _print_timing(stream.result, speculative="spec_type" in sampling)
     return 0
 
 
@@ -338,24 +464,32 @@ def _read_turn(interactive: bool) -> str | None:
     return line.rstrip("\r\n") if line else None
 
 
-def _chat(model, system: str | None, sampling: dict, template_kwargs: dict) -> int:
-    from .chat import chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
+def _check_model_template(model) -> None:
+    """-i without --chat-template: the GGUF's template must exist and compile, before any output."""
+    from .chat import chat_template_from_metadata
     from .errors import ChatTemplateError
 
     if not model.metadata.get("tokenizer.chat_template"):
-        raise RunError(f"-i/--interactive: {model.path} has no chat template (tokenizer.chat_template)")
+        raise RunError(f"-i/--interactive: {model.path} has no chat template (tokenizer.chat_template); "
+                       "give one with --chat-template-file FILE")
     try:
         chat_template_from_metadata(model.metadata)  # a broken template fails now, not at the first turn
     except ChatTemplateError as e:
         raise RunError(f"-i/--interactive: {e}") from None
+
+
+def _chat(model, system: str | None, sampling: dict, template_kwargs: dict, log: bool) -> int:
+    from .chat import prompt_opens_reasoning, split_reasoning
+
     tty = sys.stdin.isatty()
     if tty:
         try:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
-    print(f"deltaspec: chatting with {model.path}; /exit or end of input quits, /clear starts over, "
-          "Ctrl-C stops a reply", file=sys.stderr)
+    if log:
+        print(f"deltaspec: chatting with {model.path}; /exit or end of input quits, /clear starts over, "
+              "Ctrl-C stops a reply", file=sys.stderr)
     base = [{"role": "system", "content": system}] if system is not None else []
     messages = list(base)
     out = sys.stdout
@@ -398,7 +532,8 @@ def _chat(model, system: str | None, sampling: dict, template_kwargs: dict) -> i
                 stream.close()
         out.write("\n")
         out.flush()
-        _print_timing(stream.result, speculative="spec_type" in sampling)
+        if log:
+            _print_timing(stream.result, speculative="spec_type" in sampling)
         reasoning, content = split_reasoning("".join(text), thinking_open=prompt_opens_reasoning(prompt))
         reply = {"role": "assistant", "content": content}
         if reasoning is not None:
@@ -440,7 +575,14 @@ def _run_synth(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # a bare `deltaspec` asks what the tool does: the full help, not an error
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
+    if args.command is None:  # only top-level flags, none of them --help / --version
+        parser.error("a command is required (run, info, convert, synth)")
     from .errors import DeltaspecError
 
     try:
