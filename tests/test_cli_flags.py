@@ -221,3 +221,15 @@ def test_conversation_with_system_prompt_and_template_file(tiny, tmp_path):
     with Model(tiny, n_ctx=256, n_threads=1, progress=False) as m:
         text = m.generate("<system>be\tbrief\n<user>hello\n<assistant>", max_tokens=6, temperature=0).text
     assert r.stdout == text + "\n"
+
+
+def test_ngl_on_a_build_without_cuda_names_the_flag(monkeypatch, capsys):
+    """`deltaspec run -ngl 99` where no CUDA device exists fails naming -ngl, before any model is
+    read (the model path does not exist). Seen red with the _check_ngl_device call removed from
+    run: the error then came from opening the missing file."""
+    from deltaspec import _core
+
+    monkeypatch.setattr(_core, "has_device", lambda device: False, raising=True)
+    assert cli.main(["run", "-m", "/nonexistent/model.gguf", "-p", "hi", "-ngl", "99"]) != 0
+    err = capsys.readouterr().err
+    assert "-ngl/--n-gpu-layers 99: asks for the GPU" in err, err

@@ -319,6 +319,16 @@ def _device(args: argparse.Namespace) -> str:
     return wanted
 
 
+def _check_ngl_device(args: argparse.Namespace, device: str) -> None:
+    # a llama.cpp habit (-ngl 99) on a CPU-only build: say which flag asked for the GPU, before the
+    # engine's own message (which knows only the device name) would
+    from . import _core
+
+    if args.n_gpu_layers not in (None, "auto", "-1") and device == "cuda" and not _core.has_device("cuda"):
+        raise RunError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: asks for the GPU, but this build of deltaspec "
+                       "has no CUDA device; use -ngl 0 (CPU), or build with CUDA (README, Building)")
+
+
 def _template_kwargs(args: argparse.Namespace) -> dict:
     if args.chat_template_kwargs is None:
         return {}
@@ -405,6 +415,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from .model import Model
 
+    _check_ngl_device(args, model_kwargs["device"])
     with Model(args.model, **model_kwargs) as model:
         log = not args.log_disable
         if args.interactive and "chat_template" not in template_kwargs:  # --chat-template's compiled already
