@@ -41,7 +41,7 @@ StepInputs make_batch_inputs(ggml_context * ctx, int64_t n_seqs, int64_t n_per_s
 // next graph runs. The graph advances the conv windows by all T tokens and leaves the DeltaNet
 // states as they were before the batch: keep(n < T) then replays the recurrence of the first n
 // tokens from these inputs (one launch on CUDA; writing every token's 3 MB state per layer, as
-// the op did before, cost more: bench/README), keep(T) copies the op's state after the last
+// the op did before, cost more: bench/HISTORY.md, "replay"), keep(T) copies the op's state after the last
 // token. Per layer (null for attention layers):
 //   conv_in: {Kc-1+T, C}, the conv window before the batch and the batch's inputs; the window
 //            after token T-1-r is columns window_column(r) .. window_column(r)+Kc-2;
