@@ -15,13 +15,7 @@ namespace deltaspec {
 
 namespace {
 
-void set_input(ggml_tensor * t, const void * data, size_t size) {
-    if (t->buffer) ggml_backend_tensor_set(t, data, 0, size);  // an input no kept node reads is not allocated
-}
-
-}  // namespace
-
-BatchBug batch_bug() {
+BatchBug read_batch_bug() {
     const char * env = std::getenv("DELTASPEC_TEST_BATCH_BUG");
     const std::string v = env ? env : "";
     if (v.empty()) return BatchBug::none;
@@ -31,6 +25,15 @@ BatchBug batch_bug() {
     if (v == "no_reset") return BatchBug::no_reset;
     throw std::invalid_argument("DELTASPEC_TEST_BATCH_BUG (test only) must be unset, 'shared_slot', 'position', "
                                 "'no_move' or 'no_reset', not '" + v + "'");
+}
+
+}  // namespace
+
+// Read once per process (the tests plant it for a whole run), not at every step the scheduler takes;
+// a malformed value throws at each call, since a static whose initializer throws is retried.
+BatchBug batch_bug() {
+    static const BatchBug bug = read_batch_bug();
+    return bug;
 }
 
 void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {

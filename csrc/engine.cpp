@@ -259,16 +259,6 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     return step_;
 }
 
-namespace {
-
-// An input no kept node reads is not allocated (e.g. the mask when the last layer is an attention
-// layer and the batch wants no logits): there is nothing to set then.
-void set_input(ggml_tensor * t, const void * data, size_t size) {
-    if (t->buffer) ggml_backend_tensor_set(t, data, 0, size);
-}
-
-}  // namespace
-
 void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool keep_states) {
     settle_verify();  // before a new graph may take the memory of the last one's outputs
     const int64_t p0 = seq().n_past;

@@ -10,31 +10,37 @@
 
 namespace deltaspec {
 
+namespace {
+
+// The four input tensors of in.n_tokens rows in n_streams sequences of equal length: the mask is
+// {n_kv, T / n_streams, 1, n_streams}, which for one sequence is the 2-D {n_kv, T}.
+void add_input_tensors(ggml_context * ctx, StepInputs & in, int64_t n_streams) {
+    const int64_t T = in.n_tokens;
+    in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
+    in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T);
+    in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, T);
+    in.kq_mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, in.n_kv, T / n_streams, 1, n_streams);
+    for (ggml_tensor * t : {in.tokens, in.pos, in.kv_rows, in.kq_mask}) ggml_set_input(t);
+}
+
+}  // namespace
+
 StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool keep_states) {
     StepInputs in;
     in.keep_states = keep_states;
     in.n_tokens = n_tokens;
     in.n_kv = n_kv;
-    in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
-    in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 4 * n_tokens);
-    in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
-    in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
-    for (ggml_tensor * t : {in.tokens, in.pos, in.kv_rows, in.kq_mask}) ggml_set_input(t);
+    add_input_tensors(ctx, in, 1);
     return in;
 }
 
 StepInputs make_batch_inputs(ggml_context * ctx, int64_t n_seqs, int64_t n_per_seq, int64_t n_kv, int64_t first_slot) {
-    const int64_t T = n_seqs * n_per_seq;
     StepInputs in;
-    in.n_tokens = T;
+    in.n_tokens = n_seqs * n_per_seq;
     in.n_kv = n_kv;
     in.n_seqs = n_seqs;
     in.first_slot = first_slot;
-    in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
-    in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T);
-    in.kv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, T);
-    in.kq_mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, n_per_seq, 1, n_seqs);
-    for (ggml_tensor * t : {in.tokens, in.pos, in.kv_rows, in.kq_mask}) ggml_set_input(t);
+    add_input_tensors(ctx, in, n_seqs);
     return in;
 }
 

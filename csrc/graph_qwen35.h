@@ -4,6 +4,7 @@
 #include <functional>
 #include <vector>
 
+#include "ggml-backend.h"
 #include "ggml.h"
 #include "hparams.h"
 #include "state.h"
@@ -33,6 +34,13 @@ struct StepInputs {
 };
 
 StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool keep_states = false);
+
+// Sets one of the inputs above once the graph is allocated. An input no kept node reads is not
+// allocated (e.g. the mask when the last layer is an attention layer and the batch wants no
+// logits): there is nothing to set then.
+inline void set_input(ggml_tensor * t, const void * data, size_t size) {
+    if (t->buffer) ggml_backend_tensor_set(t, data, 0, size);
+}
 // Inputs for n_seqs sequences of n_per_seq rows each, in slots first_slot, first_slot + 1, ...
 StepInputs make_batch_inputs(ggml_context * ctx, int64_t n_seqs, int64_t n_per_seq, int64_t n_kv, int64_t first_slot);
 

@@ -35,8 +35,8 @@ struct RowBatch {
 // of 2+ start from the first row's recurrent state (copied over the others'), "position" shifts
 // the position of every row after the first by one, "no_move" makes the scheduler forget to copy
 // a sequence's state when it moves the sequence into a freed slot, "no_reset" makes it admit a
-// sequence into a slot without emptying the slot. Unset or empty in every real use; anything else
-// throws std::invalid_argument.
+// sequence into a slot without emptying the slot. Read once per process. Unset or empty in every
+// real use; anything else throws std::invalid_argument.
 enum class BatchBug { none, shared_slot, position, no_move, no_reset };
 BatchBug batch_bug();
 
