@@ -556,6 +556,52 @@ PYBIND11_MODULE(_core, m) {
                  d["max_rows"] = s.max_rows;
                  return d;
              }, "What batched decoding has run: calls, rows in all, the most rows of one call.")
+        .def("verify_tree", [](Runner & r, Tokens tokens, Tokens parents, bool argmax) {
+                 Engine & e = r.single();
+                 const int64_t T = tokens.shape(0);
+                 if (parents.ndim() != 1 || parents.shape(0) != T) {
+                     throw std::invalid_argument("verify_tree: parents must be one entry per token");
+                 }
+                 RowBatch rows;
+                 std::vector<int32_t> depth(T, 0);
+                 for (int64_t i = 0; i < T; ++i) {
+                     const int32_t p = parents.at(i);
+                     if (p >= 0 && p < i) depth[i] = depth[p] + 1;  // otherwise verify_tree names the bad parent
+                     rows.add(tokens.at(i), (int32_t)(e.n_past() + depth[i]), (int32_t)e.current_slot(), p);
+                 }
+                 py::array out = argmax ? py::array(py::array_t<int32_t>({T}))
+                                        : py::array(py::array_t<float>({T, e.hparams().n_vocab}));
+                 void * dst = out.mutable_data();
+                 py::gil_scoped_release release;
+                 e.verify_tree(rows, argmax ? LogitsWanted::argmax_all : LogitsWanted::all, dst);
+                 return out;
+             }, py::arg("tokens"), py::arg("parents"), py::arg("argmax") = false,
+             "Verify a tree of tokens (parents[i] = an earlier row, or -1 to continue the committed sequence; "
+             "position = length + depth): logits (T, n_vocab), or the argmax (T,), of every row, nothing "
+             "committed until keep_path().")
+        .def("keep_path", [](Runner & r, Tokens path) {
+                 Engine & e = r.single();
+                 const int32_t * p = path.data();
+                 const int64_t n = path.shape(0);
+                 py::gil_scoped_release release;
+                 e.keep_path(p, n);
+             }, py::arg("path"),
+             "After verify_tree, keep one root-to-leaf path of rows (KV rows compacted, recurrent state after "
+             "the leaf committed; the target is not re-run).")
+        .def_property_readonly("tree_stats", [](const Runner & r) {
+                 const auto & s = r.engine->tree_stats();
+                 py::dict d;
+                 d["verify_calls"] = s.verify_calls;
+                 d["rows"] = s.rows;
+                 d["max_rows"] = s.max_rows;
+                 d["branched_calls"] = s.branched_calls;
+                 d["rows_op_nodes"] = s.rows_op_nodes;
+                 d["keep_calls"] = s.keep_calls;
+                 d["kept_rows"] = s.kept_rows;
+                 d["kv_rows_moved"] = s.kv_rows_moved;
+                 return d;
+             }, "What tree verification has run: verify calls, rows, the most rows of one call, calls with "
+                "a branch, rows-op graph nodes run, keep_path calls, rows kept, KV rows moved.")
         .def("cancel_request", [](Runner & r, int64_t id) {
                  if (r.scheduler) r.scheduler->cancel(id);
              }, py::arg("id"), "Cancel a request added with add_request (finishes at the next step).")
