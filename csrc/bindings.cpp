@@ -13,6 +13,7 @@
 #include "scheduler.h"
 #include "ggml_log.h"
 #include "rows_op_bindings.h"
+#include "tree_bindings.h"
 #include "speculative.h"
 #include "ggml-backend.h"
 #include "ggml.h"
@@ -340,6 +341,7 @@ PYBIND11_MODULE(_core, m) {
     m.def("cpu_features", &cpu_features, "Instruction-set features ggml-cpu was compiled with, name -> value.");
 
     bind_rows_ops(m);  // test-only: single ops on numpy arrays
+    bind_trees(m);     // test-only: draft trees and tree walks
 
     m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
           "Quantize float32 rows with ggml's reference quantizer; returns (rows, row_bytes) uint8.");
