@@ -102,15 +102,18 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
 
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
-                          std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback) {
+                          std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
+                          int64_t tree_budget) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
+    if (tree_budget < 0) throw std::invalid_argument("tree_budget must be >= 0 (0: chains)");
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
     const GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
     const TokenCallback on_token = make_callback(callback);
     SpecOptions spec;
     spec.n_max = n_max;
     spec.n_min = n_min;
+    spec.tree_budget = tree_budget;
     SpecStats stats;
     GenerateResult res;
     {
@@ -132,6 +135,8 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     out["n_steps"] = stats.n_steps;
     out["n_drafted"] = stats.n_drafted;
     out["n_accepted"] = stats.n_accepted;
+    out["n_tree_nodes"] = stats.n_tree_nodes;
+    out["accepted_lengths"] = stats.accepted_lengths;
     out["draft_seconds"] = stats.draft_seconds;
     out["verify_seconds"] = stats.verify_seconds;
     out["rollback_seconds"] = stats.rollback_seconds;
@@ -474,8 +479,9 @@ PYBIND11_MODULE(_core, m) {
              "Prefill a fresh sequence with prompt, then sample until a stop condition.")
         .def("generate_speculative", &generate_spec_py, py::arg("draft"), py::arg("ngram_max"), py::arg("prompt"),
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
-             py::arg("n_min"), py::arg("callback") = py::none(),
-             "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None).")
+             py::arg("n_min"), py::arg("callback") = py::none(), py::arg("tree_budget") = 0,
+             "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None); draft trees of "
+             "up to tree_budget nodes when > 0, chains otherwise.")
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
         .def("eval_verify", [](Runner & r, Tokens tokens) {
                  return verify(r, tokens, {tokens.shape(0), r.engine->hparams().n_vocab}, &Engine::eval_verify);
