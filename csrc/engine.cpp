@@ -70,6 +70,7 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
 
 Engine::~Engine() {
     drop_step_graph();
+    if (keep_alloc_) ggml_gallocr_free(keep_alloc_);
     ggml_backend_sched_free(sched_);
     // weights_ and pool_ free their buffers in their destructors, which run after this body;
     // the backends must outlive those buffers, so release the buffers first.

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "graph_qwen35.h"
 #include "hparams.h"
@@ -178,6 +179,7 @@ class Engine {
     int64_t verify_p0_ = -1, verify_T_ = 0;  // the last verify batch, for keep()
     std::vector<int32_t> tree_parents_;      // the pending tree verify batch's parents (empty: none), for keep_path()
     TreeStats tree_stats_;
+    ggml_gallocr_t keep_alloc_ = nullptr;    // keep_path's replay graph's memory, reused
     int64_t checkpoint_n_past_ = -1;
 };
 

@@ -193,9 +193,9 @@ void Engine::replay_tree_path(const std::vector<int32_t> & path) {
                                /*no_alloc =*/true};
     ggml_context * ctx = ggml_init(params);
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_nodes, false);
-    ggml_backend_buffer_t buffer = nullptr;  // the rows tensor and the replays' results
     try {
         ggml_tensor * rows_t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, T);
+        ggml_set_input(rows_t);
         for (int il = 0; il < hp_.n_layer; ++il) {
             if (vs.q[il]) {
                 const LayerWeights & l = weights_.layers[il];
@@ -226,11 +226,10 @@ void Engine::replay_tree_path(const std::vector<int32_t> & path) {
                 }
             }
         }
-        buffer = ggml_backend_alloc_ctx_tensors(ctx, backend_);
-        if (buffer == nullptr) throw std::runtime_error("cannot allocate keep_path's replay");
-        for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
-            if (t->view_src != nullptr && t->buffer == nullptr) ggml_backend_view_init(t);  // in creation order
-        }
+        // the rows tensor and the replays' results, in a buffer kept from one keep_path to the next (a
+        // device allocation per round would cost more than the replay)
+        if (keep_alloc_ == nullptr) keep_alloc_ = ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend_));
+        if (!ggml_gallocr_alloc_graph(keep_alloc_, gf)) throw std::runtime_error("cannot allocate keep_path's replay");
         ggml_backend_tensor_set(rows_t, plan.data(), 0, plan.size() * sizeof(int32_t));
         if (ggml_backend_graph_compute(backend_, gf) != GGML_STATUS_SUCCESS) {
             throw std::runtime_error("keep_path: committing the accepted path failed");
@@ -239,11 +238,9 @@ void Engine::replay_tree_path(const std::vector<int32_t> & path) {
             for (int64_t d = 0; d < n; ++d) tree_stats_.kv_rows_moved += path[d] != d;
         }
     } catch (...) {
-        if (buffer) ggml_backend_buffer_free(buffer);
         ggml_free(ctx);
         throw;
     }
-    ggml_backend_buffer_free(buffer);
     ggml_free(ctx);
 }
 
