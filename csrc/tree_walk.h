@@ -35,9 +35,10 @@ struct TreeWalk {
 // show they reject it. Read from DELTASPEC_TEST_WRONG_TREE_RULE by tree_rule_bug(): unset or empty
 // (every real use) is right; "fresh_next" (match) draws the token after a miss anew from p instead
 // of keeping the y that missed; "no_residual" (rejection) keeps p after a rejected child instead of
-// norm(max(0, p - q)); "ignore_q" (rejection) treats drawn children as one-hot. Anything else
-// throws std::invalid_argument.
-enum class TreeRuleBug { none, fresh_next, no_residual, ignore_q };
+// norm(max(0, p - q)); "no_q_update" (rejection) leaves q whole after a rejected child that was
+// drawn without replacement. Anything else throws std::invalid_argument. (Treating drawn children
+// as one-hot would not be a wrong rule: that is matching, exact for any tree, only accepting less.)
+enum class TreeRuleBug { none, fresh_next, no_residual, no_q_update };
 TreeRuleBug tree_rule_bug();
 
 // rows: (1 + tree.size()) x n_vocab target logits, row 0 the root's. The sampler's chain turns
