@@ -1,6 +1,11 @@
 // Walking a verified draft tree: which path the target accepts and which token it adds after it.
 // The target has scored the rows [root, node 0, node 1, ...] (root = the last committed token),
-// each row predicting the token after its node.
+// each row predicting the token after its node: row 0 continues the slot's committed state, row
+// n + 1 has parent row tree.parent[n] + 1 and position committed + tree.depth[n]. After the walk
+// the slot keeps rows 0 and path[i] + 1, and tree.token[path[i]] then `next` are emitted.
+//
+// Which rule: rejection. On chosen children (no q) it has the same law as match; on children
+// drawn from q it accepts more (bench/tree_acceptance.py). Match is the fallback that needs no q.
 #pragma once
 
 #include <cstdint>
