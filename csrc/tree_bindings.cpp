@@ -156,6 +156,31 @@ void bind_trees(py::module_ & m) {
         py::arg("min_ngram") = 1, "Test only: NgramDrafter::propose_tree (and its chain propose, as 'chain').");
 
     m.def(
+        "model_drafter_trees",
+        [](const std::string & path, const HParams & hp, const std::vector<std::vector<int32_t>> & rounds,
+           int64_t budget, int64_t max_depth, const SamplingParams & sampling, int64_t n_ctx) {
+            if (rounds.empty()) throw std::invalid_argument("rounds: at least the prompt");
+            EngineOptions o;
+            o.n_ctx = n_ctx;
+            std::vector<DraftTree> trees;
+            {
+                py::gil_scoped_release release;
+                Engine draft(path, hp, o);
+                draft.ensure_slots(1);
+                ModelDrafter drafter(draft, sampling, 1.0);
+                drafter.begin(rounds[0]);
+                for (const auto & committed : rounds) trees.push_back(drafter.propose_tree(committed, budget, max_depth));
+            }
+            py::list out;
+            for (const DraftTree & t : trees) out.append(tree_dict(t));
+            return out;
+        },
+        py::arg("path"), py::arg("hparams"), py::arg("rounds"), py::arg("budget"), py::arg("max_depth"),
+        py::arg("sampling"), py::arg("n_ctx"),
+        "Test only: a draft Engine on `path` (CPU) and a ModelDrafter (step cost 1) that begins with "
+        "rounds[0] and proposes a tree after each committed text in `rounds`.");
+
+    m.def(
         "walk_tree",
         [](const py::dict & tree, F32 rows, const SamplingParams & sampling, std::vector<int32_t> history,
            const std::string & rule) {

@@ -13,9 +13,9 @@ TreeRuleBug tree_rule_bug() {
     if (v.empty()) return TreeRuleBug::none;
     if (v == "fresh_next") return TreeRuleBug::fresh_next;
     if (v == "no_residual") return TreeRuleBug::no_residual;
-    if (v == "ignore_q") return TreeRuleBug::ignore_q;
+    if (v == "no_q_update") return TreeRuleBug::no_q_update;
     throw std::invalid_argument("DELTASPEC_TEST_WRONG_TREE_RULE (test only) must be unset, 'fresh_next', "
-                                "'no_residual' or 'ignore_q', not '" + v + "'");
+                                "'no_residual' or 'no_q_update', not '" + v + "'");
 }
 
 namespace {
@@ -71,7 +71,7 @@ int32_t child_with_token(const DraftTree & tree, const std::vector<int32_t> & ch
 int32_t try_children(const DraftTree & tree, const std::vector<int32_t> & children, int32_t node, DenseDist & p,
                      DenseDist & q, int64_t n_vocab, Sampler & sampler, TreeRuleBug bug) {
     const int32_t qi = tree.children_q(node);
-    const bool drawn = qi >= 0 && bug != TreeRuleBug::ignore_q;
+    const bool drawn = qi >= 0;
     if (drawn) q.set(tree.dists[qi], n_vocab);
     for (int32_t c : children) {
         const int32_t tok = tree.token[c];
@@ -94,7 +94,7 @@ int32_t try_children(const DraftTree & tree, const std::vector<int32_t> & childr
                 }
             }
         }
-        if (drawn && tree.draw == ChildDraw::without_replacement) {
+        if (drawn && tree.draw == ChildDraw::without_replacement && bug != TreeRuleBug::no_q_update) {
             q.prob[tok] = 0.0;
             q.normalize();
         }

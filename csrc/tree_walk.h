@@ -1,6 +1,11 @@
 // Walking a verified draft tree: which path the target accepts and which token it adds after it.
 // The target has scored the rows [root, node 0, node 1, ...] (root = the last committed token),
-// each row predicting the token after its node.
+// each row predicting the token after its node: row 0 continues the slot's committed state, row
+// n + 1 has parent row tree.parent[n] + 1 and position committed + tree.depth[n]. After the walk
+// the slot keeps rows 0 and path[i] + 1, and tree.token[path[i]] then `next` are emitted.
+//
+// Which rule: rejection. On chosen children (no q) it has the same law as match; on children
+// drawn from q it accepts more (bench/tree_acceptance.py). Match is the fallback that needs no q.
 #pragma once
 
 #include <cstdint>
@@ -35,9 +40,10 @@ struct TreeWalk {
 // show they reject it. Read from DELTASPEC_TEST_WRONG_TREE_RULE by tree_rule_bug(): unset or empty
 // (every real use) is right; "fresh_next" (match) draws the token after a miss anew from p instead
 // of keeping the y that missed; "no_residual" (rejection) keeps p after a rejected child instead of
-// norm(max(0, p - q)); "ignore_q" (rejection) treats drawn children as one-hot. Anything else
-// throws std::invalid_argument.
-enum class TreeRuleBug { none, fresh_next, no_residual, ignore_q };
+// norm(max(0, p - q)); "no_q_update" (rejection) leaves q whole after a rejected child that was
+// drawn without replacement. Anything else throws std::invalid_argument. (Treating drawn children
+// as one-hot would not be a wrong rule: that is matching, exact for any tree, only accepting less.)
+enum class TreeRuleBug { none, fresh_next, no_residual, no_q_update };
 TreeRuleBug tree_rule_bug();
 
 // rows: (1 + tree.size()) x n_vocab target logits, row 0 the root's. The sampler's chain turns
