@@ -179,7 +179,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
                                                        spec.tree_rule, tree_bug, rows, argmax);
             stats.verify_seconds += seconds_since(tv);
             auto tr = Clock::now();
-            keep_walk(target, walk);  // `next` (the old one) and the accepted path stay
+            keep_walk(target, tree, walk);  // `next` (the old one) and the accepted path stay
             stats.rollback_seconds += seconds_since(tr);
             stats.n_drafted += tree.size();
             stats.n_tree_nodes += tree.size();

@@ -88,7 +88,8 @@ def test_tree_speculation_greedy_is_lossless(models, repeating, drafter):
         n_rounds += len(s.accepted_lengths)
         assert sum(s.accepted_lengths) == s.n_accepted
     after = engine.tree_stats
-    assert after["verify_calls"] - before["verify_calls"] == n_rounds > 0
+    # every round verified a tree, through verify_tree unless it was one chain (the chain verify's)
+    assert 0 < after["verify_calls"] - before["verify_calls"] <= n_rounds
     assert after["branched_calls"] > before["branched_calls"]
     assert after["rows_op_nodes"] > before["rows_op_nodes"]
     assert after["kv_rows_moved"] > before["kv_rows_moved"]  # an accepted path left the top-1 chain
