@@ -183,12 +183,13 @@ void Engine::replay_tree_path(const std::vector<int32_t> & path) {
                                                 err, sizeof(err));
     if (n_saved < 0) throw std::logic_error(std::string("keep_path: ") + err);
 
-    // per recurrent layer 6 aliases (each with its base) and 4 more tensors; per attention layer
-    // 4 views per moved run; the rows tensor
+    // per recurrent layer 6 aliases (each a view of its base), 2 reshapes and the 2 ops, the views
+    // and reshapes being graph nodes too; per attention layer 2 views and a copy for K and for V
+    // per moved run; the rows tensor
     size_t n_moves = 0;
     for (int64_t d = 0; d < n; ++d) n_moves += path[d] != d && (d == 0 || path[d] - d != path[d - 1] - (d - 1));
-    const size_t n_tensors = (16 + 8 * n_moves) * (size_t)hp_.n_layer + 16;
-    const size_t n_nodes = (4 + 2 * n_moves) * (size_t)hp_.n_layer + 16;
+    const size_t per_layer = std::max<size_t>(16, 6 * n_moves);
+    const size_t n_tensors = per_layer * (size_t)hp_.n_layer + 16, n_nodes = n_tensors;
     ggml_init_params params = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_nodes, false), nullptr,
                                /*no_alloc =*/true};
     ggml_context * ctx = ggml_init(params);
@@ -230,7 +231,7 @@ void Engine::replay_tree_path(const std::vector<int32_t> & path) {
         // device allocation per round would cost more than the replay)
         if (keep_alloc_ == nullptr) keep_alloc_ = ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend_));
         if (!ggml_gallocr_alloc_graph(keep_alloc_, gf)) throw std::runtime_error("cannot allocate keep_path's replay");
-        ggml_backend_tensor_set(rows_t, plan.data(), 0, plan.size() * sizeof(int32_t));
+        if (rows_t->buffer) ggml_backend_tensor_set(rows_t, plan.data(), 0, plan.size() * sizeof(int32_t));  // none without DeltaNet layers
         if (ggml_backend_graph_compute(backend_, gf) != GGML_STATUS_SUCCESS) {
             throw std::runtime_error("keep_path: committing the accepted path failed");
         }

@@ -186,6 +186,32 @@ def test_keep_path_quantized_cache(path):
         assert np.array_equal(tree.eval([99]), ref.eval([99]))
 
 
+@pytest.mark.parametrize("shape", [dict(full_attention_interval=1, seed=3), dict(n_layer=8, seed=0),
+                                   dict(n_layer=64, seed=2)],
+                         ids=["attention-only", "8-layers", "27b-layer-count"])
+def test_keep_path_other_layer_mixes(tmp_path, shape):
+    """keep_path on a model without DeltaNet layers (nothing to replay, KV rows still move), on one
+    with two attention layers (the first one's output reaches the later layers' kept state) and on
+    the 27B's 64 layers (48 DeltaNet; keep_path's one graph for all of them once overflowed its node
+    count at 8 layers), with a path whose every KV row moves by another distance: the next logits
+    equal plain evaluation's bitwise. The 8-layer case was seen to fail with
+    DELTASPEC_TEST_TREE_BUG=sibling_visible, =row_position, =no_compaction and =parent_state, the
+    attention-only one with all but =parent_state."""
+    path = write_tiny_vocab_model(tmp_path / "m.gguf", **shape)
+    # the ddtree tree, then a comb: row 2k's children 2k+1 and 2k+2, so the path 0, 2, 4, 6, 8 moves
+    # each of its rows by a distance of its own
+    tokens, parents = TREES["ddtree"]
+    tokens, parents = tokens + [80, 81, 82, 83, 84, 85, 86, 87], parents + [-1, 11, 11, 13, 13, 15, 15, 17]
+    with Model(path, n_ctx=256, n_threads=1) as tree, Model(path, n_ctx=256, n_threads=1) as ref:
+        for p in _paths(parents):
+            tree.reset()
+            tree.eval(PREFIX)
+            tree._live().verify_tree(np.array(tokens, np.int32), np.array(parents, np.int32), argmax=True)
+            tree._live().keep_path(np.array(p, np.int32))
+            want = ref.logits(PREFIX + [tokens[i] for i in p] + [99])[-1]
+            assert np.array_equal(tree.eval([99])[-1], want), f"path {p}"
+
+
 def test_tree_bad_input(pair):
     tree, _ = pair
     tree.reset()
