@@ -231,14 +231,16 @@ def test_greedy_follows_the_argmax(pen):
 
 
 def test_bad_trees_and_plants_are_refused(monkeypatch):
+    """Bad trees and plant names raise ValueError naming the node, field or variable. Seen to fail
+    with walk_tree not calling DraftTree::check."""
     rows = np.zeros((3, V), dtype=np.float32)
     sp = sampling(PLAIN)
     with pytest.raises(ValueError, match="draft tree node 1: parent 1"):
         _core.walk_tree(dict(token=[1, 2], parent=[-1, 1]), rows, sp, PROMPT, "match")
     with pytest.raises(ValueError, match="draft tree node 1: token 9 outside the vocabulary"):
         _core.walk_tree(dict(token=[1, 9], parent=[-1, 0]), rows, sp, PROMPT, "match")
-    with pytest.raises(ValueError, match="probability 0 under the q it was drawn from"):
-        _core.walk_tree(dict(token=[1, 2], parent=[-1, -1], child_q=[-1, -1], root_child_q=0,
+    with pytest.raises(ValueError, match="node 0: token 2 has probability 0 under the q it was drawn from"):
+        _core.walk_tree(dict(token=[2, 1], parent=[-1, -1], child_q=[-1, -1], root_child_q=0,
                              dists=[([1, 3], [0.5, 0.5])]), rows, sp, PROMPT, "rejection")
     with pytest.raises(ValueError, match="rule must be 'match' or 'rejection'"):
         _core.walk_tree(dict(token=[1], parent=[-1]), rows[:2], sp, PROMPT, "greedy")
