@@ -70,8 +70,8 @@ DraftTree NgramDrafter::propose_tree(const std::vector<int32_t> & committed, int
 }
 
 ModelDrafter::ModelDrafter(Engine & draft, const SamplingParams & sampling, double step_cost, int64_t max_catch_up)
-    : draft_(draft), sampler_(sampling), ranker_(tree_ranking(sampling)), logits_(draft.hparams().n_vocab), step_cost_(step_cost),
-      max_catch_up_(max_catch_up) {}
+    : draft_(draft), sampler_(sampling), ranker_(tree_ranking(sampling)), logits_(draft.hparams().n_vocab),
+      step_cost_(step_cost), max_catch_up_(max_catch_up) {}
 
 void ModelDrafter::begin(const std::vector<int32_t> & prompt) {
     draft_.reset();
