@@ -246,6 +246,9 @@ class Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.engine.stop_accepting()
         super().handle_exit(sig, frame)
+        # A shutdown on SIGTERM / SIGINT is this command's normal end (exit 0); uvicorn would raise the
+        # signal again once it has shut down, ending the process by the signal instead.
+        getattr(self, "_captured_signals", []).clear()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)

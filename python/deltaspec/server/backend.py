@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..generation import GenerationResult
+from .planted import planted
 from .text import TextAssembler
 
 
@@ -60,12 +61,14 @@ class BatchBackend:
         """Cancels reach a batch between steps (engine loop's thread): nothing to do here."""
 
     def step(self, report: Report) -> None:
-        for out in self.model.step():
-            job, text = self._running[out.request_id]
-            delta = text.push(out.tokens)
-            if out.finished:
+        outs = self.model.step()
+        for out in outs:
+            job, text = self._running[outs[0].request_id if planted("cross_talk") else out.request_id]
+            if out.finished:  # its last token may complete a stop string: the final text says where to cut
                 del self._running[out.request_id]
-                delta += text.finish(out.result.text)
+                delta = text.finish(out.result.text)
+            else:
+                delta = text.push(out.tokens)
             report(Progress(job, delta, len(out.tokens), out.result if out.finished else None))
 
     def abandon(self) -> list[object]:
@@ -139,7 +142,7 @@ class SpeculativeBackend:
 def make_backend(model, parallel: int, speculation: dict | None):
     """The backend for `model` (loaded with n_seq_max=parallel) and the speculation options asked for
     (generate()'s draft_model / spec_type / draft_n_max / draft_n_min, or None)."""
-    if speculation is None:
+    if speculation is None or planted("spec_ignored"):
         return BatchBackend(model)
     if parallel != 1:
         raise ServeConfigError(

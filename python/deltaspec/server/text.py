@@ -17,9 +17,10 @@ class TextAssembler:
         self._text = []            # the text handed out
 
     def push(self, tokens: list[int]) -> str:
-        """The text that the committed `tokens` make safe to show (often "", sometimes several
-        tokens' worth). While the request runs no stop string has completed (the engine finishes a
-        request at the token that completes one), so holding back a possible beginning suffices."""
+        """The text that the committed `tokens` of a request still running make safe to show (often
+        "", sometimes several tokens' worth). While it runs no stop string has completed (the engine
+        finishes a request at the token that completes one), so holding back a possible beginning
+        suffices; the step that finishes it goes to `finish`."""
         for t in tokens:
             if not self._tokenizer.is_eog(t):
                 self._data += self._tokenizer.token_to_piece(t, special=TEXT_SPECIAL)
