@@ -118,7 +118,7 @@ class SpeculativeBackend:
         r = job.request
         try:
             stream = self.model.generate(r.prompt, stream=True, max_tokens=r.max_tokens, **r.options,
-                                         **self.speculation)
+                                         **({} if planted("spec_ignored") else self.speculation))
             shown = []
             for piece in stream:
                 shown.append(piece)
@@ -142,7 +142,7 @@ class SpeculativeBackend:
 def make_backend(model, parallel: int, speculation: dict | None):
     """The backend for `model` (loaded with n_seq_max=parallel) and the speculation options asked for
     (generate()'s draft_model / spec_type / draft_n_max / draft_n_min, or None)."""
-    if speculation is None or planted("spec_ignored"):
+    if speculation is None:
         return BatchBackend(model)
     if parallel != 1:
         raise ServeConfigError(
