@@ -199,6 +199,8 @@ def create_app(state: ServerState) -> Starlette:
     async def health(request: Request):
         if not engine.healthy:
             return JSONResponse({"status": "error", "message": "the engine loop has failed"}, status_code=503)
+        if not engine.accepting:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
         return JSONResponse({"status": "ok", "slots_idle": state.metrics.slots - engine.n_running,
                              "slots_processing": engine.n_running, "requests_waiting": engine.n_waiting})
 

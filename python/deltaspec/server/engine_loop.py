@@ -74,6 +74,8 @@ class EngineLoop:
     def submit(self, job: Job) -> None:
         with self._cond:
             if not self._accepting:
+                if not self.healthy:
+                    raise APIError(503, "the engine loop has failed; restart the server", code="engine_error")
                 raise ShuttingDown()
             if len(self._waiting) >= self.max_waiting and not planted("unbounded_queue"):
                 self.metrics.rejected("queue_full")
@@ -128,8 +130,26 @@ class EngineLoop:
                     self.backend.interrupt(job)
         self._cond.notify()
 
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
     # --- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a bug of the loop itself: answer everyone, refuse new work
+            log.exception("the engine loop failed")
+            with self._cond:
+                self.healthy = self._accepting = False
+                jobs = [*self._waiting, *self._running.values()]
+                self._waiting.clear()
+                self._running.clear()
+            for job in jobs:
+                job.deliver(Failure(APIError(500, f"the engine loop failed: {type(e).__name__}: {e}",
+                                             code="engine_error")))
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not (self._waiting or self._running or self._stopping):
