@@ -49,13 +49,17 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|i
 class ServerProcess:
     """`python -m deltaspec.server` on 127.0.0.1 with a free port; stopped with SIGTERM."""
 
-    def __init__(self, model: Path, *flags: str):
+    def __init__(self, model: Path, *flags: str, wait: bool = True):
         self.proc = subprocess.Popen([sys.executable, "-m", "deltaspec.server", "-m", str(model), "--port", "0",
                                       "-t", "1", "--log-level", "warning", *flags],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         self.log: list[str] = []
         self.url = None
+        if wait:
+            self.wait_listening()
+
+    def wait_listening(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while self.url is None:
             line = self.proc.stderr.readline()
@@ -421,5 +425,39 @@ def test_speculation_per_request_at_parallel_1(files, reference):
         assert ask(client, chat, 16, True)[0] == expected(reference, chat, 16)
         m = s.metrics()
         assert m["deltaspec_speculative"] == 1 and m["deltaspec_draft_tokens_total"] > 0
+    finally:
+        assert s.stop() == 0
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def test_chat_with_the_gguf_template_tools_and_thinking(chat_gguf):
+    """The real-vocabulary tiny model carrying Qwen3.5's chat template (tests/conftest.py): chat
+    requests with `tools` and enable_thinking on and off (llama-server's chat_template_kwargs), streamed
+    and not, give Model.create_chat_completion()'s message (reasoning_content split off the same way).
+    Seen to fail with prompt_tail (the rendered prompt's last token dropped)."""
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Oslo?"}]
+    s = ServerProcess(chat_gguf, "-np", "2", "-c", "1024", wait=False)
+    try:
+        with Model(chat_gguf, n_ctx=1024, n_threads=1, progress=False) as model:  # loads while the server does
+            s.wait_listening()
+            client = s.client()
+            for thinking in (True, False):
+                want = model.create_chat_completion(messages, tools=TOOLS, max_tokens=12, temperature=0,
+                                                    enable_thinking=thinking)["choices"][0]["message"]
+                common = dict(model=Path(chat_gguf).stem, messages=messages, tools=TOOLS, max_tokens=12,
+                              temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+                got = client.chat.completions.create(**common).choices[0].message
+                assert (got.content, getattr(got, "reasoning_content", None)) == \
+                    (want["content"], want.get("reasoning_content")), thinking
+                deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **common)]
+                assert "".join(d.content or "" for d in deltas) == want["content"]
+                assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == \
+                    want.get("reasoning_content", "")
+                assert bool(want.get("reasoning_content")) == thinking  # both paths were exercised
     finally:
         assert s.stop() == 0

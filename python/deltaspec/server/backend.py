@@ -139,14 +139,17 @@ class SpeculativeBackend:
         return [] if job is None else [job]
 
 
-def make_backend(model, parallel: int, speculation: dict | None):
-    """The backend for `model` (loaded with n_seq_max=parallel) and the speculation options asked for
-    (generate()'s draft_model / spec_type / draft_n_max / draft_n_min, or None)."""
-    if speculation is None:
-        return BatchBackend(model)
-    if parallel != 1:
+def check_serveable(parallel: int, speculation: dict | None) -> None:
+    """ServeConfigError when no backend serves `parallel` slots with `speculation` (before any load)."""
+    if speculation is not None and parallel != 1:
         raise ServeConfigError(
             f"speculative decoding (-md / --spec-type) is served one request at a time (--parallel 1): the "
             f"engine's batch scheduler does not batch speculation yet; got --parallel {parallel}. Use --parallel 1 "
             "with a drafter, or --parallel N without one")
-    return SpeculativeBackend(model, speculation)
+
+
+def make_backend(model, parallel: int, speculation: dict | None):
+    """The backend for `model` (loaded with n_seq_max=parallel) and the speculation options asked for
+    (generate()'s draft_model / spec_type / draft_n_max / draft_n_min, or None)."""
+    check_serveable(parallel, speculation)
+    return BatchBackend(model) if speculation is None else SpeculativeBackend(model, speculation)

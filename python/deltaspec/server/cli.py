@@ -121,7 +121,7 @@ def serve(args) -> int:
 
     from ..model import Model
     from .app import Server, ServerState, create_app
-    from .backend import ServeConfigError, make_backend
+    from .backend import ServeConfigError, check_serveable, make_backend
     from .engine_loop import EngineLoop
     from .metrics import ServerMetrics
 
@@ -132,16 +132,17 @@ def serve(args) -> int:
         raise ServeError(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     speculation = _speculation(args)
+    try:
+        check_serveable(args.parallel, speculation)
+    except ServeConfigError as e:
+        raise ServeError(str(e)) from None
     device = _device(args)
     kwargs = {"n_threads": args.threads} if args.threads is not None else {}
     model = Model(args.model, n_ctx=args.ctx_size, n_seq_max=args.parallel, device=device, n_ubatch=args.ubatch_size,
                   type_k=args.cache_type_k, type_v=args.cache_type_v, **kwargs)
     if speculation and speculation["draft_model"] is not None:
         speculation["draft_model"] = Model(speculation["draft_model"], n_ctx=args.ctx_size, device=device, **kwargs)
-    try:
-        backend = make_backend(model, args.parallel, speculation)
-    except ServeConfigError as e:
-        raise ServeError(str(e)) from None
+    backend = make_backend(model, args.parallel, speculation)
     metrics = ServerMetrics(backend.slots, args.queue_size, speculation is not None)
     engine = EngineLoop(backend, metrics, args.queue_size)
     served = _served(model, args)
