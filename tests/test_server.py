@@ -196,8 +196,9 @@ def test_greedy_requests_equal_generate(server, reference):
 
 def test_fifty_concurrent_clients(server, reference):
     """50 clients at once (4 slots, the rest queued), 3 requests each (completion, streamed chat,
-    streamed completion): every answer is complete and equals generate() for its own prompt; the
-    server counts all 150 finished and ends with nothing running or waiting. Seen to fail with
+    streamed completion), each followed by a request that fails (oversize prompt or unknown model):
+    every good answer is complete and equals generate() for its own prompt; the server counts all
+    150 finished and ends with nothing running or waiting. Seen to fail with
     cross_talk (each step's progress delivered to the first request of the step: the engine loop's
     bookkeeping breaks, the running requests get 500s)."""
     jobs = []
@@ -213,7 +214,15 @@ def test_fifty_concurrent_clients(server, reference):
     client = server.client()  # thread-safe; its pool holds a connection per client thread
 
     def client_loop(i: int) -> list[tuple]:
-        return [(str(p), n, ask(client, p, n, stream)[0]) for j, p, n, stream in jobs if j == i]
+        answers = []
+        for j, p, n, stream in jobs:
+            if j != i:
+                continue
+            answers.append((str(p), n, ask(client, p, n, stream)[0]))
+            # a failing request between good ones, theirs or others': refused alone
+            with pytest.raises(openai.BadRequestError if i % 2 else openai.NotFoundError):
+                client.completions.create(model="tiny" if i % 2 else "other", prompt="x" * (N_CTX + i), max_tokens=4)
+        return answers
 
     with ThreadPoolExecutor(max_workers=50) as pool:
         results = list(pool.map(client_loop, range(50)))
