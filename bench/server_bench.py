@@ -18,8 +18,10 @@ an order that alternates), and the summary gives median, min and max over repeti
 Weights of a synthetic GGUF are random: the speed is that of the shapes and quant mix (say so with
 every number). llama-server gets `ignore_eos`; deltaspec has no such option, so a stream of ours
 that samples an end token stops early and its token count says so (on a 248k vocabulary, rare).
-Speculation is not measured here: deltaspec serves it one request at a time (--parallel 1) and a
-random-weight model accepts nothing worth timing.
+--spec ARGS adds a third server, deltaspec with a drafter (`--spec '-md DRAFT.gguf'` or
+`--spec '--spec-type ngram-simple'`), at 1 stream only: speculation is served one request at a time
+(--parallel 1) until the engine batches it, and with random weights a drafter accepts next to
+nothing (that row is the cost of speculating, not its gain).
 """
 
 from __future__ import annotations
@@ -96,20 +98,28 @@ def one_stream(port: int, model: str, prompt: list[int], n_gen: int, barrier: th
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"port {port}: HTTP {resp.status}: {resp.read()[:500]!r}")
-    t_first, chunks, usage = None, 0, None
-    for line in resp:  # server-sent events, one `data: ...` line each
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
+    t_first, chunks, usage, pending, done = None, 0, None, b"", False
+    while not done:
+        # read1: what has arrived (one HTTP chunk at most), never waiting to fill a buffer, which
+        # iterating the response's lines would do (text arriving in bursts, TTFT late)
+        data = resp.read1(65536)
+        if not data:
             break
-        event = json.loads(data)
-        if event.get("usage"):
-            usage = event["usage"]["completion_tokens"]
-        if event.get("choices") and event["choices"][0].get("text"):
-            chunks += 1
-            if t_first is None:
-                t_first = time.perf_counter()
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:  # server-sent events, one `data: ...` line each
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                done = True
+                break
+            event = json.loads(payload)
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+            if event.get("choices") and event["choices"][0].get("text"):
+                chunks += 1
+                if t_first is None:
+                    t_first = time.perf_counter()
     t_end = time.perf_counter()
     conn.close()
     out.update(t_send=t_send, t_first=t_first if t_first is not None else t_end, t_end=t_end,
@@ -203,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen", type=int, default=128, help="tokens generated per stream")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads of both servers (--device cpu)")
+    ap.add_argument("--spec", default=None, metavar="ARGS",
+                    help="also a speculative deltaspec server (-np 1, so 1 stream only) with these flags, e.g. "
+                         "'-md DRAFT.gguf' or '--spec-type ngram-simple'")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     streams = [int(x) for x in args.streams.split(",")]
@@ -222,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
                     "--no-cache-prompt", "-cram", "0", "--no-webui", "--host", "127.0.0.1", "--port", str(port),
                     *threads]
         servers.append(Server("llama-server", peer_cmd, port, log_dir))
+    if args.spec:
+        port = free_port()
+        spec_cmd = [*ours_cmd[:ours_cmd.index("-np")], "-np", "1", "-c", str(ctx), "--port", str(port),
+                    "--log-level", "warning", "-a", "bench", *threads, *args.spec.split()]
+        servers.append(Server("deltaspec-spec", spec_cmd, port, log_dir))
     names = [s.name for s in servers]
     runs: list[dict] = []
     rng = np.random.default_rng(0)
@@ -230,11 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.ready()
         for s in servers:  # graphs of every batch size built before anything is timed
-            for n in streams:
+            for n in (streams if s.name != "deltaspec-spec" else [1]):
                 run_streams(s, "bench", n, args.prompt, 8, rng, ids)
         for rep in range(args.reps):
             for n in streams:
-                order = servers if (rep + n) % 2 == 0 else servers[::-1]
+                here = [s for s in servers if s.name != "deltaspec-spec" or n == 1]  # it has one slot
+                order = here if (rep + n) % 2 == 0 else here[::-1]
                 for s in order:
                     r = run_streams(s, "bench", n, args.prompt, args.gen, rng, ids)
                     r["rep"] = rep
