@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
               "synthetic GGUF's are random: speed of its shapes and quant mix)", "device": args.device,
               "streams": streams, "n_prompt": args.prompt, "n_gen": args.gen, "reps": args.reps,
               "commands": {s.name: s.cmd for s in servers}, "host": platform.node(),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": runs, "summary": summary}
+              "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "runs": runs, "summary": summary}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

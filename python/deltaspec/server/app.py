@@ -105,10 +105,9 @@ class EventStream(StreamingResponse):
         finally:
             for t in (pumping, watching):
                 t.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError, Exception):
-                await pumping
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await watching
+            for t in (pumping, watching):  # a failed send (client gone) ends the stream like a disconnect
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
             await self.chunks.aclose()
             self.on_close()
 

@@ -63,7 +63,10 @@ class BatchBackend:
     def step(self, report: Report) -> None:
         outs = self.model.step()
         for out in outs:
-            job, text = self._running[outs[0].request_id if planted("cross_talk") else out.request_id]
+            entry = self._running.get(outs[0].request_id if planted("cross_talk") else out.request_id)
+            if entry is None:  # abandoned after a failed step: its cancel has reached the engine
+                continue
+            job, text = entry
             if out.finished:  # its last token may complete a stop string: the final text says where to cut
                 del self._running[out.request_id]
                 delta = text.finish(out.result.text)
