@@ -165,6 +165,27 @@ def ask(client: openai.OpenAI, prompt: str | list[dict], max_tokens: int, stream
     return text, chunks[-1].choices[0].finish_reason, None
 
 
+def test_stream_text_never_splits_a_character_or_shows_a_stop_beginning(reference, monkeypatch):
+    """The text deltas of a stream (deltaspec.server.text, byte tokens of the tiny vocabulary: id ==
+    byte): a UTF-8 character split over two tokens comes out whole, a possible beginning of a stop
+    string waits until it cannot be one, and finish() adds what the engine's final text has beyond
+    what was shown. Seen to fail with no_holdback (every byte shown at once)."""
+    from deltaspec.server.text import TextAssembler
+
+    text = TextAssembler(reference.tokenizer, ["xyz"])
+    assert text.push(list(b"ab")) == "ab"
+    assert text.push(list("é".encode())[:1]) == ""          # half a character
+    assert text.push(list("é".encode())[1:]) == "é"
+    assert text.push(list(b" x")) == " "                    # "x" may start "xyz"
+    assert text.push(list(b"y")) == ""                      # "xy" too
+    assert text.push(list(b"q")) == "xyq"                   # not a stop after all
+    assert text.push(list(b"x")) == ""
+    assert text.finish("abé xyqx!") == "x!"                  # the engine's final text decides the end
+    cut = TextAssembler(reference.tokenizer, ["xyz"])
+    assert cut.push(list(b"ab x")) == "ab "
+    assert cut.finish("ab ") == ""                          # "xyz" completed and was cut: nothing more
+
+
 def test_greedy_requests_equal_generate(server, reference):
     """Completions and chat completions, streamed and not, one after another: each text is
     generate()'s, finish reasons and token counts agree; a stop string cuts the text where

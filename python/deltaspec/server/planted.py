@@ -4,7 +4,8 @@ the server's environment); with the variable unset (always, outside those runs) 
 import os
 
 BUGS = ("prompt_tail", "drop_finish", "no_cancel_on_disconnect", "no_validation", "leak_jobs",
-        "unbounded_queue", "cancel_on_shutdown", "cross_talk", "spec_ignored")
+        "unbounded_queue", "cancel_on_shutdown", "cross_talk", "spec_ignored",
+        "no_holdback")
 
 
 def planted(name: str) -> bool:

@@ -24,7 +24,7 @@ class TextAssembler:
         for t in tokens:
             if not self._tokenizer.is_eog(t):
                 self._data += self._tokenizer.token_to_piece(t, special=TEXT_SPECIAL)
-        end = len(self._data) - _held_back(self._data, self._stops)
+        end = len(self._data) - (0 if planted("no_holdback") else _held_back(self._data, self._stops))
         if end <= self._emitted:
             return ""
         piece = self._data[self._emitted:end].decode("utf-8", errors="replace")
