@@ -36,7 +36,7 @@ from deltaspec.chat import split_reasoning
 from deltaspec.completions import apply_chat_template
 from deltaspec.testing.tiny_vocab import CONTROL_TOKENS, MIN_VOCAB, tiny_vocab, write_tiny_vocab_model
 
-N_CTX = 2048
+N_CTX = 8192  # long enough that a greedy request of N_CTX - 100 tokens outlasts any disconnect
 TINY_TOKENS = tiny_vocab(MIN_VOCAB)[0]
 PARALLEL = 4
 API_KEY = "test-key"
@@ -374,20 +374,13 @@ def test_memory_is_flat_over_many_requests(server):
     assert growth < 2 * 2**20, f"resident memory grew {growth / 2**20:.1f} MiB over 800 requests"
 
 
-def _request_in_thread(client, max_tokens: int, stream: bool, out: dict) -> threading.Thread:
+def _request_in_thread(client, max_tokens: int, out: dict) -> threading.Thread:
     """A greedy completion in a thread of its own; `out` gets its finish reason and token count, or
     the exception it raised."""
     def run():
         try:
-            if stream:
-                chunks = list(client.completions.create(model="tiny", prompt="keep going", max_tokens=max_tokens,
-                                                        temperature=0, stream=True,
-                                                        stream_options={"include_usage": True}))
-                out["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-                out["tokens"] = chunks[-1].usage.completion_tokens
-            else:
-                r = client.completions.create(model="tiny", prompt="keep going", max_tokens=max_tokens, temperature=0)
-                out["finish"], out["tokens"] = r.choices[0].finish_reason, r.usage.completion_tokens
+            r = client.completions.create(model="tiny", prompt="keep going", max_tokens=max_tokens, temperature=0)
+            out["finish"], out["tokens"] = r.choices[0].finish_reason, r.usage.completion_tokens
         except Exception as e:  # reported by the test
             out["error"] = e
 
@@ -397,41 +390,57 @@ def _request_in_thread(client, max_tokens: int, stream: bool, out: dict) -> thre
 
 
 def test_full_queue_answers_429(files):
-    """One slot and a queue of 2: of 8 long requests sent 30 ms apart, 3 run (one after another) to
-    their end and the other 5 get 429 with a JSON error (code queue_full), counted in /metrics;
-    afterwards the server serves again. Seen to fail with unbounded_queue (no request refused)."""
-    s = ServerProcess(files[0], "-np", "1", "-c", "4096", "--queue-size", "2")
+    """One slot and a queue of 2, both taken by long streams: 5 more requests get 429 at once with a
+    JSON error (code queue_full), counted in /metrics; when the streams' clients hang up, the slot
+    and the queue empty and the server serves again. Seen to fail with unbounded_queue (the 5 are
+    queued instead: no 429, their clients time out)."""
+    s = ServerProcess(files[0], "-np", "1", "-c", "16384", "--queue-size", "2")
     try:
         client = s.client()
-        outs = [{} for _ in range(8)]
-        threads = []
-        for out in outs:  # each runs ~0.5 s or more: the first still runs when the last is sent
-            threads.append(_request_in_thread(client, 2000, False, out))
-            time.sleep(0.03)
-        for t in threads:
-            t.join(120)
-        refused = [o["error"] for o in outs if "error" in o]
-        assert all(isinstance(e, openai.RateLimitError) and e.code == "queue_full" for e in refused), refused
-        assert len(refused) == 5 and all(o.get("tokens") == 2000 for o in outs if "error" not in o)
+        opened: list = []
+
+        def hold(k: int) -> None:  # a stream that takes its place until its client hangs up
+            stream = client.completions.create(model="tiny", prompt=f"hold {k}", max_tokens=16000, stream=True)
+            opened.append(next(iter(stream)).choices[0].text is not None)
+            release.wait(60)
+            stream.close()
+
+        release = threading.Event()
+        holders = [threading.Thread(target=hold, args=(0,))]
+        holders[0].start()
+        assert _wait_until(lambda: s.metrics()["deltaspec_requests_running"] == 1)
+        holders += [threading.Thread(target=hold, args=(k,)) for k in (1, 2)]
+        for t in holders[1:]:
+            t.start()
+        assert _wait_until(lambda: s.metrics()["deltaspec_requests_waiting"] == 2)
+        for _ in range(5):
+            with pytest.raises(openai.RateLimitError) as e:
+                s.client(timeout=10).completions.create(model="tiny", prompt="one more", max_tokens=4)
+            assert e.value.code == "queue_full" and "retry" in e.value.message
         assert s.metrics()['deltaspec_requests_rejected_total{reason="queue_full"}'] == 5
-        assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).choices[0].finish_reason
+        release.set()  # each holder hangs up once it has its first chunk: the next is admitted, and so on
+        for t in holders:
+            t.join(60)
+        assert opened == [True] * 3
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        assert s.metrics()["deltaspec_requests_cancelled_total"] == 3
     finally:
         assert s.stop() == 0
 
 
 def test_sigterm_finishes_running_requests_and_exits_0(files):
-    """SIGTERM while a stream runs: the stream still gets all its tokens (finish "length"), a new
+    """SIGTERM while a long request runs: it still gets all its tokens (finish "length"), a new
     connection is refused, and the process exits with status 0. Seen to fail with
-    cancel_on_shutdown (the running stream is cut: finish "cancelled")."""
+    cancel_on_shutdown (the running request is cut: finish "cancelled")."""
     s = ServerProcess(files[0], "-np", "2", "-c", "4096", "--timeout-graceful", "60")
     out: dict = {}
     first = s.client().completions.create(model="tiny", prompt="before", max_tokens=4)  # warm
     assert first.choices[0].finish_reason == "length"
-    t = _request_in_thread(s.client(), 1500, True, out)
+    t = _request_in_thread(s.client(), 4000, out)  # half a second or more
     assert _wait_until(lambda: s.metrics()["deltaspec_requests_running"] == 1)
     s.proc.send_signal(signal.SIGTERM)
     t.join(60)
-    assert out.get("finish") == "length" and out.get("tokens") == 1500, out
+    assert out.get("finish") == "length" and out.get("tokens") == 4000, out
     assert s.proc.wait(30) == 0, "".join(s.log)
     with pytest.raises(openai.APIConnectionError):
         s.client().completions.create(model="tiny", prompt="after", max_tokens=4)
