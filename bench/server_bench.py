@@ -186,7 +186,7 @@ def summarize(runs: list[dict], servers: list[str], streams: list[int]) -> dict:
 
 
 def print_table(summary: dict, servers: list[str], streams: list[int]) -> None:
-    print(f"| server | streams | aggregate tok/s (min-max) | TTFT median ms | TTFT p90 ms | per-stream decode tok/s |")
+    print("| server | streams | aggregate tok/s (min-max) | TTFT median ms | TTFT p90 ms | per-stream decode tok/s |")
     print("|---|---|---|---|---|---|")
     for name in servers:
         for n in streams:
