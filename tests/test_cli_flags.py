@@ -87,7 +87,7 @@ def test_every_parser_refuses_abbreviations():
     Seen red with StrictParser.__init__ setting allow_abbrev=True."""
     parser = cli.build_parser()
     subs = parser._subparsers._group_actions[0].choices
-    assert set(subs) == {"run", "info", "convert", "synth"}
+    assert set(subs) == {"run", "serve", "info", "convert", "synth"}
     for p in [parser, *subs.values()]:
         assert isinstance(p, StrictParser) and p.allow_abbrev is False, p.prog
 

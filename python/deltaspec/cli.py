@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_run_synth)
 
     _add_run_parser(sub)
+    from .server.cli import add_serve_parser  # argparse only; the server's dependencies load when it runs
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -600,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parser.parse_args(argv)
     if args.command is None:  # only top-level flags, none of them --help / --version
-        parser.error("a command is required (run, info, convert, synth)")
+        parser.error("a command is required (run, serve, info, convert, synth)")
     from .errors import DeltaspecError
 
     try:
