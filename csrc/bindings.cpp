@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 
+#include "constraint_bindings.h"
 #include "cuda_kernels.h"
 #include "engine.h"
 #include "generate.h"
@@ -76,6 +77,11 @@ TokenCallback make_callback(const py::object & callback) {
     };
 }
 
+// generate(constraint=...): a deltaspec._core.TokenConstraint (the caller keeps it alive) or None.
+TokenConstraint * constraint_of(const py::object & constraint) {
+    return constraint.is_none() ? nullptr : constraint.cast<TokenConstraint *>();
+}
+
 py::dict result_dict(const GenerateResult & res) {
     py::dict out;
     out["tokens"] = res.tokens;
@@ -87,9 +93,11 @@ py::dict result_dict(const GenerateResult & res) {
 }
 
 py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
-                     std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object callback) {
+                     std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object callback,
+                     py::object constraint) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
-    const GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    req.constraint = constraint_of(constraint);
     const TokenCallback on_token = make_callback(callback);
     GenerateResult res;
     {
@@ -101,11 +109,13 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
 
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
-                          std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback) {
+                          std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
+                          py::object constraint) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
-    const GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    req.constraint = constraint_of(constraint);
     const TokenCallback on_token = make_callback(callback);
     SpecOptions spec;
     spec.n_max = n_max;
@@ -340,6 +350,7 @@ PYBIND11_MODULE(_core, m) {
     m.def("cpu_features", &cpu_features, "Instruction-set features ggml-cpu was compiled with, name -> value.");
 
     bind_rows_ops(m);  // test-only: single ops on numpy arrays
+    bind_token_constraint(m);
 
     m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
           "Quantize float32 rows with ggml's reference quantizer; returns (rows, row_bytes) uint8.");
@@ -468,11 +479,11 @@ PYBIND11_MODULE(_core, m) {
                  for (const auto & p : pieces) r.pieces.emplace_back(p);
              }, py::arg("pieces"), "The detokenizer's bytes for every token id (used to find stop strings).")
         .def("generate", &generate_py, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"),
-             py::arg("eog_ids"), py::arg("stop"), py::arg("callback") = py::none(),
+             py::arg("eog_ids"), py::arg("stop"), py::arg("callback") = py::none(), py::arg("constraint") = py::none(),
              "Prefill a fresh sequence with prompt, then sample until a stop condition.")
         .def("generate_speculative", &generate_spec_py, py::arg("draft"), py::arg("ngram_max"), py::arg("prompt"),
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
-             py::arg("n_min"), py::arg("callback") = py::none(),
+             py::arg("n_min"), py::arg("callback") = py::none(), py::arg("constraint") = py::none(),
              "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None).")
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
         .def("eval_verify", [](Runner & r, Tokens tokens) {

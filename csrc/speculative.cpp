@@ -98,12 +98,13 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     std::vector<float> rows;
     std::vector<int32_t> argmax;
     // greedy without penalties: the device returns argmax ids, no logits cross over
-    const bool device_argmax = req.sampling.argmax_only();
+    const bool device_argmax = req.sampling.argmax_only() && !req.constraint;  // a grammar masks logits
     // one target step on `tokens`, the next token sampled (or the argmax) after its last row
     auto step = [&](const int32_t * tokens, int64_t n) {
         if (device_argmax) return target.eval_argmax(tokens, n);
         rows.resize(n_vocab);
         target.eval(tokens, n, LogitsWanted::last, rows.data());
+        if (req.constraint) req.constraint->mask_row(rows.data(), n_vocab);
         return sampler.sample(rows.data(), n_vocab, history);
     };
 
@@ -147,6 +148,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             auto td = Clock::now();
             draft = drafter.propose(history, std::min(n_draft, room));
             stats.draft_seconds += seconds_since(td);
+            if (req.constraint) req.constraint->cut_draft(draft);  // what the grammar forbids is not verified
             if ((int64_t)draft.tokens.size() < spec.n_min) draft = Draft{};
         }
         stats.n_steps++;
@@ -170,6 +172,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         } else {
             rows.resize(T * n_vocab);
             target.eval_verify(batch.data(), T, rows.data());
+            if (req.constraint) req.constraint->mask_verify_rows(draft, rows.data(), n_vocab);
         }
         stats.verify_seconds += seconds_since(tv);
         stats.n_drafted += (int64_t)draft.tokens.size();

@@ -17,6 +17,7 @@ from .errors import DeltaspecError, EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
                          result_of, validate_flag, validate_stop)
 from .gguf_file import read_gguf
+from .grammar import Grammar, grammar_of
 from .qwen35 import check_tensors, read_hparams
 from .kv_cache import allocated_state, ggml_type, validate_cache_types
 from .sampling import SamplingOptions
@@ -254,7 +255,7 @@ class Model:
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stream: bool = False, draft_model: "Model | str | os.PathLike[str] | None" = None,
                  spec_type: str | None = None, draft_n_max: int = 16,
-                 draft_n_min: int = 0) -> GenerationResult | TextStream:
+                 draft_n_min: int = 0, grammar: Grammar | str | None = None) -> GenerationResult | TextStream:
         """Generate a continuation of `prompt` (text, parsed with special tokens, or token ids).
 
         Stops at `max_tokens` (None: until the context is full), an end-of-generation token, a stop
@@ -268,13 +269,20 @@ class Model:
         spec_type "draft-simple" with draft_model (a Model or a GGUF path with the same
         vocabulary) or "ngram-simple" (prompt lookup); draft_n_max / draft_n_min bound the draft
         length, which adapts to the acceptance rate. Stats then report n_drafted, n_accepted,
-        acceptance_rate, mean_acceptance_length and draft / verify / rollback time."""
+        acceptance_rate, mean_acceptance_length and draft / verify / rollback time.
+
+        Structured output: `grammar` (a deltaspec.Grammar, or a GBNF / Lark string) is enforced
+        while decoding, also with speculation (drafts the grammar forbids are cut before they are
+        verified, and every verified position is masked as plain decoding would mask it, so greedy
+        output is token-identical with and without speculation). The text ends when the grammar is
+        complete (an end-of-generation token is then allowed), or earlier at max_tokens."""
         validate_flag("stream", stream)
         request = self._request(prompt, max_tokens, SamplingOptions(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
             seed=seed), stop)
         request.speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min)
+        request.grammar = grammar_of(grammar)
         generator = Generator(self, request)
         return TextStream(generator) if stream else generator.result()
 
@@ -296,6 +304,9 @@ class Model:
         if o["draft_model"] is not None or o["spec_type"] is not None:
             raise BatchSpeculationError(f"{where}(): speculative decoding (draft_model / spec_type) is not available "
                                         "for concurrent sequences yet; call generate() per prompt to speculate")
+        if o["grammar"] is not None:
+            raise ValueError(f"{where}(): grammar is not available for concurrent sequences yet; call generate() "
+                             "per prompt for structured output")
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
         sampling = SamplingOptions(**{k: o[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
