@@ -37,6 +37,7 @@ struct Runner {
     PieceTable pieces;
     std::atomic<bool> cancel{false};
     std::unique_ptr<Scheduler> scheduler;  // created by the first add_request
+    std::map<int64_t, py::object> constraints;  // add_request's grammars, kept alive until their request ends
 
     // The engine for a one-sequence call (slot 0); refused while scheduled requests hold slots.
     Engine & single() {
@@ -147,7 +148,7 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     return out;
 }
 
-// Requests (prompt, max_tokens, sampling, stop) run concurrently on the engine's slots.
+// Requests (prompt, max_tokens, sampling, stop[, constraint]) run concurrently on the engine's slots.
 py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate_batch()");
     std::vector<GenerateRequest> reqs;
@@ -155,6 +156,7 @@ py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> e
         auto t = h.cast<py::tuple>();
         reqs.push_back(make_request(t[0].cast<std::vector<int32_t>>(), t[1].cast<int32_t>(),
                                     t[2].cast<SamplingParams>(), eog_ids, t[3].cast<std::vector<std::string>>()));
+        if (t.size() > 4) reqs.back().constraint = constraint_of(t[4]);  // `requests` keeps it alive
     }
     r.single();  // no step()-driven requests in the slots
     std::vector<GenerateResult> results;
@@ -183,6 +185,7 @@ py::list step_py(Runner & r) {
         d["finished"] = ev.finished;
         d["result"] = ev.finished ? py::object(result_dict(ev.result)) : py::object(py::none());
         out.append(d);
+        if (ev.finished) r.constraints.erase(ev.id);
     }
     return out;
 }
@@ -517,12 +520,16 @@ PYBIND11_MODULE(_core, m) {
         .def("generate_batch", &generate_batch_py, py::arg("requests"), py::arg("eog_ids"),
              "Run (prompt, max_tokens, sampling, stop) requests concurrently to the end; result dicts in order.")
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
-                               std::vector<int32_t> eog_ids, std::vector<std::string> stop) {
+                               std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
                  if (!r.scheduler) r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces);
-                 return r.scheduler->add_request(
-                     make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop)));
+                 GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+                 req.constraint = constraint_of(constraint);
+                 const int64_t id = r.scheduler->add_request(req);
+                 if (!constraint.is_none()) r.constraints[id] = constraint;
+                 return id;
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
+             py::arg("constraint") = py::none(),
              "Queue a request for step(); returns its id.")
         .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")
         .def("eval_in_slot", [](Runner & r, int64_t slot, Tokens tokens, const std::string & logits) {

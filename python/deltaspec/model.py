@@ -162,7 +162,7 @@ class Model:
         self.n_threads = n_threads
         self.n_seq_max = n_seq_max
         self._batch_running = False  # a generate_batch call runs (cancel() reaches it)
-        self._request_prompts: dict[int, int] = {}  # add_request id -> prompt length
+        self._request_prompts: dict[int, tuple] = {}  # add_request id -> (prompt length, grammar constraint)
 
     # --- sizes ---------------------------------------------------------------------------------
     @property
@@ -304,15 +304,29 @@ class Model:
         if o["draft_model"] is not None or o["spec_type"] is not None:
             raise BatchSpeculationError(f"{where}(): speculative decoding (draft_model / spec_type) is not available "
                                         "for concurrent sequences yet; call generate() per prompt to speculate")
-        if o["grammar"] is not None:
-            raise ValueError(f"{where}(): grammar is not available for concurrent sequences yet; call generate() "
-                             "per prompt for structured output")
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
         sampling = SamplingOptions(**{k: o[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                                           "presence_penalty", "frequency_penalty", "penalty_last_n",
                                                           "seed")})
-        return self._request(prompt, o["max_tokens"], sampling, o["stop"])
+        request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
+        request.grammar = grammar_of(o["grammar"])
+        return request
+
+    def _constraint(self, request: _Request):
+        """The engine-side state of the request's grammar (None without one)."""
+        if request.grammar is None:
+            return None
+        from .constraint import GrammarConstraint
+
+        return GrammarConstraint(self.tokenizer, request.grammar)
+
+    @staticmethod
+    def _add_grammar_stats(out: dict, constraint) -> dict:
+        if constraint is not None:
+            out["grammar_masked_rows"] = constraint.n_masked_rows
+            out["grammar_cut_tokens"] = constraint.n_cut_tokens
+        return out
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], per_prompt: Sequence[dict] | None = None,
                        **generate_kwargs: Any) -> list[GenerationResult]:
@@ -323,7 +337,7 @@ class Model:
 
         generate_kwargs are generate()'s (max_tokens, temperature, ..., seed, stop), for every
         prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
-        max_tokens, seed or stop). Speculation (draft_model, spec_type) raises
+        max_tokens, seed, stop or grammar). Speculation (draft_model, spec_type) raises
         BatchSpeculationError; stream=True raises ValueError. cancel() stops every sequence."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise TypeError(f"prompts must be a non-empty list of prompts (str or token ids), got {prompts!r:.80}")
@@ -336,7 +350,9 @@ class Model:
         requests = [self._batch_request(p, {**generate_kwargs, **extra}, "generate_batch")
                     for p, extra in zip(prompts, per_prompt)]
         eog = sorted(self.tokenizer.eog_ids)
-        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop]) for r in requests]
+        constraints = [self._constraint(r) for r in requests]
+        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c)
+                  for r, c in zip(requests, constraints)]
         with engine_of(self) as engine:
             with self._control:
                 engine.clear_cancel()
@@ -346,7 +362,8 @@ class Model:
             finally:
                 with self._control:
                     self._batch_running = False
-        return [result_of(self.tokenizer, len(r.prompt), out)[0] for r, out in zip(requests, outs)]
+        return [result_of(self.tokenizer, len(r.prompt), self._add_grammar_stats(out, c))[0]
+                for r, out, c in zip(requests, outs, constraints)]
 
     # --- requests stepped by the caller (a server's loop) ----------------------------------------
     def add_request(self, prompt: str | Sequence[int], **generate_kwargs: Any) -> int:
@@ -354,10 +371,12 @@ class Model:
         returns its id. While requests are unfinished, one-sequence calls (generate, eval, ...)
         raise RuntimeError."""
         req = self._batch_request(prompt, generate_kwargs, "add_request")
+        constraint = self._constraint(req)
         with engine_of(self) as engine:
             request_id = engine.add_request(req.prompt, req.max_tokens, req.sampling.native(),
-                                            sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop])
-        self._request_prompts[request_id] = len(req.prompt)
+                                            sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop],
+                                            constraint=constraint)
+        self._request_prompts[request_id] = (len(req.prompt), constraint)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -369,8 +388,8 @@ class Model:
         for ev in events:
             result = None
             if ev["finished"]:
-                n_prompt = self._request_prompts.pop(ev["id"])
-                result = result_of(self.tokenizer, n_prompt, ev["result"])[0]
+                n_prompt, constraint = self._request_prompts.pop(ev["id"])
+                result = result_of(self.tokenizer, n_prompt, self._add_grammar_stats(ev["result"], constraint))[0]
             out.append(RequestOutput(ev["id"], list(ev["tokens"]), ev["finished"], result))
         return out
 
