@@ -11,6 +11,7 @@
 #include "cuda_kernels.h"
 #include "engine.h"
 #include "generate.h"
+#include "grammar_drafter.h"
 #include "scheduler.h"
 #include "ggml_log.h"
 #include "rows_op_bindings.h"
@@ -136,6 +137,7 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
         } else {
             drafter = std::make_unique<NgramDrafter>(ngram_max);
         }
+        if (req.constraint) drafter = std::make_unique<GrammarDrafter>(*req.constraint, std::move(drafter));
         res = generate_speculative(*r.engine, *drafter, r.pieces, req, spec, r.cancel, on_token, stats);
     }
     py::dict out = result_dict(res);

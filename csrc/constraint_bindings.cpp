@@ -41,6 +41,12 @@ class PyTokenConstraint : public TokenConstraint {
         return n;
     }
 
+    std::vector<int32_t> forced_tokens() override {
+        py::gil_scoped_acquire gil;
+        const py::function f = py::get_override(static_cast<const TokenConstraint *>(this), "forced_tokens");
+        return f ? f().cast<std::vector<int32_t>>() : std::vector<int32_t>{};
+    }
+
   private:
     py::function method(const char * name) const {
         py::function f = py::get_override(static_cast<const TokenConstraint *>(this), name);
@@ -56,12 +62,15 @@ using F32 = py::array_t<float, py::array::c_style>;
 void bind_token_constraint(py::module_ & m) {
     py::class_<TokenConstraint, PyTokenConstraint>(m, "TokenConstraint",
         "Base class of a rule on which tokens may come next (a grammar), for generate(constraint=...). "
-        "Subclasses implement fill_masks(masks, drafts), commit(token) and check_draft(tokens) -> int; "
+        "Subclasses implement fill_masks(masks, drafts), commit(token), check_draft(tokens) -> int and "
+        "optionally forced_tokens() -> list; "
         "the decode loops call them without holding the GIL otherwise.")
         .def(py::init<>())
         .def_readonly("n_masked_rows", &TokenConstraint::n_masked_rows, "Logit rows masked so far.")
         .def_readonly("n_cut_tokens", &TokenConstraint::n_cut_tokens,
                       "Draft tokens cut before verification so far (speculative decoding).")
+        .def_readonly("n_forced_tokens", &TokenConstraint::n_forced_tokens,
+                      "Tokens the grammar forced, proposed as drafts so far (speculative decoding).")
         // the loops' own helpers on numpy arrays, for tests of the masking and cutting rules alone
         .def("mask_row", [](TokenConstraint & c, F32 logits) {
                  if (logits.ndim() != 1) throw std::invalid_argument("logits must be 1-D (n_vocab,)");

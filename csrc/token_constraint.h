@@ -42,6 +42,8 @@ class TokenConstraint {
     virtual void commit(int32_t token) = 0;
     // How many of `tokens`, from the first, the rule allows after the committed tokens. Commits nothing.
     virtual int64_t check_draft(const std::vector<int32_t> & tokens) = 0;
+    // Tokens the rule forces after the committed ones (the only way on), for GrammarDrafter; may be empty.
+    virtual std::vector<int32_t> forced_tokens() { return {}; }
 
     // Masks one row of logits with the tokens allowed after the committed ones.
     void mask_row(float * logits, int64_t n_vocab);
@@ -53,6 +55,7 @@ class TokenConstraint {
     // What the constraint did, for stats and for tests that the path ran.
     int64_t n_masked_rows = 0;  // logit rows masked
     int64_t n_cut_tokens = 0;   // draft tokens cut before verification
+    int64_t n_forced_tokens = 0;  // forced tokens proposed as drafts (GrammarDrafter)
     const GrammarBug bug;
 
   private:

@@ -159,6 +159,39 @@ def test_forbidden_drafts_are_cut(models, grammars):
     assert uncut.tokens == r.tokens and uncut.stats.n_drafted > r.stats.n_drafted
 
 
+KEYED = {"type": "object", "properties": {
+    "customer_name": {"type": "string", "maxLength": 8},
+    "order_id": {"type": "integer", "minimum": 0, "maximum": 99},
+    "express_delivery": {"type": "boolean"}},
+    "required": ["customer_name", "order_id", "express_delivery"], "additionalProperties": False}
+
+
+def _forced_run(models, grammar):
+    target = models["target"]
+    plain = target.generate("Hello", max_tokens=MAX_TOKENS, temperature=0.0, grammar=grammar)
+    fast = target.generate("Hello", max_tokens=MAX_TOKENS, temperature=0.0, grammar=grammar, spec_type="ngram-simple",
+                           draft_n_max=8)
+    return plain, fast
+
+
+def test_forced_tokens_are_drafted(models, monkeypatch):
+    """Where the grammar forces the text (a key after its opening quote), those tokens are the
+    draft, and every one of them is accepted (the masked target allows only them); greedy output
+    is unchanged. Seen red with forced_tokens proposing a wrong token (the acceptance assertion)."""
+    grammar = Grammar.from_json_schema(KEYED)
+    plain, fast = _forced_run(models, grammar)
+    _valid(fast, KEYED)
+    assert fast.tokens == plain.tokens
+    s = fast.stats
+    assert s.grammar_forced_tokens >= len("customer_name" "order_id" "express_delivery") // 2
+    assert s.n_accepted >= s.grammar_forced_tokens
+
+    x = models["target"].tokenizer.encode("x")
+    monkeypatch.setattr(GrammarConstraint, "forced_tokens", lambda self: x if self._matcher.compute_ff_tokens() else [])
+    _, wrong = _forced_run(models, grammar)
+    assert wrong.stats.n_accepted < wrong.stats.grammar_forced_tokens
+
+
 def test_seeded_sampling_is_reproducible(models, grammars):
     """Sampled constrained output with speculation: same seed, same tokens (and valid)."""
     target = models["target"]
@@ -310,6 +343,9 @@ def test_grammar_formats(models):
                 assert r.finish_reason == "stop" and re.fullmatch(pattern, r.text), (text, r.text)
     r = target.generate("Hello", max_tokens=60, temperature=0.0, grammar=Grammar.from_regex(r"[0-9]{3}-[a-f]{2}"))
     assert re.fullmatch(r"[0-9]{3}-[a-f]{2}", r.text)
+    compact = {**SCHEMAS["record"], "x-guidance": {"whitespace_flexible": False}}  # the schema's own whitespace
+    r = target.generate("Hello", max_tokens=MAX_TOKENS, temperature=0.0, grammar=Grammar.from_json_schema(compact))
+    assert r.text == json.dumps(_valid(r, SCHEMAS["record"]), separators=(",", ":"))
 
 
 def test_concurrent_sequences(tmp_path, grammars):

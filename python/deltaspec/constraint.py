@@ -120,6 +120,11 @@ class GrammarConstraint(_core.TokenConstraint):
     def check_draft(self, tokens: list[int]) -> int:
         return self._matcher.validate_tokens(list(tokens))
 
+    def forced_tokens(self) -> list[int]:
+        # llguidance's fast-forward tokens: the canonical tokenization of the bytes the grammar
+        # forces, short of a last token that the text after it could still merge into
+        return self._matcher.compute_ff_tokens()
+
     @property
     def is_accepting(self) -> bool:
         """Whether the text committed so far is complete under the grammar."""

@@ -38,9 +38,11 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rollback_seconds: float = 0.0
-    # structured output only (a grammar): logit rows masked, draft tokens cut before verification
+    # structured output only (a grammar): logit rows masked, draft tokens cut before verification,
+    # forced tokens drafted (speculation)
     grammar_masked_rows: int = 0
     grammar_cut_tokens: int = 0
+    grammar_forced_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -217,6 +219,7 @@ class Generator:
             if constraint is not None:
                 self._outcome["grammar_masked_rows"] = constraint.n_masked_rows
                 self._outcome["grammar_cut_tokens"] = constraint.n_cut_tokens
+                self._outcome["grammar_forced_tokens"] = constraint.n_forced_tokens
         except BaseException as e:  # handed to the caller's thread
             self._error = e
         finally:
@@ -346,7 +349,8 @@ def result_of(tokenizer, n_prompt: int, out: dict) -> tuple[GenerationResult, by
     if out["stop_offset"] >= 0:
         data = data[:out["stop_offset"]]
     spec = {k: out[k] for k in ("n_steps", "n_drafted", "n_accepted", "draft_seconds", "verify_seconds",
-                                "rollback_seconds", "grammar_masked_rows", "grammar_cut_tokens") if k in out}
+                                "rollback_seconds", "grammar_masked_rows", "grammar_cut_tokens",
+                                "grammar_forced_tokens") if k in out}
     stats = GenerationStats(prompt_tokens=n_prompt, generated_tokens=len(tokens),
                             prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"], **spec)
     return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats), data

@@ -21,8 +21,9 @@ from typing import Any, Mapping
 from .errors import GrammarError
 
 # JSON whitespace between tokens: free, as JSON allows, but bounded, so that a model that keeps
-# choosing whitespace still ends (llama.cpp's JSON grammars bound it the same way). A schema's own
-# "x-guidance" options override it.
+# choosing whitespace still ends (llama.cpp's JSON grammars bound it the same way). A schema whose
+# "x-guidance" options set whitespace_flexible or whitespace_pattern gets those instead
+# ({"whitespace_flexible": false}: compact JSON, as json.dumps(..., separators=(",", ":"))).
 JSON_DEFAULTS = {"whitespace_pattern": r"[ \t\n]{0,20}"}
 
 
@@ -92,9 +93,12 @@ class Grammar:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (Mapping, bool)):
             raise GrammarError(f"a JSON schema must be an object (dict), got {type(schema).__name__} {schema!r:.80}")
+        own = schema.get("x-guidance", {}) if isinstance(schema, Mapping) else {}
+        # a schema that says how it wants whitespace (whitespace_flexible, whitespace_pattern) gets it
+        defaults = None if isinstance(own, Mapping) and any(k.startswith("whitespace") for k in own) else JSON_DEFAULTS
         try:
             spec = _llguidance().LLMatcher.grammar_from_json_schema(dict(schema) if isinstance(schema, Mapping)
-                                                                  else schema, defaults=JSON_DEFAULTS)
+                                                                  else schema, defaults=defaults)
         except (TypeError, ValueError) as e:
             raise GrammarError(f"invalid JSON schema: {e}") from None
         return cls(spec, "JSON schema")
