@@ -16,6 +16,10 @@
 #      -> stock_vs_injected.json (starts the stock build if no earlier call did)
 #   verify: what verifying a draft chain (greedy and sampled) and rolling back cost next to a
 #      decode step (27B) -> verify_cost.json
+#   tree: what verifying a draft tree of 1 + 8/16/22/32/64 rows (Engine::verify_tree, the rows ops)
+#      and keeping a path cost next to a decode step (27B), beside the chain verify of the same
+#      width and llama.cpp's batch of that width (llama-bench pp, when `build` made it), interleaved
+#      -> tree_verify_cost.json
 #   profile: GPU time per kernel group of one decode step and one 17-row verify (Nsight Compute)
 #      -> profile.md
 #   kernels: deltaspec's CUDA kernels alone (bench/kernels/kernels_bench.py): compiled while the
@@ -29,7 +33,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify profile
+# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify tree profile
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -96,7 +100,7 @@ cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step stock || has_step ab || has_step verify ||
-        has_step profile
+        has_step tree || has_step profile
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
@@ -127,6 +131,12 @@ fi
 if has_step verify; then
     python3 "$REPO/bench/verify_cost.py" /tmp/q27.gguf --device cuda --out "$OUT/verify_cost.json" \
         | tee "$OUT/verify_cost.md"
+fi
+if has_step tree; then
+    peer=()
+    [[ -x $LLAMA_BUILD/bin/llama-bench ]] && peer=(--llama-bench "$LLAMA_BUILD/bin/llama-bench")
+    python3 "$REPO/bench/tree_verify_cost.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
+        --out "$OUT/tree_verify_cost.json" | tee "$OUT/tree_verify_cost.md"
 fi
 if has_step profile; then  # one decode step and one 17-row verify, kernel by kernel
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)

@@ -15,6 +15,7 @@
 #include "scheduler.h"
 #include "ggml_log.h"
 #include "rows_op_bindings.h"
+#include "tree_bindings.h"
 #include "speculative.h"
 #include "ggml-backend.h"
 #include "ggml.h"
@@ -112,9 +113,10 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
                           std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
-                          py::object constraint) {
+                          int64_t tree_budget, py::object constraint) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
+    if (tree_budget < 0) throw std::invalid_argument("tree_budget must be >= 0 (0: chains)");
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
     GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
     req.constraint = constraint_of(constraint);
@@ -122,6 +124,7 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     SpecOptions spec;
     spec.n_max = n_max;
     spec.n_min = n_min;
+    spec.tree_budget = tree_budget;
     SpecStats stats;
     GenerateResult res;
     {
@@ -144,6 +147,8 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     out["n_steps"] = stats.n_steps;
     out["n_drafted"] = stats.n_drafted;
     out["n_accepted"] = stats.n_accepted;
+    out["n_tree_nodes"] = stats.n_tree_nodes;
+    out["accepted_lengths"] = stats.accepted_lengths;
     out["draft_seconds"] = stats.draft_seconds;
     out["verify_seconds"] = stats.verify_seconds;
     out["rollback_seconds"] = stats.rollback_seconds;
@@ -355,6 +360,7 @@ PYBIND11_MODULE(_core, m) {
     m.def("cpu_features", &cpu_features, "Instruction-set features ggml-cpu was compiled with, name -> value.");
 
     bind_rows_ops(m);  // test-only: single ops on numpy arrays
+    bind_trees(m);     // test-only: draft trees and tree walks
     bind_token_constraint(m);
 
     m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
@@ -488,8 +494,10 @@ PYBIND11_MODULE(_core, m) {
              "Prefill a fresh sequence with prompt, then sample until a stop condition.")
         .def("generate_speculative", &generate_spec_py, py::arg("draft"), py::arg("ngram_max"), py::arg("prompt"),
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
-             py::arg("n_min"), py::arg("callback") = py::none(), py::arg("constraint") = py::none(),
-             "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None).")
+             py::arg("n_min"), py::arg("callback") = py::none(), py::arg("tree_budget") = 0,
+             py::arg("constraint") = py::none(),
+             "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None); draft trees of "
+             "up to tree_budget nodes when > 0, chains otherwise.")
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
         .def("eval_verify", [](Runner & r, Tokens tokens) {
                  return verify(r, tokens, {tokens.shape(0), r.engine->hparams().n_vocab}, &Engine::eval_verify);
@@ -576,6 +584,52 @@ PYBIND11_MODULE(_core, m) {
                  d["max_rows"] = s.max_rows;
                  return d;
              }, "What batched decoding has run: calls, rows in all, the most rows of one call.")
+        .def("verify_tree", [](Runner & r, Tokens tokens, Tokens parents, bool argmax) {
+                 Engine & e = r.single();
+                 const int64_t T = tokens.shape(0);
+                 if (parents.ndim() != 1 || parents.shape(0) != T) {
+                     throw std::invalid_argument("verify_tree: parents must be one entry per token");
+                 }
+                 RowBatch rows;
+                 std::vector<int32_t> depth(T, 0);
+                 for (int64_t i = 0; i < T; ++i) {
+                     const int32_t p = parents.at(i);
+                     if (p >= 0 && p < i) depth[i] = depth[p] + 1;  // otherwise verify_tree names the bad parent
+                     rows.add(tokens.at(i), (int32_t)(e.n_past() + depth[i]), (int32_t)e.current_slot(), p);
+                 }
+                 py::array out = argmax ? py::array(py::array_t<int32_t>({T}))
+                                        : py::array(py::array_t<float>({T, e.hparams().n_vocab}));
+                 void * dst = out.mutable_data();
+                 py::gil_scoped_release release;
+                 e.verify_tree(rows, argmax ? LogitsWanted::argmax_all : LogitsWanted::all, dst);
+                 return out;
+             }, py::arg("tokens"), py::arg("parents"), py::arg("argmax") = false,
+             "Verify a tree of tokens (parents[i] = an earlier row, or -1 to continue the committed sequence; "
+             "position = length + depth): logits (T, n_vocab), or the argmax (T,), of every row, nothing "
+             "committed until keep_path().")
+        .def("keep_path", [](Runner & r, Tokens path) {
+                 Engine & e = r.single();
+                 const int32_t * p = path.data();
+                 const int64_t n = path.shape(0);
+                 py::gil_scoped_release release;
+                 e.keep_path(p, n);
+             }, py::arg("path"),
+             "After verify_tree, keep one root-to-leaf path of rows (KV rows compacted, recurrent state after "
+             "the leaf committed; the target is not re-run).")
+        .def_property_readonly("tree_stats", [](const Runner & r) {
+                 const auto & s = r.engine->tree_stats();
+                 py::dict d;
+                 d["verify_calls"] = s.verify_calls;
+                 d["rows"] = s.rows;
+                 d["max_rows"] = s.max_rows;
+                 d["branched_calls"] = s.branched_calls;
+                 d["rows_op_nodes"] = s.rows_op_nodes;
+                 d["keep_calls"] = s.keep_calls;
+                 d["kept_rows"] = s.kept_rows;
+                 d["kv_rows_moved"] = s.kv_rows_moved;
+                 return d;
+             }, "What tree verification has run: verify calls, rows, the most rows of one call, calls with "
+                "a branch, rows-op graph nodes run, keep_path calls, rows kept, KV rows moved.")
         .def("cancel_request", [](Runner & r, int64_t id) {
                  if (r.scheduler) r.scheduler->cancel(id);
              }, py::arg("id"), "Cancel a request added with add_request (finishes at the next step).")

@@ -4,6 +4,20 @@
 
 namespace deltaspec {
 
+namespace {
+
+// Greedy trees rank candidates by the draft's softmax (penalties as the request's), not by the
+// one-hot greedy distribution, which would leave nothing to branch to.
+SamplingParams tree_ranking(SamplingParams p) {
+    p.temperature = 1.0f;
+    p.top_k = 32;
+    p.top_p = 1.0f;
+    p.min_p = 0.0f;
+    return p;
+}
+
+}  // namespace
+
 Draft NgramDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
     Draft d;
     const int64_t n = (int64_t)committed.size();
@@ -22,8 +36,41 @@ Draft NgramDrafter::propose(const std::vector<int32_t> & committed, int64_t n_ma
     return d;
 }
 
+DraftTree Drafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {
+    Draft d = propose(committed, std::min(budget, max_depth));
+    DraftTree t = chain_tree(d.tokens, d.dists);
+    t.cost = d.cost;
+    return t;
+}
+
+DraftTree NgramDrafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {
+    DraftTree t;
+    const int64_t n = (int64_t)committed.size();
+    auto insert = [&](int64_t from) {  // the continuation committed[from ..) into the trie
+        int32_t node = -1;
+        for (int64_t i = from; i < n && i - from < max_depth; ++i) {
+            int32_t child = -1;
+            for (int32_t c : t.children(node)) {
+                if (t.token[c] == committed[i]) child = c;
+            }
+            if (child < 0) {
+                if (t.size() >= budget) return;
+                child = t.add(committed[i], node);
+            }
+            node = child;
+        }
+    };
+    for (int64_t len = std::min(max_ngram_, n - 1); len >= min_ngram_ && t.empty(); --len) {
+        const int32_t * suffix = committed.data() + n - len;
+        for (int64_t start = n - len - 1; start >= 0 && t.size() < budget; --start) {
+            if (std::equal(suffix, suffix + len, committed.data() + start)) insert(start + len);
+        }
+    }
+    return t;
+}
+
 ModelDrafter::ModelDrafter(Engine & draft, const SamplingParams & sampling, double step_cost, int64_t max_catch_up)
-    : draft_(draft), sampler_(sampling), logits_(draft.hparams().n_vocab), step_cost_(step_cost),
+    : draft_(draft), sampler_(sampling), ranker_(tree_ranking(sampling)), logits_(draft.hparams().n_vocab), step_cost_(step_cost),
       max_catch_up_(max_catch_up) {}
 
 void ModelDrafter::begin(const std::vector<int32_t> & prompt) {
@@ -46,6 +93,7 @@ int64_t ModelDrafter::catch_up(const std::vector<int32_t> & committed) {
     }
     const int64_t n_new = n - n_synced_;
     draft_.eval(committed.data() + n_synced_, n_new, LogitsWanted::last, logits_.data());
+    root_logits_ = logits_;
     n_synced_ = n;
     return n_new;
 }
@@ -76,6 +124,47 @@ Draft ModelDrafter::propose(const std::vector<int32_t> & committed, int64_t n_ma
     last_drafted_ = (int64_t)d.tokens.size();
     d.cost = step_cost_ * (double)n_forward;  // a catch-up batch counted as dear as single steps
     return d;
+}
+
+DraftTree ModelDrafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {
+    int64_t n_forward = 0;  // draft tokens evaluated
+    if ((int64_t)committed.size() > n_synced_) {
+        n_forward += catch_up(committed);
+    } else {
+        draft_.restore_checkpoint();  // nothing new committed: forget the drafted tokens only
+    }
+    draft_.checkpoint();
+    const int64_t base = draft_.n_past();
+    const bool greedy = sampler_.params().greedy();
+    int32_t at = -1;  // the node whose path the draft's state ends with (-1: the committed tokens)
+    std::vector<int32_t> history;
+    auto dist = [&](const DraftTree & t, int32_t node, Distribution & out) {
+        const std::vector<int32_t> path = t.path_tokens(node);
+        if (node >= 0) {
+            if (base + (int64_t)path.size() > draft_.n_ctx()) return;  // no room: a leaf
+            if (t.parent[node] == at) {
+                draft_.eval(&t.token[node], 1, LogitsWanted::last, logits_.data());
+                n_forward += 1;
+            } else {
+                draft_.restore_checkpoint();
+                draft_.eval(path.data(), (int64_t)path.size(), LogitsWanted::last, logits_.data());
+                n_forward += (int64_t)path.size();
+            }
+            at = node;
+        }
+        history = committed;
+        history.insert(history.end(), path.begin(), path.end());
+        const float * logits = node < 0 ? root_logits_.data() : logits_.data();
+        (greedy ? ranker_ : sampler_).distribution(logits, (int64_t)logits_.size(), history, out);
+    };
+    BestFirstOptions opts;
+    opts.budget = budget;
+    opts.max_depth = max_depth;
+    if (!greedy) opts.uniform = [this] { return sampler_.uniform(); };
+    DraftTree t = build_best_first(dist, opts);
+    last_drafted_ = t.max_depth();
+    t.cost = step_cost_ * (double)n_forward;
+    return t;
 }
 
 }  // namespace deltaspec

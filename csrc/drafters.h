@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "draft_tree.h"
 #include "engine.h"
 #include "sampler.h"
 
@@ -26,6 +27,9 @@ class Drafter {
     virtual void begin(const std::vector<int32_t> & prompt) {}
     // Propose up to n_max tokens that follow `committed` (prompt + generated so far).
     virtual Draft propose(const std::vector<int32_t> & committed, int64_t n_max) = 0;
+    // Propose a tree of at most `budget` nodes no deeper than `max_depth` after `committed`, its
+    // top-1 chain first (draft_tree.h). A drafter that cannot branch proposes its chain.
+    virtual DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth);
     // The target accepted the first n_accepted drafted tokens and appended `bonus`.
     virtual void accept(const std::vector<int32_t> & committed_after) {}
 };
@@ -36,6 +40,11 @@ class NgramDrafter : public Drafter {
   public:
     explicit NgramDrafter(int64_t max_ngram = 3, int64_t min_ngram = 1) : max_ngram_(max_ngram), min_ngram_(min_ngram) {}
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
+    // The continuations of every earlier occurrence of the longest matched suffix, merged where
+    // they agree: the tree branches where the history went on differently after the same words.
+    // The most recent occurrence's continuation (propose()'s chain) comes first, then the others,
+    // most recent first, until the budget is spent.
+    DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
 
   private:
     int64_t max_ngram_, min_ngram_;
@@ -56,13 +65,25 @@ class ModelDrafter : public Drafter {
     ModelDrafter(Engine & draft, const SamplingParams & sampling, double step_cost, int64_t max_catch_up = 16);
     void begin(const std::vector<int32_t> & prompt) override;
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
+    // Best-first (draft_tree.h build_best_first) from the draft's distribution at each node. A
+    // node's distribution needs the draft's state after its path: a child of the node evaluated
+    // last costs one draft token, any other node restores the checkpoint (the committed tokens)
+    // and evaluates its whole path in one batch. `cost` counts every token evaluated as one draft
+    // step (catch-up included), so a tree of n nodes costs between n - 1 and the sum of their depths.
+    // Greedy: children are the draft's most probable tokens (ranked by its softmax, penalties
+    // applied, normalized over the top 32), no q recorded. Sampling: children are drawn without
+    // replacement from the request's sampling chain and q is recorded, so that rejection sampling
+    // (tree_walk.h TreeRule::rejection) is exact.
+    DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
 
   private:
     int64_t catch_up(const std::vector<int32_t> & committed);  // returns the tokens evaluated
 
     Engine & draft_;
     Sampler sampler_;
+    Sampler ranker_;  // greedy trees: the candidates' ranking distribution
     std::vector<float> logits_;
+    std::vector<float> root_logits_;  // the draft's logits after the committed tokens (catch_up)
     double step_cost_;
     int64_t max_catch_up_;
     int64_t n_synced_ = 0;     // the draft's state holds committed[start .. n_synced_) for some start

@@ -10,6 +10,7 @@
 #include "env.h"
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
+#include "deltaspec_rows.h"
 #include "graph_qwen35.h"
 
 namespace deltaspec {
@@ -69,6 +70,7 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
 
 Engine::~Engine() {
     drop_step_graph();
+    if (keep_alloc_) ggml_gallocr_free(keep_alloc_);
     ggml_backend_sched_free(sched_);
     // weights_ and pool_ free their buffers in their destructors, which run after this body;
     // the backends must outlive those buffers, so release the buffers first.
@@ -89,6 +91,7 @@ size_t Engine::step_weight_bytes() const {
 void Engine::reset() {
     seq().clear();
     verify_T_ = 0;
+    tree_parents_.clear();
     checkpoint_n_past_ = -1;
 }
 
@@ -190,6 +193,7 @@ void Engine::keep(int64_t n_keep) {
 
 void Engine::settle_verify() {
     if (verify_T_ > 0) keep(verify_T_);
+    tree_parents_.clear();  // a tree verify batch left the committed state as it was: drop it
 }
 
 void Engine::ensure_slots(int64_t n) {
@@ -199,6 +203,7 @@ void Engine::ensure_slots(int64_t n) {
     pool_.release();
     allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_);
     verify_T_ = 0;
+    tree_parents_.clear();
     checkpoint_n_past_ = -1;
 }
 
@@ -213,6 +218,7 @@ void Engine::restore_checkpoint() {
     copy_recurrent_state(seq(), /*to_saved =*/false);
     seq().n_past = checkpoint_n_past_;
     verify_T_ = 0;
+    tree_parents_.clear();
 }
 
 void Engine::drop_step_graph() {
@@ -221,11 +227,11 @@ void Engine::drop_step_graph() {
 }
 
 Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wanted, bool keep_states,
-                                       int64_t n_seqs, int64_t first_slot) {
+                                       int64_t n_seqs, int64_t first_slot, bool tree) {
     const int64_t slot = n_seqs > 0 ? -1 : cur_;  // a one-sequence graph names its slot's tensors
     if (step_.ctx && step_.n_tokens == T && step_.n_kv == n_kv && step_.wanted == wanted &&
         step_.keep_states == keep_states && step_.n_seqs == n_seqs && step_.first_slot == first_slot &&
-        step_.slot == slot) {
+        step_.slot == slot && step_.tree == tree) {
         return step_;
     }
     drop_step_graph();
@@ -233,6 +239,7 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.ctx = ggml_init(params);
     step_.gf = ggml_new_graph_custom(step_.ctx, graph_size_, false);
     step_.in = n_seqs > 0 ? make_batch_inputs(step_.ctx, n_seqs, T / n_seqs, n_kv, first_slot)
+               : tree     ? make_tree_inputs(step_.ctx, T, n_kv)
                           : make_step_inputs(step_.ctx, T, n_kv, keep_states);
     const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all;
     const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
@@ -256,6 +263,10 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.n_seqs = n_seqs;
     step_.first_slot = first_slot;
     step_.slot = slot;
+    step_.tree = tree;
+    for (int i = 0; i < ggml_graph_n_nodes(step_.gf); ++i) {
+        step_.n_rows_op_nodes += deltaspec_is_rows_node(ggml_graph_node(step_.gf, i)) ? 1 : 0;
+    }
     return step_;
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "graph_qwen35.h"
 #include "hparams.h"
@@ -74,6 +75,28 @@ class Engine {
     void eval_verify(const int32_t * tokens, int64_t n_tokens, float * logits);
     void eval_verify_argmax(const int32_t * tokens, int64_t n_tokens, int32_t * argmax);  // greedy
     void keep(int64_t n_keep);
+    // Tree verification (verify_tree.cpp), on the current slot. `rows` are the slot's rows (slot =
+    // current_slot()): parent -1 continues the slot's committed state, parent p (< the row's index)
+    // continues row p; position = the slot's length + the row's depth (siblings share a position).
+    // Every row attends to the slot's committed KV rows and to its own ancestors in the batch only;
+    // the DeltaNet layers run the parent-indexed rows ops. `out` receives every row's logits
+    // (LogitsWanted::all, n_vocab floats each) or argmax (::argmax_all). Nothing is committed:
+    // keep_path(path) then keeps one root-to-leaf path (path[0] a row of parent -1, path[i]'s
+    // parent path[i-1]): the KV rows of its nodes moved to consecutive positions, the recurrent
+    // state (DeltaNet state and conv window) after its leaf committed by replaying the path's
+    // recurrences through the rows ops from the verify pass's inputs (the target is not re-run).
+    // Anything else that reads or extends the sequence first drops the tree (keeps none of it).
+    void verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out);
+    void keep_path(const int32_t * path, int64_t n);
+    // What tree verification has run (tests assert that trees with branches went through the rows ops).
+    struct TreeStats {
+        int64_t verify_calls = 0, rows = 0, max_rows = 0;
+        int64_t branched_calls = 0;  // verify batches in which a row, or the committed sequence, has 2+ children
+        int64_t rows_op_nodes = 0;   // rows-op nodes (deltaspec_rows.h) in the graphs those calls ran
+        int64_t keep_calls = 0, kept_rows = 0, kv_rows_moved = 0;
+    };
+    const TreeStats & tree_stats() const { return tree_stats_; }
+
     // Save the recurrent state now / restore it and the position saved (a drafter's checkpoint).
     void checkpoint();
     void restore_checkpoint();
@@ -112,6 +135,7 @@ class Engine {
     bool replay_deltanet_cuda(int64_t n);    // n < T: the same
     void advance_verify_state_graph(int64_t n, bool conv, bool deltanet);  // a ggml graph, any backend
     void settle_verify();
+    void replay_tree_path(const std::vector<int32_t> & path);  // verify_tree.cpp: keep_path's graph
 
     // The last graph built stays allocated: a step of the same shape (every decode step until the
     // visible KV length grows by kv_pad) only sets its inputs and computes, no rebuild, no
@@ -124,11 +148,13 @@ class Engine {
         int64_t n_tokens = -1, n_kv = -1;
         LogitsWanted wanted = LogitsWanted::none;
         bool keep_states = false;
+        bool tree = false;  // a tree verify batch (StepInputs::rows)
         int64_t n_seqs = 0, first_slot = 0, slot = -1;  // rows of several slots, or the one slot
+        int64_t n_rows_op_nodes = 0;  // nodes of the rows ops (deltaspec_rows.h) in gf
         VerifyStates verify;  // keep_states: where each token's recurrent state is
     };
     StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool keep_states,
-                           int64_t n_seqs = 0, int64_t first_slot = 0);
+                           int64_t n_seqs = 0, int64_t first_slot = 0, bool tree = false);
     void compute(StepGraph & g);
     SequenceState & seq() { return pool_.slots[cur_]; }
     const SequenceState & seq() const { return pool_.slots[cur_]; }
@@ -151,6 +177,9 @@ class Engine {
     size_t graph_size_ = 0;
     StepGraph step_;
     int64_t verify_p0_ = -1, verify_T_ = 0;  // the last verify batch, for keep()
+    std::vector<int32_t> tree_parents_;      // the pending tree verify batch's parents (empty: none), for keep_path()
+    TreeStats tree_stats_;
+    ggml_gallocr_t keep_alloc_ = nullptr;    // keep_path's replay graph's memory, reused
     int64_t checkpoint_n_past_ = -1;
 };
 

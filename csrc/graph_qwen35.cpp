@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "deltaspec_rows.h"
+
 namespace deltaspec {
 
 namespace {
@@ -31,6 +33,14 @@ StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, 
     in.n_tokens = n_tokens;
     in.n_kv = n_kv;
     add_input_tensors(ctx, in, 1);
+    return in;
+}
+
+StepInputs make_tree_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv) {
+    StepInputs in = make_step_inputs(ctx, n_tokens, n_kv, /*keep_states =*/true);
+    in.rows = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, n_tokens);
+    ggml_set_input(in.rows);
+    in.n_saved = n_tokens;
     return in;
 }
 
@@ -207,7 +217,13 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
 
     // Causal depthwise conv over [previous Kc-1 inputs | this batch]; keep the last Kc-1 as new state.
     ggml_tensor * conv_in = nullptr;
-    if (several) {  // per sequence: {Kc-1+Tq, C, N}; the windows of the slots, read and written in place
+    ggml_tensor * y = nullptr;
+    if (in.rows) {  // a tree: each row's window gathered along its ancestors, the pool read only
+        ggml_tensor * windows = ggml_reshape_3d(ctx, pool.conv[il], Kc - 1, C, pool.n_seq);
+        y = deltaspec_rows_ssm_conv(ctx, windows, qkv, l.conv1d, in.rows);  // {C, T, 1}
+        ggml_set_output(qkv->view_src ? qkv->view_src : qkv);
+        verify->conv_x[il] = qkv;
+    } else if (several) {  // per sequence: {Kc-1+Tq, C, N}; the windows of the slots, read and written in place
         ggml_tensor * windows = ggml_view_3d(ctx, pool.conv[il], Kc - 1, C, N, (Kc - 1) * f, pool.conv[il]->nb[1],
                                              in.first_slot * pool.conv[il]->nb[1]);
         ggml_tensor * rows = ggml_view_3d(ctx, qkv, C, Tq, N, qkv->nb[1], Tq * qkv->nb[1], 0);
@@ -219,11 +235,11 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
         ggml_tensor * last_window = ggml_view_2d(ctx, conv_in, Kc - 1, C, conv_in->nb[1], T * f);
         ggml_build_forward_expand(gf, ggml_cpy(ctx, last_window, conv_state));
     }
-    if (in.keep_states) {  // every token's window, for a rollback
+    if (in.keep_states && !in.rows) {  // every token's window, for a rollback
         ggml_set_output(conv_in);
         verify->conv_in[il] = conv_in;
     }
-    ggml_tensor * y = ggml_ssm_conv(ctx, ggml_reshape_3d(ctx, conv_in, Kc - 1 + Tq, C, N), l.conv1d);  // {C, Tq, N}
+    if (!in.rows) y = ggml_ssm_conv(ctx, ggml_reshape_3d(ctx, conv_in, Kc - 1 + Tq, C, N), l.conv1d);  // {C, Tq, N}
     y = ggml_silu(ctx, y);
 
     // q and k heads sit side by side in y: one l2-norm (one launch) covers both
@@ -239,14 +255,26 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
         several ? ggml_view_2d(ctx, pool.ssm[il], S * S * Hv, N, pool.ssm[il]->nb[1], in.first_slot * pool.ssm[il]->nb[1])
                 : nullptr;
     ggml_tensor * state = ggml_reshape_4d(ctx, several ? slots_state : ssm_state, S, S, Hv, N);
-    // The op returns the outputs, then the state after the last token (per sequence).
-    ggml_tensor * res = ggml_gated_delta_net(ctx, q, k, v, g, beta, state, 1);
+    // The op returns the outputs, then the state after the last token (per sequence); the rows op
+    // returns the outputs, then the states saved at the tree's branch points.
+    ggml_tensor * res = in.rows ? deltaspec_rows_gated_delta_net(ctx, q, k, v, g, beta,
+                                                                  ggml_reshape_4d(ctx, pool.ssm[il], S, S, Hv, pool.n_seq),
+                                                                  in.rows, in.n_saved)
+                                : ggml_gated_delta_net(ctx, q, k, v, g, beta, state, 1);
     ggml_tensor * o = ggml_view_4d(ctx, res, S, Hv, Tq, N, S * f, S * Hv * f, S * Hv * Tq * f, 0);
     if (several) {
         // back into the slots' view: one token per sequence is the form ggml-cuda fuses into the
         // op (the kernel writes the new states in place), as for one sequence below
         ggml_tensor * new_states = ggml_view_2d(ctx, res, S * S * Hv, N, S * S * Hv * f, S * Hv * T * f);
         ggml_build_forward_expand(gf, ggml_cpy(ctx, new_states, slots_state));
+    } else if (in.rows) {  // the pool stays; keep_path replays the accepted path from these
+        for (ggml_tensor * t : {q, k, v, g, beta}) ggml_set_output(t->view_src ? t->view_src : t);
+        verify->q[il] = q;
+        verify->k[il] = k;
+        verify->v[il] = v;
+        verify->g[il] = g;
+        verify->beta[il] = beta;
+        verify->n_tokens = T;
     } else if (in.keep_states) {  // the state stays; keep(n) advances it from these (VerifyStates)
         for (ggml_tensor * t : {q, k, v, g, beta, res}) ggml_set_output(t->view_src ? t->view_src : t);
         verify->q[il] = q;
@@ -304,7 +332,7 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
     if (in.keep_states) {
         if (verify == nullptr) throw std::logic_error("build_qwen35: a verify batch needs VerifyStates");
         VerifyStates & v = *verify;
-        for (auto * per_layer : {&v.conv_in, &v.q, &v.k, &v.v, &v.g, &v.beta, &v.result}) {
+        for (auto * per_layer : {&v.conv_in, &v.q, &v.k, &v.v, &v.g, &v.beta, &v.result, &v.conv_x}) {
             per_layer->assign(hp.n_layer, nullptr);
         }
     }

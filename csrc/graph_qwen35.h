@@ -31,9 +31,19 @@ struct StepInputs {
     // pool's (one view, read and written in place: no gather, no scatter).
     int64_t first_slot = 0;
     bool keep_states = false;        // a verify batch: leave the recurrent state for keep() (VerifyStates)
+    // A tree verify batch (one sequence): the DeltaNet layers run the parent-indexed rows ops
+    // (ggml/deltaspec_rows.h) over the pool, reading the slot's committed state and writing nothing,
+    // each row starting from its parent row's state; rows is their plan (I32 [DELTASPEC_ROWS_N_COLS, T],
+    // deltaspec_rows_plan's), n_saved the room for states kept at branch points (T: any tree of T rows
+    // fits, so one graph serves every tree of that size). kq_mask then shows each row the slot's
+    // committed KV rows and its own ancestors' (Engine::verify_tree); keep_states is set too.
+    ggml_tensor * rows = nullptr;
+    int64_t n_saved = 0;
 };
 
 StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool keep_states = false);
+// The inputs of a tree verify batch of n_tokens rows (see StepInputs::rows).
+StepInputs make_tree_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv);
 
 // Sets one of the inputs above once the graph is allocated. An input no kept node reads is not
 // allocated (e.g. the mask when the last layer is an attention layer and the batch wants no
@@ -56,8 +66,12 @@ StepInputs make_batch_inputs(ggml_context * ctx, int64_t n_seqs, int64_t n_per_s
 //   q, k, v, g, beta: the DeltaNet op's inputs ({S, Hk, T, 1}, {S, Hk, T, 1}, {S, Hv, T, 1},
 //            {1, Hv, T, 1}, {1, Hv, T, 1}; views of graph outputs);
 //   result:  the op's result, which ends with the state after the last token ({S*S*Hv} F32).
+// A tree verify batch (StepInputs::rows) leaves instead what replaying its accepted path through
+// the rows ops needs (Engine::keep_path): q, k, v, g, beta as above and
+//   conv_x:  the conv's inputs {C, T} (the windows before them are the pool's, untouched);
+// conv_in and result stay null.
 struct VerifyStates {
-    std::vector<ggml_tensor *> conv_in, q, k, v, g, beta, result;
+    std::vector<ggml_tensor *> conv_in, q, k, v, g, beta, result, conv_x;
     int64_t n_tokens = 0;  // T
 
     int64_t window_column(int64_t r) const { return n_tokens - r; }

@@ -9,6 +9,8 @@
 #include <string>
 #include <unordered_map>
 
+#include "tree_round.h"
+
 namespace deltaspec {
 
 namespace {
@@ -91,8 +93,11 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     const int64_t n_vocab = target.hparams().n_vocab;
     if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
     if ((int64_t)pieces.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
+    // tree verification does not mask its rows with a grammar yet
+    if (req.constraint && spec.tree_budget > 0) throw std::invalid_argument("a grammar cannot be combined with draft trees (tree_budget) yet");
     GenerateResult res;
     const PlantedBug bug = planted_bug();
+    const TreeRuleBug tree_bug = spec.tree_budget > 0 ? tree_rule_bug() : TreeRuleBug::none;
     Sampler sampler(req.sampling);
     std::vector<int32_t> history = req.prompt;  // prompt + every committed token
     std::vector<float> rows;
@@ -142,18 +147,26 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         const int64_t left = req.max_tokens - (int64_t)res.tokens.size();
         const int64_t room = std::min({target.n_ctx() - target.n_past() - 1, spec.n_max, left - 1});
         Draft draft;
+        DraftTree tree;
         if (pause > 0) {
             --pause;
         } else if (room >= std::max<int64_t>(spec.n_min, 1)) {
             auto td = Clock::now();
-            draft = drafter.propose(history, std::min(n_draft, room));
+            if (spec.tree_budget > 0) {
+                // every node takes a KV row in the verify: the whole tree must fit the context
+                const int64_t budget = std::min(spec.tree_budget, target.n_ctx() - target.n_past() - 1);
+                tree = drafter.propose_tree(history, budget, std::min(n_draft, room));
+                if (tree.max_depth() < spec.n_min) tree = DraftTree{};
+            } else {
+                draft = drafter.propose(history, std::min(n_draft, room));
+                if (req.constraint) req.constraint->cut_draft(draft);  // what the grammar forbids is not verified
+                if ((int64_t)draft.tokens.size() < spec.n_min) draft = Draft{};
+            }
             stats.draft_seconds += seconds_since(td);
-            if (req.constraint) req.constraint->cut_draft(draft);  // what the grammar forbids is not verified
-            if ((int64_t)draft.tokens.size() < spec.n_min) draft = Draft{};
         }
         stats.n_steps++;
 
-        if (draft.tokens.empty()) {  // a plain decode step: no per-token states to keep
+        if (draft.tokens.empty() && tree.empty()) {  // a plain decode step: no per-token states to keep
             auto tv = Clock::now();
             next = step(&next, 1);
             stats.verify_seconds += seconds_since(tv);
@@ -162,27 +175,48 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             continue;
         }
 
-        std::vector<int32_t> batch = {next};
-        batch.insert(batch.end(), draft.tokens.begin(), draft.tokens.end());
-        const int64_t T = (int64_t)batch.size();
-        auto tv = Clock::now();
-        if (device_argmax) {
-            argmax.resize(T);
-            target.eval_verify_argmax(batch.data(), T, argmax.data());
+        // verify, accept, keep: the accepted drafts end up in draft.tokens[0 .. n_acc)
+        int64_t n_acc = 0, n_full = 0;  // n_full: the most a round could have accepted
+        if (!tree.empty()) {
+            auto tv = Clock::now();
+            const TreeWalk walk = verify_and_walk_tree(target, tree, next, device_argmax, sampler, history,
+                                                       spec.tree_rule, tree_bug, rows, argmax);
+            stats.verify_seconds += seconds_since(tv);
+            auto tr = Clock::now();
+            keep_walk(target, tree, walk);  // `next` (the old one) and the accepted path stay
+            stats.rollback_seconds += seconds_since(tr);
+            stats.n_drafted += tree.size();
+            stats.n_tree_nodes += tree.size();
+            for (int32_t node : walk.path) draft.tokens.push_back(tree.token[node]);
+            draft.cost = tree.cost;
+            next = walk.next;
+            n_acc = (int64_t)walk.path.size();
+            n_full = tree.max_depth();
         } else {
-            rows.resize(T * n_vocab);
-            target.eval_verify(batch.data(), T, rows.data());
-            if (req.constraint) req.constraint->mask_verify_rows(draft, rows.data(), n_vocab);
-        }
-        stats.verify_seconds += seconds_since(tv);
-        stats.n_drafted += (int64_t)draft.tokens.size();
+            std::vector<int32_t> batch = {next};
+            batch.insert(batch.end(), draft.tokens.begin(), draft.tokens.end());
+            const int64_t T = (int64_t)batch.size();
+            auto tv = Clock::now();
+            if (device_argmax) {
+                argmax.resize(T);
+                target.eval_verify_argmax(batch.data(), T, argmax.data());
+            } else {
+                rows.resize(T * n_vocab);
+                target.eval_verify(batch.data(), T, rows.data());
+                if (req.constraint) req.constraint->mask_verify_rows(draft, rows.data(), n_vocab);
+            }
+            stats.verify_seconds += seconds_since(tv);
+            stats.n_drafted += (int64_t)draft.tokens.size();
 
-        const int64_t n_acc = device_argmax ? accept_argmax(argmax.data(), draft, history, next)
-                                            : accept_draft(rows.data(), n_vocab, draft, sampler, history, next, bug);
+            n_acc = device_argmax ? accept_argmax(argmax.data(), draft, history, next)
+                                  : accept_draft(rows.data(), n_vocab, draft, sampler, history, next, bug);
+            auto tr = Clock::now();
+            target.keep(1 + n_acc);  // `next` (the old one) and the accepted drafts stay
+            stats.rollback_seconds += seconds_since(tr);
+            n_full = (int64_t)draft.tokens.size();
+        }
         stats.n_accepted += n_acc;
-        auto tr = Clock::now();
-        target.keep(1 + n_acc);  // `next` (the old one) and the accepted drafts stay
-        stats.rollback_seconds += seconds_since(tr);
+        stats.accepted_lengths.push_back((int32_t)n_acc);
 
         for (int64_t i = 0; i < n_acc && running; ++i) running = out.emit(draft.tokens[i]);
         if (!running) break;
@@ -190,8 +224,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         running = out.emit(next);
 
         const int64_t n_floor = std::max<int64_t>(spec.n_min, 1);
-        n_draft = n_acc == (int64_t)draft.tokens.size() ? std::min(spec.n_max, n_draft * 2)
-                                                        : std::max(n_floor, n_acc + 1);
+        n_draft = n_acc == n_full ? std::min(spec.n_max, n_draft * 2) : std::max(n_floor, n_acc + 1);
         const double loss = draft.cost - (double)n_acc;  // target steps lost (< 0: saved)
         if (spec.n_min == 0 && (n_acc == 0 || loss > 0)) {
             pause = std::max<int64_t>(backoff, (int64_t)std::ceil(loss / kLossBudget));

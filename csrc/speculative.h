@@ -8,18 +8,26 @@
 
 #include "drafters.h"
 #include "generate.h"
+#include "tree_walk.h"
 
 namespace deltaspec {
 
 struct SpecOptions {
     int64_t n_max = 16;  // longest draft
     int64_t n_min = 0;   // shorter drafts are not verified (plain decode step instead)
+    // > 0: draft trees of up to this many nodes (no deeper than the adaptive draft length, which
+    // n_max bounds), verified in one pass (Engine::verify_tree) and walked with tree_rule (greedy
+    // follows the target's argmax either way); 0: chains, as Engine::eval_verify runs them.
+    int64_t tree_budget = 0;
+    TreeRule tree_rule = TreeRule::rejection;
 };
 
 struct SpecStats {
     int64_t n_steps = 0;      // target forward passes after the prompt
     int64_t n_drafted = 0;
     int64_t n_accepted = 0;
+    int64_t n_tree_nodes = 0;  // nodes of the draft trees verified (tree_budget > 0)
+    std::vector<int32_t> accepted_lengths;  // per verified draft (chain or tree): drafts accepted
     double draft_seconds = 0.0;
     double verify_seconds = 0.0;
     double rollback_seconds = 0.0;

@@ -12,20 +12,11 @@
 #include "cuda_kernels.h"
 #include "engine.h"
 #include "ggml-alloc.h"
+#include "output_alias.h"
 
 namespace deltaspec {
 
 namespace {
-
-// A tensor of ctx over t's data, without t's op and sources (a graph over t must not pull in the
-// graph that computed it). t's values must be contiguous (they are: see VerifyStates).
-ggml_tensor * detached(ggml_context * ctx, const ggml_tensor * t) {
-    ggml_tensor * d = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, t->ne);
-    if (!ggml_is_contiguous(t) || ggml_backend_tensor_alloc(t->buffer, d, t->data) != GGML_STATUS_SUCCESS) {
-        throw std::runtime_error("cannot alias a verify graph output");
-    }
-    return d;
-}
 
 // The first n tokens (dim 2) of t, a view of a verify graph output, as a view in ctx.
 ggml_tensor * first_tokens(ggml_context * ctx, const ggml_tensor * t, int64_t n) {

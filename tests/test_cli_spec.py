@@ -1,6 +1,6 @@
-"""`deltaspec run` with speculative decoding (-md, --spec-type, --spec-draft-n-max/-min) on the
-tiny-vocabulary model: greedy output is the same text as without speculation; bad combinations
-exit 2 with one line naming the flag."""
+"""`deltaspec run` with speculative decoding (-md, --spec-type, --spec-draft-n-max/-min,
+--spec-tree-budget) on the tiny-vocabulary model: greedy output is the same text as without
+speculation; bad combinations exit 2 with one line naming the flag."""
 
 import os
 import subprocess
@@ -28,8 +28,9 @@ def run_cli(*args):
 
 @pytest.mark.parametrize("spec", [["-md", "TARGET"], ["-md", "RANDOM", "--spec-draft-n-max", "4"],
                                   ["--spec-type", "ngram-simple"],
-                                  ["--spec-type", "ngram-simple", "--spec-draft-n-min", "2"]],
-                         ids=["self-draft", "random-draft", "ngram", "ngram-nmin"])
+                                  ["--spec-type", "ngram-simple", "--spec-draft-n-min", "2"],
+                                  ["-md", "RANDOM", "--spec-draft-n-min", "1", "--spec-tree-budget", "8"]],
+                         ids=["self-draft", "random-draft", "ngram", "ngram-nmin", "random-draft-tree"])
 def test_greedy_text_unchanged(models, spec):
     target, random = models
     spec = [{"TARGET": target, "RANDOM": random}.get(a, a) for a in spec]
@@ -43,6 +44,7 @@ def test_greedy_text_unchanged(models, spec):
     assert "drafted" not in plain.stderr
     if spec[:2] == ["-md", str(target)]:
         assert "(100.0%)" in timing  # the target drafting for itself: every draft is accepted
+    assert ("tree nodes" in timing) == ("--spec-tree-budget" in spec), timing
 
 
 @pytest.mark.parametrize("extra,flag", [
@@ -53,6 +55,8 @@ def test_greedy_text_unchanged(models, spec):
     (["--spec-draft-n-max", "4"], "--spec-draft-n-max"),
     (["-md", "/nonexistent/draft.gguf"], "-md/--model-draft"),
     (["--spec-type", "bogus"], "--spec-type"),
+    (["--spec-tree-budget", "8"], "--spec-tree-budget"),
+    (["--spec-type", "ngram-simple", "--spec-tree-budget", "-1"], "--spec-tree-budget"),
 ])
 def test_bad_combination_exits_2(models, extra, flag):
     target, _ = models

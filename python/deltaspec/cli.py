@@ -71,7 +71,7 @@ RUN_FLAGS = {
     "min_p": "--min-p", "repeat_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty", "penalty_last_n": "--repeat-last-n", "seed": "-s/--seed",
     "stop": "--stop", "draft_n_max": "--spec-draft-n-max", "draft_n_min": "--spec-draft-n-min",
-    "draft_model": "-md/--model-draft", "spec_type": "--spec-type",
+    "draft_model": "-md/--model-draft", "spec_type": "--spec-type", "tree_budget": "--spec-tree-budget",
 }
 # structured output (llama.cpp's spellings): flag -> how its value becomes a deltaspec.Grammar
 GRAMMAR_FLAGS = {"--grammar": "text", "--grammar-file": "file", "-j/--json-schema": "schema",
@@ -153,6 +153,9 @@ def _add_run_parser(sub) -> None:
                    help="most tokens drafted per step; the draft length adapts below it (default: %(default)s)")
     g.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N",
                    help="fewest tokens drafted per step (default: %(default)s)")
+    g.add_argument("--spec-tree-budget", type=int, default=0, metavar="N",
+                   help="draft trees of up to N nodes (no deeper than --spec-draft-n-max), verified in one "
+                        "pass; 0: chains (default: %(default)s)")
     g = p.add_argument_group("structured output (enforced while decoding, speculation included)")
     g.add_argument("--grammar", metavar="GRAMMAR", default=None,
                    help="GBNF grammar (llama.cpp's format; Lark with a start: rule) the output must match")
@@ -376,7 +379,8 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
     """generate()'s speculative-decoding keyword arguments, checked before any model loads."""
     if args.model_draft is None and args.spec_type is None:
         for flag, value, default in (("--spec-draft-n-max", args.spec_draft_n_max, 16),
-                                     ("--spec-draft-n-min", args.spec_draft_n_min, 0)):
+                                     ("--spec-draft-n-min", args.spec_draft_n_min, 0),
+                                     ("--spec-tree-budget", args.spec_tree_budget, 0)):
             if value != default:
                 raise RunError(f"{flag}: only used with -md/--model-draft or --spec-type")
         return {}
@@ -385,7 +389,8 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
     if args.spec_type in (None, "draft-simple") and args.model_draft is None:
         raise RunError("--spec-type: draft-simple needs a draft model (-md/--model-draft FNAME)")
     for flag, value, lo in (("--spec-draft-n-max", args.spec_draft_n_max, 1),
-                            ("--spec-draft-n-min", args.spec_draft_n_min, 0)):
+                            ("--spec-draft-n-min", args.spec_draft_n_min, 0),
+                            ("--spec-tree-budget", args.spec_tree_budget, 0)):
         if not lo <= value <= 256:
             raise RunError(f"{flag}: must be in [{lo}, 256], got {value}")
     if args.spec_draft_n_min > args.spec_draft_n_max:
@@ -397,7 +402,8 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
         if not os.path.isfile(args.model_draft):
             raise RunError(f"-md/--model-draft: no such file: {args.model_draft}")
     return dict(draft_model=args.model_draft, spec_type=args.spec_type or "draft-simple",
-                draft_n_max=args.spec_draft_n_max, draft_n_min=args.spec_draft_n_min)
+                draft_n_max=args.spec_draft_n_max, draft_n_min=args.spec_draft_n_min,
+                tree_budget=args.spec_tree_budget)
 
 
 def _grammar_kwargs(args: argparse.Namespace) -> dict:
@@ -504,6 +510,7 @@ def _print_timing(r, speculative: bool) -> None:
           f"{1e3 * s.decode_seconds:.1f} ms ({s.tokens_per_second:.1f} tok/s)"
           + (f" | drafted {s.n_drafted}, accepted {s.n_accepted} ({100 * s.acceptance_rate:.1f}%), "
              f"mean acceptance length {s.mean_acceptance_length:.2f}" if speculative else "")
+          + (f", tree nodes {s.n_tree_nodes}" if s.n_tree_nodes else "")
           + f" | finish: {r.finish_reason}", file=sys.stderr)
 
 

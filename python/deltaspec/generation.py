@@ -35,6 +35,8 @@ class GenerationStats:
     n_steps: int = 0              # target forward passes after the prompt
     n_drafted: int = 0
     n_accepted: int = 0
+    n_tree_nodes: int = 0         # nodes of the draft trees verified (tree_budget > 0)
+    accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted, per verified draft
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rollback_seconds: float = 0.0
@@ -81,6 +83,7 @@ class Speculation:
     n_max: int = 16
     n_min: int = 0
     ngram_max: int = 3
+    tree_budget: int = 0  # > 0: draft trees of up to this many nodes; 0: chains
 
 
 @dataclass
@@ -230,11 +233,12 @@ class Generator:
         req, spec = self._req, self._req.speculation
         if spec.draft is None:
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
-                                               eog, stop, spec.n_max, spec.n_min, callback, constraint=constraint)
+                                               eog, stop, spec.n_max, spec.n_min, callback, spec.tree_budget,
+                                               constraint=constraint)
         with engine_of(spec.draft) as draft:  # the draft model's engine is ours for the whole run too
             return engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,
                                                req.sampling.native(), eog, stop, spec.n_max, spec.n_min, callback,
-                                               constraint=constraint)
+                                               spec.tree_budget, constraint=constraint)
 
     def _hand_off(self, token: int) -> bool:
         """The decode loop's callback when streaming: queue the token for the reader, waiting while
@@ -348,9 +352,9 @@ def result_of(tokenizer, n_prompt: int, out: dict) -> tuple[GenerationResult, by
     data = tokenizer.decode_bytes(body, special=TEXT_SPECIAL)
     if out["stop_offset"] >= 0:
         data = data[:out["stop_offset"]]
-    spec = {k: out[k] for k in ("n_steps", "n_drafted", "n_accepted", "draft_seconds", "verify_seconds",
-                                "rollback_seconds", "grammar_masked_rows", "grammar_cut_tokens",
-                                "grammar_forced_tokens") if k in out}
+    spec = {k: out[k] for k in ("n_steps", "n_drafted", "n_accepted", "n_tree_nodes", "accepted_lengths",
+                                "draft_seconds", "verify_seconds", "rollback_seconds", "grammar_masked_rows",
+                                "grammar_cut_tokens", "grammar_forced_tokens") if k in out}
     stats = GenerationStats(prompt_tokens=n_prompt, generated_tokens=len(tokens),
                             prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"], **spec)
     return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats), data

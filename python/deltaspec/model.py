@@ -255,7 +255,8 @@ class Model:
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stream: bool = False, draft_model: "Model | str | os.PathLike[str] | None" = None,
                  spec_type: str | None = None, draft_n_max: int = 16,
-                 draft_n_min: int = 0, grammar: Grammar | str | None = None) -> GenerationResult | TextStream:
+                 draft_n_min: int = 0, tree_budget: int = 0,
+                 grammar: Grammar | str | None = None) -> GenerationResult | TextStream:
         """Generate a continuation of `prompt` (text, parsed with special tokens, or token ids).
 
         Stops at `max_tokens` (None: until the context is full), an end-of-generation token, a stop
@@ -268,21 +269,28 @@ class Model:
         Speculative decoding (lossless: same greedy output, same sampling distribution):
         spec_type "draft-simple" with draft_model (a Model or a GGUF path with the same
         vocabulary) or "ngram-simple" (prompt lookup); draft_n_max / draft_n_min bound the draft
-        length, which adapts to the acceptance rate. Stats then report n_drafted, n_accepted,
-        acceptance_rate, mean_acceptance_length and draft / verify / rollback time.
+        length, which adapts to the acceptance rate. tree_budget > 0 drafts trees of up to that
+        many nodes (DDTree-style best-first with the top-1 chain first; n-gram drafts branch where
+        the text went on differently) verified in one target pass; 0 drafts chains. Stats then
+        report n_drafted, n_accepted, acceptance_rate, mean_acceptance_length, n_tree_nodes,
+        accepted_lengths (per verified draft) and draft / verify / rollback time.
 
         Structured output: `grammar` (a deltaspec.Grammar, or a GBNF / Lark string) is enforced
         while decoding, also with speculation (drafts the grammar forbids are cut before they are
         verified, and every verified position is masked as plain decoding would mask it, so greedy
-        output is token-identical with and without speculation). The text ends when the grammar is
-        complete (an end-of-generation token is then allowed), or earlier at max_tokens."""
+        output is token-identical with and without speculation; draft trees are not available with
+        a grammar yet). The text ends when the grammar is complete (an end-of-generation token is
+        then allowed), or earlier at max_tokens."""
         validate_flag("stream", stream)
         request = self._request(prompt, max_tokens, SamplingOptions(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
             seed=seed), stop)
-        request.speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min)
+        request.speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min, tree_budget)
         request.grammar = grammar_of(grammar)
+        if request.grammar is not None and tree_budget:
+            raise ValueError("tree_budget (draft trees) cannot be combined with a grammar yet; use chains "
+                             "(tree_budget=0)")
         generator = Generator(self, request)
         return TextStream(generator) if stream else generator.result()
 
@@ -301,7 +309,7 @@ class Model:
         if unknown:
             raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
         o = {**_GENERATE_DEFAULTS, **options}
-        if o["draft_model"] is not None or o["spec_type"] is not None:
+        if o["draft_model"] is not None or o["spec_type"] is not None or o["tree_budget"] != 0:
             raise BatchSpeculationError(f"{where}(): speculative decoding (draft_model / spec_type) is not available "
                                         "for concurrent sequences yet; call generate() per prompt to speculate")
         if validate_flag("stream", o["stream"]):
@@ -428,8 +436,12 @@ class Model:
         """The prompt text a chat completion would send to the model."""
         return completions.apply_chat_template(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def _speculation(self, spec_type, draft_model, n_max, n_min) -> Speculation | None:
+    def _speculation(self, spec_type, draft_model, n_max, n_min, tree_budget=0) -> Speculation | None:
+        if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or not 0 <= tree_budget <= 256:
+            raise ValueError(f"tree_budget must be an integer in [0, 256], got {tree_budget!r}")
         if spec_type is None and draft_model is None:
+            if tree_budget:
+                raise ValueError("tree_budget drafts trees for speculative decoding: pass draft_model or spec_type too")
             return None
         if spec_type is None:
             spec_type = "draft-simple"
@@ -443,7 +455,7 @@ class Model:
         if spec_type == "ngram-simple":
             if draft_model is not None:
                 raise ValueError("spec_type 'ngram-simple' drafts from the text itself; do not pass draft_model")
-            return Speculation(None, n_max, n_min)
+            return Speculation(None, n_max, n_min, tree_budget=tree_budget)
         if draft_model is None:
             raise ValueError("spec_type 'draft-simple' needs draft_model (a Model or a GGUF path)")
         if not isinstance(draft_model, (Model, str, os.PathLike)):
@@ -456,7 +468,7 @@ class Model:
         if not draft_model.tokenizer.same_vocabulary(self.tokenizer):
             raise ValueError(f"draft model {draft_model.path} has a different vocabulary than {self.path}: "
                              "draft and target must share the tokenizer")
-        return Speculation(draft_model, n_max, n_min)
+        return Speculation(draft_model, n_max, n_min, tree_budget=tree_budget)
 
     def _draft_cache(self, path) -> "Model":
         """A draft Model loaded from a path once and kept with this model."""

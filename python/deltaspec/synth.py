@@ -142,6 +142,13 @@ class SynthPreset:
     def n_attention_layers(self) -> int:
         return self.recurrent.count(False)
 
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """f32 conv windows ((Kc-1) x C) and DeltaNet states (S x S x Hv) of the recurrent layers,
+        as the engine allocates them per sequence (HParams::recurrent_state_bytes)."""
+        per_layer = (self.ssm_conv_kernel - 1) * self.conv_channels + self.ssm_state_size ** 2 * self.ssm_n_v_heads
+        return (self.n_layer - self.n_attention_layers) * per_layer * 4
+
 
 # Sources: qwen35_ggml_spec.md §1.5 and algorithms_brief.md §4.1. Common to all: D 256, 64 rotary
 # dims, S 128, conv kernel 4, vocab 248320, eps 1e-6, rope base 1e7, mrope [11,11,10,0], interval 4,

@@ -1,0 +1,49 @@
+#include "tree_round.h"
+
+namespace deltaspec {
+
+bool is_chain(const DraftTree & tree) { return tree.chain_length() == tree.size(); }
+
+RowBatch tree_rows(const Engine & target, const DraftTree & tree, int32_t root) {
+    RowBatch rows;
+    const int32_t p0 = (int32_t)target.n_past(), slot = (int32_t)target.current_slot();
+    rows.add(root, p0, slot, -1);
+    for (int64_t i = 0; i < tree.size(); ++i) rows.add(tree.token[i], p0 + tree.depth[i], slot, tree.parent[i] + 1);
+    return rows;
+}
+
+TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t root, bool device_argmax,
+                              Sampler & sampler, std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug,
+                              std::vector<float> & logits, std::vector<int32_t> & argmax) {
+    const RowBatch rows = tree_rows(target, tree, root);
+    const int64_t T = rows.size(), n_vocab = target.hparams().n_vocab;
+    // the rows in the same order either way: row 0 the root, row 1 + i node i
+    if (device_argmax) {
+        argmax.resize(T);
+        if (is_chain(tree)) {
+            target.eval_verify_argmax(rows.token.data(), T, argmax.data());
+        } else {
+            target.verify_tree(rows, LogitsWanted::argmax_all, argmax.data());
+        }
+        return walk_tree_argmax(tree, argmax.data(), history);
+    }
+    logits.resize(T * n_vocab);
+    if (is_chain(tree)) {
+        target.eval_verify(rows.token.data(), T, logits.data());
+    } else {
+        target.verify_tree(rows, LogitsWanted::all, logits.data());
+    }
+    return walk_tree(tree, logits.data(), n_vocab, sampler, history, rule, bug);
+}
+
+void keep_walk(Engine & target, const DraftTree & tree, const TreeWalk & walk) {
+    if (is_chain(tree)) {  // the accepted path is the batch's first rows
+        target.keep(1 + (int64_t)walk.path.size());
+        return;
+    }
+    std::vector<int32_t> kept = {0};  // the root row, then the accepted nodes' rows
+    for (int32_t node : walk.path) kept.push_back(node + 1);
+    target.keep_path(kept.data(), (int64_t)kept.size());
+}
+
+}  // namespace deltaspec

@@ -1,0 +1,155 @@
+#include "tree_walk.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+namespace deltaspec {
+
+TreeRuleBug tree_rule_bug() {
+    const char * env = std::getenv("DELTASPEC_TEST_WRONG_TREE_RULE");
+    const std::string v = env ? env : "";
+    if (v.empty()) return TreeRuleBug::none;
+    if (v == "fresh_next") return TreeRuleBug::fresh_next;
+    if (v == "no_residual") return TreeRuleBug::no_residual;
+    if (v == "no_q_update") return TreeRuleBug::no_q_update;
+    throw std::invalid_argument("DELTASPEC_TEST_WRONG_TREE_RULE (test only) must be unset, 'fresh_next', "
+                                "'no_residual' or 'no_q_update', not '" + v + "'");
+}
+
+namespace {
+
+// A distribution held densely over the vocabulary with the list of ids it may be non-zero at, so
+// that residual updates cost the support's size, not the vocabulary's.
+struct DenseDist {
+    std::vector<double> prob;
+    std::vector<int32_t> support;
+
+    void set(const Distribution & d, int64_t n_vocab) {
+        prob.resize(n_vocab, 0.0);
+        clear();
+        double sum = 0.0;
+        for (float x : d.probs) sum += x;
+        for (size_t i = 0; i < d.ids.size(); ++i) {
+            if (d.probs[i] <= 0.0f) continue;
+            prob[d.ids[i]] += d.probs[i] / sum;
+            support.push_back(d.ids[i]);
+        }
+    }
+    void clear() {
+        for (int32_t id : support) prob[id] = 0.0;
+        support.clear();
+    }
+    void normalize() {
+        double sum = 0.0;
+        for (int32_t id : support) sum += prob[id];
+        if (sum <= 0.0) return;
+        for (int32_t id : support) prob[id] /= sum;
+    }
+    Distribution sparse() const {
+        Distribution d;
+        for (int32_t id : support) {
+            if (prob[id] > 0.0) {
+                d.ids.push_back(id);
+                d.probs.push_back((float)prob[id]);
+            }
+        }
+        return d;
+    }
+};
+
+int32_t child_with_token(const DraftTree & tree, const std::vector<int32_t> & children, int32_t token) {
+    for (int32_t c : children) {
+        if (tree.token[c] == token) return c;
+    }
+    return -1;
+}
+
+// The rejection rule at one node: the accepted child, or -1 with `p` left as the residual the
+// next token comes from.
+int32_t try_children(const DraftTree & tree, const std::vector<int32_t> & children, int32_t node, DenseDist & p,
+                     DenseDist & q, int64_t n_vocab, Sampler & sampler, TreeRuleBug bug) {
+    const int32_t qi = tree.children_q(node);
+    const bool drawn = qi >= 0;
+    if (drawn) q.set(tree.dists[qi], n_vocab);
+    for (int32_t c : children) {
+        const int32_t tok = tree.token[c];
+        const double pc = p.prob[tok];
+        const double qc = drawn ? q.prob[tok] : 1.0;
+        if (qc <= 0.0) {  // cannot have been drawn (without replacement: a repeated token)
+            continue;
+        }
+        if (pc > 0.0 && (pc >= qc || sampler.uniform() < pc / qc)) {
+            q.clear();
+            return c;
+        }
+        if (bug != TreeRuleBug::no_residual) {  // p <- norm(max(0, p - q)); p only shrinks
+            double sum = 0.0;
+            for (int32_t id : p.support) sum += std::max(0.0, p.prob[id] - (drawn ? q.prob[id] : (id == tok ? 1.0 : 0.0)));
+            if (sum > 0.0) {  // else p <= q everywhere, i.e. p == q, where rejection is a rounding artefact
+                for (int32_t id : p.support) {
+                    const double qid = drawn ? q.prob[id] : (id == tok ? 1.0 : 0.0);
+                    p.prob[id] = std::max(0.0, p.prob[id] - qid) / sum;
+                }
+            }
+        }
+        if (drawn && tree.draw == ChildDraw::without_replacement && bug != TreeRuleBug::no_q_update) {
+            q.prob[tok] = 0.0;
+            q.normalize();
+        }
+    }
+    q.clear();
+    return -1;
+}
+
+}  // namespace
+
+TreeWalk walk_tree(const DraftTree & tree, const float * rows, int64_t n_vocab, Sampler & sampler,
+                   std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug) {
+    tree.check(n_vocab);
+    TreeWalk w;
+    Distribution target;
+    DenseDist p, q;
+    for (int32_t node = -1;;) {
+        sampler.distribution(rows + (int64_t)(node + 1) * n_vocab, n_vocab, history, target);
+        const std::vector<int32_t> children = tree.children(node);
+        int32_t next_node = -1;
+        if (rule == TreeRule::match) {
+            const int32_t y = sampler.draw(target);
+            next_node = child_with_token(tree, children, y);
+            if (next_node < 0) {
+                w.next = bug == TreeRuleBug::fresh_next ? sampler.draw(target) : y;
+                return w;
+            }
+        } else {
+            p.set(target, n_vocab);
+            next_node = children.empty() ? -1 : try_children(tree, children, node, p, q, n_vocab, sampler, bug);
+            if (next_node < 0) {
+                w.next = sampler.draw(p.sparse());
+                p.clear();
+                return w;
+            }
+            p.clear();
+        }
+        w.path.push_back(next_node);
+        history.push_back(tree.token[next_node]);
+        node = next_node;
+    }
+}
+
+TreeWalk walk_tree_argmax(const DraftTree & tree, const int32_t * argmax, std::vector<int32_t> & history) {
+    TreeWalk w;
+    for (int32_t node = -1;;) {
+        const int32_t next_node = child_with_token(tree, tree.children(node), argmax[node + 1]);
+        if (next_node < 0) {
+            w.next = argmax[node + 1];
+            return w;
+        }
+        w.path.push_back(next_node);
+        history.push_back(tree.token[next_node]);
+        node = next_node;
+    }
+}
+
+}  // namespace deltaspec
