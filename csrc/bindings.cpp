@@ -7,9 +7,11 @@
 #include <map>
 #include <memory>
 
+#include "constraint_bindings.h"
 #include "cuda_kernels.h"
 #include "engine.h"
 #include "generate.h"
+#include "grammar_drafter.h"
 #include "scheduler.h"
 #include "ggml_log.h"
 #include "rows_op_bindings.h"
@@ -37,6 +39,7 @@ struct Runner {
     PieceTable pieces;
     std::atomic<bool> cancel{false};
     std::unique_ptr<Scheduler> scheduler;  // created by the first add_request
+    std::map<int64_t, py::object> constraints;  // add_request's grammars, kept alive until their request ends
 
     // The engine for a one-sequence call (slot 0); refused while scheduled requests hold slots.
     Engine & single() {
@@ -77,6 +80,11 @@ TokenCallback make_callback(const py::object & callback) {
     };
 }
 
+// generate(constraint=...): a deltaspec._core.TokenConstraint (the caller keeps it alive) or None.
+TokenConstraint * constraint_of(const py::object & constraint) {
+    return constraint.is_none() ? nullptr : constraint.cast<TokenConstraint *>();
+}
+
 py::dict result_dict(const GenerateResult & res) {
     py::dict out;
     out["tokens"] = res.tokens;
@@ -88,9 +96,11 @@ py::dict result_dict(const GenerateResult & res) {
 }
 
 py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
-                     std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object callback) {
+                     std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object callback,
+                     py::object constraint) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
-    const GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    req.constraint = constraint_of(constraint);
     const TokenCallback on_token = make_callback(callback);
     GenerateResult res;
     {
@@ -103,12 +113,13 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
                           std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
-                          int64_t tree_budget) {
+                          int64_t tree_budget, py::object constraint) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
     if (tree_budget < 0) throw std::invalid_argument("tree_budget must be >= 0 (0: chains)");
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
-    const GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    req.constraint = constraint_of(constraint);
     const TokenCallback on_token = make_callback(callback);
     SpecOptions spec;
     spec.n_max = n_max;
@@ -129,6 +140,7 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
         } else {
             drafter = std::make_unique<NgramDrafter>(ngram_max);
         }
+        if (req.constraint) drafter = std::make_unique<GrammarDrafter>(*req.constraint, std::move(drafter));
         res = generate_speculative(*r.engine, *drafter, r.pieces, req, spec, r.cancel, on_token, stats);
     }
     py::dict out = result_dict(res);
@@ -143,7 +155,7 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     return out;
 }
 
-// Requests (prompt, max_tokens, sampling, stop) run concurrently on the engine's slots.
+// Requests (prompt, max_tokens, sampling, stop[, constraint]) run concurrently on the engine's slots.
 py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate_batch()");
     std::vector<GenerateRequest> reqs;
@@ -151,6 +163,7 @@ py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> e
         auto t = h.cast<py::tuple>();
         reqs.push_back(make_request(t[0].cast<std::vector<int32_t>>(), t[1].cast<int32_t>(),
                                     t[2].cast<SamplingParams>(), eog_ids, t[3].cast<std::vector<std::string>>()));
+        if (t.size() > 4) reqs.back().constraint = constraint_of(t[4]);  // `requests` keeps it alive
     }
     r.single();  // no step()-driven requests in the slots
     std::vector<GenerateResult> results;
@@ -179,6 +192,7 @@ py::list step_py(Runner & r) {
         d["finished"] = ev.finished;
         d["result"] = ev.finished ? py::object(result_dict(ev.result)) : py::object(py::none());
         out.append(d);
+        if (ev.finished) r.constraints.erase(ev.id);
     }
     return out;
 }
@@ -347,6 +361,7 @@ PYBIND11_MODULE(_core, m) {
 
     bind_rows_ops(m);  // test-only: single ops on numpy arrays
     bind_trees(m);     // test-only: draft trees and tree walks
+    bind_token_constraint(m);
 
     m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
           "Quantize float32 rows with ggml's reference quantizer; returns (rows, row_bytes) uint8.");
@@ -475,11 +490,12 @@ PYBIND11_MODULE(_core, m) {
                  for (const auto & p : pieces) r.pieces.emplace_back(p);
              }, py::arg("pieces"), "The detokenizer's bytes for every token id (used to find stop strings).")
         .def("generate", &generate_py, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"),
-             py::arg("eog_ids"), py::arg("stop"), py::arg("callback") = py::none(),
+             py::arg("eog_ids"), py::arg("stop"), py::arg("callback") = py::none(), py::arg("constraint") = py::none(),
              "Prefill a fresh sequence with prompt, then sample until a stop condition.")
         .def("generate_speculative", &generate_spec_py, py::arg("draft"), py::arg("ngram_max"), py::arg("prompt"),
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
              py::arg("n_min"), py::arg("callback") = py::none(), py::arg("tree_budget") = 0,
+             py::arg("constraint") = py::none(),
              "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None); draft trees of "
              "up to tree_budget nodes when > 0, chains otherwise.")
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
@@ -514,12 +530,16 @@ PYBIND11_MODULE(_core, m) {
         .def("generate_batch", &generate_batch_py, py::arg("requests"), py::arg("eog_ids"),
              "Run (prompt, max_tokens, sampling, stop) requests concurrently to the end; result dicts in order.")
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
-                               std::vector<int32_t> eog_ids, std::vector<std::string> stop) {
+                               std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
                  if (!r.scheduler) r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces);
-                 return r.scheduler->add_request(
-                     make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop)));
+                 GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+                 req.constraint = constraint_of(constraint);
+                 const int64_t id = r.scheduler->add_request(req);
+                 if (!constraint.is_none()) r.constraints[id] = constraint;
+                 return id;
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
+             py::arg("constraint") = py::none(),
              "Queue a request for step(); returns its id.")
         .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")
         .def("eval_in_slot", [](Runner & r, int64_t slot, Tokens tokens, const std::string & logits) {

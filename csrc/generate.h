@@ -11,6 +11,7 @@
 
 #include "engine.h"
 #include "sampler.h"
+#include "token_constraint.h"
 
 namespace deltaspec {
 
@@ -20,6 +21,7 @@ struct GenerateRequest {
     SamplingParams sampling;
     std::vector<int32_t> eog_ids;         // end-of-generation tokens: stop after emitting one
     std::vector<std::string> stop;        // stop strings, as UTF-8 bytes of the generated text
+    TokenConstraint * constraint = nullptr;  // a grammar on the output (not owned), or none
 };
 
 enum class FinishReason { stop, length, cancelled };

@@ -92,7 +92,12 @@ int32_t Sampler::draw(const Distribution & d) {
         cum += d.probs[i];
         if (u < cum) return d.ids[i];
     }
-    return d.ids.back();  // u landed in the rounding gap above the summed mass
+    // u landed in the rounding gap above the summed mass: the last candidate that has any (a
+    // grammar's -inf logits leave candidates of probability 0, which must never be drawn)
+    for (size_t i = d.ids.size(); i-- > 0;) {
+        if (d.probs[i] > 0.0f) return d.ids[i];
+    }
+    return d.ids.back();
 }
 
 double Sampler::uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng_); }

@@ -100,11 +100,12 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
         if (batch_bug() != BatchBug::no_reset) engine_.reset();
         const int64_t n = (int64_t)s->req.prompt.size();
         int32_t token = -1;
-        if (s->req.sampling.argmax_only()) {
+        if (s->req.sampling.argmax_only() && !s->req.constraint) {
             token = engine_.eval_argmax(s->req.prompt.data(), n);
         } else {
             logits_.resize(n_vocab);
             engine_.eval(s->req.prompt.data(), n, LogitsWanted::last, logits_.data());
+            if (s->req.constraint) s->req.constraint->mask_row(logits_.data(), n_vocab);
             token = s->sampler.sample(logits_.data(), n_vocab, s->history);
         }
         s->res.prefill_seconds = seconds_since(t0);
@@ -123,7 +124,7 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
     rows_.clear();
     for (const auto & s : running_) {
         rows_.add(s->pending, (int32_t)engine_.slot_n_past(s->slot), (int32_t)s->slot);
-        all_argmax = all_argmax && s->req.sampling.argmax_only();
+        all_argmax = all_argmax && s->req.sampling.argmax_only() && !s->req.constraint;  // a grammar masks logits
     }
     // greedy everywhere: only the argmax ids cross over; otherwise every row's logits. One sequence
     // takes the one-sequence step, whose graph writes its state in place (ggml-cuda's fused forms)
@@ -145,7 +146,8 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
     }
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
-        const float * row = all_argmax ? nullptr : logits_.data() + i * n_vocab;
+        float * row = all_argmax ? nullptr : logits_.data() + i * n_vocab;
+        if (s.req.constraint) s.req.constraint->mask_row(row, n_vocab);
         const int32_t token = all_argmax                       ? argmax_[i]
                               : s.req.sampling.argmax_only() ? first_argmax(row, n_vocab)
                                                                : s.sampler.sample(row, n_vocab, s.history);

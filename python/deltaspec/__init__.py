@@ -2,8 +2,9 @@
 
 from .batch_invariance import batch_invariant
 from .errors import DeltaspecError
+from .grammar import Grammar
 
-__all__ = ["Model", "DeltaspecError", "batch_invariant"]
+__all__ = ["Model", "DeltaspecError", "Grammar", "batch_invariant"]
 __version__ = "0.1.0"
 
 

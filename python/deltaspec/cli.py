@@ -76,6 +76,9 @@ RUN_FLAGS = {
     "stop": "--stop", "draft_n_max": "--spec-draft-n-max", "draft_n_min": "--spec-draft-n-min",
     "draft_model": "-md/--model-draft", "spec_type": "--spec-type", "tree_budget": "--spec-tree-budget",
 }
+# structured output (llama.cpp's spellings): flag -> how its value becomes a deltaspec.Grammar
+GRAMMAR_FLAGS = {"--grammar": "text", "--grammar-file": "file", "-j/--json-schema": "schema",
+                 "-jf/--json-schema-file": "schema file"}
 
 
 class RunError(Exception):
@@ -156,6 +159,13 @@ def _add_run_parser(sub) -> None:
     g.add_argument("--spec-tree-budget", type=int, default=0, metavar="N",
                    help="draft trees of up to N nodes (no deeper than --spec-draft-n-max), verified in one "
                         "pass; 0: chains (default: %(default)s)")
+    g = p.add_argument_group("structured output (enforced while decoding, speculation included)")
+    g.add_argument("--grammar", metavar="GRAMMAR", default=None,
+                   help="GBNF grammar (llama.cpp's format; Lark with a start: rule) the output must match")
+    g.add_argument("--grammar-file", metavar="FNAME", default=None, help="read --grammar from a file")
+    g.add_argument("-j", "--json-schema", metavar="SCHEMA", default=None,
+                   help='JSON schema the output must validate against, e.g. \'{"type": "object"}\'')
+    g.add_argument("-jf", "--json-schema-file", metavar="FNAME", default=None, help="read -j from a file")
     p.add_argument("--chat-template", metavar="JINJA|FILE", default=None,
                    help="with -i: a Jinja chat template, as text or a file, instead of the GGUF's (no built-in "
                         "names such as chatml)")
@@ -399,6 +409,36 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
                 tree_budget=args.spec_tree_budget)
 
 
+def _grammar_kwargs(args: argparse.Namespace) -> dict:
+    """generate()'s `grammar` from --grammar / --grammar-file / -j / -jf, compiled before the model loads."""
+    from .errors import GrammarError
+    from .grammar import Grammar
+
+    given = {flag: value for flag, value in zip(GRAMMAR_FLAGS, (args.grammar, args.grammar_file, args.json_schema,
+                                                               args.json_schema_file)) if value is not None}
+    if not given:
+        return {}
+    if len(given) > 1:
+        raise RunError(f"{' and '.join(given)}: give one grammar or JSON schema, not several")
+    (flag, value), = given.items()
+    try:
+        if GRAMMAR_FLAGS[flag] == "text":
+            grammar = Grammar.from_string(_escaped(args, value))
+        elif GRAMMAR_FLAGS[flag] == "file":
+            grammar = Grammar.from_file(value)
+        elif GRAMMAR_FLAGS[flag] == "schema":
+            grammar = Grammar.from_json_schema(value)
+        else:
+            try:
+                with open(value, encoding="utf-8") as f:
+                    grammar = Grammar.from_json_schema(f.read())
+            except OSError as e:
+                raise RunError(f"{flag}: cannot read {value}: {e.strerror}") from None
+    except GrammarError as e:
+        raise RunError(f"{flag}: {e}") from None
+    return {"grammar": grammar}
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.flash_attn == "off":
         raise RunError("-fa/--flash-attn: off is not available: attention here always runs as ggml's flash "
@@ -409,9 +449,13 @@ def _run(args: argparse.Namespace) -> int:
     system = _system_prompt(args, prompt)
     sampling = _sampling_kwargs(args)
     sampling.update(_spec_kwargs(args))
+    sampling.update(_grammar_kwargs(args))
     template_kwargs = _template_kwargs(args)
     if template_kwargs and not args.interactive:
         raise RunError("--chat-template-kwargs: only used with -i/--interactive")
+    if "grammar" in sampling and args.interactive:
+        # the grammar constrains each whole reply: no reasoning block before it
+        template_kwargs.setdefault("enable_thinking", False)
     template = _chat_template(args)
     if template is not None:
         template_kwargs["chat_template"] = template

@@ -20,7 +20,6 @@ _REFUSED_GROUPS = [
     ("-hf", "-hfr", "--hf-repo"), ("-hff", "--hf-file"), ("-hft", "--hf-token"), ("-mu", "--model-url"),
     ("-r", "--reverse-prompt"), ("--in-prefix",), ("--in-suffix",), ("--in-prefix-bos",),
     ("-sp", "--special"), ("-st", "--single-turn"), ("-ins", "--instruct"), ("--multiline-input", "-mli"),
-    ("--grammar",), ("--grammar-file",), ("-j", "--json-schema"), ("-jf", "--json-schema-file"),
     ("--mirostat",), ("--mirostat-lr",), ("--mirostat-ent",), ("--typical",), ("--dynatemp-range",),
     ("--dynatemp-exp",), ("--xtc-probability",), ("--xtc-threshold",), ("--top-nsigma",),
     ("--dry-multiplier",), ("--dry-base",), ("--dry-allowed-length",), ("--dry-penalty-last-n",),

@@ -8,6 +8,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from . import openai_format as oai
 from .chat import ReasoningSplitter, chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
 from .generation import validate_flag
+from .grammar import response_format_grammar
 
 
 def _check_kwargs(model, caller: str, kwargs: Mapping[str, Any]) -> None:
@@ -54,16 +55,29 @@ def apply_chat_template(model, messages: Sequence[Mapping[str, Any]], add_genera
 
 def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, tools=None,
                            chat_template: str | None = None, enable_thinking: bool | None = None,
-                           temperature: float = 0.2, max_tokens: int | None = None, **kwargs: Any):
+                           temperature: float = 0.2, max_tokens: int | None = None,
+                           response_format: Mapping[str, Any] | None = None, **kwargs: Any):
     """An OpenAI `chat.completion` dict (reasoning in `reasoning_content`), or chunk dicts when streaming
     (reasoning in `reasoning_content` deltas, as llama-server streams it).
-    Defaults follow llama-cpp-python's chat path: temperature 0.2, max_tokens None (until n_ctx)."""
+    Defaults follow llama-cpp-python's chat path: temperature 0.2, max_tokens None (until n_ctx).
+
+    Structured output: `response_format` {"type": "json_object"} (optionally with "schema"), or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, or `grammar` (GBNF /
+    Lark / deltaspec.Grammar) constrains the whole reply while decoding; the reply is then the
+    message content, and thinking is off unless asked for (it cannot be, with a constraint)."""
     _check_kwargs(model, "create_chat_completion", kwargs)
     validate_flag("stream", stream)
+    constrained = _constrain(kwargs, response_format)
+    if constrained:
+        if enable_thinking:
+            raise ValueError("enable_thinking=True cannot be combined with response_format / grammar: the grammar "
+                             "constrains the whole reply, reasoning included")
+        enable_thinking = False
     template_kwargs = {} if enable_thinking is None else {"enable_thinking": validate_flag("enable_thinking",
                                                                                            enable_thinking)}
     prompt = apply_chat_template(model, messages, tools=tools, chat_template=chat_template, **template_kwargs)
-    thinking_open = prompt_opens_reasoning(prompt)
+    # a template that opens reasoning anyway: the constrained reply is still the content
+    thinking_open = prompt_opens_reasoning(prompt) and not constrained
     name = model.path
     if stream:
         pieces = model.generate(prompt, stream=True, temperature=temperature, max_tokens=max_tokens, **kwargs)
@@ -72,6 +86,16 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     reasoning, content = split_reasoning(r.text, thinking_open=thinking_open)
     return oai.chat_completion(content, r.finish_reason, name, r.stats.prompt_tokens, r.stats.generated_tokens,
                                reasoning_content=reasoning)
+
+
+def _constrain(kwargs: dict[str, Any], response_format: Mapping[str, Any] | None) -> bool:
+    """Turns response_format into generate()'s `grammar` in kwargs; whether the reply is constrained."""
+    grammar = response_format_grammar(response_format)
+    if grammar is not None:
+        if kwargs.get("grammar") is not None:
+            raise ValueError("pass either response_format or grammar, not both")
+        kwargs["grammar"] = grammar
+    return kwargs.get("grammar") is not None
 
 
 def _chat_chunks(pieces, name: str, thinking_open: bool) -> Iterator[oai.ChatCompletionChunk]:

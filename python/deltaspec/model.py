@@ -17,6 +17,7 @@ from .errors import DeltaspecError, EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
                          result_of, validate_flag, validate_stop)
 from .gguf_file import read_gguf
+from .grammar import Grammar, grammar_of
 from .qwen35 import check_tensors, read_hparams
 from .kv_cache import allocated_state, ggml_type, validate_cache_types
 from .sampling import SamplingOptions
@@ -161,7 +162,7 @@ class Model:
         self.n_threads = n_threads
         self.n_seq_max = n_seq_max
         self._batch_running = False  # a generate_batch call runs (cancel() reaches it)
-        self._request_prompts: dict[int, int] = {}  # add_request id -> prompt length
+        self._request_prompts: dict[int, tuple] = {}  # add_request id -> (prompt length, grammar constraint)
 
     # --- sizes ---------------------------------------------------------------------------------
     @property
@@ -254,7 +255,8 @@ class Model:
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stream: bool = False, draft_model: "Model | str | os.PathLike[str] | None" = None,
                  spec_type: str | None = None, draft_n_max: int = 16,
-                 draft_n_min: int = 0, tree_budget: int = 0) -> GenerationResult | TextStream:
+                 draft_n_min: int = 0, tree_budget: int = 0,
+                 grammar: Grammar | str | None = None) -> GenerationResult | TextStream:
         """Generate a continuation of `prompt` (text, parsed with special tokens, or token ids).
 
         Stops at `max_tokens` (None: until the context is full), an end-of-generation token, a stop
@@ -271,13 +273,24 @@ class Model:
         many nodes (DDTree-style best-first with the top-1 chain first; n-gram drafts branch where
         the text went on differently) verified in one target pass; 0 drafts chains. Stats then
         report n_drafted, n_accepted, acceptance_rate, mean_acceptance_length, n_tree_nodes,
-        accepted_lengths (per verified draft) and draft / verify / rollback time."""
+        accepted_lengths (per verified draft) and draft / verify / rollback time.
+
+        Structured output: `grammar` (a deltaspec.Grammar, or a GBNF / Lark string) is enforced
+        while decoding, also with speculation (drafts the grammar forbids are cut before they are
+        verified, and every verified position is masked as plain decoding would mask it, so greedy
+        output is token-identical with and without speculation; draft trees are not available with
+        a grammar yet). The text ends when the grammar is complete (an end-of-generation token is
+        then allowed), or earlier at max_tokens."""
         validate_flag("stream", stream)
         request = self._request(prompt, max_tokens, SamplingOptions(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
             seed=seed), stop)
         request.speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min, tree_budget)
+        request.grammar = grammar_of(grammar)
+        if request.grammar is not None and tree_budget:
+            raise ValueError("tree_budget (draft trees) cannot be combined with a grammar yet; use chains "
+                             "(tree_budget=0)")
         generator = Generator(self, request)
         return TextStream(generator) if stream else generator.result()
 
@@ -304,7 +317,24 @@ class Model:
         sampling = SamplingOptions(**{k: o[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                                           "presence_penalty", "frequency_penalty", "penalty_last_n",
                                                           "seed")})
-        return self._request(prompt, o["max_tokens"], sampling, o["stop"])
+        request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
+        request.grammar = grammar_of(o["grammar"])
+        return request
+
+    def _constraint(self, request: _Request):
+        """The engine-side state of the request's grammar (None without one)."""
+        if request.grammar is None:
+            return None
+        from .constraint import GrammarConstraint
+
+        return GrammarConstraint(self.tokenizer, request.grammar)
+
+    @staticmethod
+    def _add_grammar_stats(out: dict, constraint) -> dict:
+        if constraint is not None:
+            out["grammar_masked_rows"] = constraint.n_masked_rows
+            out["grammar_cut_tokens"] = constraint.n_cut_tokens
+        return out
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], per_prompt: Sequence[dict] | None = None,
                        **generate_kwargs: Any) -> list[GenerationResult]:
@@ -315,7 +345,7 @@ class Model:
 
         generate_kwargs are generate()'s (max_tokens, temperature, ..., seed, stop), for every
         prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
-        max_tokens, seed or stop). Speculation (draft_model, spec_type) raises
+        max_tokens, seed, stop or grammar). Speculation (draft_model, spec_type) raises
         BatchSpeculationError; stream=True raises ValueError. cancel() stops every sequence."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise TypeError(f"prompts must be a non-empty list of prompts (str or token ids), got {prompts!r:.80}")
@@ -328,7 +358,9 @@ class Model:
         requests = [self._batch_request(p, {**generate_kwargs, **extra}, "generate_batch")
                     for p, extra in zip(prompts, per_prompt)]
         eog = sorted(self.tokenizer.eog_ids)
-        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop]) for r in requests]
+        constraints = [self._constraint(r) for r in requests]
+        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c)
+                  for r, c in zip(requests, constraints)]
         with engine_of(self) as engine:
             with self._control:
                 engine.clear_cancel()
@@ -338,7 +370,8 @@ class Model:
             finally:
                 with self._control:
                     self._batch_running = False
-        return [result_of(self.tokenizer, len(r.prompt), out)[0] for r, out in zip(requests, outs)]
+        return [result_of(self.tokenizer, len(r.prompt), self._add_grammar_stats(out, c))[0]
+                for r, out, c in zip(requests, outs, constraints)]
 
     # --- requests stepped by the caller (a server's loop) ----------------------------------------
     def add_request(self, prompt: str | Sequence[int], **generate_kwargs: Any) -> int:
@@ -346,10 +379,12 @@ class Model:
         returns its id. While requests are unfinished, one-sequence calls (generate, eval, ...)
         raise RuntimeError."""
         req = self._batch_request(prompt, generate_kwargs, "add_request")
+        constraint = self._constraint(req)
         with engine_of(self) as engine:
             request_id = engine.add_request(req.prompt, req.max_tokens, req.sampling.native(),
-                                            sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop])
-        self._request_prompts[request_id] = len(req.prompt)
+                                            sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop],
+                                            constraint=constraint)
+        self._request_prompts[request_id] = (len(req.prompt), constraint)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -361,8 +396,8 @@ class Model:
         for ev in events:
             result = None
             if ev["finished"]:
-                n_prompt = self._request_prompts.pop(ev["id"])
-                result = result_of(self.tokenizer, n_prompt, ev["result"])[0]
+                n_prompt, constraint = self._request_prompts.pop(ev["id"])
+                result = result_of(self.tokenizer, n_prompt, self._add_grammar_stats(ev["result"], constraint))[0]
             out.append(RequestOutput(ev["id"], list(ev["tokens"]), ev["finished"], result))
         return out
 
