@@ -103,7 +103,7 @@ def test_make_tiny_is_deterministic_and_has_the_template(tmp_path, monkeypatch):
         # a cache folder of its own: tiny_model_dir evicts other builds of the same name from its folder
         cached = tiny_model_dir(name, seed=seed, chat_template=chat_template,
                                 cache_dir=default_cache_dir() / "qwen35-template")
-        shutil.copytree(cached, folder)
+        shutil.copytree(cached, folder, dirs_exist_ok=True)
         return folder
 
     monkeypatch.setattr(make_tiny, "make_tiny_model", cached_make_tiny_model)

@@ -189,7 +189,7 @@ def test_load_state_resumes_without_rereading(path, llm):
     from-scratch generate on the same history, and only the new tokens were prefilled
     (stats.cached_tokens, from the engine's prefill counter). Seen red with load_sequence not
     writing the recurrent tensors (the continuation differed) and with the scheduler evaluating the
-    prompt from its start on top of the loaded state (tokens differed)."""
+    whole prompt on top of the loaded state (the prefill counter showed it re-read)."""
     first = llm.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
     state = llm.save_state()
     suffix = llm.tokenize(" and then")
