@@ -71,6 +71,26 @@ def test_constructor_names(path, capfd):
         Model()
 
 
+def test_progress_shows_before_the_file_is_read(path, capfd, monkeypatch):
+    """progress=True off a terminal: the first plain line is out before the GGUF is even read (a big
+    file takes seconds to validate), the last says it loaded. Seen red with _load_progress called
+    after read_gguf (nothing on stderr yet when the file was read)."""
+    from deltaspec import model as model_module
+
+    seen = []
+    real = model_module.read_gguf
+
+    def read_gguf(p):
+        seen.append(capfd.readouterr().err)
+        return real(p)
+
+    monkeypatch.setattr(model_module, "read_gguf", read_gguf)
+    with Model(path, n_ctx=256, n_threads=THREADS, progress=True):
+        pass
+    assert seen and seen[0].startswith("deltaspec: loading "), seen
+    assert "deltaspec: loaded " in capfd.readouterr().err
+
+
 def test_seeds(path):
     """Model(seed=S) is the default seed of every generate (repeatable); seed -1 (constructor or
     call) is random. Seen red with generate ignoring _default_seed (two calls differed)."""
