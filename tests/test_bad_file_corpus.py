@@ -228,7 +228,7 @@ def _model_calls(path, folder, n_vocab):
     for i, (name, prompt) in enumerate(BAD_PROMPTS):
         prompt = [n_vocab] if prompt == "N_VOCAB" else prompt
         calls.append((f"generate/prompt#{i}", name, lambda m, p=prompt: m.generate(p, max_tokens=2)))
-    for i, text in enumerate((5, None, b"hi")):
+    for i, text in enumerate((5, None, [104])):  # bytes are text, as llama-cpp-python takes it
         calls.append((f"tokenize/text#{i}", "text", lambda m, t=text: m.tokenize(t)))
     calls.append(("tokenize/special", "special", lambda m: m.tokenize("hi", special="yes")))
     for i, (name, ids) in enumerate((("outside the vocabulary", [-1]), ("outside the vocabulary", [n_vocab]),

@@ -51,4 +51,5 @@ def resolve(path: Any, model_path: Any, device: str | None, n_gpu_layers: Any, n
         raise ValueError(f"seed must be -1 (random) or an integer in [0, 2**64), got {seed!r}")
     # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF) also means "random"
     default_seed = None if seed in (None, -1, 0xFFFFFFFF) else seed
-    return LoadChoice(path if path is not None else model_path, device or "cpu", n_ubatch, default_seed)
+    return LoadChoice(path if path is not None else model_path, "cpu" if device is None else device, n_ubatch,
+                      default_seed)
