@@ -202,6 +202,26 @@ def test_ignore_eos_and_logit_bias(llm):
         llm.generate(PROMPT, logit_bias={1: math.inf})
 
 
+def test_cli_ignore_eos_reaches_generate(path, monkeypatch, capsys):
+    """`deltaspec run --ignore-eos` (refused before) runs and hands ignore_eos=True to generate; without
+    the flag it is not passed. Seen red with _sampling_kwargs leaving the flag out."""
+    from deltaspec.cli import main
+
+    seen = []
+    real = Model.generate
+
+    def generate(self, prompt, **kwargs):
+        seen.append(kwargs.get("ignore_eos", False))
+        return real(self, prompt, **kwargs)
+
+    monkeypatch.setattr(Model, "generate", generate)
+    base = ["run", "-m", str(path), "-p", "the cat", "-n", "6", "--temp", "0", "-t", "1", "-c", "256"]
+    assert main(base + ["--ignore-eos"]) == 0 and main(base) == 0
+    assert seen == [True, False]
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all(line.startswith("the cat") for line in out)
+
+
 # --- save_state / load_state --------------------------------------------------------------------------
 
 def test_load_state_resumes_without_rereading(path, llm):
