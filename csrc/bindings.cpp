@@ -92,15 +92,23 @@ py::dict result_dict(const GenerateResult & res) {
     out["stop_offset"] = res.stop_offset;
     out["prefill_seconds"] = res.prefill_seconds;
     out["decode_seconds"] = res.decode_seconds;
+    out["n_prefilled"] = res.n_prefilled;
+    if (!res.logprobs.empty()) {
+        out["logprobs"] = res.logprobs;
+        out["top_ids"] = res.top_ids;
+        out["top_logprobs"] = res.top_logprobs;
+    }
     return out;
 }
 
 py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
                      std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object callback,
-                     py::object constraint) {
+                     py::object constraint, int64_t n_cached, int32_t n_logprobs) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
     req.constraint = constraint_of(constraint);
+    req.n_cached = n_cached;
+    req.n_logprobs = n_logprobs;
     const TokenCallback on_token = make_callback(callback);
     GenerateResult res;
     {
@@ -441,7 +449,9 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("presence_penalty", &SamplingParams::presence_penalty)
         .def_readwrite("frequency_penalty", &SamplingParams::frequency_penalty)
         .def_readwrite("penalty_last_n", &SamplingParams::penalty_last_n)
-        .def_readwrite("seed", &SamplingParams::seed);
+        .def_readwrite("seed", &SamplingParams::seed)
+        .def_readwrite("logit_bias", &SamplingParams::logit_bias,
+                       "[(token, bias)] added to the logits after the penalties; -inf bans a token");
 
     py::class_<Runner>(m, "Engine")
         .def(py::init([](const std::string & path, const HParams & hp, int64_t n_ctx, int64_t n_ubatch, int n_threads,
@@ -491,7 +501,37 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("pieces"), "The detokenizer's bytes for every token id (used to find stop strings).")
         .def("generate", &generate_py, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"),
              py::arg("eog_ids"), py::arg("stop"), py::arg("callback") = py::none(), py::arg("constraint") = py::none(),
-             "Prefill a fresh sequence with prompt, then sample until a stop condition.")
+             py::arg("n_cached") = 0,
+             py::arg("n_logprobs") = -1,
+             "Prefill a fresh sequence with prompt (or, n_cached > 0, only what follows the first n_cached "
+             "tokens, which the state holds), then sample until a stop condition. n_logprobs >= 0 adds "
+             "logprobs / top_ids / top_logprobs to the result.")
+        .def("eval_hidden", [](Runner & r, Tokens tokens) {
+                 Engine & e = r.single();
+                 py::array_t<float> out({(int64_t)tokens.shape(0), e.hparams().n_embd});
+                 const int32_t * ids = tokens.data();
+                 float * dst = out.mutable_data();
+                 const int64_t n = tokens.shape(0);
+                 py::gil_scoped_release release;
+                 e.eval_hidden(ids, n, dst);
+                 return out;
+             }, py::arg("tokens"), "Append tokens; their final hidden states (after the output norm), (n, n_embd).")
+        .def("save_sequence", [](Runner & r) {
+                 Engine & e = r.single();
+                 std::vector<std::pair<std::string, std::string>> saved;
+                 {
+                     py::gil_scoped_release release;
+                     saved = e.save_sequence();
+                 }
+                 py::list out;
+                 for (auto & [name, bytes] : saved) out.append(py::make_tuple(name, py::bytes(bytes)));
+                 return out;
+             }, "The sequence's state: [(tensor name, bytes)] (KV rows up to n_past, recurrent state).")
+        .def("load_sequence", [](Runner & r, int64_t n_past, const std::vector<std::pair<std::string, std::string>> & t) {
+                 Engine & e = r.single();
+                 py::gil_scoped_release release;
+                 e.load_sequence(n_past, t);
+             }, py::arg("n_past"), py::arg("tensors"), "Restore a save_sequence() result into the sequence.")
         .def("generate_speculative", &generate_spec_py, py::arg("draft"), py::arg("ngram_max"), py::arg("prompt"),
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
              py::arg("n_min"), py::arg("callback") = py::none(), py::arg("tree_budget") = 0,

@@ -45,6 +45,9 @@ void Sampler::distribution(const float * logits, int64_t n_vocab, const std::vec
     const SamplingParams & p = params_;
     scratch_.assign(logits, logits + n_vocab);
     apply_penalties(scratch_, history);
+    for (const auto & [id, bias] : p.logit_bias) {
+        if (id >= 0 && id < n_vocab) scratch_[id] += bias;
+    }
     std::vector<float> & l = scratch_;
 
     out.ids.clear();

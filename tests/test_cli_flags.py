@@ -70,7 +70,7 @@ def test_llama_cpp_spelling_parses(args, attr, value):
     (["run", "-m", "m", "-p", "hi", "-n5"], "unrecognized flag -n5"),
     (["run", "-m", "m", "-p", "hi", "-sm", "row"], "-sm (--split-mode): llama.cpp's flag is not supported"),
     (["run", "-m", "m", "-p", "hi", "--mlock"], "--mlock: llama.cpp's flag is not supported"),
-    (["run", "-m", "m", "-p", "hi", "--ignore-eos"], "--ignore-eos: llama.cpp's flag is not supported"),
+    (["run", "-m", "m", "-p", "hi", "--typical", "0.5"], "--typical: llama.cpp's flag is not supported"),
     (["run", "-m", "m", "-p", "hi", "-r", "User:"], "-r (--reverse-prompt): llama.cpp's flag is not supported: "
                                                     "use --stop STR"),
     (["run", "-m", "m", "-p", "hi", "--no-jinja"], "--no-jinja: llama.cpp's flag is not supported"),

@@ -75,6 +75,7 @@ RUN_FLAGS = {
     "frequency_penalty": "--frequency-penalty", "penalty_last_n": "--repeat-last-n", "seed": "-s/--seed",
     "stop": "--stop", "draft_n_max": "--spec-draft-n-max", "draft_n_min": "--spec-draft-n-min",
     "draft_model": "-md/--model-draft", "spec_type": "--spec-type", "tree_budget": "--spec-tree-budget",
+    "ignore_eos": "--ignore-eos",
 }
 # structured output (llama.cpp's spellings): flag -> how its value becomes a deltaspec.Grammar
 GRAMMAR_FLAGS = {"--grammar": "text", "--grammar-file": "file", "-j/--json-schema": "schema",
@@ -142,6 +143,9 @@ def _add_run_parser(sub) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="N", help="(default: %(default)s)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="N", help="(default: %(default)s)")
     g.add_argument("-s", "--seed", type=int, default=-1, metavar="N", help="-1 = random (default: %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="never end at an end-of-generation token (its logit is set to -inf): -n or the context ends "
+                        "the text")
     p.add_argument("--stop", action="extend", nargs="+", default=[], metavar="STR",
                    help="stop when the output contains STR (not printed); may be given several times")
     p.add_argument("--no-display-prompt", action="store_true", help="do not print the prompt before the output")
@@ -234,9 +238,11 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
               repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
               frequency_penalty=args.frequency_penalty, penalty_last_n=args.repeat_last_n,
               seed=None if args.seed == -1 else args.seed)
+    if args.ignore_eos:
+        kw["ignore_eos"] = True
     args.stop = [_escaped(args, s) for s in args.stop]
     try:
-        SamplingOptions(**kw)
+        SamplingOptions(**{k: v for k, v in kw.items() if k != "ignore_eos"})
         validate_stop(args.stop)
     except ValueError as e:
         raise _flag_error(e) from None
@@ -375,7 +381,8 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
     # llama.cpp caps the physical batch at the logical one; this engine has only the physical one
     return dict(n_ctx=n_ctx, n_threads=args.threads, n_ubatch=min(args.batch_size, args.ubatch_size),
                 device=_device(args), type_k=args.cache_type_k, type_v=args.cache_type_v,
-                progress=False if args.log_disable else None)
+                # -v: plain progress lines when stderr is not a terminal (a bar on one, as without -v)
+                progress=False if args.log_disable else True if args.verbose else None)
 
 
 def _spec_kwargs(args: argparse.Namespace) -> dict:

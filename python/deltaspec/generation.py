@@ -45,6 +45,8 @@ class GenerationStats:
     grammar_masked_rows: int = 0
     grammar_cut_tokens: int = 0
     grammar_forced_tokens: int = 0
+    # prompt tokens the sequence already held (a resumed chat, load_state) and were not evaluated
+    cached_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -72,6 +74,10 @@ class GenerationResult:
     text: str                # the generated text, cut before a stop string, without the EOG token
     finish_reason: str       # "stop" | "length" | "cancelled"
     stats: GenerationStats
+    # generate(logprobs=k): per token, its log-probability under the raw logits (log_softmax, before
+    # penalties and temperature) and the k most probable (token, log-probability), best first
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -94,6 +100,7 @@ class _Request:
     stop: list[str] = field(default_factory=list)
     speculation: Speculation | None = None
     grammar: object | None = None  # a deltaspec.grammar.Grammar
+    n_logprobs: int = -1  # -1: no log-probabilities; k >= 0: with the top k
 
 
 def validate_stop(stop: str | Sequence[str] | None) -> list[str]:
@@ -214,9 +221,16 @@ class Generator:
                 constraint = GrammarConstraint(self._model.tokenizer, req.grammar)
             with self._model._busy:
                 engine = self._model._live()
+                cached, self._model._cached_tokens = self._model._cached_tokens, None
                 if req.speculation is None:
+                    # a sequence that holds a proper prefix of the prompt continues from it
+                    n_cached = (len(cached) if cached and len(cached) < len(req.prompt) and engine.n_past == len(cached)
+                                and req.prompt[:len(cached)] == cached else 0)
                     self._outcome = engine.generate(req.prompt, req.max_tokens, req.sampling.native(), eog, stop,
-                                                    callback, constraint=constraint)
+                                                    callback, constraint=constraint, n_cached=n_cached,
+                                                    n_logprobs=req.n_logprobs)
+                    # the state now holds the prompt and every generated token but the last
+                    self._model._cached_tokens = req.prompt + list(self._outcome["tokens"][:-1])
                 else:
                     self._outcome = self._run_speculative(engine, eog, stop, callback, constraint)
             if constraint is not None:
@@ -355,9 +369,18 @@ def result_of(tokenizer, n_prompt: int, out: dict) -> tuple[GenerationResult, by
     spec = {k: out[k] for k in ("n_steps", "n_drafted", "n_accepted", "n_tree_nodes", "accepted_lengths",
                                 "draft_seconds", "verify_seconds", "rollback_seconds", "grammar_masked_rows",
                                 "grammar_cut_tokens", "grammar_forced_tokens") if k in out}
+    cached = n_prompt - out["n_prefilled"] if out.get("n_prefilled") else 0  # 0: a speculative run, no count
     stats = GenerationStats(prompt_tokens=n_prompt, generated_tokens=len(tokens),
-                            prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"], **spec)
-    return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats), data
+                            prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"],
+                            cached_tokens=cached, **spec)
+    logprobs = top = None
+    if "logprobs" in out:
+        logprobs = list(out["logprobs"])
+        k = len(out["top_ids"]) // max(1, len(logprobs))
+        ids, lps = list(out["top_ids"]), list(out["top_logprobs"])
+        top = [list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k])) for i in range(len(logprobs))]
+    return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats,
+                            logprobs, top), data
 
 
 class TextStream:
