@@ -27,6 +27,8 @@ struct EngineOptions {
     std::string device = "cpu";   // "cpu" or "cuda"
     ggml_type type_k = GGML_TYPE_F16;  // KV cache types (Python maps llama.cpp's names to these)
     ggml_type type_v = GGML_TYPE_F16;
+    int tq_bits_k = 0;            // 3 or 4: the K (V) cache is tq3 / tq4 (ggml/deltaspec_tq.h), type_k (type_v) unused
+    int tq_bits_v = 0;
     int64_t n_slots = 0;          // the longest verify batch (0: no speculation)
     int64_t n_seq_max = 1;        // sequence slots
     LoadProgress progress;        // optional: hears (done_bytes, total_bytes) while weights upload

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "deltaspec_tq.h"
 #include "ggml-alloc.h"
 
 namespace deltaspec {
@@ -74,6 +75,7 @@ ggml_tensor * alias(ggml_context * ctx, ggml_tensor * whole, int64_t ne0, int64_
                     const std::string & name) {
     ggml_tensor * t = ne1 > 0 ? ggml_new_tensor_2d(ctx, whole->type, ne0, ne1) : ggml_new_tensor_1d(ctx, whole->type, ne0);
     ggml_set_name(t, name.c_str());
+    deltaspec_tq_copy_mark(t, whole);  // a tq cache's slot is tq too (a no-op for other tensors)
     if (offset + ggml_nbytes(t) > ggml_nbytes(whole) ||
         ggml_backend_tensor_alloc(whole->buffer, t, (char *)whole->data + offset) != GGML_STATUS_SUCCESS) {
         throw std::runtime_error("cannot place the state of a sequence slot");
@@ -84,7 +86,7 @@ ggml_tensor * alias(ggml_context * ctx, ggml_tensor * whole, int64_t ne0, int64_
 }  // namespace
 
 void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t n_seq, ggml_type type_k,
-                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend) {
+                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend, int tq_bits_k, int tq_bits_v) {
     if (n_seq < 1) throw std::invalid_argument("n_seq_max must be >= 1");
     pool.n_seq = n_seq;
     pool.n_ctx = (n_ctx + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
@@ -95,7 +97,21 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
     const int64_t kv_width = hp.n_head_kv * hp.head_dim;
     const int64_t conv_elems = (hp.ssm_conv_kernel - 1) * hp.conv_channels();
     const int64_t ssm_elems = hp.ssm_state_size * hp.ssm_state_size * hp.ssm_n_v_heads;
-    if (force_kv_f32()) type_k = type_v = GGML_TYPE_F32;
+    if (force_kv_f32()) {
+        type_k = type_v = GGML_TYPE_F32;
+        tq_bits_k = tq_bits_v = 0;
+    }
+    for (int bits : {tq_bits_k, tq_bits_v}) {
+        if (bits != 0 && !(bits == 3 || bits == 4)) throw std::invalid_argument("tq cache: bits must be 3 or 4");
+        if (bits != 0 && !deltaspec_tq_head_dim_ok(hp.head_dim)) {
+            throw std::invalid_argument("tq3/tq4 KV cache: the head dim must be 32, 64, 128 or 256, got " +
+                                        std::to_string(hp.head_dim));
+        }
+    }
+    auto new_cache = [&](ggml_type type, int bits) {
+        return bits ? deltaspec_tq_new_cache(pool.ctx, bits, hp.head_dim, hp.n_head_kv, pool.n_ctx * n_seq)
+                    : ggml_new_tensor_2d(pool.ctx, type, kv_width, pool.n_ctx * n_seq);
+    };
     for (auto * t : {&pool.k, &pool.v, &pool.conv, &pool.ssm}) t->assign(L, nullptr);
     std::vector<ggml_tensor *> conv_saved(L, nullptr), ssm_saved(L, nullptr);
     for (int il = 0; il < L; ++il) {
@@ -112,8 +128,8 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
                 ggml_set_name(ssm_saved[il], ("ssm_saved_" + suffix).c_str());
             }
         } else {
-            pool.k[il] = ggml_new_tensor_2d(pool.ctx, type_k, kv_width, pool.n_ctx * n_seq);
-            pool.v[il] = ggml_new_tensor_2d(pool.ctx, type_v, kv_width, pool.n_ctx * n_seq);
+            pool.k[il] = new_cache(type_k, tq_bits_k);
+            pool.v[il] = new_cache(type_v, tq_bits_v);
             ggml_set_name(pool.k[il], ("caches_k_" + suffix).c_str());
             ggml_set_name(pool.v[il], ("caches_v_" + suffix).c_str());
         }
@@ -143,10 +159,10 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
                     st.ssm_saved[il] = ssm_saved[il];
                 }
             } else {
-                st.k[il] = alias(pool.alias_ctx, pool.k[il], kv_width, pool.n_ctx, s * pool.n_ctx * pool.k[il]->nb[1],
-                                 "cache_k_" + suffix);
-                st.v[il] = alias(pool.alias_ctx, pool.v[il], kv_width, pool.n_ctx, s * pool.n_ctx * pool.v[il]->nb[1],
-                                 "cache_v_" + suffix);
+                st.k[il] = alias(pool.alias_ctx, pool.k[il], pool.k[il]->ne[0], pool.n_ctx,
+                                 s * pool.n_ctx * pool.k[il]->nb[1], "cache_k_" + suffix);
+                st.v[il] = alias(pool.alias_ctx, pool.v[il], pool.v[il]->ne[0], pool.n_ctx,
+                                 s * pool.n_ctx * pool.v[il]->nb[1], "cache_v_" + suffix);
             }
         }
     }
@@ -168,6 +184,7 @@ std::vector<StateTensorInfo> state_tensor_info(const StatePool & pool) {
                 info.layer = (int)il;
                 info.slot = (int)s;
                 info.type = t->type;
+                info.tq_bits = deltaspec_tq_cache_bits(t);
                 info.nbytes = ggml_nbytes(t);
                 info.ne0 = t->ne[0];
                 info.ne1 = t->ne[1];

@@ -18,7 +18,7 @@ from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation,
                          result_of, validate_flag, validate_stop)
 from .gguf_file import read_gguf
 from .qwen35 import check_tensors, read_hparams
-from .kv_cache import allocated_state, ggml_type, validate_cache_types
+from .kv_cache import allocated_state, engine_cache_args, validate_cache_types
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
 
@@ -141,8 +141,7 @@ class Model:
         on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
             self._engine = _core.Engine(self.path, self.hparams, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                                        n_threads=n_threads, device=device, type_k=int(ggml_type(type_k)),
-                                        type_v=int(ggml_type(type_v)),
+                                        n_threads=n_threads, device=device, **engine_cache_args(type_k, type_v),
                                         progress=on_bytes, n_seq_max=n_seq_max)
         except RuntimeError as e:  # the file passed validation: device, memory, or the file changed since
             message = str(e)

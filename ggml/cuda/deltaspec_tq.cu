@@ -1,0 +1,334 @@
+// The tq KV cache nodes on CUDA (ggml/deltaspec_tq.h), run by ggml-cuda's renamed entries
+// (inject.cmake): ggml_cuda_op_set_rows -> deltaspec_tq_op_set_rows, ggml_cuda_flash_attn_ext ->
+// deltaspec_tq_flash_attn_ext, and FA's support and allocation-size queries; every other node goes to
+// ggml's function.
+//
+// Quantize-on-write: one warp per head vector, lane l holding values l*D/32 .. (l+1)*D/32-1. The
+// rotation's butterflies run in registers for the stages inside a lane and through shuffles for the
+// others; the sums are the lanes' fused multiply-adds in order, then a butterfly reduction. That is
+// the arithmetic of ggml/deltaspec_tq_codec.h step for step, with every operation an explicit
+// round-to-nearest intrinsic (ggml-cuda compiles with -use_fast_math, which would otherwise contract
+// and approximate), so the bytes equal the CPU quantizer's.
+//
+// Attention: Q is rotated when K is tq, the visible K/V rows of a tq side are decoded to F16 in the
+// rotated domain, and ggml's own flash attention (its vector kernel for a token, its tensor-core
+// kernel for batches) runs on them; the output is rotated back when V is tq. Decoding costs a write
+// and a read of F16 K/V per step, so at long context a decode step moves more bytes than q4_0's
+// (which ggml's vector kernel reads in place). Not done (yet): a vector kernel that reads tq rows in
+// place.
+#include "common.cuh"
+#include "fattn.cuh"
+#include "set-rows.cuh"
+
+#include "deltaspec_tq.h"
+#include "deltaspec_tq_codebook.h"
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+__constant__ float c_tq3_centroids[DELTASPEC_TQ_N_HEAD_DIMS][8] = DELTASPEC_TQ3_CENTROIDS_INIT;
+__constant__ float c_tq3_thresholds[DELTASPEC_TQ_N_HEAD_DIMS][7] = DELTASPEC_TQ3_THRESHOLDS_INIT;
+__constant__ float c_tq4_centroids[DELTASPEC_TQ_N_HEAD_DIMS][16] = DELTASPEC_TQ4_CENTROIDS_INIT;
+__constant__ float c_tq4_thresholds[DELTASPEC_TQ_N_HEAD_DIMS][15] = DELTASPEC_TQ4_THRESHOLDS_INIT;
+__constant__ uint64_t c_tq_signs[8] = DELTASPEC_TQ_SIGNS_INIT;
+
+constexpr int kWarpsPerBlock = 4;
+
+template <int D> __host__ __device__ constexpr int dim_index() { return D == 32 ? 0 : D == 64 ? 1 : D == 128 ? 2 : 3; }
+// 1/sqrt(D) as ggml/deltaspec_tq_codec.h's inv_sqrt_dim
+template <int D> __device__ __forceinline__ float inv_sqrt_dim() {
+    return D == 32 ? 0.17677669529663687f : D == 64 ? 0.125f : D == 128 ? 0.08838834764831845f : 0.0625f;
+}
+
+__device__ __forceinline__ bool negated(int i) { return (c_tq_signs[i / 64] >> (i % 64)) & 1; }
+
+template <int BITS, int D> __device__ __forceinline__ float centroid(int k) {
+    return BITS == 3 ? c_tq3_centroids[dim_index<D>()][k] : c_tq4_centroids[dim_index<D>()][k];
+}
+template <int BITS, int D> __device__ __forceinline__ float threshold(int k) {
+    return BITS == 3 ? c_tq3_thresholds[dim_index<D>()][k] : c_tq4_thresholds[dim_index<D>()][k];
+}
+
+// The Walsh-Hadamard butterflies of the warp's D values (N = D/32 per lane), stages ascending.
+template <int N> __device__ __forceinline__ void fwht_warp(float (&y)[N], int lane) {
+#pragma unroll
+    for (int h = 1; h < N; h *= 2) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            if ((k & h) == 0) {
+                const float a = y[k], b = y[k + h];
+                y[k] = __fadd_rn(a, b);
+                y[k + h] = __fsub_rn(a, b);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 1; m < 32; m *= 2) {  // stage h = m * N pairs lane with lane ^ m
+        const bool upper = lane & m;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            const float other = __shfl_xor_sync(0xffffffff, y[k], m);
+            y[k] = upper ? __fsub_rn(other, y[k]) : __fadd_rn(y[k], other);
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float p) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) p = __fadd_rn(p, __shfl_xor_sync(0xffffffff, p, off));
+    return p;
+}
+
+// y = R x (inverse: x = R^T y) of one head vector per warp, in registers
+template <int D> __device__ __forceinline__ void rotate_warp(float (&y)[D / 32], int lane, bool inverse) {
+    constexpr int N = D / 32;
+    if (!inverse) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) y[k] = negated(lane * N + k) ? -y[k] : y[k];
+    }
+    fwht_warp<N>(y, lane);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        y[k] = __fmul_rn(y[k], inv_sqrt_dim<D>());
+        if (inverse && negated(lane * N + k)) y[k] = -y[k];
+    }
+}
+
+// x: F32 rows (row t at x + t * x_nb1, head h at h*D floats); cache row idx[t], head h at h * head bytes
+template <int BITS, int D>
+__global__ void tq_quantize(const char * __restrict__ x, size_t x_nb1, const int64_t * __restrict__ idx,
+                            char * __restrict__ cache, size_t cache_nb1, int64_t T, int64_t H) {
+    constexpr int N = D / 32, HB = 2 + D * BITS / 8, LEVELS = 1 << BITS;
+    __shared__ uint8_t s_idx[kWarpsPerBlock][D];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t vec = (int64_t)blockIdx.x * kWarpsPerBlock + warp;
+    if (vec >= T * H) return;  // whole warps leave together
+    const int64_t t = vec / H, h = vec % H;
+    const float * src = (const float *)(x + t * x_nb1) + h * D + lane * N;
+    float y[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) y[k] = src[k];
+    rotate_warp<D>(y, lane, false);
+
+    float p = 0.0f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) p = __fmaf_rn(y[k], y[k], p);
+    const float sigma = __fsqrt_rn(__fmul_rn(warp_sum(p), 1.0f / (float)D));
+    float num = 0.0f, den = 0.0f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        int n = 0;
+#pragma unroll
+        for (int c = 0; c + 1 < LEVELS; ++c) n += y[k] > __fmul_rn(sigma, threshold<BITS, D>(c));
+        s_idx[warp][lane * N + k] = (uint8_t)n;
+        const float cv = centroid<BITS, D>(n);
+        num = __fmaf_rn(y[k], cv, num);
+        den = __fmaf_rn(cv, cv, den);
+    }
+    num = warp_sum(num);
+    den = warp_sum(den);
+    const float d = den > 0.0f ? __fdiv_rn(num, den) : 0.0f;
+    __syncwarp();
+
+    uint8_t * out = (uint8_t *)(cache + idx[t] * cache_nb1) + h * HB;
+    const uint8_t * ix = s_idx[warp];
+    if (lane == 0) {
+        const half hd = __float2half_rn(d);
+        memcpy(out, &hd, 2);
+    }
+    uint8_t * qs = out + 2;
+    if (BITS == 3) {
+        for (int j = lane; j < D / 4; j += 32) {
+            qs[j] = (uint8_t)((ix[4 * j] & 3) | (ix[4 * j + 1] & 3) << 2 | (ix[4 * j + 2] & 3) << 4 | (ix[4 * j + 3] & 3) << 6);
+        }
+        for (int j = lane; j < D / 8; j += 32) {
+            uint8_t b = 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) b |= (uint8_t)((ix[8 * j + k] >> 2) << k);
+            qs[D / 4 + j] = b;
+        }
+    } else {
+        for (int j = lane; j < D / 2; j += 32) qs[j] = (uint8_t)(ix[2 * j] | ix[2 * j + 1] << 4);
+    }
+}
+
+// n_vec vectors of D floats: vector v = (i0, i1, i2) with v = i0 + n0 * (i1 + n1 * i2) read at
+// src + i0*nb1 + i1*nb2 + i2*nb3, written contiguously to dst + v*D; rotated (or back).
+template <int D>
+__global__ void tq_rotate(const char * __restrict__ src, size_t nb1, size_t nb2, size_t nb3, int64_t n0, int64_t n1,
+                          int64_t n_vec, float * __restrict__ dst, bool inverse) {
+    constexpr int N = D / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t v = (int64_t)blockIdx.x * kWarpsPerBlock + warp;
+    if (v >= n_vec) return;
+    const int64_t i0 = v % n0, i1 = v / n0 % n1, i2 = v / (n0 * n1);
+    const float * s = (const float *)(src + i0 * nb1 + i1 * nb2 + i2 * nb3) + lane * N;
+    float y[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) y[k] = s[k];
+    rotate_warp<D>(y, lane, inverse);
+#pragma unroll
+    for (int k = 0; k < N; ++k) dst[v * D + lane * N + k] = y[k];
+}
+
+// tq rows [n_kv, Hkv, n_streams] (row (j, hk, n) at src + j*nb1 + hk*nb2 + n*nb3) -> F16 contiguous
+// [D, n_kv, Hkv, n_streams] in the rotated domain; one warp per row
+template <int BITS, int D>
+__global__ void tq_decode(const char * __restrict__ src, size_t nb1, size_t nb2, size_t nb3, int64_t n_kv, int64_t Hkv,
+                          int64_t n_rows, half * __restrict__ dst) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t r = (int64_t)blockIdx.x * kWarpsPerBlock + warp;
+    if (r >= n_rows) return;
+    const int64_t j = r % n_kv, hk = r / n_kv % Hkv, n = r / (n_kv * Hkv);
+    const uint8_t * in = (const uint8_t *)(src + j * nb1 + hk * nb2 + n * nb3);
+    half hd;
+    memcpy(&hd, in, 2);
+    const float d = __half2float(hd);
+    const uint8_t * qs = in + 2;
+    for (int i = lane; i < D; i += 32) {
+        const int k = BITS == 3 ? ((qs[i / 4] >> (2 * (i % 4))) & 3) | ((qs[D / 4 + i / 8] >> (i % 8)) & 1) << 2
+                                : (qs[i / 2] >> (4 * (i % 2))) & 15;
+        dst[r * D + i] = __float2half(d * centroid<BITS, D>(k));
+    }
+}
+
+int64_t n_blocks(int64_t n_warps) { return (n_warps + kWarpsPerBlock - 1) / kWarpsPerBlock; }
+
+template <int D> void launch_quantize(int bits, const ggml_tensor * dst, cudaStream_t stream) {
+    const ggml_tensor * x = dst->src[0];
+    const ggml_tensor * idx = dst->src[1];
+    const int64_t T = x->ne[1], H = x->ne[0] / D;
+    if (T == 0) return;
+    auto * k = bits == 3 ? tq_quantize<3, D> : tq_quantize<4, D>;
+    k<<<n_blocks(T * H), 32 * kWarpsPerBlock, 0, stream>>>((const char *)x->data, x->nb[1], (const int64_t *)idx->data,
+                                                           (char *)dst->data, dst->nb[1], T, H);
+}
+
+template <int D> void launch_rotate(const char * src, size_t nb1, size_t nb2, size_t nb3, int64_t n0, int64_t n1,
+                                    int64_t n2, float * dst, bool inverse, cudaStream_t stream) {
+    const int64_t n_vec = n0 * n1 * n2;
+    tq_rotate<D><<<n_blocks(n_vec), 32 * kWarpsPerBlock, 0, stream>>>(src, nb1, nb2, nb3, n0, n1, n_vec, dst, inverse);
+}
+
+template <int D> void launch_decode(int bits, const ggml_tensor * t, half * dst, cudaStream_t stream) {
+    const int64_t n_rows = t->ne[1] * t->ne[2] * t->ne[3];
+    auto * k = bits == 3 ? tq_decode<3, D> : tq_decode<4, D>;
+    k<<<n_blocks(n_rows), 32 * kWarpsPerBlock, 0, stream>>>((const char *)t->data, t->nb[1], t->nb[2], t->nb[3],
+                                                            t->ne[1], t->ne[2], n_rows, dst);
+}
+
+// fn<D>(args...) for the head dims the tq types serve
+#define DELTASPEC_TQ_BY_DIM(D, fn, ...)                       \
+    switch (D) {                                              \
+        case 32: fn<32>(__VA_ARGS__); break;                  \
+        case 64: fn<64>(__VA_ARGS__); break;                  \
+        case 128: fn<128>(__VA_ARGS__); break;                \
+        case 256: fn<256>(__VA_ARGS__); break;                \
+        default: GGML_ABORT("tq: unsupported head dim %d", (int)(D)); \
+    }
+
+// The node ggml's flash attention runs instead of ours: the tq sides replaced by F16 tensors of D
+// values per row (contiguous, data set by the caller), the magic cleared.
+struct PlainAttention {
+    ggml_tensor node, q, k, v;
+    explicit PlainAttention(const ggml_tensor * dst) {
+        node = *dst;
+        node.op_params[DELTASPEC_TQ_FA_PARAM] = 0;
+        const int bits_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1], bits_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
+        const int64_t D = dst->src[0]->ne[0];
+        q = *dst->src[0];
+        k = *dst->src[1];
+        v = *dst->src[2];
+        if (bits_k) {
+            as_contiguous(q, GGML_TYPE_F32, D);  // the rotated copy
+            as_contiguous(k, GGML_TYPE_F16, D);
+        }
+        if (bits_v) as_contiguous(v, GGML_TYPE_F16, D);
+        node.src[0] = &q;
+        node.src[1] = &k;
+        node.src[2] = &v;
+    }
+    static void as_contiguous(ggml_tensor & t, ggml_type type, int64_t D) {
+        t.type = type;
+        t.ne[0] = D;
+        t.nb[0] = ggml_type_size(type);
+        for (int i = 1; i < GGML_MAX_DIMS; ++i) t.nb[i] = t.nb[i - 1] * t.ne[i - 1];
+        t.view_src = nullptr;
+        t.view_offs = 0;
+        t.op = GGML_OP_NONE;
+    }
+};
+
+void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const int bits_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1], bits_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
+    const ggml_tensor *Q = dst->src[0], *K = dst->src[1], *V = dst->src[2];
+    const int64_t D = Q->ne[0];
+    cudaStream_t stream = ctx.stream();
+    PlainAttention plain(dst);
+
+    ggml_cuda_pool_alloc<float> q_rot(ctx.pool());
+    ggml_cuda_pool_alloc<half> k16(ctx.pool()), v16(ctx.pool());
+    if (bits_k) {
+        q_rot.alloc(ggml_nelements(Q));
+        DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)Q->data, Q->nb[1], Q->nb[2], Q->nb[3], Q->ne[1], Q->ne[2],
+                                              Q->ne[3], q_rot.get(), false, stream);
+        plain.q.data = q_rot.get();
+        k16.alloc(D * K->ne[1] * K->ne[2] * K->ne[3]);
+        DELTASPEC_TQ_BY_DIM(D, launch_decode, bits_k, K, k16.get(), stream);
+        plain.k.data = k16.get();
+    }
+    if (bits_v) {
+        v16.alloc(D * V->ne[1] * V->ne[2] * V->ne[3]);
+        DELTASPEC_TQ_BY_DIM(D, launch_decode, bits_v, V, v16.get(), stream);
+        plain.v.data = v16.get();
+    }
+    // ggml's attention writes into a buffer of the size it asks for (room for its own F16 copies of
+    // a side that is neither tq nor F16), then the output goes to dst (rotated back when V is tq)
+    plain.node.data = nullptr;
+    const size_t out_bytes = ggml_cuda_flash_attn_ext_get_alloc_size(ctx.device, &plain.node) + 256;
+    ggml_cuda_pool_alloc<char> out(ctx.pool(), out_bytes);
+    plain.node.data = (void *)GGML_PAD((uintptr_t)out.get(), 128);
+    ggml_cuda_flash_attn_ext(ctx, &plain.node);
+    if (bits_v) {
+        const size_t f = sizeof(float);
+        DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)plain.node.data, D * f, D * f * dst->ne[1],
+                                              D * f * dst->ne[1] * dst->ne[2], dst->ne[1], dst->ne[2], dst->ne[3],
+                                              (float *)dst->data, true, stream);
+    } else {
+        CUDA_CHECK(cudaMemcpyAsync(dst->data, plain.node.data, ggml_nbytes(dst), cudaMemcpyDeviceToDevice, stream));
+    }
+}
+
+}  // namespace
+
+// ggml-cuda.cu's calls, renamed (inject.cmake)
+void deltaspec_tq_op_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (!deltaspec_tq_is_set_rows(dst)) {
+        ggml_cuda_op_set_rows(ctx, dst);
+        return;
+    }
+    const int bits = dst->op_params[1];
+    DELTASPEC_TQ_BY_DIM(dst->op_params[2], launch_quantize, bits, dst, ctx.stream());
+}
+
+void deltaspec_tq_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (deltaspec_tq_is_flash_attn(dst)) {
+        tq_flash_attn(ctx, dst);
+    } else {
+        ggml_cuda_flash_attn_ext(ctx, dst);
+    }
+}
+
+bool deltaspec_tq_flash_attn_ext_supported(int device, const ggml_tensor * dst) {
+    if (!deltaspec_tq_is_flash_attn(dst)) return ggml_cuda_flash_attn_ext_supported(device, dst);
+    PlainAttention plain(dst);
+    return deltaspec_tq_head_dim_ok(dst->src[0]->ne[0]) && ggml_cuda_flash_attn_ext_supported(device, &plain.node);
+}
+
+// our node's output is plain: ggml's scratch goes into a pool buffer of its own (tq_flash_attn)
+size_t deltaspec_tq_flash_attn_ext_get_alloc_size(int device, const ggml_tensor * dst) {
+    if (!deltaspec_tq_is_flash_attn(dst)) return ggml_cuda_flash_attn_ext_get_alloc_size(device, dst);
+    return ggml_nbytes(dst);
+}
