@@ -20,7 +20,8 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kLanes = 32;  // the partial sums of a CUDA warp
 
 // The test-only planted bugs (tests/test_turboquant.py): DELTASPEC_TEST_TQ_BUG names one for the
-// process ("uniform_codebook": evenly spaced levels instead of Lloyd-Max; "no_rotation": R = I).
+// process ("uniform_codebook": evenly spaced levels instead of Lloyd-Max; "no_rotation": R = I;
+// "v_not_rotated_back": the CPU attention node leaves a tq V's output in the rotated domain).
 inline bool planted(const char * name) {
     static const char * const bug = std::getenv("DELTASPEC_TEST_TQ_BUG");
     return bug != nullptr && std::strcmp(bug, name) == 0;

@@ -130,7 +130,7 @@ void tq_flash_attn(const ggml_compute_params * params, ggml_tensor * dst) {
             float * o = &acc[a * D];
             const float inv = s[a] > 0.0f ? 1.0f / s[a] : 0.0f;
             for (int64_t i = 0; i < D; ++i) o[i] *= inv;
-            if (bits_v) unrotate(o, D);
+            if (bits_v && !planted("v_not_rotated_back")) unrotate(o, D);  // planted: output left rotated
             memcpy((char *)dst->data + h * dst->nb[1] + t * dst->nb[2] + n * dst->nb[3], o, D * sizeof(float));
         }
     }
