@@ -41,7 +41,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "testbed"))
 
-TYPES = ["f16", "q8_0", "q5_0", "q4_0", "tq4", "tq3"]  # f16 first: the reference
+TYPES = ["f16", "q8_0", "q8_0+rot", "q5_0", "q5_0+rot", "q4_0", "q4_0+rot", "tq4", "tq3"]  # f16 first: the reference
 ROTATABLE = ["q8_0", "q5_0", "q4_0"]
 DEFAULT_MODEL = "/work/testbed_files/target.gguf"
 DEFAULT_OUT = HERE / "results" / "latest" / "kv_quality.json"
@@ -156,7 +156,7 @@ def cache_alone(model_path: str, windows: list[list[int]], threads: int) -> list
     for w, window in enumerate(windows):
         rows = cache_rows(model_path, window[:-1], threads)
         for kind, x in rows.items():
-            for t in TYPES[1:]:
+            for t in (t for t in TYPES[1:] if not t.endswith("+rot")):
                 out.append({"window": w, "kind": kind, "type": t, "rotated": t.startswith("tq"),
                             "rel_mse": relative_mse(x, t, False)})
             for t in ROTATABLE:

@@ -154,10 +154,11 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
 
     // Append this batch's K/V rows to the cache (converting to the cache type), then attend over
     // the first n_kv rows; the mask hides rows past each query's position. A tq3/tq4 cache has its
-    // own write and attention nodes (ggml/deltaspec_tq.h); a head's row in it is head_bytes long.
+    // own write and attention nodes (ggml/deltaspec_tq.h), as has a rotated cache of a ggml type; a
+    // head's row in a tq cache is head_bytes long.
     ggml_build_forward_expand(gf, deltaspec_kv_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, D * Hkv, T), in.kv_rows));
     ggml_build_forward_expand(gf, deltaspec_kv_set_rows(ctx, v_cache, vp, in.kv_rows));
-    const int bits_k = deltaspec_tq_cache_bits(k_cache), bits_v = deltaspec_tq_cache_bits(v_cache);
+    const int format_k = deltaspec_kv_format(k_cache), format_v = deltaspec_kv_format(v_cache);
     ggml_tensor * out = nullptr;
     if (in.n_seqs > 0) {
         // one FA stream per sequence: its slot's first n_kv KV rows, its own queries and mask rows
@@ -171,7 +172,7 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
         };
         ggml_tensor * qs = ggml_permute(ctx, ggml_reshape_4d(ctx, q, D, H, Tq, N), 0, 2, 1, 3);  // {D, Tq, H, N}
         out = deltaspec_kv_flash_attn(ctx, qs, streams(k_cache), streams(v_cache), in.kq_mask,
-                                      1.0f / std::sqrt((float)D), bits_k, bits_v);
+                                      1.0f / std::sqrt((float)D), format_k, format_v);
     } else {
         ggml_tensor * kv_k = ggml_view_3d(ctx, k_cache, deltaspec_kv_head_ne0(k_cache, D), Hkv, in.n_kv,
                                           deltaspec_kv_head_bytes(k_cache, D), k_cache->nb[1], 0);
@@ -179,7 +180,7 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
                                           deltaspec_kv_head_bytes(v_cache, D), v_cache->nb[1], 0);
         out = deltaspec_kv_flash_attn(ctx, ggml_permute(ctx, q, 0, 2, 1, 3), ggml_permute(ctx, kv_k, 0, 2, 1, 3),
                                       ggml_permute(ctx, kv_v, 0, 2, 1, 3), in.kq_mask, 1.0f / std::sqrt((float)D),
-                                      bits_k, bits_v);
+                                      format_k, format_v);
     }
     ggml_prec_set_acc(out, GGML_PREC_F32);
     out = ggml_reshape_2d(ctx, out, H * D, T);  // FA returns {D, H, T} ({D, H, Tq, N} for streams)

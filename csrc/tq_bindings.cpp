@@ -144,6 +144,7 @@ U8 set_rows_node(const std::string & device, int bits, const F32 & x, const py::
 // Attention through the caches: k and v (n_kv, H_kv, D) are written into caches of type_k / type_v
 // ("tq3", "tq4" or a ggml type name such as "f16") by the engine's write nodes, then attended by the
 // engine's attention node with q (T, H, D) and mask (T, n_kv) (0 or -inf). Returns (T, H, D).
+// "q4_0+rot" etc.: a rotated cache of that ggml type.
 F32 attention_node(const std::string & device, const F32 & q, const F32 & k, const F32 & v, const F32 & mask,
                    const std::string & type_k, const std::string & type_v, float scale, int n_threads) {
     if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || mask.ndim() != 2) {
@@ -158,9 +159,12 @@ F32 attention_node(const std::string & device, const F32 & q, const F32 & k, con
     ggml_context * ctx = g.ctx();
     auto cache_of = [&](const std::string & type) -> ggml_tensor * {
         if (type == "tq3" || type == "tq4") return deltaspec_tq_new_cache(ctx, type == "tq3" ? 3 : 4, D, Hkv, n_kv);
+        const bool rotated = type.size() > 4 && type.compare(type.size() - 4, 4, "+rot") == 0;
+        const std::string name = rotated ? type.substr(0, type.size() - 4) : type;
         for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
-            if (ggml_get_type_traits((ggml_type)t)->type_name && type == ggml_type_name((ggml_type)t)) {
-                return ggml_new_tensor_2d(ctx, (ggml_type)t, Hkv * D, n_kv);
+            if (ggml_get_type_traits((ggml_type)t)->type_name && name == ggml_type_name((ggml_type)t)) {
+                return rotated ? deltaspec_kv_new_rotated_cache(ctx, (ggml_type)t, D, Hkv, n_kv)
+                               : ggml_new_tensor_2d(ctx, (ggml_type)t, Hkv * D, n_kv);
             }
         }
         throw std::invalid_argument("unknown cache type '" + type + "'");
@@ -188,7 +192,7 @@ F32 attention_node(const std::string & device, const F32 & q, const F32 & k, con
         return ggml_permute(ctx, view, 0, 2, 1, 3);
     };
     ggml_tensor * out = deltaspec_kv_flash_attn(ctx, ggml_permute(ctx, qt, 0, 2, 1, 3), heads(kc), heads(vc), mt, scale,
-                                                deltaspec_tq_cache_bits(kc), deltaspec_tq_cache_bits(vc));
+                                                deltaspec_kv_format(kc), deltaspec_kv_format(vc));
     ggml_prec_set_acc(out, GGML_PREC_F32);
     g.expand(out);
     g.compute();

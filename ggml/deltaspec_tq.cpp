@@ -45,9 +45,28 @@ void deltaspec_tq_copy_mark(ggml_tensor * to, const ggml_tensor * from) {
     for (int p : {MARK_MAGIC, MARK_BITS, MARK_HEAD_DIM}) to->op_params[p] = from->op_params[p];
 }
 
-int deltaspec_tq_cache_bits(const ggml_tensor * cache) {
+ggml_tensor * deltaspec_kv_new_rotated_cache(ggml_context * ctx, ggml_type type, int64_t head_dim, int64_t n_heads,
+                                             int64_t n_rows) {
+    check_cache_args(3, head_dim);
+    if (!ggml_is_quantized(type) || head_dim % ggml_blck_size(type) != 0) {
+        GGML_ABORT("deltaspec_kv_new_rotated_cache: %s is not a quantized type of whole blocks per head of %lld",
+                   ggml_type_name(type), (long long)head_dim);
+    }
+    ggml_tensor * t = ggml_new_tensor_2d(ctx, type, n_heads * head_dim, n_rows);
+    t->op_params[MARK_MAGIC] = DELTASPEC_TQ_MAGIC;
+    t->op_params[MARK_BITS] = DELTASPEC_KV_ROTATED;
+    t->op_params[MARK_HEAD_DIM] = (int32_t)head_dim;
+    return t;
+}
+
+int deltaspec_kv_format(const ggml_tensor * cache) {
     if (cache == nullptr || cache->op != GGML_OP_NONE || cache->op_params[MARK_MAGIC] != DELTASPEC_TQ_MAGIC) return 0;
     return cache->op_params[MARK_BITS];
+}
+
+int deltaspec_tq_cache_bits(const ggml_tensor * cache) {
+    const int format = deltaspec_kv_format(cache);
+    return bits_ok(format) ? format : 0;
 }
 
 int64_t deltaspec_kv_head_ne0(const ggml_tensor * cache, int64_t head_dim) {
@@ -61,10 +80,10 @@ size_t deltaspec_kv_head_bytes(const ggml_tensor * cache, int64_t head_dim) {
 }
 
 ggml_tensor * deltaspec_kv_set_rows(ggml_context * ctx, ggml_tensor * cache, ggml_tensor * x, ggml_tensor * idx) {
-    const int bits = deltaspec_tq_cache_bits(cache);
-    if (bits == 0) return ggml_set_rows(ctx, cache, x, idx);
+    const int format = deltaspec_kv_format(cache), bits = deltaspec_tq_cache_bits(cache);
+    if (format == DELTASPEC_KV_PLAIN) return ggml_set_rows(ctx, cache, x, idx);
     const int64_t D = cache_head_dim(cache);
-    const int64_t n_heads = cache->ne[0] * 2 / (int64_t)deltaspec_tq_head_bytes(bits, D);
+    const int64_t n_heads = bits ? cache->ne[0] * 2 / (int64_t)deltaspec_tq_head_bytes(bits, D) : cache->ne[0] / D;
     if (x->type != GGML_TYPE_F32 || x->ne[0] != n_heads * D || x->nb[0] != sizeof(float) || x->ne[2] != 1 ||
         x->ne[3] != 1 || idx->type != GGML_TYPE_I64 || idx->ne[0] != x->ne[1] || !ggml_is_contiguous(idx)) {
         GGML_ABORT("deltaspec_kv_set_rows: x must be F32 [%lld, T] with rows contiguous and idx I64 [T], got x %s "
@@ -78,19 +97,23 @@ ggml_tensor * deltaspec_kv_set_rows(ggml_context * ctx, ggml_tensor * cache, ggm
     result->src[1] = idx;
     result->src[2] = cache;  // as ggml_set_rows (the destination among the sources)
     result->op_params[0] = DELTASPEC_TQ_MAGIC;
-    result->op_params[1] = bits;
+    result->op_params[1] = format;
     result->op_params[2] = (int32_t)D;
     return result;
 }
 
 ggml_tensor * deltaspec_kv_flash_attn(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
-                                      ggml_tensor * mask, float scale, int bits_k, int bits_v) {
-    if (bits_k == 0 && bits_v == 0) return ggml_flash_attn_ext(ctx, q, k, v, mask, scale, 0.0f, 0.0f);
-    const int64_t D = q->ne[0];
-    if ((bits_k && !bits_ok(bits_k)) || (bits_v && !bits_ok(bits_v)) || !deltaspec_tq_head_dim_ok(D)) {
-        GGML_ABORT("deltaspec_kv_flash_attn: bits 0, 3 or 4 and head dim 32..256 (power of two), got bits_k=%d "
-                   "bits_v=%d D=%lld", bits_k, bits_v, (long long)D);
+                                      ggml_tensor * mask, float scale, int format_k, int format_v) {
+    if (format_k == DELTASPEC_KV_PLAIN && format_v == DELTASPEC_KV_PLAIN) {
+        return ggml_flash_attn_ext(ctx, q, k, v, mask, scale, 0.0f, 0.0f);
     }
+    const int64_t D = q->ne[0];
+    auto format_ok = [](int f) { return f == DELTASPEC_KV_PLAIN || f == DELTASPEC_KV_ROTATED || bits_ok(f); };
+    if (!format_ok(format_k) || !format_ok(format_v) || !deltaspec_tq_head_dim_ok(D)) {
+        GGML_ABORT("deltaspec_kv_flash_attn: formats 0, 1, 3 or 4 and head dim 32..256 (power of two), got %d, %d, "
+                   "D=%lld", format_k, format_v, (long long)D);
+    }
+    const int bits_k = bits_ok(format_k) ? format_k : 0, bits_v = bits_ok(format_v) ? format_v : 0;
     const struct {
         const ggml_tensor * t;
         int bits;
@@ -118,8 +141,8 @@ ggml_tensor * deltaspec_kv_flash_attn(ggml_context * ctx, ggml_tensor * q, ggml_
     memcpy(result->op_params, params, sizeof(params));
     result->op_params[3] = GGML_PREC_DEFAULT;
     result->op_params[DELTASPEC_TQ_FA_PARAM] = DELTASPEC_TQ_MAGIC;
-    result->op_params[DELTASPEC_TQ_FA_PARAM + 1] = bits_k;
-    result->op_params[DELTASPEC_TQ_FA_PARAM + 2] = bits_v;
+    result->op_params[DELTASPEC_TQ_FA_PARAM + 1] = format_k;
+    result->op_params[DELTASPEC_TQ_FA_PARAM + 2] = format_v;
     return result;
 }
 

@@ -38,6 +38,10 @@
 //   - quantize-on-write: a GGML_OP_SET_ROWS node (magic in op_params[0]) from F32 rows;
 //   - dequantize-in-attention: a GGML_OP_FLASH_ATTN_EXT node (magic in op_params[4]); K and V may be
 //     tq3, tq4 or any ggml type the backend's attention reads (f16, q8_0, ...), in any mix.
+// The same two nodes also give ggml's own quantized types the rotation (a "rotated" cache: a plain
+// ggml tensor of that type marked DELTASPEC_KV_ROTATED, whose rows hold R x quantized by ggml's
+// rounding): llama.cpp rotates its quantized caches alike (with the plain Hadamard transform), which
+// spreads outlier channels over the whole head before a block's absmax scale sees them.
 // ggml-cpu.c's calls of ggml_compute_forward_set_rows / _flash_attn_ext and ggml-cuda.cu's calls of
 // ggml_cuda_op_set_rows / ggml_cuda_flash_attn_ext (and its FA support and allocation-size queries)
 // are renamed at build time to our dispatchers (ggml/cpu/inject.cmake, ggml/cuda/inject.cmake), which
@@ -54,6 +58,14 @@ extern "C" {
 #endif
 
 #define DELTASPEC_TQ_MAGIC 0x51544453  // "DSTQ"
+
+// A cache's format (deltaspec_kv_format): a plain ggml type, a ggml type holding rotated rows, tq3, tq4.
+enum deltaspec_kv_format {
+    DELTASPEC_KV_PLAIN = 0,
+    DELTASPEC_KV_ROTATED = 1,
+    DELTASPEC_KV_TQ3 = 3,
+    DELTASPEC_KV_TQ4 = 4,
+};
 #define DELTASPEC_TQ_FA_PARAM 4        // op_params index of the magic in an attention node
 
 // Whether D is a head dim the tq types serve.
@@ -66,23 +78,29 @@ struct ggml_tensor * deltaspec_tq_new_cache(struct ggml_context * ctx, int bits,
                                            int64_t n_rows);
 // Copies the tq marking of `from` onto `to` (a tensor over the same bytes, e.g. one slot's part).
 void deltaspec_tq_copy_mark(struct ggml_tensor * to, const struct ggml_tensor * from);
+// A new cache tensor of ggml type `type` (quantized) whose rows hold rotated head vectors.
+struct ggml_tensor * deltaspec_kv_new_rotated_cache(struct ggml_context * ctx, enum ggml_type type, int64_t head_dim,
+                                                   int64_t n_heads, int64_t n_rows);
 // The bit width (3, 4) of a tq cache tensor, 0 for any other tensor.
 int deltaspec_tq_cache_bits(const struct ggml_tensor * cache);
+// The format of a cache tensor (enum deltaspec_kv_format; PLAIN for any unmarked tensor).
+int deltaspec_kv_format(const struct ggml_tensor * cache);
 
 // What a graph builder uses for any cache (tq or a plain ggml type):
 // ne0 and bytes of one head vector of head_dim values in the cache's rows,
 int64_t deltaspec_kv_head_ne0(const struct ggml_tensor * cache, int64_t head_dim);
 size_t deltaspec_kv_head_bytes(const struct ggml_tensor * cache, int64_t head_dim);
-// cache rows idx[t] <- x[:, t] (F32 [n_heads * head_dim, T], idx I64 [T]): ggml_set_rows, or the
-// tq quantizer for a tq cache,
+// cache rows idx[t] <- x[:, t] (F32 [n_heads * head_dim, T], idx I64 [T]): ggml_set_rows, or our
+// node for a tq or rotated cache,
 struct ggml_tensor * deltaspec_kv_set_rows(struct ggml_context * ctx, struct ggml_tensor * cache,
                                            struct ggml_tensor * x, struct ggml_tensor * idx);
-// and attention: ggml_flash_attn_ext(q, k, v, mask, scale, 0, 0) when bits_k == bits_v == 0, otherwise
-// our node: q F32 [D, T, H, N], k and v views of the caches [head ne0, n_kv, H_kv, N] (rows of one
-// head contiguous, any strides), mask F16 [n_kv, >= T, 1, N]; result F32 [D, H, T, N] as ggml's.
+// and attention: ggml_flash_attn_ext(q, k, v, mask, scale, 0, 0) when both formats are PLAIN,
+// otherwise our node: q F32 [D, T, H, N], k and v views of the caches [head ne0, n_kv, H_kv, N] (rows
+// of one head contiguous, any strides), mask F16 [n_kv, >= T, 1, N]; result F32 [D, H, T, N] as
+// ggml's. format_k / format_v: deltaspec_kv_format of the caches the views are of.
 struct ggml_tensor * deltaspec_kv_flash_attn(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
                                              struct ggml_tensor * v, struct ggml_tensor * mask, float scale,
-                                             int bits_k, int bits_v);
+                                             int format_k, int format_v);
 
 // Whether t is a node of ours (what the backends' dispatchers ask).
 static inline bool deltaspec_tq_is_set_rows(const struct ggml_tensor * t) {

@@ -3,8 +3,11 @@
 
 Model: the tiny byte-level vocabulary model (`tiny_vocab`, 265 tokens) with 8 layers, two of them
 full attention (3, 7), GQA 4:1 (4 query heads, 1 KV head) of head dim 64 (two 32-blocks per row),
-F32 weights. It loads in milliseconds and a token costs well under one, so all 121 pairs (the 9
-ggml types and deltaspec's tq3/tq4, ggml/deltaspec_tq.h) run in about 3 s. Prompt: 100 fixed pseudo-random byte tokens, then 16 greedy tokens. Each pair is
+F32 weights. It loads in milliseconds and a token costs well under one, so all 121 pairs of the 9
+ggml types and deltaspec's tq3/tq4 (ggml/deltaspec_tq.h) run in about 3 s, and each rotated ggml
+type (`q4_0+rot` etc.) with itself, with f32 and f32 with it. A rotated type's tolerances and floor
+are its plain type's (measured: the rotation lowers the error here, e.g. q4_0 rms/std 0.0224 ->
+0.0199, q8_0 0.00149 -> 0.00120, q5_0 0.0100 -> 0.0092). Prompt: 100 fixed pseudo-random byte tokens, then 16 greedy tokens. Each pair is
 checked three ways:
 
 - allocated: `Model.kv_cache_info()` (read from the engine's ggml tensors) must report the asked-for
@@ -62,13 +65,15 @@ the switch and asserts that they raise (tq3/tq4 pairs included: the switch alloc
 
 import functools
 import itertools
+import re
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader
 
 from deltaspec import Model
-from deltaspec.kv_cache import (CACHE_TYPES, CUDA_VEC_PAIRS_DEFAULT, KV_CACHE_TYPES, TQ_CACHE_TYPES, block_size,
+from deltaspec.kv_cache import (CACHE_TYPES, CUDA_VEC_PAIRS_DEFAULT, KV_CACHE_TYPES, ROTATED_CACHE_TYPES,
+                                TQ_CACHE_TYPES, block_size,
                                 bytes_per_element, ggml_type, kv_bytes_per_token, kv_cache_bytes, supported_pairs,
                                 supported_types, validate_cache_types)
 from deltaspec.qwen35 import Qwen35HParams
@@ -80,7 +85,9 @@ N_CTX = 256  # a whole number of the engine's 256-row KV blocks: the engine allo
 # One thread: with two, ggml's workers spin-wait for each other, and on a busy 2-core machine a
 # 16-token decode then took 1-6 s of CPU instead of 0.05 s.
 N_THREADS = 1
-CPU_PAIRS = sorted(supported_pairs("cpu"))
+# every pair of the plain and tq types; a rotated type with itself and with f32 on the other side
+CPU_PAIRS = sorted({(k, v) for k, v in supported_pairs("cpu") if k not in ROTATED_CACHE_TYPES and v not in
+                    ROTATED_CACHE_TYPES} | {p for r in ROTATED_CACHE_TYPES for p in ((r, r), (r, "f32"), ("f32", r))})
 
 # Per cache type: (max|diff| / std, rms diff / std, greedy tokens that must equal the f16 cache's).
 # ~2.5x the measured errors of the docstring table; greedy: all 16 for 8+ bit types, at least the
@@ -98,10 +105,12 @@ TOLERANCE = {
     "tq4": (0.9, 0.09, 4),
     "tq3": (0.9, 0.1, 4),
 }
+TOLERANCE.update({r: TOLERANCE[t] for r, t in ROTATED_CACHE_TYPES.items()})
 # Per cache type: the least rms diff / std a pair holding it must show against the f32 cache
 # (a third of the least measured, docstring). f32/f32 must be exact instead.
 ERROR_FLOOR = {"f32": 0.0, "f16": 1.3e-5, "bf16": 1.1e-4, "q8_0": 3.4e-4, "q5_0": 1.8e-3, "q5_1": 1.6e-3,
                "q4_0": 3.9e-3, "q4_1": 3.4e-3, "iq4_nl": 3.4e-3, "tq4": 4.2e-3, "tq3": 7.3e-3}
+ERROR_FLOOR.update({r: ERROR_FLOOR[t] / 2 for r, t in ROTATED_CACHE_TYPES.items()})
 # K = V pairs, from less to more error: each group's worst below the next group's best
 ERROR_ORDER = [("f16",), ("bf16",), ("q8_0",), ("q5_0", "q5_1"), ("q4_0", "q4_1", "iq4_nl", "tq4"), ("tq3",)]
 
@@ -169,7 +178,7 @@ def _expected_state(path) -> dict:
 def _row_bytes(type_name: str, width: int, head_dim: int) -> int:
     if type_name in TQ_CACHE_TYPES:  # per head: an fp16 scale and head_dim indices of 3 or 4 bits
         return width // head_dim * (2 + head_dim * TQ_CACHE_TYPES[type_name] // 8)
-    blck, size = GGML_QUANT_SIZES[CACHE_TYPES[type_name]]
+    blck, size = GGML_QUANT_SIZES[CACHE_TYPES[ROTATED_CACHE_TYPES.get(type_name, type_name)]]
     assert width % blck == 0
     return width // blck * size
 
@@ -223,7 +232,9 @@ def check_order(runs) -> None:
 
 
 def test_every_cpu_pair_is_tested():
-    assert set(CPU_PAIRS) == set(itertools.product(KV_CACHE_TYPES, KV_CACHE_TYPES))
+    plain = [t for t in KV_CACHE_TYPES if t not in ROTATED_CACHE_TYPES]
+    assert set(itertools.product(plain, plain)) <= set(CPU_PAIRS)
+    assert {k for k, _ in CPU_PAIRS} == {v for _, v in CPU_PAIRS} == set(KV_CACHE_TYPES)
 
 
 @pytest.mark.parametrize("type_k,type_v", CPU_PAIRS, ids=lambda t: t)
@@ -270,10 +281,10 @@ def test_planted_all_f32_cache_is_caught(gguf_path, reference, monkeypatch):
     monkeypatch.setenv("DELTASPEC_TEST_FORCE_KV_F32", "1")
     forced = functools.cache(lambda k, v: _run(gguf_path, k, v))
     for type_k, type_v in [("q8_0", "q4_0"), ("f16", "f16"), ("f32", "iq4_nl"), ("bf16", "q5_1"), ("tq3", "tq4"),
-                           ("tq4", "f16")]:
+                           ("tq4", "f16"), ("q4_0+rot", "q8_0+rot")]:
         logits, _, info = forced(type_k, type_v)
         assert np.array_equal(logits, ref_logits)  # the bug took effect: an F32 cache, exactly
-        with pytest.raises(AssertionError, match=f"{type_k}/{type_v}: layer 3 allocated"):
+        with pytest.raises(AssertionError, match=re.escape(f"{type_k}/{type_v}: layer 3 allocated")):
             check_allocated(gguf_path, info, type_k, type_v)
         with pytest.raises(AssertionError, match="below the"):
             check_lossy(logits, ref_logits, type_k, type_v)
@@ -317,6 +328,7 @@ TINY_ATTN2 = _hparams(8, 1, 32)     # tiny attn2_d32_untied: 2 attention layers,
     (QWEN35_27B, "tq4", "tq4", 16 * 4 * 130 * 2),        # 16640 B
     (QWEN35_27B, "tq3", "q8_0", 16 * (4 * 98 + 1088)),
     (TINY_ATTN2, "tq3", "tq4", 2 * ((2 + 12) + (2 + 16))),
+    (QWEN35_27B, "q4_0+rot", "q8_0+rot", 16 * (576 + 1088)),  # a rotated type takes its type's bytes
 ])
 def test_kv_bytes_per_token(hp, type_k, type_v, expected):
     assert kv_bytes_per_token(hp, type_k, type_v) == expected
@@ -349,11 +361,11 @@ def test_tq_type_table(name, head_dim, bpe):
 # --- the table: devices and validation ------------------------------------------------------------
 
 def test_supported_pairs():
-    assert len(supported_pairs("cpu")) == 121
+    assert len(supported_pairs("cpu")) == 17 * 17  # 9 ggml types, tq3, tq4, 6 rotated
     cuda = supported_pairs("cuda")
-    assert len(cuda) == 100 and not any("iq4_nl" in p for p in cuda)
+    assert len(cuda) == 15 * 15 and not any(t.startswith("iq4_nl") for p in cuda for t in p)
     assert CUDA_VEC_PAIRS_DEFAULT <= cuda
-    assert set(supported_types("cuda")) == set(KV_CACHE_TYPES) - {"iq4_nl"}
+    assert set(supported_types("cuda")) == set(KV_CACHE_TYPES) - {"iq4_nl", "iq4_nl+rot"}
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -364,11 +376,13 @@ def test_validate_accepts_supported(device):
 
 @pytest.mark.parametrize("args,message", [
     (("q8", "f16", "cpu"), r"type_k='q8' is not a KV cache type \(supported: f32, f16, bf16, q8_0, q4_0, "
-                           r"q4_1, iq4_nl, q5_0, q5_1, tq3, tq4\)"),
+                           r"q4_1, iq4_nl, q5_0, q5_1, tq3, tq4, q8_0\+rot, q4_0\+rot, q4_1\+rot, iq4_nl\+rot, "
+                           r"q5_0\+rot, q5_1\+rot\)"),
     (("f16", "Q8_0", "cpu"), r"type_v='Q8_0' is not a KV cache type"),
     (("f16", None, "cpu"), r"type_v=None is not a KV cache type"),
     (("f16", "iq4_nl", "cuda"), r"type_v='iq4_nl' is not supported on cuda \(supported on cuda: f32, f16, bf16, "
-                                r"q8_0, q4_0, q4_1, q5_0, q5_1, tq3, tq4\)"),
+                                r"q8_0, q4_0, q4_1, q5_0, q5_1, tq3, tq4, q8_0\+rot, q4_0\+rot, q4_1\+rot, "
+                                r"q5_0\+rot, q5_1\+rot\)"),
     (("iq4_nl", "f16", "cuda"), r"type_k='iq4_nl' is not supported on cuda"),
     (("f16", "f16", "metal"), r"device must be one of \('cpu', 'cuda'\), got 'metal'"),
     (("q8_0", "f16", "cpu", 48), r"type_k='q8_0': its block of 32 elements does not divide the head dim 48 "
@@ -377,6 +391,7 @@ def test_validate_accepts_supported(device):
     (("tq3", "f16", "cpu", 96), r"type_k='tq3': the head dim must be one of \(32, 64, 128, 256\) \(rotated as a "
                                 r"whole\), got 96"),
     (("f16", "tq4", "cuda", 512), r"type_v='tq4': the head dim must be one of"),
+    (("q4_0+rot", "f16", "cpu", 96), r"type_k='q4_0\+rot': the head dim must be one of"),
 ])
 def test_validate_errors(args, message):
     with pytest.raises(ValueError, match=message):

@@ -124,7 +124,14 @@ def _attention_reference(q, k, v, mask, scale):
 
 
 def _as_cached(x, type_name):
-    """What a cache of type_name gives back for x (n, H_kv, D): tq round trip, f16 or f32."""
+    """What a cache of type_name gives back for x (n, H_kv, D): tq round trip, a rotated ggml type's
+    (rotation, gguf-py's quantization, back), f16 or f32."""
+    if type_name.endswith("+rot"):
+        from gguf import GGMLQuantizationType, quants
+
+        t = GGMLQuantizationType[type_name[:-4].upper()]
+        y = _core.tq_rotate(x.reshape(-1, x.shape[2]))
+        return _core.tq_rotate(quants.dequantize(quants.quantize(y, t), t).reshape(y.shape), inverse=True).reshape(x.shape)
     if type_name in ("tq3", "tq4"):
         bits, (n, Hkv, D) = int(type_name[2]), x.shape
         q = _core.tq_quantize(bits, x.reshape(-1, D))
@@ -132,12 +139,13 @@ def _as_cached(x, type_name):
     return x.astype(np.float16).astype(np.float32) if type_name == "f16" else x
 
 
-@pytest.mark.parametrize("type_k,type_v", [("tq3", "tq3"), ("tq4", "tq3"), ("tq3", "f16"), ("f32", "tq4")])
+@pytest.mark.parametrize("type_k,type_v", [("tq3", "tq3"), ("tq4", "tq3"), ("tq3", "f16"), ("f32", "tq4"),
+                                           ("q4_0+rot", "q8_0+rot"), ("tq3", "q4_0+rot")])
 @pytest.mark.parametrize("T", [1, 21])
 def test_attention_node_equals_attention_over_the_cache(type_k, type_v, T):
-    """The attention node (Q rotated when K is tq, output rotated back when V is tq) gives numpy's
-    attention over what the caches hold, within float rounding, with a causal mask and GQA 4:2.
-    Fails with v_not_rotated_back (for tq V)."""
+    """The attention node (Q rotated when K is rotated, output rotated back when V is: tq or a
+    rotated ggml type) gives numpy's attention over what the caches hold, within float rounding, with
+    a causal mask and GQA 4:2. Fails with v_not_rotated_back (for a rotated V)."""
     rng = np.random.default_rng(T)
     H, Hkv, D, n_kv = 4, 2, 64, 256
     n_past = 200  # keys 0 .. n_past + t visible to query t

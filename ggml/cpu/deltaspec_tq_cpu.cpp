@@ -4,6 +4,7 @@
 #include "deltaspec_tq.h"
 #include "deltaspec_tq_codec.h"
 #include "ggml-cpu-impl.h"
+#include "ggml-cpu.h"
 #include "ops.h"
 #include "simd-mappings.h"
 
@@ -16,28 +17,38 @@ namespace {
 
 using namespace deltaspec_tq;
 
-// cache rows idx[t] <- quantized x[:, t]; rows split over the threads
+// cache rows idx[t] <- quantized x[:, t] (tq, or rotated then ggml's rounding); rows split over the threads
 void tq_set_rows(const ggml_compute_params * params, ggml_tensor * dst) {
     const ggml_tensor * x = dst->src[0];
     const ggml_tensor * idx = dst->src[1];
-    const int bits = dst->op_params[1];
+    const int format = dst->op_params[1];
     const int64_t D = dst->op_params[2];
     const int64_t n_heads = x->ne[0] / D, T = x->ne[1];
-    const size_t hb = head_bytes(bits, D);
+    const bool tq = format != DELTASPEC_KV_ROTATED;
+    const size_t hb = tq ? head_bytes(format, D) : ggml_row_size(dst->type, D);
+    float y[kMaxHeadDim];
     for (int64_t t = params->ith; t < T; t += params->nth) {
         const int64_t row = ((const int64_t *)idx->data)[t];
         GGML_ASSERT(row >= 0 && row < dst->ne[1]);
         const float * src = (const float *)((const char *)x->data + t * x->nb[1]);
         uint8_t * out = (uint8_t *)dst->data + row * dst->nb[1];
-        for (int64_t h = 0; h < n_heads; ++h) quantize_head(bits, D, src + h * D, out + h * hb);
+        for (int64_t h = 0; h < n_heads; ++h) {
+            if (tq) {
+                quantize_head(format, D, src + h * D, out + h * hb);
+            } else {
+                memcpy(y, src + h * D, D * sizeof(float));
+                rotate(y, D);
+                ggml_get_type_traits_cpu(dst->type)->from_float(y, out + h * hb, D);
+            }
+        }
     }
 }
 
-// One cached row of K or V as D floats: tq rows in the rotated domain, other types through ggml's
-// to_float.
-void load_row(const ggml_tensor * t, int bits, int64_t D, const char * row, float * out) {
-    if (bits) {
-        dequantize_head_rotated(bits, D, (const uint8_t *)row, out);
+// One cached row of K or V as D floats: tq rows in the rotated domain, other types (rotated or not)
+// through ggml's to_float.
+void load_row(const ggml_tensor * t, int format, int64_t D, const char * row, float * out) {
+    if (format == DELTASPEC_KV_TQ3 || format == DELTASPEC_KV_TQ4) {
+        dequantize_head_rotated(format, D, (const uint8_t *)row, out);
     } else if (t->type == GGML_TYPE_F32) {
         memcpy(out, row, D * sizeof(float));
     } else {
@@ -57,11 +68,11 @@ float dot8(const float * a, const float * b, int64_t D) {
 constexpr int64_t kQueryTile = 16;  // queries (of each head of a group) sharing one pass over the cache
 constexpr int64_t kKvTile = 32;     // cached rows decoded at a time
 
-// Attention in the rotated domain of whichever side is tq. Work units are (stream, kv head, tile of
+// Attention in the rotated domain of whichever side is rotated (tq or a rotated ggml type). Work units are (stream, kv head, tile of
 // queries): each decodes a KV row once for all the query heads of its group and the queries of its tile.
 void tq_flash_attn(const ggml_compute_params * params, ggml_tensor * dst) {
     const ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *mask = dst->src[3];
-    const int bits_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1], bits_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
+    const int format_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1], format_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
     float scale;
     memcpy(&scale, dst->op_params, sizeof(float));
     const int64_t D = q->ne[0], T = q->ne[1], H = q->ne[2], N = q->ne[3];
@@ -78,7 +89,7 @@ void tq_flash_attn(const ggml_compute_params * params, ggml_tensor * dst) {
             const int64_t t = t0 + a / G, h = hk * G + a % G;
             const float * src = (const float *)((const char *)q->data + t * q->nb[1] + h * q->nb[2] + n * q->nb[3]);
             memcpy(&qr[a * D], src, D * sizeof(float));
-            if (bits_k) rotate(&qr[a * D], D);
+            if (format_k != DELTASPEC_KV_PLAIN) rotate(&qr[a * D], D);
             m[a] = -INFINITY;
             s[a] = 0.0f;
         }
@@ -95,8 +106,8 @@ void tq_flash_attn(const ggml_compute_params * params, ggml_tensor * dst) {
             }
             if (!any) continue;
             for (int64_t j = 0; j < nj; ++j) {
-                load_row(k, bits_k, D, kbase + (j0 + j) * k->nb[1], &kbuf[j * D]);
-                load_row(v, bits_v, D, vbase + (j0 + j) * v->nb[1], &vbuf[j * D]);
+                load_row(k, format_k, D, kbase + (j0 + j) * k->nb[1], &kbuf[j * D]);
+                load_row(v, format_v, D, vbase + (j0 + j) * v->nb[1], &vbuf[j * D]);
             }
             for (int64_t a = 0; a < nq; ++a) {
                 const int64_t t = t0 + a / G;
@@ -130,7 +141,7 @@ void tq_flash_attn(const ggml_compute_params * params, ggml_tensor * dst) {
             float * o = &acc[a * D];
             const float inv = s[a] > 0.0f ? 1.0f / s[a] : 0.0f;
             for (int64_t i = 0; i < D; ++i) o[i] *= inv;
-            if (bits_v && !planted("v_not_rotated_back")) unrotate(o, D);  // planted: output left rotated
+            if (format_v != DELTASPEC_KV_PLAIN && !planted("v_not_rotated_back")) unrotate(o, D);  // planted: left rotated
             memcpy((char *)dst->data + h * dst->nb[1] + t * dst->nb[2] + n * dst->nb[3], o, D * sizeof(float));
         }
     }

@@ -10,9 +10,13 @@
 // round-to-nearest intrinsic (ggml-cuda compiles with -use_fast_math, which would otherwise contract
 // and approximate), so the bytes equal the CPU quantizer's.
 //
-// Attention: Q is rotated when K is tq, the visible K/V rows of a tq side are decoded to F16 in the
-// rotated domain, and ggml's own flash attention (its vector kernel for a token, its tensor-core
-// kernel for batches) runs on them; the output is rotated back when V is tq. Decoding costs a write
+// A rotated cache of a ggml type (DELTASPEC_KV_ROTATED): the rows are rotated into a scratch buffer
+// and ggml's own set_rows quantizes them; its attention reads the cache as it is.
+//
+// Attention: Q is rotated when K is rotated (tq or not), the visible K/V rows of a tq side are
+// decoded to F16 in the rotated domain, and ggml's own flash attention (its vector kernel for a
+// token, its tensor-core kernel for batches) runs on them; the output is rotated back when V is
+// rotated. Decoding costs a write
 // and a read of F16 K/V per step, so at long context a decode step moves more bytes than q4_0's
 // (which ggml's vector kernel reads in place). Not done (yet): a vector kernel that reads tq rows in
 // place.
@@ -229,6 +233,8 @@ template <int D> void launch_decode(int bits, const ggml_tensor * t, half * dst,
         default: GGML_ABORT("tq: unsupported head dim %d", (int)(D)); \
     }
 
+bool is_tq(int format) { return format == DELTASPEC_KV_TQ3 || format == DELTASPEC_KV_TQ4; }
+
 // The node ggml's flash attention runs instead of ours: the tq sides replaced by F16 tensors of D
 // values per row (contiguous, data set by the caller), the magic cleared.
 struct PlainAttention {
@@ -236,16 +242,15 @@ struct PlainAttention {
     explicit PlainAttention(const ggml_tensor * dst) {
         node = *dst;
         node.op_params[DELTASPEC_TQ_FA_PARAM] = 0;
-        const int bits_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1], bits_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
+        const int format_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1];
+        const int format_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
         const int64_t D = dst->src[0]->ne[0];
         q = *dst->src[0];
         k = *dst->src[1];
         v = *dst->src[2];
-        if (bits_k) {
-            as_contiguous(q, GGML_TYPE_F32, D);  // the rotated copy
-            as_contiguous(k, GGML_TYPE_F16, D);
-        }
-        if (bits_v) as_contiguous(v, GGML_TYPE_F16, D);
+        if (format_k != DELTASPEC_KV_PLAIN) as_contiguous(q, GGML_TYPE_F32, D);  // the rotated copy
+        if (is_tq(format_k)) as_contiguous(k, GGML_TYPE_F16, D);
+        if (is_tq(format_v)) as_contiguous(v, GGML_TYPE_F16, D);
         node.src[0] = &q;
         node.src[1] = &k;
         node.src[2] = &v;
@@ -262,7 +267,7 @@ struct PlainAttention {
 };
 
 void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    const int bits_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1], bits_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
+    const int format_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1], format_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
     const ggml_tensor *Q = dst->src[0], *K = dst->src[1], *V = dst->src[2];
     const int64_t D = Q->ne[0];
     cudaStream_t stream = ctx.stream();
@@ -270,18 +275,20 @@ void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
     ggml_cuda_pool_alloc<float> q_rot(ctx.pool());
     ggml_cuda_pool_alloc<half> k16(ctx.pool()), v16(ctx.pool());
-    if (bits_k) {
+    if (format_k != DELTASPEC_KV_PLAIN) {
         q_rot.alloc(ggml_nelements(Q));
         DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)Q->data, Q->nb[1], Q->nb[2], Q->nb[3], Q->ne[1], Q->ne[2],
                                               Q->ne[3], q_rot.get(), false, stream);
         plain.q.data = q_rot.get();
+    }
+    if (is_tq(format_k)) {
         k16.alloc(D * K->ne[1] * K->ne[2] * K->ne[3]);
-        DELTASPEC_TQ_BY_DIM(D, launch_decode, bits_k, K, k16.get(), stream);
+        DELTASPEC_TQ_BY_DIM(D, launch_decode, format_k, K, k16.get(), stream);
         plain.k.data = k16.get();
     }
-    if (bits_v) {
+    if (is_tq(format_v)) {
         v16.alloc(D * V->ne[1] * V->ne[2] * V->ne[3]);
-        DELTASPEC_TQ_BY_DIM(D, launch_decode, bits_v, V, v16.get(), stream);
+        DELTASPEC_TQ_BY_DIM(D, launch_decode, format_v, V, v16.get(), stream);
         plain.v.data = v16.get();
     }
     // ggml's attention writes into a buffer of the size it asks for (room for its own F16 copies of
@@ -291,7 +298,7 @@ void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     ggml_cuda_pool_alloc<char> out(ctx.pool(), out_bytes);
     plain.node.data = (void *)GGML_PAD((uintptr_t)out.get(), 128);
     ggml_cuda_flash_attn_ext(ctx, &plain.node);
-    if (bits_v) {
+    if (format_v != DELTASPEC_KV_PLAIN) {
         const size_t f = sizeof(float);
         DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)plain.node.data, D * f, D * f * dst->ne[1],
                                               D * f * dst->ne[1] * dst->ne[2], dst->ne[1], dst->ne[2], dst->ne[3],
@@ -309,8 +316,24 @@ void deltaspec_tq_op_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst
         ggml_cuda_op_set_rows(ctx, dst);
         return;
     }
-    const int bits = dst->op_params[1];
-    DELTASPEC_TQ_BY_DIM(dst->op_params[2], launch_quantize, bits, dst, ctx.stream());
+    const int format = dst->op_params[1];
+    const int64_t D = dst->op_params[2];
+    if (is_tq(format)) {
+        DELTASPEC_TQ_BY_DIM(D, launch_quantize, format, dst, ctx.stream());
+        return;
+    }
+    // a rotated cache of a ggml type: rotated rows into scratch, then ggml's set_rows from there
+    const ggml_tensor * x = dst->src[0];
+    const int64_t T = x->ne[1], H = x->ne[0] / D;
+    ggml_cuda_pool_alloc<float> rotated(ctx.pool(), x->ne[0] * T);
+    DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)x->data, D * sizeof(float), x->nb[1], 0, H, T, 1,
+                        rotated.get(), false, ctx.stream());
+    ggml_tensor rows = *x, node = *dst;
+    PlainAttention::as_contiguous(rows, GGML_TYPE_F32, x->ne[0]);
+    rows.data = rotated.get();
+    node.op_params[0] = 0;
+    node.src[0] = &rows;
+    ggml_cuda_op_set_rows(ctx, &node);
 }
 
 void deltaspec_tq_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
