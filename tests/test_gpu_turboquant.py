@@ -7,7 +7,9 @@ Run on the GPU machine with: python -m pytest -q -m gpu tests/test_gpu_turboquan
 Bitwise: the CUDA quantizer does the CPU codec's arithmetic step for step (ggml/deltaspec_tq.h), so
 its bytes must equal the CPU's for every row, including rows whose values sit on a codebook threshold
 and rows of zeros. Attention: CUDA decodes a tq side to F16 and runs ggml's flash attention, so it is
-held to the CPU within a relative bound (F16 rounding of K/V and ggml's F16 accumulation).
+held to the CPU within a relative bound (F16 rounding of K/V and ggml's F16 accumulation). A
+one-token step with both sides tq (head dim 128 or 256) runs deltaspec's in-place kernel instead
+(tq_decode_attn); DELTASPEC_TQ_DECODE_KERNEL=0 sends it through the F16 path too, and both are tested.
 
 Planted bug, for the CPU side the CUDA results are compared with (DELTASPEC_TEST_TQ_BUG, read once per
 process): uniform_codebook makes the CPU write other bytes than CUDA (the bitwise test fails);
@@ -54,13 +56,17 @@ def test_cuda_quantizer_writes_the_cpus_bytes(bits, D):
     assert differing.size == 0, f"tq{bits} D={D}: {differing.size} of {n_rows} cache rows differ, e.g. {differing[:5]}"
 
 
-@pytest.mark.parametrize("type_k,type_v", [("tq3", "tq3"), ("tq4", "tq4"), ("tq3", "q4_0"), ("f16", "tq3"),
-                                           ("q4_0+rot", "q4_0+rot"), ("q8_0+rot", "tq4")])
+@pytest.mark.parametrize("type_k,type_v", [("tq3", "tq3"), ("tq4", "tq4"), ("tq3", "tq4"), ("tq3", "q4_0"),
+                                           ("f16", "tq3"), ("q4_0+rot", "q4_0+rot"), ("q8_0+rot", "tq4")])
 @pytest.mark.parametrize("T", [1, 5, 64])
 @pytest.mark.parametrize("D", [128, 256])
-def test_cuda_attention_matches_cpu(type_k, type_v, T, D):
-    """One token (ggml's vector kernel), a short verify batch and a prefill batch (its tensor-core
-    kernel), GQA 4:1 as Qwen3.5-27B (24 query heads over 4 KV heads at D=256), a causal mask."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["decode_kernel", "f16_path"])
+def test_cuda_attention_matches_cpu(type_k, type_v, T, D, in_place, monkeypatch):
+    """One token (deltaspec's in-place kernel for tq/tq, else ggml's vector kernel), a short verify
+    batch and a prefill batch (ggml's tensor-core kernel), GQA 4:1 as Qwen3.5-27B (24 query heads over
+    4 KV heads at D=256), a causal mask."""
+    if not in_place:
+        monkeypatch.setenv("DELTASPEC_TQ_DECODE_KERNEL", "0")
     rng = np.random.default_rng(T + D)
     H, Hkv, n_kv = 8, 2, 1024
     n_past = 900

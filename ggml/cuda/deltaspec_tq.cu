@@ -13,13 +13,12 @@
 // A rotated cache of a ggml type (DELTASPEC_KV_ROTATED): the rows are rotated into a scratch buffer
 // and ggml's own set_rows quantizes them; its attention reads the cache as it is.
 //
-// Attention: Q is rotated when K is rotated (tq or not), the visible K/V rows of a tq side are
-// decoded to F16 in the rotated domain, and ggml's own flash attention (its vector kernel for a
-// token, its tensor-core kernel for batches) runs on them; the output is rotated back when V is
-// rotated. Decoding costs a write
-// and a read of F16 K/V per step, so at long context a decode step moves more bytes than q4_0's
-// (which ggml's vector kernel reads in place). Not done (yet): a vector kernel that reads tq rows in
-// place.
+// Attention: Q is rotated when K is rotated (tq or not). A one-token step with both sides tq runs
+// tq_decode_attn, which reads the tq rows in place (split over the cache, then merged). Any other
+// step decodes the visible K/V rows of a tq side to F16 in the rotated domain and runs ggml's own
+// flash attention on them (its vector kernel for a token, its tensor-core kernel for batches): a
+// write and a read of F16 K/V per step, ~4.4 bytes per cached value where the in-place kernel reads
+// 0.4. The output is rotated back when V is rotated.
 #include "common.cuh"
 #include "fattn.cuh"
 #include "set-rows.cuh"
@@ -28,6 +27,7 @@
 #include "deltaspec_tq_codebook.h"
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace {
@@ -198,7 +198,171 @@ __global__ void tq_decode(const char * __restrict__ src, size_t nb1, size_t nb2,
     }
 }
 
+// index of value i (of D) in a tq row's packed bits
+template <int BITS, int D> __device__ __forceinline__ int index_at(const uint8_t * qs, int i) {
+    return BITS == 3 ? ((qs[i / 4] >> (2 * (i % 4))) & 3) | ((qs[D / 4 + i / 8] >> (i % 8)) & 1) << 2
+                     : (qs[i / 2] >> (4 * (i % 2))) & 15;
+}
+
+// One-token attention reading tq rows in place (both K and V tq, one query per stream): block
+// (split, kv head, stream) walks rows [split * chunk, +chunk) with 4 warps taking every 4th row,
+// lane l holding values l*D/32 .. of the query heads of that kv head (G of them, rotated) and of
+// their accumulators. Per row: the K row's centroids, G warp-reduced dots, the online softmax, the
+// V row's centroids into the accumulators. The 4 warps merge in shared memory and the block writes
+// its part (accumulator, max, sum per query head) to `part`; tq_decode_merge combines the splits.
+constexpr int kMaxGroup = 8;
+template <int D, int BK, int BV>
+__global__ void tq_decode_attn(const float * __restrict__ qrot, const char * __restrict__ K, size_t k_nb1, size_t k_nb2,
+                               size_t k_nb3, const char * __restrict__ V, size_t v_nb1, size_t v_nb2, size_t v_nb3,
+                               const char * __restrict__ mask, size_t mask_nb3, int64_t mask_ne3, int64_t n_kv, int H,
+                               int G, float scale, int64_t chunk, float * __restrict__ part) {
+    constexpr int NE = D / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t split = blockIdx.x, hk = blockIdx.y, n = blockIdx.z, n_split = gridDim.x;
+    float qv[kMaxGroup][NE], acc[kMaxGroup][NE], m[kMaxGroup], s[kMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+        m[g] = -INFINITY;
+        s[g] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NE; ++k) {
+            qv[g][k] = g < G ? qrot[((hk * G + g) + H * n) * D + lane * NE + k] : 0.0f;
+            acc[g][k] = 0.0f;
+        }
+    }
+    const half * mrow = (const half *)(mask + (n % mask_ne3) * mask_nb3);
+    const int64_t j1 = min(n_kv, (split + 1) * chunk);
+    for (int64_t j = split * chunk + warp; j < j1; j += kWarpsPerBlock) {
+        const float mv = __half2float(mrow[j]);
+        if (mv == -INFINITY) continue;
+        const uint8_t * kr = (const uint8_t *)(K + j * k_nb1 + hk * k_nb2 + n * k_nb3);
+        const uint8_t * vr = (const uint8_t *)(V + j * v_nb1 + hk * v_nb2 + n * v_nb3);
+        half hk16, hv16;
+        memcpy(&hk16, kr, 2);
+        memcpy(&hv16, vr, 2);
+        float kc[NE], vc[NE];
+#pragma unroll
+        for (int k = 0; k < NE; ++k) {
+            kc[k] = centroid<BK, D>(index_at<BK, D>(kr + 2, lane * NE + k));
+            vc[k] = __half2float(hv16) * centroid<BV, D>(index_at<BV, D>(vr + 2, lane * NE + k));
+        }
+        const float dk = __half2float(hk16) * scale;
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+            if (g >= G) break;
+            float dot = 0.0f;
+#pragma unroll
+            for (int k = 0; k < NE; ++k) dot += qv[g][k] * kc[k];
+            const float sc = warp_sum(dot) * dk + mv;
+            float w = 1.0f;
+            if (sc > m[g]) {
+                const float shrink = m[g] == -INFINITY ? 0.0f : expf(m[g] - sc);
+#pragma unroll
+                for (int k = 0; k < NE; ++k) acc[g][k] *= shrink;
+                s[g] *= shrink;
+                m[g] = sc;
+            } else {
+                w = expf(sc - m[g]);
+            }
+#pragma unroll
+            for (int k = 0; k < NE; ++k) acc[g][k] += w * vc[k];
+            s[g] += w;
+        }
+    }
+    // merge the 4 warps: each writes its state, then warp 0 combines per query head
+    __shared__ float sm_acc[kWarpsPerBlock][kMaxGroup][D], sm_m[kWarpsPerBlock][kMaxGroup], sm_s[kWarpsPerBlock][kMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+        if (g >= G) break;
+#pragma unroll
+        for (int k = 0; k < NE; ++k) sm_acc[warp][g][lane * NE + k] = acc[g][k];
+        if (lane == 0) {
+            sm_m[warp][g] = m[g];
+            sm_s[warp][g] = s[g];
+        }
+    }
+    __syncthreads();
+    for (int g = warp; g < G; g += kWarpsPerBlock) {
+        float M = -INFINITY;
+        for (int w = 0; w < kWarpsPerBlock; ++w) M = fmaxf(M, sm_m[w][g]);
+        float S = 0.0f, f[kWarpsPerBlock];
+        for (int w = 0; w < kWarpsPerBlock; ++w) {
+            f[w] = sm_m[w][g] == -INFINITY ? 0.0f : expf(sm_m[w][g] - M);
+            S += sm_s[w][g] * f[w];
+        }
+        float * out = part + (((n * H) + hk * G + g) * n_split + split) * (D + 2);
+        for (int i = lane; i < D; i += 32) {
+            float a = 0.0f;
+            for (int w = 0; w < kWarpsPerBlock; ++w) a += sm_acc[w][g][i] * f[w];
+            out[i] = a;
+        }
+        if (lane == 0) {
+            out[D] = M;
+            out[D + 1] = S;
+        }
+    }
+}
+
+// out (contiguous [D, H, 1, N], rotated domain) <- the splits of tq_decode_attn merged; one warp per
+// (query head, stream)
+template <int D>
+__global__ void tq_decode_merge(const float * __restrict__ part, int64_t n_split, int64_t n_heads, float * __restrict__ out) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t hn = (int64_t)blockIdx.x * kWarpsPerBlock + warp;  // h + H * n
+    if (hn >= n_heads) return;
+    const float * p = part + hn * n_split * (D + 2);
+    float M = -INFINITY;
+    for (int64_t sp = 0; sp < n_split; ++sp) M = fmaxf(M, p[sp * (D + 2) + D]);
+    float S = 0.0f;
+    for (int64_t sp = 0; sp < n_split; ++sp) {
+        const float ms = p[sp * (D + 2) + D];
+        S += ms == -INFINITY ? 0.0f : p[sp * (D + 2) + D + 1] * expf(ms - M);
+    }
+    const float inv = S > 0.0f ? 1.0f / S : 0.0f;
+    for (int i = lane; i < D; i += 32) {
+        float a = 0.0f;
+        for (int64_t sp = 0; sp < n_split; ++sp) {
+            const float ms = p[sp * (D + 2) + D];
+            if (ms != -INFINITY) a += p[sp * (D + 2) + i] * expf(ms - M);
+        }
+        out[hn * D + i] = a * inv;
+    }
+}
+
 int64_t n_blocks(int64_t n_warps) { return (n_warps + kWarpsPerBlock - 1) / kWarpsPerBlock; }
+
+// The in-place decode path serves one query per stream with both K and V tq and at most kMaxGroup
+// query heads per KV head; DELTASPEC_TQ_DECODE_KERNEL=0 sends those steps through the decode-to-F16
+// path as well (read per call: an A/B switch for the benchmarks and the GPU tests).
+bool decode_kernel_serves(const ggml_tensor * dst, int format_k, int format_v) {
+    const char * env = std::getenv("DELTASPEC_TQ_DECODE_KERNEL");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    const ggml_tensor *Q = dst->src[0], *K = dst->src[1];
+    const bool tq_k = format_k == DELTASPEC_KV_TQ3 || format_k == DELTASPEC_KV_TQ4;
+    const bool tq_v = format_v == DELTASPEC_KV_TQ3 || format_v == DELTASPEC_KV_TQ4;
+    const int64_t D = Q->ne[0];  // compiled for the large heads, where the cache's bytes dominate (Qwen3.5: 256)
+    return tq_k && tq_v && (D == 128 || D == 256) && Q->ne[1] == 1 && Q->ne[2] % K->ne[2] == 0 &&
+           Q->ne[2] / K->ne[2] <= kMaxGroup;
+}
+
+template <int D>
+void launch_decode_attn(int format_k, int format_v, const ggml_tensor * dst, const float * qrot, float * out,
+                        ggml_backend_cuda_context & ctx) {
+    const ggml_tensor *Q = dst->src[0], *K = dst->src[1], *V = dst->src[2], *mask = dst->src[3];
+    float scale;
+    memcpy(&scale, dst->op_params, sizeof(float));
+    const int64_t n_kv = K->ne[1], Hkv = K->ne[2], N = Q->ne[3], H = Q->ne[2];
+    const int64_t chunk = 256, n_split = (n_kv + chunk - 1) / chunk;
+    ggml_cuda_pool_alloc<float> part(ctx.pool(), n_split * N * H * (D + 2));
+    const dim3 grid((unsigned)n_split, (unsigned)Hkv, (unsigned)N);
+    auto * k = format_k == 3 ? (format_v == 3 ? tq_decode_attn<D, 3, 3> : tq_decode_attn<D, 3, 4>)
+                             : (format_v == 3 ? tq_decode_attn<D, 4, 3> : tq_decode_attn<D, 4, 4>);
+    k<<<grid, 32 * kWarpsPerBlock, 0, ctx.stream()>>>(qrot, (const char *)K->data, K->nb[1], K->nb[2], K->nb[3],
+                                                      (const char *)V->data, V->nb[1], V->nb[2], V->nb[3],
+                                                      (const char *)mask->data, mask->nb[3], mask->ne[3], n_kv, (int)H,
+                                                      (int)(H / Hkv), scale, chunk, part.get());
+    tq_decode_merge<D><<<n_blocks(N * H), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(part.get(), n_split, N * H, out);
+}
 
 template <int D> void launch_quantize(int bits, const ggml_tensor * dst, cudaStream_t stream) {
     const ggml_tensor * x = dst->src[0];
@@ -280,6 +444,19 @@ void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)Q->data, Q->nb[1], Q->nb[2], Q->nb[3], Q->ne[1], Q->ne[2],
                                               Q->ne[3], q_rot.get(), false, stream);
         plain.q.data = q_rot.get();
+    }
+    if (decode_kernel_serves(dst, format_k, format_v)) {  // one token: the tq rows read in place
+        ggml_cuda_pool_alloc<float> out(ctx.pool(), ggml_nelements(dst));
+        if (D == 128) {
+            launch_decode_attn<128>(format_k, format_v, dst, q_rot.get(), out.get(), ctx);
+        } else {
+            launch_decode_attn<256>(format_k, format_v, dst, q_rot.get(), out.get(), ctx);
+        }
+        const size_t f = sizeof(float);  // [D, H, 1, N] contiguous, rotated back into dst
+        DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)out.get(), D * f, D * f * dst->ne[1],
+                            D * f * dst->ne[1] * dst->ne[2], dst->ne[1], dst->ne[2], dst->ne[3], (float *)dst->data,
+                            true, stream);
+        return;
     }
     if (is_tq(format_k)) {
         k16.alloc(D * K->ne[1] * K->ne[2] * K->ne[3]);
