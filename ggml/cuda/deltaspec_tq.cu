@@ -524,7 +524,10 @@ void deltaspec_tq_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * 
 bool deltaspec_tq_flash_attn_ext_supported(int device, const ggml_tensor * dst) {
     if (!deltaspec_tq_is_flash_attn(dst)) return ggml_cuda_flash_attn_ext_supported(device, dst);
     PlainAttention plain(dst);
-    return deltaspec_tq_head_dim_ok(dst->src[0]->ne[0]) && ggml_cuda_flash_attn_ext_supported(device, &plain.node);
+    // the head dims the kernels are compiled for (deltaspec_tq_head_dim_ok's, which lives in the engine,
+    // not in this library: a llama.cpp build of ggml-cuda carries this file without it)
+    const int64_t D = dst->src[0]->ne[0];
+    return (D == 32 || D == 64 || D == 128 || D == 256) && ggml_cuda_flash_attn_ext_supported(device, &plain.node);
 }
 
 // our node's output is plain: ggml's scratch goes into a pool buffer of its own (tq_flash_attn)
