@@ -258,18 +258,20 @@ def test_error_grows_as_the_type_narrows(runs):
     check_order(runs)
 
 
-def test_cache_types_survive_speculation(gguf_path):
+@pytest.mark.parametrize("type_k,type_v", [("q5_1", "iq4_nl"), ("tq3", "q4_0+rot")])
+def test_cache_types_survive_speculation(gguf_path, type_k, type_v):
     """Speculation re-allocates the state with room for verify batches (ensure_slots): the cache
-    keeps the asked-for types, and the recurrent state's checkpoint copy appears."""
-    kw = dict(n_ctx=N_CTX, n_threads=N_THREADS, type_k="q5_1", type_v="iq4_nl")
+    keeps the asked-for types (tq and rotated ones too), and the recurrent state's checkpoint copy
+    appears."""
+    kw = dict(n_ctx=N_CTX, n_threads=N_THREADS, type_k=type_k, type_v=type_v)
     with Model(gguf_path, **kw) as m, Model(gguf_path, **kw) as draft:
         out = m.generate(PROMPT, max_tokens=N_GEN, temperature=0, draft_model=draft, draft_n_min=1)
         assert out.stats.n_drafted > 0
         info = m.kv_cache_info()
     want = _expected_state(gguf_path)
-    assert {(a["type_k"], a["type_v"]) for a in info["attention_layers"]} == {("q5_1", "iq4_nl")}
+    assert {(a["type_k"], a["type_v"]) for a in info["attention_layers"]} == {(type_k, type_v)}
     assert info["kv_bytes"] == len(want["attention"]) * N_CTX * (
-        _row_bytes("q5_1", want["k_width"], want["head_dim"]) + _row_bytes("iq4_nl", want["v_width"], want["head_dim"]))
+        _row_bytes(type_k, want["k_width"], want["head_dim"]) + _row_bytes(type_v, want["v_width"], want["head_dim"]))
     assert info["checkpoint_bytes"] == info["recurrent_bytes"] > 0
     assert info["total_bytes"] == info["kv_bytes"] + 2 * info["recurrent_bytes"]
 
