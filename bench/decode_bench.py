@@ -7,7 +7,8 @@
 
 Tests: pp512 (prompt of 512 tokens), tg128 (128 generated tokens after an empty context) and
 tg128 at depth 16384 (after a 16384-token prompt), each with f16 and q4_0 KV caches, as
-llama-bench measures them. deltaspec's numbers come from Model.generate's C++ loop (greedy, the
+llama-bench measures them; on request (--tests, --cache-types) tg128 at depths 65536 and 131072 and
+the KV types q8_0, tq3, tq4 and q4_0+rot (deltaspec's alone: llama.cpp has no tq types). deltaspec's numbers come from Model.generate's C++ loop (greedy, the
 timed part is the decode loop, not the prefill) and Model.eval for prefill.
 
 `run` alternates the two sides, each repetition a fresh process: deltaspec r1, llama.cpp r1,
@@ -40,8 +41,13 @@ from pathlib import Path
 
 import numpy as np
 
-TESTS = [("pp512", 512, 0, 0), ("tg128", 0, 128, 0), ("tg128@d16384", 0, 128, 16384)]
+TESTS = [("pp512", 512, 0, 0), ("tg128", 0, 128, 0), ("tg128@d16384", 0, 128, 16384),
+         ("tg128@d65536", 0, 128, 65536), ("tg128@d131072", 0, 128, 131072)]
+DEFAULT_TESTS = ["pp512", "tg128", "tg128@d16384"]  # the long depths on request (--tests): minutes of prefill each
 CACHE_TYPES = ["f16", "q4_0"]
+# more for --cache-types: deltaspec's tq3/tq4 and rotated q4_0 (llama.cpp has no tq types; its q4_0
+# cache is rotated already, spec §7.2, so its q4_0 row is the peer of both q4_0 rows)
+MORE_CACHE_TYPES = ["q8_0", "tq3", "tq4", "q4_0+rot"]
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "decode_bench.json"
 
 
@@ -50,7 +56,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def _selected(tests: list[str] | None) -> list[tuple]:
-    return [t for t in TESTS if not tests or t[0] in tests]
+    return [t for t in TESTS if t[0] in (tests or DEFAULT_TESTS)]
 
 
 def measure_ours(model_path: str, device: str, tests: list[str] | None = None,
@@ -89,7 +95,7 @@ def measure_llama_bench(binary: str, model_path: str, tests: list[str] | None = 
     tg = [str(g) for _, _, g, _ in chosen if g] or ["0"]
     depths = sorted({d for _, _, _, d in chosen})
     rows = []
-    for ctk in cache_types or CACHE_TYPES:
+    for ctk in [t for t in cache_types or CACHE_TYPES if t in CACHE_TYPES + ["q8_0"]]:  # llama.cpp's own types
         cmd = [binary, "-m", model_path, "-p", ",".join(pp), "-n", ",".join(tg), "-d", ",".join(map(str, depths)),
                "-ctk", ctk, "-ctv", ctk, "-fa", "1", "-ngl", "99", "-r", "1", "-o", "json"]
         if threads:
@@ -220,7 +226,7 @@ def bytes_per_token(model_path: str, depth: int, ctk: str) -> int:
 def _meta(args, what: str) -> dict:
     commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
-    return {"what": what, "model": str(args.model), "reps": args.reps, "tests": args.tests or [t[0] for t in TESTS],
+    return {"what": what, "model": str(args.model), "reps": args.reps, "tests": args.tests or DEFAULT_TESTS,
             "cache_types": args.cache_types or CACHE_TYPES, "machine": platform.node(),
             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit or None,
             "device": getattr(args, "device", None)}
@@ -237,7 +243,7 @@ def _common(p: argparse.ArgumentParser, reps: int) -> None:
     p.add_argument("model")
     p.add_argument("--reps", type=int, default=reps, help="repetitions per side (default: %(default)s)")
     p.add_argument("--tests", nargs="+", choices=[t[0] for t in TESTS], help="a subset (default: all)")
-    p.add_argument("--cache-types", nargs="+", choices=CACHE_TYPES, help="a subset (default: all)")
+    p.add_argument("--cache-types", nargs="+", choices=CACHE_TYPES + MORE_CACHE_TYPES, help="a subset (default: all)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for both sides")
 
 
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("model")
     o.add_argument("--device", default="cuda")
     o.add_argument("--tests", nargs="+", choices=[t[0] for t in TESTS])
-    o.add_argument("--cache-types", nargs="+", choices=CACHE_TYPES)
+    o.add_argument("--cache-types", nargs="+", choices=CACHE_TYPES + MORE_CACHE_TYPES)
     o.add_argument("-t", "--threads", type=int, default=None)
     o.add_argument("--seed", type=int, default=0, help="prompt tokens' seed")
     o.add_argument("--out", required=True)

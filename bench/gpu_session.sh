@@ -27,6 +27,10 @@
 #      small launches came out host-bound: 30 us for an 11 us mat-vec) -> kernels_bench.json
 #   batch: aggregate decode tok/s with 1/4/16/32 sequences at once (bench/batch_bench.py),
 #      against llama-batched-bench when the `build` step made one -> batch_bench.json
+#   tq: the tq KV cache types on the synthetic 27B: allocated KV bytes per type at 32K/128K/256K
+#      (bench/kv_memory.py -> kv_memory.json), then tg128 at depths TQ_DEPTHS (default 16384 65536)
+#      with q4_0, tq3 and q4_0+rot against llama-bench's q4_0 (-> kv_decode_bench.json; depth 131072
+#      alone fits one 10-minute call: TQ_DEPTHS=131072)
 #   ab: tg128 (f16 KV) of deltaspec alone under each environment of AB_CONFIGS ('|'-separated
 #      lists of VAR=VALUE, e.g. "DELTASPEC_CUDA_KERNELS=1|DELTASPEC_CUDA_KERNELS=0"), one process each
 #   server: `deltaspec serve` vs llama-server at 1/4/16/32 concurrent streams (bench/server_bench.py)
@@ -36,7 +40,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify tree profile server
+# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify tree profile server tq
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -103,7 +107,7 @@ cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step stock || has_step ab || has_step verify ||
-        has_step tree || has_step profile || has_step server
+        has_step tree || has_step profile || has_step server || has_step tq
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
@@ -161,6 +165,16 @@ if has_step bench; then
     python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
         ${BENCH_TESTS:+--tests $BENCH_TESTS} --llama-bench "$LLAMA_BUILD/bin/llama-bench" \
         --out "$OUT/decode_bench.json" | tee "$OUT/decode_bench.md"
+fi
+if has_step tq; then
+    python3 "$REPO/bench/kv_memory.py" /tmp/q27.gguf --device cuda --out "$OUT/kv_memory.json" | tee "$OUT/kv_memory.md"
+    peer=()
+    [[ -x $LLAMA_BUILD/bin/llama-bench ]] && peer=(--llama-bench "$LLAMA_BUILD/bin/llama-bench")
+    tests=()
+    for d in ${TQ_DEPTHS:-16384 65536}; do tests+=("tg128@d$d"); done
+    python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
+        --tests "${tests[@]}" --cache-types q4_0 tq3 q4_0+rot ${peer[@]+"${peer[@]}"} \
+        --out "$OUT/kv_decode_bench.json" | tee "$OUT/kv_decode_bench.md"
 fi
 if has_step batch; then
     peer=()

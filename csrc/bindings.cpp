@@ -16,6 +16,8 @@
 #include "ggml_log.h"
 #include "rows_op_bindings.h"
 #include "tree_bindings.h"
+#include "tq_bindings.h"
+#include "deltaspec_tq.h"
 #include "speculative.h"
 #include "ggml-backend.h"
 #include "ggml.h"
@@ -370,6 +372,7 @@ PYBIND11_MODULE(_core, m) {
     bind_rows_ops(m);  // test-only: single ops on numpy arrays
     bind_trees(m);     // test-only: draft trees and tree walks
     bind_token_constraint(m);
+    bind_tq(m);        // test-only: the tq KV cache codec and nodes
 
     m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
           "Quantize float32 rows with ggml's reference quantizer; returns (rows, row_bytes) uint8.");
@@ -456,7 +459,7 @@ PYBIND11_MODULE(_core, m) {
     py::class_<Runner>(m, "Engine")
         .def(py::init([](const std::string & path, const HParams & hp, int64_t n_ctx, int64_t n_ubatch, int n_threads,
                          const std::string & device, int type_k, int type_v,
-                         py::object progress, int64_t n_seq_max) {
+                         py::object progress, int64_t n_seq_max, int kv_format_k, int kv_format_v) {
                  EngineOptions o;
                  o.n_ctx = n_ctx;
                  o.n_seq_max = n_seq_max;
@@ -468,6 +471,8 @@ PYBIND11_MODULE(_core, m) {
                  }
                  o.type_k = (ggml_type)type_k;
                  o.type_v = (ggml_type)type_v;
+                 o.kv_format_k = kv_format_k;
+                 o.kv_format_v = kv_format_v;
                  if (!progress.is_none()) {
                      // Captured by reference: copies of the std::function made without the GIL must not
                      // touch the Python object's reference count. An exception it raises aborts the load.
@@ -483,7 +488,9 @@ PYBIND11_MODULE(_core, m) {
              }),
              py::arg("path"), py::arg("hparams"), py::arg("n_ctx"), py::arg("n_ubatch"), py::arg("n_threads"),
              py::arg("device"), py::arg("type_k"), py::arg("type_v"), py::arg("progress") = py::none(),
-             py::arg("n_seq_max") = 1,
+             py::arg("n_seq_max") = 1, py::arg("kv_format_k") = 0, py::arg("kv_format_v") = 0,
+             "kv_format_k / kv_format_v (ggml/deltaspec_tq.h): 1 stores rotated rows of type_k / type_v, 3 or 4 "
+             "makes that cache tq3 / tq4 (type_k / type_v then unused). "
              "progress: None or a callable(done_bytes, total_bytes), called with the GIL held at most ~100 "
              "times while the weights are copied to the device, last with done == total.")
         .def("eval", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
@@ -685,7 +692,8 @@ PYBIND11_MODULE(_core, m) {
                      d["kind"] = t.kind;
                      d["layer"] = t.layer;
                      d["slot"] = t.slot;
-                     d["type"] = std::string(ggml_type_name(t.type));
+                     d["type"] = t.kv_format >= DELTASPEC_KV_TQ3 ? "tq" + std::to_string(t.kv_format)
+                                 : std::string(ggml_type_name(t.type)) + (t.kv_format == DELTASPEC_KV_ROTATED ? "+rot" : "");
                      d["nbytes"] = t.nbytes;
                      d["shape"] = py::make_tuple(t.ne0, t.ne1);
                      d["buffer"] = t.buffer;

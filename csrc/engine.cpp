@@ -58,7 +58,8 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
         ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts.n_threads));
 
         load_weights(weights_, path, hp_, backend_, env_on("DELTASPEC_STACK_PROJECTIONS"), opts.progress);
-        allocate_state(pool_, hp_, opts.n_ctx, opts.n_seq_max, opts.type_k, opts.type_v, opts.n_slots, backend_);
+        allocate_state(pool_, hp_, opts.n_ctx, opts.n_seq_max, opts.type_k, opts.type_v, opts.n_slots, backend_,
+                       opts.kv_format_k, opts.kv_format_v);
         make_scheduler();
     } catch (...) {
         if (sched_) ggml_backend_sched_free(sched_);
@@ -205,7 +206,7 @@ void Engine::ensure_slots(int64_t n) {
     drop_step_graph();
     const int64_t n_ctx = pool_.n_ctx, n_seq = pool_.n_seq;
     pool_.release();
-    allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_);
+    allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_, opts_.kv_format_k, opts_.kv_format_v);
     verify_T_ = 0;
     tree_parents_.clear();
     checkpoint_n_past_ = -1;

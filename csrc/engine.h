@@ -29,6 +29,8 @@ struct EngineOptions {
     std::string device = "cpu";   // "cpu" or "cuda"
     ggml_type type_k = GGML_TYPE_F16;  // KV cache types (Python maps llama.cpp's names to these)
     ggml_type type_v = GGML_TYPE_F16;
+    int kv_format_k = 0;          // deltaspec_kv_format (ggml/deltaspec_tq.h): 0 type_k as is, 1 type_k holding
+    int kv_format_v = 0;          // rotated rows, 3 / 4 tq3 / tq4 (type_k unused); the same for V
     int64_t n_slots = 0;          // the longest verify batch (0: no speculation)
     int64_t n_seq_max = 1;        // sequence slots
     LoadProgress progress;        // optional: hears (done_bytes, total_bytes) while weights upload

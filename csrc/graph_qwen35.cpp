@@ -2,6 +2,8 @@
 // llama.cpp's converter writes (norms stored as 1+w, ssm_a = -exp(A_log), V heads tiled).
 #include "graph_qwen35.h"
 
+#include "deltaspec_tq.h"
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -161,30 +163,34 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
     k = rope(ctx, k, in.pos, hp);
 
     // Append this batch's K/V rows to the cache (converting to the cache type), then attend over
-    // the first n_kv rows; the mask hides rows past each query's position.
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, D * Hkv, T), in.kv_rows));
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, vp, in.kv_rows));
+    // the first n_kv rows; the mask hides rows past each query's position. A tq3/tq4 cache has its
+    // own write and attention nodes (ggml/deltaspec_tq.h), as has a rotated cache of a ggml type; a
+    // head's row in a tq cache is head_bytes long.
+    ggml_build_forward_expand(gf, deltaspec_kv_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, D * Hkv, T), in.kv_rows));
+    ggml_build_forward_expand(gf, deltaspec_kv_set_rows(ctx, v_cache, vp, in.kv_rows));
+    const int format_k = deltaspec_kv_format(k_cache), format_v = deltaspec_kv_format(v_cache);
     ggml_tensor * out = nullptr;
     if (in.n_seqs > 0) {
         // one FA stream per sequence: its slot's first n_kv KV rows, its own queries and mask rows
         const int64_t N = in.n_seqs, Tq = T / N;
         auto streams = [&](ggml_tensor * cache) {
             const size_t slot_bytes = n_ctx_slot * cache->nb[1];
-            ggml_tensor * view = ggml_view_4d(ctx, cache, D, Hkv, in.n_kv, N, ggml_row_size(cache->type, D), cache->nb[1],
-                                              slot_bytes, in.first_slot * slot_bytes);
+            ggml_tensor * view = ggml_view_4d(ctx, cache, deltaspec_kv_head_ne0(cache, D), Hkv, in.n_kv, N,
+                                              deltaspec_kv_head_bytes(cache, D), cache->nb[1], slot_bytes,
+                                              in.first_slot * slot_bytes);
             return ggml_permute(ctx, view, 0, 2, 1, 3);  // {D, n_kv, Hkv, N}
         };
         ggml_tensor * qs = ggml_permute(ctx, ggml_reshape_4d(ctx, q, D, H, Tq, N), 0, 2, 1, 3);  // {D, Tq, H, N}
-        out = ggml_flash_attn_ext(ctx, qs, streams(k_cache), streams(v_cache), in.kq_mask, 1.0f / std::sqrt((float)D),
-                                  0.0f, 0.0f);
+        out = deltaspec_kv_flash_attn(ctx, qs, streams(k_cache), streams(v_cache), in.kq_mask,
+                                      1.0f / std::sqrt((float)D), format_k, format_v);
     } else {
-        ggml_tensor * kv_k = ggml_view_3d(ctx, k_cache, D, Hkv, in.n_kv, ggml_row_size(k_cache->type, D),
-                                          k_cache->nb[1], 0);
-        ggml_tensor * kv_v = ggml_view_3d(ctx, v_cache, D, Hkv, in.n_kv, ggml_row_size(v_cache->type, D),
-                                          v_cache->nb[1], 0);
-        out = ggml_flash_attn_ext(ctx, ggml_permute(ctx, q, 0, 2, 1, 3), ggml_permute(ctx, kv_k, 0, 2, 1, 3),
-                                  ggml_permute(ctx, kv_v, 0, 2, 1, 3), in.kq_mask, 1.0f / std::sqrt((float)D), 0.0f,
-                                  0.0f);
+        ggml_tensor * kv_k = ggml_view_3d(ctx, k_cache, deltaspec_kv_head_ne0(k_cache, D), Hkv, in.n_kv,
+                                          deltaspec_kv_head_bytes(k_cache, D), k_cache->nb[1], 0);
+        ggml_tensor * kv_v = ggml_view_3d(ctx, v_cache, deltaspec_kv_head_ne0(v_cache, D), Hkv, in.n_kv,
+                                          deltaspec_kv_head_bytes(v_cache, D), v_cache->nb[1], 0);
+        out = deltaspec_kv_flash_attn(ctx, ggml_permute(ctx, q, 0, 2, 1, 3), ggml_permute(ctx, kv_k, 0, 2, 1, 3),
+                                      ggml_permute(ctx, kv_v, 0, 2, 1, 3), in.kq_mask, 1.0f / std::sqrt((float)D),
+                                      format_k, format_v);
     }
     ggml_prec_set_acc(out, GGML_PREC_F32);
     out = ggml_reshape_2d(ctx, out, H * D, T);  // FA returns {D, H, T} ({D, H, Tq, N} for streams)

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "deltaspec_tq.h"
 #include "ggml-alloc.h"
 
 namespace deltaspec {
@@ -74,6 +75,7 @@ ggml_tensor * alias(ggml_context * ctx, ggml_tensor * whole, int64_t ne0, int64_
                     const std::string & name) {
     ggml_tensor * t = ne1 > 0 ? ggml_new_tensor_2d(ctx, whole->type, ne0, ne1) : ggml_new_tensor_1d(ctx, whole->type, ne0);
     ggml_set_name(t, name.c_str());
+    deltaspec_tq_copy_mark(t, whole);  // a tq cache's slot is tq too (a no-op for other tensors)
     if (offset + ggml_nbytes(t) > ggml_nbytes(whole) ||
         ggml_backend_tensor_alloc(whole->buffer, t, (char *)whole->data + offset) != GGML_STATUS_SUCCESS) {
         throw std::runtime_error("cannot place the state of a sequence slot");
@@ -84,7 +86,7 @@ ggml_tensor * alias(ggml_context * ctx, ggml_tensor * whole, int64_t ne0, int64_
 }  // namespace
 
 void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t n_seq, ggml_type type_k,
-                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend) {
+                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend, int format_k, int format_v) {
     if (n_seq < 1) throw std::invalid_argument("n_seq_max must be >= 1");
     pool.n_seq = n_seq;
     pool.n_ctx = (n_ctx + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
@@ -95,7 +97,29 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
     const int64_t kv_width = hp.n_head_kv * hp.head_dim;
     const int64_t conv_elems = (hp.ssm_conv_kernel - 1) * hp.conv_channels();
     const int64_t ssm_elems = hp.ssm_state_size * hp.ssm_state_size * hp.ssm_n_v_heads;
-    if (force_kv_f32()) type_k = type_v = GGML_TYPE_F32;
+    if (force_kv_f32()) {
+        type_k = type_v = GGML_TYPE_F32;
+        format_k = format_v = DELTASPEC_KV_PLAIN;
+    }
+    for (auto [format, type] : {std::pair{format_k, type_k}, std::pair{format_v, type_v}}) {
+        if (format != DELTASPEC_KV_PLAIN && format != DELTASPEC_KV_ROTATED && format != DELTASPEC_KV_TQ3 &&
+            format != DELTASPEC_KV_TQ4) {
+            throw std::invalid_argument("KV cache format must be 0, 1, 3 or 4, got " + std::to_string(format));
+        }
+        if (format != DELTASPEC_KV_PLAIN && !deltaspec_tq_head_dim_ok(hp.head_dim)) {
+            throw std::invalid_argument("tq3/tq4 and rotated KV caches: the head dim must be 32, 64, 128 or 256, got " +
+                                        std::to_string(hp.head_dim));
+        }
+        if (format == DELTASPEC_KV_ROTATED && !ggml_is_quantized(type)) {
+            throw std::invalid_argument(std::string("a rotated KV cache needs a quantized type, got ") + ggml_type_name(type));
+        }
+    }
+    auto new_cache = [&](ggml_type type, int format) {
+        const int64_t rows = pool.n_ctx * n_seq;
+        if (format == DELTASPEC_KV_ROTATED) return deltaspec_kv_new_rotated_cache(pool.ctx, type, hp.head_dim, hp.n_head_kv, rows);
+        if (format != DELTASPEC_KV_PLAIN) return deltaspec_tq_new_cache(pool.ctx, format, hp.head_dim, hp.n_head_kv, rows);
+        return ggml_new_tensor_2d(pool.ctx, type, kv_width, rows);
+    };
     for (auto * t : {&pool.k, &pool.v, &pool.conv, &pool.ssm}) t->assign(L, nullptr);
     std::vector<ggml_tensor *> conv_saved(L, nullptr), ssm_saved(L, nullptr);
     for (int il = 0; il < L; ++il) {
@@ -112,8 +136,8 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
                 ggml_set_name(ssm_saved[il], ("ssm_saved_" + suffix).c_str());
             }
         } else {
-            pool.k[il] = ggml_new_tensor_2d(pool.ctx, type_k, kv_width, pool.n_ctx * n_seq);
-            pool.v[il] = ggml_new_tensor_2d(pool.ctx, type_v, kv_width, pool.n_ctx * n_seq);
+            pool.k[il] = new_cache(type_k, format_k);
+            pool.v[il] = new_cache(type_v, format_v);
             ggml_set_name(pool.k[il], ("caches_k_" + suffix).c_str());
             ggml_set_name(pool.v[il], ("caches_v_" + suffix).c_str());
         }
@@ -143,10 +167,10 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
                     st.ssm_saved[il] = ssm_saved[il];
                 }
             } else {
-                st.k[il] = alias(pool.alias_ctx, pool.k[il], kv_width, pool.n_ctx, s * pool.n_ctx * pool.k[il]->nb[1],
-                                 "cache_k_" + suffix);
-                st.v[il] = alias(pool.alias_ctx, pool.v[il], kv_width, pool.n_ctx, s * pool.n_ctx * pool.v[il]->nb[1],
-                                 "cache_v_" + suffix);
+                st.k[il] = alias(pool.alias_ctx, pool.k[il], pool.k[il]->ne[0], pool.n_ctx,
+                                 s * pool.n_ctx * pool.k[il]->nb[1], "cache_k_" + suffix);
+                st.v[il] = alias(pool.alias_ctx, pool.v[il], pool.v[il]->ne[0], pool.n_ctx,
+                                 s * pool.n_ctx * pool.v[il]->nb[1], "cache_v_" + suffix);
             }
         }
     }
@@ -168,6 +192,7 @@ std::vector<StateTensorInfo> state_tensor_info(const StatePool & pool) {
                 info.layer = (int)il;
                 info.slot = (int)s;
                 info.type = t->type;
+                info.kv_format = deltaspec_kv_format(t);
                 info.nbytes = ggml_nbytes(t);
                 info.ne0 = t->ne[0];
                 info.ne1 = t->ne[1];

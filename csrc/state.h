@@ -65,8 +65,10 @@ struct StatePool {
     void copy_slot(int64_t from, int64_t to);
 };
 
+// format_k / format_v (deltaspec_kv_format, ggml/deltaspec_tq.h): 1 = type_k / type_v holding rotated
+// rows, 3 or 4 = a tq3 / tq4 cache instead of type_k / type_v.
 void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t n_seq, ggml_type type_k,
-                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend);
+                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend, int format_k = 0, int format_v = 0);
 
 // One tensor of the state as allocated (read from the ggml tensor, not from what was asked for).
 struct StateTensorInfo {
@@ -75,6 +77,8 @@ struct StateTensorInfo {
     int layer = -1;
     int slot = 0;        // the sequence slot it belongs to
     ggml_type type = GGML_TYPE_COUNT;
+    int kv_format = 0;   // deltaspec_kv_format: 1 rotated rows of `type`, 3 / 4 tq3 / tq4 (`type` only
+                         // carries the bytes)
     size_t nbytes = 0;   // ggml_nbytes
     int64_t ne0 = 0, ne1 = 0;
     std::string buffer;  // the backend buffer holding it ("CPU", "CUDA0", ...)

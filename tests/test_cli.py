@@ -195,7 +195,10 @@ def test_info(gguf, model):
     assert "at n_ctx=1024" in out and "n_ctx=1000" not in out  # rounded up to whole 256-token KV blocks
     rows = dict((name, (per_token, mib)) for name, per_token, mib in
                 re.findall(r"^  (\w+) +([\d,]+) bytes/token +([\d.,]+) MiB$", out, re.M))
-    assert set(rows) == set(KV_BLOCKS), out
+    assert set(rows) == set(KV_BLOCKS) | {"tq3", "tq4"}, out
+    for bits in (3, 4):  # per head vector an fp16 scale and head_dim indices of `bits` bits
+        per_token = 2 * n_attn * hp.n_head_kv * (2 + hp.head_dim * bits // 8)
+        assert rows[f"tq{bits}"] == (f"{per_token:,}", f"{per_token * 1024 / 2**20:,.1f}")
     for name, (elements, size) in KV_BLOCKS.items():
         # K and V: one row of n_head_kv * head_dim elements per attention layer each
         per_token = 2 * n_attn * hp.n_head_kv * hp.head_dim // elements * size

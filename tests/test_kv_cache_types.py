@@ -3,8 +3,11 @@
 
 Model: the tiny byte-level vocabulary model (`tiny_vocab`, 265 tokens) with 8 layers, two of them
 full attention (3, 7), GQA 4:1 (4 query heads, 1 KV head) of head dim 64 (two 32-blocks per row),
-F32 weights. It loads in milliseconds and a token costs well under one, so all 81 pairs run in
-about 2 s. Prompt: 100 fixed pseudo-random byte tokens, then 16 greedy tokens. Each pair is
+F32 weights. It loads in milliseconds and a token costs well under one, so all 121 pairs of the 9
+ggml types and deltaspec's tq3/tq4 (ggml/deltaspec_tq.h) run in about 3 s, and each rotated ggml
+type (`q4_0+rot` etc.) with itself, with f32 and f32 with it. A rotated type's tolerances and floor
+are its plain type's (measured: the rotation lowers the error here, e.g. q4_0 rms/std 0.0224 ->
+0.0199, q8_0 0.00149 -> 0.00120, q5_0 0.0100 -> 0.0092). Prompt: 100 fixed pseudo-random byte tokens, then 16 greedy tokens. Each pair is
 checked three ways:
 
 - allocated: `Model.kv_cache_info()` (read from the engine's ggml tensors) must report the asked-for
@@ -32,6 +35,8 @@ worst with an f32 K). Tolerances below are ~2.5x these:
     iq4_nl   0.147          f32/iq4_nl      0.0200    iq4_nl/iq4_nl    16
     q4_1     0.165          f32/q4_1        0.0192    q4_1/q4_1        16
     q4_0     0.215          f32/q4_0        0.0224    q4_0/q4_0        15
+    tq4      0.355          tq4/tq3         0.0353    tq4/tq3          15 (tq4/tq4: 0.184, 0.0235, 16)
+    tq3      0.355          f32/tq3         0.0392    tq3/tq3          5 (q4_1/tq3; others 15-16)
 
 (f32/f32 is the reference itself: 0.) For scale: changing only the prompt's first token moves the
 later positions' logits by max/std 4.3, rms/std 0.40, so a cache that loses or garbles context
@@ -43,29 +48,34 @@ a third:
 
     f16 3.9e-05 (f16/f32)   bf16 3.3e-04 (bf16/f32)   q8_0 1.0e-03 (q8_0/f32)
     q5_1 5.0e-03            q5_0 5.5e-03              q4_1 1.03e-02   iq4_nl 1.04e-02   q4_0 1.17e-02
+    tq4 1.28e-02 (tq4/f32)  tq3 2.19e-02 (tq3/f32)
 
 With K = V, rms/std orders the types f16 5.1e-05 < bf16 4.7e-04 < q8_0 1.5e-03 < q5_1 8.3e-03,
-q5_0 1.0e-02 < q4_1 1.9e-02, iq4_nl 2.0e-02, q4_0 2.2e-02: each group at least 1.9x the one before
-(within the 5-bit and the 4-bit groups the order is within noise, so it is not asserted).
+q5_0 1.0e-02 < q4_1 1.9e-02, iq4_nl 2.0e-02, q4_0 2.2e-02, tq4 2.35e-02 < tq3 3.9e-02: each group at
+least 1.6x the one before (within the 5-bit and the 4-bit groups the order is within noise, so it is
+not asserted). On this random-weight model K and V are near Gaussian, where a per-block absmax scale
+(q4_0's 4.5 bits) does as well as the rotation; bench/kv_quality.py measures the trained testbed.
 
 Planted bug, seen to fail: DELTASPEC_TEST_FORCE_KV_F32=1 (read by the engine when it allocates the
 state, csrc/state.cpp) makes every cache F32 whatever was asked. With it, the old checks (close
 enough, greedy) still passed all 81 pairs; the allocated-type check and the error floor fail every
 pair but f32/f32, and the ordering fails: `test_planted_all_f32_cache_is_caught` runs them under
-the switch and asserts that they raise.
+the switch and asserts that they raise (tq3/tq4 pairs included: the switch allocates them F32 too).
 """
 
 import functools
 import itertools
+import re
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader
 
 from deltaspec import Model
-from deltaspec.kv_cache import (CACHE_TYPES, CUDA_VEC_PAIRS_DEFAULT, block_size, bytes_per_element, ggml_type,
-                                kv_bytes_per_token, kv_cache_bytes, supported_pairs, supported_types,
-                                validate_cache_types)
+from deltaspec.kv_cache import (CACHE_TYPES, CUDA_VEC_PAIRS_DEFAULT, KV_CACHE_TYPES, ROTATED_CACHE_TYPES,
+                                TQ_CACHE_TYPES, block_size,
+                                bytes_per_element, ggml_type, kv_bytes_per_token, kv_cache_bytes, supported_pairs,
+                                supported_types, validate_cache_types)
 from deltaspec.qwen35 import Qwen35HParams
 from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
 
@@ -75,7 +85,9 @@ N_CTX = 256  # a whole number of the engine's 256-row KV blocks: the engine allo
 # One thread: with two, ggml's workers spin-wait for each other, and on a busy 2-core machine a
 # 16-token decode then took 1-6 s of CPU instead of 0.05 s.
 N_THREADS = 1
-CPU_PAIRS = sorted(supported_pairs("cpu"))
+# every pair of the plain and tq types; a rotated type with itself and with f32 on the other side
+CPU_PAIRS = sorted({(k, v) for k, v in supported_pairs("cpu") if k not in ROTATED_CACHE_TYPES and v not in
+                    ROTATED_CACHE_TYPES} | {p for r in ROTATED_CACHE_TYPES for p in ((r, r), (r, "f32"), ("f32", r))})
 
 # Per cache type: (max|diff| / std, rms diff / std, greedy tokens that must equal the f16 cache's).
 # ~2.5x the measured errors of the docstring table; greedy: all 16 for 8+ bit types, at least the
@@ -90,13 +102,17 @@ TOLERANCE = {
     "q4_0": (0.55, 0.06, 4),
     "q4_1": (0.45, 0.05, 4),
     "iq4_nl": (0.4, 0.05, 4),
+    "tq4": (0.9, 0.09, 4),
+    "tq3": (0.9, 0.1, 4),
 }
+TOLERANCE.update({r: TOLERANCE[t] for r, t in ROTATED_CACHE_TYPES.items()})
 # Per cache type: the least rms diff / std a pair holding it must show against the f32 cache
 # (a third of the least measured, docstring). f32/f32 must be exact instead.
 ERROR_FLOOR = {"f32": 0.0, "f16": 1.3e-5, "bf16": 1.1e-4, "q8_0": 3.4e-4, "q5_0": 1.8e-3, "q5_1": 1.6e-3,
-               "q4_0": 3.9e-3, "q4_1": 3.4e-3, "iq4_nl": 3.4e-3}
+               "q4_0": 3.9e-3, "q4_1": 3.4e-3, "iq4_nl": 3.4e-3, "tq4": 4.2e-3, "tq3": 7.3e-3}
+ERROR_FLOOR.update({r: ERROR_FLOOR[t] / 2 for r, t in ROTATED_CACHE_TYPES.items()})
 # K = V pairs, from less to more error: each group's worst below the next group's best
-ERROR_ORDER = [("f16",), ("bf16",), ("q8_0",), ("q5_0", "q5_1"), ("q4_0", "q4_1", "iq4_nl")]
+ERROR_ORDER = [("f16",), ("bf16",), ("q8_0",), ("q5_0", "q5_1"), ("q4_0", "q4_1", "iq4_nl", "tq4"), ("tq3",)]
 
 
 def _pair_tolerance(k: str, v: str) -> tuple[float, float, int]:
@@ -155,11 +171,14 @@ def _expected_state(path) -> dict:
             "recurrent": [il for il in range(n_layer) if (il + 1) % interval != 0],
             "k_width": n_head_kv * _gguf_int(r, "qwen35.attention.key_length"),
             "v_width": n_head_kv * _gguf_int(r, "qwen35.attention.value_length"),
+            "head_dim": _gguf_int(r, "qwen35.attention.key_length"),
             "conv_bytes": 4 * (kernel - 1) * (d_inner + 2 * n_k * s), "ssm_bytes": 4 * s * s * n_v}
 
 
-def _row_bytes(type_name: str, width: int) -> int:
-    blck, size = GGML_QUANT_SIZES[CACHE_TYPES[type_name]]
+def _row_bytes(type_name: str, width: int, head_dim: int) -> int:
+    if type_name in TQ_CACHE_TYPES:  # per head: an fp16 scale and head_dim indices of 3 or 4 bits
+        return width // head_dim * (2 + head_dim * TQ_CACHE_TYPES[type_name] // 8)
+    blck, size = GGML_QUANT_SIZES[CACHE_TYPES[ROTATED_CACHE_TYPES.get(type_name, type_name)]]
     assert width % blck == 0
     return width // blck * size
 
@@ -172,7 +191,8 @@ def check_allocated(path, info: dict, type_k: str, type_v: str, buffer: str = "C
     assert info["n_ctx"] == N_CTX
     assert [a["layer"] for a in info["attention_layers"]] == want["attention"], pair
     assert [r["layer"] for r in info["recurrent_layers"]] == want["recurrent"], pair
-    k_bytes, v_bytes = N_CTX * _row_bytes(type_k, want["k_width"]), N_CTX * _row_bytes(type_v, want["v_width"])
+    k_bytes = N_CTX * _row_bytes(type_k, want["k_width"], want["head_dim"])
+    v_bytes = N_CTX * _row_bytes(type_v, want["v_width"], want["head_dim"])
     for a in info["attention_layers"]:
         assert (a["type_k"], a["type_v"]) == (type_k, type_v), f"{pair}: layer {a['layer']} allocated {a}"
         assert (a["k_bytes"], a["v_bytes"]) == (k_bytes, v_bytes), f"{pair}: layer {a['layer']} allocated {a}"
@@ -212,7 +232,9 @@ def check_order(runs) -> None:
 
 
 def test_every_cpu_pair_is_tested():
-    assert set(CPU_PAIRS) == set(itertools.product(CACHE_TYPES, CACHE_TYPES))
+    plain = [t for t in KV_CACHE_TYPES if t not in ROTATED_CACHE_TYPES]
+    assert set(itertools.product(plain, plain)) <= set(CPU_PAIRS)
+    assert {k for k, _ in CPU_PAIRS} == {v for _, v in CPU_PAIRS} == set(KV_CACHE_TYPES)
 
 
 @pytest.mark.parametrize("type_k,type_v", CPU_PAIRS, ids=lambda t: t)
@@ -236,18 +258,20 @@ def test_error_grows_as_the_type_narrows(runs):
     check_order(runs)
 
 
-def test_cache_types_survive_speculation(gguf_path):
+@pytest.mark.parametrize("type_k,type_v", [("q5_1", "iq4_nl"), ("tq3", "q4_0+rot")])
+def test_cache_types_survive_speculation(gguf_path, type_k, type_v):
     """Speculation re-allocates the state with room for verify batches (ensure_slots): the cache
-    keeps the asked-for types, and the recurrent state's checkpoint copy appears."""
-    kw = dict(n_ctx=N_CTX, n_threads=N_THREADS, type_k="q5_1", type_v="iq4_nl")
+    keeps the asked-for types (tq and rotated ones too), and the recurrent state's checkpoint copy
+    appears."""
+    kw = dict(n_ctx=N_CTX, n_threads=N_THREADS, type_k=type_k, type_v=type_v)
     with Model(gguf_path, **kw) as m, Model(gguf_path, **kw) as draft:
         out = m.generate(PROMPT, max_tokens=N_GEN, temperature=0, draft_model=draft, draft_n_min=1)
         assert out.stats.n_drafted > 0
         info = m.kv_cache_info()
     want = _expected_state(gguf_path)
-    assert {(a["type_k"], a["type_v"]) for a in info["attention_layers"]} == {("q5_1", "iq4_nl")}
+    assert {(a["type_k"], a["type_v"]) for a in info["attention_layers"]} == {(type_k, type_v)}
     assert info["kv_bytes"] == len(want["attention"]) * N_CTX * (
-        _row_bytes("q5_1", want["k_width"]) + _row_bytes("iq4_nl", want["v_width"]))
+        _row_bytes(type_k, want["k_width"], want["head_dim"]) + _row_bytes(type_v, want["v_width"], want["head_dim"]))
     assert info["checkpoint_bytes"] == info["recurrent_bytes"] > 0
     assert info["total_bytes"] == info["kv_bytes"] + 2 * info["recurrent_bytes"]
 
@@ -258,10 +282,11 @@ def test_planted_all_f32_cache_is_caught(gguf_path, reference, monkeypatch):
     ref_logits, _ = reference
     monkeypatch.setenv("DELTASPEC_TEST_FORCE_KV_F32", "1")
     forced = functools.cache(lambda k, v: _run(gguf_path, k, v))
-    for type_k, type_v in [("q8_0", "q4_0"), ("f16", "f16"), ("f32", "iq4_nl"), ("bf16", "q5_1")]:
+    for type_k, type_v in [("q8_0", "q4_0"), ("f16", "f16"), ("f32", "iq4_nl"), ("bf16", "q5_1"), ("tq3", "tq4"),
+                           ("tq4", "f16"), ("q4_0+rot", "q8_0+rot")]:
         logits, _, info = forced(type_k, type_v)
         assert np.array_equal(logits, ref_logits)  # the bug took effect: an F32 cache, exactly
-        with pytest.raises(AssertionError, match=f"{type_k}/{type_v}: layer 3 allocated"):
+        with pytest.raises(AssertionError, match=re.escape(f"{type_k}/{type_v}: layer 3 allocated")):
             check_allocated(gguf_path, info, type_k, type_v)
         with pytest.raises(AssertionError, match="below the"):
             check_lossy(logits, ref_logits, type_k, type_v)
@@ -300,6 +325,12 @@ TINY_ATTN2 = _hparams(8, 1, 32)     # tiny attn2_d32_untied: 2 attention layers,
     (QWEN35_08B, "f16", "f16", 6 * 512 * 2 * 2),         # 12 KiB
     (TINY_ATTN2, "f16", "f16", 2 * 32 * 2 * 2),          # 256 B
     (TINY_ATTN2, "q8_0", "f32", 2 * (34 + 128)),
+    # tq: per head an fp16 scale + 3 or 4 bits per value: 27B tq3 = 16 layers * 4 heads * (2 + 96) B
+    (QWEN35_27B, "tq3", "tq3", 16 * 4 * 98 * 2),         # 12544 B: 0.68x q4_0's 18432
+    (QWEN35_27B, "tq4", "tq4", 16 * 4 * 130 * 2),        # 16640 B
+    (QWEN35_27B, "tq3", "q8_0", 16 * (4 * 98 + 1088)),
+    (TINY_ATTN2, "tq3", "tq4", 2 * ((2 + 12) + (2 + 16))),
+    (QWEN35_27B, "q4_0+rot", "q8_0+rot", 16 * (576 + 1088)),  # a rotated type takes its type's bytes
 ])
 def test_kv_bytes_per_token(hp, type_k, type_v, expected):
     assert kv_bytes_per_token(hp, type_k, type_v) == expected
@@ -320,14 +351,23 @@ def test_type_table(name, blck, bpe, type_id):
     assert int(ggml_type(name)) == type_id
 
 
+@pytest.mark.parametrize("name,head_dim,bpe", [("tq3", 256, 98 / 256), ("tq4", 256, 130 / 256), ("tq3", 64, 26 / 64),
+                                                ("tq4", 32, 18 / 32)])
+def test_tq_type_table(name, head_dim, bpe):
+    assert block_size(name, head_dim) == head_dim  # one block = one head vector (one scale)
+    assert bytes_per_element(name, head_dim) == pytest.approx(bpe)
+    with pytest.raises(ValueError, match="not a ggml type"):
+        ggml_type(name)
+
+
 # --- the table: devices and validation ------------------------------------------------------------
 
 def test_supported_pairs():
-    assert len(supported_pairs("cpu")) == 81
+    assert len(supported_pairs("cpu")) == 17 * 17  # 9 ggml types, tq3, tq4, 6 rotated
     cuda = supported_pairs("cuda")
-    assert len(cuda) == 64 and not any("iq4_nl" in p for p in cuda)
+    assert len(cuda) == 15 * 15 and not any(t.startswith("iq4_nl") for p in cuda for t in p)
     assert CUDA_VEC_PAIRS_DEFAULT <= cuda
-    assert set(supported_types("cuda")) == set(CACHE_TYPES) - {"iq4_nl"}
+    assert set(supported_types("cuda")) == set(KV_CACHE_TYPES) - {"iq4_nl", "iq4_nl+rot"}
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -338,16 +378,22 @@ def test_validate_accepts_supported(device):
 
 @pytest.mark.parametrize("args,message", [
     (("q8", "f16", "cpu"), r"type_k='q8' is not a KV cache type \(supported: f32, f16, bf16, q8_0, q4_0, "
-                           r"q4_1, iq4_nl, q5_0, q5_1\)"),
+                           r"q4_1, iq4_nl, q5_0, q5_1, tq3, tq4, q8_0\+rot, q4_0\+rot, q4_1\+rot, iq4_nl\+rot, "
+                           r"q5_0\+rot, q5_1\+rot\)"),
     (("f16", "Q8_0", "cpu"), r"type_v='Q8_0' is not a KV cache type"),
     (("f16", None, "cpu"), r"type_v=None is not a KV cache type"),
     (("f16", "iq4_nl", "cuda"), r"type_v='iq4_nl' is not supported on cuda \(supported on cuda: f32, f16, bf16, "
-                                r"q8_0, q4_0, q4_1, q5_0, q5_1\)"),
+                                r"q8_0, q4_0, q4_1, q5_0, q5_1, tq3, tq4, q8_0\+rot, q4_0\+rot, q4_1\+rot, "
+                                r"q5_0\+rot, q5_1\+rot\)"),
     (("iq4_nl", "f16", "cuda"), r"type_k='iq4_nl' is not supported on cuda"),
     (("f16", "f16", "metal"), r"device must be one of \('cpu', 'cuda'\), got 'metal'"),
     (("q8_0", "f16", "cpu", 48), r"type_k='q8_0': its block of 32 elements does not divide the head dim 48 "
                                  r"\(types that fit: f32, f16, bf16\)"),
     (("f16", "q4_1", "cpu", 80), r"type_v='q4_1': its block of 32 elements does not divide the head dim 80"),
+    (("tq3", "f16", "cpu", 96), r"type_k='tq3': the head dim must be one of \(32, 64, 128, 256\) \(rotated as a "
+                                r"whole\), got 96"),
+    (("f16", "tq4", "cuda", 512), r"type_v='tq4': the head dim must be one of"),
+    (("q4_0+rot", "f16", "cpu", 96), r"type_k='q4_0\+rot': the head dim must be one of"),
 ])
 def test_validate_errors(args, message):
     with pytest.raises(ValueError, match=message):

@@ -117,7 +117,8 @@ def _add_run_parser(sub) -> None:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="largest batch of prompt tokens per graph (default: %(default)s)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
-                   help="KV cache type for K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 "
+                   help="KV cache type for K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1, or deltaspec's "
+                        "TurboQuant tq3 / tq4 (3 / 4 bits per value + one fp16 scale per head) "
                         "(default: %(default)s)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE",
                    help="KV cache type for V (default: %(default)s)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .gguf_file import read_gguf
-from .kv_cache import CACHE_TYPES, block_size, kv_bytes_per_token, padded_n_ctx
+from .kv_cache import CACHE_TYPES, TQ_CACHE_TYPES, fits_head_dim, kv_bytes_per_token, padded_n_ctx
 from .qwen35 import check_tensors, expected_tensors, read_hparams
 from .slot_memory import format_slot_table, slot_table
 
@@ -51,8 +51,8 @@ def describe(path: str, n_ctx: int = 4096) -> list[str]:
         f"total at n_ctx={n_ctx}: {_mib(weight_bytes + recurrent + kv_per_token_f16 * n_ctx)} (f16 KV)",
     ]
     lines.append(f"KV cache per type (K = V), at n_ctx={n_ctx}:")
-    for name in CACHE_TYPES:
-        if hp.head_dim % block_size(name) == 0:
+    for name in (*CACHE_TYPES, *TQ_CACHE_TYPES):  # a rotated type (q4_0+rot) takes its type's bytes
+        if fits_head_dim(name, hp.head_dim):
             per_token = kv_bytes_per_token(hp, name, name)
             lines.append(f"  {name:<7} {per_token:>12,} bytes/token {_mib(per_token * n_ctx):>14}")
     lines += format_slot_table(slot_table(hp))

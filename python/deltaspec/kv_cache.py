@@ -2,7 +2,12 @@
 
 Only the full-attention layers of a qwen35 model have a KV cache; the Gated DeltaNet layers keep a
 fixed-size F32 recurrent state that no cache type changes (spec §7.1). The names are llama.cpp's
-`-ctk/-ctv` values. Typical use before building an engine:
+`-ctk/-ctv` values, plus deltaspec's own TurboQuant types `tq3` and `tq4` (ggml/deltaspec_tq.h): each
+head vector of D values randomly rotated, then one 3- or 4-bit Lloyd-Max index per value and one fp16
+scale per head vector, 3 + 16/D or 4 + 16/D bits per value (D = 256: 3.0625 and 4.0625; q4_0 is 4.5);
+and the quantized ggml types with that rotation, `q4_0+rot` etc. (as llama.cpp rotates its quantized
+caches, spec §7.2: outlier channels are spread over the head before a block's scale sees them).
+Typical use before building an engine:
 
     validate_cache_types(type_k, type_v, device, hparams.head_dim)   # ValueError on a bad choice
     per_token = kv_bytes_per_token(hparams, type_k, type_v)
@@ -22,6 +27,14 @@ CACHE_TYPES: dict[str, T] = {
     "f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1,
     "iq4_nl": T.IQ4_NL, "q5_0": T.Q5_0, "q5_1": T.Q5_1,
 }
+# deltaspec's TurboQuant types: name -> bits per index (ggml/deltaspec_tq.h). They run on both devices,
+# for K or V or both, beside any type above on the other side.
+TQ_CACHE_TYPES: dict[str, int] = {"tq3": 3, "tq4": 4}
+TQ_HEAD_DIMS = (32, 64, 128, 256)
+# The quantized ggml types holding rotated rows (format 1 of ggml/deltaspec_tq.h): name -> its ggml type.
+ROTATED_CACHE_TYPES: dict[str, str] = {f"{n}+rot": n for n in ("q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")}
+KV_CACHE_TYPES: tuple[str, ...] = (*CACHE_TYPES, *TQ_CACHE_TYPES, *ROTATED_CACHE_TYPES)  # every name -ctk/-ctv take
+_ROTATED_FORMAT = 1
 DEFAULT_CACHE_TYPE = "f16"
 DEVICES = ("cpu", "cuda")
 
@@ -50,19 +63,56 @@ class _KVHParams(Protocol):
 
 
 def ggml_type(name: str) -> T:
-    """The ggml type id of cache type `name` (e.g. "q8_0" -> GGMLQuantizationType.Q8_0)."""
-    return CACHE_TYPES[_known(name, "type")]
+    """The ggml type id of cache type `name` (e.g. "q8_0" -> GGMLQuantizationType.Q8_0); the tq types
+    have none (ValueError)."""
+    if name in TQ_CACHE_TYPES:
+        raise ValueError(f"{name!r} is deltaspec's own cache type, not a ggml type")
+    return CACHE_TYPES[ROTATED_CACHE_TYPES.get(_known(name, "type"), name)]
 
 
-def block_size(name: str) -> int:
-    """Elements per quantization block (1 for f32/f16/bf16, 32 for the q*/iq4_nl types)."""
+def block_size(name: str, head_dim: int | None = None) -> int:
+    """Elements per quantization block (1 for f32/f16/bf16, 32 for the q*/iq4_nl types, the head
+    vector for tq3/tq4, whose block is one head: pass head_dim)."""
+    if name in TQ_CACHE_TYPES:
+        if head_dim is None:
+            raise ValueError(f"the block of {name!r} is one head vector: pass head_dim")
+        return head_dim
     return GGML_QUANT_SIZES[ggml_type(name)][0]
 
 
-def bytes_per_element(name: str) -> float:
-    """Average bytes per cached element, block scales included (q8_0: 34/32 = 1.0625)."""
+def tq_head_bytes(name: str, head_dim: int) -> int:
+    """Bytes of one head vector of a tq cache: an fp16 scale + head_dim indices of 3 or 4 bits."""
+    return 2 + head_dim * TQ_CACHE_TYPES[name] // 8
+
+
+def bytes_per_element(name: str, head_dim: int | None = None) -> float:
+    """Average bytes per cached element, block scales included (q8_0: 34/32 = 1.0625; tq3 at
+    head_dim 256: 98/256 = 0.3828)."""
+    if name in TQ_CACHE_TYPES:
+        return tq_head_bytes(name, block_size(name, head_dim)) / head_dim
     blck, size = GGML_QUANT_SIZES[ggml_type(name)]
     return size / blck
+
+
+def fits_head_dim(name: str, head_dim: int) -> bool:
+    """Whether a cache of type `name` holds heads of head_dim values (whole blocks; tq and rotated
+    types: D in TQ_HEAD_DIMS)."""
+    if name in TQ_CACHE_TYPES or name in ROTATED_CACHE_TYPES:
+        return head_dim in TQ_HEAD_DIMS
+    return head_dim % block_size(name) == 0
+
+
+def engine_cache_args(type_k: str, type_v: str) -> dict[str, int]:
+    """The engine's keyword arguments for a (type_k, type_v) pair: ggml type ids, and kv_format_k /
+    kv_format_v: 1 for a rotated type, 3 or 4 for tq3 / tq4 (whose type id is then a placeholder the
+    engine ignores), 0 otherwise."""
+    out = {}
+    for side, name in (("k", type_k), ("v", type_v)):
+        _known(name, f"type_{side}")
+        bits = TQ_CACHE_TYPES.get(name, 0)
+        out[f"type_{side}"] = int(T.F16 if bits else ggml_type(name))
+        out[f"kv_format_{side}"] = bits or (_ROTATED_FORMAT if name in ROTATED_CACHE_TYPES else 0)
+    return out
 
 
 def kv_bytes_per_token(hparams: _KVHParams, type_k: str = DEFAULT_CACHE_TYPE,
@@ -77,7 +127,10 @@ def kv_bytes_per_token(hparams: _KVHParams, type_k: str = DEFAULT_CACHE_TYPE,
     for param, name in (("type_k", type_k), ("type_v", type_v)):
         _known(name, param)
         _check_block(param, name, hparams.head_dim)
-        blck, size = GGML_QUANT_SIZES[CACHE_TYPES[name]]
+        if name in TQ_CACHE_TYPES:
+            per_layer += hparams.n_head_kv * tq_head_bytes(name, hparams.head_dim)
+            continue
+        blck, size = GGML_QUANT_SIZES[ggml_type(name)]
         per_layer += hparams.n_head_kv * (hparams.head_dim // blck) * size
     return hparams.n_attention_layers * per_layer
 
@@ -98,15 +151,17 @@ def kv_cache_bytes(hparams: _KVHParams, n_ctx: int, type_k: str = DEFAULT_CACHE_
 def supported_types(device: str) -> tuple[str, ...]:
     """Cache type names usable for K or V on `device` ("cpu" or "cuda")."""
     if device == "cpu":
-        # ggml's CPU flash attention takes any K type with vec_dot and any V type with to_float.
-        return tuple(CACHE_TYPES)
+        # ggml's CPU flash attention takes any K type with vec_dot and any V type with to_float; the
+        # tq attention node any type with to_float beside a tq side.
+        return KV_CACHE_TYPES
     if device == "cuda":
-        return _CUDA_TYPES
+        return (*_CUDA_TYPES, *TQ_CACHE_TYPES, *(n for n, t in ROTATED_CACHE_TYPES.items() if t in _CUDA_TYPES))
     raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
 
 
 def supported_pairs(device: str) -> frozenset[tuple[str, str]]:
-    """All (type_k, type_v) pairs that run on `device`: 81 on the CPU, 64 on CUDA.
+    """All (type_k, type_v) pairs that run on `device`: 289 on the CPU, 225 on CUDA (tq3/tq4 and the
+    rotated types with anything).
 
     On CUDA only `CUDA_VEC_PAIRS_DEFAULT` are fast for single-token decode; see the comment there.
     """
@@ -178,14 +233,17 @@ def allocated_state(tensors: list[dict], n_ctx: int) -> dict:
 
 
 def _known(name: str, param: str) -> str:
-    if not isinstance(name, str) or name not in CACHE_TYPES:
-        raise ValueError(f"{param}={name!r} is not a KV cache type (supported: {', '.join(CACHE_TYPES)})")
+    if not isinstance(name, str) or name not in KV_CACHE_TYPES:
+        raise ValueError(f"{param}={name!r} is not a KV cache type (supported: {', '.join(KV_CACHE_TYPES)})")
     return name
 
 
 def _check_block(param: str, name: str, head_dim: int) -> None:
-    blck = GGML_QUANT_SIZES[CACHE_TYPES[name]][0]
-    if head_dim % blck:
-        fits = [n for n, t in CACHE_TYPES.items() if head_dim % GGML_QUANT_SIZES[t][0] == 0]
-        raise ValueError(f"{param}={name!r}: its block of {blck} elements does not divide the head dim "
-                         f"{head_dim} (types that fit: {', '.join(fits)})")
+    if fits_head_dim(name, head_dim):
+        return
+    fits = ", ".join(n for n in KV_CACHE_TYPES if fits_head_dim(n, head_dim))
+    if name in TQ_CACHE_TYPES or name in ROTATED_CACHE_TYPES:
+        raise ValueError(f"{param}={name!r}: the head dim must be one of {TQ_HEAD_DIMS} (rotated as a whole), "
+                         f"got {head_dim} (types that fit: {fits})")
+    raise ValueError(f"{param}={name!r}: its block of {block_size(name)} elements does not divide the head dim "
+                     f"{head_dim} (types that fit: {fits})")

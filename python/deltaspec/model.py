@@ -19,7 +19,7 @@ from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation,
 from .gguf_file import read_gguf
 from .grammar import Grammar, grammar_of
 from .qwen35 import check_tensors, read_hparams
-from .kv_cache import allocated_state, ggml_type, validate_cache_types
+from .kv_cache import allocated_state, engine_cache_args, validate_cache_types
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
 
@@ -137,8 +137,7 @@ class Model:
         self.batch_invariant = batch_invariance.apply() and device == "cpu"
         try:
             self._engine = _core.Engine(self.path, self.hparams, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                                        n_threads=n_threads, device=device, type_k=int(ggml_type(type_k)),
-                                        type_v=int(ggml_type(type_v)),
+                                        n_threads=n_threads, device=device, **engine_cache_args(type_k, type_v),
                                         progress=on_bytes, n_seq_max=n_seq_max)
         except RuntimeError as e:  # the file passed validation: device, memory, or the file changed since
             message = str(e)

@@ -1,0 +1,221 @@
+// Test-only bindings of the tq KV cache types (ggml/deltaspec_tq.h): the host reference codec, and
+// the two graph nodes (quantize-on-write, attention) run on the CPU or CUDA backend on numpy arrays
+// (tests/test_turboquant.py, tests/test_gpu_turboquant.py, bench/kv_quality.py). Arrays are in numpy
+// order, the reverse of ggml's.
+#include "tq_bindings.h"
+
+#include <pybind11/numpy.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda_kernels.h"
+#include "deltaspec_tq.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "ggml.h"
+
+namespace py = pybind11;
+
+namespace deltaspec {
+
+namespace {
+
+using F32 = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using U8 = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
+
+void check_bits(int bits) {
+    if (bits != 3 && bits != 4) throw std::invalid_argument("bits must be 3 (tq3) or 4 (tq4), got " + std::to_string(bits));
+}
+
+int64_t head_dim_of(const py::array & x) {
+    const int64_t D = x.shape(x.ndim() - 1);
+    if (!deltaspec_tq_head_dim_ok(D)) {
+        throw std::invalid_argument("the last axis (head dim) must be 32, 64, 128 or 256, got " + std::to_string(D));
+    }
+    return D;
+}
+
+// One graph on one backend whose inputs are filled from arrays after allocation.
+class TqGraph {
+  public:
+    TqGraph(const std::string & device, int n_threads) {
+        const bool cuda = device == "cuda";
+        if (!cuda && device != "cpu") throw std::invalid_argument("device must be 'cpu' or 'cuda', got '" + device + "'");
+        ggml_backend_dev_t dev = ggml_backend_dev_by_type(cuda ? GGML_BACKEND_DEVICE_TYPE_GPU : GGML_BACKEND_DEVICE_TYPE_CPU);
+        if (dev == nullptr) throw std::runtime_error("device '" + device + "' is not available in this build");
+        if (cuda) enable_cuda_kernels();
+        backend_ = ggml_backend_dev_init(dev, nullptr);
+        if (backend_ == nullptr) throw std::runtime_error("cannot initialise device '" + device + "'");
+        if (!cuda) ggml_backend_cpu_set_n_threads(backend_, n_threads);
+        ggml_init_params params = {64 * ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, true};
+        ctx_ = ggml_init(params);
+        gf_ = ggml_new_graph(ctx_);
+    }
+    ~TqGraph() {
+        if (buffer_) ggml_backend_buffer_free(buffer_);
+        ggml_free(ctx_);
+        ggml_backend_free(backend_);
+    }
+    TqGraph(const TqGraph &) = delete;
+    TqGraph & operator=(const TqGraph &) = delete;
+
+    ggml_context * ctx() { return ctx_; }
+    // t is filled from `bytes` bytes at `data` once allocated (zeros when data is null)
+    void fill(ggml_tensor * t, const void * data) { fills_.push_back({t, data}); }
+    void expand(ggml_tensor * t) { ggml_build_forward_expand(gf_, t); }
+
+    void compute() {
+        buffer_ = ggml_backend_alloc_ctx_tensors(ctx_, backend_);
+        if (buffer_ == nullptr) throw std::runtime_error("cannot allocate the graph's tensors");
+        ggml_backend_buffer_clear(buffer_, 0);
+        for (auto & [t, data] : fills_) {
+            if (data) ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
+        }
+        if (ggml_backend_graph_compute(backend_, gf_) != GGML_STATUS_SUCCESS) throw std::runtime_error("compute failed");
+        ggml_backend_synchronize(backend_);
+    }
+
+  private:
+    ggml_backend_t backend_ = nullptr;
+    ggml_context * ctx_ = nullptr;
+    ggml_cgraph * gf_ = nullptr;
+    ggml_backend_buffer_t buffer_ = nullptr;
+    std::vector<std::pair<ggml_tensor *, const void *>> fills_;
+};
+
+// x (n, D) -> (n, head bytes) by the host codec
+U8 quantize_host(int bits, const F32 & x) {
+    check_bits(bits);
+    const int64_t D = head_dim_of(x), n = x.size() / D;
+    const py::ssize_t hb = (py::ssize_t)deltaspec_tq_head_bytes(bits, D);
+    U8 out({(py::ssize_t)n, hb});
+    deltaspec_tq_quantize(bits, D, n, x.data(), out.mutable_data());
+    return out;
+}
+
+F32 dequantize_host(int bits, const U8 & q, int64_t D) {
+    check_bits(bits);
+    if (!deltaspec_tq_head_dim_ok(D)) throw std::invalid_argument("head_dim must be 32, 64, 128 or 256");
+    const py::ssize_t hb = (py::ssize_t)deltaspec_tq_head_bytes(bits, D);
+    if (q.ndim() != 2 || q.shape(1) != hb) throw std::invalid_argument("q must be (n, " + std::to_string(hb) + ") bytes");
+    F32 out({q.shape(0), (py::ssize_t)D});
+    deltaspec_tq_dequantize_rotated(bits, D, q.shape(0), q.data(), out.mutable_data());
+    return out;
+}
+
+F32 rotate_host(const F32 & x, bool inverse) {
+    const int64_t D = head_dim_of(x);
+    F32 out(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
+    std::copy(x.data(), x.data() + x.size(), out.mutable_data());
+    deltaspec_tq_rotate(D, x.size() / D, out.mutable_data(), inverse);
+    return out;
+}
+
+// The quantize-on-write node on a backend: x (T, H, D) into rows idx of a cache of n_rows rows;
+// returns the cache's bytes (n_rows, H * head bytes).
+U8 set_rows_node(const std::string & device, int bits, const F32 & x, const py::array_t<int64_t> & idx, int64_t n_rows,
+                 int n_threads) {
+    check_bits(bits);
+    if (x.ndim() != 3 || idx.ndim() != 1 || idx.shape(0) != x.shape(0)) {
+        throw std::invalid_argument("x must be (T, H, D) and idx (T,)");
+    }
+    const int64_t T = x.shape(0), H = x.shape(1), D = head_dim_of(x);
+    for (py::ssize_t i = 0; i < idx.size(); ++i) {
+        if (idx.data()[i] < 0 || idx.data()[i] >= n_rows) throw std::invalid_argument("idx out of range");
+    }
+    TqGraph g(device, n_threads);
+    ggml_tensor * cache = deltaspec_tq_new_cache(g.ctx(), bits, D, H, n_rows);
+    ggml_tensor * xt = ggml_new_tensor_2d(g.ctx(), GGML_TYPE_F32, H * D, T);
+    ggml_tensor * it = ggml_new_tensor_1d(g.ctx(), GGML_TYPE_I64, T);
+    g.fill(cache, nullptr);
+    g.fill(xt, x.data());
+    g.fill(it, idx.data());
+    g.expand(deltaspec_kv_set_rows(g.ctx(), cache, xt, it));
+    g.compute();
+    U8 out({(py::ssize_t)n_rows, (py::ssize_t)ggml_row_size(cache->type, cache->ne[0])});
+    ggml_backend_tensor_get(cache, out.mutable_data(), 0, ggml_nbytes(cache));
+    return out;
+}
+
+// Attention through the caches: k and v (n_kv, H_kv, D) are written into caches of type_k / type_v
+// ("tq3", "tq4" or a ggml type name such as "f16") by the engine's write nodes, then attended by the
+// engine's attention node with q (T, H, D) and mask (T, n_kv) (0 or -inf). Returns (T, H, D).
+// "q4_0+rot" etc.: a rotated cache of that ggml type.
+F32 attention_node(const std::string & device, const F32 & q, const F32 & k, const F32 & v, const F32 & mask,
+                   const std::string & type_k, const std::string & type_v, float scale, int n_threads) {
+    if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || mask.ndim() != 2) {
+        throw std::invalid_argument("q (T, H, D), k and v (n_kv, H_kv, D), mask (T, n_kv)");
+    }
+    const int64_t T = q.shape(0), H = q.shape(1), D = head_dim_of(q), n_kv = k.shape(0), Hkv = k.shape(1);
+    if (v.shape(0) != n_kv || v.shape(1) != Hkv || k.shape(2) != D || v.shape(2) != D || H % Hkv != 0 ||
+        mask.shape(0) != T || mask.shape(1) != n_kv || n_kv % 256 != 0) {
+        throw std::invalid_argument("shapes disagree (n_kv must be a multiple of 256, H a multiple of H_kv)");
+    }
+    TqGraph g(device, n_threads);
+    ggml_context * ctx = g.ctx();
+    auto cache_of = [&](const std::string & type) -> ggml_tensor * {
+        if (type == "tq3" || type == "tq4") return deltaspec_tq_new_cache(ctx, type == "tq3" ? 3 : 4, D, Hkv, n_kv);
+        const bool rotated = type.size() > 4 && type.compare(type.size() - 4, 4, "+rot") == 0;
+        const std::string name = rotated ? type.substr(0, type.size() - 4) : type;
+        for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+            if (ggml_get_type_traits((ggml_type)t)->type_name && name == ggml_type_name((ggml_type)t)) {
+                return rotated ? deltaspec_kv_new_rotated_cache(ctx, (ggml_type)t, D, Hkv, n_kv)
+                               : ggml_new_tensor_2d(ctx, (ggml_type)t, Hkv * D, n_kv);
+            }
+        }
+        throw std::invalid_argument("unknown cache type '" + type + "'");
+    };
+    ggml_tensor * kc = cache_of(type_k);
+    ggml_tensor * vc = cache_of(type_v);
+    ggml_tensor * kx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, Hkv * D, n_kv);
+    ggml_tensor * vx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, Hkv * D, n_kv);
+    ggml_tensor * idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_kv);
+    ggml_tensor * qt = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, H, T);
+    ggml_tensor * mt = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, T);
+    std::vector<int64_t> rows(n_kv);
+    for (int64_t i = 0; i < n_kv; ++i) rows[i] = i;
+    std::vector<ggml_fp16_t> m16(mask.size());
+    for (py::ssize_t i = 0; i < mask.size(); ++i) m16[i] = ggml_fp32_to_fp16(mask.data()[i]);
+    for (auto [t, data] : {std::pair<ggml_tensor *, const void *>{kc, nullptr}, {vc, nullptr}, {kx, k.data()},
+                           {vx, v.data()}, {idx, rows.data()}, {qt, q.data()}, {mt, m16.data()}}) {
+        g.fill(t, data);
+    }
+    g.expand(deltaspec_kv_set_rows(ctx, kc, kx, idx));
+    g.expand(deltaspec_kv_set_rows(ctx, vc, vx, idx));
+    auto heads = [&](ggml_tensor * cache) {
+        ggml_tensor * view = ggml_view_3d(ctx, cache, deltaspec_kv_head_ne0(cache, D), Hkv, n_kv,
+                                          deltaspec_kv_head_bytes(cache, D), cache->nb[1], 0);
+        return ggml_permute(ctx, view, 0, 2, 1, 3);
+    };
+    ggml_tensor * out = deltaspec_kv_flash_attn(ctx, ggml_permute(ctx, qt, 0, 2, 1, 3), heads(kc), heads(vc), mt, scale,
+                                                deltaspec_kv_format(kc), deltaspec_kv_format(vc));
+    ggml_prec_set_acc(out, GGML_PREC_F32);
+    g.expand(out);
+    g.compute();
+    F32 result({(py::ssize_t)T, (py::ssize_t)H, (py::ssize_t)D});
+    ggml_backend_tensor_get(out, result.mutable_data(), 0, ggml_nbytes(out));
+    return result;
+}
+
+}  // namespace
+
+void bind_tq(py::module_ & m) {
+    m.def("tq_quantize", &quantize_host, py::arg("bits"), py::arg("x"),
+          "Host codec: x (n, D) float32 -> (n, head bytes) uint8 of tq3 (bits=3) or tq4 (bits=4).");
+    m.def("tq_dequantize_rotated", &dequantize_host, py::arg("bits"), py::arg("q"), py::arg("head_dim"),
+          "Host codec: (n, head bytes) -> (n, D) float32 in the rotated domain.");
+    m.def("tq_rotate", &rotate_host, py::arg("x"), py::arg("inverse") = false,
+          "The tq rotation R = H S / sqrt(D) of each row of x (inverse: R^T).");
+    m.def("tq_set_rows", &set_rows_node, py::arg("device"), py::arg("bits"), py::arg("x"), py::arg("idx"),
+          py::arg("n_rows"), py::arg("n_threads") = 1,
+          "The quantize-on-write node on a backend: x (T, H, D) into rows idx; returns the cache's bytes.");
+    m.def("tq_attention", &attention_node, py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("mask"), py::arg("type_k"), py::arg("type_v"), py::arg("scale"), py::arg("n_threads") = 1,
+          "k, v written into caches of type_k / type_v by the engine's nodes, then attended: (T, H, D).");
+}
+
+}  // namespace deltaspec

@@ -1,0 +1,537 @@
+// The tq KV cache nodes on CUDA (ggml/deltaspec_tq.h), run by ggml-cuda's renamed entries
+// (inject.cmake): ggml_cuda_op_set_rows -> deltaspec_tq_op_set_rows, ggml_cuda_flash_attn_ext ->
+// deltaspec_tq_flash_attn_ext, and FA's support and allocation-size queries; every other node goes to
+// ggml's function.
+//
+// Quantize-on-write: one warp per head vector, lane l holding values l*D/32 .. (l+1)*D/32-1. The
+// rotation's butterflies run in registers for the stages inside a lane and through shuffles for the
+// others; the sums are the lanes' fused multiply-adds in order, then a butterfly reduction. That is
+// the arithmetic of ggml/deltaspec_tq_codec.h step for step, with every operation an explicit
+// round-to-nearest intrinsic (ggml-cuda compiles with -use_fast_math, which would otherwise contract
+// and approximate), so the bytes equal the CPU quantizer's.
+//
+// A rotated cache of a ggml type (DELTASPEC_KV_ROTATED): the rows are rotated into a scratch buffer
+// and ggml's own set_rows quantizes them; its attention reads the cache as it is.
+//
+// Attention: Q is rotated when K is rotated (tq or not). A one-token step with both sides tq runs
+// tq_decode_attn, which reads the tq rows in place (split over the cache, then merged). Any other
+// step decodes the visible K/V rows of a tq side to F16 in the rotated domain and runs ggml's own
+// flash attention on them (its vector kernel for a token, its tensor-core kernel for batches): a
+// write and a read of F16 K/V per step, ~4.4 bytes per cached value where the in-place kernel reads
+// 0.4. The output is rotated back when V is rotated.
+#include "common.cuh"
+#include "fattn.cuh"
+#include "set-rows.cuh"
+
+#include "deltaspec_tq.h"
+#include "deltaspec_tq_codebook.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace {
+
+__constant__ float c_tq3_centroids[DELTASPEC_TQ_N_HEAD_DIMS][8] = DELTASPEC_TQ3_CENTROIDS_INIT;
+__constant__ float c_tq3_thresholds[DELTASPEC_TQ_N_HEAD_DIMS][7] = DELTASPEC_TQ3_THRESHOLDS_INIT;
+__constant__ float c_tq4_centroids[DELTASPEC_TQ_N_HEAD_DIMS][16] = DELTASPEC_TQ4_CENTROIDS_INIT;
+__constant__ float c_tq4_thresholds[DELTASPEC_TQ_N_HEAD_DIMS][15] = DELTASPEC_TQ4_THRESHOLDS_INIT;
+__constant__ uint64_t c_tq_signs[8] = DELTASPEC_TQ_SIGNS_INIT;
+
+constexpr int kWarpsPerBlock = 4;
+
+template <int D> __host__ __device__ constexpr int dim_index() { return D == 32 ? 0 : D == 64 ? 1 : D == 128 ? 2 : 3; }
+// 1/sqrt(D) as ggml/deltaspec_tq_codec.h's inv_sqrt_dim
+template <int D> __device__ __forceinline__ float inv_sqrt_dim() {
+    return D == 32 ? 0.17677669529663687f : D == 64 ? 0.125f : D == 128 ? 0.08838834764831845f : 0.0625f;
+}
+
+__device__ __forceinline__ bool negated(int i) { return (c_tq_signs[i / 64] >> (i % 64)) & 1; }
+
+template <int BITS, int D> __device__ __forceinline__ float centroid(int k) {
+    return BITS == 3 ? c_tq3_centroids[dim_index<D>()][k] : c_tq4_centroids[dim_index<D>()][k];
+}
+template <int BITS, int D> __device__ __forceinline__ float threshold(int k) {
+    return BITS == 3 ? c_tq3_thresholds[dim_index<D>()][k] : c_tq4_thresholds[dim_index<D>()][k];
+}
+
+// The Walsh-Hadamard butterflies of the warp's D values (N = D/32 per lane), stages ascending.
+template <int N> __device__ __forceinline__ void fwht_warp(float (&y)[N], int lane) {
+#pragma unroll
+    for (int h = 1; h < N; h *= 2) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            if ((k & h) == 0) {
+                const float a = y[k], b = y[k + h];
+                y[k] = __fadd_rn(a, b);
+                y[k + h] = __fsub_rn(a, b);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 1; m < 32; m *= 2) {  // stage h = m * N pairs lane with lane ^ m
+        const bool upper = lane & m;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            const float other = __shfl_xor_sync(0xffffffff, y[k], m);
+            y[k] = upper ? __fsub_rn(other, y[k]) : __fadd_rn(y[k], other);
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float p) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) p = __fadd_rn(p, __shfl_xor_sync(0xffffffff, p, off));
+    return p;
+}
+
+// y = R x (inverse: x = R^T y) of one head vector per warp, in registers
+template <int D> __device__ __forceinline__ void rotate_warp(float (&y)[D / 32], int lane, bool inverse) {
+    constexpr int N = D / 32;
+    if (!inverse) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) y[k] = negated(lane * N + k) ? -y[k] : y[k];
+    }
+    fwht_warp<N>(y, lane);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        y[k] = __fmul_rn(y[k], inv_sqrt_dim<D>());
+        if (inverse && negated(lane * N + k)) y[k] = -y[k];
+    }
+}
+
+// x: F32 rows (row t at x + t * x_nb1, head h at h*D floats); cache row idx[t], head h at h * head bytes
+template <int BITS, int D>
+__global__ void tq_quantize(const char * __restrict__ x, size_t x_nb1, const int64_t * __restrict__ idx,
+                            char * __restrict__ cache, size_t cache_nb1, int64_t T, int64_t H) {
+    constexpr int N = D / 32, HB = 2 + D * BITS / 8, LEVELS = 1 << BITS;
+    __shared__ uint8_t s_idx[kWarpsPerBlock][D];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t vec = (int64_t)blockIdx.x * kWarpsPerBlock + warp;
+    if (vec >= T * H) return;  // whole warps leave together
+    const int64_t t = vec / H, h = vec % H;
+    const float * src = (const float *)(x + t * x_nb1) + h * D + lane * N;
+    float y[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) y[k] = src[k];
+    rotate_warp<D>(y, lane, false);
+
+    float p = 0.0f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) p = __fmaf_rn(y[k], y[k], p);
+    const float sigma = __fsqrt_rn(__fmul_rn(warp_sum(p), 1.0f / (float)D));
+    float num = 0.0f, den = 0.0f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        int n = 0;
+#pragma unroll
+        for (int c = 0; c + 1 < LEVELS; ++c) n += y[k] > __fmul_rn(sigma, threshold<BITS, D>(c));
+        s_idx[warp][lane * N + k] = (uint8_t)n;
+        const float cv = centroid<BITS, D>(n);
+        num = __fmaf_rn(y[k], cv, num);
+        den = __fmaf_rn(cv, cv, den);
+    }
+    num = warp_sum(num);
+    den = warp_sum(den);
+    const float d = den > 0.0f ? __fdiv_rn(num, den) : 0.0f;
+    __syncwarp();
+
+    uint8_t * out = (uint8_t *)(cache + idx[t] * cache_nb1) + h * HB;
+    const uint8_t * ix = s_idx[warp];
+    if (lane == 0) {
+        const half hd = __float2half_rn(d);
+        memcpy(out, &hd, 2);
+    }
+    uint8_t * qs = out + 2;
+    if (BITS == 3) {
+        for (int j = lane; j < D / 4; j += 32) {
+            qs[j] = (uint8_t)((ix[4 * j] & 3) | (ix[4 * j + 1] & 3) << 2 | (ix[4 * j + 2] & 3) << 4 | (ix[4 * j + 3] & 3) << 6);
+        }
+        for (int j = lane; j < D / 8; j += 32) {
+            uint8_t b = 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) b |= (uint8_t)((ix[8 * j + k] >> 2) << k);
+            qs[D / 4 + j] = b;
+        }
+    } else {
+        for (int j = lane; j < D / 2; j += 32) qs[j] = (uint8_t)(ix[2 * j] | ix[2 * j + 1] << 4);
+    }
+}
+
+// n_vec vectors of D floats: vector v = (i0, i1, i2) with v = i0 + n0 * (i1 + n1 * i2) read at
+// src + i0*nb1 + i1*nb2 + i2*nb3, written contiguously to dst + v*D; rotated (or back).
+template <int D>
+__global__ void tq_rotate(const char * __restrict__ src, size_t nb1, size_t nb2, size_t nb3, int64_t n0, int64_t n1,
+                          int64_t n_vec, float * __restrict__ dst, bool inverse) {
+    constexpr int N = D / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t v = (int64_t)blockIdx.x * kWarpsPerBlock + warp;
+    if (v >= n_vec) return;
+    const int64_t i0 = v % n0, i1 = v / n0 % n1, i2 = v / (n0 * n1);
+    const float * s = (const float *)(src + i0 * nb1 + i1 * nb2 + i2 * nb3) + lane * N;
+    float y[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) y[k] = s[k];
+    rotate_warp<D>(y, lane, inverse);
+#pragma unroll
+    for (int k = 0; k < N; ++k) dst[v * D + lane * N + k] = y[k];
+}
+
+// tq rows [n_kv, Hkv, n_streams] (row (j, hk, n) at src + j*nb1 + hk*nb2 + n*nb3) -> F16 contiguous
+// [D, n_kv, Hkv, n_streams] in the rotated domain; one warp per row
+template <int BITS, int D>
+__global__ void tq_decode(const char * __restrict__ src, size_t nb1, size_t nb2, size_t nb3, int64_t n_kv, int64_t Hkv,
+                          int64_t n_rows, half * __restrict__ dst) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t r = (int64_t)blockIdx.x * kWarpsPerBlock + warp;
+    if (r >= n_rows) return;
+    const int64_t j = r % n_kv, hk = r / n_kv % Hkv, n = r / (n_kv * Hkv);
+    const uint8_t * in = (const uint8_t *)(src + j * nb1 + hk * nb2 + n * nb3);
+    half hd;
+    memcpy(&hd, in, 2);
+    const float d = __half2float(hd);
+    const uint8_t * qs = in + 2;
+    for (int i = lane; i < D; i += 32) {
+        const int k = BITS == 3 ? ((qs[i / 4] >> (2 * (i % 4))) & 3) | ((qs[D / 4 + i / 8] >> (i % 8)) & 1) << 2
+                                : (qs[i / 2] >> (4 * (i % 2))) & 15;
+        dst[r * D + i] = __float2half(d * centroid<BITS, D>(k));
+    }
+}
+
+// index of value i (of D) in a tq row's packed bits
+template <int BITS, int D> __device__ __forceinline__ int index_at(const uint8_t * qs, int i) {
+    return BITS == 3 ? ((qs[i / 4] >> (2 * (i % 4))) & 3) | ((qs[D / 4 + i / 8] >> (i % 8)) & 1) << 2
+                     : (qs[i / 2] >> (4 * (i % 2))) & 15;
+}
+
+// One-token attention reading tq rows in place (both K and V tq, one query per stream): block
+// (split, kv head, stream) walks rows [split * chunk, +chunk) with 4 warps taking every 4th row,
+// lane l holding values l*D/32 .. of the query heads of that kv head (G of them, rotated) and of
+// their accumulators. Per row: the K row's centroids, G warp-reduced dots, the online softmax, the
+// V row's centroids into the accumulators. The 4 warps merge in shared memory and the block writes
+// its part (accumulator, max, sum per query head) to `part`; tq_decode_merge combines the splits.
+constexpr int kMaxGroup = 8;
+template <int D, int BK, int BV>
+__global__ void tq_decode_attn(const float * __restrict__ qrot, const char * __restrict__ K, size_t k_nb1, size_t k_nb2,
+                               size_t k_nb3, const char * __restrict__ V, size_t v_nb1, size_t v_nb2, size_t v_nb3,
+                               const char * __restrict__ mask, size_t mask_nb3, int64_t mask_ne3, int64_t n_kv, int H,
+                               int G, float scale, int64_t chunk, float * __restrict__ part) {
+    constexpr int NE = D / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t split = blockIdx.x, hk = blockIdx.y, n = blockIdx.z, n_split = gridDim.x;
+    float qv[kMaxGroup][NE], acc[kMaxGroup][NE], m[kMaxGroup], s[kMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+        m[g] = -INFINITY;
+        s[g] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NE; ++k) {
+            qv[g][k] = g < G ? qrot[((hk * G + g) + H * n) * D + lane * NE + k] : 0.0f;
+            acc[g][k] = 0.0f;
+        }
+    }
+    const half * mrow = (const half *)(mask + (n % mask_ne3) * mask_nb3);
+    const int64_t j1 = min(n_kv, (split + 1) * chunk);
+    for (int64_t j = split * chunk + warp; j < j1; j += kWarpsPerBlock) {
+        const float mv = __half2float(mrow[j]);
+        if (mv == -INFINITY) continue;
+        const uint8_t * kr = (const uint8_t *)(K + j * k_nb1 + hk * k_nb2 + n * k_nb3);
+        const uint8_t * vr = (const uint8_t *)(V + j * v_nb1 + hk * v_nb2 + n * v_nb3);
+        half hk16, hv16;
+        memcpy(&hk16, kr, 2);
+        memcpy(&hv16, vr, 2);
+        float kc[NE], vc[NE];
+#pragma unroll
+        for (int k = 0; k < NE; ++k) {
+            kc[k] = centroid<BK, D>(index_at<BK, D>(kr + 2, lane * NE + k));
+            vc[k] = __half2float(hv16) * centroid<BV, D>(index_at<BV, D>(vr + 2, lane * NE + k));
+        }
+        const float dk = __half2float(hk16) * scale;
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+            if (g >= G) break;
+            float dot = 0.0f;
+#pragma unroll
+            for (int k = 0; k < NE; ++k) dot += qv[g][k] * kc[k];
+            const float sc = warp_sum(dot) * dk + mv;
+            float w = 1.0f;
+            if (sc > m[g]) {
+                const float shrink = m[g] == -INFINITY ? 0.0f : expf(m[g] - sc);
+#pragma unroll
+                for (int k = 0; k < NE; ++k) acc[g][k] *= shrink;
+                s[g] *= shrink;
+                m[g] = sc;
+            } else {
+                w = expf(sc - m[g]);
+            }
+#pragma unroll
+            for (int k = 0; k < NE; ++k) acc[g][k] += w * vc[k];
+            s[g] += w;
+        }
+    }
+    // merge the 4 warps: each writes its state, then warp 0 combines per query head
+    __shared__ float sm_acc[kWarpsPerBlock][kMaxGroup][D], sm_m[kWarpsPerBlock][kMaxGroup], sm_s[kWarpsPerBlock][kMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+        if (g >= G) break;
+#pragma unroll
+        for (int k = 0; k < NE; ++k) sm_acc[warp][g][lane * NE + k] = acc[g][k];
+        if (lane == 0) {
+            sm_m[warp][g] = m[g];
+            sm_s[warp][g] = s[g];
+        }
+    }
+    __syncthreads();
+    for (int g = warp; g < G; g += kWarpsPerBlock) {
+        float M = -INFINITY;
+        for (int w = 0; w < kWarpsPerBlock; ++w) M = fmaxf(M, sm_m[w][g]);
+        float S = 0.0f, f[kWarpsPerBlock];
+        for (int w = 0; w < kWarpsPerBlock; ++w) {
+            f[w] = sm_m[w][g] == -INFINITY ? 0.0f : expf(sm_m[w][g] - M);
+            S += sm_s[w][g] * f[w];
+        }
+        float * out = part + (((n * H) + hk * G + g) * n_split + split) * (D + 2);
+        for (int i = lane; i < D; i += 32) {
+            float a = 0.0f;
+            for (int w = 0; w < kWarpsPerBlock; ++w) a += sm_acc[w][g][i] * f[w];
+            out[i] = a;
+        }
+        if (lane == 0) {
+            out[D] = M;
+            out[D + 1] = S;
+        }
+    }
+}
+
+// out (contiguous [D, H, 1, N], rotated domain) <- the splits of tq_decode_attn merged; one warp per
+// (query head, stream)
+template <int D>
+__global__ void tq_decode_merge(const float * __restrict__ part, int64_t n_split, int64_t n_heads, float * __restrict__ out) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t hn = (int64_t)blockIdx.x * kWarpsPerBlock + warp;  // h + H * n
+    if (hn >= n_heads) return;
+    const float * p = part + hn * n_split * (D + 2);
+    float M = -INFINITY;
+    for (int64_t sp = 0; sp < n_split; ++sp) M = fmaxf(M, p[sp * (D + 2) + D]);
+    float S = 0.0f;
+    for (int64_t sp = 0; sp < n_split; ++sp) {
+        const float ms = p[sp * (D + 2) + D];
+        S += ms == -INFINITY ? 0.0f : p[sp * (D + 2) + D + 1] * expf(ms - M);
+    }
+    const float inv = S > 0.0f ? 1.0f / S : 0.0f;
+    for (int i = lane; i < D; i += 32) {
+        float a = 0.0f;
+        for (int64_t sp = 0; sp < n_split; ++sp) {
+            const float ms = p[sp * (D + 2) + D];
+            if (ms != -INFINITY) a += p[sp * (D + 2) + i] * expf(ms - M);
+        }
+        out[hn * D + i] = a * inv;
+    }
+}
+
+int64_t n_blocks(int64_t n_warps) { return (n_warps + kWarpsPerBlock - 1) / kWarpsPerBlock; }
+
+// The in-place decode path serves one query per stream with both K and V tq and at most kMaxGroup
+// query heads per KV head; DELTASPEC_TQ_DECODE_KERNEL=0 sends those steps through the decode-to-F16
+// path as well (read per call: an A/B switch for the benchmarks and the GPU tests).
+bool decode_kernel_serves(const ggml_tensor * dst, int format_k, int format_v) {
+    const char * env = std::getenv("DELTASPEC_TQ_DECODE_KERNEL");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    const ggml_tensor *Q = dst->src[0], *K = dst->src[1];
+    const bool tq_k = format_k == DELTASPEC_KV_TQ3 || format_k == DELTASPEC_KV_TQ4;
+    const bool tq_v = format_v == DELTASPEC_KV_TQ3 || format_v == DELTASPEC_KV_TQ4;
+    const int64_t D = Q->ne[0];  // compiled for the large heads, where the cache's bytes dominate (Qwen3.5: 256)
+    return tq_k && tq_v && (D == 128 || D == 256) && Q->ne[1] == 1 && Q->ne[2] % K->ne[2] == 0 &&
+           Q->ne[2] / K->ne[2] <= kMaxGroup;
+}
+
+template <int D>
+void launch_decode_attn(int format_k, int format_v, const ggml_tensor * dst, const float * qrot, float * out,
+                        ggml_backend_cuda_context & ctx) {
+    const ggml_tensor *Q = dst->src[0], *K = dst->src[1], *V = dst->src[2], *mask = dst->src[3];
+    float scale;
+    memcpy(&scale, dst->op_params, sizeof(float));
+    const int64_t n_kv = K->ne[1], Hkv = K->ne[2], N = Q->ne[3], H = Q->ne[2];
+    const int64_t chunk = 256, n_split = (n_kv + chunk - 1) / chunk;
+    ggml_cuda_pool_alloc<float> part(ctx.pool(), n_split * N * H * (D + 2));
+    const dim3 grid((unsigned)n_split, (unsigned)Hkv, (unsigned)N);
+    auto * k = format_k == 3 ? (format_v == 3 ? tq_decode_attn<D, 3, 3> : tq_decode_attn<D, 3, 4>)
+                             : (format_v == 3 ? tq_decode_attn<D, 4, 3> : tq_decode_attn<D, 4, 4>);
+    k<<<grid, 32 * kWarpsPerBlock, 0, ctx.stream()>>>(qrot, (const char *)K->data, K->nb[1], K->nb[2], K->nb[3],
+                                                      (const char *)V->data, V->nb[1], V->nb[2], V->nb[3],
+                                                      (const char *)mask->data, mask->nb[3], mask->ne[3], n_kv, (int)H,
+                                                      (int)(H / Hkv), scale, chunk, part.get());
+    tq_decode_merge<D><<<n_blocks(N * H), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(part.get(), n_split, N * H, out);
+}
+
+template <int D> void launch_quantize(int bits, const ggml_tensor * dst, cudaStream_t stream) {
+    const ggml_tensor * x = dst->src[0];
+    const ggml_tensor * idx = dst->src[1];
+    const int64_t T = x->ne[1], H = x->ne[0] / D;
+    if (T == 0) return;
+    auto * k = bits == 3 ? tq_quantize<3, D> : tq_quantize<4, D>;
+    k<<<n_blocks(T * H), 32 * kWarpsPerBlock, 0, stream>>>((const char *)x->data, x->nb[1], (const int64_t *)idx->data,
+                                                           (char *)dst->data, dst->nb[1], T, H);
+}
+
+template <int D> void launch_rotate(const char * src, size_t nb1, size_t nb2, size_t nb3, int64_t n0, int64_t n1,
+                                    int64_t n2, float * dst, bool inverse, cudaStream_t stream) {
+    const int64_t n_vec = n0 * n1 * n2;
+    tq_rotate<D><<<n_blocks(n_vec), 32 * kWarpsPerBlock, 0, stream>>>(src, nb1, nb2, nb3, n0, n1, n_vec, dst, inverse);
+}
+
+template <int D> void launch_decode(int bits, const ggml_tensor * t, half * dst, cudaStream_t stream) {
+    const int64_t n_rows = t->ne[1] * t->ne[2] * t->ne[3];
+    auto * k = bits == 3 ? tq_decode<3, D> : tq_decode<4, D>;
+    k<<<n_blocks(n_rows), 32 * kWarpsPerBlock, 0, stream>>>((const char *)t->data, t->nb[1], t->nb[2], t->nb[3],
+                                                            t->ne[1], t->ne[2], n_rows, dst);
+}
+
+// fn<D>(args...) for the head dims the tq types serve
+#define DELTASPEC_TQ_BY_DIM(D, fn, ...)                       \
+    switch (D) {                                              \
+        case 32: fn<32>(__VA_ARGS__); break;                  \
+        case 64: fn<64>(__VA_ARGS__); break;                  \
+        case 128: fn<128>(__VA_ARGS__); break;                \
+        case 256: fn<256>(__VA_ARGS__); break;                \
+        default: GGML_ABORT("tq: unsupported head dim %d", (int)(D)); \
+    }
+
+bool is_tq(int format) { return format == DELTASPEC_KV_TQ3 || format == DELTASPEC_KV_TQ4; }
+
+// The node ggml's flash attention runs instead of ours: the tq sides replaced by F16 tensors of D
+// values per row (contiguous, data set by the caller), the magic cleared.
+struct PlainAttention {
+    ggml_tensor node, q, k, v;
+    explicit PlainAttention(const ggml_tensor * dst) {
+        node = *dst;
+        node.op_params[DELTASPEC_TQ_FA_PARAM] = 0;
+        const int format_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1];
+        const int format_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
+        const int64_t D = dst->src[0]->ne[0];
+        q = *dst->src[0];
+        k = *dst->src[1];
+        v = *dst->src[2];
+        if (format_k != DELTASPEC_KV_PLAIN) as_contiguous(q, GGML_TYPE_F32, D);  // the rotated copy
+        if (is_tq(format_k)) as_contiguous(k, GGML_TYPE_F16, D);
+        if (is_tq(format_v)) as_contiguous(v, GGML_TYPE_F16, D);
+        node.src[0] = &q;
+        node.src[1] = &k;
+        node.src[2] = &v;
+    }
+    static void as_contiguous(ggml_tensor & t, ggml_type type, int64_t D) {
+        t.type = type;
+        t.ne[0] = D;
+        t.nb[0] = ggml_type_size(type);
+        for (int i = 1; i < GGML_MAX_DIMS; ++i) t.nb[i] = t.nb[i - 1] * t.ne[i - 1];
+        t.view_src = nullptr;
+        t.view_offs = 0;
+        t.op = GGML_OP_NONE;
+    }
+};
+
+void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const int format_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1], format_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
+    const ggml_tensor *Q = dst->src[0], *K = dst->src[1], *V = dst->src[2];
+    const int64_t D = Q->ne[0];
+    cudaStream_t stream = ctx.stream();
+    PlainAttention plain(dst);
+
+    ggml_cuda_pool_alloc<float> q_rot(ctx.pool());
+    ggml_cuda_pool_alloc<half> k16(ctx.pool()), v16(ctx.pool());
+    if (format_k != DELTASPEC_KV_PLAIN) {
+        q_rot.alloc(ggml_nelements(Q));
+        DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)Q->data, Q->nb[1], Q->nb[2], Q->nb[3], Q->ne[1], Q->ne[2],
+                                              Q->ne[3], q_rot.get(), false, stream);
+        plain.q.data = q_rot.get();
+    }
+    if (decode_kernel_serves(dst, format_k, format_v)) {  // one token: the tq rows read in place
+        ggml_cuda_pool_alloc<float> out(ctx.pool(), ggml_nelements(dst));
+        if (D == 128) {
+            launch_decode_attn<128>(format_k, format_v, dst, q_rot.get(), out.get(), ctx);
+        } else {
+            launch_decode_attn<256>(format_k, format_v, dst, q_rot.get(), out.get(), ctx);
+        }
+        const size_t f = sizeof(float);  // [D, H, 1, N] contiguous, rotated back into dst
+        DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)out.get(), D * f, D * f * dst->ne[1],
+                            D * f * dst->ne[1] * dst->ne[2], dst->ne[1], dst->ne[2], dst->ne[3], (float *)dst->data,
+                            true, stream);
+        return;
+    }
+    if (is_tq(format_k)) {
+        k16.alloc(D * K->ne[1] * K->ne[2] * K->ne[3]);
+        DELTASPEC_TQ_BY_DIM(D, launch_decode, format_k, K, k16.get(), stream);
+        plain.k.data = k16.get();
+    }
+    if (is_tq(format_v)) {
+        v16.alloc(D * V->ne[1] * V->ne[2] * V->ne[3]);
+        DELTASPEC_TQ_BY_DIM(D, launch_decode, format_v, V, v16.get(), stream);
+        plain.v.data = v16.get();
+    }
+    // ggml's attention writes into a buffer of the size it asks for (room for its own F16 copies of
+    // a side that is neither tq nor F16), then the output goes to dst (rotated back when V is tq)
+    plain.node.data = nullptr;
+    const size_t out_bytes = ggml_cuda_flash_attn_ext_get_alloc_size(ctx.device, &plain.node) + 256;
+    ggml_cuda_pool_alloc<char> out(ctx.pool(), out_bytes);
+    plain.node.data = (void *)GGML_PAD((uintptr_t)out.get(), 128);
+    ggml_cuda_flash_attn_ext(ctx, &plain.node);
+    if (format_v != DELTASPEC_KV_PLAIN) {
+        const size_t f = sizeof(float);
+        DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)plain.node.data, D * f, D * f * dst->ne[1],
+                                              D * f * dst->ne[1] * dst->ne[2], dst->ne[1], dst->ne[2], dst->ne[3],
+                                              (float *)dst->data, true, stream);
+    } else {
+        CUDA_CHECK(cudaMemcpyAsync(dst->data, plain.node.data, ggml_nbytes(dst), cudaMemcpyDeviceToDevice, stream));
+    }
+}
+
+}  // namespace
+
+// ggml-cuda.cu's calls, renamed (inject.cmake)
+void deltaspec_tq_op_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (!deltaspec_tq_is_set_rows(dst)) {
+        ggml_cuda_op_set_rows(ctx, dst);
+        return;
+    }
+    const int format = dst->op_params[1];
+    const int64_t D = dst->op_params[2];
+    if (is_tq(format)) {
+        DELTASPEC_TQ_BY_DIM(D, launch_quantize, format, dst, ctx.stream());
+        return;
+    }
+    // a rotated cache of a ggml type: rotated rows into scratch, then ggml's set_rows from there
+    const ggml_tensor * x = dst->src[0];
+    const int64_t T = x->ne[1], H = x->ne[0] / D;
+    ggml_cuda_pool_alloc<float> rotated(ctx.pool(), x->ne[0] * T);
+    DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)x->data, D * sizeof(float), x->nb[1], 0, H, T, 1,
+                        rotated.get(), false, ctx.stream());
+    ggml_tensor rows = *x, node = *dst;
+    PlainAttention::as_contiguous(rows, GGML_TYPE_F32, x->ne[0]);
+    rows.data = rotated.get();
+    node.op_params[0] = 0;
+    node.src[0] = &rows;
+    ggml_cuda_op_set_rows(ctx, &node);
+}
+
+void deltaspec_tq_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (deltaspec_tq_is_flash_attn(dst)) {
+        tq_flash_attn(ctx, dst);
+    } else {
+        ggml_cuda_flash_attn_ext(ctx, dst);
+    }
+}
+
+bool deltaspec_tq_flash_attn_ext_supported(int device, const ggml_tensor * dst) {
+    if (!deltaspec_tq_is_flash_attn(dst)) return ggml_cuda_flash_attn_ext_supported(device, dst);
+    PlainAttention plain(dst);
+    // the head dims the kernels are compiled for (deltaspec_tq_head_dim_ok's, which lives in the engine,
+    // not in this library: a llama.cpp build of ggml-cuda carries this file without it)
+    const int64_t D = dst->src[0]->ne[0];
+    return (D == 32 || D == 64 || D == 128 || D == 256) && ggml_cuda_flash_attn_ext_supported(device, &plain.node);
+}
+
+// our node's output is plain: ggml's scratch goes into a pool buffer of its own (tq_flash_attn)
+size_t deltaspec_tq_flash_attn_ext_get_alloc_size(int device, const ggml_tensor * dst) {
+    if (!deltaspec_tq_is_flash_attn(dst)) return ggml_cuda_flash_attn_ext_get_alloc_size(device, dst);
+    return ggml_nbytes(dst);
+}
