@@ -474,6 +474,17 @@ PYBIND11_MODULE(_core, m) {
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
              py::arg("n_min"), py::arg("callback") = py::none(),
              "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None).")
+        .def("set_taps", [](Runner & r, std::vector<int> layers) { r.single().set_taps(layers); }, py::arg("layers"),
+             "Hidden states to return per row (layer ids; n_layer = the final normed hidden): see tapped.")
+        .def_property_readonly("tapped", [](Runner & r) {
+                 const Engine & e = *r.engine;
+                 const int64_t n_taps = (int64_t)e.taps().size(), E = e.hparams().n_embd;
+                 py::array_t<float> out({e.n_tapped_rows(), n_taps, E});
+                 std::copy(e.tapped().begin(), e.tapped().end(), out.mutable_data());
+                 return out;
+             }, "(rows, taps, n_embd) float32: the tapped hidden states of positions tapped_pos ..")
+        .def_property_readonly("tapped_pos", [](Runner & r) { return r.engine->tapped_pos(); })
+        .def("clear_tapped", [](Runner & r) { r.single().clear_tapped(); })
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
         .def("eval_verify", [](Runner & r, Tokens tokens) {
                  return verify(r, tokens, {tokens.shape(0), r.engine->hparams().n_vocab}, &Engine::eval_verify);

@@ -297,7 +297,8 @@ ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeight
 
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
                            const StatePool & pool, const SequenceState & st, const StepInputs & in,
-                           int64_t n_logit_rows, const FoldInput & fold_input, VerifyStates * verify) {
+                           int64_t n_logit_rows, const FoldInput & fold_input, VerifyStates * verify,
+                           Taps * taps) {
     if (in.n_seqs > 0 && (in.keep_states || in.n_tokens % in.n_seqs != 0 || (n_logit_rows != 0 && n_logit_rows != in.n_tokens))) {
         throw std::logic_error("build_qwen35: rows of several sequences: equal rows per sequence, logits of every row or none, no verify");
     }
@@ -310,6 +311,17 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
     }
     const float eps = hp.rms_eps;
     ggml_tensor * x = ggml_get_rows(ctx, w.token_embd, in.tokens);  // {E, T}
+    // a tapped hidden state: a graph output, so the allocator leaves it for the caller to read
+    auto tap = [&](int il, ggml_tensor * h) {
+        if (!taps) return;
+        for (size_t i = 0; i < taps->layers.size(); ++i) {
+            if (taps->layers[i] != il) continue;
+            ggml_set_output(h);
+            ggml_build_forward_expand(gf, h);
+            taps->out[i] = h;
+        }
+    };
+    if (taps) taps->out.assign(taps->layers.size(), nullptr);
 
     for (int il = 0; il < hp.n_layer; ++il) {
         const LayerWeights & l = w.layers[il];
@@ -323,6 +335,10 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
         x = residual_add(ctx, fold_input, x, mixed);
         ggml_tensor * h = input_norm(ctx, x, l.post_norm, eps, fold_input, {l.ffn_gate, l.ffn_up});
         x = residual_add(ctx, fold_input, x, swiglu_ffn(ctx, gf, l, h, fold_input));
+        tap(il, x);
+    }
+    if (taps && std::find(taps->layers.begin(), taps->layers.end(), hp.n_layer) != taps->layers.end()) {
+        tap(hp.n_layer, rms_norm(ctx, x, w.output_norm, eps));  // every row, whatever the head reads
     }
 
     // A prefill micro-batch whose logits nobody reads skips the head (n_vocab x E per row).
