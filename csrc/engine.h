@@ -93,6 +93,11 @@ class Engine {
     int64_t n_tapped_rows() const;
     void clear_tapped();  // the rows read: the next ones start at n_past()
 
+    // What another graph over this model's weights needs (the MTP head, mtp_head.h).
+    const ModelWeights & weights() const { return weights_; }
+    ggml_backend_t backend() const { return backend_; }
+    ggml_backend_t cpu_backend() const { return backend_cpu_; }
+
     const HParams & hparams() const { return hp_; }
     int64_t n_past() const { return pool_.slots[cur_].n_past; }
     int64_t n_ctx() const { return pool_.n_ctx; }

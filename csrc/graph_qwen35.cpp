@@ -127,6 +127,8 @@ ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos, const
                            (float)hp.rope_beta_slow);
 }
 
+}  // namespace
+
 // k_cache, v_cache: the sequence's own (one sequence) or every slot's (in.n_seqs > 0, StatePool).
 ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
                               ggml_tensor * k_cache, ggml_tensor * v_cache, int64_t n_ctx_slot, ggml_tensor * x,
@@ -182,6 +184,8 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
     out = ggml_mul(ctx, out, ggml_sigmoid(ctx, ggml_reshape_2d(ctx, ggml_cont(ctx, gate), H * D, T)));
     return ggml_mul_mat(ctx, l.wo, out);
 }
+
+namespace {
 
 ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
                               const StatePool & pool, const SequenceState & st, int il, ggml_tensor * x,
@@ -273,6 +277,8 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     return ggml_mul_mat(ctx, l.ssm_out, gated);
 }
 
+}  // namespace
+
 ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeights & l, ggml_tensor * x,
                          const FoldInput & fold_input) {
     // One token: two products, which ggml-cuda fuses with the SwiGLU into one mat-vec. A batch:
@@ -292,8 +298,6 @@ ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeight
     }
     return ggml_mul_mat(ctx, l.ffn_down, h);
 }
-
-}  // namespace
 
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
                            const StatePool & pool, const SequenceState & st, const StepInputs & in,

@@ -92,4 +92,13 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
                            const FoldInput & fold_input = nullptr, VerifyStates * verify = nullptr,
                            Taps * taps = nullptr);
 
+// Blocks the MTP head's graph (graph_mtp.cpp) shares with the trunk: a gated full-attention
+// layer's mixer over the rows of `in` (x: its normed input {E, T}; the new K/V rows are written
+// to k_cache / v_cache, which hold n_ctx_slot rows per slot) and a SwiGLU FFN.
+ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
+                              ggml_tensor * k_cache, ggml_tensor * v_cache, int64_t n_ctx_slot, ggml_tensor * x,
+                              const StepInputs & in);
+ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeights & l, ggml_tensor * x,
+                         const FoldInput & fold_input);
+
 }  // namespace deltaspec

@@ -70,12 +70,13 @@ class GenerationResult:
 @dataclass
 class Speculation:
     """How to draft: `draft` is a Model (spec_type "draft-simple") or None for prompt lookup
-    ("ngram-simple")."""
+    ("ngram-simple"), or the target's own MTP head when `mtp` (spec_type "mtp")."""
 
     draft: object | None
     n_max: int = 16
     n_min: int = 0
     ngram_max: int = 3
+    mtp: bool = False
 
 
 @dataclass
@@ -215,7 +216,7 @@ class Generator:
         req, spec = self._req, self._req.speculation
         if spec.draft is None:
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
-                                               eog, stop, spec.n_max, spec.n_min, callback)
+                                               eog, stop, spec.n_max, spec.n_min, callback, mtp=spec.mtp)
         with engine_of(spec.draft) as draft:  # the draft model's engine is ours for the whole run too
             return engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,
                                                req.sampling.native(), eog, stop, spec.n_max, spec.n_min, callback)
