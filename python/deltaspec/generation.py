@@ -83,13 +83,14 @@ class GenerationResult:
 @dataclass
 class Speculation:
     """How to draft: `draft` is a Model (spec_type "draft-simple") or None for prompt lookup
-    ("ngram-simple")."""
+    ("ngram-simple"), or the target's own MTP head when `mtp` (spec_type "mtp")."""
 
     draft: object | None
     n_max: int = 16
     n_min: int = 0
     ngram_max: int = 3
     tree_budget: int = 0  # > 0: draft trees of up to this many nodes; 0: chains
+    mtp: bool = False
 
 
 @dataclass
@@ -248,7 +249,7 @@ class Generator:
         if spec.draft is None:
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
                                                eog, stop, spec.n_max, spec.n_min, callback, spec.tree_budget,
-                                               constraint=constraint)
+                                               constraint=constraint, mtp=spec.mtp)
         with engine_of(spec.draft) as draft:  # the draft model's engine is ours for the whole run too
             return engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,
                                                req.sampling.native(), eog, stop, spec.n_max, spec.n_min, callback,
