@@ -47,7 +47,8 @@ struct DraftTree {
     int64_t chain_length() const;  // length of the leading chain 0 -> 1 -> 2 ...
     int32_t max_depth() const;
     // Throws std::invalid_argument naming the node and field when the tree breaks the rules above
-    // (parents first, depths, token ids < n_vocab, q indices, a drawn child with q(child) = 0).
+    // (parents first, depths, token ids < n_vocab, q indices). Costs O(size), not O(vocabulary):
+    // the rejection walk checks q(child) > 0 where it reads it.
     void check(int64_t n_vocab) const;
 };
 

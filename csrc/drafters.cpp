@@ -70,8 +70,8 @@ DraftTree NgramDrafter::propose_tree(const std::vector<int32_t> & committed, int
 }
 
 ModelDrafter::ModelDrafter(Engine & draft, const SamplingParams & sampling, double step_cost, int64_t max_catch_up)
-    : draft_(draft), sampler_(sampling), ranker_(tree_ranking(sampling)), logits_(draft.hparams().n_vocab), step_cost_(step_cost),
-      max_catch_up_(max_catch_up) {}
+    : draft_(draft), sampler_(sampling), ranker_(tree_ranking(sampling)), logits_(draft.hparams().n_vocab),
+      step_cost_(step_cost), max_catch_up_(max_catch_up) {}
 
 void ModelDrafter::begin(const std::vector<int32_t> & prompt) {
     draft_.reset();
@@ -127,7 +127,7 @@ Draft ModelDrafter::propose(const std::vector<int32_t> & committed, int64_t n_ma
 }
 
 DraftTree ModelDrafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {
-    int64_t n_forward = 0;  // draft tokens evaluated
+    int64_t n_forward = 0;  // draft steps: catch-up tokens, then one per node evaluated
     if ((int64_t)committed.size() > n_synced_) {
         n_forward += catch_up(committed);
     } else {
@@ -144,12 +144,11 @@ DraftTree ModelDrafter::propose_tree(const std::vector<int32_t> & committed, int
             if (base + (int64_t)path.size() > draft_.n_ctx()) return;  // no room: a leaf
             if (t.parent[node] == at) {
                 draft_.eval(&t.token[node], 1, LogitsWanted::last, logits_.data());
-                n_forward += 1;
             } else {
                 draft_.restore_checkpoint();
                 draft_.eval(path.data(), (int64_t)path.size(), LogitsWanted::last, logits_.data());
-                n_forward += (int64_t)path.size();
             }
+            n_forward += 1;
             at = node;
         }
         history = committed;

@@ -68,8 +68,11 @@ class ModelDrafter : public Drafter {
     // Best-first (draft_tree.h build_best_first) from the draft's distribution at each node. A
     // node's distribution needs the draft's state after its path: a child of the node evaluated
     // last costs one draft token, any other node restores the checkpoint (the committed tokens)
-    // and evaluates its whole path in one batch. `cost` counts every token evaluated as one draft
-    // step (catch-up included), so a tree of n nodes costs between n - 1 and the sum of their depths.
+    // and evaluates its whole path in one batch. `cost` counts that batch (at most max_depth
+    // tokens) as one draft step, as step_cost's bandwidth model has it (a forward of a few tokens
+    // reads the weights once), and catch-up tokens one step each as propose() does: catch-up plus
+    // at most one step per node. (Counting replayed tokens instead would overstate a tree several
+    // times on a GPU and make the loop pause drafting that pays.)
     // Greedy: children are the draft's most probable tokens (ranked by its softmax, penalties
     // applied, normalized over the top 32), no q recorded. Sampling: children are drawn without
     // replacement from the request's sampling chain and q is recorded, so that rejection sampling

@@ -15,6 +15,7 @@
 
 #include "draft_tree.h"
 #include "drafters.h"
+#include "speculative.h"
 #include "tree_walk.h"
 
 namespace py = pybind11;
@@ -196,6 +197,28 @@ void bind_trees(py::module_ & m) {
         },
         py::arg("tree"), py::arg("rows"), py::arg("sampling"), py::arg("history"), py::arg("rule"),
         "Test only: walk_tree once (the planted DELTASPEC_TEST_WRONG_TREE_RULE applies).");
+
+    m.def(
+        "accept_chain",
+        [](F32 rows, const std::vector<int32_t> & tokens, const std::vector<SparseDist> & dists,
+           const SamplingParams & sampling, std::vector<int32_t> history) {
+            if (rows.ndim() != 2 || rows.shape(0) != (py::ssize_t)tokens.size() + 1) {
+                throw std::invalid_argument("rows must be (1 + tokens, n_vocab) logits");
+            }
+            Draft d;
+            d.tokens = tokens;
+            for (const auto & q : dists) d.dists.push_back(to_dist(q));
+            Sampler sampler(sampling);
+            int32_t next = -1;
+            const int64_t n = accept_draft(rows.data(), rows.shape(1), d, sampler, history, next);
+            py::dict out;
+            out["n_accepted"] = n;
+            out["next"] = next;
+            out["history"] = history;
+            return out;
+        },
+        py::arg("rows"), py::arg("tokens"), py::arg("dists"), py::arg("sampling"), py::arg("history"),
+        "Test only: the chain accept rule (speculative.h accept_draft), to compare with a chain's tree walk.");
 
     m.def(
         "walk_tree_argmax",

@@ -27,8 +27,8 @@ struct DenseDist {
     std::vector<int32_t> support;
 
     void set(const Distribution & d, int64_t n_vocab) {
-        prob.resize(n_vocab, 0.0);
         clear();
+        prob.resize(n_vocab, 0.0);
         double sum = 0.0;
         for (float x : d.probs) sum += x;
         for (size_t i = 0; i < d.ids.size(); ++i) {
@@ -77,8 +77,10 @@ int32_t try_children(const DraftTree & tree, const std::vector<int32_t> & childr
         const int32_t tok = tree.token[c];
         const double pc = p.prob[tok];
         const double qc = drawn ? q.prob[tok] : 1.0;
-        if (qc <= 0.0) {  // cannot have been drawn (without replacement: a repeated token)
-            continue;
+        if (qc <= 0.0) {
+            throw std::invalid_argument("draft tree node " + std::to_string(c) + ": token " + std::to_string(tok) +
+                                        " has probability 0 under the q it was drawn from (or repeats a sibling "
+                                        "drawn without replacement)");
         }
         if (pc > 0.0 && (pc >= qc || sampler.uniform() < pc / qc)) {
             q.clear();
@@ -110,7 +112,8 @@ TreeWalk walk_tree(const DraftTree & tree, const float * rows, int64_t n_vocab, 
     tree.check(n_vocab);
     TreeWalk w;
     Distribution target;
-    DenseDist p, q;
+    // vocabulary-sized, so kept between walks; set() starts by clearing what the last use left
+    thread_local DenseDist p, q;
     for (int32_t node = -1;;) {
         sampler.distribution(rows + (int64_t)(node + 1) * n_vocab, n_vocab, history, target);
         const std::vector<int32_t> children = tree.children(node);

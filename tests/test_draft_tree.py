@@ -200,8 +200,9 @@ def test_model_drafter_tree_uses_the_draft_distribution_at_every_node(draft_mode
     greedy, the tree equals the best-first tree built from the draft's softmax (top 32) computed
     from scratch at every node; sampling, every recorded q equals the sampling chain's
     distribution computed from scratch at that node's path. Covers the incremental child
-    evaluation and the restore-and-replay of other paths. Seen to fail with the restore before a
-    replayed path removed."""
+    evaluation and the restore-and-replay of other paths, and the cost stated (catch-up tokens plus
+    one draft step per node evaluated). Seen to fail with the restore before a replayed path
+    removed, and (cost) when replayed paths counted their tokens."""
     m = draft_model
     prompt = m.tokenize("def f(x): return x")[:10]
     rounds = [prompt, prompt + [17, 40], prompt + [17, 40, 99, 3, 5]]
@@ -217,11 +218,15 @@ def test_model_drafter_tree_uses_the_draft_distribution_at_every_node(draft_mode
         setattr(sp, k, v)
     trees = _core.model_drafter_trees(m.path, m.hparams, rounds, 10, 4, sp, 128)
     assert len(trees) == 3
+    synced = len(rounds[0])  # begin() read the prompt
     for committed, tree in zip(rounds, trees):
         paths = node_paths(tree)
         assert len(paths) == 10 and max(tree["depth"]) == 4
         assert len({p[0] for p in paths}) > 1 or len({p[:2] for p in paths}) > 2  # it branched
-        assert tree["cost"] > 0
+        # step cost 1: the catch-up tokens, then one step per node that may get children
+        expanded = sum(1 for n, d in enumerate(tree["depth"]) if d < 4 and n < 10 - 1)
+        assert tree["cost"] == len(committed) - synced + expanded
+        synced = len(committed)
         if not sampled:
             def dist(path, committed=committed):
                 p = ranking_probs(m, committed + list(path), ref)

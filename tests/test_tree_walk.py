@@ -231,17 +231,52 @@ def test_greedy_follows_the_argmax(pen):
 
 
 def test_bad_trees_and_plants_are_refused(monkeypatch):
+    """Bad trees and plant names raise ValueError naming the node, field or variable. Seen to fail
+    with walk_tree not calling DraftTree::check."""
     rows = np.zeros((3, V), dtype=np.float32)
     sp = sampling(PLAIN)
     with pytest.raises(ValueError, match="draft tree node 1: parent 1"):
         _core.walk_tree(dict(token=[1, 2], parent=[-1, 1]), rows, sp, PROMPT, "match")
     with pytest.raises(ValueError, match="draft tree node 1: token 9 outside the vocabulary"):
         _core.walk_tree(dict(token=[1, 9], parent=[-1, 0]), rows, sp, PROMPT, "match")
-    with pytest.raises(ValueError, match="probability 0 under the q it was drawn from"):
-        _core.walk_tree(dict(token=[1, 2], parent=[-1, -1], child_q=[-1, -1], root_child_q=0,
+    with pytest.raises(ValueError, match="node 0: token 2 has probability 0 under the q it was drawn from"):
+        _core.walk_tree(dict(token=[2, 1], parent=[-1, -1], child_q=[-1, -1], root_child_q=0,
                              dists=[([1, 3], [0.5, 0.5])]), rows, sp, PROMPT, "rejection")
     with pytest.raises(ValueError, match="rule must be 'match' or 'rejection'"):
         _core.walk_tree(dict(token=[1], parent=[-1]), rows[:2], sp, PROMPT, "greedy")
     monkeypatch.setenv(PLANT, "nonsense")
     with pytest.raises(ValueError, match="DELTASPEC_TEST_WRONG_TREE_RULE"):
         _core.walk_tree(dict(token=[1], parent=[-1]), rows[:2], sp, PROMPT, "match")
+
+
+@pytest.mark.parametrize("drawn", [False, True])
+def test_a_chain_walks_as_the_chain_rule(drawn):
+    """A chain is the special case of a tree: walking chain_tree(draft) with the rejection rule
+    gives, seed for seed, what the chain accept rule (speculative.h accept_draft) gives, for drafts
+    drawn from q (q recorded) and chosen ones. Seen to fail with the rejection walk's acceptance
+    test reading q(c) / p(c)."""
+    rng = np.random.default_rng(9)
+    target, draft = tables(seed=2, noise=0.7)
+    differ = accepted_some = rejected_some = 0
+    for seed in range(300):
+        toks, dists, path = [], [], ()
+        for _ in range(D):
+            l = draft[prefix_row(path)].astype(np.float64)
+            q = np.exp(l - l.max())
+            q /= q.sum()
+            t = int(rng.choice(V, p=q)) if drawn else int(np.argmax(q))
+            toks.append(t)
+            dists.append((list(range(V)), q.astype(np.float32).tolist()))
+            path += (t,)
+        rows = np.stack([target[prefix_row(path[:k])] for k in range(D + 1)])
+        sp = sampling(PLAIN, seed=seed)
+        chain = _core.accept_chain(rows, toks, dists if drawn else [], sp, PROMPT)
+        tree = dict(token=toks, parent=list(range(-1, D - 1)), dists=dists if drawn else [],
+                    child_q=list(range(1, D)) + [-1] if drawn else [-1] * D, root_child_q=0 if drawn else -1)
+        walk = _core.walk_tree(tree, rows, sp, PROMPT, "rejection")
+        differ += (len(walk["path"]), walk["next"], walk["history"]) != (chain["n_accepted"], chain["next"],
+                                                                          chain["history"])
+        accepted_some += chain["n_accepted"] > 0
+        rejected_some += chain["n_accepted"] < D
+    assert differ == 0
+    assert accepted_some > 30 and rejected_some > 30
