@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.json gpu_tests.xml profile.md
        spec_bench.json cpu_batch_invariance.json acceptance.json acceptance.md testbed_manifest.json
-       rows_op_bench.json batch_bench.json"
+       rows_op_bench.json batch_bench.json slot_memory.json"
 LATEST=bench/results/latest
 FROM=${1:-}
 if [[ -n $FROM && ! -d $FROM ]]; then

@@ -29,11 +29,14 @@
 #      against llama-batched-bench when the `build` step made one -> batch_bench.json
 #   ab: tg128 (f16 KV) of deltaspec alone under each environment of AB_CONFIGS ('|'-separated
 #      lists of VAR=VALUE, e.g. "DELTASPEC_CUDA_KERNELS=1|DELTASPEC_CUDA_KERNELS=0"), one process each
+#   server: `deltaspec serve` vs llama-server at 1/4/16/32 concurrent streams (bench/server_bench.py)
+#      -> server_bench.json; llama-server is added to the `build` step's folder first (a call after
+#      `build`); needs the starlette and uvicorn wheels (and their dependencies) in .whl
 # Benchmarks never run while a compile does: a step that measures waits for every background job.
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify tree profile
+# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify tree profile server
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -100,7 +103,7 @@ cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step stock || has_step ab || has_step verify ||
-        has_step tree || has_step profile
+        has_step tree || has_step profile || has_step server
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
@@ -169,4 +172,17 @@ if has_step stock; then
     python3 "$REPO/bench/decode_bench.py" stock /tmp/q27.gguf --reps "${BENCH_REPS:-3}" \
         --llama-bench "$LLAMA_BUILD/bin/llama-bench" --stock-bench "$STOCK_BUILD/bin/llama-bench" \
         --out "$OUT/stock_vs_injected.json" | tee "$OUT/stock_vs_injected.md"
+fi
+if has_step server; then
+    # The `build` step's llama.cpp folder configured again with the server on (and no web UI, which
+    # would be downloaded): ggml and libllama are up to date, only the server's own sources compile.
+    t0=$(date +%s)
+    { cmake -S "$DELTASPEC_GGML_SOURCE" -B "$LLAMA_BUILD" -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF &&
+      cmake --build "$LLAMA_BUILD" -j "$(nproc)" --target llama-server; } > "$OUT/llama_server_build.log" 2>&1 \
+        || { echo "llama-server build failed (see llama_server_build.log)"; tail -5 "$OUT/llama_server_build.log"; }
+    echo "llama-server build: $(( $(date +%s) - t0 )) s"
+    peer=()
+    [[ -x $LLAMA_BUILD/bin/llama-server ]] && peer=(--llama-server "$LLAMA_BUILD/bin/llama-server")
+    python3 "$REPO/bench/server_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
+        --out "$OUT/server_bench.json" | tee "$OUT/server_bench.md"
 fi

@@ -7,9 +7,11 @@
 #include <map>
 #include <memory>
 
+#include "constraint_bindings.h"
 #include "cuda_kernels.h"
 #include "engine.h"
 #include "generate.h"
+#include "grammar_drafter.h"
 #include "scheduler.h"
 #include "ggml_log.h"
 #include "rows_op_bindings.h"
@@ -37,6 +39,7 @@ struct Runner {
     PieceTable pieces;
     std::atomic<bool> cancel{false};
     std::unique_ptr<Scheduler> scheduler;  // created by the first add_request
+    std::map<int64_t, py::object> constraints;  // add_request's grammars, kept alive until their request ends
 
     // The engine for a one-sequence call (slot 0); refused while scheduled requests hold slots.
     Engine & single() {
@@ -77,6 +80,11 @@ TokenCallback make_callback(const py::object & callback) {
     };
 }
 
+// generate(constraint=...): a deltaspec._core.TokenConstraint (the caller keeps it alive) or None.
+TokenConstraint * constraint_of(const py::object & constraint) {
+    return constraint.is_none() ? nullptr : constraint.cast<TokenConstraint *>();
+}
+
 py::dict result_dict(const GenerateResult & res) {
     py::dict out;
     out["tokens"] = res.tokens;
@@ -84,13 +92,23 @@ py::dict result_dict(const GenerateResult & res) {
     out["stop_offset"] = res.stop_offset;
     out["prefill_seconds"] = res.prefill_seconds;
     out["decode_seconds"] = res.decode_seconds;
+    out["n_prefilled"] = res.n_prefilled;
+    if (!res.logprobs.empty()) {
+        out["logprobs"] = res.logprobs;
+        out["top_ids"] = res.top_ids;
+        out["top_logprobs"] = res.top_logprobs;
+    }
     return out;
 }
 
 py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
-                     std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object callback) {
+                     std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object callback,
+                     py::object constraint, int64_t n_cached, int32_t n_logprobs) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
-    const GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    req.constraint = constraint_of(constraint);
+    req.n_cached = n_cached;
+    req.n_logprobs = n_logprobs;
     const TokenCallback on_token = make_callback(callback);
     GenerateResult res;
     {
@@ -103,12 +121,13 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
                           std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
-                          int64_t tree_budget) {
+                          int64_t tree_budget, py::object constraint) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
     if (tree_budget < 0) throw std::invalid_argument("tree_budget must be >= 0 (0: chains)");
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
-    const GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    req.constraint = constraint_of(constraint);
     const TokenCallback on_token = make_callback(callback);
     SpecOptions spec;
     spec.n_max = n_max;
@@ -129,6 +148,7 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
         } else {
             drafter = std::make_unique<NgramDrafter>(ngram_max);
         }
+        if (req.constraint) drafter = std::make_unique<GrammarDrafter>(*req.constraint, std::move(drafter));
         res = generate_speculative(*r.engine, *drafter, r.pieces, req, spec, r.cancel, on_token, stats);
     }
     py::dict out = result_dict(res);
@@ -143,7 +163,7 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     return out;
 }
 
-// Requests (prompt, max_tokens, sampling, stop) run concurrently on the engine's slots.
+// Requests (prompt, max_tokens, sampling, stop[, constraint]) run concurrently on the engine's slots.
 py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate_batch()");
     std::vector<GenerateRequest> reqs;
@@ -151,6 +171,7 @@ py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> e
         auto t = h.cast<py::tuple>();
         reqs.push_back(make_request(t[0].cast<std::vector<int32_t>>(), t[1].cast<int32_t>(),
                                     t[2].cast<SamplingParams>(), eog_ids, t[3].cast<std::vector<std::string>>()));
+        if (t.size() > 4) reqs.back().constraint = constraint_of(t[4]);  // `requests` keeps it alive
     }
     r.single();  // no step()-driven requests in the slots
     std::vector<GenerateResult> results;
@@ -179,6 +200,7 @@ py::list step_py(Runner & r) {
         d["finished"] = ev.finished;
         d["result"] = ev.finished ? py::object(result_dict(ev.result)) : py::object(py::none());
         out.append(d);
+        if (ev.finished) r.constraints.erase(ev.id);
     }
     return out;
 }
@@ -347,6 +369,7 @@ PYBIND11_MODULE(_core, m) {
 
     bind_rows_ops(m);  // test-only: single ops on numpy arrays
     bind_trees(m);     // test-only: draft trees and tree walks
+    bind_token_constraint(m);
 
     m.def("quantize", &quantize, py::arg("rows"), py::arg("type_id"),
           "Quantize float32 rows with ggml's reference quantizer; returns (rows, row_bytes) uint8.");
@@ -426,7 +449,9 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("presence_penalty", &SamplingParams::presence_penalty)
         .def_readwrite("frequency_penalty", &SamplingParams::frequency_penalty)
         .def_readwrite("penalty_last_n", &SamplingParams::penalty_last_n)
-        .def_readwrite("seed", &SamplingParams::seed);
+        .def_readwrite("seed", &SamplingParams::seed)
+        .def_readwrite("logit_bias", &SamplingParams::logit_bias,
+                       "[(token, bias)] added to the logits after the penalties; -inf bans a token");
 
     py::class_<Runner>(m, "Engine")
         .def(py::init([](const std::string & path, const HParams & hp, int64_t n_ctx, int64_t n_ubatch, int n_threads,
@@ -475,11 +500,42 @@ PYBIND11_MODULE(_core, m) {
                  for (const auto & p : pieces) r.pieces.emplace_back(p);
              }, py::arg("pieces"), "The detokenizer's bytes for every token id (used to find stop strings).")
         .def("generate", &generate_py, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"),
-             py::arg("eog_ids"), py::arg("stop"), py::arg("callback") = py::none(),
-             "Prefill a fresh sequence with prompt, then sample until a stop condition.")
+             py::arg("eog_ids"), py::arg("stop"), py::arg("callback") = py::none(), py::arg("constraint") = py::none(),
+             py::arg("n_cached") = 0,
+             py::arg("n_logprobs") = -1,
+             "Prefill a fresh sequence with prompt (or, n_cached > 0, only what follows the first n_cached "
+             "tokens, which the state holds), then sample until a stop condition. n_logprobs >= 0 adds "
+             "logprobs / top_ids / top_logprobs to the result.")
+        .def("eval_hidden", [](Runner & r, Tokens tokens) {
+                 Engine & e = r.single();
+                 py::array_t<float> out({(int64_t)tokens.shape(0), e.hparams().n_embd});
+                 const int32_t * ids = tokens.data();
+                 float * dst = out.mutable_data();
+                 const int64_t n = tokens.shape(0);
+                 py::gil_scoped_release release;
+                 e.eval_hidden(ids, n, dst);
+                 return out;
+             }, py::arg("tokens"), "Append tokens; their final hidden states (after the output norm), (n, n_embd).")
+        .def("save_sequence", [](Runner & r) {
+                 Engine & e = r.single();
+                 std::vector<std::pair<std::string, std::string>> saved;
+                 {
+                     py::gil_scoped_release release;
+                     saved = e.save_sequence();
+                 }
+                 py::list out;
+                 for (auto & [name, bytes] : saved) out.append(py::make_tuple(name, py::bytes(bytes)));
+                 return out;
+             }, "The sequence's state: [(tensor name, bytes)] (KV rows up to n_past, recurrent state).")
+        .def("load_sequence", [](Runner & r, int64_t n_past, const std::vector<std::pair<std::string, std::string>> & t) {
+                 Engine & e = r.single();
+                 py::gil_scoped_release release;
+                 e.load_sequence(n_past, t);
+             }, py::arg("n_past"), py::arg("tensors"), "Restore a save_sequence() result into the sequence.")
         .def("generate_speculative", &generate_spec_py, py::arg("draft"), py::arg("ngram_max"), py::arg("prompt"),
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
              py::arg("n_min"), py::arg("callback") = py::none(), py::arg("tree_budget") = 0,
+             py::arg("constraint") = py::none(),
              "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None); draft trees of "
              "up to tree_budget nodes when > 0, chains otherwise.")
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
@@ -514,12 +570,16 @@ PYBIND11_MODULE(_core, m) {
         .def("generate_batch", &generate_batch_py, py::arg("requests"), py::arg("eog_ids"),
              "Run (prompt, max_tokens, sampling, stop) requests concurrently to the end; result dicts in order.")
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
-                               std::vector<int32_t> eog_ids, std::vector<std::string> stop) {
+                               std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
                  if (!r.scheduler) r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces);
-                 return r.scheduler->add_request(
-                     make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop)));
+                 GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+                 req.constraint = constraint_of(constraint);
+                 const int64_t id = r.scheduler->add_request(req);
+                 if (!constraint.is_none()) r.constraints[id] = constraint;
+                 return id;
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
+             py::arg("constraint") = py::none(),
              "Queue a request for step(); returns its id.")
         .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")
         .def("eval_in_slot", [](Runner & r, int64_t slot, Tokens tokens, const std::string & logits) {

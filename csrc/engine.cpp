@@ -117,6 +117,10 @@ void Engine::eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted,
     eval_all(tokens, n_tokens, wanted, logits);
 }
 
+void Engine::eval_hidden(const int32_t * tokens, int64_t n_tokens, float * hidden) {
+    eval_all(tokens, n_tokens, LogitsWanted::hidden, hidden);
+}
+
 int32_t Engine::eval_argmax(const int32_t * tokens, int64_t n_tokens) {
     int32_t token = -1;
     eval_all(tokens, n_tokens, LogitsWanted::argmax, &token);
@@ -153,10 +157,10 @@ void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wan
     for (int64_t done = 0; done < n_tokens;) {
         const int64_t n = std::min(opts_.n_ubatch, n_tokens - done);
         const bool last_batch = done + n == n_tokens;
-        LogitsWanted w = wanted == LogitsWanted::all ? LogitsWanted::all
-                         : last_batch                ? wanted
-                                                     : LogitsWanted::none;
-        void * dst = wanted == LogitsWanted::all ? static_cast<float *>(out) + done * hp_.n_vocab : out;
+        const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::hidden;
+        LogitsWanted w = every_row ? wanted : last_batch ? wanted : LogitsWanted::none;
+        const int64_t row = wanted == LogitsWanted::hidden ? hp_.n_embd : hp_.n_vocab;
+        void * dst = every_row ? static_cast<float *>(out) + done * row : out;
         eval_ubatch(tokens + done, n, w, dst);
         done += n;
     }
@@ -241,11 +245,17 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.in = n_seqs > 0 ? make_batch_inputs(step_.ctx, n_seqs, T / n_seqs, n_kv, first_slot)
                : tree     ? make_tree_inputs(step_.ctx, T, n_kv)
                           : make_step_inputs(step_.ctx, T, n_kv, keep_states);
-    const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all;
+    const bool hidden = wanted == LogitsWanted::hidden;
+    const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all || hidden;
     const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
+    // hidden states: no folding, so that the head's input stays the output norm's own result
     step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, pool_, n_seqs > 0 ? pool_.slots[first_slot] : seq(),
                              step_.in, n_rows,
-                             fold_inputs_ ? FoldInput(cuda_fold_input) : FoldInput(), &step_.verify);
+                             fold_inputs_ && !hidden ? FoldInput(cuda_fold_input) : FoldInput(), &step_.verify);
+    if (hidden) {  // the head's input {n_embd, T}; the head itself still runs (embeddings are rare)
+        step_.out = step_.out->src[1];
+        ggml_set_output(step_.out);
+    }
     if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {  // per row
         step_.out = ggml_argmax(step_.ctx, step_.out);
         ggml_set_output(step_.out);

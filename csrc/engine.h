@@ -18,8 +18,9 @@
 namespace deltaspec {
 
 // What a step returns: no logits, the last row's, every row's, or the argmax (on the device, so
-// that 4 bytes cross over instead of a vocabulary of floats) of the last row or of every row.
-enum class LogitsWanted { none, last, all, argmax, argmax_all };
+// that 4 bytes cross over instead of a vocabulary of floats) of the last row or of every row; or
+// (hidden) every row's final hidden state, the output norm's result the head would multiply.
+enum class LogitsWanted { none, last, all, argmax, argmax_all, hidden };
 
 struct EngineOptions {
     int64_t n_ctx = 4096;
@@ -46,6 +47,15 @@ class Engine {
     // Appends tokens and returns the argmax of the last row's logits (greedy decoding).
     int32_t eval_argmax(const int32_t * tokens, int64_t n_tokens);
     void reset();                 // start a new, empty sequence (in the current slot)
+    // Appends tokens; `hidden` receives n_embd floats per token: the final hidden state after the
+    // output norm (what embeddings pool).
+    void eval_hidden(const int32_t * tokens, int64_t n_tokens, float * hidden);
+
+    // The current slot's sequence as bytes, by tensor name ("k.3", "v.3": its first n_past KV
+    // rows; "conv.0", "ssm.0": the recurrent state), and back into a slot of an engine of the
+    // same model: a saved conversation resumes without re-reading its tokens (sequence_io.cpp).
+    std::vector<std::pair<std::string, std::string>> save_sequence();
+    void load_sequence(int64_t n_past, const std::vector<std::pair<std::string, std::string>> & tensors);
 
     // The slot the one-sequence calls act on (a pending verify batch of the old one is kept whole).
     void use_slot(int64_t slot);

@@ -23,6 +23,7 @@ int64_t find_stop(const std::string & text, size_t fresh, const std::vector<std:
 }  // namespace
 
 bool Emitter::emit(int32_t token) {
+    if (req_.constraint) req_.constraint->commit(token);  // every loop commits through here
     res_.tokens.push_back(token);
     const std::string & piece = pieces_[token];
     text_ += piece;

@@ -11,6 +11,7 @@
 
 #include "engine.h"
 #include "sampler.h"
+#include "token_constraint.h"
 
 namespace deltaspec {
 
@@ -20,6 +21,13 @@ struct GenerateRequest {
     SamplingParams sampling;
     std::vector<int32_t> eog_ids;         // end-of-generation tokens: stop after emitting one
     std::vector<std::string> stop;        // stop strings, as UTF-8 bytes of the generated text
+    TokenConstraint * constraint = nullptr;  // a grammar on the output (not owned), or none
+    // The first n_cached prompt tokens are already in the sequence's state (a resumed chat, a
+    // loaded state): only the rest is evaluated. 0: start from an empty sequence.
+    int64_t n_cached = 0;
+    // -1: none; k >= 0: the log-probability of each generated token under the model's raw logits
+    // (log_softmax, before penalties and temperature) and the k most probable tokens' ones.
+    int32_t n_logprobs = -1;
 };
 
 enum class FinishReason { stop, length, cancelled };
@@ -30,6 +38,10 @@ struct GenerateResult {
     int64_t stop_offset = -1;             // byte offset of the stop string in the generated text, or -1
     double prefill_seconds = 0.0;
     double decode_seconds = 0.0;
+    int64_t n_prefilled = 0;              // prompt tokens evaluated (the prompt less n_cached)
+    std::vector<float> logprobs;          // n_logprobs >= 0: one per generated token
+    std::vector<int32_t> top_ids;         // n_logprobs per generated token, most probable first
+    std::vector<float> top_logprobs;      // their log-probabilities
 };
 
 // Called after each sampled token; returning false cancels generation.

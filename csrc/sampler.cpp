@@ -45,6 +45,9 @@ void Sampler::distribution(const float * logits, int64_t n_vocab, const std::vec
     const SamplingParams & p = params_;
     scratch_.assign(logits, logits + n_vocab);
     apply_penalties(scratch_, history);
+    for (const auto & [id, bias] : p.logit_bias) {
+        if (id >= 0 && id < n_vocab) scratch_[id] += bias;
+    }
     std::vector<float> & l = scratch_;
 
     out.ids.clear();
@@ -92,7 +95,12 @@ int32_t Sampler::draw(const Distribution & d) {
         cum += d.probs[i];
         if (u < cum) return d.ids[i];
     }
-    return d.ids.back();  // u landed in the rounding gap above the summed mass
+    // u landed in the rounding gap above the summed mass: the last candidate that has any (a
+    // grammar's -inf logits leave candidates of probability 0, which must never be drawn)
+    for (size_t i = d.ids.size(); i-- > 0;) {
+        if (d.probs[i] > 0.0f) return d.ids[i];
+    }
+    return d.ids.back();
 }
 
 double Sampler::uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng_); }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace deltaspec {
@@ -19,11 +20,14 @@ struct SamplingParams {
     float frequency_penalty = 0.0f;
     int32_t penalty_last_n = 64;  // how many recent tokens the penalties look at (-1: all)
     uint64_t seed = 0;
+    // (token, value) added to its logit after the penalties; -inf bans the token (ignore_eos)
+    std::vector<std::pair<int32_t, float>> logit_bias;
 
     bool greedy() const { return temperature <= 0.0f; }
-    // greedy on the raw logits (no penalty reshapes them): the device's argmax is the token
+    // greedy on the raw logits (no penalty or bias reshapes them): the device's argmax is the token
     bool argmax_only() const {
-        return greedy() && repeat_penalty == 1.0f && presence_penalty == 0.0f && frequency_penalty == 0.0f;
+        return greedy() && repeat_penalty == 1.0f && presence_penalty == 0.0f && frequency_penalty == 0.0f &&
+               logit_bias.empty();
     }
 };
 

@@ -1,6 +1,7 @@
 #include "scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -17,6 +18,34 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 // gets the token the device's argmax would have given it.
 int32_t first_argmax(const float * row, int64_t n) {
     return (int32_t)(std::max_element(row, row + n) - row);
+}
+
+// Whether the sequence must see its logits rather than the device's argmax: it samples, or the
+// caller asked for log-probabilities.
+// a grammar masks the logits, so greedy under one needs them too
+bool needs_logits(const GenerateRequest & req) {
+    return !req.sampling.argmax_only() || req.n_logprobs >= 0 || req.constraint != nullptr;
+}
+
+// The generated token's log-probability under `row` (log_softmax of the raw logits, in double)
+// and the n_logprobs most probable tokens' ones, appended to the result.
+void record_logprobs(const GenerateRequest & req, const float * row, int64_t n_vocab, int32_t token,
+                     GenerateResult & res) {
+    if (req.n_logprobs < 0) return;
+    const float max_l = *std::max_element(row, row + n_vocab);
+    double sum = 0.0;
+    for (int64_t i = 0; i < n_vocab; ++i) sum += std::exp((double)row[i] - max_l);
+    const double log_z = max_l + std::log(sum);
+    res.logprobs.push_back((float)(row[token] - log_z));
+    const int64_t k = std::min<int64_t>(req.n_logprobs, n_vocab);
+    std::vector<int32_t> ids(n_vocab);
+    for (int64_t i = 0; i < n_vocab; ++i) ids[i] = (int32_t)i;
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                      [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    for (int64_t i = 0; i < k; ++i) {
+        res.top_ids.push_back(ids[i]);
+        res.top_logprobs.push_back((float)(row[ids[i]] - log_z));
+    }
 }
 
 }  // namespace
@@ -39,6 +68,13 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
         }
     }
     if (req.max_tokens < 1) throw std::invalid_argument("max_tokens must be >= 1");
+    if (req.n_cached != 0 && (req.n_cached < 0 || req.n_cached >= (int64_t)req.prompt.size() || !idle() ||
+                              engine_.slot_n_past(0) != req.n_cached)) {
+        throw std::invalid_argument("n_cached = " + std::to_string(req.n_cached) + " prompt tokens in the state, but "
+                                    "the state holds " + std::to_string(engine_.slot_n_past(0)) +
+                                    " and the prompt " + std::to_string(req.prompt.size()) +
+                                    " (a resumed prompt runs alone and has at least one new token)");
+    }
     waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
     waiting_.back()->on_token = std::move(on_token);
     return next_id_++;
@@ -97,22 +133,36 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
         s->slot = (int64_t)running_.size();
         engine_.use_slot(s->slot);
         const auto t0 = Clock::now();
-        if (batch_bug() != BatchBug::no_reset) engine_.reset();
-        const int64_t n = (int64_t)s->req.prompt.size();
+        const int64_t cached = s->req.n_cached;  // checked by add_request: the slot holds them
+        if (cached == 0 && batch_bug() != BatchBug::no_reset) engine_.reset();
+        const int32_t * fresh = s->req.prompt.data() + cached;
+        const int64_t n = (int64_t)s->req.prompt.size() - cached;
         int32_t token = -1;
-        if (s->req.sampling.argmax_only()) {
-            token = engine_.eval_argmax(s->req.prompt.data(), n);
+        if (!needs_logits(s->req)) {
+            token = engine_.eval_argmax(fresh, n);
         } else {
             logits_.resize(n_vocab);
-            engine_.eval(s->req.prompt.data(), n, LogitsWanted::last, logits_.data());
-            token = s->sampler.sample(logits_.data(), n_vocab, s->history);
+            engine_.eval(fresh, n, LogitsWanted::last, logits_.data());
+            token = choose(*s, logits_.data(), n_vocab);
         }
+        s->res.n_prefilled = n;
         s->res.prefill_seconds = seconds_since(t0);
         s->decode_start = Clock::now();
         Sequence & seq = *s;
         running_.push_back(std::move(s));
         commit(seq, token, event_of(events, seq));
     }
+}
+
+int32_t Scheduler::choose(Sequence & s, float * row, int64_t n_vocab) {
+    // logprobs are those of the raw logits (as llama-cpp-python's), so a grammar's mask applies to a copy
+    const bool keep_raw = s.req.constraint && s.req.n_logprobs >= 0;
+    if (keep_raw) raw_.assign(row, row + n_vocab);
+    if (s.req.constraint) s.req.constraint->mask_row(row, n_vocab);
+    const int32_t token = s.req.sampling.argmax_only() ? first_argmax(row, n_vocab)
+                                                       : s.sampler.sample(row, n_vocab, s.history);
+    record_logprobs(s.req, keep_raw ? raw_.data() : row, n_vocab, token, s.res);
+    return token;
 }
 
 void Scheduler::decode_running(std::vector<StepEvent> & events) {
@@ -123,7 +173,7 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
     rows_.clear();
     for (const auto & s : running_) {
         rows_.add(s->pending, (int32_t)engine_.slot_n_past(s->slot), (int32_t)s->slot);
-        all_argmax = all_argmax && s->req.sampling.argmax_only();
+        all_argmax = all_argmax && !needs_logits(s->req);
     }
     // greedy everywhere: only the argmax ids cross over; otherwise every row's logits. One sequence
     // takes the one-sequence step, whose graph writes its state in place (ggml-cuda's fused forms)
@@ -145,10 +195,7 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
     }
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
-        const float * row = all_argmax ? nullptr : logits_.data() + i * n_vocab;
-        const int32_t token = all_argmax                       ? argmax_[i]
-                              : s.req.sampling.argmax_only() ? first_argmax(row, n_vocab)
-                                                               : s.sampler.sample(row, n_vocab, s.history);
+        const int32_t token = all_argmax ? argmax_[i] : choose(s, logits_.data() + i * n_vocab, n_vocab);
         commit(s, token, event_of(events, s));
     }
 }

@@ -65,6 +65,9 @@ class Scheduler {
   private:
     void admit(std::vector<StepEvent> & events);
     void decode_running(std::vector<StepEvent> & events);
+    // the token after a logits row: masked by the request's grammar, then argmax or sampled
+    // (and its logprobs recorded when asked for)
+    int32_t choose(Sequence & s, float * row, int64_t n_vocab);
     // commits a sampled token; false when the sequence is done
     bool commit(Sequence & s, int32_t token, StepEvent & ev);
     void finish(Sequence & s, FinishReason why, StepEvent & ev);
@@ -77,6 +80,7 @@ class Scheduler {
     std::deque<std::unique_ptr<Sequence>> waiting_;
     std::vector<std::unique_ptr<Sequence>> running_;  // running_[i] lives in slot i
     std::vector<float> logits_;
+    std::vector<float> raw_;  // a row before its grammar mask (logprobs)
     std::vector<int32_t> argmax_;
     RowBatch rows_;
 };

@@ -93,6 +93,8 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     const int64_t n_vocab = target.hparams().n_vocab;
     if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
     if ((int64_t)pieces.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
+    // tree verification does not mask its rows with a grammar yet
+    if (req.constraint && spec.tree_budget > 0) throw std::invalid_argument("a grammar cannot be combined with draft trees (tree_budget) yet");
     GenerateResult res;
     const PlantedBug bug = planted_bug();
     const TreeRuleBug tree_bug = spec.tree_budget > 0 ? tree_rule_bug() : TreeRuleBug::none;
@@ -101,12 +103,13 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     std::vector<float> rows;
     std::vector<int32_t> argmax;
     // greedy without penalties: the device returns argmax ids, no logits cross over
-    const bool device_argmax = req.sampling.argmax_only();
+    const bool device_argmax = req.sampling.argmax_only() && !req.constraint;  // a grammar masks logits
     // one target step on `tokens`, the next token sampled (or the argmax) after its last row
     auto step = [&](const int32_t * tokens, int64_t n) {
         if (device_argmax) return target.eval_argmax(tokens, n);
         rows.resize(n_vocab);
         target.eval(tokens, n, LogitsWanted::last, rows.data());
+        if (req.constraint) req.constraint->mask_row(rows.data(), n_vocab);
         return sampler.sample(rows.data(), n_vocab, history);
     };
 
@@ -156,6 +159,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
                 if (tree.max_depth() < spec.n_min) tree = DraftTree{};
             } else {
                 draft = drafter.propose(history, std::min(n_draft, room));
+                if (req.constraint) req.constraint->cut_draft(draft);  // what the grammar forbids is not verified
                 if ((int64_t)draft.tokens.size() < spec.n_min) draft = Draft{};
             }
             stats.draft_seconds += seconds_since(td);
@@ -199,6 +203,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             } else {
                 rows.resize(T * n_vocab);
                 target.eval_verify(batch.data(), T, rows.data());
+                if (req.constraint) req.constraint->mask_verify_rows(draft, rows.data(), n_vocab);
             }
             stats.verify_seconds += seconds_since(tv);
             stats.n_drafted += (int64_t)draft.tokens.size();

@@ -175,7 +175,7 @@ BAD_MODEL_ARGS = [
     *[("n_ctx", dict(n_ctx=v)) for v in (-1, 1.5, "64", None, True, 2**40, 2**63, NAN)],
     *[("n_threads", dict(n_threads=v)) for v in (-1, 1.5, "1", True, 10**6, 2**40)],
     *[("n_ubatch", dict(n_ubatch=v)) for v in (0, 1.5, None, False, 2**63)],
-    *[("device", dict(device=v)) for v in ("", None, 1, "CPU", "gpu", "cuda:0")],
+    *[("device", dict(device=v)) for v in ("", "tpu", 1, "CPU", "gpu", "cuda:0")],  # None: the default
     ("type_k", dict(type_k="")), ("type_k", dict(type_k=None)), ("type_v", dict(type_v=5)),
     ("type_v", dict(type_v="Q8_0")), ("type_k", dict(type_k="q4_k")),
     ("progress", dict(progress="yes")), ("progress", dict(progress=1)),
@@ -192,7 +192,7 @@ BAD_GENERATE_ARGS = [
     *[("presence_penalty", dict(presence_penalty=v)) for v in (NAN, INF, "x")],
     *[("frequency_penalty", dict(frequency_penalty=v)) for v in (NAN, 1e5)],
     *[("penalty_last_n", dict(penalty_last_n=v)) for v in (-2, 1.5, None)],
-    *[("seed", dict(seed=v)) for v in (-1, 2**64, 1.5, "42", True)],
+    *[("seed", dict(seed=v)) for v in (-2, 2**64, 1.5, "42", True)],  # -1: random
     ("stop", dict(stop=5)), ("stop[0]", dict(stop=[5])), ("stop[0]", dict(stop=[""])), ("stop", dict(stop=b"x")),
     ("stop[1]", dict(stop=["ok", None])),
     ("stream", dict(stream="yes")), ("stream", dict(stream=1)),
@@ -228,7 +228,7 @@ def _model_calls(path, folder, n_vocab):
     for i, (name, prompt) in enumerate(BAD_PROMPTS):
         prompt = [n_vocab] if prompt == "N_VOCAB" else prompt
         calls.append((f"generate/prompt#{i}", name, lambda m, p=prompt: m.generate(p, max_tokens=2)))
-    for i, text in enumerate((5, None, b"hi")):
+    for i, text in enumerate((5, None, [104])):  # bytes are text, as llama-cpp-python takes it
         calls.append((f"tokenize/text#{i}", "text", lambda m, t=text: m.tokenize(t)))
     calls.append(("tokenize/special", "special", lambda m: m.tokenize("hi", special="yes")))
     for i, (name, ids) in enumerate((("outside the vocabulary", [-1]), ("outside the vocabulary", [n_vocab]),

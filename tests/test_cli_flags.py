@@ -70,7 +70,7 @@ def test_llama_cpp_spelling_parses(args, attr, value):
     (["run", "-m", "m", "-p", "hi", "-n5"], "unrecognized flag -n5"),
     (["run", "-m", "m", "-p", "hi", "-sm", "row"], "-sm (--split-mode): llama.cpp's flag is not supported"),
     (["run", "-m", "m", "-p", "hi", "--mlock"], "--mlock: llama.cpp's flag is not supported"),
-    (["run", "-m", "m", "-p", "hi", "--ignore-eos"], "--ignore-eos: llama.cpp's flag is not supported"),
+    (["run", "-m", "m", "-p", "hi", "--typical", "0.5"], "--typical: llama.cpp's flag is not supported"),
     (["run", "-m", "m", "-p", "hi", "-r", "User:"], "-r (--reverse-prompt): llama.cpp's flag is not supported: "
                                                     "use --stop STR"),
     (["run", "-m", "m", "-p", "hi", "--no-jinja"], "--no-jinja: llama.cpp's flag is not supported"),
@@ -87,7 +87,7 @@ def test_every_parser_refuses_abbreviations():
     Seen red with StrictParser.__init__ setting allow_abbrev=True."""
     parser = cli.build_parser()
     subs = parser._subparsers._group_actions[0].choices
-    assert set(subs) == {"run", "info", "convert", "synth"}
+    assert set(subs) == {"run", "serve", "info", "convert", "synth"}
     for p in [parser, *subs.values()]:
         assert isinstance(p, StrictParser) and p.allow_abbrev is False, p.prog
 

@@ -216,7 +216,7 @@ def test_context_full_stops_with_length(gguf_paths):
     ({"top_k": -3}, ValueError, "top_k"),
     ({"min_p": 2}, ValueError, "min_p"),
     ({"repeat_penalty": 0}, ValueError, "repeat_penalty"),
-    ({"seed": -1}, ValueError, "seed"),
+    ({"seed": -2}, ValueError, "seed"),  # -1 is random, as in llama-cpp-python
     ({"stop": [""]}, ValueError, "stop"),
     ({"stop": 5}, TypeError, r"stop must be a string, a list of strings or None, got int 5"),
     ({"stop": [b"x"]}, TypeError, r"stop\[0\] must be a string, got bytes"),

@@ -243,12 +243,20 @@ def test_0_8b_runs(tmp_path, quant):
 
 def test_tiny_f16_deterministic_and_consistent_across_quants(tmp_path):
     """Same seed, same bytes (any thread count); the quants round the same float weights, so the
-    f16 and q8_0 models give nearly the same logits; another seed gives another model."""
+    f16 and q8_0 models give nearly the same logits; another seed gives another model. The file
+    carries the Qwen3.5 chat template (seen red with synth passing chat_template=None through)."""
+    from deltaspec.chat import chat_template_from_metadata
+    from deltaspec.qwen35_template import QWEN35_CHAT_TEMPLATE
+
     a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
     write_synthetic_gguf(a, "_tiny", "f16", seed=3, threads=1)
     write_synthetic_gguf(b, "_tiny", "f16", seed=3, threads=3)
     assert hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest()
     check_file(a, "_tiny", "f16")
+    meta = read_gguf(a).metadata
+    assert meta["tokenizer.chat_template"] == QWEN35_CHAT_TEMPLATE
+    assert chat_template_from_metadata(meta).render([{"role": "user", "content": "hi"}]).endswith(
+        "<|im_start|>assistant\n<think>\n")
     write_synthetic_gguf(c, "_tiny", "q8_0", seed=3)
     la, lc = run_logits(a), run_logits(c)
     check_logits(la)

@@ -2,8 +2,9 @@
 
 from .batch_invariance import batch_invariant
 from .errors import DeltaspecError
+from .grammar import Grammar
 
-__all__ = ["Model", "DeltaspecError", "batch_invariant"]
+__all__ = ["Model", "Llama", "DeltaspecError", "Grammar", "batch_invariant"]
 __version__ = "0.1.0"
 
 
@@ -14,4 +15,8 @@ def __getattr__(name: str):
         from .model import Model
 
         return Model
+    if name == "Llama":  # llama-cpp-python's class name (deltaspec.llama)
+        from .llama import Llama
+
+        return Llama
     raise AttributeError(f"module 'deltaspec' has no attribute {name!r}")

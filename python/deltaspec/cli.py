@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_run_synth)
 
     _add_run_parser(sub)
+    from .server.cli import add_serve_parser  # argparse only; the server's dependencies load when it runs
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -72,7 +75,11 @@ RUN_FLAGS = {
     "frequency_penalty": "--frequency-penalty", "penalty_last_n": "--repeat-last-n", "seed": "-s/--seed",
     "stop": "--stop", "draft_n_max": "--spec-draft-n-max", "draft_n_min": "--spec-draft-n-min",
     "draft_model": "-md/--model-draft", "spec_type": "--spec-type", "tree_budget": "--spec-tree-budget",
+    "ignore_eos": "--ignore-eos",
 }
+# structured output (llama.cpp's spellings): flag -> how its value becomes a deltaspec.Grammar
+GRAMMAR_FLAGS = {"--grammar": "text", "--grammar-file": "file", "-j/--json-schema": "schema",
+                 "-jf/--json-schema-file": "schema file"}
 
 
 class RunError(Exception):
@@ -136,6 +143,9 @@ def _add_run_parser(sub) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="N", help="(default: %(default)s)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="N", help="(default: %(default)s)")
     g.add_argument("-s", "--seed", type=int, default=-1, metavar="N", help="-1 = random (default: %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="never end at an end-of-generation token (its logit is set to -inf): -n or the context ends "
+                        "the text")
     p.add_argument("--stop", action="extend", nargs="+", default=[], metavar="STR",
                    help="stop when the output contains STR (not printed); may be given several times")
     p.add_argument("--no-display-prompt", action="store_true", help="do not print the prompt before the output")
@@ -153,6 +163,13 @@ def _add_run_parser(sub) -> None:
     g.add_argument("--spec-tree-budget", type=int, default=0, metavar="N",
                    help="draft trees of up to N nodes (no deeper than --spec-draft-n-max), verified in one "
                         "pass; 0: chains (default: %(default)s)")
+    g = p.add_argument_group("structured output (enforced while decoding, speculation included)")
+    g.add_argument("--grammar", metavar="GRAMMAR", default=None,
+                   help="GBNF grammar (llama.cpp's format; Lark with a start: rule) the output must match")
+    g.add_argument("--grammar-file", metavar="FNAME", default=None, help="read --grammar from a file")
+    g.add_argument("-j", "--json-schema", metavar="SCHEMA", default=None,
+                   help='JSON schema the output must validate against, e.g. \'{"type": "object"}\'')
+    g.add_argument("-jf", "--json-schema-file", metavar="FNAME", default=None, help="read -j from a file")
     p.add_argument("--chat-template", metavar="JINJA|FILE", default=None,
                    help="with -i: a Jinja chat template, as text or a file, instead of the GGUF's (no built-in "
                         "names such as chatml)")
@@ -221,9 +238,11 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
               repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
               frequency_penalty=args.frequency_penalty, penalty_last_n=args.repeat_last_n,
               seed=None if args.seed == -1 else args.seed)
+    if args.ignore_eos:
+        kw["ignore_eos"] = True
     args.stop = [_escaped(args, s) for s in args.stop]
     try:
-        SamplingOptions(**kw)
+        SamplingOptions(**{k: v for k, v in kw.items() if k != "ignore_eos"})
         validate_stop(args.stop)
     except ValueError as e:
         raise _flag_error(e) from None
@@ -362,7 +381,8 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
     # llama.cpp caps the physical batch at the logical one; this engine has only the physical one
     return dict(n_ctx=n_ctx, n_threads=args.threads, n_ubatch=min(args.batch_size, args.ubatch_size),
                 device=_device(args), type_k=args.cache_type_k, type_v=args.cache_type_v,
-                progress=False if args.log_disable else None)
+                # -v: plain progress lines when stderr is not a terminal (a bar on one, as without -v)
+                progress=False if args.log_disable else True if args.verbose else None)
 
 
 def _spec_kwargs(args: argparse.Namespace) -> dict:
@@ -396,6 +416,36 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
                 tree_budget=args.spec_tree_budget)
 
 
+def _grammar_kwargs(args: argparse.Namespace) -> dict:
+    """generate()'s `grammar` from --grammar / --grammar-file / -j / -jf, compiled before the model loads."""
+    from .errors import GrammarError
+    from .grammar import Grammar
+
+    given = {flag: value for flag, value in zip(GRAMMAR_FLAGS, (args.grammar, args.grammar_file, args.json_schema,
+                                                               args.json_schema_file)) if value is not None}
+    if not given:
+        return {}
+    if len(given) > 1:
+        raise RunError(f"{' and '.join(given)}: give one grammar or JSON schema, not several")
+    (flag, value), = given.items()
+    try:
+        if GRAMMAR_FLAGS[flag] == "text":
+            grammar = Grammar.from_string(_escaped(args, value))
+        elif GRAMMAR_FLAGS[flag] == "file":
+            grammar = Grammar.from_file(value)
+        elif GRAMMAR_FLAGS[flag] == "schema":
+            grammar = Grammar.from_json_schema(value)
+        else:
+            try:
+                with open(value, encoding="utf-8") as f:
+                    grammar = Grammar.from_json_schema(f.read())
+            except OSError as e:
+                raise RunError(f"{flag}: cannot read {value}: {e.strerror}") from None
+    except GrammarError as e:
+        raise RunError(f"{flag}: {e}") from None
+    return {"grammar": grammar}
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.flash_attn == "off":
         raise RunError("-fa/--flash-attn: off is not available: attention here always runs as ggml's flash "
@@ -406,9 +456,13 @@ def _run(args: argparse.Namespace) -> int:
     system = _system_prompt(args, prompt)
     sampling = _sampling_kwargs(args)
     sampling.update(_spec_kwargs(args))
+    sampling.update(_grammar_kwargs(args))
     template_kwargs = _template_kwargs(args)
     if template_kwargs and not args.interactive:
         raise RunError("--chat-template-kwargs: only used with -i/--interactive")
+    if "grammar" in sampling and args.interactive:
+        # the grammar constrains each whole reply: no reasoning block before it
+        template_kwargs.setdefault("enable_thinking", False)
     template = _chat_template(args)
     if template is not None:
         template_kwargs["chat_template"] = template
@@ -600,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parser.parse_args(argv)
     if args.command is None:  # only top-level flags, none of them --help / --version
-        parser.error("a command is required (run, info, convert, synth)")
+        parser.error("a command is required (run, serve, info, convert, synth)")
     from .errors import DeltaspecError
 
     try:

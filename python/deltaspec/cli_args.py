@@ -20,7 +20,6 @@ _REFUSED_GROUPS = [
     ("-hf", "-hfr", "--hf-repo"), ("-hff", "--hf-file"), ("-hft", "--hf-token"), ("-mu", "--model-url"),
     ("-r", "--reverse-prompt"), ("--in-prefix",), ("--in-suffix",), ("--in-prefix-bos",),
     ("-sp", "--special"), ("-st", "--single-turn"), ("-ins", "--instruct"), ("--multiline-input", "-mli"),
-    ("--grammar",), ("--grammar-file",), ("-j", "--json-schema"), ("-jf", "--json-schema-file"),
     ("--mirostat",), ("--mirostat-lr",), ("--mirostat-ent",), ("--typical",), ("--dynatemp-range",),
     ("--dynatemp-exp",), ("--xtc-probability",), ("--xtc-threshold",), ("--top-nsigma",),
     ("--dry-multiplier",), ("--dry-base",), ("--dry-allowed-length",), ("--dry-penalty-last-n",),
@@ -34,14 +33,13 @@ _REFUSED_GROUPS = [
     ("-dt", "--defrag-thold"), ("--reasoning-format",), ("--reasoning-budget",), ("-lv", "--verbosity"),
     ("--log-file",), ("--log-colors",), ("--override-kv",), ("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
     ("-devd", "--device-draft"), ("-cd", "--ctx-size-draft"), ("-ps", "--spec-p-min"), ("--draft-p-min",),
-    ("-mm", "--mmproj"), ("--image",), ("--no-jinja",), ("--ignore-eos",), ("--perf",), ("--no-perf",),
+    ("-mm", "--mmproj"), ("--image",), ("--no-jinja",), ("--perf",), ("--no-perf",),
 ]
 REFUSED_LLAMA_FLAGS = {spelling: group[-1] for group in _REFUSED_GROUPS for spelling in group}
 
 # Why a refused flag means nothing here, where one sentence says more than "not supported".
 _REASONS = {
     "--no-jinja": "deltaspec always renders chat templates with Jinja",
-    "--ignore-eos": "the sampler cannot mask end-of-generation tokens yet; use -n N to bound the length",
     "--reverse-prompt": "use --stop STR",
     "--hf-repo": "download the GGUF first and pass it with -m",
 }

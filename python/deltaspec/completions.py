@@ -5,9 +5,11 @@ from __future__ import annotations
 import inspect
 from typing import Any, Iterator, Mapping, Sequence
 
+from . import logprobs as lp
 from . import openai_format as oai
 from .chat import ReasoningSplitter, chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
 from .generation import validate_flag
+from .grammar import response_format_grammar
 
 
 def _check_kwargs(model, caller: str, kwargs: Mapping[str, Any]) -> None:
@@ -19,19 +21,39 @@ def _check_kwargs(model, caller: str, kwargs: Mapping[str, Any]) -> None:
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
 
 
-def create_completion(model, prompt: str | Sequence[int], *, stream: bool = False, **kwargs: Any):
-    """An OpenAI `text_completion` dict, or an iterator of chunk dicts when stream=True."""
+def create_completion(model, prompt: str | Sequence[int], *, stream: bool = False, echo: bool = False,
+                      logprobs: int | None = None, **kwargs: Any):
+    """An OpenAI `text_completion` dict, or an iterator of chunk dicts when stream=True.
+
+    echo=True puts the prompt's text before the completion's; logprobs=k (not with stream) gives
+    each token's log-probability and the k most probable tokens' (llama-cpp-python's shape; with
+    echo, the prompt's tokens too, the first one's null)."""
     _check_kwargs(model, "create_completion", kwargs)
     name = model.path
+    validate_flag("echo", echo)
+    prompt_text = prompt if isinstance(prompt, str) else model.detokenize(prompt)
     if not validate_flag("stream", stream):
-        r = model.generate(prompt, **kwargs)
-        return oai.completion(r.text, r.finish_reason, name, r.stats.prompt_tokens, r.stats.generated_tokens)
+        r = model.generate(prompt, logprobs=logprobs, **kwargs)
+        out = oai.completion(prompt_text + r.text if echo else r.text, r.finish_reason, name,
+                             r.stats.prompt_tokens, r.stats.generated_tokens)
+        if logprobs is not None:
+            entries = lp.generated_logprobs(model, r)
+            if echo:
+                ids = model._prompt_ids(prompt)
+                entries = lp.prompt_logprobs(model, ids, logprobs) + entries
+            out["choices"][0]["logprobs"] = lp.completion_logprobs(model, entries, 0 if echo else len(prompt_text))
+        return out
+    if logprobs is not None:
+        raise ValueError("create_completion(): logprobs with stream=True is not available yet; "
+                         "call it without stream for log-probabilities")
     pieces = model.generate(prompt, stream=True, **kwargs)
-    return _completion_chunks(pieces, name)
+    return _completion_chunks(pieces, name, prompt_text if echo else "")
 
 
-def _completion_chunks(pieces, name: str) -> Iterator[oai.Completion]:
+def _completion_chunks(pieces, name: str, echoed: str = "") -> Iterator[oai.Completion]:
     cid, created = oai.completion_id(), oai.now()
+    if echoed:
+        yield oai.completion_chunk(echoed, None, name, cid, created)
     try:
         for text in pieces:
             yield oai.completion_chunk(text, None, name, cid, created)
@@ -54,24 +76,60 @@ def apply_chat_template(model, messages: Sequence[Mapping[str, Any]], add_genera
 
 def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, tools=None,
                            chat_template: str | None = None, enable_thinking: bool | None = None,
-                           temperature: float = 0.2, max_tokens: int | None = None, **kwargs: Any):
+                           temperature: float = 0.2, max_tokens: int | None = None, logprobs: bool | None = None,
+                           top_logprobs: int | None = None, response_format: Mapping[str, Any] | None = None,
+                           **kwargs: Any):
     """An OpenAI `chat.completion` dict (reasoning in `reasoning_content`), or chunk dicts when streaming
     (reasoning in `reasoning_content` deltas, as llama-server streams it).
-    Defaults follow llama-cpp-python's chat path: temperature 0.2, max_tokens None (until n_ctx)."""
+    Defaults follow llama-cpp-python's chat path: temperature 0.2, max_tokens None (until n_ctx).
+    logprobs=True (with top_logprobs=k alternatives per token; not with stream) fills the choice's
+    `logprobs` as OpenAI's `{"content": [...]}`.
+
+    Structured output: `response_format` {"type": "json_object"} (optionally with "schema"), or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, or `grammar` (GBNF /
+    Lark / deltaspec.Grammar) constrains the whole reply while decoding; the reply is then the
+    message content, and thinking is off unless asked for (it cannot be, with a constraint)."""
     _check_kwargs(model, "create_chat_completion", kwargs)
     validate_flag("stream", stream)
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise TypeError(f"logprobs must be True, False or None, got {logprobs!r}")
+    if top_logprobs is not None and not logprobs:
+        raise ValueError("top_logprobs needs logprobs=True")
+    n_logprobs = (top_logprobs or 0) if logprobs else None
+    if stream and n_logprobs is not None:
+        raise ValueError("create_chat_completion(): logprobs with stream=True is not available yet")
+    constrained = _constrain(kwargs, response_format)
+    if constrained:
+        if enable_thinking:
+            raise ValueError("enable_thinking=True cannot be combined with response_format / grammar: the grammar "
+                             "constrains the whole reply, reasoning included")
+        enable_thinking = False
     template_kwargs = {} if enable_thinking is None else {"enable_thinking": validate_flag("enable_thinking",
                                                                                            enable_thinking)}
     prompt = apply_chat_template(model, messages, tools=tools, chat_template=chat_template, **template_kwargs)
-    thinking_open = prompt_opens_reasoning(prompt)
+    # a template that opens reasoning anyway: the constrained reply is still the content
+    thinking_open = prompt_opens_reasoning(prompt) and not constrained
     name = model.path
     if stream:
         pieces = model.generate(prompt, stream=True, temperature=temperature, max_tokens=max_tokens, **kwargs)
         return _chat_chunks(pieces, name, thinking_open)
-    r = model.generate(prompt, temperature=temperature, max_tokens=max_tokens, **kwargs)
+    r = model.generate(prompt, temperature=temperature, max_tokens=max_tokens, logprobs=n_logprobs, **kwargs)
     reasoning, content = split_reasoning(r.text, thinking_open=thinking_open)
-    return oai.chat_completion(content, r.finish_reason, name, r.stats.prompt_tokens, r.stats.generated_tokens,
-                               reasoning_content=reasoning)
+    out = oai.chat_completion(content, r.finish_reason, name, r.stats.prompt_tokens, r.stats.generated_tokens,
+                              reasoning_content=reasoning)
+    if n_logprobs is not None:
+        out["choices"][0]["logprobs"] = lp.chat_logprobs(model, lp.generated_logprobs(model, r))
+    return out
+
+
+def _constrain(kwargs: dict[str, Any], response_format: Mapping[str, Any] | None) -> bool:
+    """Turns response_format into generate()'s `grammar` in kwargs; whether the reply is constrained."""
+    grammar = response_format_grammar(response_format)
+    if grammar is not None:
+        if kwargs.get("grammar") is not None:
+            raise ValueError("pass either response_format or grammar, not both")
+        kwargs["grammar"] = grammar
+    return kwargs.get("grammar") is not None
 
 
 def _chat_chunks(pieces, name: str, thinking_open: bool) -> Iterator[oai.ChatCompletionChunk]:

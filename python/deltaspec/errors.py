@@ -73,3 +73,7 @@ class ChatTemplateError(DeltaspecError, ValueError):
 class EngineError(DeltaspecError, RuntimeError):
     """The native engine could not set a validated model up: the device is missing from this build
     or cannot start, memory ran out, or the file changed after it was validated."""
+
+
+class GrammarError(DeltaspecError, ValueError):
+    """A grammar, JSON schema or response_format that cannot constrain generation (the message says why)."""

@@ -40,6 +40,13 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rollback_seconds: float = 0.0
+    # structured output only (a grammar): logit rows masked, draft tokens cut before verification,
+    # forced tokens drafted (speculation)
+    grammar_masked_rows: int = 0
+    grammar_cut_tokens: int = 0
+    grammar_forced_tokens: int = 0
+    # prompt tokens the sequence already held (a resumed chat, load_state) and were not evaluated
+    cached_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -67,6 +74,10 @@ class GenerationResult:
     text: str                # the generated text, cut before a stop string, without the EOG token
     finish_reason: str       # "stop" | "length" | "cancelled"
     stats: GenerationStats
+    # generate(logprobs=k): per token, its log-probability under the raw logits (log_softmax, before
+    # penalties and temperature) and the k most probable (token, log-probability), best first
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -88,6 +99,8 @@ class _Request:
     sampling: SamplingOptions
     stop: list[str] = field(default_factory=list)
     speculation: Speculation | None = None
+    grammar: object | None = None  # a deltaspec.grammar.Grammar
+    n_logprobs: int = -1  # -1: no log-probabilities; k >= 0: with the top k
 
 
 def validate_stop(stop: str | Sequence[str] | None) -> list[str]:
@@ -201,28 +214,45 @@ class Generator:
         callback = self._hand_off if streaming else None
         req, eog, stop = self._req, sorted(self._model.tokenizer.eog_ids), [s.encode() for s in self._req.stop]
         try:
+            constraint = None
+            if req.grammar is not None:
+                from .constraint import GrammarConstraint
+
+                constraint = GrammarConstraint(self._model.tokenizer, req.grammar)
             with self._model._busy:
                 engine = self._model._live()
+                cached, self._model._cached_tokens = self._model._cached_tokens, None
                 if req.speculation is None:
+                    # a sequence that holds a proper prefix of the prompt continues from it
+                    n_cached = (len(cached) if cached and len(cached) < len(req.prompt) and engine.n_past == len(cached)
+                                and req.prompt[:len(cached)] == cached else 0)
                     self._outcome = engine.generate(req.prompt, req.max_tokens, req.sampling.native(), eog, stop,
-                                                    callback)
+                                                    callback, constraint=constraint, n_cached=n_cached,
+                                                    n_logprobs=req.n_logprobs)
+                    # the state now holds the prompt and every generated token but the last
+                    self._model._cached_tokens = req.prompt + list(self._outcome["tokens"][:-1])
                 else:
-                    self._outcome = self._run_speculative(engine, eog, stop, callback)
+                    self._outcome = self._run_speculative(engine, eog, stop, callback, constraint)
+            if constraint is not None:
+                self._outcome["grammar_masked_rows"] = constraint.n_masked_rows
+                self._outcome["grammar_cut_tokens"] = constraint.n_cut_tokens
+                self._outcome["grammar_forced_tokens"] = constraint.n_forced_tokens
         except BaseException as e:  # handed to the caller's thread
             self._error = e
         finally:
             self._done.set()  # frees the model for the next request
             self._tokens.put(None)
 
-    def _run_speculative(self, engine, eog: list[int], stop: list[bytes], callback) -> dict:
+    def _run_speculative(self, engine, eog: list[int], stop: list[bytes], callback, constraint) -> dict:
         req, spec = self._req, self._req.speculation
         if spec.draft is None:
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
-                                               eog, stop, spec.n_max, spec.n_min, callback, spec.tree_budget)
+                                               eog, stop, spec.n_max, spec.n_min, callback, spec.tree_budget,
+                                               constraint=constraint)
         with engine_of(spec.draft) as draft:  # the draft model's engine is ours for the whole run too
             return engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,
                                                req.sampling.native(), eog, stop, spec.n_max, spec.n_min, callback,
-                                               spec.tree_budget)
+                                               spec.tree_budget, constraint=constraint)
 
     def _hand_off(self, token: int) -> bool:
         """The decode loop's callback when streaming: queue the token for the reader, waiting while
@@ -337,10 +367,20 @@ def result_of(tokenizer, n_prompt: int, out: dict) -> tuple[GenerationResult, by
     if out["stop_offset"] >= 0:
         data = data[:out["stop_offset"]]
     spec = {k: out[k] for k in ("n_steps", "n_drafted", "n_accepted", "n_tree_nodes", "accepted_lengths",
-                                "draft_seconds", "verify_seconds", "rollback_seconds") if k in out}
+                                "draft_seconds", "verify_seconds", "rollback_seconds", "grammar_masked_rows",
+                                "grammar_cut_tokens", "grammar_forced_tokens") if k in out}
+    cached = n_prompt - out["n_prefilled"] if out.get("n_prefilled") else 0  # 0: a speculative run, no count
     stats = GenerationStats(prompt_tokens=n_prompt, generated_tokens=len(tokens),
-                            prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"], **spec)
-    return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats), data
+                            prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"],
+                            cached_tokens=cached, **spec)
+    logprobs = top = None
+    if "logprobs" in out:
+        logprobs = list(out["logprobs"])
+        k = len(out["top_ids"]) // max(1, len(logprobs))
+        ids, lps = list(out["top_ids"]), list(out["top_logprobs"])
+        top = [list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k])) for i in range(len(logprobs))]
+    return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats,
+                            logprobs, top), data
 
 
 class TextStream:

@@ -7,6 +7,7 @@ from collections import Counter
 from .gguf_file import read_gguf
 from .kv_cache import CACHE_TYPES, block_size, kv_bytes_per_token, padded_n_ctx
 from .qwen35 import check_tensors, expected_tensors, read_hparams
+from .slot_memory import format_slot_table, slot_table
 
 
 def _mib(n: float) -> str:
@@ -54,6 +55,7 @@ def describe(path: str, n_ctx: int = 4096) -> list[str]:
         if hp.head_dim % block_size(name) == 0:
             per_token = kv_bytes_per_token(hp, name, name)
             lines.append(f"  {name:<7} {per_token:>12,} bytes/token {_mib(per_token * n_ctx):>14}")
+    lines += format_slot_table(slot_table(hp))
     return lines
 
 

@@ -11,12 +11,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _core, batch_invariance, completions
+from . import _core, batch_invariance, completions, embeddings, llama_args, session_state
 from .cpu import default_threads
 from .errors import DeltaspecError, EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
                          result_of, validate_flag, validate_stop)
 from .gguf_file import read_gguf
+from .grammar import Grammar, grammar_of
 from .qwen35 import check_tensors, read_hparams
 from .kv_cache import allocated_state, ggml_type, validate_cache_types
 from .sampling import SamplingOptions
@@ -45,29 +46,13 @@ class RequestOutput:
     result: GenerationResult | None     # once finished
 
 
-def _load_progress(progress, label: str):
-    """(callback for the engine's (done_bytes, total_bytes) reports or None, closer to call after the load)."""
+def _load_progress(progress, path: str):
+    """(callback for the engine's (done_bytes, total_bytes) reports or None, closer to call after the
+    load). Called before the file is read, so that a bar shows from the start of the load."""
     if progress is None or isinstance(progress, bool):
-        show = progress if progress is not None else _stderr_is_tty()
-        if not show:
-            return None, None
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:  # tqdm is optional at run time: no bar
-            return None, None
-        bars = []
+        from .load_progress import start_load_progress
 
-        def on_bytes(done: int, total: int) -> None:
-            if not bars:
-                bars.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
-                                 desc=f"loading {label}", file=sys.stderr, dynamic_ncols=True))
-            bars[0].update(done - bars[0].n)
-
-        def close() -> None:
-            for bar in bars:
-                bar.close()
-
-        return on_bytes, close
+        return start_load_progress(path, show=progress)
     def on_fraction(done: int, total: int) -> None:
         progress(done / total if total else 1.0)
 
@@ -80,13 +65,6 @@ def _check_count(name: str, value: Any, hi: int, alternatives: str = "") -> None
         raise ValueError(f"{name} must be an integer in [1, {hi}]{alternatives}, got {value!r}")
 
 
-def _stderr_is_tty() -> bool:
-    try:
-        return sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced or closed stderr
-        return False
-
-
 class Model:
     """A Qwen3.5 / Qwen3.6 model from a GGUF file.
 
@@ -97,17 +75,33 @@ class Model:
     them: True for a CPU model under DELTASPEC_BATCH_INVARIANT=1 (see `deltaspec.batch_invariance`).
     """
 
-    def __init__(self, path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
-                 device: str = "cpu", n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16",
-                 progress: bool | Callable[[float], None] | None = None, n_seq_max: int = 1):
-        """`progress` reports the weight upload: None shows a tqdm bar on stderr when stderr is a
-        terminal (and tqdm is installed), False or True force it off or on, and a callable receives
-        the fraction done, 0.0 .. 1.0, ending with exactly 1.0 (at most ~100 calls; raising aborts
-        the load).
+    def __init__(self, path: str | os.PathLike[str] | None = None, n_ctx: int = 4096, n_threads: int | None = None,
+                 device: str | None = None, n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16",
+                 progress: bool | Callable[[float], None] | None = None, n_seq_max: int = 1, *,
+                 model_path: str | os.PathLike[str] | None = None, n_gpu_layers: int | None = None,
+                 seed: int | None = None, n_batch: int | None = None, verbose: bool | None = None,
+                 flash_attn: bool | str | None = None):
+        """`progress` reports the load: None shows a tqdm bar on stderr when stderr is a terminal
+        (and tqdm is installed), True shows it anyway (plain lines when stderr is not a terminal),
+        False shows nothing, and a callable receives the fraction of the weights uploaded, 0.0 ..
+        1.0, ending with exactly 1.0 (at most ~100 calls; raising aborts the load).
 
         `n_seq_max` sequence slots, each with a KV cache of n_ctx rows and a recurrent state, let
-        generate_batch / add_request run that many sequences at once (the weights are shared)."""
+        generate_batch / add_request run that many sequences at once (the weights are shared).
+
+        llama-cpp-python's names work too: `model_path` (= path), `n_gpu_layers` (0: the CPU; -1 or
+        any count: the GPU, this engine keeping the whole model on one device), `seed` (the
+        sampling seed of generate(seed=None); -1 or None: a fresh random one per call), `n_batch`
+        (caps n_ubatch, as llama.cpp caps its physical batch), `verbose` (True: load progress and a
+        summary line on stderr; False: none) and `flash_attn` (True/None: attention always runs as
+        flash attention here; False is refused)."""
         self._engine = None
+        choice = llama_args.resolve(path, model_path, device, n_gpu_layers, n_ubatch, n_batch, seed, flash_attn)
+        path, device, n_ubatch, self._default_seed = choice.path, choice.device, choice.n_ubatch, choice.seed
+        if verbose is not None and not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be True, False or None, got {verbose!r}")
+        if verbose is not None and progress is None:
+            progress = verbose
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike naming a GGUF file, got {type(path).__name__} "
                             f"{path!r}")
@@ -123,6 +117,9 @@ class Model:
         if not (progress is None or isinstance(progress, bool) or callable(progress)):
             raise TypeError(f"progress must be None, a bool or a callable taking a float, got {progress!r}")
 
+        # before the file is read: the bar shows from the start of the load (a bar left open by a
+        # bad file closes when collected)
+        on_bytes, close_bar = _load_progress(progress, self.path)
         gguf = read_gguf(self.path)
         self.hparams = read_hparams(gguf)
         check_tensors(self.hparams, gguf)
@@ -138,7 +135,6 @@ class Model:
         # before the engine: ggml reads the matmul variable it sets once, at the process's first
         # matmul. The setting is ggml-cpu's: it says nothing of the CUDA backend's kernels.
         self.batch_invariant = batch_invariance.apply() and device == "cpu"
-        on_bytes, close_bar = _load_progress(progress, os.path.basename(self.path))
         try:
             self._engine = _core.Engine(self.path, self.hparams, n_ctx=n_ctx, n_ubatch=n_ubatch,
                                         n_threads=n_threads, device=device, type_k=int(ggml_type(type_k)),
@@ -150,6 +146,9 @@ class Model:
         finally:
             if close_bar is not None:
                 close_bar()
+        if verbose:
+            print(f"deltaspec: loaded {self.path} on {self._engine.backend}: n_ctx {self._engine.n_ctx}, "
+                  f"KV cache {type_k}/{type_v}, {n_threads} threads", file=sys.stderr)
         # the engine finds stop strings in the text the user gets
         self._engine.set_pieces([self.tokenizer.token_to_piece(i, special=TEXT_SPECIAL) for i in range(self.n_vocab)])
         self._control = threading.Lock()  # guards _active: one generation at a time, cancels reach only it
@@ -161,7 +160,10 @@ class Model:
         self.n_threads = n_threads
         self.n_seq_max = n_seq_max
         self._batch_running = False  # a generate_batch call runs (cancel() reaches it)
-        self._request_prompts: dict[int, int] = {}  # add_request id -> prompt length
+        self._request_prompts: dict[int, tuple] = {}  # add_request id -> (prompt length, grammar constraint)
+        # The tokens slot 0's state holds, in order (None: unknown, e.g. after a batch): a prompt
+        # that extends them continues from that state (save_state / load_state, resumed chats).
+        self._cached_tokens: list[int] | None = []
 
     # --- sizes ---------------------------------------------------------------------------------
     @property
@@ -202,11 +204,19 @@ class Model:
             return allocated_state(engine.state_info, engine.n_ctx)
 
     # --- tokens --------------------------------------------------------------------------------
-    def tokenize(self, text: str, special: bool = False) -> list[int]:
-        """Token ids of `text`; with special=True, control tokens such as <|im_start|> are parsed."""
+    def tokenize(self, text: str | bytes, special: bool = False, add_bos: bool = True) -> list[int]:
+        """Token ids of `text` (a str, or UTF-8 bytes as llama-cpp-python takes); with special=True,
+        control tokens such as <|im_start|> are parsed. add_bos (llama-cpp-python's default True)
+        puts the BOS token first when the model's vocabulary asks for one
+        (tokenizer.ggml.add_bos_token); Qwen3.5's does not."""
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", errors="replace")
         if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__} {text!r:.80}")
-        return self.tokenizer.encode(text, special=validate_flag("special", special))
+            raise TypeError(f"text must be a str or bytes, got {type(text).__name__} {text!r:.80}")
+        ids = self.tokenizer.encode(text, special=validate_flag("special", special))
+        if validate_flag("add_bos", add_bos) and self.tokenizer.add_bos and self.tokenizer.bos_id is not None:
+            ids = [self.tokenizer.bos_id, *ids]
+        return ids
 
     def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
         """Text of token ids; control tokens such as <|im_start|> render only with special=True
@@ -222,6 +232,7 @@ class Model:
         """Forget the sequence: the next eval starts at position 0."""
         with engine_of(self) as engine:
             engine.reset()
+            self._cached_tokens = []
 
     def eval(self, ids: Sequence[int], logits: str = "last") -> np.ndarray:
         """Append tokens to the sequence. Returns float32 logits of shape (rows, n_vocab), rows being
@@ -230,15 +241,21 @@ class Model:
         if not isinstance(logits, str) or logits not in LOGITS:
             raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
         with engine_of(self) as engine:
-            return self._append(engine, arr, logits)
+            known, self._cached_tokens = self._cached_tokens, None
+            out = self._append(engine, arr, logits)
+            self._cached_tokens = None if known is None else known + arr.tolist()
+            return out
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits of every position of a fresh sequence `ids`: shape (len(ids), n_vocab). The reset
         and the evaluation are one call: no other thread's call lands between them."""
         arr = self._token_array(ids)
         with engine_of(self) as engine:
+            self._cached_tokens = None
             engine.reset()
-            return self._append(engine, arr, "all")
+            out = self._append(engine, arr, "all")
+            self._cached_tokens = arr.tolist()
+            return out
 
     @staticmethod
     def _append(engine, arr: np.ndarray, logits: str) -> np.ndarray:
@@ -254,7 +271,9 @@ class Model:
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stream: bool = False, draft_model: "Model | str | os.PathLike[str] | None" = None,
                  spec_type: str | None = None, draft_n_max: int = 16,
-                 draft_n_min: int = 0, tree_budget: int = 0) -> GenerationResult | TextStream:
+                 draft_n_min: int = 0, tree_budget: int = 0, grammar: Grammar | str | None = None,
+                 ignore_eos: bool = False, logit_bias: dict[int, float] | None = None,
+                 logprobs: int | None = None) -> GenerationResult | TextStream:
         """Generate a continuation of `prompt` (text, parsed with special tokens, or token ids).
 
         Stops at `max_tokens` (None: until the context is full), an end-of-generation token, a stop
@@ -271,15 +290,66 @@ class Model:
         many nodes (DDTree-style best-first with the top-1 chain first; n-gram drafts branch where
         the text went on differently) verified in one target pass; 0 drafts chains. Stats then
         report n_drafted, n_accepted, acceptance_rate, mean_acceptance_length, n_tree_nodes,
-        accepted_lengths (per verified draft) and draft / verify / rollback time."""
+        accepted_lengths (per verified draft) and draft / verify / rollback time.
+
+        Structured output: `grammar` (a deltaspec.Grammar, or a GBNF / Lark string) is enforced
+        while decoding, also with speculation (drafts the grammar forbids are cut before they are
+        verified, and every verified position is masked as plain decoding would mask it, so greedy
+        output is token-identical with and without speculation; draft trees are not available with
+        a grammar yet). The text ends when the grammar is complete (an end-of-generation token is
+        then allowed), or earlier at max_tokens.
+
+        seed None uses the Model's seed (random when it has none); -1 is random. ignore_eos bans the
+        end-of-generation tokens (logit -inf), so only max_tokens, a stop string or the context
+        ends the text; logit_bias ({token id: value}, as OpenAI's) is added to the logits after the
+        penalties. logprobs=k (not with speculation) fills result.logprobs / top_logprobs from the
+        raw logits. A prompt that extends the tokens this model's sequence holds (the last
+        generate's prompt and output, or load_state) continues from that state instead of
+        re-reading them: result.stats.cached_tokens counts them."""
         validate_flag("stream", stream)
         request = self._request(prompt, max_tokens, SamplingOptions(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
-            seed=seed), stop)
+            seed=self._default_seed if seed is None else seed, logit_bias=self._logit_bias(logit_bias, ignore_eos)),
+            stop)
         request.speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min, tree_budget)
+        request.n_logprobs = self._n_logprobs(logprobs, request.speculation is not None)
+        request.grammar = grammar_of(grammar)
+        if request.grammar is not None and tree_budget:
+            raise ValueError("tree_budget (draft trees) cannot be combined with a grammar yet; use chains "
+                             "(tree_budget=0)")
+        if request.grammar is not None and ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
+                             "end-of-generation token is allowed")
         generator = Generator(self, request)
         return TextStream(generator) if stream else generator.result()
+
+    def _logit_bias(self, logit_bias, ignore_eos) -> tuple[tuple[int, float], ...]:
+        """(token, bias) pairs for the sampler: logit_bias's ({id: value}; ids may be strings of
+        digits, as JSON gives them) then -inf on every end-of-generation token for ignore_eos."""
+        pairs = []
+        if logit_bias is not None:
+            if not isinstance(logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict {{token id: bias}}, got {type(logit_bias).__name__}")
+            for key, value in logit_bias.items():
+                tid = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+                if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < self.n_vocab:
+                    raise ValueError(f"logit_bias: token id {key!r} is outside the vocabulary [0, {self.n_vocab})")
+                pairs.append((tid, value))
+        if validate_flag("ignore_eos", ignore_eos):
+            pairs += [(t, float("-inf")) for t in sorted(self.tokenizer.eog_ids)]
+        return tuple(pairs)
+
+    @staticmethod
+    def _n_logprobs(logprobs, speculative: bool) -> int:
+        if logprobs is None:
+            return -1
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 1000:
+            raise ValueError(f"logprobs must be None or an integer in [0, 1000] (top tokens per position), "
+                             f"got {logprobs!r}")
+        if speculative:
+            raise ValueError("logprobs is not available with speculative decoding yet (draft_model / spec_type)")
+        return logprobs
 
     def _request(self, prompt, max_tokens, sampling: SamplingOptions, stop) -> _Request:
         ids = self._prompt_ids(prompt)
@@ -301,10 +371,33 @@ class Model:
                                         "for concurrent sequences yet; call generate() per prompt to speculate")
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
+        if o["logprobs"] is not None:
+            raise ValueError(f"{where}() does not return logprobs; ask generate() for them")
         sampling = SamplingOptions(**{k: o[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
-                                                          "presence_penalty", "frequency_penalty", "penalty_last_n",
-                                                          "seed")})
-        return self._request(prompt, o["max_tokens"], sampling, o["stop"])
+                                                          "presence_penalty", "frequency_penalty", "penalty_last_n")},
+                                   seed=self._default_seed if o["seed"] is None else o["seed"],
+                                   logit_bias=self._logit_bias(o["logit_bias"], o["ignore_eos"]))
+        request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
+        request.grammar = grammar_of(o["grammar"])
+        if request.grammar is not None and o["ignore_eos"]:
+            raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
+                             "end-of-generation token is allowed")
+        return request
+
+    def _constraint(self, request: _Request):
+        """The engine-side state of the request's grammar (None without one)."""
+        if request.grammar is None:
+            return None
+        from .constraint import GrammarConstraint
+
+        return GrammarConstraint(self.tokenizer, request.grammar)
+
+    @staticmethod
+    def _add_grammar_stats(out: dict, constraint) -> dict:
+        if constraint is not None:
+            out["grammar_masked_rows"] = constraint.n_masked_rows
+            out["grammar_cut_tokens"] = constraint.n_cut_tokens
+        return out
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], per_prompt: Sequence[dict] | None = None,
                        **generate_kwargs: Any) -> list[GenerationResult]:
@@ -315,7 +408,7 @@ class Model:
 
         generate_kwargs are generate()'s (max_tokens, temperature, ..., seed, stop), for every
         prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
-        max_tokens, seed or stop). Speculation (draft_model, spec_type) raises
+        max_tokens, seed, stop or grammar). Speculation (draft_model, spec_type) raises
         BatchSpeculationError; stream=True raises ValueError. cancel() stops every sequence."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise TypeError(f"prompts must be a non-empty list of prompts (str or token ids), got {prompts!r:.80}")
@@ -328,8 +421,11 @@ class Model:
         requests = [self._batch_request(p, {**generate_kwargs, **extra}, "generate_batch")
                     for p, extra in zip(prompts, per_prompt)]
         eog = sorted(self.tokenizer.eog_ids)
-        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop]) for r in requests]
+        constraints = [self._constraint(r) for r in requests]
+        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c)
+                  for r, c in zip(requests, constraints)]
         with engine_of(self) as engine:
+            self._cached_tokens = None  # the slots' states are the batch's now
             with self._control:
                 engine.clear_cancel()
                 self._batch_running = True
@@ -338,7 +434,8 @@ class Model:
             finally:
                 with self._control:
                     self._batch_running = False
-        return [result_of(self.tokenizer, len(r.prompt), out)[0] for r, out in zip(requests, outs)]
+        return [result_of(self.tokenizer, len(r.prompt), self._add_grammar_stats(out, c))[0]
+                for r, out, c in zip(requests, outs, constraints)]
 
     # --- requests stepped by the caller (a server's loop) ----------------------------------------
     def add_request(self, prompt: str | Sequence[int], **generate_kwargs: Any) -> int:
@@ -346,10 +443,13 @@ class Model:
         returns its id. While requests are unfinished, one-sequence calls (generate, eval, ...)
         raise RuntimeError."""
         req = self._batch_request(prompt, generate_kwargs, "add_request")
+        constraint = self._constraint(req)
         with engine_of(self) as engine:
+            self._cached_tokens = None
             request_id = engine.add_request(req.prompt, req.max_tokens, req.sampling.native(),
-                                            sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop])
-        self._request_prompts[request_id] = len(req.prompt)
+                                            sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop],
+                                            constraint=constraint)
+        self._request_prompts[request_id] = (len(req.prompt), constraint)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -361,8 +461,8 @@ class Model:
         for ev in events:
             result = None
             if ev["finished"]:
-                n_prompt = self._request_prompts.pop(ev["id"])
-                result = result_of(self.tokenizer, n_prompt, ev["result"])[0]
+                n_prompt, constraint = self._request_prompts.pop(ev["id"])
+                result = result_of(self.tokenizer, n_prompt, self._add_grammar_stats(ev["result"], constraint))[0]
             out.append(RequestOutput(ev["id"], list(ev["tokens"]), ev["finished"], result))
         return out
 
@@ -434,6 +534,31 @@ class Model:
             raise ValueError(f"draft model {draft_model.path} has a different vocabulary than {self.path}: "
                              "draft and target must share the tokenizer")
         return Speculation(draft_model, n_max, n_min, tree_budget=tree_budget)
+
+    # --- llama-cpp-python's other calls ----------------------------------------------------------
+    def __call__(self, prompt: str | Sequence[int], **kwargs: Any):
+        """create_completion(prompt, **kwargs), as llama-cpp-python's `llm(prompt, ...)`."""
+        return self.create_completion(prompt, **kwargs)
+
+    def embed(self, input: str | Sequence[str], normalize: bool = False, pooling: str = "last",
+              return_count: bool = False):
+        """The final hidden state of each text, pooled (see deltaspec.embeddings: "last" token by
+        default, "mean", or "none" for one vector per token); normalize=True makes each vector unit
+        length. Runs on a fresh sequence and leaves it empty."""
+        return embeddings.embed(self, input, normalize=normalize, pooling=pooling, return_count=return_count)
+
+    def create_embedding(self, input: str | Sequence[str], model: str | None = None, **kwargs: Any) -> dict:
+        """OpenAI-shaped embeddings (`{"object": "list", "data": [...], "usage": ...}`) of embed()."""
+        return embeddings.create_embedding(self, input, model_name=model, **kwargs)
+
+    def save_state(self) -> session_state.LlamaState:
+        """A snapshot of the sequence (its tokens, KV rows and recurrent state) for load_state()."""
+        return session_state.save(self)
+
+    def load_state(self, state: session_state.LlamaState) -> None:
+        """Restore a save_state() snapshot: a generate() whose prompt extends its tokens evaluates only
+        the new ones (result.stats.cached_tokens says how many it skipped)."""
+        session_state.load(self, state)
 
     def _draft_cache(self, path) -> "Model":
         """A draft Model loaded from a path once and kept with this model."""

@@ -14,7 +14,9 @@ class SamplingOptions:
     """llama.cpp's sampler chain: penalties -> top_k -> top_p -> min_p -> temperature -> draw.
 
     temperature 0 is greedy. top_k 0, top_p 1, min_p 0 and repeat_penalty 1 turn a stage off.
-    seed None draws a fresh random seed; the same seed and input give the same output."""
+    seed None (or -1, llama.cpp's spelling) draws a fresh random seed; the same seed and input give
+    the same output. logit_bias, (token id, value) pairs, is added to the logits after the
+    penalties; -inf bans a token (ignore_eos bans the end-of-generation tokens so)."""
 
     temperature: float = 0.8
     top_k: int = 40
@@ -25,6 +27,7 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     penalty_last_n: int = 64
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -48,13 +51,20 @@ class SamplingOptions:
         number("frequency_penalty", -1e4, 1e4)
         integer("penalty_last_n", -1)
         if self.seed is not None:
-            if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
-                raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -1 <= self.seed < 2**64:
+                raise ValueError(f"seed must be None, -1 (random) or an integer in [0, 2**64), got {self.seed!r}")
+        for i, pair in enumerate(self.logit_bias):
+            ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
+            if not ok or isinstance(pair[1], bool) or not isinstance(pair[1], (int, float)) or math.isnan(pair[1]) \
+                    or pair[1] == math.inf or pair[0] < 0:
+                raise ValueError(f"logit_bias[{i}] must be (token id >= 0, finite number or -inf), got {pair!r}")
 
     def native(self) -> _core.SamplingParams:
         p = _core.SamplingParams()
         for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                      "frequency_penalty", "penalty_last_n"):
             setattr(p, name, getattr(self, name))
-        p.seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little")
+        random = self.seed is None or self.seed == -1
+        p.seed = int.from_bytes(os.urandom(8), "little") if random else self.seed
+        p.logit_bias = [(t, float(b)) for t, b in self.logit_bias]
         return p

@@ -80,6 +80,7 @@ import numpy as np
 from .atomic_write import gguf_written_to
 from .cpu import default_threads
 from .errors import DeltaspecError
+from .qwen35_template import QWEN35_CHAT_TEMPLATE
 
 ARCH = "qwen35"
 _QT = gguf.GGMLQuantizationType
@@ -141,6 +142,13 @@ class SynthPreset:
     @property
     def n_attention_layers(self) -> int:
         return self.recurrent.count(False)
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """f32 conv windows ((Kc-1) x C) and DeltaNet states (S x S x Hv) of the recurrent layers,
+        as the engine allocates them per sequence (HParams::recurrent_state_bytes)."""
+        per_layer = (self.ssm_conv_kernel - 1) * self.conv_channels + self.ssm_state_size ** 2 * self.ssm_n_v_heads
+        return (self.n_layer - self.n_attention_layers) * per_layer * 4
 
 
 # Sources: qwen35_ggml_spec.md §1.5 and algorithms_brief.md §4.1. Common to all: D 256, 64 rotary
@@ -508,7 +516,7 @@ def _add_metadata(w: gguf.GGUFWriter, p: SynthPreset, quant: str, seed: int, mtp
     if mtp:
         w.add_uint32(f"{ARCH}.nextn_predict_layers", n_layer_all - p.n_layer)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_tokenizer(w, chat_template)
+    _add_tokenizer(w, QWEN35_CHAT_TEMPLATE if chat_template is None else chat_template)
 
 
 class _PackedArray:
@@ -588,6 +596,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], preset: str | SynthPreset
     `progress(bytes_done, bytes_total, tensor_name)` is called after each tensor. `mtp` adds the MTP
     (NextN) layer the pinned converter exports by default (the engine does not run it; off by default,
     like `deltaspec convert`). `threads` producing data defaults to the usable CPUs.
+    `chat_template` (Jinja text) goes into `tokenizer.chat_template`; None writes the Qwen3.5 template
+    (deltaspec.qwen35_template), so a synthetic model chats like a real checkpoint.
     `hollow` writes the header, metadata and tensor infos only and extends the file to its full
     size with a hole: no disk used, the tensor data reads as zeros. It is for tools that read only
     the header (llama-quantize --dry-run), not a model to run.

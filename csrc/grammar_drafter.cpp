@@ -1,0 +1,24 @@
+#include "grammar_drafter.h"
+
+#include <algorithm>
+
+namespace deltaspec {
+
+void GrammarDrafter::begin(const std::vector<int32_t> & prompt) {
+    if (inner_) inner_->begin(prompt);
+}
+
+Draft GrammarDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
+    Draft d;
+    d.tokens = constraint_.forced_tokens();
+    if (d.tokens.empty()) return inner_ ? inner_->propose(committed, n_max) : d;
+    if ((int64_t)d.tokens.size() > n_max) d.tokens.resize(n_max);
+    constraint_.n_forced_tokens += (int64_t)d.tokens.size();
+    return d;  // deterministic (no q) and free to propose (cost 0)
+}
+
+void GrammarDrafter::accept(const std::vector<int32_t> & committed_after) {
+    if (inner_) inner_->accept(committed_after);
+}
+
+}  // namespace deltaspec

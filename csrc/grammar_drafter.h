@@ -1,0 +1,30 @@
+// Drafts what a grammar forces: where the committed text leaves the grammar a single way on (a
+// JSON key after its opening quote, a literal), those tokens are proposed as the draft, and only
+// otherwise the drafter it wraps proposes. The target verifies them as any draft, so output is
+// unchanged; forced tokens are accepted (the masked target gives them probability 1, and the
+// accept rule then draws no random number, so sampling consumes its stream as plain decoding at
+// those positions does), which saves a target pass per forced token but the last.
+#pragma once
+
+#include <memory>
+
+#include "drafters.h"
+#include "token_constraint.h"
+
+namespace deltaspec {
+
+class GrammarDrafter : public Drafter {
+  public:
+    // inner: the drafter for unforced text, or null (forced tokens only)
+    GrammarDrafter(TokenConstraint & constraint, std::unique_ptr<Drafter> inner)
+        : constraint_(constraint), inner_(std::move(inner)) {}
+    void begin(const std::vector<int32_t> & prompt) override;
+    Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
+    void accept(const std::vector<int32_t> & committed_after) override;
+
+  private:
+    TokenConstraint & constraint_;
+    std::unique_ptr<Drafter> inner_;
+};
+
+}  // namespace deltaspec

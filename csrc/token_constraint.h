@@ -1,0 +1,66 @@
+// Constrained decoding (grammars, JSON schemas): a rule that says which tokens may come next.
+//
+// The decode loops use it in three places, a few lines each:
+//   - before a token is sampled, its logit row is masked (forbidden tokens get -inf, so greedy,
+//     top-k/p, min-p and the penalties only ever see allowed tokens)        -> mask_row
+//   - every committed token advances the rule (the Emitter does it)         -> commit
+//   - speculative decoding cuts a draft after its longest allowed prefix before verification
+//     (cut_draft), and masks each verify row with the rule's state after the drafts before that
+//     row (mask_verify_rows), so that accepting and the correction / bonus token see exactly what
+//     plain constrained decoding would see at that position.
+//
+// The rule itself is implemented in Python (deltaspec.constraint, around llguidance's matcher)
+// through the pybind11 trampoline of constraint_bindings.cpp; C++ only asks it for bitmasks.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace deltaspec {
+
+struct Draft;
+
+// Test only: constraint-path bugs planted so that tests/test_structured.py can show it catches
+// them. Read from DELTASPEC_TEST_GRAMMAR_BUG when a constraint is made: unset or empty (every real
+// use) is no bug; "verify_unmasked" leaves verify rows unmasked; "no_cut" verifies drafts the
+// rule forbids; "drop_rejected" cuts a sampled draft before (not after) its first forbidden token,
+// which biases sampled output (see cut_draft). Any other value is an error.
+enum class GrammarBug { none, verify_unmasked, no_cut, drop_rejected };
+GrammarBug grammar_bug();
+
+class TokenConstraint {
+  public:
+    TokenConstraint() : bug(grammar_bug()) {}
+    virtual ~TokenConstraint() = default;
+
+    // Bitmasks of allowed tokens, one row of n_words = ceil(n_vocab / 32) words per position:
+    // token t is allowed when bit (t % 32) of row[t / 32] is set. Row i (0 <= i <= drafts.size())
+    // is the set allowed after the committed tokens and drafts[0 .. i); rows after a draft token
+    // that the rule forbids are unspecified. Commits nothing.
+    virtual void fill_masks(uint32_t * masks, int64_t n_words, const std::vector<int32_t> & drafts) = 0;
+    // Appends a token to the committed ones (one that the last mask allowed).
+    virtual void commit(int32_t token) = 0;
+    // How many of `tokens`, from the first, the rule allows after the committed tokens. Commits nothing.
+    virtual int64_t check_draft(const std::vector<int32_t> & tokens) = 0;
+    // Tokens the rule forces after the committed ones (the only way on), for GrammarDrafter; may be empty.
+    virtual std::vector<int32_t> forced_tokens() { return {}; }
+
+    // Masks one row of logits with the tokens allowed after the committed ones.
+    void mask_row(float * logits, int64_t n_vocab);
+    // Cuts a draft to what verification needs (see the .cpp), counting the tokens cut.
+    void cut_draft(Draft & draft);
+    // Masks the verify rows of [last committed, drafts...]: row i with the state after drafts[0 .. i).
+    void mask_verify_rows(const Draft & draft, float * rows, int64_t n_vocab);
+
+    // What the constraint did, for stats and for tests that the path ran.
+    int64_t n_masked_rows = 0;  // logit rows masked
+    int64_t n_cut_tokens = 0;   // draft tokens cut before verification
+    int64_t n_forced_tokens = 0;  // forced tokens proposed as drafts (GrammarDrafter)
+    const GrammarBug bug;
+
+  private:
+    void apply(const uint32_t * mask, float * logits, int64_t n_vocab);
+    std::vector<uint32_t> masks_;
+};
+
+}  // namespace deltaspec

@@ -1,0 +1,72 @@
+"""Log-probabilities in the shapes llama-cpp-python returns them: a completion's
+`{"tokens", "text_offset", "token_logprobs", "top_logprobs"}` and a chat message's
+`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}` (OpenAI's).
+
+The numbers come from the engine: log_softmax of the model's raw logits at each generated token
+(before penalties, temperature or bias), as llama-cpp-python computes them from its scores."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def _piece(model, token: int) -> str:
+    return model.tokenizer.token_to_piece(token, special=False).decode("utf-8", errors="replace")
+
+
+def generated_logprobs(model, result) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """(token, logprob, top [(token, logprob)]) of the tokens whose text the result returned: no
+    final end-of-generation token, nothing past a stop string."""
+    out, text_len = [], 0
+    limit = len(result.text.encode("utf-8"))
+    for token, lp, top in zip(result.tokens, result.logprobs, result.top_logprobs):
+        if model.tokenizer.is_eog(token) or text_len >= limit:  # the text ended before this token
+            break
+        out.append((token, lp, top))
+        text_len += len(model.tokenizer.token_to_piece(token, special=False))
+    return out
+
+
+def prompt_logprobs(model, ids: list[int], k: int) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+    """Each prompt token's logprob given the tokens before it (None for the first, which has no
+    context), from one evaluation of the prompt's logits."""
+    logits = model.logits(ids).astype(np.float64)
+    lse = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
+    logp = logits - lse[:, None]
+    out: list[tuple[int, float | None, list[tuple[int, float]] | None]] = [(ids[0], None, None)]
+    for i in range(1, len(ids)):
+        row = logp[i - 1]
+        best = np.argsort(-row, kind="stable")[:k]
+        out.append((ids[i], float(row[ids[i]]), [(int(t), float(row[t])) for t in best]))
+    return out
+
+
+def completion_logprobs(model, entries, text_offset: int) -> dict[str, Any]:
+    """A completion choice's `logprobs`; `text_offset` is where the first entry's text starts."""
+    tokens, offsets, token_lps, tops = [], [], [], []
+    at = text_offset
+    for token, lp, top in entries:
+        s = _piece(model, token)
+        tokens.append(s)
+        offsets.append(at)
+        at += len(s)
+        token_lps.append(lp)
+        if top is None:
+            tops.append(None)
+        else:
+            d = {_piece(model, t): v for t, v in top}
+            d[s] = lp  # the chosen token is always listed, as llama-cpp-python does
+            tops.append(d)
+    return {"tokens": tokens, "text_offset": offsets, "token_logprobs": token_lps, "top_logprobs": tops}
+
+
+def chat_logprobs(model, entries) -> dict[str, Any]:
+    """A chat choice's `logprobs` (OpenAI's content list)."""
+    def item(t: int, v: float) -> dict[str, Any]:
+        s = _piece(model, t)
+        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries],
+            "refusal": None}

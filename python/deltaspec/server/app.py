@@ -1,0 +1,259 @@
+"""HTTP routes (Starlette): OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus
+/health and /metrics. Handlers validate, submit a Job to the engine loop and relay its progress;
+every error is a JSON body with a 4xx/5xx status (never Starlette's plain-text pages)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .backend import Progress
+from .engine_loop import EngineLoop, Failure, Job
+from .errors import APIError
+from .metrics import ServerMetrics
+from .planted import planted
+from .responses import DONE, ChatChunks, CompletionChunks, chat_body, completion_body, sse
+from .schemas import GenerationRequest, Served, parse_chat, parse_completion
+
+log = logging.getLogger("deltaspec.server")
+
+
+@dataclass
+class ServerState:
+    served: Served
+    engine: EngineLoop
+    metrics: ServerMetrics
+    api_key: str | None
+    created: int
+    info: dict                     # extra /v1/models fields: n_ctx, parallel, speculation
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _next_event(job: Job, disconnected: asyncio.Task) -> Progress | Failure:
+    """The job's next event, or ClientGone when the client leaves first."""
+    get = asyncio.ensure_future(job.events.get())
+    done, _ = await asyncio.wait({get, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()
+    get.cancel()
+    raise ClientGone()
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _check_key(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+
+async def _body(request: Request) -> object:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events from an async iterator of bytes. Unlike StreamingResponse under ASGI
+    spec 2.4, a client that disconnects is seen at once (a receive() watcher, not only a failing
+    send), and `on_close` runs whatever ended the stream."""
+
+    def __init__(self, chunks, on_close: Callable[[], None]):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.chunks, self.on_close = chunks, on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        pumping = asyncio.ensure_future(pump())
+        watching = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (pumping, watching):
+                t.cancel()
+            for t in (pumping, watching):  # a failed send (client gone) ends the stream like a disconnect
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            await self.chunks.aclose()
+            self.on_close()
+
+
+def create_app(state: ServerState) -> Starlette:
+    engine, served = state.engine, state.served
+
+    def cancel(job: Job) -> None:
+        if not planted("no_cancel_on_disconnect"):
+            engine.cancel(job)
+
+    async def generate(request: Request, parse: Callable[[object, Served], GenerationRequest], chat: bool):
+        try:
+            _check_key(request, state.api_key)
+            body = await _body(request)
+            req = await run_in_threadpool(parse, body, served)  # tokenizing a long prompt off the event loop
+            job = Job(req, asyncio.get_running_loop())
+            engine.submit(job)
+        except APIError as e:
+            return _error(e)
+        disconnected = asyncio.ensure_future(_wait_disconnect(request.receive))
+        try:
+            first = await _next_event(job, disconnected)
+        except ClientGone:  # nobody reads an answer: free the queue place or slot
+            cancel(job)
+            return Response(status_code=499)
+        except asyncio.CancelledError:  # the server is going down
+            disconnected.cancel()
+            cancel(job)
+            raise
+        if isinstance(first, Failure):
+            disconnected.cancel()
+            return _error(first.error)
+        if req.stream:
+            disconnected.cancel()  # the stream watches for itself
+            chunks = ChatChunks(served.name, req.thinking_open) if chat else CompletionChunks(served.name)
+            return EventStream(_stream(job, first, chunks, req.include_usage), lambda: cancel(job))
+        try:
+            event = first
+            while isinstance(event, Progress) and event.result is None:
+                event = await _next_event(job, disconnected)
+        except ClientGone:
+            cancel(job)
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            cancel(job)
+            raise
+        finally:
+            disconnected.cancel()
+        if isinstance(event, Failure):
+            return _error(event.error)
+        body = (chat_body(event.result, served.name, req.thinking_open) if chat
+                else completion_body(event.result, served.name))
+        return JSONResponse(body)
+
+    async def _stream(job: Job, first: Progress, chunks, include_usage: bool):
+        for chunk in chunks.start():
+            yield sse(chunk)
+        event: Progress | Failure = first
+        while True:
+            if isinstance(event, Failure):  # the stream has started: the error goes in the stream
+                yield sse(event.error.body())
+                return
+            for chunk in chunks.delta(event.text):
+                yield sse(chunk)
+            if event.result is not None:
+                for chunk in chunks.finish(event.result, include_usage):
+                    yield sse(chunk)
+                yield DONE
+                return
+            event = await job.events.get()
+
+    async def completions(request: Request):
+        return await generate(request, parse_completion, chat=False)
+
+    async def chat_completions(request: Request):
+        return await generate(request, parse_chat, chat=True)
+
+    async def models(request: Request):
+        try:
+            _check_key(request, state.api_key)
+        except APIError as e:
+            return _error(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": served.name, "object": "model", "created": state.created, "owned_by": "deltaspec",
+             "meta": state.info}]})
+
+    async def health(request: Request):
+        if not engine.healthy:
+            return JSONResponse({"status": "error", "message": "the engine loop has failed"}, status_code=503)
+        if not engine.accepting:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok", "slots_idle": state.metrics.slots - engine.n_running,
+                             "slots_processing": engine.n_running, "requests_waiting": engine.n_waiting})
+
+    async def metrics(request: Request):
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def http_error(request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+                   else str(exc.detail))
+        return _error(APIError(exc.status_code, message, code=code))
+
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown(timeout=30)
+
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, telling the engine loop to refuse new work as soon as a signal comes (uvicorn
+    then waits for open requests, up to its graceful timeout), and printing the bound address (the
+    port, when --port 0) once it listens."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineLoop):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.stop_accepting()
+        super().handle_exit(sig, frame)
+        # A shutdown on SIGTERM / SIGINT is this command's normal end (exit 0); uvicorn would raise the
+        # signal again once it has shut down, ending the process by the signal instead.
+        getattr(self, "_captured_signals", []).clear()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                print(f"deltaspec serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)

@@ -1,0 +1,158 @@
+"""The server's only use of the engine's request API: start a request, cancel it, step.
+
+Two backends, chosen by `make_backend`:
+- `BatchBackend`: Model.add_request / step / cancel_request. Every step admits the requests given
+  slots and decodes one token for every running one in one batch (continuous batching).
+- `SpeculativeBackend`: one request at a time through Model.generate(stream=True, draft_model /
+  spec_type), the engine's speculative loop (--parallel 1 with a drafter): the engine's batch
+  scheduler does not speculate yet (Model.add_request raises BatchSpeculationError). When it does,
+  `make_backend` is the one place to change.
+
+Backends run on the engine loop's thread only, except `interrupt`, which any thread may call.
+Each turns the engine's tokens into `Progress` reports: a text delta, and the result at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from ..generation import GenerationResult
+from .planted import planted
+from .text import TextAssembler
+
+
+@dataclass
+class Progress:
+    """What happened to one request: text to show, and its result once finished."""
+    job: object
+    text: str
+    n_tokens: int                            # tokens committed since the last report
+    result: GenerationResult | None = None   # set when the request finished
+
+
+Report = Callable[[Progress], None]
+
+
+class ServeConfigError(ValueError):
+    """The server's options ask for something the engine cannot serve."""
+
+
+class BatchBackend:
+    def __init__(self, model):
+        self.model = model
+        self.slots = model.n_seq_max
+        self._running: dict[int, tuple[object, TextAssembler]] = {}  # engine request id -> (job, text)
+
+    @property
+    def n_running(self) -> int:
+        return len(self._running)
+
+    def start(self, job) -> None:
+        r = job.request
+        job.engine_id = self.model.add_request(r.prompt, max_tokens=r.max_tokens, **r.options)
+        self._running[job.engine_id] = (job, TextAssembler(self.model.tokenizer, r.options["stop"]))
+
+    def cancel(self, job) -> None:
+        self.model.cancel_request(job.engine_id)  # it finishes ("cancelled") at the next step
+
+    def interrupt(self, job) -> None:
+        """Cancels reach a batch between steps (engine loop's thread): nothing to do here."""
+
+    def step(self, report: Report) -> None:
+        outs = self.model.step()
+        for out in outs:
+            entry = self._running.get(outs[0].request_id if planted("cross_talk") else out.request_id)
+            if entry is None:  # abandoned after a failed step: its cancel has reached the engine
+                continue
+            job, text = entry
+            if out.finished:  # its last token may complete a stop string: the final text says where to cut
+                del self._running[out.request_id]
+                delta = text.finish(out.result.text)
+            else:
+                delta = text.push(out.tokens)
+            report(Progress(job, delta, len(out.tokens), out.result if out.finished else None))
+
+    def abandon(self) -> list[object]:
+        """After a failed step: cancel what ran (best effort) and forget it; the jobs it held."""
+        jobs = [job for job, _ in self._running.values()]
+        for request_id in list(self._running):
+            try:
+                self.model.cancel_request(request_id)
+            except Exception:  # the engine is failing already; the jobs are failed by the caller
+                pass
+        self._running.clear()
+        return jobs
+
+
+class SpeculativeBackend:
+    """One request at a time through the speculative decode loop (its own worker thread, which
+    the pieces of a TextStream come from)."""
+
+    slots = 1
+
+    def __init__(self, model, speculation: dict):
+        self.model = model
+        self.speculation = speculation   # generate() keyword arguments: draft_model, spec_type, draft_n_*
+        self._job = None
+        self._lock = threading.Lock()    # _job as seen by interrupt() from another thread
+
+    @property
+    def n_running(self) -> int:
+        return 0 if self._job is None else 1
+
+    def start(self, job) -> None:
+        with self._lock:
+            self._job = job
+
+    def cancel(self, job) -> None:
+        self.interrupt(job)
+
+    def interrupt(self, job) -> None:
+        """Stop the running generation now (from any thread): it ends with finish_reason "cancelled"."""
+        with self._lock:
+            if self._job is job:
+                self.model.cancel()
+
+    def step(self, report: Report) -> None:
+        """Runs the request to its end, reporting each piece as the engine's loop makes it."""
+        job = self._job
+        r = job.request
+        try:
+            stream = self.model.generate(r.prompt, stream=True, max_tokens=r.max_tokens, **r.options,
+                                         **({} if planted("spec_ignored") else self.speculation))
+            shown = []
+            for piece in stream:
+                shown.append(piece)
+                report(Progress(job, piece, 0))
+                if job.cancel_requested:  # a cancel that came before the loop started, or between pieces
+                    stream.close()  # result: the tokens so far, "cancelled"
+                    break
+            result = stream.result
+            rest = result.text[len("".join(shown)):] if result.text.startswith("".join(shown)) else ""
+            report(Progress(job, rest, result.stats.generated_tokens, result))
+        finally:
+            with self._lock:
+                self._job = None
+
+    def abandon(self) -> list[object]:
+        with self._lock:
+            job, self._job = self._job, None
+        return [] if job is None else [job]
+
+
+def check_serveable(parallel: int, speculation: dict | None) -> None:
+    """ServeConfigError when no backend serves `parallel` slots with `speculation` (before any load)."""
+    if speculation is not None and parallel != 1:
+        raise ServeConfigError(
+            f"speculative decoding (-md / --spec-type) is served one request at a time (--parallel 1): the "
+            f"engine's batch scheduler does not batch speculation yet; got --parallel {parallel}. Use --parallel 1 "
+            "with a drafter, or --parallel N without one")
+
+
+def make_backend(model, parallel: int, speculation: dict | None):
+    """The backend for `model` (loaded with n_seq_max=parallel) and the speculation options asked for
+    (generate()'s draft_model / spec_type / draft_n_max / draft_n_min, or None)."""
+    check_serveable(parallel, speculation)
+    return BatchBackend(model) if speculation is None else SpeculativeBackend(model, speculation)

@@ -1,0 +1,174 @@
+"""`deltaspec serve` and `python -m deltaspec.server`: flags (llama-server's names), model loading,
+and the uvicorn server with graceful shutdown (SIGTERM / SIGINT: new requests are refused with 503,
+running ones finish within --timeout-graceful seconds, then whatever is left is cancelled; exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
+(streamed as server-sent events), /v1/models, /health and /metrics (Prometheus). --parallel N requests decode
+together in one batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each
+slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type) serves one
+request at a time: the engine's batch scheduler does not batch speculation yet."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, metavar="FNAME", help="path to a qwen35 .gguf file")
+    p.add_argument("-a", "--alias", default=None, metavar="NAME",
+                   help="the model's name in the API (default: the file name without .gguf)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: none)")
+    p.add_argument("-np", "--parallel", type=int, default=4, metavar="N",
+                   help="sequence slots: requests decoded together (default: %(default)s)")
+    p.add_argument("--queue-size", type=int, default=256, metavar="N",
+                   help="requests that may wait for a slot; beyond it 429 (default: %(default)s)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
+                   help="context of each slot in tokens: prompt + completion (default: %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads (default: all usable)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
+                   help="largest batch of prompt tokens per graph (default: %(default)s)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE", help="KV cache type for K (default: f16)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help="KV cache type for V (default: f16)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cpu, or cuda with -ngl > 0)")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", default=None, metavar="N",
+                   help="0 = CPU; N >= 1 or 'all' = the whole model on the GPU (--device cuda)")
+    p.add_argument("-md", "--model-draft", default=None, metavar="FNAME", help="draft model (spec-type draft-simple)")
+    p.add_argument("--spec-type", default=None, choices=["draft-simple", "ngram-simple"],
+                   help="speculative decoding: draft-simple (with -md) or ngram-simple (prompt lookup)")
+    p.add_argument("--spec-draft-n-max", type=int, default=16, metavar="N", help="longest draft (default: %(default)s)")
+    p.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N", help="shortest draft (default: %(default)s)")
+    p.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the GGUF's")
+    p.add_argument("--timeout-graceful", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds running requests get to finish (default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli_args import StrictParser
+
+    p = StrictParser(prog="deltaspec serve", description=DESCRIPTION)
+    add_arguments(p)
+    return p
+
+
+def add_serve_parser(sub) -> None:
+    """The `serve` subcommand of the `deltaspec` CLI."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)", description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+class ServeError(Exception):
+    """A bad `serve` flag: printed as one line, exit status 2."""
+
+
+def _device(args) -> str:
+    if args.n_gpu_layers is None:
+        return args.device or "cpu"
+    wants_gpu = args.n_gpu_layers in ("all", "auto") or (args.n_gpu_layers.isdigit() and int(args.n_gpu_layers) > 0)
+    if not (args.n_gpu_layers in ("all", "auto") or args.n_gpu_layers.isdigit()):
+        raise ServeError(f"-ngl: expected a number of layers or 'all', got {args.n_gpu_layers!r}")
+    device = "cuda" if wants_gpu else "cpu"
+    if args.device is not None and args.device != device:
+        raise ServeError(f"-ngl {args.n_gpu_layers} asks for {device} but --device is {args.device}")
+    return device
+
+
+def _speculation(args) -> dict | None:
+    if args.model_draft is None and args.spec_type is None:
+        return None
+    spec_type = args.spec_type or "draft-simple"
+    if spec_type == "draft-simple" and args.model_draft is None:
+        raise ServeError("--spec-type draft-simple needs -md/--model-draft")
+    if spec_type == "ngram-simple" and args.model_draft is not None:
+        raise ServeError("--spec-type ngram-simple drafts from the text itself; leave out -md")
+    return {"spec_type": spec_type, "draft_model": args.model_draft, "draft_n_max": args.spec_draft_n_max,
+            "draft_n_min": args.spec_draft_n_min}
+
+
+def _served(model, args):
+    from ..chat import ChatTemplate, chat_template_from_metadata
+    from ..errors import ChatTemplateError
+    from .schemas import Served
+
+    if args.chat_template_file is not None:
+        try:
+            with open(args.chat_template_file, encoding="utf-8") as f:
+                template = ChatTemplate(f.read())
+        except OSError as e:
+            raise ServeError(f"--chat-template-file: {e}") from None
+    else:
+        try:
+            template = chat_template_from_metadata(model.metadata)
+        except ChatTemplateError as e:
+            logging.getLogger("deltaspec.server").warning("%s: /v1/chat/completions answers 400 (%s)", args.model, e)
+            template = None
+    name = args.alias or os.path.basename(args.model).removesuffix(".gguf")
+    return Served(name=name, n_ctx=model.n_ctx, tokenize=lambda text: model.tokenize(text, special=True),
+                  n_vocab=model.n_vocab, template=template, aliases=(args.model, os.path.abspath(args.model)))
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from ..model import Model
+    from .app import Server, ServerState, create_app
+    from .backend import ServeConfigError, check_serveable, make_backend
+    from .engine_loop import EngineLoop
+    from .metrics import ServerMetrics
+
+    for flag, value in (("--parallel", args.parallel), ("--queue-size", args.queue_size), ("-c", args.ctx_size)):
+        if value < 1:
+            raise ServeError(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise ServeError(f"--port must be in [0, 65535], got {args.port}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    speculation = _speculation(args)
+    try:
+        check_serveable(args.parallel, speculation)
+    except ServeConfigError as e:
+        raise ServeError(str(e)) from None
+    device = _device(args)
+    kwargs = {"n_threads": args.threads} if args.threads is not None else {}
+    model = Model(args.model, n_ctx=args.ctx_size, n_seq_max=args.parallel, device=device, n_ubatch=args.ubatch_size,
+                  type_k=args.cache_type_k, type_v=args.cache_type_v, **kwargs)
+    if speculation and speculation["draft_model"] is not None:
+        speculation["draft_model"] = Model(speculation["draft_model"], n_ctx=args.ctx_size, device=device, **kwargs)
+    backend = make_backend(model, args.parallel, speculation)
+    metrics = ServerMetrics(backend.slots, args.queue_size, speculation is not None)
+    engine = EngineLoop(backend, metrics, args.queue_size)
+    served = _served(model, args)
+    info = {"n_ctx": model.n_ctx, "n_vocab": model.n_vocab, "parallel": backend.slots, "device": device,
+            "speculation": None if speculation is None else speculation["spec_type"]}
+    state = ServerState(served, engine, metrics, args.api_key, int(time.time()), info)
+    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.timeout_graceful, access_log=False)
+    Server(config, engine).run()
+    return 0
+
+
+def run(args) -> int:
+    try:
+        return serve(args)
+    except ServeError as e:
+        print(f"deltaspec serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..errors import DeltaspecError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except DeltaspecError as e:
+        print(f"deltaspec serve: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,140 @@
+"""Counters and gauges of the server, rendered as Prometheus text for /metrics.
+
+Updated from the engine thread and read by the HTTP thread, under one lock. Names follow
+Prometheus conventions (`_total` counters, base units), prefixed `deltaspec_`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+
+RATE_WINDOW_SECONDS = 10.0   # tokens/s is the rate over this trailing window
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+def _rss_bytes() -> int:
+    """Resident memory of this process (Linux /proc; 0 where it does not exist)."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class ServerMetrics:
+    def __init__(self, slots: int, max_waiting: int, speculative: bool):
+        self._lock = threading.Lock()
+        self.slots = slots
+        self.max_waiting = max_waiting
+        self.speculative = speculative
+        self.waiting = 0
+        self.running = 0
+        self.finish_counts = dict.fromkeys(FINISH_REASONS, 0)
+        self.rejected_counts: dict[str, int] = collections.Counter()
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.n_drafted = 0
+        self.n_accepted = 0
+        self.n_spec_steps = 0
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) per step
+
+    # --- the engine thread --------------------------------------------------------------------
+    def set_load(self, waiting: int, running: int) -> None:
+        with self._lock:
+            self.waiting, self.running = waiting, running
+
+    def tokens(self, n: int) -> None:
+        if n:
+            with self._lock:
+                now = time.monotonic()
+                self._recent.append((now, n))
+                self._trim(now)
+
+    def step(self, seconds: float) -> None:
+        with self._lock:
+            self.steps += 1
+            self.step_seconds += seconds
+
+    def first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft_sum += seconds
+            self.ttft_count += 1
+
+    def finished(self, reason: str, prompt_tokens: int, generated_tokens: int, stats) -> None:
+        with self._lock:
+            self.finish_counts[reason if reason in self.finish_counts else "error"] += 1
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += generated_tokens
+            if stats is not None:
+                self.n_drafted += stats.n_drafted
+                self.n_accepted += stats.n_accepted
+                self.n_spec_steps += stats.n_steps
+
+    def rejected(self, reason: str) -> None:
+        with self._lock:
+            self.rejected_counts[reason] += 1
+
+    # --- readers ------------------------------------------------------------------------------
+    def _trim(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW_SECONDS:
+            self._recent.popleft()
+
+    def tokens_per_second(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            self._trim(now)
+            return sum(n for _, n in self._recent) / RATE_WINDOW_SECONDS
+
+    def render(self) -> str:
+        rate = self.tokens_per_second()
+        with self._lock:
+            lines: list[str] = []
+
+            def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
+                lines.append(f"# HELP deltaspec_{name} {help}")
+                lines.append(f"# TYPE deltaspec_{name} {kind}")
+                for labels, value in samples:
+                    lines.append(f"deltaspec_{name}{labels} {value:g}" if isinstance(value, float)
+                                 else f"deltaspec_{name}{labels} {value}")
+
+            metric("requests_waiting", "gauge", "Requests queued for a free slot.", [("", self.waiting)])
+            metric("requests_running", "gauge", "Requests holding a sequence slot.", [("", self.running)])
+            metric("slots", "gauge", "Sequence slots (--parallel).", [("", self.slots)])
+            metric("queue_limit", "gauge", "Most requests that may wait (--queue-size).", [("", self.max_waiting)])
+            metric("requests_finished_total", "counter", "Requests finished, by finish reason.",
+                   [(f'{{reason="{r}"}}', n) for r, n in self.finish_counts.items()])
+            metric("requests_cancelled_total", "counter", "Requests cancelled (client gone, or shutdown).",
+                   [("", self.finish_counts["cancelled"])])
+            metric("requests_rejected_total", "counter", "Requests refused before they were queued, by reason.",
+                   [(f'{{reason="{r}"}}', n) for r, n in sorted(self.rejected_counts.items())] or [("", 0)])
+            metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", self.prompt_tokens)])
+            metric("generated_tokens_total", "counter", "Tokens generated by finished requests.",
+                   [("", self.generated_tokens)])
+            metric("tokens_per_second", "gauge", f"Tokens generated per second over the last "
+                   f"{RATE_WINDOW_SECONDS:g} s, all requests together.", [("", float(rate))])
+            metric("engine_steps_total", "counter", "Engine steps run.", [("", self.steps)])
+            metric("engine_step_seconds_total", "counter", "Time spent in engine steps.",
+                   [("", float(self.step_seconds))])
+            metric("time_to_first_token_seconds", "summary", "From submission to the first text of a request.",
+                   [("_sum", float(self.ttft_sum)), ("_count", self.ttft_count)])
+            metric("speculative", "gauge", "1 when requests decode speculatively (a drafter is loaded).",
+                   [("", int(self.speculative))])
+            metric("draft_tokens_total", "counter", "Draft tokens proposed.", [("", self.n_drafted)])
+            metric("draft_tokens_accepted_total", "counter", "Draft tokens the target accepted.",
+                   [("", self.n_accepted)])
+            metric("acceptance_rate", "gauge", "Accepted / drafted draft tokens since start (0 without drafts).",
+                   [("", float(self.n_accepted / self.n_drafted if self.n_drafted else 0.0))])
+            metric("mean_acceptance_length", "gauge", "Tokens committed per target pass in speculative requests.",
+                   [("", float((self.n_accepted + self.n_spec_steps) / self.n_spec_steps
+                                if self.n_spec_steps else 0.0))])
+            lines.append("# HELP process_resident_memory_bytes Resident memory size in bytes.")
+            lines.append("# TYPE process_resident_memory_bytes gauge")
+            lines.append(f"process_resident_memory_bytes {_rss_bytes()}")
+            return "\n".join(lines) + "\n"

@@ -1,0 +1,13 @@
+"""Bugs the tests plant on purpose to see each of them fail once (DELTASPEC_TEST_SERVER_BUG=NAME in
+the server's environment); with the variable unset (always, outside those runs) nothing changes."""
+
+import os
+
+BUGS = ("prompt_tail", "drop_finish", "no_cancel_on_disconnect", "no_validation", "leak_jobs",
+        "unbounded_queue", "cancel_on_shutdown", "cross_talk", "spec_ignored",
+        "no_holdback")
+
+
+def planted(name: str) -> bool:
+    assert name in BUGS, name
+    return os.environ.get("DELTASPEC_TEST_SERVER_BUG") == name

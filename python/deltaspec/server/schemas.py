@@ -1,0 +1,223 @@
+"""Request bodies of /v1/completions and /v1/chat/completions, checked field by field.
+
+A body becomes a `GenerationRequest`: prompt token ids, max_tokens, Model.add_request keyword
+arguments (sampler, seed, stop) and how to answer (stream, usage). Unknown fields are ignored, as
+llama-server ignores them (clients send `user`, `metadata`, ...); known fields of the wrong type or
+range, and features the engine cannot serve faithfully (n > 1, logprobs, echo, logit_bias,
+JSON response formats), are refused with 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..chat import ChatTemplate, prompt_opens_reasoning
+from ..errors import ChatTemplateError
+from ..generation import validate_stop
+from ..sampling import SamplingOptions
+from .errors import APIError, bad_request
+from .planted import planted
+
+# sampler fields: (name, python types accepted); OpenAI's names plus llama-server's extensions
+_NUMBERS = ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+_INTEGERS = ("top_k", "penalty_last_n")
+COMPLETION_MAX_TOKENS_DEFAULT = 16   # OpenAI's default for /v1/completions (chat: until the context is full)
+
+
+@dataclass
+class Served:
+    """What a request is checked against: the model's name, its context and how to make a prompt."""
+    name: str
+    n_ctx: int
+    tokenize: Callable[[str], list[int]]     # text with special tokens parsed
+    n_vocab: int
+    template: ChatTemplate | None
+    aliases: tuple[str, ...] = ()            # other names accepted in `model` (the GGUF path)
+
+
+@dataclass
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int
+    options: dict[str, Any]                  # Model.add_request keyword arguments
+    stream: bool
+    include_usage: bool
+    chat: bool
+    thinking_open: bool = False               # the chat prompt opened a <think> block
+
+
+def _type(x: Any) -> str:
+    return "null" if x is None else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                     list: "array", dict: "object"}.get(type(x), type(x).__name__)
+
+
+def _get(body: dict, name: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if planted("no_validation"):
+        return value
+    if isinstance(value, bool) and bool not in kinds:
+        raise bad_request(f"'{name}' must be {what}, got {_type(value)} {value!r}", name, "invalid_type")
+    if not isinstance(value, kinds):
+        raise bad_request(f"'{name}' must be {what}, got {_type(value)} {str(value)[:40]!r}", name, "invalid_type")
+    return value
+
+
+def _check_body(body: Any, served: Served) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {_type(body)}", None, "invalid_body")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad_request(f"'model' must be a string naming the served model ({served.name!r}), "
+                          f"got {_type(model)}", "model", "invalid_type")
+    if model != served.name and model not in served.aliases:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served.name!r}",
+                       param="model", code="model_not_found")
+    for name, allowed, why in (("n", (1,), "one choice per request"), ("best_of", (1,), "one choice per request"),
+                               ("echo", (False,), "the prompt is not echoed"),
+                               ("logprobs", (False, 0), "log-probabilities are not returned by this server"),
+                               ("top_logprobs", (0,), "log-probabilities are not returned by this server")):
+        v = body.get(name)
+        if v is not None and not (v in allowed and type(v) is type(allowed[0])):
+            raise bad_request(f"'{name}' = {v!r} is not supported ({why}); leave it out", name, "unsupported")
+    if body.get("suffix"):
+        raise bad_request("'suffix' (fill-in-the-middle) is not supported; leave it out", "suffix", "unsupported")
+    if body.get("logit_bias"):
+        raise bad_request("'logit_bias' is not supported; leave it out", "logit_bias", "unsupported")
+    return body
+
+
+def _sampling(body: dict, chat: bool) -> tuple[dict[str, Any], int | None]:
+    """generate() keyword arguments for the sampler, checked; and the seed asked for."""
+    values: dict[str, Any] = {}
+    for name in _NUMBERS:
+        v = _get(body, name, (int, float), "a number")
+        if v is not None:
+            values[name] = float(v) if not planted("no_validation") else v
+    for name in _INTEGERS:
+        v = _get(body, name, (int,), "an integer")
+        if v is not None:
+            values[name] = v
+    if chat and "temperature" not in values:
+        values["temperature"] = 0.2  # llama-cpp-python's chat default (create_chat_completion's)
+    seed = _get(body, "seed", (int,), "an integer")
+    if seed is not None and seed < 0:
+        seed = None  # llama-server's -1: a random seed
+    if not planted("no_validation"):
+        try:
+            SamplingOptions(**values, seed=seed)
+        except ValueError as e:  # its messages start with the parameter's name
+            name = str(e).split()[0]
+            raise bad_request(str(e), name, "invalid_value") from None
+    return values, seed
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if planted("no_validation"):
+        return stop or []
+    try:
+        return validate_stop(stop)
+    except (TypeError, ValueError) as e:
+        raise bad_request(f"'stop': {e}", "stop", "invalid_type") from None
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", (bool,), "true or false", False)
+    opts = _get(body, "stream_options", (dict,), "an object", {})
+    include_usage = opts.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request("'stream_options.include_usage' must be true or false", "stream_options", "invalid_type")
+    return stream, include_usage
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], n_prompt: int, served: Served, default: int | None) -> int:
+    room = served.n_ctx - n_prompt + 1  # the last token is sampled from the last row, never evaluated
+    if n_prompt >= served.n_ctx:
+        raise bad_request(f"the prompt has {n_prompt} tokens but the context holds {served.n_ctx} tokens per "
+                          "request; shorten the prompt", "messages" if "max_completion_tokens" in names else "prompt",
+                          "context_length_exceeded")
+    value = None
+    for name in names:
+        value = _get(body, name, (int,), "a positive integer")
+        if value is not None:
+            if not planted("no_validation") and value < 1:
+                raise bad_request(f"'{name}' must be a positive integer, got {value}", name, "invalid_value")
+            if value > room:
+                raise bad_request(f"this request asks for {n_prompt} prompt tokens + {value} completion tokens but "
+                                  f"the context holds {served.n_ctx}; lower '{name}' to at most {room} or shorten "
+                                  "the prompt", name, "context_length_exceeded")
+            return value
+    return room if default is None else min(default, room)
+
+
+def _prompt_ids(prompt: Any, served: Served) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # OpenAI's batch form with one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' is empty", "prompt", "invalid_value")
+        ids = served.tokenize(prompt)
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < served.n_vocab]
+        if bad:
+            raise bad_request(f"'prompt' token id {bad[0]} is outside the vocabulary [0, {served.n_vocab})",
+                              "prompt", "invalid_value")
+        ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("'prompt' holds several prompts; send one prompt per request", "prompt", "unsupported")
+    else:
+        raise bad_request(f"'prompt' must be a string or a non-empty array of token ids, got {_type(prompt)}",
+                          "prompt", "invalid_type")
+    if planted("prompt_tail") and len(ids) > 1:
+        ids = ids[:-1]
+    return ids
+
+
+def parse_completion(body: Any, served: Served) -> GenerationRequest:
+    body = _check_body(body, served)
+    if "prompt" not in body:
+        raise bad_request("'prompt' is required", "prompt", "missing")
+    ids = _prompt_ids(body["prompt"], served)
+    max_tokens = _max_tokens(body, ("max_tokens",), len(ids), served, COMPLETION_MAX_TOKENS_DEFAULT)
+    sampling, seed = _sampling(body, chat=False)
+    stream, include_usage = _stream(body)
+    return GenerationRequest(ids, max_tokens, {**sampling, "seed": seed, "stop": _stop(body)}, stream,
+                             include_usage, chat=False)
+
+
+def chat_prompt(body: dict, served: Served) -> str:
+    """The prompt text of a chat request: its messages (and tools) through the chat template."""
+    if served.template is None:
+        raise bad_request("the model file has no chat template; start the server with --chat-template-file, "
+                          "or use /v1/completions", "messages", "no_chat_template")
+    if "messages" not in body:
+        raise bad_request("'messages' is required", "messages", "missing")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad_request(f"'tools' must be an array, got {_type(tools)}", "tools", "invalid_type")
+    response_format = _get(body, "response_format", (dict,), "an object", {})
+    if response_format.get("type", "text") != "text":
+        raise bad_request(f"'response_format' type {response_format.get('type')!r} is not supported "
+                          "(only 'text')", "response_format", "unsupported")
+    kwargs = dict(_get(body, "chat_template_kwargs", (dict,), "an object", {}))  # llama-server's field
+    thinking = _get(body, "enable_thinking", (bool,), "true or false")
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
+    try:
+        return served.template.render(body["messages"], add_generation_prompt=True, tools=tools, **kwargs)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages", "invalid_messages") from None
+
+
+def parse_chat(body: Any, served: Served) -> GenerationRequest:
+    body = _check_body(body, served)
+    prompt = chat_prompt(body, served)
+    ids = _prompt_ids(prompt, served)
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), served, None)
+    sampling, seed = _sampling(body, chat=True)
+    stream, include_usage = _stream(body)
+    return GenerationRequest(ids, max_tokens, {**sampling, "seed": seed, "stop": _stop(body)}, stream,
+                             include_usage, chat=True, thinking_open=prompt_opens_reasoning(prompt))

@@ -1,0 +1,273 @@
+"""llama-cpp-python's names on deltaspec.Model / deltaspec.Llama: constructor arguments, __call__ and
+echo, logprobs, tokenize(add_bos), seeds, ignore_eos / logit_bias, save_state / load_state.
+
+Most run on the tiny-vocabulary model (it loads in milliseconds); every claim is checked against an
+independent computation (log_softmax of the full logits, a fresh prefill, the sampler's own
+greedy choice under a bias). Each test's docstring says how it was seen to fail."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from deltaspec import Llama, Model, _core
+from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
+
+THREADS = 1
+PROMPT = "the cat sat on the mat"
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny_vocab_model_path()
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    with Llama(model_path=path, n_ctx=256, n_threads=THREADS, n_gpu_layers=0, verbose=False) as m:
+        yield m
+
+
+def _id(model, text: str) -> int:
+    (token,) = Model.tokenize(model, text, special=True)
+    return token
+
+
+def _log_softmax(rows: np.ndarray) -> np.ndarray:
+    rows = rows.astype(np.float64)
+    m = rows.max(axis=-1, keepdims=True)
+    return rows - (m + np.log(np.exp(rows - m).sum(axis=-1, keepdims=True)))
+
+
+# --- constructor ----------------------------------------------------------------------------------
+
+def test_constructor_names(path, capfd):
+    """model_path / n_gpu_layers / n_batch / seed / verbose / flash_attn. Seen red with
+    llama_args.resolve ignoring n_gpu_layers (-1 loaded on the CPU of this CUDA-less build instead
+    of raising) and with verbose not passed on as progress (no load lines)."""
+    with Model(model_path=path, n_gpu_layers=0, n_batch=8, n_ctx=256, n_threads=THREADS, seed=7,
+               verbose=True, flash_attn=True) as m:
+        assert m.device == "cpu" and m._default_seed == 7
+    err = capfd.readouterr().err.splitlines()
+    # stderr is not a terminal under pytest: plain lines, the first before anything else happened
+    assert err[0].startswith("deltaspec: loading ") and any(line.startswith("deltaspec: loaded ") for line in err), err
+    if _core.has_device("cuda"):
+        with Model(model_path=path, n_gpu_layers=-1, n_ctx=256) as m:
+            assert m.device == "cuda"
+    else:
+        with pytest.raises(ValueError, match=r"n_gpu_layers=-1 asks for the GPU, but this build .* no CUDA"):
+            Model(model_path=path, n_gpu_layers=-1)
+    for kwargs, match in [(dict(flash_attn=False), "flash_attn=False is not available"),
+                          (dict(n_gpu_layers=0, device="cuda"), "n_gpu_layers=0 means device 'cpu'"),
+                          (dict(n_gpu_layers=-2), "n_gpu_layers must be 0"), (dict(n_batch=0), "n_batch"),
+                          (dict(seed=-5), "seed must be -1")]:
+        with pytest.raises(ValueError, match=match):
+            Model(model_path=path, **kwargs)
+    with pytest.raises(ValueError, match="disagree"):
+        Model(path, model_path=str(path) + ".other")
+    with pytest.raises(TypeError, match="needs the GGUF path"):
+        Model()
+
+
+def test_progress_shows_before_the_file_is_read(path, capfd, monkeypatch):
+    """progress=True off a terminal: the first plain line is out before the GGUF is even read (a big
+    file takes seconds to validate), the last says it loaded. Seen red with _load_progress called
+    after read_gguf (nothing on stderr yet when the file was read)."""
+    from deltaspec import model as model_module
+
+    seen = []
+    real = model_module.read_gguf
+
+    def read_gguf(p):
+        seen.append(capfd.readouterr().err)
+        return real(p)
+
+    monkeypatch.setattr(model_module, "read_gguf", read_gguf)
+    with Model(path, n_ctx=256, n_threads=THREADS, progress=True):
+        pass
+    assert seen and seen[0].startswith("deltaspec: loading "), seen
+    assert "deltaspec: loaded " in capfd.readouterr().err
+
+
+def test_seeds(path):
+    """Model(seed=S) is the default seed of every generate (repeatable); seed -1 (constructor or
+    call) is random. Seen red with generate ignoring _default_seed (two calls differed)."""
+    kw = dict(max_tokens=24, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+    with Model(path, n_ctx=256, n_threads=THREADS, seed=11) as m:
+        a, b = m.generate(PROMPT, **kw).tokens, m.generate(PROMPT, **kw).tokens
+        assert a == b == m.generate(PROMPT, seed=11, **kw).tokens
+        assert m.generate(PROMPT, seed=-1, **kw).tokens != m.generate(PROMPT, seed=-1, **kw).tokens
+    with Model(path, n_ctx=256, n_threads=THREADS, seed=-1) as m:
+        assert m.generate(PROMPT, **kw).tokens != m.generate(PROMPT, **kw).tokens
+
+
+# --- tokens -----------------------------------------------------------------------------------------
+
+def test_tokenize_add_bos_and_bytes(llm):
+    """Llama.tokenize(bytes, add_bos, special) / detokenize -> bytes, as llama-cpp-python's. Seen red
+    with add_bos ignored (no BOS when the vocabulary asks for one)."""
+    ids = llm.tokenize(b"the cat", add_bos=True)
+    assert ids == llm.tokenize("the cat", add_bos=False) == Model.tokenize(llm, "the cat")  # no BOS asked for
+    assert llm.detokenize(ids) == b"the cat"
+    assert llm.tokenize(b"<|im_end|>", special=True) == [_id(llm, "<|im_end|>")]
+    tok = llm.tokenizer
+    saved = tok.add_bos, tok.bos_id
+    try:
+        tok.add_bos, tok.bos_id = True, _id(llm, "<|endoftext|>")
+        assert llm.tokenize(b"the cat") == [tok.bos_id, *ids]
+        assert llm.tokenize(b"the cat", add_bos=False) == ids
+    finally:
+        tok.add_bos, tok.bos_id = saved
+
+
+# --- completions, echo, logprobs --------------------------------------------------------------------
+
+def test_call_and_echo(llm):
+    """llm(prompt, ...) is create_completion; echo puts the prompt first. Seen red with echo
+    dropped (the text lacked the prompt)."""
+    out = llm(PROMPT, max_tokens=6, temperature=0, echo=True)
+    text = llm.generate(PROMPT, max_tokens=6, temperature=0).text
+    assert out["object"] == "text_completion" and out["choices"][0]["text"] == PROMPT + text
+    chunks = list(llm(PROMPT, max_tokens=6, temperature=0, echo=True, stream=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_equal_log_softmax_of_the_logits(llm, temperature):
+    """Each generated token's logprob and the top-k list equal log_softmax of the model's logits at
+    that position (computed here from Model.logits of prompt + output in one pass). Seen red with
+    record_logprobs leaving out the normaliser (logprob = logit - max) and with top ids sorted
+    ascending."""
+    k = 5
+    r = llm.generate(PROMPT, max_tokens=12, temperature=temperature, seed=3, logprobs=k, ignore_eos=True)
+    prompt = llm.tokenize(PROMPT, special=True)
+    ref = _log_softmax(llm.logits(prompt + r.tokens[:-1])[len(prompt) - 1:])
+    assert len(r.logprobs) == len(r.tokens) == len(ref) == 12
+    for i, token in enumerate(r.tokens):
+        assert r.logprobs[i] == pytest.approx(ref[i, token], abs=1e-4)
+        top = r.top_logprobs[i]
+        assert [t for t, _ in top] == np.argsort(-ref[i], kind="stable")[:k].tolist()
+        assert [v for _, v in top] == pytest.approx(np.sort(ref[i])[::-1][:k], abs=1e-4)
+    if temperature == 0:
+        assert all(top[0][0] == t for top, t in zip(r.top_logprobs, r.tokens))  # greedy = the best token
+
+
+def test_completion_logprobs_shape(llm):
+    """llama-cpp-python's completion `logprobs`: tokens concatenate to the text, offsets count from
+    the prompt's end (or 0 with echo, the first prompt token then null), the chosen token is in its
+    top dict. Seen red with text_offset starting at 0 without echo."""
+    out = llm.create_completion(PROMPT, max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"] and lp["text_offset"][0] == len(PROMPT)
+    assert all(t in d and len(d) <= 4 for t, d in zip(lp["tokens"], lp["top_logprobs"]))
+    echoed = llm.create_completion(PROMPT, max_tokens=8, temperature=0, logprobs=3, echo=True, ignore_eos=True)
+    elp = echoed["choices"][0]["logprobs"]
+    n_prompt = len(llm.tokenize(PROMPT))
+    assert elp["token_logprobs"][0] is None and elp["top_logprobs"][0] is None
+    assert "".join(elp["tokens"]) == echoed["choices"][0]["text"] == PROMPT + choice["text"]
+    assert elp["token_logprobs"][n_prompt:] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    ref = _log_softmax(llm.logits(llm.tokenize(PROMPT)))
+    ids = llm.tokenize(PROMPT)
+    assert elp["token_logprobs"][1:n_prompt] == pytest.approx([ref[i - 1, ids[i]] for i in range(1, n_prompt)],
+                                                              abs=1e-4)
+
+
+# --- ignore_eos and logit_bias ------------------------------------------------------------------------
+
+def test_ignore_eos_and_logit_bias(llm):
+    """A +50 bias on <|im_end|> makes greedy decoding stop at once; ignore_eos (-inf on every EOG
+    token) overrides it and the text runs to max_tokens, never containing an EOG token, in generate,
+    generate_batch and speculative decoding. A -inf bias on the greedy token yields the runner-up.
+    Seen red with the bias loop in Sampler::distribution removed (nothing changed) and with
+    argmax_only() not looking at logit_bias (the device argmax ignored the ban)."""
+    eos = _id(llm, "<|im_end|>")
+    stop = llm.generate(PROMPT, max_tokens=10, temperature=0, logit_bias={eos: 50.0})
+    assert stop.tokens == [eos] and stop.finish_reason == "stop"
+    kw = dict(max_tokens=10, temperature=0, logit_bias={str(eos): 50.0}, ignore_eos=True)  # JSON-style key
+    go = llm.generate(PROMPT, **kw)
+    assert go.finish_reason == "length" and len(go.tokens) == 10
+    assert not any(llm.tokenizer.is_eog(t) for t in go.tokens)
+    assert llm.generate_batch([PROMPT], **kw)[0].tokens == go.tokens
+    assert llm.generate(PROMPT, spec_type="ngram-simple", **kw).tokens == go.tokens
+    plain = llm.generate(PROMPT, max_tokens=1, temperature=0).tokens[0]
+    prompt = llm.tokenize(PROMPT)
+    second = int(np.argsort(-llm.logits(prompt)[-1], kind="stable")[1])
+    assert llm.generate(PROMPT, max_tokens=1, temperature=0, logit_bias={plain: -math.inf}).tokens == [second]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(PROMPT, logit_bias={10**6: 1.0})
+    with pytest.raises(ValueError, match=r"logit_bias\[0\]"):
+        llm.generate(PROMPT, logit_bias={1: math.inf})
+
+
+def test_cli_ignore_eos_reaches_generate(path, monkeypatch, capsys):
+    """`deltaspec run --ignore-eos` (refused before) runs and hands ignore_eos=True to generate; without
+    the flag it is not passed. Seen red with _sampling_kwargs leaving the flag out."""
+    from deltaspec.cli import main
+
+    seen = []
+    real = Model.generate
+
+    def generate(self, prompt, **kwargs):
+        seen.append(kwargs.get("ignore_eos", False))
+        return real(self, prompt, **kwargs)
+
+    monkeypatch.setattr(Model, "generate", generate)
+    base = ["run", "-m", str(path), "-p", "the cat", "-n", "6", "--temp", "0", "-t", "1", "-c", "256"]
+    assert main(base + ["--ignore-eos"]) == 0 and main(base) == 0
+    assert seen == [True, False]
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all(line.startswith("the cat") for line in out)
+
+
+# --- save_state / load_state --------------------------------------------------------------------------
+
+def test_load_state_resumes_without_rereading(path, llm):
+    """A chat turn resumed from save_state() in another Model instance: the next turn's tokens equal a
+    from-scratch generate on the same history, and only the new tokens were prefilled
+    (stats.cached_tokens, from the engine's prefill counter). Seen red with load_sequence not
+    writing the recurrent tensors (the continuation differed) and with the scheduler evaluating the
+    whole prompt on top of the loaded state (the prefill counter showed it re-read)."""
+    first = llm.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    state = llm.save_state()
+    suffix = llm.tokenize(" and then")
+    history = llm.tokenize(PROMPT) + first.tokens + suffix
+    assert state.tokens == tuple(llm.tokenize(PROMPT) + first.tokens[:-1]) and state.nbytes > 0
+    llm.generate("something else entirely", max_tokens=4, temperature=0)  # the live state moves on
+    with Model(path, n_ctx=256, n_threads=THREADS) as other:
+        other.load_state(state)
+        resumed = other.generate(history, max_tokens=8, temperature=0, ignore_eos=True)
+    assert resumed.stats.cached_tokens == state.n_tokens == len(history) - len(suffix) - 1
+    llm.reset()
+    fresh = llm.generate(history, max_tokens=8, temperature=0, ignore_eos=True)
+    assert fresh.stats.cached_tokens == 0
+    assert resumed.tokens == fresh.tokens
+    # the same model continues its own last generation too (a chat's next turn)
+    nxt = history + fresh.tokens + llm.tokenize(" yes")
+    again = llm.generate(nxt, max_tokens=4, temperature=0, ignore_eos=True)
+    assert again.stats.cached_tokens == len(history) + len(fresh.tokens) - 1
+    llm.reset()
+    assert llm.generate(nxt, max_tokens=4, temperature=0, ignore_eos=True).tokens == again.tokens
+
+
+def test_load_state_refuses_a_foreign_state(path, llm):
+    """A state from other KV cache types, or with a tensor cut short, is refused naming what is
+    wrong, and leaves the sequence as it was. Seen red with the size check in load_sequence removed
+    (the short tensor was copied)."""
+    import dataclasses
+
+    llm.generate(PROMPT, max_tokens=4, temperature=0)
+    state = llm.save_state()
+    with Model(path, n_ctx=256, n_threads=THREADS, type_k="q8_0") as other:
+        with pytest.raises(ValueError, match="another model or KV cache types"):
+            other.load_state(state)
+    name = next(n for n in state.tensors if n.startswith("ssm."))
+    cut = dataclasses.replace(state, tensors={**state.tensors, name: state.tensors[name][:-4]})
+    before = llm.n_past
+    with pytest.raises(ValueError, match=f"saved tensor '{name}' has"):
+        llm.load_state(cut)
+    assert llm.n_past == before
+    with pytest.raises(TypeError, match="LlamaState"):
+        llm.load_state({"tokens": []})
