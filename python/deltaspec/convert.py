@@ -222,6 +222,7 @@ def _load_hparams(folder: Path) -> dict[str, Any]:
     if hp["linear_num_value_heads"] % hp["linear_num_key_heads"]:
         raise ConversionError(f"{cfg_path}: linear_num_value_heads ({hp['linear_num_value_heads']}) is not a "
                               f"multiple of linear_num_key_heads ({hp['linear_num_key_heads']})")
+    hp["n_mtp"] = 0  # MTP layers kept: convert_hf_to_gguf counts them in the checkpoint's tensors
     return hp
 
 
@@ -444,11 +445,12 @@ def _expected_tensors(hp: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...
     }
     n = hp["num_hidden_layers"]
     # MTP blocks are full-attention layers after the trunk
-    for i, kind in enumerate(hp["layer_types"] + ["full_attention"] * hp["n_mtp"]):
+    n_mtp = hp["n_mtp"]
+    for i, kind in enumerate(hp["layer_types"] + ["full_attention"] * n_mtp):
         table = {**shapes_common, **(shapes_linear if kind == "linear_attention" else shapes_attn)}
         for suffix, (shape, fn) in table.items():
             out[f"model.layers.{i}.{suffix}"] = (f"blk.{i}.{names[suffix]}", shape, fn)
-    if hp["n_mtp"]:
+    if n_mtp:
         for hf, gguf_name, shape, fn in (("eh_proj", "eh_proj", (E, 2 * E), same), ("enorm", "enorm", (E,), plus1),
                                          ("hnorm", "hnorm", (E,), plus1),
                                          ("shared_head.norm", "shared_head_norm", (E,), plus1)):
