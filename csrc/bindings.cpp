@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "cuda_kernels.h"
+#include "dflash_bindings.h"
 #include "engine.h"
 #include "generate.h"
 #include "scheduler.h"
@@ -587,4 +588,5 @@ PYBIND11_MODULE(_core, m) {
                                "Weights stored as one stack (a one-token step multiplies each stack once): "
                                "their names, per stack, in row order.");
 
+    bind_dflash(m, [](py::handle target) -> Engine & { return *target.cast<Runner &>().engine; });
 }

@@ -81,6 +81,11 @@ class Engine {
     void ensure_slots(int64_t n);
 
     const HParams & hparams() const { return hp_; }
+    // What a drafter that runs beside this engine needs: its device (and the CPU fallback) and the
+    // weights it borrows (DFlash reads token_embd and output from here, it keeps no copy).
+    ggml_backend_t backend() const { return backend_; }
+    ggml_backend_t backend_cpu() const { return backend_cpu_; }
+    const ModelWeights & weights() const { return weights_; }
     int64_t n_past() const { return pool_.slots[cur_].n_past; }
     int64_t n_ctx() const { return pool_.n_ctx; }
     const std::string & backend_name() const { return backend_name_; }
