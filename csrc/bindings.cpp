@@ -9,6 +9,7 @@
 
 #include "cuda_kernels.h"
 #include "dflash_bindings.h"
+#include "dflash_drafter.h"
 #include "engine.h"
 #include "generate.h"
 #include "scheduler.h"
@@ -102,7 +103,8 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
 
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
-                          std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback) {
+                          std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
+                          py::object dflash) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
@@ -113,11 +115,18 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     spec.n_min = n_min;
     SpecStats stats;
     GenerateResult res;
+    DFlashModel * dm = dflash.is_none() ? nullptr : &dflash.cast<DFlashModel &>();
     {
         py::gil_scoped_release release;
         r.single().ensure_slots(n_max + 1);
         std::unique_ptr<Drafter> drafter;
-        if (draft) {
+        if (dm) {
+            if (&dm->target() != r.engine.get()) throw std::invalid_argument("the DFlash drafter belongs to another target");
+            // a pass reads the drafter's weights and the target's LM head
+            const double pass_cost = (double)(dm->weight_bytes() + ggml_nbytes(r.engine->weights().output)) /
+                                     (double)r.engine->step_weight_bytes();
+            drafter = std::make_unique<DFlashDrafter>(*dm, *r.engine, pass_cost);
+        } else if (draft) {
             draft->single().ensure_slots(1);
             SamplingParams ds = sampling;
             ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
@@ -473,8 +482,8 @@ PYBIND11_MODULE(_core, m) {
              "Prefill a fresh sequence with prompt, then sample until a stop condition.")
         .def("generate_speculative", &generate_spec_py, py::arg("draft"), py::arg("ngram_max"), py::arg("prompt"),
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
-             py::arg("n_min"), py::arg("callback") = py::none(),
-             "Draft-verify generation with a draft model (draft) or prompt lookup (draft=None).")
+             py::arg("n_min"), py::arg("callback") = py::none(), py::arg("dflash") = py::none(),
+             "Draft-verify generation with a draft model (draft), a DFlash drafter (dflash) or prompt lookup.")
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
         .def("eval_verify", [](Runner & r, Tokens tokens) {
                  return verify(r, tokens, {tokens.shape(0), r.engine->hparams().n_vocab}, &Engine::eval_verify);

@@ -5,7 +5,7 @@
 
 #include <memory>
 
-#include "dflash_model.h"
+#include "dflash_drafter.h"
 
 namespace py = pybind11;
 
@@ -65,6 +65,24 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                  }
                  return out;
              }, py::arg("anchor"), "The argmax of every predicted slot (computed on the device).")
+        .def("read_context", [](DFlashModel & d, py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids) {
+                 const int32_t * p = ids.data();
+                 const int64_t n = ids.shape(0);
+                 py::gil_scoped_release release;
+                 Engine & t = d.target();
+                 t.reset();
+                 t.set_taps(dflash_taps(d.hparams()));
+                 try {
+                     if (n > 0) t.eval(p, n, LogitsWanted::none, nullptr);
+                     d.truncate(0);
+                     d.inject(t.tapped().data(), t.n_tapped_rows(), t.tapped_pos());
+                 } catch (...) {
+                     t.set_taps({});
+                     throw;
+                 }
+                 t.set_taps({});
+             }, py::arg("ids"),
+             "The target reads ids (a fresh sequence) and its tapped features become the whole context.")
         .def("truncate", &DFlashModel::truncate, py::arg("n"), "Forget context rows at positions >= n.")
         .def_property_readonly("n_cached", &DFlashModel::n_cached)
         .def_property_readonly("n_feat", &DFlashModel::n_feat)

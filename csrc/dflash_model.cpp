@@ -114,8 +114,8 @@ DFlashModel::DFlashModel(const std::string & path, const DFlashHParams & hp, Eng
 
         graph_size_ = 64 * (size_t)hp.n_layer + 256;
         meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
-        ggml_backend_t backends[2] = {target.backend(), target.backend_cpu()};
-        const int n_backends = target.backend() == target.backend_cpu() ? 1 : 2;
+        ggml_backend_t backends[2] = {target.backend(), target.cpu_backend()};
+        const int n_backends = target.backend() == target.cpu_backend() ? 1 : 2;
         sched_ = ggml_backend_sched_new(backends, nullptr, n_backends, graph_size_, false, false);
         if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
     } catch (...) {

@@ -56,6 +56,7 @@ class DFlashModel {
     void truncate(int64_t n) { n_cached_ = std::min(n_cached_, n); }  // forget context rows >= n
 
     const DFlashHParams & hparams() const { return hp_; }
+    Engine & target() { return target_; }
     int64_t n_cached() const { return n_cached_; }
     int64_t n_ctx() const { return n_ctx_; }
     int64_t n_feat() const { return (int64_t)hp_.target_layers.size() * hp_.n_embd; }

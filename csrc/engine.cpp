@@ -88,6 +88,7 @@ size_t Engine::step_weight_bytes() const {
 
 void Engine::reset() {
     seq().clear();
+    clear_tapped();
     verify_T_ = 0;
     checkpoint_n_past_ = -1;
 }
@@ -99,6 +100,7 @@ void Engine::use_slot(int64_t slot) {
     if (slot == cur_) return;
     settle_verify();
     cur_ = slot;
+    clear_tapped();  // taps follow one slot's positions
     checkpoint_n_past_ = -1;  // a checkpoint belongs to the slot it was taken in
 }
 
@@ -145,6 +147,27 @@ void Engine::check_batch(const int32_t * tokens, int64_t n_tokens) const {
     }
 }
 
+void Engine::set_taps(const std::vector<int> & layers) {
+    for (int il : layers) {
+        if (il < 0 || il > hp_.n_layer) {
+            throw std::out_of_range("tap layer " + std::to_string(il) + " outside [0, n_layer = " + std::to_string(hp_.n_layer) + "]");
+        }
+    }
+    settle_verify();
+    drop_step_graph();
+    taps_.layers = layers;
+    clear_tapped();
+}
+
+int64_t Engine::n_tapped_rows() const {
+    return taps_.layers.empty() ? 0 : (int64_t)(tapped_.size() / (taps_.layers.size() * hp_.n_embd));
+}
+
+void Engine::clear_tapped() {
+    tapped_.clear();
+    tapped_pos_ = seq().n_past;
+}
+
 void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out) {
     check_batch(tokens, n_tokens);
     for (int64_t done = 0; done < n_tokens;) {
@@ -185,6 +208,8 @@ void Engine::keep(int64_t n_keep) {
     }
     advance_verify_state(n_keep);
     seq().n_past = verify_p0_ + n_keep;
+    // the tapped rows of the dropped tokens go too
+    tapped_.resize(std::min<size_t>(tapped_.size(), (seq().n_past - tapped_pos_) * taps_.layers.size() * hp_.n_embd));
     verify_T_ = 0;
 }
 
@@ -198,6 +223,7 @@ void Engine::ensure_slots(int64_t n) {
     const int64_t n_ctx = pool_.n_ctx, n_seq = pool_.n_seq;
     pool_.release();
     allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_);
+    clear_tapped();
     verify_T_ = 0;
     checkpoint_n_past_ = -1;
 }
@@ -212,6 +238,8 @@ void Engine::restore_checkpoint() {
     if (checkpoint_n_past_ < 0) throw std::logic_error("restore_checkpoint() without checkpoint()");
     copy_recurrent_state(seq(), /*to_saved =*/false);
     seq().n_past = checkpoint_n_past_;
+    if (tapped_pos_ > seq().n_past) clear_tapped();
+    tapped_.resize(std::min<size_t>(tapped_.size(), (seq().n_past - tapped_pos_) * taps_.layers.size() * hp_.n_embd));
     verify_T_ = 0;
 }
 
@@ -238,7 +266,8 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
     step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, pool_, n_seqs > 0 ? pool_.slots[first_slot] : seq(),
                              step_.in, n_rows,
-                             fold_inputs_ ? FoldInput(cuda_fold_input) : FoldInput(), &step_.verify);
+                             fold_inputs_ ? FoldInput(cuda_fold_input) : FoldInput(), &step_.verify,
+                             n_seqs == 0 && !taps_.layers.empty() ? &taps_ : nullptr);
     if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {  // per row
         step_.out = ggml_argmax(step_.ctx, step_.out);
         ggml_set_output(step_.out);
@@ -284,6 +313,30 @@ void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted,
     compute(g);
     seq().n_past = p0 + T;
     if (wanted != LogitsWanted::none) ggml_backend_tensor_get(g.out, out, 0, ggml_nbytes(g.out));
+    append_taps(T);
+}
+
+void Engine::append_taps(int64_t T) {
+    const int64_t E = hp_.n_embd, n = (int64_t)taps_.layers.size();
+    if (n == 0) return;
+    const int64_t p0 = seq().n_past - T;
+    if (tapped_pos_ + n_tapped_rows() != p0) {  // positions ran on without taps (decode of several slots)
+        tapped_.clear();
+        tapped_pos_ = p0;
+    }
+    const size_t first = tapped_.size();
+    tapped_.resize(first + T * n * E);
+    if (n == 1) {  // {E, T} contiguous: the rows as they are
+        ggml_backend_tensor_get(taps_.out[0], tapped_.data() + first, 0, T * E * sizeof(float));
+        return;
+    }
+    std::vector<float> rows(T * E);
+    for (int64_t i = 0; i < n; ++i) {  // tap i of row t goes to [t][i]: each row's taps side by side
+        ggml_backend_tensor_get(taps_.out[i], rows.data(), 0, rows.size() * sizeof(float));
+        for (int64_t t = 0; t < T; ++t) {
+            std::copy_n(rows.data() + t * E, E, tapped_.data() + first + (t * n + i) * E);
+        }
+    }
 }
 
 }  // namespace deltaspec

@@ -80,12 +80,25 @@ class Engine {
     // Allow verify batches of at least n tokens (re-allocates the state, which empties the sequence).
     void ensure_slots(int64_t n);
 
-    const HParams & hparams() const { return hp_; }
-    // What a drafter that runs beside this engine needs: its device (and the CPU fallback) and the
-    // weights it borrows (DFlash reads token_embd and output from here, it keeps no copy).
-    ggml_backend_t backend() const { return backend_; }
-    ggml_backend_t backend_cpu() const { return backend_cpu_; }
+    // Hidden states returned for the rows of the one-sequence steps (eval, eval_verify): Taps'
+    // layer ids (graph_qwen35.h; n_layer = the final normed hidden). tapped() holds them for the
+    // committed positions tapped_pos() .. tapped_pos() + n_tapped_rows() - 1, each row's taps side
+    // by side (layers.size() * n_embd floats a row): rows accumulate over calls until the reader
+    // calls clear_tapped(); keep(n) drops a verify batch's rows past its first n; reset() and
+    // set_taps() clear them. Empty layers: no taps (the default).
+    void set_taps(const std::vector<int> & layers);
+    const std::vector<int> & taps() const { return taps_.layers; }
+    const std::vector<float> & tapped() const { return tapped_; }
+    int64_t tapped_pos() const { return tapped_pos_; }
+    int64_t n_tapped_rows() const;
+    void clear_tapped();  // the rows read: the next ones start at n_past()
+
+    // What another graph over this model's weights needs (the MTP head, mtp_head.h).
     const ModelWeights & weights() const { return weights_; }
+    ggml_backend_t backend() const { return backend_; }
+    ggml_backend_t cpu_backend() const { return backend_cpu_; }
+
+    const HParams & hparams() const { return hp_; }
     int64_t n_past() const { return pool_.slots[cur_].n_past; }
     int64_t n_ctx() const { return pool_.n_ctx; }
     const std::string & backend_name() const { return backend_name_; }
@@ -117,6 +130,7 @@ class Engine {
     bool replay_deltanet_cuda(int64_t n);    // n < T: the same
     void advance_verify_state_graph(int64_t n, bool conv, bool deltanet);  // a ggml graph, any backend
     void settle_verify();
+    void append_taps(int64_t n_rows);  // the step's tapped rows -> tapped_
 
     // The last graph built stays allocated: a step of the same shape (every decode step until the
     // visible KV length grows by kv_pad) only sets its inputs and computes, no rebuild, no
@@ -157,6 +171,9 @@ class Engine {
     StepGraph step_;
     int64_t verify_p0_ = -1, verify_T_ = 0;  // the last verify batch, for keep()
     int64_t checkpoint_n_past_ = -1;
+    Taps taps_;                  // the layers asked for; their graph outputs in the step graph
+    std::vector<float> tapped_;  // rows of positions tapped_pos_ .. (set_taps)
+    int64_t tapped_pos_ = 0;
 };
 
 

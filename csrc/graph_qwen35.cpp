@@ -127,6 +127,8 @@ ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos, const
                            (float)hp.rope_beta_slow);
 }
 
+}  // namespace
+
 // k_cache, v_cache: the sequence's own (one sequence) or every slot's (in.n_seqs > 0, StatePool).
 ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
                               ggml_tensor * k_cache, ggml_tensor * v_cache, int64_t n_ctx_slot, ggml_tensor * x,
@@ -182,6 +184,8 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
     out = ggml_mul(ctx, out, ggml_sigmoid(ctx, ggml_reshape_2d(ctx, ggml_cont(ctx, gate), H * D, T)));
     return ggml_mul_mat(ctx, l.wo, out);
 }
+
+namespace {
 
 ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
                               const StatePool & pool, const SequenceState & st, int il, ggml_tensor * x,
@@ -273,6 +277,8 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     return ggml_mul_mat(ctx, l.ssm_out, gated);
 }
 
+}  // namespace
+
 ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeights & l, ggml_tensor * x,
                          const FoldInput & fold_input) {
     // One token: two products, which ggml-cuda fuses with the SwiGLU into one mat-vec. A batch:
@@ -293,11 +299,10 @@ ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeight
     return ggml_mul_mat(ctx, l.ffn_down, h);
 }
 
-}  // namespace
-
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
                            const StatePool & pool, const SequenceState & st, const StepInputs & in,
-                           int64_t n_logit_rows, const FoldInput & fold_input, VerifyStates * verify) {
+                           int64_t n_logit_rows, const FoldInput & fold_input, VerifyStates * verify,
+                           Taps * taps) {
     if (in.n_seqs > 0 && (in.keep_states || in.n_tokens % in.n_seqs != 0 || (n_logit_rows != 0 && n_logit_rows != in.n_tokens))) {
         throw std::logic_error("build_qwen35: rows of several sequences: equal rows per sequence, logits of every row or none, no verify");
     }
@@ -310,6 +315,17 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
     }
     const float eps = hp.rms_eps;
     ggml_tensor * x = ggml_get_rows(ctx, w.token_embd, in.tokens);  // {E, T}
+    // a tapped hidden state: a graph output, so the allocator leaves it for the caller to read
+    auto tap = [&](int il, ggml_tensor * h) {
+        if (!taps) return;
+        for (size_t i = 0; i < taps->layers.size(); ++i) {
+            if (taps->layers[i] != il) continue;
+            ggml_set_output(h);
+            ggml_build_forward_expand(gf, h);
+            taps->out[i] = h;
+        }
+    };
+    if (taps) taps->out.assign(taps->layers.size(), nullptr);
 
     for (int il = 0; il < hp.n_layer; ++il) {
         const LayerWeights & l = w.layers[il];
@@ -323,6 +339,10 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
         x = residual_add(ctx, fold_input, x, mixed);
         ggml_tensor * h = input_norm(ctx, x, l.post_norm, eps, fold_input, {l.ffn_gate, l.ffn_up});
         x = residual_add(ctx, fold_input, x, swiglu_ffn(ctx, gf, l, h, fold_input));
+        tap(il, x);
+    }
+    if (taps && std::find(taps->layers.begin(), taps->layers.end(), hp.n_layer) != taps->layers.end()) {
+        tap(hp.n_layer, rms_norm(ctx, x, w.output_norm, eps));  // every row, whatever the head reads
     }
 
     // A prefill micro-batch whose logits nobody reads skips the head (n_vocab x E per row).

@@ -71,14 +71,34 @@ struct VerifyStates {
 // Empty: no folding.
 using FoldInput = std::function<bool(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights)>;
 
+// Hidden states returned for every row of a one-sequence step (drafters that read the target:
+// MTP reads the final normed hidden state, DFlash the outputs of chosen layers). A layer id il in
+// [0, n_layer) is that decoder layer's output (the residual stream after it, HF's
+// hidden_states[il + 1]); il == n_layer is the final normed hidden state, what the LM head reads
+// (llama.cpp's t_h_nextn). build_qwen35 fills `out` with one graph output {E, T} per id.
+struct Taps {
+    std::vector<int> layers;
+    std::vector<ggml_tensor *> out;
+};
+
 // Builds the graph into gf; returns logits {n_vocab, n_logit_rows} of the batch's last rows
 // (n_logit_rows 1: the last token; T: every token; 0: no LM head at all, nullptr is returned).
 // The graph also writes the new KV rows, conv windows and DeltaNet states into `st` (one sequence)
 // or into `pool` (in.n_seqs > 0); for a verify batch (in.keep_states, one sequence) it fills
-// `verify` (not null then).
+// `verify` (not null then). `taps` (optional, one sequence) receives the tapped hidden states.
 ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const ModelWeights & w,
                            const StatePool & pool, const SequenceState & st, const StepInputs & in,
                            int64_t n_logit_rows,
-                           const FoldInput & fold_input = nullptr, VerifyStates * verify = nullptr);
+                           const FoldInput & fold_input = nullptr, VerifyStates * verify = nullptr,
+                           Taps * taps = nullptr);
+
+// Blocks the MTP head's graph (graph_mtp.cpp) shares with the trunk: a gated full-attention
+// layer's mixer over the rows of `in` (x: its normed input {E, T}; the new K/V rows are written
+// to k_cache / v_cache, which hold n_ctx_slot rows per slot) and a SwiGLU FFN.
+ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
+                              ggml_tensor * k_cache, ggml_tensor * v_cache, int64_t n_ctx_slot, ggml_tensor * x,
+                              const StepInputs & in);
+ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeights & l, ggml_tensor * x,
+                         const FoldInput & fold_input);
 
 }  // namespace deltaspec

@@ -3,7 +3,7 @@
 from .batch_invariance import batch_invariant
 from .errors import DeltaspecError
 
-__all__ = ["Model", "DeltaspecError", "batch_invariant"]
+__all__ = ["Model", "Drafter", "DeltaspecError", "batch_invariant"]
 __version__ = "0.1.0"
 
 
@@ -14,4 +14,8 @@ def __getattr__(name: str):
         from .model import Model
 
         return Model
+    if name == "Drafter":
+        from .dflash import Drafter
+
+        return Drafter
     raise AttributeError(f"module 'deltaspec' has no attribute {name!r}")

@@ -9,6 +9,7 @@ listed in `dflash.target_layers` (HF `target_layer_ids` + 1), concatenated per p
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -106,9 +107,11 @@ def read_dflash_hparams(f: GGUFFile, target_hp: Any, target_vocab: int) -> Any:
         raise bad(f"{ARCH}.embedding_length = {hp.n_embd}, but the target's hidden size is {target_hp.n_embd}: "
                   "this drafter was made for another target")
     for layer in hp.target_layers:
-        if not 0 <= layer <= target_hp.n_layer:
+        # L is the residual stream entering layer L, i.e. layer L-1's output (the embedding output,
+        # L = 0, is not a hidden state the target returns)
+        if not 1 <= layer <= target_hp.n_layer:
             raise bad(f"{ARCH}.target_layers = {hp.target_layers}: layer {layer} is not a layer input of the "
-                      f"target's {target_hp.n_layer} layers (0 .. {target_hp.n_layer})")
+                      f"target's {target_hp.n_layer} layers (1 .. {target_hp.n_layer})")
     if not 0 <= hp.mask_token < target_vocab:
         raise bad(f"tokenizer.ggml.mask_token_id = {hp.mask_token} is outside the target's vocabulary of {target_vocab}")
     tokens = md.get("tokenizer.ggml.tokens")
@@ -178,11 +181,29 @@ class Drafter:
         """Forget the context rows at positions >= n."""
         self._core.truncate(int(n))
 
-    def block_logits(self, anchor: int) -> np.ndarray:
-        """Logits (block_size - 1, n_vocab) of the block [anchor, mask, ...] placed after the cached
-        context: row i predicts the token i + 1 places after the anchor."""
-        return self._core.block_logits(int(anchor))
+    def read_context(self, ids: Sequence[int]) -> None:
+        """The target reads `ids` as a fresh sequence (its own state is reset) and the features it
+        computes become the drafter's whole context."""
+        arr = self.target._token_array(ids, allow_empty=True)
+        with self.target._busy:
+            self._core.read_context(arr)
 
-    def block_top1(self, anchor: int) -> list[int]:
-        """The argmax of every predicted slot (the chain draft)."""
-        return list(self._core.block_top1(int(anchor)))
+    def block_logits(self, ids: int | Sequence[int]) -> np.ndarray:
+        """Logits (block_size - 1, n_vocab) of one block: row i predicts the token i + 1 places after
+        the anchor. `ids`: committed token ids (the target reads all but the last, whose features
+        become the context; the last is the anchor), or one anchor id placed after the context
+        already held (inject / read_context)."""
+        return self._core.block_logits(self._anchor(ids))
+
+    def block_top1(self, ids: int | Sequence[int]) -> list[int]:
+        """The argmax of every predicted slot (the chain draft), as block_logits takes `ids`."""
+        return list(self._core.block_top1(self._anchor(ids)))
+
+    def _anchor(self, ids: int | Sequence[int]) -> int:
+        if isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
+            return int(ids)
+        ids = list(ids)
+        if not ids:
+            raise ValueError("ids must hold at least the anchor token")
+        self.read_context(ids[:-1])
+        return int(ids[-1])

@@ -69,13 +69,14 @@ class GenerationResult:
 
 @dataclass
 class Speculation:
-    """How to draft: `draft` is a Model (spec_type "draft-simple") or None for prompt lookup
-    ("ngram-simple")."""
+    """How to draft: `draft` is a Model (spec_type "draft-simple"), a DFlash Drafter ("dflash") or
+    None for prompt lookup ("ngram-simple")."""
 
     draft: object | None
     n_max: int = 16
     n_min: int = 0
     ngram_max: int = 3
+    dflash: bool = False  # draft is a deltaspec.dflash.Drafter (spec_type "dflash")
 
 
 @dataclass
@@ -216,6 +217,9 @@ class Generator:
         if spec.draft is None:
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
                                                eog, stop, spec.n_max, spec.n_min, callback)
+        if spec.dflash:  # a deltaspec.dflash.Drafter on this model's engine
+            return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
+                                               eog, stop, spec.n_max, spec.n_min, callback, dflash=spec.draft._core)
         with engine_of(spec.draft) as draft:  # the draft model's engine is ours for the whole run too
             return engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,
                                                req.sampling.native(), eog, stop, spec.n_max, spec.n_min, callback)

@@ -28,7 +28,7 @@ MAX_N_CTX = 1 << 24      # as qwen35.context_length; past it the KV arithmetic o
 MAX_N_UBATCH = 1 << 24
 MAX_THREADS = 512        # ggml's GGML_MAX_N_THREADS
 MAX_N_SEQ = 256          # sequence slots; each holds a whole KV cache and recurrent state
-SPEC_TYPES = ("draft-simple", "ngram-simple")
+SPEC_TYPES = ("draft-simple", "ngram-simple", "dflash", "draft-dflash")  # draft-dflash: llama.cpp's name
 SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of Model.metadata
 
 
@@ -414,6 +414,8 @@ class Model:
             if draft_model is not None:
                 raise ValueError("spec_type 'ngram-simple' drafts from the text itself; do not pass draft_model")
             return Speculation(None, n_max, n_min)
+        if spec_type in ("dflash", "draft-dflash"):
+            return self._dflash_speculation(draft_model, n_max, n_min)
         if draft_model is None:
             raise ValueError("spec_type 'draft-simple' needs draft_model (a Model or a GGUF path)")
         if not isinstance(draft_model, (Model, str, os.PathLike)):
@@ -427,6 +429,26 @@ class Model:
             raise ValueError(f"draft model {draft_model.path} has a different vocabulary than {self.path}: "
                              "draft and target must share the tokenizer")
         return Speculation(draft_model, n_max, n_min)
+
+    def _dflash_speculation(self, draft_model, n_max, n_min) -> Speculation:
+        from .dflash import Drafter
+
+        if draft_model is None:
+            raise ValueError("spec_type 'dflash' needs draft_model (a deltaspec.dflash.Drafter or a DFlash GGUF path)")
+        if isinstance(draft_model, (str, os.PathLike)):
+            path = os.fspath(draft_model)
+            cached = self.__dict__.setdefault("_dflash_drafters", {})
+            if path not in cached:
+                cached[path] = Drafter(path, target=self)
+            draft_model = cached[path]
+        if not isinstance(draft_model, Drafter):
+            raise TypeError(f"spec_type 'dflash': draft_model must be a deltaspec.dflash.Drafter or a GGUF path, "
+                            f"got {type(draft_model).__name__} {draft_model!r}")
+        if draft_model.target is not self:
+            raise ValueError(f"the DFlash drafter {draft_model.path} was loaded for another target model")
+        # a block predicts block_size - 1 tokens: longer drafts do not exist (llama.cpp clamps too)
+        n_max = min(n_max, draft_model.block_size - 1)
+        return Speculation(draft_model, n_max, min(n_min, n_max), dflash=True)
 
     def _draft_cache(self, path) -> "Model":
         """A draft Model loaded from a path once and kept with this model."""

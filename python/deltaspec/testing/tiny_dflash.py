@@ -46,8 +46,8 @@ def dflash_config(n_embd: int, n_vocab: int, target_layer_ids: list[int], mask_t
         "num_target_layers": num_target_layers,
         "dflash_config": {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id},
     }
-    if causal is not None:
-        cfg["dflash_config"]["causal"] = causal
+    if causal is not None:  # what DFlashDraftModel reads (llama.cpp's converter: is_causal, else dflash_config.causal)
+        cfg["is_causal"] = causal
     return cfg
 
 
@@ -62,6 +62,8 @@ def build_tiny_dflash(cfg: dict[str, Any], seed: int = 0) -> Any:
     config.dflash_config = cfg["dflash_config"]
     config.block_size = cfg["block_size"]
     config.num_target_layers = cfg["num_target_layers"]
+    if "is_causal" in cfg:
+        config.is_causal = cfg["is_causal"]
     model = DFlashDraftModel(config).float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -74,13 +76,14 @@ def build_tiny_dflash(cfg: dict[str, Any], seed: int = 0) -> Any:
 
 
 def write_dflash_gguf(model: Any, cfg: dict[str, Any], path: str | Path, tokens: list[str] | None = None,
-                      qtype: str = "f32") -> Path:
+                      qtype: str = "f32", arch: str = "dflash", skip: tuple[str, ...] = ()) -> Path:
     """The GGUF llama.cpp's converter would write for `model` (arch dflash, its keys and tensor
-    names); `tokens`, when given, stand for the target's vocabulary copied into the file."""
+    names); `tokens`, when given, stand for the target's vocabulary copied into the file. `arch`
+    and `skip` (GGUF tensor names left out) make broken files for tests."""
     import gguf
 
     path = Path(path)
-    w = gguf.GGUFWriter(str(path), "dflash")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -92,11 +95,11 @@ def write_dflash_gguf(model: Any, cfg: dict[str, Any], path: str | Path, tokens:
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     # the installed gguf-py may predate these keys' helpers: written by name, typed as the tree's helpers do
-    w.add_uint32("dflash.block_size", cfg["block_size"])
-    w.add_array("dflash.target_layers", [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]])
-    if "causal" in cfg["dflash_config"]:
-        w.add_bool("dflash.attention.causal", bool(cfg["dflash_config"]["causal"]))
-    w.add_array("dflash.rope.dimension_sections", [cfg["head_dim"] // 2, 0, 0, 0])
+    w.add_uint32(f"{arch}.block_size", cfg["block_size"])
+    w.add_array(f"{arch}.target_layers", [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]])
+    if "is_causal" in cfg:
+        w.add_bool(f"{arch}.attention.causal", bool(cfg["is_causal"]))
+    w.add_array(f"{arch}.rope.dimension_sections", [cfg["head_dim"] // 2, 0, 0, 0])
     w.add_uint32("tokenizer.ggml.mask_token_id", cfg["dflash_config"]["mask_token_id"])
     if tokens is not None:
         w.add_tokenizer_model("gpt2")
@@ -109,6 +112,8 @@ def write_dflash_gguf(model: Any, cfg: dict[str, Any], path: str | Path, tokens:
         else:
             _, layer, rest = name.split(".", 2)
             out = f"blk.{layer}.{LAYER_TO_GGUF[rest.removesuffix('.weight')]}.weight"
+        if out in skip:
+            continue
         x = p.detach().float().numpy()
         if x.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
             w.add_tensor(out, gguf.quants.quantize(x, quant), raw_dtype=quant)
