@@ -8,6 +8,7 @@
 #include "ggml-alloc.h"
 #include "gguf.h"
 #include "graph_dflash.h"
+#include "graph_qwen35.h"  // set_input
 
 namespace deltaspec {
 
@@ -160,9 +161,9 @@ void DFlashModel::inject(const float * features, int64_t n, int64_t pos0) {
         std::vector<int32_t> pos(n);
         std::vector<int64_t> rows(n);
         for (int64_t i = 0; i < n; ++i) rows[i] = pos[i] = (int32_t)(pos0 + i);
-        ggml_backend_tensor_set(in.features, features, 0, ggml_nbytes(in.features));
-        ggml_backend_tensor_set(in.pos, pos.data(), 0, n * sizeof(int32_t));
-        ggml_backend_tensor_set(in.rows, rows.data(), 0, n * sizeof(int64_t));
+        set_input(in.features, features, ggml_nbytes(in.features));
+        set_input(in.pos, pos.data(), n * sizeof(int32_t));
+        set_input(in.rows, rows.data(), n * sizeof(int64_t));
         if (ggml_backend_sched_graph_compute(sched_, gf) != GGML_STATUS_SUCCESS) {
             throw std::runtime_error("DFlash inject: graph computation failed");
         }
@@ -196,15 +197,15 @@ void DFlashModel::block(int32_t anchor, float * logits, int32_t * top1) {
         std::vector<int64_t> rows(B);
         tokens[0] = anchor;
         for (int64_t i = 0; i < B; ++i) rows[i] = pos[i] = (int32_t)(p0 + i);
-        ggml_backend_tensor_set(in.tokens, tokens.data(), 0, B * sizeof(int32_t));
-        ggml_backend_tensor_set(in.pos, pos.data(), 0, B * sizeof(int32_t));
-        ggml_backend_tensor_set(in.rows, rows.data(), 0, B * sizeof(int64_t));
+        set_input(in.tokens, tokens.data(), B * sizeof(int32_t));
+        set_input(in.pos, pos.data(), B * sizeof(int32_t));
+        set_input(in.rows, rows.data(), B * sizeof(int64_t));
         if (in.mask) {  // causal inside the block: slot i sees the context and slots 0..i
             std::vector<float> mask(n_kv * B);
             for (int64_t i = 0; i < B; ++i) {
                 for (int64_t j = 0; j < n_kv; ++j) mask[i * n_kv + j] = j <= p0 + i ? 0.0f : -INFINITY;
             }
-            ggml_backend_tensor_set(in.mask, mask.data(), 0, mask.size() * sizeof(float));
+            set_input(in.mask, mask.data(), mask.size() * sizeof(float));
         }
         if (ggml_backend_sched_graph_compute(sched_, gf) != GGML_STATUS_SUCCESS) {
             throw std::runtime_error("DFlash block: graph computation failed");

@@ -63,9 +63,9 @@ def test_block_logits_equal_torch(tiny, causal):
     target features, over rounds that extend the context and one that replaces its tail (rejected
     tokens' rows), as the decode loop does.
 
-    Planted bugs, each seen red: RoPE type NORMAL instead of NEOX in graph_dflash.cpp (rel 0.9);
-    the context K without k_norm (rel 0.5); the block's causal mask ignored (causal case only,
-    rel 0.3); inject() keeping n_cached at the old end when rows are replaced (the third round)."""
+    Planted bugs, each seen red: RoPE type NORMAL instead of NEOX in graph_dflash.cpp (rel 0.30);
+    K without its k_norm weight (rel 0.08); the block's causal mask left out (causal case only,
+    rel 0.37); inject() writing rows after the cached ones instead of at pos0 (third round, rel 0.23)."""
     target, embed, head, drafter, _ = tiny
     kw = {} if causal is None else {"causal": causal}
     model, cfg, _, d = drafter(seed=1, block_size=6, **kw)
@@ -87,9 +87,9 @@ def test_block_logits_equal_torch(tiny, causal):
 
 
 def test_quantized_drafters_track_f32(tiny):
-    """F16 and Q8_0 drafter files load and stay near the f32 drafter (the same random weights).
-
-    Planted bug: F16 weights read as if they were F32 (bytes of the wrong type) fails loading."""
+    """F16 and Q8_0 drafter files load and stay near the f32 drafter (the same random weights), and
+    really are quantized (Q8_0 differs from f32). Planted bug: tensor bytes read 32 bytes late
+    (red: the last tensor then ends past the end of the file)."""
     target, embed, head, drafter, _ = tiny
     feats = np.random.default_rng(3).standard_normal((12, 2 * target.hparams.n_embd)).astype(np.float32)
     out = {}
@@ -99,15 +99,16 @@ def test_quantized_drafters_track_f32(tiny):
         d.inject(feats)
         out[qtype] = d.block_logits(11)
     assert _rel(out["f16"], out["f32"]) < 5e-3
-    assert _rel(out["q8_0"], out["f32"]) < 5e-2
+    assert 1e-4 < _rel(out["q8_0"], out["f32"]) < 5e-2
 
 
 def test_greedy_speculation_equals_plain_decoding(tiny):
     """spec_type "dflash": greedy output equals plain greedy on every prompt, drafts were proposed
     and some accepted (so keep() after partial acceptance and the taps of verify batches ran).
 
-    Planted bug: DFlashDrafter injecting the tapped rows one position late (pos + 1) raises its
-    context check; not clearing the target's tapped rows after injecting them raised too."""
+    Planted bug: DFlashDrafter injecting the tapped rows one position late (pos + 1): red (the
+    drafter's cache no longer continues). The closing check compares the cache the loop left with
+    a fresh read of the committed tokens."""
     target, *_, drafter, _ = tiny
     *_, d = drafter(seed=3)
     rng = np.random.default_rng(11)

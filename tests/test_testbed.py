@@ -275,8 +275,8 @@ def test_dflash_gguf_from_llama_cpp_drafts_as_torch(smoke):
     features deltaspec's target taps itself (Drafter.block_logits(ids)) gives the torch
     DFlashDraftModel's logits when that is fed transformers' hidden_states at target_layer_ids
     (the +1 offset of extract_context_feature): the same top-1 chain, logits within f16 rounding.
-    Seen to fail with the taps one layer too deep (L instead of L-1 in dflash_taps: rel 0.05, 3 of
-    7 argmaxes moved)."""
+    Seen to fail with the taps one layer too deep (L instead of L-1 in dflash_taps) and with the
+    head reading block slots 0..B-2 instead of 1..B-1."""
     import acceptance
     from dflash.model import extract_context_feature
 
@@ -302,8 +302,8 @@ def test_dflash_gguf_from_llama_cpp_drafts_as_torch(smoke):
 def test_reference_dflash_chain_matches_deltaspec(smoke):
     """The torch reference's DFlash chain (block - 1 drafts a round, greedy) and deltaspec's
     spec_type "dflash" with draft_n_min = draft_n_max = block - 1 commit the same tokens in the same
-    number of target passes. Seen to fail with DFlashDrafter proposing block_size tokens' worth of
-    slots shifted by one (top1 from slot 0): steps 20 vs 21."""
+    number of target passes. Seen to fail with the head reading block slots 0..B-2 instead of
+    1..B-1 (graph_dflash.cpp)."""
     import acceptance
     import deltaspec
     target, draft, dflash, mtp = acceptance.load_torch_models(smoke, torch.device("cpu"))
