@@ -166,3 +166,26 @@ def test_refuses_drafters_that_do_not_fit(tiny, tmp_path):
     for path, exc, words in cases:
         with pytest.raises(exc, match=words):
             Drafter(path, target=target)
+
+
+def test_cli_dflash_text_unchanged(tiny):
+    """`deltaspec run -md D.gguf --spec-type dflash` prints the text plain greedy prints and reports
+    drafting; without -md it exits 2 naming --spec-type. Seen to fail with generation.py sending
+    spec_type "dflash" down the draft-model path (the CLI then exits with an error)."""
+    import subprocess
+    import sys
+
+    target, *_, drafter, _ = tiny
+    *_, path, _ = drafter(seed=3)
+    base = ["-m", target.path, "-p", "the cat sat on the mat", "-n", "24", "--temp", "0", "-t", "1", "-c", "256"]
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "deltaspec", "run", *base, *extra], capture_output=True,
+                              text=True, encoding="utf-8", errors="replace", timeout=120)
+
+    plain, fast = run(), run("-md", str(path), "--spec-type", "dflash", "--spec-draft-n-min", "7")
+    assert plain.returncode == 0 and fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout and len(plain.stdout) > 30
+    assert "drafted" in fast.stderr.strip().splitlines()[-1]
+    bad = run("--spec-type", "dflash")
+    assert bad.returncode == 2 and "--spec-type" in bad.stderr
