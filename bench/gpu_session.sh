@@ -29,7 +29,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify profile
+# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify mtp profile
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -123,6 +123,17 @@ if has_step ab; then
             --out /tmp/ab.json 2>&1 | grep "tok/s" | sed "s/^ */[$config] /" | tee -a "$OUT/ab.md" \
             || echo "[$config] failed" | tee -a "$OUT/ab.md"
     done
+fi
+if has_step mtp; then  # MTP rounds, N = 1..5 drafts, on the synthetic 27B with an MTP layer, beside llama.cpp's draft-mtp
+    if [[ ! -f /tmp/q27mtp.gguf ]]; then
+        t0=$(date +%s)
+        python3 -m deltaspec synth /tmp/q27mtp.gguf.part --preset 27b --quant q4_k_m --mtp > "$OUT/synth_mtp.log" 2>&1 \
+            && mv /tmp/q27mtp.gguf.part /tmp/q27mtp.gguf
+        echo "synth 27B q4_k_m + MTP: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/synth_mtp.log"
+    fi
+    wait_for_stock_build
+    python3 "$REPO/bench/mtp_bench.py" /tmp/q27mtp.gguf --device cuda --llama-build "$STOCK_BUILD" \
+        --out "$OUT/mtp_bench.json" | tee "$OUT/mtp_bench.md"
 fi
 if has_step verify; then
     python3 "$REPO/bench/verify_cost.py" /tmp/q27.gguf --device cuda --out "$OUT/verify_cost.json" \

@@ -12,6 +12,7 @@
 #include "dflash_drafter.h"
 #include "engine.h"
 #include "generate.h"
+#include "mtp_drafter.h"
 #include "scheduler.h"
 #include "ggml_log.h"
 #include "rows_op_bindings.h"
@@ -38,6 +39,7 @@ struct Runner {
     PieceTable pieces;
     std::atomic<bool> cancel{false};
     std::unique_ptr<Scheduler> scheduler;  // created by the first add_request
+    std::unique_ptr<MtpHead> mtp;          // the MTP head run on its own (mtp_eval), made on first use
 
     // The engine for a one-sequence call (slot 0); refused while scheduled requests hold slots.
     Engine & single() {
@@ -104,7 +106,7 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
                           std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
-                          py::object dflash) {
+                          bool mtp, py::object dflash) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
@@ -116,16 +118,22 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     SpecStats stats;
     GenerateResult res;
     DFlashModel * dm = dflash.is_none() ? nullptr : &dflash.cast<DFlashModel &>();
+    int64_t n_mtp_steps = 0;
     {
         py::gil_scoped_release release;
         r.single().ensure_slots(n_max + 1);
         std::unique_ptr<Drafter> drafter;
+        std::unique_ptr<MtpDrafter> mtp_drafter;
         if (dm) {
             if (&dm->target() != r.engine.get()) throw std::invalid_argument("the DFlash drafter belongs to another target");
             // a pass reads the drafter's weights and the target's LM head
             const double pass_cost = (double)(dm->weight_bytes() + ggml_nbytes(r.engine->weights().output)) /
                                      (double)r.engine->step_weight_bytes();
             drafter = std::make_unique<DFlashDrafter>(*dm, *r.engine, pass_cost);
+        } else if (mtp) {
+            SamplingParams ds = sampling;
+            ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
+            mtp_drafter = std::make_unique<MtpDrafter>(*r.engine, ds);
         } else if (draft) {
             draft->single().ensure_slots(1);
             SamplingParams ds = sampling;
@@ -135,7 +143,9 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
         } else {
             drafter = std::make_unique<NgramDrafter>(ngram_max);
         }
-        res = generate_speculative(*r.engine, *drafter, r.pieces, req, spec, r.cancel, on_token, stats);
+        res = generate_speculative(*r.engine, mtp_drafter ? *mtp_drafter : *drafter, r.pieces, req, spec, r.cancel,
+                                   on_token, stats);
+        if (mtp_drafter) n_mtp_steps = mtp_drafter->n_head_steps();
     }
     py::dict out = result_dict(res);
     out["n_steps"] = stats.n_steps;
@@ -144,6 +154,7 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     out["draft_seconds"] = stats.draft_seconds;
     out["verify_seconds"] = stats.verify_seconds;
     out["rollback_seconds"] = stats.rollback_seconds;
+    if (mtp) out["n_mtp_steps"] = n_mtp_steps;
     return out;
 }
 
@@ -482,8 +493,47 @@ PYBIND11_MODULE(_core, m) {
              "Prefill a fresh sequence with prompt, then sample until a stop condition.")
         .def("generate_speculative", &generate_spec_py, py::arg("draft"), py::arg("ngram_max"), py::arg("prompt"),
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
-             py::arg("n_min"), py::arg("callback") = py::none(), py::arg("dflash") = py::none(),
-             "Draft-verify generation with a draft model (draft), a DFlash drafter (dflash) or prompt lookup.")
+             py::arg("n_min"), py::arg("callback") = py::none(), py::arg("mtp") = false, py::arg("dflash") = py::none(),
+             "Draft-verify generation with a draft model (draft), the model's MTP head (mtp=True), a DFlash "
+             "drafter (dflash) or prompt lookup (draft=None).")
+        .def("set_taps", [](Runner & r, std::vector<int> layers) { r.single().set_taps(layers); }, py::arg("layers"),
+             "Hidden states to return per row (layer ids; n_layer = the final normed hidden): see tapped.")
+        .def_property_readonly("tapped", [](Runner & r) {
+                 const Engine & e = *r.engine;
+                 const int64_t n_taps = (int64_t)e.taps().size(), E = e.hparams().n_embd;
+                 py::array_t<float> out({e.n_tapped_rows(), n_taps, E});
+                 std::copy(e.tapped().begin(), e.tapped().end(), out.mutable_data());
+                 return out;
+             }, "(rows, taps, n_embd) float32: the tapped hidden states of positions tapped_pos ..")
+        .def_property_readonly("tapped_pos", [](Runner & r) { return r.engine->tapped_pos(); })
+        .def("clear_tapped", [](Runner & r) { r.single().clear_tapped(); })
+        .def_property_readonly("has_mtp", [](Runner & r) { return r.engine->weights().mtp.present(); },
+                               "Whether the file has an MTP layer (loaded with the model).")
+        .def("mtp_reset", [](Runner & r) {
+                 if (!r.mtp) r.mtp = std::make_unique<MtpHead>(*r.engine, r.engine->n_ctx());
+                 r.mtp->set_n_past(0);
+             }, "Start the MTP head's own sequence (mtp_eval) empty.")
+        .def("mtp_eval", [](Runner & r, Tokens tokens,
+                            py::array_t<float, py::array::c_style | py::array::forcecast> hidden) {
+                 const int64_t T = tokens.shape(0), E = r.engine->hparams().n_embd;
+                 if (tokens.ndim() != 1 || hidden.ndim() != 2 || hidden.shape(0) != T || hidden.shape(1) != E) {
+                     throw std::invalid_argument("mtp_eval: tokens (T,) and hidden (T, n_embd) float32");
+                 }
+                 if (!r.mtp) r.mtp = std::make_unique<MtpHead>(*r.engine, r.engine->n_ctx());
+                 py::array_t<float> logits({T, r.engine->hparams().n_vocab});
+                 py::array_t<float> h_out({T, E});
+                 const int32_t * ids = tokens.data();
+                 const float * h = hidden.data();
+                 float * lp = logits.mutable_data();
+                 float * hp = h_out.mutable_data();
+                 {
+                     py::gil_scoped_release release;
+                     r.mtp->eval(ids, h, T, LogitsWanted::all, lp, hp);
+                 }
+                 return py::make_tuple(logits, h_out);
+             }, py::arg("tokens"), py::arg("hidden"),
+             "MTP head rows (token, hidden of the position before it) appended to its own sequence: "
+             "(logits (T, n_vocab), the head's output hidden (T, n_embd)).")
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
         .def("eval_verify", [](Runner & r, Tokens tokens) {
                  return verify(r, tokens, {tokens.shape(0), r.engine->hparams().n_vocab}, &Engine::eval_verify);

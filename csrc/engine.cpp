@@ -82,7 +82,8 @@ Engine::~Engine() {
 }
 
 size_t Engine::step_weight_bytes() const {
-    const size_t all = ggml_backend_buffer_get_size(weights_.buffer);
+    // the MTP head's own weights are not read by a target step
+    const size_t all = ggml_backend_buffer_get_size(weights_.buffer) - weights_.mtp.bytes;
     return weights_.output == weights_.token_embd ? all : all - ggml_nbytes(weights_.token_embd);
 }
 

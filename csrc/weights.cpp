@@ -112,6 +112,12 @@ class Binder {
     }
 
     bool has(const std::string & name) const { return ggml_get_tensor(file_.meta, name.c_str()) != nullptr; }
+    // ne[dim] of the file's tensor `name` (throws naming it when it is missing)
+    int64_t ne(const std::string & name, int dim) const {
+        const ggml_tensor * t = ggml_get_tensor(file_.meta, name.c_str());
+        if (!t) throw std::runtime_error(path_ + ": tensor '" + name + "' is missing");
+        return t->ne[dim];
+    }
 
     // Copies every bound tensor's bytes; `progress` (optional) hears (done, total) in bytes, throttled
     // to a call per 1% of the total plus the first and the last.
@@ -167,6 +173,40 @@ class Binder {
 };
 
 std::string blk(int il, const char * name) { return "blk." + std::to_string(il) + "." + name; }
+
+// The first MTP layer (Qwen3.5 has one): block n_layer, bound unstacked (the head is small and
+// runs apart from the trunk).
+void bind_mtp(Binder & b, ModelWeights & w, const HParams & hp) {
+    const int il = (int)hp.n_layer;
+    const int64_t E = hp.n_embd, V = hp.n_vocab, D = hp.head_dim, H = hp.n_head, Hkv = hp.n_head_kv;
+    MtpWeights & m = w.mtp;
+    LayerWeights & l = m.block;
+    std::vector<ggml_tensor *> own;
+    auto bind = [&](const char * name, const std::vector<int64_t> & shape) {
+        own.push_back(b.bind(blk(il, name), shape));
+        return own.back();
+    };
+    l.attn_norm = bind("attn_norm.weight", {E});
+    l.post_norm = bind("post_attention_norm.weight", {E});
+    l.wq = bind("attn_q.weight", {E, 2 * H * D});
+    l.wk = bind("attn_k.weight", {E, Hkv * D});
+    l.wv = bind("attn_v.weight", {E, Hkv * D});
+    l.wo = bind("attn_output.weight", {H * D, E});
+    l.q_norm = bind("attn_q_norm.weight", {D});
+    l.k_norm = bind("attn_k_norm.weight", {D});
+    l.ffn_up = b.bind(blk(il, "ffn_up.weight"), {E, b.ne(blk(il, "ffn_up.weight"), 1)});
+    own.push_back(l.ffn_up);
+    l.ffn_gate = bind("ffn_gate.weight", {E, l.ffn_up->ne[1]});
+    l.ffn_down = bind("ffn_down.weight", {l.ffn_up->ne[1], E});
+    m.eh_proj = bind("nextn.eh_proj.weight", {2 * E, E});
+    m.enorm = bind("nextn.enorm.weight", {E});
+    m.hnorm = bind("nextn.hnorm.weight", {E});
+    m.embed = b.has(blk(il, "nextn.embed_tokens.weight")) ? bind("nextn.embed_tokens.weight", {E, V}) : w.token_embd;
+    m.head_norm = b.has(blk(il, "nextn.shared_head_norm.weight")) ? bind("nextn.shared_head_norm.weight", {E}) : w.output_norm;
+    m.head = b.has(blk(il, "nextn.shared_head_head.weight")) ? bind("nextn.shared_head_head.weight", {E, V}) : w.output;
+    m.bytes = 0;
+    for (ggml_tensor * t : own) m.bytes += ggml_nbytes(t);
+}
 
 }  // namespace
 
@@ -244,6 +284,8 @@ void load_weights(ModelWeights & w, const std::string & path, const HParams & hp
             l.k_norm = b.bind(blk(il, "attn_k_norm.weight"), {D});
         }
     }
+
+    if (hp.n_layer_nextn > 0) bind_mtp(b, w, hp);
 
     w.buffer = ggml_backend_alloc_ctx_tensors(w.ctx, backend);
     if (!w.buffer) throw std::runtime_error(path + ": cannot allocate the weight buffer (out of memory?)");

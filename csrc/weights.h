@@ -39,11 +39,29 @@ struct LayerWeights {
     ggml_tensor * ssm_out = nullptr;    // {Hv*S, E}
 };
 
+// The MTP (NextN) head stored after the trunk as block n_layer (llama.cpp's blk.{n_layer}.nextn.*):
+// one gated full-attention block over eh_proj(concat(enorm(embedding), hnorm(hidden))), then a
+// norm and the LM head. embed, head_norm and head are the trunk's token_embd, output_norm and
+// output unless the file has the block's own.
+struct MtpWeights {
+    LayerWeights block;                 // attention + FFN, as a full-attention trunk layer
+    ggml_tensor * eh_proj = nullptr;    // {2E, E}: input [embedding | hidden] -> E
+    ggml_tensor * enorm = nullptr;      // {E}, 1+w
+    ggml_tensor * hnorm = nullptr;      // {E}, 1+w
+    ggml_tensor * embed = nullptr;      // {E, n_vocab}
+    ggml_tensor * head_norm = nullptr;  // {E}, 1+w
+    ggml_tensor * head = nullptr;       // {E, n_vocab}
+    size_t bytes = 0;                   // the head's own tensors (not those it shares with the trunk)
+
+    bool present() const { return eh_proj != nullptr; }
+};
+
 struct ModelWeights {
     ggml_tensor * token_embd = nullptr; // {E, n_vocab}
     ggml_tensor * output_norm = nullptr;
     ggml_tensor * output = nullptr;     // {E, n_vocab}; == token_embd when tied
     std::vector<LayerWeights> layers;
+    MtpWeights mtp;                     // present() when the file has an MTP layer
 
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buffer = nullptr;
@@ -68,7 +86,8 @@ std::vector<std::string> weight_buffer_types(const ModelWeights & w);
 // its parts in row order.
 std::vector<std::vector<std::string>> weight_stacks(const ModelWeights & w);
 
-// Reads the tensors the graph needs from `path` into a buffer of `backend`. Throws
+// Reads the tensors the graph needs from `path`, and the MTP layer when the file has one
+// (hp.n_layer_nextn > 0) into a buffer of `backend`. Throws
 // std::runtime_error naming the tensor when the file disagrees with `hp`.
 //
 // With `stack_shared_inputs`, the projections of one layer that multiply the same input (DeltaNet

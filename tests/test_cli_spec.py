@@ -47,6 +47,7 @@ def test_greedy_text_unchanged(models, spec):
 
 @pytest.mark.parametrize("extra,flag", [
     (["--spec-type", "ngram-simple", "-md", "TARGET"], "--spec-type"),
+    (["--spec-type", "mtp", "-md", "TARGET"], "--spec-type"),
     (["-md", "TARGET", "--spec-draft-n-min", "5", "--spec-draft-n-max", "3"], "--spec-draft-n-min"),
     (["--spec-type", "draft-simple"], "--spec-type"),
     (["--spec-type", "ngram-simple", "--spec-draft-n-max", "0"], "--spec-draft-n-max"),
@@ -62,3 +63,17 @@ def test_bad_combination_exits_2(models, extra, flag):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], r.stderr
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize("name", ["mtp", "draft-mtp"])
+def test_mtp_spec_type(tmp_path, name):
+    """--spec-type mtp (llama.cpp's name: draft-mtp) drafts with the file's own MTP layer: here an
+    oracle head (tiny_vocab's mtp with branch_scale 0), so the text is unchanged and every draft is
+    accepted."""
+    path = write_tiny_vocab_model(tmp_path / "mtp.gguf", seed=0, branch_scale=0.0, mtp=True)
+    plain = run_cli("-m", path, *BASE)
+    fast = run_cli("-m", path, *BASE, "--spec-type", name, "--spec-draft-n-min", "1")
+    assert plain.returncode == 0 and fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout and len(plain.stdout) > len(PROMPT)
+    timing = fast.stderr.strip().splitlines()[-1]
+    assert "drafted" in timing and "(100.0%)" in timing, timing

@@ -5,7 +5,8 @@ Every run generates 4 tokens with draft_n_min=1. The first comes from the prefil
 only be for tokens 2 and 3 (the drafts of a round stop one short of max_tokens, so token 4 is a
 bonus or a plain step), and there the accept rule (accept d with min(1, p(d)/q(d)), on rejection
 draw from norm(max(0, p - q))) decides what is emitted. A draft model drafts in every run; prompt
-lookup where the prompt holds a match, which `lookup_prompt` arranges for the likely tokens. The empirical distributions of
+lookup where the prompt holds a match, which `lookup_prompt` arranges for the likely tokens; the
+model's own MTP head (spec_type "mtp") in every run. The empirical distributions of
 tokens 2 and 3 over many seeds are compared (chi-square) with their exact marginals given the
 prompt, computed here by enumerating every prefix the sampler can produce (the truncation keeps
 that support small) with the target's logits and an independent numpy implementation of the
@@ -37,6 +38,7 @@ CASES = {
     "ngram-T1-min_p": ("ngram", dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.05)),
     "ngram-T0.7-top_k-top_p": ("ngram", dict(temperature=0.7, top_k=8, top_p=0.9, min_p=0.0)),
     "ngram-T1-penalties": ("ngram", dict(temperature=1.0, top_k=12, top_p=1.0, min_p=0.0) | PENALTIES),
+    "mtp-T1-top_p": ("mtp", dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0)),
 }
 
 
@@ -123,16 +125,30 @@ def sample(model: Model, prompt: list[int], params: dict, spec: dict) -> tuple[d
                         runs_drafting=runs_drafting / N_SEEDS, runs_past_1=runs_past_1 / N_SEEDS)
 
 
-def setup_case(name: str, model_pair, markov):
+@pytest.fixture(scope="module")
+def markov_mtp(tmp_path_factory):
+    """The Markov model with an MTP layer (its trunk is `markov`'s: the MTP weights are drawn after
+    it) whose head mixes in the hidden state and whose head norm is doubled: drafts agree with the
+    target in part, and too sharply, so both outcomes of the accept rule are common."""
+    path = tmp_path_factory.mktemp("specsample") / "markov-mtp.gguf"
+    write_tiny_vocab_model(path, seed=0, branch_scale=0.0, mtp=True, mtp_hidden_scale=0.3,
+                           weight_map=lambda name, x: x * 2.0 if name.endswith("nextn.shared_head_norm.weight") else x)
+    with Model(path, n_ctx=128, n_threads=1) as m:
+        yield m
+
+
+def setup_case(name: str, model_pair, markov, markov_mtp=None):
     drafter, params = CASES[name]
     if drafter == "model":
         target, draft = model_pair
         return target, [72, 101, 108, 108, 111, 32], params, dict(draft_model=draft)
+    if drafter == "mtp":  # the model's own MTP head drafts
+        return markov_mtp, [72, 101, 108, 108, 111, 32], params, dict(spec_type="mtp")
     return markov, lookup_prompt(markov, 72, params), params, dict(spec_type="ngram-simple")
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_drafted_tokens_have_exact_marginals(name, model_pair, markov, monkeypatch):
+def test_drafted_tokens_have_exact_marginals(name, model_pair, markov, markov_mtp, monkeypatch):
     """Tokens 2 and 3 of drafted runs follow the exact marginals. Planted bug: with
     DELTASPEC_TEST_WRONG_SPEC_RULE=residual (a rejected draft replaced by a draw from p instead of
     norm(max(0, p - q))) the same seeds give distributions the test rejects; with it exported for
@@ -145,14 +161,14 @@ def test_drafted_tokens_have_exact_marginals(name, model_pair, markov, monkeypat
       ngram-T0.7-top_k-top_p  0.08 / 0.03   1e-48 / 2e-40
       ngram-T1-penalties      0.25 / 0.41   2e-34 / 9e-19
     """
-    model, prompt, params, spec = setup_case(name, model_pair, markov)
+    model, prompt, params, spec = setup_case(name, model_pair, markov, markov_mtp)
     exact = exact_marginals(model, prompt, params)
     counts, stats = sample(model, prompt, params, spec)
     print(name, stats)
     assert stats["drafted"] > 0 and stats["accepted"] > 0 and stats["rejected"] > 0
     # both outcomes of the rule are common at the compared positions, the only ones drafted
     assert stats["runs_accepting"] > 0.1 and stats["runs_rejecting"] > 0.1
-    if "draft_model" in spec:  # every run that went on after token 1 drafted
+    if "draft_model" in spec or "spec_type" in spec and spec["spec_type"] == "mtp":  # every run past token 1 drafted
         assert stats["runs_drafting"] == stats["runs_past_1"]
     else:
         assert stats["runs_drafting"] > 0.5

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from deltaspec import synth
+from deltaspec import Model, synth
 from deltaspec.cli import main as cli_main
 from deltaspec.gguf_file import read_gguf
+from deltaspec.info import describe
 from deltaspec.synth import PRESETS, SynthError, tensor_plan, write_synthetic_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.peers
@@ -147,7 +148,8 @@ def test_q4_k_m_mix_27b():
 
 
 def test_mtp_layer(tmp_path):
-    """The MTP (NextN) layer the converter exports by default: stored after the trunk, not run."""
+    """The MTP (NextN) layer the converter exports by default: stored after the trunk, loaded with
+    the model, said by `deltaspec info`, and drafting losslessly (spec_type "mtp")."""
     plan = tensor_plan("_tiny", "q4_k_m", mtp=True)
     names = [t.name for t in plan]
     assert "blk.4.nextn.eh_proj.weight" in names and "blk.4.attn_q.weight" in names
@@ -163,6 +165,11 @@ def test_mtp_layer(tmp_path):
     assert f.metadata["tokenizer.chat_template"] == "{{ messages[0].content }}"
     assert [t.name for t in plan] == list(f.tensors)
     check_logits(run_logits(path))
+    assert any(line.startswith("mtp ") and "1 MTP" in line for line in describe(str(path)))
+    with Model(path, n_ctx=256, n_threads=1) as m:
+        plain = m.generate([1, 2, 3, 4], max_tokens=12, temperature=0)
+        fast = m.generate([1, 2, 3, 4], max_tokens=12, temperature=0, spec_type="mtp", draft_n_max=3, draft_n_min=1)
+        assert fast.tokens == plain.tokens and fast.stats.n_drafted > 0
 
 
 def test_bad_arguments(tmp_path, capsys):

@@ -29,23 +29,28 @@ _DRIVER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import convert_hf_to_gguf
-for hf_dir, out, outtype in json.loads(sys.argv[2]):
-    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out, "--outtype", outtype, "--no-mtp"]
+for hf_dir, out, outtype, no_mtp in json.loads(sys.argv[2]):
+    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out, "--outtype", outtype] + (["--no-mtp"] if no_mtp else [])
     convert_hf_to_gguf.main()
 """
 
 
-def run_reference_converter(jobs: list[tuple[Path, Path, str]]) -> None:
-    """Convert each (hf_dir, out_gguf, outtype) with llama.cpp's convert_hf_to_gguf.py --no-mtp.
+def run_reference_converter(jobs: list[tuple]) -> None:
+    """Convert each (hf_dir, out_gguf, outtype[, keep_mtp]) with llama.cpp's convert_hf_to_gguf.py,
+    with `--no-mtp` unless keep_mtp is given and true.
 
-    `--no-mtp` because deltaspec's converter skips MTP tensors (and a checkpoint without MTP
-    tensors or `mtp_num_hidden_layers` makes the reference abort otherwise). The tree's gguf-py is
-    put first on PYTHONPATH, as the script expects.
+    `--no-mtp` by default because a checkpoint without MTP tensors or `mtp_num_hidden_layers` makes
+    the reference abort otherwise (deltaspec's converter then writes no MTP layer either). The
+    tree's gguf-py is put first on PYTHONPATH, as the script expects.
     """
     tree = llama_cpp_tree()
     paths = [str(tree / "gguf-py"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    spec = json.dumps([[str(hf), str(out), outtype] for hf, out, outtype in jobs])
+    # jobs keeping MTP first: --no-mtp sets a class attribute of the converter's model class, which
+    # stays set for the later jobs of the same interpreter
+    rows = sorted(([str(job[0]), str(job[1]), job[2], not (len(job) > 3 and job[3])] for job in jobs),
+                  key=lambda row: row[3])
+    spec = json.dumps(rows)
     proc = subprocess.run([sys.executable, "-c", _DRIVER, str(tree), spec], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:

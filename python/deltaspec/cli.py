@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("hf_dir", help="folder with config.json, *.safetensors and tokenizer files")
     p.add_argument("out", help="output .gguf path")
     p.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
+    p.add_argument("--no-mtp", action="store_true",
+                   help="drop the checkpoint's MTP layer (kept by default, as llama.cpp's converter keeps it)")
     p.set_defaults(run=_run_convert)
 
     p = sub.add_parser("info", help="print a qwen35 GGUF's architecture, sizes and quant mix")
@@ -143,10 +145,12 @@ def _add_run_parser(sub) -> None:
                              "are those of -m alone)")
     g.add_argument("-md", "--model-draft", metavar="FNAME", default=None,
                    help="draft model GGUF (same vocabulary as -m); turns on --spec-type draft-simple")
-    g.add_argument("--spec-type", choices=["draft-simple", "ngram-simple", "dflash", "draft-dflash"], default=None,
+    g.add_argument("--spec-type", choices=["draft-simple", "ngram-simple", "mtp", "draft-mtp", "dflash", "draft-dflash"],
+                   default=None,
                    help="draft-simple: the -md model drafts; ngram-simple: prompt lookup, drafts from the "
-                        "text itself; dflash (llama.cpp: draft-dflash): -md is a DFlash block drafter, one "
-                        "pass drafts a block (default: draft-simple with -md, else no speculation)")
+                        "text itself; mtp (llama.cpp: draft-mtp): the model's own MTP layer drafts; dflash "
+                        "(llama.cpp: draft-dflash): -md is a DFlash block drafter, one pass drafts a block "
+                        "(default: draft-simple with -md, else no speculation)")
     g.add_argument("--spec-draft-n-max", type=int, default=16, metavar="N",
                    help="most tokens drafted per step; the draft length adapts below it (default: %(default)s)")
     g.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N",
@@ -373,6 +377,8 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
         return {}
     if args.spec_type == "ngram-simple" and args.model_draft is not None:
         raise RunError("--spec-type: ngram-simple drafts from the text itself; do not pass -md/--model-draft")
+    if args.spec_type in ("mtp", "draft-mtp") and args.model_draft is not None:
+        raise RunError(f"--spec-type: {args.spec_type} drafts with the model's own MTP layer; do not pass -md/--model-draft")
     if args.spec_type in (None, "draft-simple", "dflash", "draft-dflash") and args.model_draft is None:
         raise RunError(f"--spec-type: {args.spec_type or 'draft-simple'} needs a draft model (-md/--model-draft FNAME)")
     for flag, value, lo in (("--spec-draft-n-max", args.spec_draft_n_max, 1),
@@ -556,7 +562,7 @@ def _chat(model, system: str | None, sampling: dict, template_kwargs: dict, log:
 def _run_convert(args: argparse.Namespace) -> int:
     from .convert import convert_hf_to_gguf
 
-    convert_hf_to_gguf(args.hf_dir, args.out, outtype=args.outtype)
+    convert_hf_to_gguf(args.hf_dir, args.out, outtype=args.outtype, mtp=not args.no_mtp)
     return 0
 
 

@@ -1,14 +1,16 @@
 """Convert a Hugging Face Qwen3.5 text checkpoint (safetensors) to a qwen35 GGUF.
 
-The output matches what the pinned llama.cpp `convert_hf_to_gguf.py --no-mtp` writes for the same
-folder: same tensor names, order, shapes, ggml types and bytes, same `qwen35.*` and tokenizer
+The output matches what the pinned llama.cpp `convert_hf_to_gguf.py` writes for the same folder
+(with `--no-mtp` when `mtp=False`): same tensor names, order, shapes, ggml types and bytes, same `qwen35.*` and tokenizer
 metadata (tests/test_convert.py checks this against the real script). Only numpy and the `gguf`
 package are needed; torch is used, when importable, for the one transcendental op (`-exp(A_log)`)
 so its rounding is the reference converter's (a numpy fallback is at most 1 ulp off there).
 
 Tensors are streamed: the tensor table is planned from the safetensors headers, then each tensor is
 read (memory-mapped), transformed and written on its own, so memory stays near the largest tensor.
-MTP (`mtp.*`) and vision tensors are skipped; the GGUF then has no `nextn_predict_layers`.
+The MTP layer (`mtp.*`) is kept as llama.cpp keeps it: `blk.{n_layer}.*` plus `nextn.*`, block_count
+extended and `nextn_predict_layers` written; `mtp=False` drops it (the GGUF then has no
+`nextn_predict_layers`). Vision tensors are skipped.
 """
 
 from __future__ import annotations
@@ -121,11 +123,12 @@ class _Planned:
 
 
 def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str],
-                       outtype: str = "f16", *, progress: bool = False) -> Path:
+                       outtype: str = "f16", *, mtp: bool = True, progress: bool = False) -> Path:
     """Write `out_path` (a qwen35 GGUF) from the Qwen3.5 checkpoint folder `hf_dir`; return its path.
 
     `outtype` is the type of the 2-D weights: "f32", "f16", "bf16" or "q8_0". Norms, `ssm_a`,
-    `ssm_dt.bias` and `ssm_conv1d` stay F32, as llama.cpp's converter keeps them.
+    `ssm_dt.bias` and `ssm_conv1d` stay F32, as llama.cpp's converter keeps them. `mtp`: keep the
+    checkpoint's MTP layer, if it has one (llama.cpp's default; False is its `--no-mtp`).
     Raises `ConversionError` for a missing/unsupported folder, config or tensor.
     """
     if outtype not in OUTTYPES:
@@ -137,8 +140,10 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
     if out.is_dir() or not out.resolve().parent.is_dir():
         raise ConversionError(f"{out}: expected a file path in an existing folder")
     hp = _load_hparams(folder)
+    sources = _index_safetensors(folder)
+    hp["n_mtp"] = _mtp_layer_count(sources, hp) if mtp else 0
     ftype, default_qtype = OUTTYPES[outtype]
-    plan = _plan_tensors(folder, hp, default_qtype)
+    plan = _plan_tensors(folder, hp, sources, default_qtype)
     log = (lambda msg: print(msg, file=sys.stderr)) if progress else (lambda msg: None)
 
     writer = gguf.GGUFWriter(path=None, arch=ARCH)
@@ -223,7 +228,7 @@ def _load_hparams(folder: Path) -> dict[str, Any]:
 def _add_hparams(w: gguf.GGUFWriter, hp: dict[str, Any], ftype: gguf.LlamaFileType) -> None:
     # same keys, values and order as llama.cpp's TextModel / Qwen3NextModel / _Qwen35MRopeMixin
     rope = hp["rope_parameters"]
-    w.add_block_count(hp["num_hidden_layers"])
+    w.add_block_count(hp["num_hidden_layers"] + hp["n_mtp"])
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
     w.add_feed_forward_length(hp["intermediate_size"])
@@ -255,13 +260,16 @@ def _add_hparams(w: gguf.GGUFWriter, hp: dict[str, Any], ftype: gguf.LlamaFileTy
     w.add_key_length(hp["head_dim"])
     w.add_value_length(hp["head_dim"])
     w.add_file_type(ftype)
+    if hp["n_mtp"]:  # llama.cpp's _QwenMtpMixin writes it between the generic and the ssm.* keys
+        w.add_uint32(f"{ARCH}.nextn_predict_layers", hp["n_mtp"])
     w.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
     w.add_ssm_state_size(hp["linear_key_head_dim"])
     w.add_ssm_group_count(hp["linear_num_key_heads"])
     w.add_ssm_time_step_rank(hp["linear_num_value_heads"])
     w.add_ssm_inner_size(hp["linear_value_head_dim"] * hp["linear_num_value_heads"])
     # the PyPI gguf has no add_recurrent_layers yet; the key is llama.cpp's LLM_KV_ATTENTION_RECURRENT_LAYERS
-    w.add_array(f"{ARCH}.attention.recurrent_layers", [t == "linear_attention" for t in hp["layer_types"]])
+    w.add_array(f"{ARCH}.attention.recurrent_layers",
+                [t == "linear_attention" for t in hp["layer_types"]] + [False] * hp["n_mtp"])
     w.add_full_attention_interval(hp.get("full_attention_interval", 4))
     w.add_rope_dimension_count(int(hp["head_dim"] * rope["partial_rotary_factor"]))
     if "mrope_section" not in rope:
@@ -315,22 +323,49 @@ def _index_safetensors(folder: Path) -> dict[str, _Source]:
     return sources
 
 
-def _canonical_name(name: str) -> str | None:
-    """The text-model name llama.cpp maps, or None for tensors it drops (MTP, vision, rope caches)."""
+def _mtp_layer_count(sources: dict[str, _Source], hp: dict[str, Any]) -> int:
+    """MTP layers in the checkpoint: config.json's mtp_num_hidden_layers, else counted from the
+    mtp.layers.* tensors (as llama.cpp counts them); 0 without mtp.* tensors."""
+    names = [n.replace("language_model.", "").replace("model.mtp.", "mtp.", 1) for n in sources]
+    if not any(n.startswith("mtp.") for n in names):
+        return 0
+    counted = {int(p[2]) for p in (n.split(".", 3) for n in names) if len(p) == 4 and p[1] == "layers" and p[2].isdecimal()}
+    return int(hp.get("mtp_num_hidden_layers") or (max(counted) + 1 if counted else 0))
+
+
+# mtp.<name> -> the layer-indexed name llama.cpp gives it (in block n_layer)
+_MTP_GLOBAL = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head.norm"}
+
+
+def _canonical_name(name: str, hp: dict[str, Any]) -> str | None:
+    """The text-model name llama.cpp maps, or None for tensors it drops (vision, rope caches, and
+    MTP when it is not kept). MTP tensors become those of blocks n_layer, n_layer + 1, ..."""
     name = name.replace("language_model.", "")
-    if name.startswith(("mtp.", "model.mtp.")) or name.endswith(".rotary_emb.inv_freq"):
+    if name.startswith("model.mtp."):
+        name = name[len("model."):]
+    if name.startswith("mtp."):
+        if not hp["n_mtp"]:
+            return None
+        n, parts = hp["num_hidden_layers"], name.split(".", 3)
+        if len(parts) == 4 and parts[1] == "layers" and parts[2].isdecimal():
+            return f"model.layers.{n + int(parts[2])}.{parts[3]}"
+        if len(parts) == 3 and parts[1] in _MTP_GLOBAL:
+            return f"model.layers.{n}.{_MTP_GLOBAL[parts[1]]}.{parts[2]}"
+        return name  # not an MTP tensor llama.cpp knows: refused below as unexpected
+    if name.endswith(".rotary_emb.inv_freq"):
         return None
     if "visual." in name or "vision" in name or name.startswith(("mlp", "merger.")):
         return None
     return name
 
 
-def _plan_tensors(folder: Path, hp: dict[str, Any], default_qtype: gguf.GGMLQuantizationType) -> list[_Planned]:
+def _plan_tensors(folder: Path, hp: dict[str, Any], sources: dict[str, _Source],
+                  default_qtype: gguf.GGMLQuantizationType) -> list[_Planned]:
     expected = _expected_tensors(hp)
     plan: list[_Planned] = []
     seen: set[str] = set()
-    for hf_name, src in _index_safetensors(folder).items():
-        name = _canonical_name(hf_name)
+    for hf_name, src in sources.items():
+        name = _canonical_name(hf_name, hp)
         if name is None:
             continue
         if name not in expected:
@@ -407,10 +442,17 @@ def _expected_tensors(hp: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...
         "model.norm.weight": ("output_norm.weight", (E,), plus1),
         "lm_head.weight": ("output.weight", (V, E), same),
     }
-    for i, kind in enumerate(hp["layer_types"]):
+    n = hp["num_hidden_layers"]
+    # MTP blocks are full-attention layers after the trunk
+    for i, kind in enumerate(hp["layer_types"] + ["full_attention"] * hp["n_mtp"]):
         table = {**shapes_common, **(shapes_linear if kind == "linear_attention" else shapes_attn)}
         for suffix, (shape, fn) in table.items():
             out[f"model.layers.{i}.{suffix}"] = (f"blk.{i}.{names[suffix]}", shape, fn)
+    if hp["n_mtp"]:
+        for hf, gguf_name, shape, fn in (("eh_proj", "eh_proj", (E, 2 * E), same), ("enorm", "enorm", (E,), plus1),
+                                         ("hnorm", "hnorm", (E,), plus1),
+                                         ("shared_head.norm", "shared_head_norm", (E,), plus1)):
+            out[f"model.layers.{n}.{hf}.weight"] = (f"blk.{n}.nextn.{gguf_name}.weight", shape, fn)
     return out
 
 

@@ -70,12 +70,13 @@ class GenerationResult:
 @dataclass
 class Speculation:
     """How to draft: `draft` is a Model (spec_type "draft-simple"), a DFlash Drafter ("dflash") or
-    None for prompt lookup ("ngram-simple")."""
+    None for prompt lookup ("ngram-simple"), or the target's own MTP head when `mtp` (spec_type "mtp")."""
 
     draft: object | None
     n_max: int = 16
     n_min: int = 0
     ngram_max: int = 3
+    mtp: bool = False
     dflash: bool = False  # draft is a deltaspec.dflash.Drafter (spec_type "dflash")
 
 
@@ -216,7 +217,7 @@ class Generator:
         req, spec = self._req, self._req.speculation
         if spec.draft is None:
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
-                                               eog, stop, spec.n_max, spec.n_min, callback)
+                                               eog, stop, spec.n_max, spec.n_min, callback, mtp=spec.mtp)
         if spec.dflash:  # a deltaspec.dflash.Drafter on this model's engine
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
                                                eog, stop, spec.n_max, spec.n_min, callback, dflash=spec.draft._core)

@@ -35,8 +35,9 @@ def describe(path: str, n_ctx: int = 4096) -> list[str]:
     lines = [
         f"file            {path}",
         f"architecture    {f.metadata['general.architecture']}" + (f" ({name})" if name else ""),
-        f"layers          {hp.n_layer} = {n_rec} Gated DeltaNet + {n_attn} gated attention"
-        + (f" (+{hp.n_layer_nextn} MTP, not run)" if hp.n_layer_nextn else ""),
+        f"layers          {hp.n_layer} = {n_rec} Gated DeltaNet + {n_attn} gated attention",
+        f"mtp             " + (f"{hp.n_layer_nextn} MTP (NextN) layer(s): --spec-type mtp drafts with it"
+                               if hp.n_layer_nextn else "none (no MTP layer in this file)"),
         f"embedding       {hp.n_embd}, vocab {hp.n_vocab}, output {'tied' if hp.tied_output else 'untied'}",
         f"attention       {hp.n_head} heads / {hp.n_head_kv} KV heads x {hp.head_dim}, rope {hp.n_rot} dims, "
         f"base {hp.rope_freq_base:g}",

@@ -28,7 +28,7 @@ MAX_N_CTX = 1 << 24      # as qwen35.context_length; past it the KV arithmetic o
 MAX_N_UBATCH = 1 << 24
 MAX_THREADS = 512        # ggml's GGML_MAX_N_THREADS
 MAX_N_SEQ = 256          # sequence slots; each holds a whole KV cache and recurrent state
-SPEC_TYPES = ("draft-simple", "ngram-simple", "dflash", "draft-dflash")  # draft-dflash: llama.cpp's name
+SPEC_TYPES = ("draft-simple", "ngram-simple", "mtp", "draft-mtp", "dflash", "draft-dflash")  # draft-*: llama.cpp's names
 SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of Model.metadata
 
 
@@ -266,7 +266,8 @@ class Model:
 
         Speculative decoding (lossless: same greedy output, same sampling distribution):
         spec_type "draft-simple" with draft_model (a Model or a GGUF path with the same
-        vocabulary) or "ngram-simple" (prompt lookup); draft_n_max / draft_n_min bound the draft
+        vocabulary), "ngram-simple" (prompt lookup) or "mtp" (alias "draft-mtp": the model's own MTP
+        head, for files converted with their MTP layer); draft_n_max / draft_n_min bound the draft
         length, which adapts to the acceptance rate. Stats then report n_drafted, n_accepted,
         acceptance_rate, mean_acceptance_length and draft / verify / rollback time."""
         validate_flag("stream", stream)
@@ -410,6 +411,13 @@ class Model:
                 raise ValueError(f"{name} must be an integer in [{lo}, 256], got {v!r}")
         if n_min > n_max:
             raise ValueError(f"draft_n_min ({n_min}) must not exceed draft_n_max ({n_max})")
+        if spec_type in ("mtp", "draft-mtp"):
+            if draft_model is not None:
+                raise ValueError(f"spec_type {spec_type!r} drafts with this model's own MTP head; do not pass draft_model")
+            if not self._engine.has_mtp:
+                raise ValueError(f"spec_type {spec_type!r}: {self.path} has no MTP layer "
+                                 "(qwen35.nextn_predict_layers is 0; convert the checkpoint with its MTP weights)")
+            return Speculation(None, n_max, n_min, mtp=True)
         if spec_type == "ngram-simple":
             if draft_model is not None:
                 raise ValueError("spec_type 'ngram-simple' drafts from the text itself; do not pass draft_model")

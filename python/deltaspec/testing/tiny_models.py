@@ -95,7 +95,13 @@ ROPE_SCALING_CONFIGS: dict[str, dict[str, Any]] = {
                                original_max_position_embeddings=1024, beta_fast=8.0, beta_slow=2.0,
                                attention_factor=1.25),
 }
-_ALL_CONFIGS = {**TINY_CONFIGS, **ROPE_SCALING_CONFIGS}
+# Checkpoints that carry an MTP layer (mtp.*, as released Qwen3.5 checkpoints do; transformers
+# ignores it, llama.cpp's converter keeps it as blk.{n_layer}.nextn.*). Untied, so the head's LM
+# head is output.weight, not the embedding.
+MTP_CONFIGS: dict[str, dict[str, Any]] = {
+    "mtp_attn2_untied": {**TINY_CONFIGS["attn2_d32_untied"], "mtp_num_hidden_layers": 1},
+}
+_ALL_CONFIGS = {**TINY_CONFIGS, **ROPE_SCALING_CONFIGS, **MTP_CONFIGS}
 
 # Recommended sampling written to generation_config.json (Qwen3.5's thinking-mode defaults), so the
 # converters' general.sampling.* keys are exercised.
@@ -119,7 +125,7 @@ def _param_init(name: str, shape: tuple[int, ...], gen: Any, cfg: Any) -> Any:
         return normal(0.5, -1.0)  # softplus(dt_bias + a) ~ 0.3
     if name.endswith("linear_attn.norm.weight"):
         return normal(0.1, 1.0)  # plain scale (no +1 in HF or GGUF)
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight")):
         return normal(0.1)  # zero-centred: the model scales by 1 + w
     if name.endswith("conv1d.weight"):
         return normal(1.0 / shape[-1] ** 0.5)
@@ -149,6 +155,33 @@ def build_tiny_model(name: str, seed: int = 0) -> Any:
             p.copy_(_param_init(pname, tuple(p.shape), gen, cfg))
     model.generation_config.update(**_GENERATION)
     return model
+
+
+def mtp_tensors(name: str, seed: int = 0) -> dict[str, Any]:
+    """The mtp.* tensors (float32) of MTP_CONFIGS[name]: one full-attention block, fc, the two input
+    norms and the final norm, with Qwen3.5 checkpoints' names and shapes, drawn like the trunk's."""
+    import torch
+    from transformers import Qwen3_5TextConfig
+
+    kwargs = dict(_ALL_CONFIGS[name])
+    kwargs.pop("dtype", None)
+    cfg = Qwen3_5TextConfig(**kwargs)
+    E, F = cfg.hidden_size, cfg.intermediate_size
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    shapes = {"mtp.fc.weight": (E, 2 * E), "mtp.pre_fc_norm_embedding.weight": (E,),
+              "mtp.pre_fc_norm_hidden.weight": (E,), "mtp.norm.weight": (E,)}
+    block = {"input_layernorm.weight": (E,), "post_attention_layernorm.weight": (E,),
+             "self_attn.q_proj.weight": (2 * H * D, E), "self_attn.k_proj.weight": (Hkv * D, E),
+             "self_attn.v_proj.weight": (Hkv * D, E), "self_attn.o_proj.weight": (E, H * D),
+             "self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,),
+             "mlp.gate_proj.weight": (F, E), "mlp.up_proj.weight": (F, E), "mlp.down_proj.weight": (E, F)}
+    for i in range(cfg.mtp_num_hidden_layers):
+        shapes.update({f"mtp.layers.{i}.{k}": v for k, v in block.items()})
+    out = {}
+    for pname, shape in sorted(shapes.items()):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}/{pname}".encode()))
+        out[pname] = _param_init(pname, shape, gen, cfg)
+    return out
 
 
 def probe_logits(model: Any, n_tokens: int = 24, seed: int = 1) -> Any:
@@ -193,6 +226,12 @@ def make_tiny_model(name: str, folder: str | os.PathLike[str], seed: int = 0,
         model = model.to(getattr(torch, dtype))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
+    if name in MTP_CONFIGS:  # transformers drops mtp.*: add it to the saved weights
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(folder / "model.safetensors")
+        weights.update({k: v.to(next(iter(weights.values())).dtype) for k, v in mtp_tensors(name, seed).items()})
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     write_hf_tokenizer(folder, chat_template=chat_template)
     return folder
 

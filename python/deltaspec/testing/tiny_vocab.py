@@ -66,6 +66,16 @@ class TinyShape:
     # next token depends on the current token alone, though every layer still computes: greedy text
     # then settles into a cycle, a model whose output repeats itself (for prompt-lookup drafting).
     branch_scale: float = 1.0
+    # An MTP layer after the trunk (blk.{n_layer}, nextn_predict_layers = 1), as Qwen3.5 files carry
+    # one. Its eh_proj passes the embedding half through and adds mtp_hidden_scale times a random
+    # mix of the hidden half; its attention and FFN outputs are scaled by mtp_branch_scale (by
+    # default branch_scale, like the trunk's); its head is the trunk's (no shared_head_head), its head norm the trunk's output norm
+    # (as shared_head_norm, so a test can sharpen it). With branch_scale 0 and mtp_hidden_scale 0 it
+    # predicts exactly what the target predicts one token later (an oracle drafter); a larger scale
+    # makes its drafts depend on the hidden state each token is paired with, and agree in part.
+    mtp: bool = False
+    mtp_hidden_scale: float = 0.0
+    mtp_branch_scale: float | None = None  # the MTP block's own branch scale (None: branch_scale)
 
     @property
     def n_rot(self) -> int:
@@ -139,6 +149,18 @@ def _weights(sh: TinyShape, n_vocab: int, rng: np.random.Generator) -> dict[str,
             w |= {b + "attn_q.weight": mat(2 * H * D, E), b + "attn_k.weight": mat(Hkv * D, E),
                   b + "attn_v.weight": mat(Hkv * D, E), b + "attn_output.weight": sh.branch_scale * mat(E, H * D),
                   b + "attn_q_norm.weight": norm(D), b + "attn_k_norm.weight": norm(D)}
+    if sh.mtp:  # drawn after the trunk: the trunk is the same with or without it
+        b = f"blk.{sh.n_layer}."
+        scale = sh.branch_scale if sh.mtp_branch_scale is None else sh.mtp_branch_scale
+        w |= {b + "attn_norm.weight": norm(E), b + "post_attention_norm.weight": norm(E),
+              b + "ffn_gate.weight": mat(F, E), b + "ffn_up.weight": mat(F, E),
+              b + "ffn_down.weight": scale * mat(E, F),
+              b + "attn_q.weight": mat(2 * H * D, E), b + "attn_k.weight": mat(Hkv * D, E),
+              b + "attn_v.weight": mat(Hkv * D, E), b + "attn_output.weight": scale * mat(E, H * D),
+              b + "attn_q_norm.weight": norm(D), b + "attn_k_norm.weight": norm(D),
+              b + "nextn.eh_proj.weight": np.concatenate([np.eye(E), sh.mtp_hidden_scale * mat(E, E)], axis=1),
+              b + "nextn.enorm.weight": np.ones(E), b + "nextn.hnorm.weight": norm(E),
+              b + "nextn.shared_head_norm.weight": w["output_norm.weight"].copy()}
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
@@ -185,7 +207,7 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
     w = GGUFWriter(str(path), "qwen35")
     w.add_name("deltaspec-tiny-vocab")
     for key, value in {"context_length": sh.n_ctx_train, "embedding_length": sh.n_embd,
-                       "block_count": sh.n_layer, "feed_forward_length": sh.n_ff,
+                       "block_count": sh.n_layer + sh.mtp, "feed_forward_length": sh.n_ff,
                        "attention.head_count": sh.n_head, "attention.head_count_kv": sh.n_head_kv,
                        "attention.key_length": sh.head_dim, "attention.value_length": sh.head_dim,
                        "rope.dimension_count": sh.n_rot, "full_attention_interval": sh.full_attention_interval,
@@ -193,6 +215,8 @@ def write_tiny_vocab_model(path: str | Path, n_vocab: int = MIN_VOCAB, seed: int
                        "ssm.group_count": sh.ssm_k_heads, "ssm.time_step_rank": sh.ssm_v_heads,
                        "ssm.inner_size": sh.ssm_v_heads * sh.ssm_state}.items():
         w.add_uint32(f"qwen35.{key}", value)
+    if sh.mtp:
+        w.add_uint32("qwen35.nextn_predict_layers", 1)
     w.add_float32("qwen35.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_float32("qwen35.rope.freq_base", 1e7)
     w.add_array("qwen35.rope.dimension_sections", sh.rope_sections)

@@ -1,0 +1,169 @@
+#include "mtp_head.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "ggml-alloc.h"
+
+namespace deltaspec {
+
+namespace {
+
+// The target's KV cache type for K (which = "k") or V (every attention layer has the same).
+ggml_type target_kv_type(const Engine & target, const char * which) {
+    for (const StateTensorInfo & t : target.state_info()) {
+        if (t.kind == which) return t.type;
+    }
+    return GGML_TYPE_F16;  // no attention layer in the trunk
+}
+
+}  // namespace
+
+MtpHead::MtpHead(const Engine & target, int64_t n_ctx, int64_t n_ubatch)
+    : target_(target), hp_(target.hparams()), n_ubatch_(n_ubatch) {
+    if (!target.weights().mtp.present()) {
+        throw std::invalid_argument("this model file has no MTP layer (qwen35.nextn_predict_layers is 0): "
+                                    "convert it with its MTP weights to draft with MTP");
+    }
+    if (n_ctx < 1 || n_ubatch < 1) throw std::invalid_argument("MtpHead: n_ctx and n_ubatch must be >= 1");
+    // FA reads the first n_kv rows, a multiple of kv_pad (SequenceState::n_kv_for)
+    n_ctx_ = (n_ctx + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
+    const int64_t kv_width = hp_.n_head_kv * hp_.head_dim;
+    ggml_init_params params = {2 * ggml_tensor_overhead(), nullptr, /*no_alloc =*/true};
+    cache_ctx_ = ggml_init(params);
+    k_ = ggml_new_tensor_2d(cache_ctx_, target_kv_type(target, "k"), kv_width, n_ctx_);
+    v_ = ggml_new_tensor_2d(cache_ctx_, target_kv_type(target, "v"), kv_width, n_ctx_);
+    ggml_set_name(k_, "mtp.k");
+    ggml_set_name(v_, "mtp.v");
+    cache_buf_ = ggml_backend_alloc_ctx_tensors(cache_ctx_, target.backend());
+    if (!cache_buf_) {
+        ggml_free(cache_ctx_);
+        throw std::runtime_error("cannot allocate the MTP head's KV cache");
+    }
+    ggml_backend_buffer_clear(cache_buf_, 0);  // rows never written must not be NaN (the mask zeroes their weight)
+
+    graph_size_ = 1024;
+    graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
+    ggml_backend_t backends[2] = {target.backend(), target.cpu_backend()};
+    const int n_backends = target.backend() == target.cpu_backend() ? 1 : 2;
+    sched_ = ggml_backend_sched_new(backends, nullptr, n_backends, graph_size_, false, false);
+    if (!sched_) {
+        ggml_backend_buffer_free(cache_buf_);
+        ggml_free(cache_ctx_);
+        throw std::runtime_error("cannot create the MTP head's scheduler");
+    }
+}
+
+MtpHead::~MtpHead() {
+    drop_graph();
+    ggml_backend_sched_free(sched_);
+    ggml_backend_buffer_free(cache_buf_);
+    ggml_free(cache_ctx_);
+}
+
+void MtpHead::drop_graph() {
+    if (g_.ctx) ggml_free(g_.ctx);
+    g_ = Graph{};
+}
+
+size_t MtpHead::step_weight_bytes() const {
+    const MtpWeights & w = target_.weights().mtp;
+    size_t bytes = w.bytes;                                                      // the head's own tensors
+    if (w.head == target_.weights().output) bytes += ggml_nbytes(w.head);        // the shared LM head
+    if (w.embed != target_.weights().token_embd) bytes -= ggml_nbytes(w.embed);  // a step reads one row of it
+    return bytes + ggml_row_size(w.embed->type, w.embed->ne[0]);
+}
+
+void MtpHead::set_n_past(int64_t n) {
+    if (n < 0 || n > n_past_) throw std::invalid_argument("MtpHead::set_n_past: only rows already written can be forgotten");
+    n_past_ = n;
+}
+
+void MtpHead::eval(const int32_t * tokens, const float * hidden, int64_t T, LogitsWanted wanted, void * out,
+                   float * hidden_out) {
+    if (T < 1) throw std::invalid_argument("MtpHead::eval needs at least one row");
+    if (wanted == LogitsWanted::argmax_all) throw std::invalid_argument("MtpHead::eval: argmax of the last row only");
+    if (n_past_ + T > n_ctx_) {
+        throw std::length_error("the MTP head's context of " + std::to_string(n_ctx_) + " rows is full");
+    }
+    for (int64_t t = 0; t < T; ++t) {
+        if (tokens[t] < 0 || tokens[t] >= hp_.n_vocab) {
+            throw std::out_of_range("token id " + std::to_string(tokens[t]) + " is outside the vocabulary");
+        }
+    }
+    const int64_t E = hp_.n_embd;
+    for (int64_t done = 0; done < T;) {
+        const int64_t n = std::min(n_ubatch_, T - done);
+        const bool last = done + n == T;
+        const bool all = wanted == LogitsWanted::all;
+        void * dst = all ? (void *)((float *)out + done * hp_.n_vocab) : out;
+        float * h_dst = hidden_out == nullptr ? nullptr : all ? hidden_out + done * E : hidden_out;
+        eval_ubatch(tokens + done, hidden + done * E, n, all ? wanted : last ? wanted : LogitsWanted::none,
+                    dst, all || last ? h_dst : nullptr);
+        done += n;
+    }
+}
+
+void MtpHead::eval_ubatch(const int32_t * tokens, const float * hidden, int64_t T, LogitsWanted wanted, void * out,
+                          float * hidden_out) {
+    const int64_t p0 = n_past_, E = hp_.n_embd;
+    const int64_t padded = (p0 + T + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
+    const int64_t n_kv = std::min(n_ctx_, padded);
+    if (!(g_.ctx && g_.n_tokens == T && g_.n_kv == n_kv && g_.wanted == wanted)) {
+        drop_graph();
+        ggml_init_params params = {graph_meta_.size(), graph_meta_.data(), /*no_alloc =*/true};
+        g_.ctx = ggml_init(params);
+        g_.gf = ggml_new_graph_custom(g_.ctx, graph_size_, false);
+        g_.in = make_step_inputs(g_.ctx, T, n_kv);
+        g_.hidden_in = ggml_new_tensor_2d(g_.ctx, GGML_TYPE_F32, E, T);
+        ggml_set_input(g_.hidden_in);
+        const int64_t n_rows = wanted == LogitsWanted::all ? T : wanted == LogitsWanted::none ? 0 : 1;
+        g_.out = build_mtp(g_.ctx, g_.gf, hp_, target_.weights().mtp, k_, v_, n_ctx_, g_.in, g_.hidden_in, n_rows);
+        g_.result = g_.out.logits;
+        if (wanted == LogitsWanted::argmax) {
+            g_.result = ggml_argmax(g_.ctx, g_.out.logits);
+            ggml_set_output(g_.result);
+            ggml_build_forward_expand(g_.gf, g_.result);
+        }
+        ggml_backend_sched_reset(sched_);
+        if (!ggml_backend_sched_alloc_graph(sched_, g_.gf)) {
+            drop_graph();
+            throw std::runtime_error("cannot allocate the MTP head's graph");
+        }
+        g_.n_tokens = T;
+        g_.n_kv = n_kv;
+        g_.wanted = wanted;
+    }
+
+    set_input(g_.in.tokens, tokens, T * sizeof(int32_t));
+    set_input(g_.hidden_in, hidden, T * E * sizeof(float));
+    std::vector<int32_t> pos(4 * T, 0);
+    std::vector<int64_t> rows(T);
+    for (int64_t t = 0; t < T; ++t) {
+        pos[t] = pos[T + t] = pos[2 * T + t] = (int32_t)(p0 + t);
+        rows[t] = p0 + t;
+    }
+    set_input(g_.in.pos, pos.data(), pos.size() * sizeof(int32_t));
+    set_input(g_.in.kv_rows, rows.data(), rows.size() * sizeof(int64_t));
+    std::vector<ggml_fp16_t> mask(n_kv * T);
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t j = 0; j < n_kv; ++j) mask[t * n_kv + j] = j <= p0 + t ? zero : neg_inf;
+    }
+    set_input(g_.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
+
+    if (ggml_backend_sched_graph_compute(sched_, g_.gf) != GGML_STATUS_SUCCESS) {
+        drop_graph();
+        throw std::runtime_error("the MTP head's graph computation failed");
+    }
+    n_past_ = p0 + T;
+    if (wanted != LogitsWanted::none) ggml_backend_tensor_get(g_.result, out, 0, ggml_nbytes(g_.result));
+    if (hidden_out != nullptr) {
+        const bool all = wanted == LogitsWanted::all;
+        const size_t row = E * sizeof(float);
+        ggml_backend_tensor_get(g_.out.hidden, hidden_out, all ? 0 : (T - 1) * row, all ? T * row : row);
+    }
+}
+
+}  // namespace deltaspec

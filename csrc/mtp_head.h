@@ -1,0 +1,64 @@
+// Qwen3.5's MTP head run beside its target: the target engine's weights and backend, a KV cache
+// of its own (one attention layer, the target's KV types) and graphs of its own (graph_mtp.h).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine.h"
+#include "graph_mtp.h"
+
+namespace deltaspec {
+
+class MtpHead {
+  public:
+    // Throws std::invalid_argument when the target's file has no MTP layer.
+    MtpHead(const Engine & target, int64_t n_ctx, int64_t n_ubatch = 64);
+    ~MtpHead();
+    MtpHead(const MtpHead &) = delete;
+    MtpHead & operator=(const MtpHead &) = delete;
+
+    // Rows (tokens[t], hidden[t * E .. (t + 1) * E)) at positions n_past() .. n_past() + T - 1
+    // (graph_mtp.h says what hidden is); their K/V rows are written and n_past() grows by T.
+    // `out`: LogitsWanted::last: n_vocab floats of the last row; ::all: every row's; ::argmax: the
+    // last row's argmax (int32, on the device). `hidden_out` (optional): the head's output hidden
+    // of the same rows (n_embd floats each).
+    void eval(const int32_t * tokens, const float * hidden, int64_t T, LogitsWanted wanted, void * out,
+              float * hidden_out = nullptr);
+    // Forget the rows at positions >= n (later rows overwrite theirs; the mask hides them until then).
+    void set_n_past(int64_t n);
+    int64_t n_past() const { return n_past_; }
+    int64_t n_ctx() const { return n_ctx_; }
+    // Weight bytes one one-row step reads (the block, eh_proj, the head; one embedding row).
+    size_t step_weight_bytes() const;
+
+  private:
+    void eval_ubatch(const int32_t * tokens, const float * hidden, int64_t T, LogitsWanted wanted, void * out,
+                     float * hidden_out);
+    void drop_graph();
+
+    const Engine & target_;
+    const HParams & hp_;
+    int64_t n_ctx_ = 0, n_ubatch_ = 0, n_past_ = 0;
+    ggml_context * cache_ctx_ = nullptr;
+    ggml_backend_buffer_t cache_buf_ = nullptr;
+    ggml_tensor * k_ = nullptr;  // {Hkv*D, n_ctx}
+    ggml_tensor * v_ = nullptr;
+    ggml_backend_sched_t sched_ = nullptr;
+    std::vector<uint8_t> graph_meta_;
+    size_t graph_size_ = 0;
+
+    // the last graph stays allocated: the next step of the same shape only sets its inputs
+    struct Graph {
+        ggml_context * ctx = nullptr;
+        ggml_cgraph * gf = nullptr;
+        StepInputs in;
+        ggml_tensor * hidden_in = nullptr;
+        MtpGraphOutputs out;
+        ggml_tensor * result = nullptr;  // logits or argmax
+        int64_t n_tokens = -1, n_kv = -1;
+        LogitsWanted wanted = LogitsWanted::none;
+    } g_;
+};
+
+}  // namespace deltaspec
