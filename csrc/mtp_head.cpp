@@ -44,27 +44,37 @@ MtpHead::MtpHead(const Engine & target, int64_t n_ctx, int64_t n_ubatch)
     ggml_backend_buffer_clear(cache_buf_, 0);  // rows never written must not be NaN (the mask zeroes their weight)
 
     graph_size_ = 1024;
-    graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
     ggml_backend_t backends[2] = {target.backend(), target.cpu_backend()};
     const int n_backends = target.backend() == target.cpu_backend() ? 1 : 2;
-    sched_ = ggml_backend_sched_new(backends, nullptr, n_backends, graph_size_, false, false);
-    if (!sched_) {
+    for (Graph & g : g_) {
+        g.meta.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
+        g.sched = ggml_backend_sched_new(backends, nullptr, n_backends, graph_size_, false, false);
+    }
+    if (!g_[0].sched || !g_[1].sched) {
+        for (Graph & g : g_) {
+            if (g.sched) ggml_backend_sched_free(g.sched);
+        }
         ggml_backend_buffer_free(cache_buf_);
         ggml_free(cache_ctx_);
-        throw std::runtime_error("cannot create the MTP head's scheduler");
+        throw std::runtime_error("cannot create the MTP head's schedulers");
     }
 }
 
 MtpHead::~MtpHead() {
-    drop_graph();
-    ggml_backend_sched_free(sched_);
+    for (int i = 0; i < 2; ++i) {
+        drop_graph(i);
+        ggml_backend_sched_free(g_[i].sched);
+    }
     ggml_backend_buffer_free(cache_buf_);
     ggml_free(cache_ctx_);
 }
 
-void MtpHead::drop_graph() {
-    if (g_.ctx) ggml_free(g_.ctx);
-    g_ = Graph{};
+void MtpHead::drop_graph(int which) {
+    Graph & g = g_[which];
+    if (g.ctx) ggml_free(g.ctx);
+    g.ctx = nullptr;
+    g.gf = nullptr;
+    g.n_tokens = g.n_kv = -1;
 }
 
 size_t MtpHead::step_weight_bytes() const {
@@ -110,59 +120,61 @@ void MtpHead::eval_ubatch(const int32_t * tokens, const float * hidden, int64_t 
     const int64_t p0 = n_past_, E = hp_.n_embd;
     const int64_t padded = (p0 + T + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
     const int64_t n_kv = std::min(n_ctx_, padded);
-    if (!(g_.ctx && g_.n_tokens == T && g_.n_kv == n_kv && g_.wanted == wanted)) {
-        drop_graph();
-        ggml_init_params params = {graph_meta_.size(), graph_meta_.data(), /*no_alloc =*/true};
-        g_.ctx = ggml_init(params);
-        g_.gf = ggml_new_graph_custom(g_.ctx, graph_size_, false);
-        g_.in = make_step_inputs(g_.ctx, T, n_kv);
-        g_.hidden_in = ggml_new_tensor_2d(g_.ctx, GGML_TYPE_F32, E, T);
-        ggml_set_input(g_.hidden_in);
+    const int which = T == 1 ? 0 : 1;
+    Graph & g = g_[which];
+    if (!(g.ctx && g.n_tokens == T && g.n_kv == n_kv && g.wanted == wanted)) {
+        drop_graph(which);
+        ggml_init_params params = {g.meta.size(), g.meta.data(), /*no_alloc =*/true};
+        g.ctx = ggml_init(params);
+        g.gf = ggml_new_graph_custom(g.ctx, graph_size_, false);
+        g.in = make_step_inputs(g.ctx, T, n_kv);
+        g.hidden_in = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, E, T);
+        ggml_set_input(g.hidden_in);
         const int64_t n_rows = wanted == LogitsWanted::all ? T : wanted == LogitsWanted::none ? 0 : 1;
-        g_.out = build_mtp(g_.ctx, g_.gf, hp_, target_.weights().mtp, k_, v_, n_ctx_, g_.in, g_.hidden_in, n_rows);
-        g_.result = g_.out.logits;
+        g.out = build_mtp(g.ctx, g.gf, hp_, target_.weights().mtp, k_, v_, n_ctx_, g.in, g.hidden_in, n_rows);
+        g.result = g.out.logits;
         if (wanted == LogitsWanted::argmax) {
-            g_.result = ggml_argmax(g_.ctx, g_.out.logits);
-            ggml_set_output(g_.result);
-            ggml_build_forward_expand(g_.gf, g_.result);
+            g.result = ggml_argmax(g.ctx, g.out.logits);
+            ggml_set_output(g.result);
+            ggml_build_forward_expand(g.gf, g.result);
         }
-        ggml_backend_sched_reset(sched_);
-        if (!ggml_backend_sched_alloc_graph(sched_, g_.gf)) {
-            drop_graph();
+        ggml_backend_sched_reset(g.sched);
+        if (!ggml_backend_sched_alloc_graph(g.sched, g.gf)) {
+            drop_graph(which);
             throw std::runtime_error("cannot allocate the MTP head's graph");
         }
-        g_.n_tokens = T;
-        g_.n_kv = n_kv;
-        g_.wanted = wanted;
+        g.n_tokens = T;
+        g.n_kv = n_kv;
+        g.wanted = wanted;
     }
 
-    set_input(g_.in.tokens, tokens, T * sizeof(int32_t));
-    set_input(g_.hidden_in, hidden, T * E * sizeof(float));
+    set_input(g.in.tokens, tokens, T * sizeof(int32_t));
+    set_input(g.hidden_in, hidden, T * E * sizeof(float));
     std::vector<int32_t> pos(4 * T, 0);
     std::vector<int64_t> rows(T);
     for (int64_t t = 0; t < T; ++t) {
         pos[t] = pos[T + t] = pos[2 * T + t] = (int32_t)(p0 + t);
         rows[t] = p0 + t;
     }
-    set_input(g_.in.pos, pos.data(), pos.size() * sizeof(int32_t));
-    set_input(g_.in.kv_rows, rows.data(), rows.size() * sizeof(int64_t));
+    set_input(g.in.pos, pos.data(), pos.size() * sizeof(int32_t));
+    set_input(g.in.kv_rows, rows.data(), rows.size() * sizeof(int64_t));
     std::vector<ggml_fp16_t> mask(n_kv * T);
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
     for (int64_t t = 0; t < T; ++t) {
         for (int64_t j = 0; j < n_kv; ++j) mask[t * n_kv + j] = j <= p0 + t ? zero : neg_inf;
     }
-    set_input(g_.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
+    set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
 
-    if (ggml_backend_sched_graph_compute(sched_, g_.gf) != GGML_STATUS_SUCCESS) {
-        drop_graph();
+    if (ggml_backend_sched_graph_compute(g.sched, g.gf) != GGML_STATUS_SUCCESS) {
+        drop_graph(which);
         throw std::runtime_error("the MTP head's graph computation failed");
     }
     n_past_ = p0 + T;
-    if (wanted != LogitsWanted::none) ggml_backend_tensor_get(g_.result, out, 0, ggml_nbytes(g_.result));
+    if (wanted != LogitsWanted::none) ggml_backend_tensor_get(g.result, out, 0, ggml_nbytes(g.result));
     if (hidden_out != nullptr) {
         const bool all = wanted == LogitsWanted::all;
         const size_t row = E * sizeof(float);
-        ggml_backend_tensor_get(g_.out.hidden, hidden_out, all ? 0 : (T - 1) * row, all ? T * row : row);
+        ggml_backend_tensor_get(g.out.hidden, hidden_out, all ? 0 : (T - 1) * row, all ? T * row : row);
     }
 }
 

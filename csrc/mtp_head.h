@@ -35,7 +35,7 @@ class MtpHead {
   private:
     void eval_ubatch(const int32_t * tokens, const float * hidden, int64_t T, LogitsWanted wanted, void * out,
                      float * hidden_out);
-    void drop_graph();
+    void drop_graph(int which);
 
     const Engine & target_;
     const HParams & hp_;
@@ -44,11 +44,11 @@ class MtpHead {
     ggml_backend_buffer_t cache_buf_ = nullptr;
     ggml_tensor * k_ = nullptr;  // {Hkv*D, n_ctx}
     ggml_tensor * v_ = nullptr;
-    ggml_backend_sched_t sched_ = nullptr;
-    std::vector<uint8_t> graph_meta_;
     size_t graph_size_ = 0;
 
-    // the last graph stays allocated: the next step of the same shape only sets its inputs
+    // Two graphs stay allocated, each with a scheduler of its own: the last one-row step (a draft)
+    // and the last step of more rows (a catch-up), which alternate every round; a step of the
+    // same shape only sets its inputs.
     struct Graph {
         ggml_context * ctx = nullptr;
         ggml_cgraph * gf = nullptr;
@@ -58,7 +58,9 @@ class MtpHead {
         ggml_tensor * result = nullptr;  // logits or argmax
         int64_t n_tokens = -1, n_kv = -1;
         LogitsWanted wanted = LogitsWanted::none;
-    } g_;
+        ggml_backend_sched_t sched = nullptr;
+        std::vector<uint8_t> meta;  // the graph's tensor and node descriptors
+    } g_[2];
 };
 
 }  // namespace deltaspec

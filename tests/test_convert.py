@@ -108,7 +108,7 @@ def test_mtp_layer_matches_llama_cpp(name, outtype, keep, reference, ours):
     """The MTP layer kept (blk.{n_layer}.* and nextn.*, block_count + 1, nextn_predict_layers) or
     dropped exactly as llama.cpp's converter does. Seen to fail: with the +1 of the MTP norms left
     out (enorm/hnorm/shared_head_norm) the kept case failed on 'blk.8.nextn.enorm.weight: bytes
-    differ'; with nextn_predict_layers written after the ssm.* keys it failed on the key order."""
+    differ'; with nextn_predict_layers written after the ssm.* keys, on 'same keys, other order'."""
     mine = ours(name, outtype, mtp=keep)
     _assert_same_gguf(mine, reference[(name, outtype, keep)])
     kv, tensors = _read(mine)

@@ -88,7 +88,8 @@ def test_tokenizer_round_trip_and_agreement_with_deltaspec(smoke):
 
 def test_exported_target_loads_in_deltaspec_with_torch_logits(smoke):
     """The target GGUF from deltaspec's converter gives transformers' logits (same f16 weights) and
-    the same greedy text; the MTP head went to mtp.gguf through llama.cpp's converter, the DFlash
+    the same greedy text, also drafting with its MTP layer (which deltaspec's converter keeps; the
+    MTP head alone also went to mtp.gguf through llama.cpp's converter), the DFlash
     drafter to dflash.gguf with its target layers shifted to llama.cpp's layer-input convention.
     Seen to fail with deltaspec.convert._plus_one patched to the identity (norms off by one)."""
     import deltaspec
@@ -105,6 +106,8 @@ def test_exported_target_loads_in_deltaspec_with_torch_logits(smoke):
     with deltaspec.Model(smoke / "target.gguf", n_ctx=256, progress=False) as model:
         got = model.logits(prompt)
         tokens = model.generate(prompt, max_tokens=8, temperature=0).tokens
+        mtp = model.generate(prompt, max_tokens=8, temperature=0, spec_type="mtp", draft_n_max=3, draft_n_min=1)
+    assert mtp.tokens == tokens and mtp.stats.n_drafted > 0
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
     assert tokens == greedy[:len(tokens)] and len(tokens) >= 1
 
@@ -112,7 +115,7 @@ def test_exported_target_loads_in_deltaspec_with_torch_logits(smoke):
         return {t.name for t in gguf.GGUFReader(str(path)).tensors}
     from shapes import SMOKE
     n_layer = SMOKE.target_layers
-    assert not any("nextn" in t for t in tensors(smoke / "target.gguf"))
+    assert f"blk.{n_layer}.nextn.eh_proj.weight" in tensors(smoke / "target.gguf")
     assert {f"blk.{n_layer}.nextn.{t}.weight" for t in ("eh_proj", "enorm", "hnorm")} <= tensors(smoke / "mtp.gguf")
     dflash = gguf.GGUFReader(str(smoke / "dflash.gguf"))
     want_layers = [i + 1 for i in SMOKE.dflash_target_layer_ids]  # HF output of l = llama.cpp input of l+1

@@ -95,6 +95,9 @@ DELTASPEC_CONFIGS = {
     "ngram": ("n-gram (prompt lookup)", "chain"),
     "draft_fixed": (f"draft model chain k={DRAFT_CHAIN_K}", "chain"),
     "draft_adaptive": ("draft model chain adaptive (n_max 16)", "chain"),
+    # the target's own MTP head (target.gguf keeps it: deltaspec's converter exports the MTP layer),
+    # k drafts every round, beside the torch reference's "MTP k=" rows
+    **{f"mtp{k}": (f"MTP k={k}", "chain") for k in MTP_STEPS},
     "dflash_fixed": ("DFlash chain, block - 1 drafts or none", "chain"),
 }
 DFLASH_FIXED = DELTASPEC_CONFIGS["dflash_fixed"][0]
@@ -111,7 +114,8 @@ def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed
              if "draft" in key else None)
     kw = {"plain": {}, "ngram": dict(spec_type="ngram-simple"),
           "draft_fixed": dict(draft_model=draft, draft_n_max=DRAFT_CHAIN_K, draft_n_min=DRAFT_CHAIN_K),
-          "draft_adaptive": dict(draft_model=draft, draft_n_max=16)}.get(key)
+          "draft_adaptive": dict(draft_model=draft, draft_n_max=16),
+          **{f"mtp{k}": dict(spec_type="mtp", draft_n_max=k, draft_n_min=k) for k in MTP_STEPS}}.get(key)
     if key == "dflash_fixed":
         block = json.loads((folder / "manifest.json").read_text())["training"]["block_size"]
         kw = dict(draft_model=folder / "dflash.gguf", spec_type="dflash", draft_n_max=block - 1, draft_n_min=block - 1)

@@ -1,10 +1,10 @@
 """Write the testbed's files from the trained HF folders (OUT/hf/{target,draft,dflash}):
 
-  target.gguf  qwen35 target, deltaspec's converter (which skips MTP)
+  target.gguf  qwen35 target with its MTP layer, deltaspec's converter (which keeps MTP, as llama.cpp's does)
   draft.gguf   qwen35 2-layer draft model, deltaspec's converter
   dflash.gguf  DFlash drafter, llama.cpp's converter (deltaspec's converts qwen35 only)
   mtp.gguf     the target's MTP head alone (`--mtp`: blk.{n_layer}.nextn.* + embedding + final
-               norm), llama.cpp's converter, which keeps MTP where ours skips it
+               norm), llama.cpp's converter (an MTP-only file, for llama.cpp)
   hf_target.tar, hf_drafters.tar   the HF folders (f16) the torch reference loads
   manifest.json  sizes, sha256, losses, seed, times (training.json merged in)
 
