@@ -9,6 +9,8 @@
 
 #include "constraint_bindings.h"
 #include "cuda_kernels.h"
+#include "dflash_bindings.h"
+#include "dflash_drafter.h"
 #include "engine.h"
 #include "generate.h"
 #include "grammar_drafter.h"
@@ -125,11 +127,13 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
                           std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
-                          int64_t tree_budget, py::object constraint, bool mtp) {
+                          int64_t tree_budget, py::object constraint, bool mtp, py::object dflash) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
     if (tree_budget < 0) throw std::invalid_argument("tree_budget must be >= 0 (0: chains)");
-    if (mtp && tree_budget > 0) throw std::invalid_argument("the MTP head drafts chains only (tree_budget must be 0)");
+    if ((mtp || !dflash.is_none()) && tree_budget > 0) {
+        throw std::invalid_argument("the MTP head and DFlash draft chains only for now (tree_budget must be 0)");
+    }
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
     GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
     req.constraint = constraint_of(constraint);
@@ -140,13 +144,20 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     spec.tree_budget = tree_budget;
     SpecStats stats;
     GenerateResult res;
+    DFlashModel * dm = dflash.is_none() ? nullptr : &dflash.cast<DFlashModel &>();
     int64_t n_mtp_steps = 0;
     {
         py::gil_scoped_release release;
         r.single().ensure_slots(n_max + 1);
         std::unique_ptr<Drafter> drafter;
         MtpDrafter * mtp_drafter = nullptr;  // owned by `drafter` (maybe inside a GrammarDrafter)
-        if (mtp) {
+        if (dm) {
+            if (&dm->target() != r.engine.get()) throw std::invalid_argument("the DFlash drafter belongs to another target");
+            // a pass reads the drafter's weights and the target's LM head
+            const double pass_cost = (double)(dm->weight_bytes() + ggml_nbytes(r.engine->weights().output)) /
+                                     (double)r.engine->step_weight_bytes();
+            drafter = std::make_unique<DFlashDrafter>(*dm, *r.engine, pass_cost);
+        } else if (mtp) {
             SamplingParams ds = sampling;
             ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
             auto head = std::make_unique<MtpDrafter>(*r.engine, ds);
@@ -555,9 +566,10 @@ PYBIND11_MODULE(_core, m) {
         .def("generate_speculative", &generate_spec_py, py::arg("draft"), py::arg("ngram_max"), py::arg("prompt"),
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
              py::arg("n_min"), py::arg("callback") = py::none(), py::arg("tree_budget") = 0,
-             py::arg("constraint") = py::none(), py::arg("mtp") = false,
-             "Draft-verify generation with a draft model (draft), the model's MTP head (mtp=True) or prompt "
-             "lookup (draft=None); draft trees of up to tree_budget nodes when > 0, chains otherwise.")
+             py::arg("constraint") = py::none(), py::arg("mtp") = false, py::arg("dflash") = py::none(),
+             "Draft-verify generation with a draft model (draft), the model's MTP head (mtp=True), a DFlash "
+             "drafter (dflash) or prompt lookup (draft=None); draft trees of up to tree_budget nodes when > 0, "
+             "chains otherwise.")
         .def("set_taps", [](Runner & r, std::vector<int> layers) { r.single().set_taps(layers); }, py::arg("layers"),
              "Hidden states to return per row (layer ids; n_layer = the final normed hidden): see tapped.")
         .def_property_readonly("tapped", [](Runner & r) {
@@ -760,4 +772,5 @@ PYBIND11_MODULE(_core, m) {
                                "Weights stored as one stack (a one-token step multiplies each stack once): "
                                "their names, per stack, in row order.");
 
+    bind_dflash(m, [](py::handle target) -> Engine & { return *target.cast<Runner &>().engine; });
 }

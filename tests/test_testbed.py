@@ -271,3 +271,58 @@ def test_reference_draft_chain_matches_deltaspec(smoke, drafter):
             steps += r.stats.n_steps
             accepted += r.stats.n_accepted
     assert (steps, accepted) == (ref.steps, ref.accepted)
+
+
+def test_dflash_gguf_from_llama_cpp_drafts_as_torch(smoke):
+    """The testbed's dflash.gguf (llama.cpp's converter, f16) drafting for deltaspec's target from
+    features deltaspec's target taps itself (Drafter.block_logits(ids)) gives the torch
+    DFlashDraftModel's logits when that is fed transformers' hidden_states at target_layer_ids
+    (the +1 offset of extract_context_feature): the same top-1 chain, logits within f16 rounding.
+    Seen to fail with the taps one layer too deep (L instead of L-1 in dflash_taps) and with the
+    head reading block slots 0..B-2 instead of 1..B-1."""
+    import acceptance
+    from dflash.model import extract_context_feature
+
+    import deltaspec
+    from deltaspec.testing.tiny_dflash import reference_block_logits
+    target, _, dflash, _ = acceptance.load_torch_models(smoke, torch.device("cpu"))
+    prompts = json.loads((smoke / "manifest.json").read_text())["training"]["prompts"]
+    ids = prompts[0][:40]
+    with deltaspec.Model(smoke / "target.gguf", n_ctx=256, progress=False) as model:
+        d = deltaspec.Drafter(smoke / "dflash.gguf", target=model)
+        assert d.hparams.target_layers == [i + 1 for i in dflash.target_layer_ids]
+        ours = d.block_logits(ids)
+        top1 = d.block_top1(ids)
+    with torch.no_grad():
+        out = target(torch.tensor([ids[:-1]]), output_hidden_states=True)
+        feats = extract_context_feature(out.hidden_states, dflash.target_layer_ids)[0].numpy()
+    ref = reference_block_logits(dflash, feats, ids[-1], target.get_input_embeddings().weight.detach().numpy(),
+                                 target.lm_head.weight.detach().numpy())
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < 2e-3
+    assert top1 == ref.argmax(-1).tolist()
+
+
+def test_reference_dflash_chain_matches_deltaspec(smoke):
+    """The torch reference's DFlash chain (block - 1 drafts a round, greedy) and deltaspec's
+    spec_type "dflash" with draft_n_min = draft_n_max = block - 1 commit the same tokens in the same
+    number of target passes. Seen to fail with the head reading block slots 0..B-2 instead of
+    1..B-1 (graph_dflash.cpp)."""
+    import acceptance
+    import deltaspec
+    target, draft, dflash, mtp = acceptance.load_torch_models(smoke, torch.device("cpu"))
+    training = json.loads((smoke / "manifest.json").read_text())["training"]
+    prompts, block = training["prompts"][:2], training["block_size"]
+    n_new = 24
+    cont = reference.continuation(target, torch.tensor(prompts), n_new, 0.0, 0)
+    n_gen = reference.generated_lengths(cont, len(prompts[0]), 0)
+    drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=training["mask_token_id"])
+    ref = reference.simulate(cont, len(prompts[0]), n_gen, drafters.dflash_chain(), block - 1, block - 1)
+    steps = drafted = accepted = 0
+    with deltaspec.Model(smoke / "target.gguf", n_ctx=256, progress=False) as model:
+        for i, p in enumerate(prompts):
+            r = model.generate(p, max_tokens=n_new, temperature=0, draft_model=smoke / "dflash.gguf",
+                               spec_type="dflash", draft_n_max=block - 1, draft_n_min=block - 1)
+            assert r.tokens == cont[i, len(p):len(p) + n_gen[i]].tolist()
+            steps, drafted, accepted = steps + r.stats.n_steps, drafted + r.stats.n_drafted, accepted + r.stats.n_accepted
+    assert drafted > 0
+    assert (steps, drafted, accepted) == (ref.steps, ref.drafted, ref.accepted)

@@ -75,7 +75,9 @@ def torch_rows(models, prompts, n_new, T, device, mask_id, block, eos_id, seed):
     drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=mask_id)
     specs = [(f"draft model chain k={DRAFT_CHAIN_K}", "chain", drafters.draft_model_chain(DRAFT_CHAIN_K),
               DRAFT_CHAIN_K, DRAFT_CHAIN_K),
-             (f"DFlash chain (block {block})", "chain", drafters.dflash_chain(), block - 1, 1)]
+             (f"DFlash chain (block {block})", "chain", drafters.dflash_chain(), block - 1, 1),
+             # every round block - 1 drafts or none (deltaspec's draft_n_min = draft_n_max): its twin row
+             (DFLASH_FIXED, "chain", drafters.dflash_chain(), block - 1, block - 1)]
     specs += [(f"DFlash + DDTree budget {b}", "tree", drafters.dflash_tree(b), block - 1, 1) for b in DDTREE_BUDGETS]
     specs += [(f"MTP k={k}", "chain", drafters.mtp_chain(k), k, 1) for k in MTP_STEPS]
     rows = []
@@ -96,7 +98,9 @@ DELTASPEC_CONFIGS = {
     # the target's own MTP head (target.gguf keeps it: deltaspec's converter exports the MTP layer),
     # k drafts every round, beside the torch reference's "MTP k=" rows
     **{f"mtp{k}": (f"MTP k={k}", "chain") for k in MTP_STEPS},
+    "dflash_fixed": ("DFlash chain, block - 1 drafts or none", "chain"),
 }
+DFLASH_FIXED = DELTASPEC_CONFIGS["dflash_fixed"][0]
 
 
 def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed, key):
@@ -111,7 +115,10 @@ def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed
     kw = {"plain": {}, "ngram": dict(spec_type="ngram-simple"),
           "draft_fixed": dict(draft_model=draft, draft_n_max=DRAFT_CHAIN_K, draft_n_min=DRAFT_CHAIN_K),
           "draft_adaptive": dict(draft_model=draft, draft_n_max=16),
-          **{f"mtp{k}": dict(spec_type="mtp", draft_n_max=k, draft_n_min=k) for k in MTP_STEPS}}[key]
+          **{f"mtp{k}": dict(spec_type="mtp", draft_n_max=k, draft_n_min=k) for k in MTP_STEPS}}.get(key)
+    if key == "dflash_fixed":
+        block = json.loads((folder / "manifest.json").read_text())["training"]["block_size"]
+        kw = dict(draft_model=folder / "dflash.gguf", spec_type="dflash", draft_n_max=block - 1, draft_n_min=block - 1)
     t = time.time()
     steps = drafted = accepted = 0
     outs = []
@@ -237,6 +244,7 @@ def main(argv=None) -> dict:
             agreement(ds_tokens[0.0][f"draft model chain k={DRAFT_CHAIN_K}"], conts[0.0]),
         f"deltaspec draft model chain k={DRAFT_CHAIN_K} vs deltaspec plain":
             agreement(ds_tokens[0.0][f"draft model chain k={DRAFT_CHAIN_K}"], ds_tokens[0.0]["plain"]),
+        f"deltaspec {DFLASH_FIXED} vs torch greedy": agreement(ds_tokens[0.0][DFLASH_FIXED], conts[0.0]),
     }
     import tokenizers
     tk = tokenizers.Tokenizer.from_file(str(args.dir / "hf/target/tokenizer.json"))

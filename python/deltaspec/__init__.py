@@ -4,7 +4,7 @@ from .batch_invariance import batch_invariant
 from .errors import DeltaspecError
 from .grammar import Grammar
 
-__all__ = ["Model", "Llama", "DeltaspecError", "Grammar", "batch_invariant"]
+__all__ = ["Model", "Llama", "Drafter", "DeltaspecError", "Grammar", "batch_invariant"]
 __version__ = "0.1.0"
 
 
@@ -19,4 +19,8 @@ def __getattr__(name: str):
         from .llama import Llama
 
         return Llama
+    if name == "Drafter":
+        from .dflash import Drafter
+
+        return Drafter
     raise AttributeError(f"module 'deltaspec' has no attribute {name!r}")

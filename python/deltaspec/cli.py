@@ -156,9 +156,11 @@ def _add_run_parser(sub) -> None:
                              "are those of -m alone)")
     g.add_argument("-md", "--model-draft", metavar="FNAME", default=None,
                    help="draft model GGUF (same vocabulary as -m); turns on --spec-type draft-simple")
-    g.add_argument("--spec-type", choices=["draft-simple", "ngram-simple", "mtp", "draft-mtp"], default=None,
+    g.add_argument("--spec-type", choices=["draft-simple", "ngram-simple", "mtp", "draft-mtp", "dflash", "draft-dflash"],
+                   default=None,
                    help="draft-simple: the -md model drafts; ngram-simple: prompt lookup, drafts from the "
-                        "text itself; mtp (llama.cpp: draft-mtp): the model's own MTP layer drafts "
+                        "text itself; mtp (llama.cpp: draft-mtp): the model's own MTP layer drafts; dflash "
+                        "(llama.cpp: draft-dflash): -md is a DFlash block drafter, one pass drafts a block "
                         "(default: draft-simple with -md, else no speculation)")
     g.add_argument("--spec-draft-n-max", type=int, default=16, metavar="N",
                    help="most tokens drafted per step; the draft length adapts below it (default: %(default)s)")
@@ -402,8 +404,8 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
         raise RunError("--spec-type: ngram-simple drafts from the text itself; do not pass -md/--model-draft")
     if args.spec_type in ("mtp", "draft-mtp") and args.model_draft is not None:
         raise RunError(f"--spec-type: {args.spec_type} drafts with the model's own MTP layer; do not pass -md/--model-draft")
-    if args.spec_type in (None, "draft-simple") and args.model_draft is None:
-        raise RunError("--spec-type: draft-simple needs a draft model (-md/--model-draft FNAME)")
+    if args.spec_type in (None, "draft-simple", "dflash", "draft-dflash") and args.model_draft is None:
+        raise RunError(f"--spec-type: {args.spec_type or 'draft-simple'} needs a draft model (-md/--model-draft FNAME)")
     for flag, value, lo in (("--spec-draft-n-max", args.spec_draft_n_max, 1),
                             ("--spec-draft-n-min", args.spec_draft_n_min, 0),
                             ("--spec-tree-budget", args.spec_tree_budget, 0)):

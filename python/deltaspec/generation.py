@@ -82,8 +82,8 @@ class GenerationResult:
 
 @dataclass
 class Speculation:
-    """How to draft: `draft` is a Model (spec_type "draft-simple") or None for prompt lookup
-    ("ngram-simple"), or the target's own MTP head when `mtp` (spec_type "mtp")."""
+    """How to draft: `draft` is a Model (spec_type "draft-simple"), a DFlash Drafter ("dflash") or
+    None for prompt lookup ("ngram-simple"), or the target's own MTP head when `mtp` (spec_type "mtp")."""
 
     draft: object | None
     n_max: int = 16
@@ -91,6 +91,7 @@ class Speculation:
     ngram_max: int = 3
     tree_budget: int = 0  # > 0: draft trees of up to this many nodes; 0: chains
     mtp: bool = False
+    dflash: bool = False  # draft is a deltaspec.dflash.Drafter (spec_type "dflash")
 
 
 @dataclass
@@ -250,6 +251,10 @@ class Generator:
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
                                                eog, stop, spec.n_max, spec.n_min, callback, spec.tree_budget,
                                                constraint=constraint, mtp=spec.mtp)
+        if spec.dflash:  # a deltaspec.dflash.Drafter on this model's engine
+            return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
+                                               eog, stop, spec.n_max, spec.n_min, callback,
+                                               constraint=constraint, dflash=spec.draft._core)
         with engine_of(spec.draft) as draft:  # the draft model's engine is ours for the whole run too
             return engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,
                                                req.sampling.native(), eog, stop, spec.n_max, spec.n_min, callback,

@@ -29,7 +29,7 @@ MAX_N_CTX = 1 << 24      # as qwen35.context_length; past it the KV arithmetic o
 MAX_N_UBATCH = 1 << 24
 MAX_THREADS = 512        # ggml's GGML_MAX_N_THREADS
 MAX_N_SEQ = 256          # sequence slots; each holds a whole KV cache and recurrent state
-SPEC_TYPES = ("draft-simple", "ngram-simple", "mtp", "draft-mtp")  # "draft-mtp": llama.cpp's name for "mtp"
+SPEC_TYPES = ("draft-simple", "ngram-simple", "mtp", "draft-mtp", "dflash", "draft-dflash")  # draft-*: llama.cpp's names
 SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of Model.metadata
 
 
@@ -523,11 +523,17 @@ class Model:
             if not self._engine.has_mtp:
                 raise ValueError(f"spec_type {spec_type!r}: {self.path} has no MTP layer "
                                  "(qwen35.nextn_predict_layers is 0; convert the checkpoint with its MTP weights)")
+            if tree_budget:
+                raise ValueError(f"spec_type {spec_type!r} drafts chains for now: tree_budget must be 0")
             return Speculation(None, n_max, n_min, mtp=True)
         if spec_type == "ngram-simple":
             if draft_model is not None:
                 raise ValueError("spec_type 'ngram-simple' drafts from the text itself; do not pass draft_model")
             return Speculation(None, n_max, n_min, tree_budget=tree_budget)
+        if spec_type in ("dflash", "draft-dflash"):
+            if tree_budget:
+                raise ValueError("spec_type 'dflash' drafts chains for now: tree_budget must be 0")
+            return self._dflash_speculation(draft_model, n_max, n_min)
         if draft_model is None:
             raise ValueError("spec_type 'draft-simple' needs draft_model (a Model or a GGUF path)")
         if not isinstance(draft_model, (Model, str, os.PathLike)):
@@ -566,6 +572,26 @@ class Model:
         """Restore a save_state() snapshot: a generate() whose prompt extends its tokens evaluates only
         the new ones (result.stats.cached_tokens says how many it skipped)."""
         session_state.load(self, state)
+
+    def _dflash_speculation(self, draft_model, n_max, n_min) -> Speculation:
+        from .dflash import Drafter
+
+        if draft_model is None:
+            raise ValueError("spec_type 'dflash' needs draft_model (a deltaspec.dflash.Drafter or a DFlash GGUF path)")
+        if isinstance(draft_model, (str, os.PathLike)):
+            path = os.fspath(draft_model)
+            cached = self.__dict__.setdefault("_dflash_drafters", {})
+            if path not in cached:
+                cached[path] = Drafter(path, target=self)
+            draft_model = cached[path]
+        if not isinstance(draft_model, Drafter):
+            raise TypeError(f"spec_type 'dflash': draft_model must be a deltaspec.dflash.Drafter or a GGUF path, "
+                            f"got {type(draft_model).__name__} {draft_model!r}")
+        if draft_model.target is not self:
+            raise ValueError(f"the DFlash drafter {draft_model.path} was loaded for another target model")
+        # a block predicts block_size - 1 tokens: longer drafts do not exist (llama.cpp clamps too)
+        n_max = min(n_max, draft_model.block_size - 1)
+        return Speculation(draft_model, n_max, min(n_min, n_max), dflash=True)
 
     def _draft_cache(self, path) -> "Model":
         """A draft Model loaded from a path once and kept with this model."""

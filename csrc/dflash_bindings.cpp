@@ -1,0 +1,92 @@
+#include "dflash_bindings.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+
+#include "dflash_drafter.h"
+
+namespace py = pybind11;
+
+namespace deltaspec {
+
+void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of) {
+    py::class_<DFlashHParams>(m, "DFlashHParams")
+        .def(py::init<>())
+        .def_readwrite("n_embd", &DFlashHParams::n_embd)
+        .def_readwrite("n_layer", &DFlashHParams::n_layer)
+        .def_readwrite("n_head", &DFlashHParams::n_head)
+        .def_readwrite("n_head_kv", &DFlashHParams::n_head_kv)
+        .def_readwrite("head_dim", &DFlashHParams::head_dim)
+        .def_readwrite("n_ff", &DFlashHParams::n_ff)
+        .def_readwrite("n_rot", &DFlashHParams::n_rot)
+        .def_readwrite("rope_freq_base", &DFlashHParams::rope_freq_base)
+        .def_readwrite("rms_eps", &DFlashHParams::rms_eps)
+        .def_readwrite("block_size", &DFlashHParams::block_size)
+        .def_readwrite("mask_token", &DFlashHParams::mask_token)
+        .def_readwrite("causal", &DFlashHParams::causal)
+        .def_readwrite("target_layers", &DFlashHParams::target_layers);
+
+    using F32 = py::array_t<float, py::array::c_style | py::array::forcecast>;
+    py::class_<DFlashModel>(m, "DFlash")
+        .def(py::init([engine_of](const std::string & path, const DFlashHParams & hp, py::object target, int64_t n_ctx) {
+                 Engine & e = engine_of(target);
+                 py::gil_scoped_release release;
+                 return std::make_unique<DFlashModel>(path, hp, e, n_ctx);
+             }),
+             py::arg("path"), py::arg("hparams"), py::arg("target"), py::arg("n_ctx"),
+             py::keep_alive<1, 4>(),  // the target's weights and device serve the drafter
+             "A DFlash drafter on the target engine's device, borrowing its embedding and LM head.")
+        .def("inject", [](DFlashModel & d, F32 features, int64_t pos0) {
+                 if (features.ndim() != 2 || features.shape(1) != d.n_feat()) {
+                     throw std::invalid_argument("features must have shape (rows, " + std::to_string(d.n_feat()) + ")");
+                 }
+                 const float * p = features.data();
+                 const int64_t n = features.shape(0);
+                 py::gil_scoped_release release;
+                 d.inject(p, n, pos0);
+             }, py::arg("features"), py::arg("pos0"),
+             "Target features (rows, len(target_layers) * n_embd) of positions pos0.. become context rows.")
+        .def("block_logits", [](DFlashModel & d, int32_t anchor) {
+                 py::array_t<float> out({d.hparams().block_size - 1, d.n_vocab()});
+                 float * p = out.mutable_data();
+                 {
+                     py::gil_scoped_release release;
+                     d.block(anchor, p, nullptr);
+                 }
+                 return out;
+             }, py::arg("anchor"), "Logits (block_size - 1, n_vocab) of the block [anchor, mask...] after the context.")
+        .def("block_top1", [](DFlashModel & d, int32_t anchor) {
+                 std::vector<int32_t> out(d.hparams().block_size - 1);
+                 {
+                     py::gil_scoped_release release;
+                     d.block(anchor, nullptr, out.data());
+                 }
+                 return out;
+             }, py::arg("anchor"), "The argmax of every predicted slot (computed on the device).")
+        .def("read_context", [](DFlashModel & d, py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids) {
+                 const int32_t * p = ids.data();
+                 const int64_t n = ids.shape(0);
+                 py::gil_scoped_release release;
+                 Engine & t = d.target();
+                 t.reset();
+                 t.set_taps(dflash_taps(d.hparams()));
+                 try {
+                     if (n > 0) t.eval(p, n, LogitsWanted::none, nullptr);
+                     d.truncate(0);
+                     d.inject(t.tapped().data(), t.n_tapped_rows(), t.tapped_pos());
+                 } catch (...) {
+                     t.set_taps({});
+                     throw;
+                 }
+                 t.set_taps({});
+             }, py::arg("ids"),
+             "The target reads ids (a fresh sequence) and its tapped features become the whole context.")
+        .def("truncate", &DFlashModel::truncate, py::arg("n"), "Forget context rows at positions >= n.")
+        .def_property_readonly("n_cached", &DFlashModel::n_cached)
+        .def_property_readonly("n_feat", &DFlashModel::n_feat)
+        .def_property_readonly("weight_bytes", &DFlashModel::weight_bytes);
+}
+
+}  // namespace deltaspec

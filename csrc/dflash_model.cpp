@@ -1,0 +1,222 @@
+#include "dflash_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <stdexcept>
+
+#include "ggml-alloc.h"
+#include "gguf.h"
+#include "graph_dflash.h"
+#include "graph_qwen35.h"  // set_input
+
+namespace deltaspec {
+
+namespace {
+
+std::string blk(int il, const char * name) { return "blk." + std::to_string(il) + "." + name + ".weight"; }
+
+// The drafter's tensors, declared in `ctx` with the file's types and shapes and filled from the
+// file once allocated. The shapes were checked against the hyper-parameters in Python; what is
+// checked here is only what a changed file could break.
+class DFlashFile {
+  public:
+    DFlashFile(const std::string & path, ggml_context * ctx) : path_(path), ctx_(ctx) {
+        gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/&meta_};
+        gguf_ = gguf_init_from_file(path.c_str(), params);
+        if (!gguf_) throw std::runtime_error(path + ": not a readable GGUF file");
+    }
+    ~DFlashFile() {
+        if (meta_) ggml_free(meta_);
+        if (gguf_) gguf_free(gguf_);
+    }
+
+    ggml_tensor * bind(const std::string & name, std::initializer_list<int64_t> shape) {
+        const ggml_tensor * src = ggml_get_tensor(meta_, name.c_str());
+        if (!src) throw std::runtime_error(path_ + ": tensor '" + name + "' is missing");
+        int i = 0;
+        for (int64_t ne : shape) {
+            if (src->ne[i++] != ne) throw std::runtime_error(path_ + ": tensor '" + name + "' has an unexpected shape");
+        }
+        ggml_tensor * t = ggml_dup_tensor(ctx_, src);
+        ggml_set_name(t, name.c_str());
+        bound_.emplace_back(t, gguf_find_tensor(gguf_, name.c_str()));
+        return t;
+    }
+
+    void upload() {
+        std::ifstream f(path_, std::ios::binary);
+        std::vector<char> buf;
+        const size_t data_offset = gguf_get_data_offset(gguf_);
+        for (auto [t, id] : bound_) {
+            buf.resize(ggml_nbytes(t));
+            f.seekg((std::streamoff)(data_offset + gguf_get_tensor_offset(gguf_, id)));
+            f.read(buf.data(), (std::streamsize)buf.size());
+            if (!f) throw std::runtime_error(path_ + ": tensor '" + ggml_get_name(t) + "' extends past the end of the file");
+            ggml_backend_tensor_set(t, buf.data(), 0, buf.size());
+        }
+    }
+
+    int64_t n_tensors() const { return gguf_get_n_tensors(gguf_); }
+
+  private:
+    const std::string & path_;
+    ggml_context * ctx_;
+    gguf_context * gguf_ = nullptr;
+    ggml_context * meta_ = nullptr;
+    std::vector<std::pair<ggml_tensor *, int64_t>> bound_;
+};
+
+}  // namespace
+
+DFlashModel::DFlashModel(const std::string & path, const DFlashHParams & hp, Engine & target, int64_t n_ctx)
+    : hp_(hp), target_(target), n_ctx_(n_ctx) {
+    const int64_t E = hp.n_embd, D = hp.head_dim, H = hp.n_head, Hkv = hp.n_head_kv;
+    if (E != target.hparams().n_embd) throw std::invalid_argument("DFlash drafter and target differ in hidden size");
+    if (hp.n_rot < 2 || hp.n_rot > D || H % Hkv != 0 || hp.block_size < 2 || n_ctx < hp.block_size) {
+        throw std::invalid_argument("DFlash hyper-parameters out of range");
+    }
+    try {
+        const size_t n_w = 3 + 11 * (size_t)hp.n_layer;
+        wctx_ = ggml_init({ggml_tensor_overhead() * (n_w + 8), nullptr, /*no_alloc =*/true});
+        DFlashFile file(path, wctx_);
+        fc_ = file.bind("fc.weight", {n_feat(), E});
+        hidden_norm_ = file.bind("enc.output_norm.weight", {E});
+        output_norm_ = file.bind("output_norm.weight", {E});
+        for (int il = 0; il < hp.n_layer; ++il) {
+            DFlashLayer l;
+            l.attn_norm = file.bind(blk(il, "attn_norm"), {E});
+            l.wq = file.bind(blk(il, "attn_q"), {E, H * D});
+            l.wk = file.bind(blk(il, "attn_k"), {E, Hkv * D});
+            l.wv = file.bind(blk(il, "attn_v"), {E, Hkv * D});
+            l.wo = file.bind(blk(il, "attn_output"), {H * D, E});
+            l.q_norm = file.bind(blk(il, "attn_q_norm"), {D});
+            l.k_norm = file.bind(blk(il, "attn_k_norm"), {D});
+            l.ffn_norm = file.bind(blk(il, "ffn_norm"), {E});
+            l.ffn_gate = file.bind(blk(il, "ffn_gate"), {E, hp.n_ff});
+            l.ffn_up = file.bind(blk(il, "ffn_up"), {E, hp.n_ff});
+            l.ffn_down = file.bind(blk(il, "ffn_down"), {hp.n_ff, E});
+            layers_.push_back(l);
+        }
+        wbuf_ = ggml_backend_alloc_ctx_tensors(wctx_, target.backend());
+        if (!wbuf_) throw std::runtime_error(path + ": cannot allocate the DFlash weights (out of memory?)");
+        ggml_backend_buffer_set_usage(wbuf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        file.upload();
+
+        // F32 cache: the context rows are few per round and the block is short; exactness first
+        cctx_ = ggml_init({ggml_tensor_overhead() * (2 * (size_t)hp.n_layer + 2), nullptr, /*no_alloc =*/true});
+        for (int il = 0; il < hp.n_layer; ++il) {
+            k_cache_.push_back(ggml_new_tensor_2d(cctx_, GGML_TYPE_F32, Hkv * D, n_ctx));
+            v_cache_.push_back(ggml_new_tensor_2d(cctx_, GGML_TYPE_F32, Hkv * D, n_ctx));
+        }
+        cbuf_ = ggml_backend_alloc_ctx_tensors(cctx_, target.backend());
+        if (!cbuf_) throw std::runtime_error("cannot allocate the DFlash cache (out of memory?)");
+        ggml_backend_buffer_clear(cbuf_, 0);
+
+        graph_size_ = 64 * (size_t)hp.n_layer + 256;
+        meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
+        ggml_backend_t backends[2] = {target.backend(), target.cpu_backend()};
+        const int n_backends = target.backend() == target.cpu_backend() ? 1 : 2;
+        sched_ = ggml_backend_sched_new(backends, nullptr, n_backends, graph_size_, false, false);
+        if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
+    } catch (...) {
+        if (cbuf_) ggml_backend_buffer_free(cbuf_);
+        if (cctx_) ggml_free(cctx_);
+        if (wbuf_) ggml_backend_buffer_free(wbuf_);
+        if (wctx_) ggml_free(wctx_);
+        throw;
+    }
+}
+
+DFlashModel::~DFlashModel() {
+    ggml_backend_sched_free(sched_);
+    ggml_backend_buffer_free(cbuf_);
+    ggml_free(cctx_);
+    ggml_backend_buffer_free(wbuf_);
+    ggml_free(wctx_);
+}
+
+size_t DFlashModel::weight_bytes() const { return ggml_backend_buffer_get_size(wbuf_); }
+
+void DFlashModel::run(ggml_cgraph * gf) {
+    ggml_backend_sched_reset(sched_);
+    if (!ggml_backend_sched_alloc_graph(sched_, gf)) throw std::runtime_error("cannot allocate the DFlash graph");
+}
+
+void DFlashModel::inject(const float * features, int64_t n, int64_t pos0) {
+    if (n < 1) return;
+    if (pos0 < 0 || pos0 > n_cached_ || pos0 + n > n_ctx_) {
+        throw std::out_of_range("DFlash inject: rows " + std::to_string(pos0) + ".." + std::to_string(pos0 + n) +
+                                " do not continue the cache of " + std::to_string(n_cached_) + " rows within " +
+                                std::to_string(n_ctx_));
+    }
+    ggml_context * ctx = ggml_init({meta_.size(), meta_.data(), /*no_alloc =*/true});
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size_, false);
+    const DFlashGraphWeights w{hp_, fc_, hidden_norm_, output_norm_, layers_, target_.weights().token_embd,
+                               target_.weights().output, k_cache_, v_cache_};
+    DFlashInputs in;
+    build_dflash_inject(ctx, gf, w, in, n);
+    try {
+        run(gf);
+        std::vector<int32_t> pos(n);
+        std::vector<int64_t> rows(n);
+        for (int64_t i = 0; i < n; ++i) rows[i] = pos[i] = (int32_t)(pos0 + i);
+        set_input(in.features, features, ggml_nbytes(in.features));
+        set_input(in.pos, pos.data(), n * sizeof(int32_t));
+        set_input(in.rows, rows.data(), n * sizeof(int64_t));
+        if (ggml_backend_sched_graph_compute(sched_, gf) != GGML_STATUS_SUCCESS) {
+            throw std::runtime_error("DFlash inject: graph computation failed");
+        }
+    } catch (...) {
+        ggml_free(ctx);
+        throw;
+    }
+    ggml_free(ctx);
+    n_cached_ = pos0 + n;
+}
+
+void DFlashModel::block(int32_t anchor, float * logits, int32_t * top1) {
+    const int64_t B = hp_.block_size, p0 = n_cached_, n_kv = p0 + B;
+    if (n_kv > n_ctx_) throw std::length_error("DFlash block past the drafter's context of " + std::to_string(n_ctx_));
+    if (anchor < 0 || anchor >= n_vocab()) throw std::out_of_range("DFlash block: anchor token outside the vocabulary");
+    ggml_context * ctx = ggml_init({meta_.size(), meta_.data(), /*no_alloc =*/true});
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size_, false);
+    const DFlashGraphWeights w{hp_, fc_, hidden_norm_, output_norm_, layers_, target_.weights().token_embd,
+                               target_.weights().output, k_cache_, v_cache_};
+    DFlashInputs in;
+    ggml_tensor * out = build_dflash_block(ctx, gf, w, in, B, n_kv);
+    ggml_tensor * best = nullptr;
+    if (top1) {
+        best = ggml_argmax(ctx, out);
+        ggml_set_output(best);
+        ggml_build_forward_expand(gf, best);
+    }
+    try {
+        run(gf);
+        std::vector<int32_t> tokens(B, hp_.mask_token), pos(B);
+        std::vector<int64_t> rows(B);
+        tokens[0] = anchor;
+        for (int64_t i = 0; i < B; ++i) rows[i] = pos[i] = (int32_t)(p0 + i);
+        set_input(in.tokens, tokens.data(), B * sizeof(int32_t));
+        set_input(in.pos, pos.data(), B * sizeof(int32_t));
+        set_input(in.rows, rows.data(), B * sizeof(int64_t));
+        if (in.mask) {  // causal inside the block: slot i sees the context and slots 0..i
+            std::vector<float> mask(n_kv * B);
+            for (int64_t i = 0; i < B; ++i) {
+                for (int64_t j = 0; j < n_kv; ++j) mask[i * n_kv + j] = j <= p0 + i ? 0.0f : -INFINITY;
+            }
+            set_input(in.mask, mask.data(), mask.size() * sizeof(float));
+        }
+        if (ggml_backend_sched_graph_compute(sched_, gf) != GGML_STATUS_SUCCESS) {
+            throw std::runtime_error("DFlash block: graph computation failed");
+        }
+        if (logits) ggml_backend_tensor_get(out, logits, 0, ggml_nbytes(out));
+        if (top1) ggml_backend_tensor_get(best, top1, 0, ggml_nbytes(best));
+    } catch (...) {
+        ggml_free(ctx);
+        throw;
+    }
+    ggml_free(ctx);
+}
+
+}  // namespace deltaspec
