@@ -7,9 +7,11 @@
 # Only the result files listed below move; logs and tables in DIR stay where they are.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.json gpu_tests.xml profile.md
-       spec_bench.json cpu_batch_invariance.json acceptance.json acceptance.md testbed_manifest.json
-       rows_op_bench.json batch_bench.json slot_memory.json"
+NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.json gpu_tests.xml
+       profile.md spec_bench.json cpu_batch_invariance.json acceptance.json acceptance.md
+       testbed_manifest.json rows_op_bench.json batch_bench.json slot_memory.json tree_verify_cost.json
+       tree_verify_cost.md server_bench.json server_bench.md dflash_bench.json mtp_bench.json
+       kv_quality.json kv_quality.md tree_acceptance.json"
 LATEST=bench/results/latest
 FROM=${1:-}
 if [[ -n $FROM && ! -d $FROM ]]; then

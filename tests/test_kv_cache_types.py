@@ -365,9 +365,10 @@ def test_tq_type_table(name, head_dim, bpe):
 def test_supported_pairs():
     assert len(supported_pairs("cpu")) == 17 * 17  # 9 ggml types, tq3, tq4, 6 rotated
     cuda = supported_pairs("cuda")
-    assert len(cuda) == 15 * 15 and not any(t.startswith("iq4_nl") for p in cuda for t in p)
+    assert len(cuda) == 8 * 8 and not any(t.startswith("iq4_nl") for p in cuda for t in p)
     assert CUDA_VEC_PAIRS_DEFAULT <= cuda
-    assert set(supported_types("cuda")) == set(KV_CACHE_TYPES) - {"iq4_nl", "iq4_nl+rot"}
+    # the tq and rotated types stay CPU-only until their CUDA tests pass (kv_cache.supported_types)
+    assert set(supported_types("cuda")) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"}
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -383,8 +384,8 @@ def test_validate_accepts_supported(device):
     (("f16", "Q8_0", "cpu"), r"type_v='Q8_0' is not a KV cache type"),
     (("f16", None, "cpu"), r"type_v=None is not a KV cache type"),
     (("f16", "iq4_nl", "cuda"), r"type_v='iq4_nl' is not supported on cuda \(supported on cuda: f32, f16, bf16, "
-                                r"q8_0, q4_0, q4_1, q5_0, q5_1, tq3, tq4, q8_0\+rot, q4_0\+rot, q4_1\+rot, "
-                                r"q5_0\+rot, q5_1\+rot\)"),
+                                r"q8_0, q4_0, q4_1, q5_0, q5_1\)"),
+    (("tq3", "f16", "cuda"), r"type_k='tq3' is not supported on cuda"),
     (("iq4_nl", "f16", "cuda"), r"type_k='iq4_nl' is not supported on cuda"),
     (("f16", "f16", "metal"), r"device must be one of \('cpu', 'cuda'\), got 'metal'"),
     (("q8_0", "f16", "cpu", 48), r"type_k='q8_0': its block of 32 elements does not divide the head dim 48 "
@@ -392,7 +393,7 @@ def test_validate_accepts_supported(device):
     (("f16", "q4_1", "cpu", 80), r"type_v='q4_1': its block of 32 elements does not divide the head dim 80"),
     (("tq3", "f16", "cpu", 96), r"type_k='tq3': the head dim must be one of \(32, 64, 128, 256\) \(rotated as a "
                                 r"whole\), got 96"),
-    (("f16", "tq4", "cuda", 512), r"type_v='tq4': the head dim must be one of"),
+    (("f16", "tq4", "cpu", 512), r"type_v='tq4': the head dim must be one of"),
     (("q4_0+rot", "f16", "cpu", 96), r"type_k='q4_0\+rot': the head dim must be one of"),
 ])
 def test_validate_errors(args, message):

@@ -28,8 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import openai
 import pytest
+
+# the GPU machine collects this file for its gpu-marked tests (none here) without the client;
+# CI installs it with the test extra, so this never skips there
+openai = pytest.importorskip("openai")
 
 from deltaspec import Model
 from deltaspec.chat import split_reasoning

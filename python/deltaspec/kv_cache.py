@@ -155,13 +155,16 @@ def supported_types(device: str) -> tuple[str, ...]:
         # tq attention node any type with to_float beside a tq side.
         return KV_CACHE_TYPES
     if device == "cuda":
-        return (*_CUDA_TYPES, *TQ_CACHE_TYPES, *(n for n, t in ROTATED_CACHE_TYPES.items() if t in _CUDA_TYPES))
+        # Not the tq and rotated types yet: on the H200 (bench/results/latest/gpu_tests.xml) the CUDA
+        # quantizer's bytes differed from the CPU's and the F16-path attention from the CPU's
+        # (tests/test_gpu_turboquant.py), so they stay CPU-only until those tests pass.
+        return _CUDA_TYPES
     raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
 
 
 def supported_pairs(device: str) -> frozenset[tuple[str, str]]:
-    """All (type_k, type_v) pairs that run on `device`: 289 on the CPU, 225 on CUDA (tq3/tq4 and the
-    rotated types with anything).
+    """All (type_k, type_v) pairs that run on `device`: 289 on the CPU (tq3/tq4 and the rotated types
+    with anything), fewer on CUDA (ggml's own types only, see supported_types).
 
     On CUDA only `CUDA_VEC_PAIRS_DEFAULT` are fast for single-token decode; see the comment there.
     """
