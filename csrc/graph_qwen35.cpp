@@ -46,6 +46,23 @@ StepInputs make_tree_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv) 
     return in;
 }
 
+void set_chain_inputs(const StepInputs & in, int64_t p0, int64_t T, int64_t n_kv) {
+    std::vector<int32_t> pos(4 * T, 0);
+    std::vector<int64_t> rows(T);
+    for (int64_t t = 0; t < T; ++t) {
+        pos[t] = pos[T + t] = pos[2 * T + t] = (int32_t)(p0 + t);
+        rows[t] = p0 + t;
+    }
+    set_input(in.pos, pos.data(), pos.size() * sizeof(int32_t));
+    set_input(in.kv_rows, rows.data(), rows.size() * sizeof(int64_t));
+    std::vector<ggml_fp16_t> mask(n_kv * T);
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t j = 0; j < n_kv; ++j) mask[t * n_kv + j] = j <= p0 + t ? zero : neg_inf;
+    }
+    set_input(in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
+}
+
 StepInputs make_batch_inputs(ggml_context * ctx, int64_t n_seqs, int64_t n_per_seq, int64_t n_kv, int64_t first_slot) {
     StepInputs in;
     in.n_tokens = n_seqs * n_per_seq;

@@ -51,6 +51,9 @@ StepInputs make_tree_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv);
 inline void set_input(ggml_tensor * t, const void * data, size_t size) {
     if (t->buffer) ggml_backend_tensor_set(t, data, 0, size);
 }
+// The positions, KV rows and causal mask of T tokens appended to one sequence at position p0
+// (token t at p0 + t sees the cache rows 0 .. p0 + t of n_kv).
+void set_chain_inputs(const StepInputs & in, int64_t p0, int64_t T, int64_t n_kv);
 // Inputs for n_seqs sequences of n_per_seq rows each, in slots first_slot, first_slot + 1, ...
 StepInputs make_batch_inputs(ggml_context * ctx, int64_t n_seqs, int64_t n_per_seq, int64_t n_kv, int64_t first_slot);
 

@@ -150,20 +150,7 @@ void MtpHead::eval_ubatch(const int32_t * tokens, const float * hidden, int64_t 
 
     set_input(g.in.tokens, tokens, T * sizeof(int32_t));
     set_input(g.hidden_in, hidden, T * E * sizeof(float));
-    std::vector<int32_t> pos(4 * T, 0);
-    std::vector<int64_t> rows(T);
-    for (int64_t t = 0; t < T; ++t) {
-        pos[t] = pos[T + t] = pos[2 * T + t] = (int32_t)(p0 + t);
-        rows[t] = p0 + t;
-    }
-    set_input(g.in.pos, pos.data(), pos.size() * sizeof(int32_t));
-    set_input(g.in.kv_rows, rows.data(), rows.size() * sizeof(int64_t));
-    std::vector<ggml_fp16_t> mask(n_kv * T);
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
-    for (int64_t t = 0; t < T; ++t) {
-        for (int64_t j = 0; j < n_kv; ++j) mask[t * n_kv + j] = j <= p0 + t ? zero : neg_inf;
-    }
-    set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
+    set_chain_inputs(g.in, p0, T, n_kv);
 
     if (ggml_backend_sched_graph_compute(g.sched, g.gf) != GGML_STATUS_SUCCESS) {
         drop_graph(which);

@@ -87,12 +87,7 @@ class EngineLoop:
     def cancel(self, job: Job) -> None:
         """The client went away: free the job's slot (or queue place). A finished job is left alone."""
         with self._cond:
-            if job.cancel_requested:
-                return
-            job.cancel_requested = True
-            if job.id in self._running:
-                self._cancelled.append(job)
-                self.backend.interrupt(job)
+            self._cancel_locked(job)
             self._cond.notify()
 
     @property
@@ -123,12 +118,17 @@ class EngineLoop:
 
     def _cancel_all(self) -> None:
         for job in [*self._waiting, *self._running.values()]:
-            if not job.cancel_requested:
-                job.cancel_requested = True
-                if job.id in self._running:
-                    self._cancelled.append(job)
-                    self.backend.interrupt(job)
+            self._cancel_locked(job)
         self._cond.notify()
+
+    def _cancel_locked(self, job: Job) -> None:
+        """Marks the job cancelled (once); a running one is interrupted. Holds self._cond."""
+        if job.cancel_requested:
+            return
+        job.cancel_requested = True
+        if job.id in self._running:
+            self._cancelled.append(job)
+            self.backend.interrupt(job)
 
     @property
     def accepting(self) -> bool:
