@@ -33,6 +33,11 @@
 #      alone fits one 10-minute call: TQ_DEPTHS=131072)
 #   ab: tg128 (f16 KV) of deltaspec alone under each environment of AB_CONFIGS ('|'-separated
 #      lists of VAR=VALUE, e.g. "DELTASPEC_CUDA_KERNELS=1|DELTASPEC_CUDA_KERNELS=0"), one process each
+#   mtp: MTP drafting on a synthetic 27B Q4_K_M with an MTP layer (bench/mtp_bench.py): round cost
+#      and tok/s of chains of N = 1..5 drafts and of trees (depth:budget 3:8, 5:16), interleaved with
+#      llama.cpp's draft-mtp (llama-speculative-simple, compiled against the `build` step's
+#      libraries; llama.cpp is built first when no call made them) -> mtp_bench.json; deltaspec
+#      must be installed (`build` in this call or an earlier one)
 #   server: `deltaspec serve` vs llama-server at 1/4/16/32 concurrent streams (bench/server_bench.py)
 #      -> server_bench.json; llama-server is added to the `build` step's folder first (a call after
 #      `build`); needs the starlette and uvicorn wheels (and their dependencies) in .whl
@@ -135,15 +140,21 @@ if has_step ab; then
             || echo "[$config] failed" | tee -a "$OUT/ab.md"
     done
 fi
-if has_step mtp; then  # MTP rounds, N = 1..5 drafts, on the synthetic 27B with an MTP layer, beside llama.cpp's draft-mtp
+if has_step mtp; then  # MTP rounds, chains of N = 1..5 drafts and trees, on the synthetic 27B with an MTP layer, beside llama.cpp's draft-mtp
     if [[ ! -f /tmp/q27mtp.gguf ]]; then
         t0=$(date +%s)
         python3 -m deltaspec synth /tmp/q27mtp.gguf.part --preset 27b --quant q4_k_m --mtp > "$OUT/synth_mtp.log" 2>&1 \
             && mv /tmp/q27mtp.gguf.part /tmp/q27mtp.gguf
         echo "synth 27B q4_k_m + MTP: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/synth_mtp.log"
     fi
-    wait_for_stock_build
-    python3 "$REPO/bench/mtp_bench.py" /tmp/q27mtp.gguf --device cuda --llama-build "$STOCK_BUILD" \
+    # llama.cpp's draft-mtp peer: llama-speculative-simple, compiled in seconds against the `build`
+    # step's libraries (this call's or an earlier one's); without them llama.cpp is built here first
+    # (as `build` builds it, so that a later `build` reuses it; about 5 minutes)
+    if [[ ! -f $LLAMA_BUILD/bin/libllama-common.so ]]; then
+        ( cd "$REPO" && python3 bench/peers/llama_cpp.py build --cuda --deltaspec-kernels --build-dir "$LLAMA_BUILD" \
+            -j "$(nproc)" > "$OUT/llama_build.log" 2>&1 ) || { tail -20 "$OUT/llama_build.log"; exit 1; }
+    fi
+    python3 "$REPO/bench/mtp_bench.py" /tmp/q27mtp.gguf --device cuda --llama-build "$LLAMA_BUILD" \
         --out "$OUT/mtp_bench.json" | tee "$OUT/mtp_bench.md"
 fi
 if has_step verify; then
