@@ -119,8 +119,9 @@ class Engine {
     // layer ids (graph_qwen35.h; n_layer = the final normed hidden). tapped() holds them for the
     // committed positions tapped_pos() .. tapped_pos() + n_tapped_rows() - 1, each row's taps side
     // by side (layers.size() * n_embd floats a row): rows accumulate over calls until the reader
-    // calls clear_tapped(); keep(n) drops a verify batch's rows past its first n; reset() and
-    // set_taps() clear them. Empty layers: no taps (the default).
+    // calls clear_tapped(); keep(n) drops a verify batch's rows past its first n; a tree verify
+    // (verify_tree) adds rows only at keep_path(path), the path's rows in path order (none when the
+    // tree is dropped); reset() and set_taps() clear them. Empty layers: no taps (the default).
     void set_taps(const std::vector<int> & layers);
     const std::vector<int> & taps() const { return taps_.layers; }
     const std::vector<float> & tapped() const { return tapped_; }
@@ -166,6 +167,7 @@ class Engine {
     void advance_verify_state_graph(int64_t n, bool conv, bool deltanet);  // a ggml graph, any backend
     void settle_verify();
     void replay_tree_path(const std::vector<int32_t> & path);  // verify_tree.cpp: keep_path's graph
+    void keep_tree_taps(const std::vector<int32_t> & path);    // verify_tree.cpp: the path's tapped rows -> tapped_
     void append_taps(int64_t n_rows);  // the step's tapped rows -> tapped_
 
     // The last graph built stays allocated: a step of the same shape (every decode step until the

@@ -12,6 +12,11 @@
 // once more over the verify pass's inputs (graph outputs, VerifyStates) with every row off the path
 // skipped and the leaf writing its DeltaNet state and conv window back into the pool: the cost of a
 // chain of the path's length, nothing stored per row during the verify.
+//
+// Taps (Engine::set_taps): the verify graph outputs every row's tapped hidden states like any step;
+// keep_path copies only the kept rows' out of them, in path order, so that after a round the tapped
+// rows are those a plain run over the committed tokens would have tapped (a drafter fed from them,
+// DFlash or MTP, never sees a rejected branch).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -33,9 +38,10 @@ namespace {
 // causal mask, so siblings and cousins leak into each other), "row_position" gives a row the
 // position length + its index instead of length + its depth, "no_compaction" leaves the kept KV rows
 // where the verify wrote them, "parent_state" commits the recurrent state after the leaf's parent
-// instead of after the leaf. Read once per process; unset or empty in every real use, anything else
-// throws std::invalid_argument.
-enum class TreeBug { none, sibling_visible, row_position, no_compaction, parent_state };
+// instead of after the leaf, "taps_uncompacted" keeps the tapped rows of the batch's first rows
+// instead of the path's (the unaccepted rows' features). Read once per process; unset or empty in
+// every real use, anything else throws std::invalid_argument.
+enum class TreeBug { none, sibling_visible, row_position, no_compaction, parent_state, taps_uncompacted };
 
 TreeBug read_tree_bug() {
     const char * env = std::getenv("DELTASPEC_TEST_TREE_BUG");
@@ -45,8 +51,9 @@ TreeBug read_tree_bug() {
     if (v == "row_position") return TreeBug::row_position;
     if (v == "no_compaction") return TreeBug::no_compaction;
     if (v == "parent_state") return TreeBug::parent_state;
+    if (v == "taps_uncompacted") return TreeBug::taps_uncompacted;
     throw std::invalid_argument("DELTASPEC_TEST_TREE_BUG (test only) must be unset, 'sibling_visible', 'row_position', "
-                                "'no_compaction' or 'parent_state', not '" + v + "'");
+                                "'no_compaction', 'parent_state' or 'taps_uncompacted', not '" + v + "'");
 }
 
 TreeBug tree_bug() {
@@ -160,11 +167,44 @@ void Engine::keep_path(const int32_t * path, int64_t n) {
                                         str(tree_parents_[r]) + ", not " + (d == 0 ? std::string("-1 (a root)") : "row " + str(want)));
         }
     }
-    replay_tree_path(std::vector<int32_t>(path, path + n));
+    const std::vector<int32_t> kept(path, path + n);
+    keep_tree_taps(kept);  // before the replay, which computes on the same backend
+    replay_tree_path(kept);
     seq().n_past += n;
     tree_parents_.clear();
     tree_stats_.keep_calls += 1;
     tree_stats_.kept_rows += n;
+}
+
+void Engine::keep_tree_taps(const std::vector<int32_t> & path) {
+    const int64_t E = hp_.n_embd, n_taps = (int64_t)taps_.layers.size(), n = (int64_t)path.size();
+    if (n_taps == 0) return;
+    const int64_t p0 = seq().n_past;
+    if (tapped_pos_ + n_tapped_rows() != p0) {  // positions ran on without taps (as append_taps)
+        tapped_.clear();
+        tapped_pos_ = p0;
+    }
+    std::vector<int32_t> rows = path;
+    if (tree_bug() == TreeBug::taps_uncompacted) {
+        for (int64_t d = 0; d < n; ++d) rows[d] = (int32_t)d;
+    }
+    const size_t first = tapped_.size();
+    tapped_.resize(first + n * n_taps * E);
+    // the graph's tap i is {E, T}: a row is E contiguous floats, so a run of consecutive rows (the
+    // accepted part of the top-1 chain, mostly) is one read
+    std::vector<float> run;
+    for (int64_t i = 0; i < n_taps; ++i) {
+        for (int64_t d = 0; d < n;) {
+            int64_t e = d + 1;
+            while (e < n && rows[e] == rows[e - 1] + 1) ++e;
+            run.resize((e - d) * E);
+            ggml_backend_tensor_get(taps_.out[i], run.data(), (size_t)rows[d] * E * sizeof(float), run.size() * sizeof(float));
+            for (int64_t k = d; k < e; ++k) {  // each kept row's taps side by side, as append_taps lays them
+                std::copy_n(run.data() + (k - d) * E, E, tapped_.data() + first + (k * n_taps + i) * E);
+            }
+            d = e;
+        }
+    }
 }
 
 void Engine::replay_tree_path(const std::vector<int32_t> & path) {

@@ -21,6 +21,8 @@ turn the tests named in its line red (run `DELTASPEC_TEST_TREE_BUG=<bug> pytest 
   parent_state     keep_path commits the recurrent state after the leaf's parent:
                    test_keep_path_equals_plain_evaluation, test_chain_tree_keep_equals_keep,
                    test_keep_path_quantized_cache
+  taps_uncompacted keep_path keeps the tapped rows of the batch's first rows, not the path's:
+                   test_keep_path_taps_equal_plain_run
 """
 
 import numpy as np
@@ -236,3 +238,46 @@ def test_tree_bad_input(pair):
     assert tree.n_past == len(PREFIX) + 1
     with pytest.raises(RuntimeError, match="keep_path"):
         engine.keep_path(np.array([0], np.int32))
+
+
+def test_keep_path_taps_equal_plain_run(pair):
+    """With taps set (what a DFlash or MTP drafter reads), rounds of verify_tree + keep_path leave the
+    tapped rows a plain run over the committed tokens taps: the root and the accepted path's rows
+    only, compacted in path order, over rounds whose paths leave the first chain, follow it, and
+    keep the root alone; a dropped tree adds none. Seen to fail with
+    DELTASPEC_TEST_TREE_BUG=taps_uncompacted (the batch's first rows kept: the unaccepted rows'
+    features)."""
+    tree, ref = pair
+    n_layer = tree.hparams.n_layer
+    layers = [0, 2, n_layer]
+    tokens, parents = TREES["ddtree"]
+    paths = _paths(parents)
+    rounds = [paths[-1], paths[0], [0], paths[1], paths[-2][:3]]
+    assert any(p != list(range(len(p))) for p in rounds)
+    engine = tree._live()
+    engine.set_taps(layers)
+    try:
+        tree.reset()
+        tree.eval(PREFIX)
+        engine.clear_tapped()
+        committed = list(PREFIX)
+        for i, p in enumerate(rounds):
+            shifted = [t + 3 * i for t in tokens]  # each round drafts other tokens
+            engine.verify_tree(np.array(shifted, np.int32), np.array(parents, np.int32), argmax=True)
+            engine.keep_path(np.array(p, np.int32))
+            committed += [shifted[r] for r in p]
+        engine.verify_tree(np.array(tokens, np.int32), np.array(parents, np.int32), argmax=True)
+        got = engine.tapped  # a tree not kept (yet) adds no rows
+        assert engine.tapped_pos == len(PREFIX) and tree.n_past == len(committed)
+        assert got.shape == (len(committed) - len(PREFIX), len(layers), tree.hparams.n_embd)
+    finally:
+        engine.set_taps([])
+    ref_engine = ref._live()
+    ref_engine.set_taps(layers)
+    try:
+        ref.reset()
+        ref.eval(committed)
+        want = ref_engine.tapped[len(PREFIX):]
+    finally:
+        ref_engine.set_taps([])
+    assert np.array_equal(got, want), np.abs(got - want).max()
