@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument("-n", "--n-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-draft", type=int, default=5)
-    ap.add_argument("--trees", default="", help="N:B pairs (tree depth N, tree_budget B), comma-separated")
+    ap.add_argument("--trees", default="3:8,5:16", help="N:B pairs (tree depth N, tree_budget B), comma-separated")
     ap.add_argument("--llama-build", type=Path, default=None, help="llama.cpp build folder of the pinned tree")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads of deltaspec and llama.cpp (--device cpu)")
     ap.add_argument("--acceptance", default="", help="N:L pairs (mean tokens per round at N drafts), comma-separated")

@@ -5,9 +5,23 @@
 
 namespace deltaspec {
 
+namespace {
+
+// Greedy trees rank the head's candidates by its softmax (the request's penalties applied), as
+// ModelDrafter's trees do, not by the one-hot greedy distribution, which leaves nothing to branch to.
+SamplingParams tree_ranking(SamplingParams p) {
+    p.temperature = 1.0f;
+    p.top_k = 32;
+    p.top_p = 1.0f;
+    p.min_p = 0.0f;
+    return p;
+}
+
+}  // namespace
+
 MtpDrafter::MtpDrafter(Engine & target, const SamplingParams & sampling)
     : target_(target), old_taps_(target.taps()), head_(target, target.n_ctx()), sampler_(sampling),
-      zeros_(target.hparams().n_embd, 0.0f) {
+      ranker_(tree_ranking(sampling)), zeros_(target.hparams().n_embd, 0.0f) {
     target_.set_taps({(int)target.hparams().n_layer});
     step_cost_ = (double)head_.step_weight_bytes() / (double)target.step_weight_bytes();
 }
@@ -36,7 +50,8 @@ void MtpDrafter::begin(const std::vector<int32_t> & prompt) {
     propose(prompt, 0);
 }
 
-Draft MtpDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
+bool MtpDrafter::catch_up(const std::vector<int32_t> & committed, bool want_draft, LogitsWanted wanted,
+                          int32_t * argmax) {
     const int64_t E = target_.hparams().n_embd, V = target_.hparams().n_vocab;
     const int64_t n_past = target_.n_past();  // committed[n_past] (if any) is the target's next input
     if ((int64_t)committed.size() < n_past || n_past < synced_) {
@@ -44,7 +59,7 @@ Draft MtpDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max)
     }
     // Catch up: a row for every position from synced_ up to the newest one (draft 1's input).
     const int64_t last = std::min<int64_t>(n_past, (int64_t)committed.size() - 1);
-    const bool drafting = n_max > 0 && last == n_past;
+    const bool drafting = want_draft && last == n_past;
     batch_tokens_.clear();
     batch_hidden_.clear();
     for (int64_t p = synced_; p <= last; ++p) {
@@ -60,23 +75,28 @@ Draft MtpDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max)
     }
     target_.clear_tapped();
 
-    Draft d;
-    if (batch_tokens_.empty()) return d;
+    if (batch_tokens_.empty()) return false;
     head_.set_n_past(synced_);
-    const bool device_argmax = sampler_.params().argmax_only();
-    const bool greedy = sampler_.params().greedy();
     h_.resize(E);
     logits_.resize(V);
-    std::vector<int32_t> history = committed;
-    Distribution q;
-    const LogitsWanted wanted = !drafting ? LogitsWanted::none : device_argmax ? LogitsWanted::argmax : LogitsWanted::last;
-    int32_t argmax = -1;
+    if (!drafting) wanted = LogitsWanted::none;
     head_.eval(batch_tokens_.data(), batch_hidden_.data(), (int64_t)batch_tokens_.size(), wanted,
-               device_argmax ? (void *)&argmax : (void *)logits_.data(), h_.data());
+               wanted == LogitsWanted::argmax ? (void *)argmax : (void *)logits_.data(), h_.data());
     n_head_steps_++;
     synced_ = last + 1;  // every row so far paired a committed token with the target's hidden state
-    if (!drafting) return d;
+    return drafting;
+}
 
+Draft MtpDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
+    const int64_t V = target_.hparams().n_vocab;
+    const bool device_argmax = sampler_.params().argmax_only();
+    const bool greedy = sampler_.params().greedy();
+    int32_t argmax = -1;
+    Draft d;
+    if (!catch_up(committed, n_max > 0, device_argmax ? LogitsWanted::argmax : LogitsWanted::last, &argmax)) return d;
+
+    std::vector<int32_t> history = committed;
+    Distribution q;
     for (int64_t i = 0; i < n_max; ++i) {
         int32_t token = argmax;
         if (!device_argmax) {
@@ -96,6 +116,38 @@ Draft MtpDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max)
     head_.set_n_past(synced_);
     d.cost = step_cost_ * (double)d.tokens.size();
     return d;
+}
+
+DraftTree MtpDrafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {
+    const int64_t V = target_.hparams().n_vocab;
+    const bool greedy = sampler_.params().greedy();
+    if (!catch_up(committed, budget > 0 && max_depth > 0, LogitsWanted::last, nullptr)) return DraftTree{};
+
+    int64_t n_steps = 1;  // head steps: the catch-up, then one per chain node expanded
+    std::vector<int32_t> history;
+    // The head's distribution after `node`'s path, for the root and the top-1 chain only: while
+    // build_best_first seeds the chain the tree is one chain, and every node it adds then is the
+    // next chain node, read by one head step (its token with the head's hidden for its parent's
+    // row, at the next position: exactly a chain draft step). Other nodes stay leaves.
+    auto dist = [&](const DraftTree & t, int32_t node, Distribution & out) {
+        if (node >= 0) {
+            if (t.chain_length() != t.size() || head_.n_past() >= head_.n_ctx()) return;  // a leaf
+            head_.eval(&t.token[node], h_.data(), 1, LogitsWanted::last, logits_.data(), h_.data());
+            n_head_steps_++;
+            n_steps++;
+        }
+        history = committed;
+        for (int32_t n = 0; n <= node; ++n) history.push_back(t.token[n]);  // the chain: nodes 0 .. node
+        (greedy ? ranker_ : sampler_).distribution(logits_.data(), V, history, out);
+    };
+    BestFirstOptions opts;
+    opts.budget = budget;
+    opts.max_depth = max_depth;
+    if (!greedy) opts.uniform = [this] { return sampler_.uniform(); };
+    DraftTree t = build_best_first(dist, opts);
+    head_.set_n_past(synced_);  // the drafted rows are rewritten next round
+    t.cost = step_cost_ * (double)n_steps;
+    return t;
 }
 
 }  // namespace deltaspec

@@ -4,6 +4,15 @@
 // one row per committed position p, made from (token p, the target's hidden state at p - 1), so
 // after each round it catches up on the positions the target committed, from the hidden states
 // the target's verify (or plain decode) steps tapped for their kept rows.
+//
+// Trees (propose_tree): the head drafts its top-1 chain as above, and at each depth of it the
+// head's next-best tokens become extra children, leaves (draft_tree.h build_best_first with only
+// the chain's nodes expanded). Every distribution a tree reads is one the chain computes anyway,
+// so a tree costs the head exactly the steps of its chain. Expanding a side node would cost one
+// more head step each, of the price of a chain step (a head step reads its whole block), and would
+// need per-row masks in the head's cache; the leaves catch most of what a tree adds, the first
+// alternatives at each depth. After a tree round the head catches up on the committed path from
+// the target's hidden states of the accepted rows (the verify's taps, compacted by keep_path).
 #pragma once
 
 #include <vector>
@@ -20,10 +29,18 @@ class MtpDrafter : public Drafter {
     ~MtpDrafter() override;
     void begin(const std::vector<int32_t> & prompt) override;
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
+    // Greedy: children ranked by the head's softmax (temperature 1, top 32, the request's
+    // penalties), no q recorded; sampled: drawn without replacement from the request's sampling
+    // chain and q recorded (rejection sampling is exact).
+    DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
 
     int64_t n_head_steps() const { return n_head_steps_; }  // head graphs run (tests assert drafting ran)
 
   private:
+    // The head reads the committed positions it has not seen (each with the target's hidden state
+    // before it). Returns whether a draft can follow: the newest committed token is the target's
+    // next input. Then, with `wanted`, logits_ (or argmax) and h_ hold the head's output for it.
+    bool catch_up(const std::vector<int32_t> & committed, bool want_draft, LogitsWanted wanted, int32_t * argmax);
     // The target's hidden state at position p (p >= 0): a tapped row, or the one kept from before.
     const float * target_hidden(int64_t p) const;
 
@@ -31,6 +48,7 @@ class MtpDrafter : public Drafter {
     std::vector<int> old_taps_;
     MtpHead head_;
     Sampler sampler_;
+    Sampler ranker_;  // greedy trees: the candidates' ranking distribution
     double step_cost_;
     int64_t synced_ = 0;          // the head's KV rows hold positions 0 .. synced_ - 1
     std::vector<float> h_last_;   // the target's hidden state at position h_last_pos_

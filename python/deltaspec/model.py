@@ -288,7 +288,8 @@ class Model:
         head, for files converted with their MTP layer); draft_n_max / draft_n_min bound the draft
         length, which adapts to the acceptance rate. tree_budget > 0 drafts trees of up to that
         many nodes (DDTree-style best-first with the top-1 chain first; n-gram drafts branch where
-        the text went on differently) verified in one target pass; 0 drafts chains. Stats then
+        the text went on differently; the MTP head's trees are its chain with its next-best tokens
+        as extra leaves at each depth) verified in one target pass; 0 drafts chains. Stats then
         report n_drafted, n_accepted, acceptance_rate, mean_acceptance_length, n_tree_nodes,
         accepted_lengths (per verified draft) and draft / verify / rollback time.
 
@@ -523,9 +524,7 @@ class Model:
             if not self._engine.has_mtp:
                 raise ValueError(f"spec_type {spec_type!r}: {self.path} has no MTP layer "
                                  "(qwen35.nextn_predict_layers is 0; convert the checkpoint with its MTP weights)")
-            if tree_budget:
-                raise ValueError(f"spec_type {spec_type!r} drafts chains for now: tree_budget must be 0")
-            return Speculation(None, n_max, n_min, mtp=True)
+            return Speculation(None, n_max, n_min, tree_budget=tree_budget, mtp=True)
         if spec_type == "ngram-simple":
             if draft_model is not None:
                 raise ValueError("spec_type 'ngram-simple' drafts from the text itself; do not pass draft_model")
