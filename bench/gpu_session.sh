@@ -154,6 +154,8 @@ if has_step mtp; then  # MTP rounds, chains of N = 1..5 drafts and trees, on the
         ( cd "$REPO" && python3 bench/peers/llama_cpp.py build --cuda --deltaspec-kernels --build-dir "$LLAMA_BUILD" \
             -j "$(nproc)" > "$OUT/llama_build.log" 2>&1 ) || { tail -20 "$OUT/llama_build.log"; exit 1; }
     fi
+    [[ -f $DELTASPEC_GGML_SOURCE/examples/speculative-simple/speculative-simple.cpp ]] ||
+        echo "no llama.cpp peer: .deps/gpu-src lacks examples/speculative-simple (copy it from the pinned tree)"
     python3 "$REPO/bench/mtp_bench.py" /tmp/q27mtp.gguf --device cuda --llama-build "$LLAMA_BUILD" \
         --out "$OUT/mtp_bench.json" | tee "$OUT/mtp_bench.md"
 fi

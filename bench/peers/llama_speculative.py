@@ -49,6 +49,9 @@ def build_speculative_simple(bin_dir: str | os.PathLike, out: str | os.PathLike 
         raise PeerError(f"{bin_dir} is not a shared-library build of llama.cpp: {missing} missing")
     tree = upstream_tree()
     src = tree / EXAMPLE
+    if not src.exists():
+        raise PeerError(f"{src} is missing: the llama.cpp tree at {tree} was copied without {EXAMPLE.parent} "
+                        "(copy that folder from the pinned tree's vendor/llama.cpp)")
     tool = Path(out) if out else bin_dir / "llama-speculative-simple"
     if tool.exists() and all(tool.stat().st_mtime > p.stat().st_mtime for p in [src, FLUSH_AT_EXIT, *libs]):
         return tool
