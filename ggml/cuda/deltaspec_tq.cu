@@ -285,6 +285,13 @@ struct PlainAttention {
     }
 };
 
+// Planted bug for tests/test_gpu_turboquant.py (DELTASPEC_TEST_TQ_BUG=cuda_q_rotated_back, read per call
+// so that a test can set it): Q goes through R^T instead of R when K is rotated.
+bool planted_q_rotated_back() {
+    const char * bug = std::getenv("DELTASPEC_TEST_TQ_BUG");
+    return bug != nullptr && std::strcmp(bug, "cuda_q_rotated_back") == 0;
+}
+
 void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int format_k = dst->op_params[DELTASPEC_TQ_FA_PARAM + 1], format_v = dst->op_params[DELTASPEC_TQ_FA_PARAM + 2];
     const ggml_tensor *Q = dst->src[0], *K = dst->src[1], *V = dst->src[2];
@@ -297,7 +304,7 @@ void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     if (format_k != DELTASPEC_KV_PLAIN) {
         q_rot.alloc(ggml_nelements(Q));
         DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)Q->data, Q->nb[1], Q->nb[2], Q->nb[3], Q->ne[1], Q->ne[2],
-                                              Q->ne[3], q_rot.get(), false, stream);
+                                              Q->ne[3], q_rot.get(), planted_q_rotated_back(), stream);
         plain.q.data = q_rot.get();
     }
     if (decode_kernel_serves(dst, format_k, format_v)) {  // one token: the tq rows read in place
