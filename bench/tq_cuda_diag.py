@@ -101,7 +101,15 @@ def quantizer_report(bits, D, T=300, H=4, n_rows=512, seed=None):
     cpu = node_bytes("cpu", bits, x, idx, n_rows)
     source = _core.tq_quantize_cuda_source(bits, x.reshape(-1, D)).reshape(T, H * hb)
     pick = lambda a: a[idx].reshape(T * H, hb)  # the written rows, head by head
+    y = _core.tq_rotate(x.reshape(-1, D)).astype(np.float64)
+    live = np.abs(y).sum(axis=1) > 0
+
+    def rel_mse(q):  # the quantization error of the written vectors, relative to their energy
+        yq = _core.tq_dequantize_rotated(bits, q, D).astype(np.float64)
+        return float(np.mean(((yq - y) ** 2).sum(axis=1)[live] / (y ** 2).sum(axis=1)[live]))
+
     return {
+        "rel_mse_cuda": rel_mse(pick(cuda)), "rel_mse_cpu": rel_mse(pick(cpu)),
         "bits": bits, "D": D,
         "cuda_vs_cpu": compare(bits, D, pick(cuda), pick(cpu), "cpu"),
         "cuda_vs_kernel_source_on_host": compare(bits, D, pick(cuda), source.reshape(T * H, hb), "source"),
@@ -175,6 +183,8 @@ def main():
               f"{c['codes_differ']:>6} {c['code_positions_differ_frac']:>9.3f} {c['max_code_step']:>8} "
               f"{c['scale_ratio_median']:>11.4f} / {c['scale_ratio_spread']:<10.4f} {c['misplaced']:>9} | {s['differ']:>9} | "
               f"{r['cpu_vs_kernel_source_on_host']:>13} | {r['cuda_run_to_run_differ']:>10} | {r['unwritten_rows_nonzero_on_cuda']:>10}")
+    print("relative MSE of the written vectors (CUDA / CPU):",
+          ", ".join(f"tq{r['bits']} D={r['D']}: {r['rel_mse_cuda']:.4f} / {r['rel_mse_cpu']:.4f}" for r in report["quantizer"]))
     worst = max(report["quantizer"], key=lambda r: r["cuda_vs_cpu"]["differ"])
     print("differing codes by lane (tq%d D=%d):" % (worst["bits"], worst["D"]), worst["cuda_vs_cpu"]["differing_codes_by_lane"])
     envs = {"default": {}, "CUDA_LAUNCH_BLOCKING=1": {"CUDA_LAUNCH_BLOCKING": "1"},
