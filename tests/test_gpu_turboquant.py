@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason=
                                                    "of deltaspec (CPU-only build or no GPU)")]
 
 ATTENTION_REL = 5e-3  # CUDA vs CPU attention: max |difference| / max |value|
+ROTATED_REL = 2e-3  # a rotated ggml cache against ggml's attention on rotated rows, both on CUDA
 
 
 def _rows(rng, T, H, D):
@@ -112,7 +113,10 @@ def test_cuda_rotated_cache_is_ggml_on_rotated_rows(type_name, T, D):
     ggml = _core.tq_attention("cuda", rot(q), rot(k), rot(v), mask, type_name, type_name, scale)
     want = _core.tq_rotate(ggml.reshape(-1, D), inverse=True).reshape(ggml.shape)
     rel = float(np.abs(rotated - want).max() / np.abs(want).max())
-    assert rel <= 1e-5, f"{type_name}+rot T={T} D={D}: max |diff| {rel:.3g} of max |value| from ggml on rotated rows"
+    # equal rotations give equal caches and ~1e-7 here; the bound leaves room for a rare block-rounding
+    # flip should the device's rotation differ from the CPU's in the last bit (the bitwise quantizer
+    # test's business), while a rotation on the wrong side or in the wrong direction moves it by ~1
+    assert rel <= ROTATED_REL, f"{type_name}+rot T={T} D={D}: max |diff| {rel:.3g} of max |value| from ggml on rotated rows"
 
 
 def test_planted_q_rotation_is_caught(monkeypatch):
