@@ -31,6 +31,10 @@
 #      (bench/kv_memory.py -> kv_memory.json), then tg128 at depths TQ_DEPTHS (default 16384 65536)
 #      with q4_0, tq3 and q4_0+rot against llama-bench's q4_0 (-> kv_decode_bench.json; depth 131072
 #      alone fits one 10-minute call: TQ_DEPTHS=131072)
+#   tq-test: the tq KV cache types' CUDA checks, with them offered on CUDA (DELTASPEC_CUDA_TQ=1):
+#      bench/tq_cuda_diag.py (how the CUDA quantizer's bytes differ from the CPU's, if they do; VERDICT
+#      lines -> tq_cuda_diag.md/.json), then tests/test_gpu_turboquant.py and test_gpu.py's cache pairs
+#      with a tq or rotated side -> gpu_tq_tests.xml / .log
 #   ab: tg128 (f16 KV) of deltaspec alone under each environment of AB_CONFIGS ('|'-separated
 #      lists of VAR=VALUE, e.g. "DELTASPEC_CUDA_KERNELS=1|DELTASPEC_CUDA_KERNELS=0"), one process each
 #   mtp: MTP drafting on a synthetic 27B Q4_K_M with an MTP layer (bench/mtp_bench.py): round cost
@@ -45,7 +49,8 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify tree mtp profile server tq
+# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify tree mtp profile server
+#   tq tq-test
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -117,6 +122,18 @@ needs_model() {
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
       && mv /tmp/q27.gguf.part /tmp/q27.gguf; echo "synth 27B q4_k_m: $(( $(date +%s) - t0 )) s" >> "$OUT/synth.log" ) &
+fi
+# the tq and rotated cache types stay off on CUDA (kv_cache.supported_types) until tq-test passes;
+# the steps that exercise them offer them anyway
+if has_step tq || has_step tq-test; then export DELTASPEC_CUDA_TQ=1; fi
+if has_step tq-test; then
+    python3 "$REPO/bench/tq_cuda_diag.py" --json "$OUT/tq_cuda_diag.json" 2>&1 | tee "$OUT/tq_cuda_diag.md" \
+        || echo "tq_cuda_diag failed"
+    python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests/test_gpu_turboquant.py" "$REPO/tests/test_gpu.py" \
+        -k "turboquant or (kv_pair and (tq or rot))" -rA --junitxml="$OUT/gpu_tq_tests.xml" > "$OUT/gpu_tq_tests.log" 2>&1 \
+        || echo "tq GPU tests failed (see gpu_tq_tests.log)"
+    grep -E "^(FAILED|ERROR)" "$OUT/gpu_tq_tests.log" | cut -c1-200 | head -40 || true
+    tail -3 "$OUT/gpu_tq_tests.log"
 fi
 if has_step test; then
     # every gpu-marked test of the suite; a module that cannot be imported here (a CPU-only test's

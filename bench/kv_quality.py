@@ -2,6 +2,7 @@
 
     python bench/kv_quality.py [--model /work/testbed_files/target.gguf] [--windows 3] [--threads 2]
     python bench/kv_quality.py report [FILE.json]
+    python bench/kv_quality.py --types f16 q4_0 tq4/tq3 --out ...  # K/V: different types for K and V
 
 Two measurements, both written to bench/results/latest/kv_quality.json with their table (.md):
 
@@ -90,6 +91,12 @@ def compare(ref_logits: np.ndarray, logits: np.ndarray, targets: np.ndarray, bin
                      for lo, hi in bins}}
 
 
+def pair(name: str) -> tuple[str, str]:
+    """A --types entry: "q4_0" (K and V alike) or "tq4/tq3" (K, then V)."""
+    type_k, _, type_v = name.partition("/")
+    return type_k, type_v or type_k
+
+
 def end_to_end(model_path: str, windows: list[list[int]], threads: int, types: list[str]) -> list[dict]:
     """Per window, per type (interleaved): logits of the window, compared with the f16 cache's."""
     from deltaspec import Model
@@ -102,9 +109,10 @@ def end_to_end(model_path: str, windows: list[list[int]], threads: int, types: l
         ref = None
         for t in types:
             t0 = time.perf_counter()
-            with Model(model_path, n_ctx=length, n_threads=threads, type_k=t, type_v=t, progress=False) as m:
+            type_k, type_v = pair(t)
+            with Model(model_path, n_ctx=length, n_threads=threads, type_k=type_k, type_v=type_v, progress=False) as m:
                 got = {(a["type_k"], a["type_v"]) for a in m.kv_cache_info()["attention_layers"]}
-                assert got == {(t, t)}, f"asked for {t}, the engine allocated {got}"
+                assert got == {(type_k, type_v)}, f"asked for {t}, the engine allocated {got}"
                 logits = m.logits(ids)
             if ref is None:
                 ref = logits
@@ -169,9 +177,11 @@ def _spread(values: list[float], fmt: str) -> str:
 
 
 def bits_per_value(name: str, head_dim: int) -> float:
+    """Bits per cached value of a type, or the mean of K's and V's for a "K/V" pair."""
     from deltaspec.kv_cache import bytes_per_element
 
-    return 8 * bytes_per_element(name, head_dim) if name.startswith("tq") else 8 * bytes_per_element(name)
+    one = lambda t: 8 * bytes_per_element(t, head_dim) if t.startswith("tq") else 8 * bytes_per_element(t)
+    return sum(one(t) for t in pair(name)) / 2
 
 
 def table(result: dict) -> str:
@@ -218,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=3, help="held-out windows (the repetitions)")
     ap.add_argument("--length", type=int, default=0, help="window tokens (default: the model's n_ctx_train)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--types", nargs="+", default=TYPES, help="f16 first (the reference)")
+    ap.add_argument("--types", nargs="+", default=TYPES,
+                    help="f16 first (the reference); K/V for a pair of different types, e.g. tq4/tq3")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     if args.cmd == "report":

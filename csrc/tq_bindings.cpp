@@ -13,6 +13,7 @@
 
 #include "cuda_kernels.h"
 #include "deltaspec_tq.h"
+#include "tq_warp_emulation.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
@@ -115,6 +116,22 @@ F32 rotate_host(const F32 & x, bool inverse) {
     return out;
 }
 
+// x (n, D) -> (n, head bytes) by the CUDA quantizer kernel's source run on the host
+U8 quantize_cuda_source(int bits, const F32 & x) {
+    check_bits(bits);
+    const int64_t D = head_dim_of(x), n = x.size() / D;
+    U8 out({(py::ssize_t)n, (py::ssize_t)deltaspec_tq_head_bytes(bits, D)});
+    tq_cuda_source_quantize(bits, D, n, x.data(), out.mutable_data());
+    return out;
+}
+
+F32 rotate_cuda_source(const F32 & x, bool inverse) {
+    const int64_t D = head_dim_of(x);
+    F32 out(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
+    tq_cuda_source_rotate(D, x.size() / D, x.data(), out.mutable_data(), inverse);
+    return out;
+}
+
 // The quantize-on-write node on a backend: x (T, H, D) into rows idx of a cache of n_rows rows;
 // returns the cache's bytes (n_rows, H * head bytes).
 U8 set_rows_node(const std::string & device, int bits, const F32 & x, const py::array_t<int64_t> & idx, int64_t n_rows,
@@ -210,6 +227,18 @@ void bind_tq(py::module_ & m) {
           "Host codec: (n, head bytes) -> (n, D) float32 in the rotated domain.");
     m.def("tq_rotate", &rotate_host, py::arg("x"), py::arg("inverse") = false,
           "The tq rotation R = H S / sqrt(D) of each row of x (inverse: R^T).");
+    m.def("tq_quantize_cuda_source", &quantize_cuda_source, py::arg("bits"), py::arg("x"),
+          "The CUDA quantizer kernel's source (ggml/cuda/deltaspec_tq_warp.cuh) run on the host: x (n, D) "
+          "float32 -> (n, head bytes) uint8.");
+    m.def("tq_rotate_cuda_source", &rotate_cuda_source, py::arg("x"), py::arg("inverse") = false,
+          "The CUDA rotation kernel's source run on the host: each row of x rotated (inverse: back).");
+    m.def("tq_cuda_source_stats", [] {
+        const EmulationStats s = tq_cuda_source_stats();
+        py::dict d;
+        d["warps"] = s.warps;
+        d["shuffles"] = s.shuffles;
+        return d;
+    }, "What the host run of the CUDA kernels' source has executed in this process: warps, shuffles.");
     m.def("tq_set_rows", &set_rows_node, py::arg("device"), py::arg("bits"), py::arg("x"), py::arg("idx"),
           py::arg("n_rows"), py::arg("n_threads") = 1,
           "The quantize-on-write node on a backend: x (T, H, D) into rows idx; returns the cache's bytes.");

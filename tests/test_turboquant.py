@@ -15,6 +15,8 @@ that names it:
   no_rotation         R = I: the outlier test (error 3-10x the theory on spiky vectors) and the
                       rotation-matrix test
   v_not_rotated_back  the attention node leaves a tq V's output rotated: the attention test
+  cuda_shuffle_partner  the host run of the CUDA kernels' source pairs the wrong lanes in a shuffle:
+                      the kernel-source test
 """
 
 import os
@@ -111,6 +113,40 @@ def test_cpu_write_node_equals_host_codec(bits, D):
     assert not cache[np.setdiff1d(np.arange(n_rows), idx)].any()
 
 
+def _hard_rows(rng, T, H, D):
+    """Gaussian head vectors at many scales (1e-3 .. 1e3), some with a few channels 40x larger, a row
+    of zeros and a row of exact quarter multiples (ties are likelier): tests/test_gpu_turboquant.py's
+    rows, where the device's bytes are held to the CPU's."""
+    x = rng.standard_normal((T, H, D)) * rng.uniform(1e-3, 1e3, (T, H, 1))
+    x[1::7, :, rng.choice(D, 4, replace=False)] *= 40
+    x[2] = 0
+    x[3] = np.round(rng.standard_normal((H, D)) * 4) / 4
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("D", [32, 64, 128, 256])
+def test_cuda_kernel_source_writes_the_cpu_codecs_bytes(bits, D):
+    """The CUDA quantizer and rotation kernels' source (ggml/cuda/deltaspec_tq_warp.cuh), compiled for
+    the host with stand-ins of its intrinsics and run warp by warp in lockstep
+    (csrc/tq_warp_emulation.cpp), gives the CPU codec's bytes for every head vector and the CPU
+    rotation's floats bit for bit: the kernel does the codec's arithmetic in the codec's order. What
+    this cannot see is the device itself (its compiler, its runtime): bench/tq_cuda_diag.py compares
+    the device's bytes with these. Fails with DELTASPEC_TEST_TQ_BUG=cuda_shuffle_partner (the
+    emulated shuffle pairs lanes l and l ^ 8 where the source asks l ^ 16)."""
+    x = _hard_rows(np.random.default_rng(D * 10 + bits), 12, 4, D).reshape(-1, D)
+    before = _core.tq_cuda_source_stats()
+    got = _core.tq_quantize_cuda_source(bits, x)
+    want = _core.tq_quantize(bits, x)
+    differing = np.flatnonzero((got != want).any(axis=1))
+    assert differing.size == 0, f"tq{bits} D={D}: {differing.size} of {len(x)} head vectors differ, e.g. {differing[:5]}"
+    for inverse in (False, True):
+        assert np.array_equal(_core.tq_rotate_cuda_source(x, inverse=inverse), _core.tq_rotate(x, inverse=inverse))
+    after = _core.tq_cuda_source_stats()  # the kernels ran as warps, with their shuffles
+    assert after["warps"] - before["warps"] == 3 * len(x)
+    assert after["shuffles"] - before["shuffles"] > 32 * len(x) * 5
+
+
 def _attention_reference(q, k, v, mask, scale):
     """softmax(q k^T * scale + mask) v per query head, GQA by head // (H / H_kv)."""
     T, H, D = q.shape
@@ -170,6 +206,7 @@ def test_bad_head_dim_is_refused():
     ("uniform_codebook", "test_gaussian_round_trip_matches_codebook_distortion(3, 256)"),
     ("no_rotation", "test_rotation_makes_outlier_channels_harmless(3)"),
     ("v_not_rotated_back", "test_attention_node_equals_attention_over_the_cache('tq3', 'tq3', 1)"),
+    ("cuda_shuffle_partner", "test_cuda_kernel_source_writes_the_cpu_codecs_bytes(3, 128)"),
 ])
 def test_planted_bugs_are_caught(bug, call):
     """Each planted bug turns its test red (in a fresh process: the switch is read once per process)."""

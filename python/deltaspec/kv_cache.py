@@ -17,6 +17,7 @@ and, after, to see what the engine allocated: `Model.kv_cache_info()` (`allocate
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 from gguf import GGML_QUANT_SIZES
@@ -158,6 +159,9 @@ def supported_types(device: str) -> tuple[str, ...]:
         # Not the tq and rotated types yet: on the H200 (bench/results/latest/gpu_tests.xml) the CUDA
         # quantizer's bytes differed from the CPU's and the F16-path attention from the CPU's
         # (tests/test_gpu_turboquant.py), so they stay CPU-only until those tests pass.
+        # DELTASPEC_CUDA_TQ=1 offers them anyway: for the GPU run that decides (bench/gpu_session.sh tq-test).
+        if os.environ.get("DELTASPEC_CUDA_TQ") == "1":
+            return (*_CUDA_TYPES, *TQ_CACHE_TYPES, *(n for n, t in ROTATED_CACHE_TYPES.items() if t in _CUDA_TYPES))
         return _CUDA_TYPES
     raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
 
