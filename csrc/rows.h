@@ -40,4 +40,13 @@ struct RowBatch {
 enum class BatchBug { none, shared_slot, position, no_move, no_reset };
 BatchBug batch_bug();
 
+// DELTASPEC_TEST_ROWS_BUG (test only) plants a bug so that the tests of speculation for several
+// sequences at once (tests/test_batch_speculative.py) can show they notice it: "wrong_parent" makes
+// the verify graph (Engine::verify_rows) run the second slot's last row from its grandparent (mask
+// and recurrence) when that slot verifies 3+ rows, "swap_keep" makes the scheduler commit to each
+// slot the accepted length of the next slot that drafted (cut to the slot's own rows). Read once per
+// process; unset or empty in every real use, anything else throws std::invalid_argument.
+enum class RowsBug { none, wrong_parent, swap_keep };
+RowsBug rows_bug();
+
 }  // namespace deltaspec

@@ -53,7 +53,7 @@ void record_logprobs(const GenerateRequest & req, const float * row, int64_t n_v
 Sequence::Sequence(int64_t id_, GenerateRequest request, const PieceTable & pieces)
     : id(id_), req(std::move(request)), sampler(req.sampling), history(req.prompt), out(pieces, req, on_token, res) {}
 
-int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_token) {
+int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_token, const SeqSpec & spec) {
     const int64_t n_vocab = engine_.hparams().n_vocab;
     if ((int64_t)pieces_.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
     if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
@@ -75,8 +75,18 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
                                     " and the prompt " + std::to_string(req.prompt.size()) +
                                     " (a resumed prompt runs alone and has at least one new token)");
     }
+    if (spec.n_max < 0 || spec.n_min < 0 || (spec.n_max > 0 && spec.n_min > spec.n_max) || spec.ngram_max < 1) {
+        throw std::invalid_argument("speculation needs 0 <= draft_n_min <= draft_n_max and ngram_max >= 1");
+    }
     waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
     waiting_.back()->on_token = std::move(on_token);
+    // a grammar or logprobs: plain steps (their rows go through the verify pass undrafted)
+    if (spec.n_max > 0 && !req.constraint && req.n_logprobs < 0) {
+        Sequence & s = *waiting_.back();
+        s.spec = spec;
+        s.drafter = std::make_unique<NgramDrafter>(spec.ngram_max);
+        s.n_draft = std::max<int64_t>(spec.n_min, std::min<int64_t>(spec.n_max, 4));
+    }
     return next_id_++;
 }
 
@@ -104,16 +114,18 @@ void Scheduler::finish(Sequence & s, FinishReason why, StepEvent & ev) {
     if (s.slot >= 0) s.res.decode_seconds = seconds_since(s.decode_start);
     ev.finished = true;
     ev.result = s.res;
+    ev.speculative = s.speculates();
+    ev.spec = s.stats;
 }
 
-bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev) {
+bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx) {
     s.history.push_back(token);
     ev.tokens.push_back(token);
     if (!s.out.emit(token)) {  // the Emitter set res.finish
         finish(s, s.res.finish, ev);
         return false;
     }
-    if (engine_.slot_n_past(s.slot) >= engine_.n_ctx()) {
+    if (check_ctx && engine_.slot_n_past(s.slot) >= engine_.n_ctx()) {
         finish(s, FinishReason::length, ev);
         return false;
     }
@@ -223,25 +235,35 @@ std::vector<StepEvent> Scheduler::step() {
     release_finished();
     admit(events);
     release_finished();
-    decode_running(events);
+    if (!decode_speculative(events)) decode_running(events);
     release_finished();
     return events;
 }
 
-std::vector<GenerateResult> Scheduler::run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel) {
+std::vector<GenerateResult> Scheduler::run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel,
+                                           const std::vector<SeqSpec> & specs, std::vector<SpecStats> * stats) {
+    if (!specs.empty() && specs.size() != reqs.size()) throw std::invalid_argument("run: one SeqSpec per request, or none");
     std::vector<int64_t> ids;
-    for (const GenerateRequest & r : reqs) ids.push_back(add_request(r));
+    for (size_t i = 0; i < reqs.size(); ++i) ids.push_back(add_request(reqs[i], {}, specs.empty() ? SeqSpec{} : specs[i]));
     std::unordered_map<int64_t, GenerateResult> done;
+    std::unordered_map<int64_t, SpecStats> done_stats;
     while (!idle()) {
         if (cancel.load()) {
             for (int64_t id : ids) this->cancel(id);
         }
         for (StepEvent & ev : step()) {
-            if (ev.finished) done[ev.id] = std::move(ev.result);
+            if (ev.finished) {
+                done[ev.id] = std::move(ev.result);
+                done_stats[ev.id] = std::move(ev.spec);
+            }
         }
     }
     std::vector<GenerateResult> out;
     for (int64_t id : ids) out.push_back(std::move(done.at(id)));
+    if (stats) {
+        stats->clear();
+        for (int64_t id : ids) stats->push_back(std::move(done_stats.at(id)));
+    }
     return out;
 }
 

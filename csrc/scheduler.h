@@ -14,8 +14,17 @@
 #include "engine.h"
 #include "generate.h"
 #include "sampler.h"
+#include "speculative.h"
 
 namespace deltaspec {
+
+// A request's speculation in the scheduler (scheduler_spec.cpp): prompt lookup drafts of up to
+// n_max tokens (n_max 0: none), as generate_speculative's NgramDrafter with SpecOptions n_max, n_min.
+struct SeqSpec {
+    int64_t n_max = 0;
+    int64_t n_min = 0;
+    int64_t ngram_max = 3;
+};
 
 struct Sequence {
     explicit Sequence(int64_t id, GenerateRequest request, const PieceTable & pieces);
@@ -32,6 +41,14 @@ struct Sequence {
     bool finished = false;
     bool cancel_requested = false;
     std::chrono::steady_clock::time_point decode_start;
+
+    // speculation (spec.n_max > 0): generate_speculative's per-sequence state, the same schedule
+    SeqSpec spec;
+    std::unique_ptr<Drafter> drafter;
+    int64_t n_draft = 0, pause = 0, backoff = 1;
+    Draft draft;        // this step's
+    SpecStats stats;
+    bool speculates() const { return spec.n_max > 0; }
 };
 
 // What one step did to one sequence.
@@ -40,6 +57,17 @@ struct StepEvent {
     std::vector<int32_t> tokens;   // the tokens this step committed (the first comes from the prefill)
     bool finished = false;
     GenerateResult result;         // when finished
+    bool speculative = false;      // the request speculated: `spec` holds its stats (when finished)
+    SpecStats spec;
+};
+
+// What the scheduler's speculation did across sequences (tests assert that passes over several
+// drafting sequences happened).
+struct BatchSpecStats {
+    int64_t verify_passes = 0;      // target passes that verified drafts (Engine::verify_rows)
+    int64_t multi_draft_passes = 0; // ... with drafts of 2+ sequences
+    int64_t mixed_passes = 0;       // ... of which one sequence accepted drafts and another rejected some
+    int64_t max_drafting = 0;       // the most sequences that drafted in one pass
 };
 
 class Scheduler {
@@ -48,7 +76,9 @@ class Scheduler {
 
     // Queues a request (validated now); returns its id. `on_token` hears each of its tokens as it
     // is committed; returning false cancels it (streaming).
-    int64_t add_request(const GenerateRequest & req, TokenCallback on_token = {});
+    // `spec` (n_max > 0): it speculates with prompt lookup, verified with the other sequences' rows
+    // (each gives the tokens generate_speculative gives it alone with the same drafter).
+    int64_t add_request(const GenerateRequest & req, TokenCallback on_token = {}, const SeqSpec & spec = {});
     // A waiting request finishes at once, a running one at the next step (finish "cancelled",
     // with the tokens it has); unknown or finished ids are ignored.
     void cancel(int64_t id);
@@ -60,7 +90,9 @@ class Scheduler {
 
     // Runs the requests to the end; results in request order. `cancel` (checked each step)
     // cancels all of them.
-    std::vector<GenerateResult> run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel);
+    std::vector<GenerateResult> run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel,
+                                    const std::vector<SeqSpec> & specs = {}, std::vector<SpecStats> * stats = nullptr);
+    const BatchSpecStats & spec_stats() const { return spec_stats_; }
 
   private:
     void admit(std::vector<StepEvent> & events);
@@ -69,7 +101,11 @@ class Scheduler {
     // (and its logprobs recorded when asked for)
     int32_t choose(Sequence & s, float * row, int64_t n_vocab);
     // commits a sampled token; false when the sequence is done
-    bool commit(Sequence & s, int32_t token, StepEvent & ev);
+    bool commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx = true);
+    // scheduler_spec.cpp: when a running sequence drafts this step, one verify pass over every
+    // running sequence's rows, accept and keep per sequence; false (nothing done) when none drafts
+    bool decode_speculative(std::vector<StepEvent> & events);
+    int64_t draft_all();  // this step's drafts; how many sequences drafted
     void finish(Sequence & s, FinishReason why, StepEvent & ev);
     void release_finished();
     StepEvent & event_of(std::vector<StepEvent> & events, const Sequence & s);
@@ -83,6 +119,7 @@ class Scheduler {
     std::vector<float> raw_;  // a row before its grammar mask (logprobs)
     std::vector<int32_t> argmax_;
     RowBatch rows_;
+    BatchSpecStats spec_stats_;
 };
 
 }  // namespace deltaspec

@@ -34,7 +34,8 @@ SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of 
 
 
 class BatchSpeculationError(DeltaspecError, NotImplementedError):
-    """Speculative decoding asked of generate_batch / add_request, which decode without a drafter."""
+    """A speculative decoder asked of generate_batch / add_request that they do not run for several
+    sequences yet (all but prompt lookup: a draft model, the MTP head, DFlash, draft trees)."""
 
 
 @dataclass
@@ -366,9 +367,10 @@ class Model:
         if unknown:
             raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
         o = {**_GENERATE_DEFAULTS, **options}
-        if o["draft_model"] is not None or o["spec_type"] is not None or o["tree_budget"] != 0:
-            raise BatchSpeculationError(f"{where}(): speculative decoding (draft_model / spec_type) is not available "
-                                        "for concurrent sequences yet; call generate() per prompt to speculate")
+        if o["draft_model"] is not None or o["tree_budget"] != 0 or o["spec_type"] not in (None, "ngram-simple"):
+            raise BatchSpeculationError(f"{where}(): of the speculative decoders only prompt lookup (spec_type "
+                                        "'ngram-simple', chains) runs for concurrent sequences yet; call generate() per "
+                                        "prompt to speculate with a draft model, the MTP head, DFlash or draft trees")
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
         if o["logprobs"] is not None:
@@ -378,11 +380,26 @@ class Model:
                                    seed=self._default_seed if o["seed"] is None else o["seed"],
                                    logit_bias=self._logit_bias(o["logit_bias"], o["ignore_eos"]))
         request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
+        request.speculation = self._speculation(o["spec_type"], None, o["draft_n_max"], o["draft_n_min"])
         request.grammar = grammar_of(o["grammar"])
         if request.grammar is not None and o["ignore_eos"]:
             raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
                              "end-of-generation token is allowed")
         return request
+
+    @staticmethod
+    def _native_spec(request: _Request):
+        """The scheduler's speculation of a request: None, or prompt lookup's (n_max, n_min, ngram_max)."""
+        spec = request.speculation
+        return None if spec is None else (spec.n_max, spec.n_min, spec.ngram_max)
+
+    @property
+    def batch_spec_stats(self) -> dict[str, int]:
+        """Speculation across the sequences of add_request's scheduler (else of the last generate_batch):
+        verify_passes (target passes that verified drafts, each over every running sequence's rows),
+        multi_draft_passes (those with drafts of 2+ sequences), mixed_passes (of those, the ones that
+        accepted drafts and rejected drafts), max_drafting (the most sequences drafting in one pass)."""
+        return dict(self._live().batch_spec_stats)
 
     def _constraint(self, request: _Request):
         """The engine-side state of the request's grammar (None without one)."""
@@ -408,8 +425,11 @@ class Model:
 
         generate_kwargs are generate()'s (max_tokens, temperature, ..., seed, stop), for every
         prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
-        max_tokens, seed, stop or grammar). Speculation (draft_model, spec_type) raises
-        BatchSpeculationError; stream=True raises ValueError. cancel() stops every sequence."""
+        max_tokens, seed, stop or grammar). spec_type="ngram-simple" (prompt lookup, draft_n_max,
+        draft_n_min) speculates: every step verifies the drafts of all running sequences in one target
+        pass, and each result equals generate() alone with the same speculation (greedy and seeded
+        sampling; a sequence with a grammar decodes plainly in the batch); other drafters and draft
+        trees raise BatchSpeculationError. stream=True raises ValueError. cancel() stops every sequence."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise TypeError(f"prompts must be a non-empty list of prompts (str or token ids), got {prompts!r:.80}")
         if per_prompt is None:
@@ -422,7 +442,7 @@ class Model:
                     for p, extra in zip(prompts, per_prompt)]
         eog = sorted(self.tokenizer.eog_ids)
         constraints = [self._constraint(r) for r in requests]
-        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c)
+        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c, self._native_spec(r))
                   for r, c in zip(requests, constraints)]
         with engine_of(self) as engine:
             self._cached_tokens = None  # the slots' states are the batch's now
@@ -439,7 +459,8 @@ class Model:
 
     # --- requests stepped by the caller (a server's loop) ----------------------------------------
     def add_request(self, prompt: str | Sequence[int], **generate_kwargs: Any) -> int:
-        """Queue a request (generate()'s keyword arguments, no speculation or streaming) for step();
+        """Queue a request (generate()'s keyword arguments, no streaming; speculation as generate_batch's)
+        for step();
         returns its id. While requests are unfinished, one-sequence calls (generate, eval, ...)
         raise RuntimeError."""
         req = self._batch_request(prompt, generate_kwargs, "add_request")
@@ -448,7 +469,7 @@ class Model:
             self._cached_tokens = None
             request_id = engine.add_request(req.prompt, req.max_tokens, req.sampling.native(),
                                             sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop],
-                                            constraint=constraint)
+                                            constraint=constraint, speculation=self._native_spec(req))
         self._request_prompts[request_id] = (len(req.prompt), constraint)
         return request_id
 
