@@ -13,8 +13,9 @@ import time
 DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
 (streamed as server-sent events), /v1/models, /health and /metrics (Prometheus). --parallel N requests decode
 together in one batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each
-slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type) serves one
-request at a time: the engine's batch scheduler does not batch speculation yet."""
+slot (llama-server divides its -c among its -np slots). Speculative decoding: --spec-type ngram-simple
+verifies the drafts of all running requests in one pass per step; a draft model (-md) and the other drafters
+serve one request at a time (--parallel 1)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
