@@ -190,14 +190,17 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     return out;
 }
 
-// A request's speculation from Python: None, or (draft_n_max, draft_n_min, ngram_max) for prompt lookup.
+// A request's speculation from Python: None, or (draft_n_max, draft_n_min, ngram_max[, reference
+// token ids]) for prompt lookup (SeqSpec).
 SeqSpec seq_spec_of(const py::object & spec) {
     SeqSpec out;
     if (spec.is_none()) return out;
-    auto t = spec.cast<std::tuple<int64_t, int64_t, int64_t>>();
-    out.n_max = std::get<0>(t);
-    out.n_min = std::get<1>(t);
-    out.ngram_max = std::get<2>(t);
+    auto t = spec.cast<py::tuple>();
+    if (t.size() != 3 && t.size() != 4) throw std::invalid_argument("speculation: (draft_n_max, draft_n_min, ngram_max[, reference])");
+    out.n_max = t[0].cast<int64_t>();
+    out.n_min = t[1].cast<int64_t>();
+    out.ngram_max = t[2].cast<int64_t>();
+    if (t.size() == 4) out.reference = t[3].cast<std::vector<int32_t>>();
     if (out.n_max < 1) throw std::invalid_argument("speculation: draft_n_max must be >= 1");
     return out;
 }
@@ -700,7 +703,8 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
              py::arg("constraint") = py::none(), py::arg("speculation") = py::none(),
              "Queue a request for step(); returns its id. speculation: None or (draft_n_max, draft_n_min, "
-             "ngram_max): prompt lookup drafts verified with the other requests' rows in one pass.")
+             "ngram_max[, reference token ids]): prompt lookup drafts (searching the reference text, then the "
+             "request's own) verified with the other requests' rows in one pass.")
         .def_property_readonly("batch_spec_stats", [](const Runner & r) {
                  return batch_spec_dict(r.scheduler ? r.scheduler->spec_stats() : r.batch_spec);
              }, "Speculation across sequences (add_request's scheduler, else the last generate_batch): verify "

@@ -78,6 +78,12 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
     if (spec.n_max < 0 || spec.n_min < 0 || (spec.n_max > 0 && spec.n_min > spec.n_max) || spec.ngram_max < 1) {
         throw std::invalid_argument("speculation needs 0 <= draft_n_min <= draft_n_max and ngram_max >= 1");
     }
+    for (size_t i = 0; i < spec.reference.size(); ++i) {
+        if (spec.reference[i] < 0 || spec.reference[i] >= n_vocab) {
+            throw std::out_of_range("speculation: reference token id " + std::to_string(spec.reference[i]) + " at index " +
+                                    std::to_string(i) + " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
+        }
+    }
     waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
     waiting_.back()->on_token = std::move(on_token);
     // a grammar or logprobs: plain steps (their rows go through the verify pass undrafted)

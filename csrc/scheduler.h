@@ -20,10 +20,14 @@ namespace deltaspec {
 
 // A request's speculation in the scheduler (scheduler_spec.cpp): prompt lookup drafts of up to
 // n_max tokens (n_max 0: none), as generate_speculative's NgramDrafter with SpecOptions n_max, n_min.
+// `reference` (optional): a text the lookup searches before the sequence's own (prompt lookup
+// over a document the target never reads, as llama.cpp's static lookup cache; the benches use it
+// for stated acceptance rates on random-weight models).
 struct SeqSpec {
     int64_t n_max = 0;
     int64_t n_min = 0;
     int64_t ngram_max = 3;
+    std::vector<int32_t> reference;
 };
 
 struct Sequence {
@@ -47,6 +51,7 @@ struct Sequence {
     std::unique_ptr<Drafter> drafter;
     int64_t n_draft = 0, pause = 0, backoff = 1;
     Draft draft;        // this step's
+    std::vector<int32_t> lookup;  // spec.reference + history, the text the drafter searches
     SpecStats stats;
     bool speculates() const { return spec.n_max > 0; }
 };

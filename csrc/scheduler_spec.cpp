@@ -50,7 +50,13 @@ int64_t Scheduler::draft_all() {
             --s.pause;
         } else if (room >= std::max<int64_t>(s.spec.n_min, 1)) {
             const auto td = Clock::now();
-            s.draft = s.drafter->propose(s.history, std::min(s.n_draft, room));
+            const std::vector<int32_t> * text = &s.history;
+            if (!s.spec.reference.empty()) {
+                s.lookup.assign(s.spec.reference.begin(), s.spec.reference.end());
+                s.lookup.insert(s.lookup.end(), s.history.begin(), s.history.end());
+                text = &s.lookup;
+            }
+            s.draft = s.drafter->propose(*text, std::min(s.n_draft, room));
             if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
             s.stats.draft_seconds += seconds_since(td);
         }

@@ -4,7 +4,8 @@
 // The graph is the tree verify graph (verify_tree.cpp: the DeltaNet layers run the parent-indexed
 // rows ops over the pool, reading each row's slot's committed state and writing nothing), with
 // attention as one FA stream per slot (decode_rows.cpp's layout). FA streams hold equally many
-// queries, so a slot with fewer rows than the longest is padded with copies of its last row: same
+// queries, so a slot with fewer rows than the longest (rounded up to a power of two, so that graphs
+// are reused) is padded with copies of its last row: same
 // token, parent, position and KV row, so a copy computes exactly what that row computes and writes
 // the same KV values to the same place (no row of garbage can reach a KV row). Copies are dropped
 // from the logits returned and from every commit.
@@ -107,6 +108,11 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
         Tq = std::max(Tq, n);
         n_kv = std::max(n_kv, st.n_kv_for(st.n_past + n));
     }
+    // Tq rounded up to a power of two where it fits: the step graph of a shape is kept and reused
+    // (a CUDA graph replayed), and draft lengths change every round
+    int64_t bucket = 1;
+    while (bucket < Tq) bucket *= 2;
+    if (N * bucket <= opts_.n_ubatch) Tq = bucket;
     const int64_t T = N * Tq;
     if (T > opts_.n_ubatch) {
         throw std::invalid_argument("verify_rows: " + str(N) + " slots of up to " + str(Tq) + " rows make " + str(T) +
