@@ -196,11 +196,14 @@ SeqSpec seq_spec_of(const py::object & spec) {
     SeqSpec out;
     if (spec.is_none()) return out;
     auto t = spec.cast<py::tuple>();
-    if (t.size() != 3 && t.size() != 4) throw std::invalid_argument("speculation: (draft_n_max, draft_n_min, ngram_max[, reference])");
+    if (t.size() < 3 || t.size() > 5) {
+        throw std::invalid_argument("speculation: (draft_n_max, draft_n_min, ngram_max[, reference[, tree_budget]])");
+    }
     out.n_max = t[0].cast<int64_t>();
     out.n_min = t[1].cast<int64_t>();
     out.ngram_max = t[2].cast<int64_t>();
-    if (t.size() == 4) out.reference = t[3].cast<std::vector<int32_t>>();
+    if (t.size() > 3) out.reference = t[3].cast<std::vector<int32_t>>();
+    if (t.size() > 4) out.tree_budget = t[4].cast<int64_t>();
     if (out.n_max < 1) throw std::invalid_argument("speculation: draft_n_max must be >= 1");
     return out;
 }
@@ -703,7 +706,7 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
              py::arg("constraint") = py::none(), py::arg("speculation") = py::none(),
              "Queue a request for step(); returns its id. speculation: None or (draft_n_max, draft_n_min, "
-             "ngram_max[, reference token ids]): prompt lookup drafts (searching the reference text, then the "
+             "ngram_max[, reference token ids[, tree_budget]]): prompt lookup drafts (trees of up to tree_budget nodes when > 0) (searching the reference text, then the "
              "request's own) verified with the other requests' rows in one pass.")
         .def_property_readonly("batch_spec_stats", [](const Runner & r) {
                  return batch_spec_dict(r.scheduler ? r.scheduler->spec_stats() : r.batch_spec);
@@ -720,6 +723,8 @@ PYBIND11_MODULE(_core, m) {
                  d["max_slots"] = s.max_slots;
                  d["keep_calls"] = s.keep_calls;
                  d["kept_rows"] = s.kept_rows;
+                 d["branched_calls"] = s.branched_calls;
+                 d["kv_rows_moved"] = s.kv_rows_moved;
                  return d;
              }, "What verify_rows (rows of several slots in one verify pass) has run.")
         .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")

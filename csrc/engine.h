@@ -124,6 +124,7 @@ class Engine {
         int64_t calls = 0, multi_slot_calls = 0;  // passes; passes holding rows of 2+ slots
         int64_t rows = 0, padded_rows = 0;        // the callers' rows; copies added to even out the slots
         int64_t max_slots = 0, keep_calls = 0, kept_rows = 0;
+        int64_t branched_calls = 0, kv_rows_moved = 0;  // passes with a branching slot; KV rows compacted
     };
     const RowsStats & rows_stats() const { return rows_stats_; }
 

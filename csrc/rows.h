@@ -44,9 +44,11 @@ BatchBug batch_bug();
 // sequences at once (tests/test_batch_speculative.py) can show they notice it: "wrong_parent" makes
 // the verify graph (Engine::verify_rows) run the second slot's last row from its grandparent (mask
 // and recurrence) when that slot verifies 3+ rows, "swap_keep" makes the scheduler commit to each
-// slot the accepted length of the next slot that drafted (cut to the slot's own rows). Read once per
-// process; unset or empty in every real use, anything else throws std::invalid_argument.
-enum class RowsBug { none, wrong_parent, swap_keep };
+// slot the accepted length of the next slot that drafted a chain (cut to the slot's own rows),
+// "no_compaction" makes Engine::keep_paths leave a kept tree path's KV rows where the verify wrote
+// them. Read once per process; unset or empty in every real use, anything else throws
+// std::invalid_argument.
+enum class RowsBug { none, wrong_parent, swap_keep, no_compaction };
 RowsBug rows_bug();
 
 }  // namespace deltaspec

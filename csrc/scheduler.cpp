@@ -75,8 +75,9 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
                                     " and the prompt " + std::to_string(req.prompt.size()) +
                                     " (a resumed prompt runs alone and has at least one new token)");
     }
-    if (spec.n_max < 0 || spec.n_min < 0 || (spec.n_max > 0 && spec.n_min > spec.n_max) || spec.ngram_max < 1) {
-        throw std::invalid_argument("speculation needs 0 <= draft_n_min <= draft_n_max and ngram_max >= 1");
+    if (spec.n_max < 0 || spec.n_min < 0 || (spec.n_max > 0 && spec.n_min > spec.n_max) || spec.ngram_max < 1 ||
+        spec.tree_budget < 0) {
+        throw std::invalid_argument("speculation needs 0 <= draft_n_min <= draft_n_max, ngram_max >= 1, tree_budget >= 0");
     }
     for (size_t i = 0; i < spec.reference.size(); ++i) {
         if (spec.reference[i] < 0 || spec.reference[i] >= n_vocab) {

@@ -23,11 +23,14 @@ namespace deltaspec {
 // `reference` (optional): a text the lookup searches before the sequence's own (prompt lookup
 // over a document the target never reads, as llama.cpp's static lookup cache; the benches use it
 // for stated acceptance rates on random-weight models).
+// tree_budget > 0: n-gram draft trees of up to that many nodes (NgramDrafter::propose_tree), walked
+// with TreeRule::rejection as generate_speculative walks them.
 struct SeqSpec {
     int64_t n_max = 0;
     int64_t n_min = 0;
     int64_t ngram_max = 3;
     std::vector<int32_t> reference;
+    int64_t tree_budget = 0;
 };
 
 struct Sequence {
@@ -50,7 +53,8 @@ struct Sequence {
     SeqSpec spec;
     std::unique_ptr<Drafter> drafter;
     int64_t n_draft = 0, pause = 0, backoff = 1;
-    Draft draft;        // this step's
+    Draft draft;        // this step's (chains)
+    DraftTree tree;     // this step's (tree_budget > 0)
     std::vector<int32_t> lookup;  // spec.reference + history, the text the drafter searches
     SpecStats stats;
     bool speculates() const { return spec.n_max > 0; }

@@ -14,12 +14,16 @@
 #include <cmath>
 
 #include "scheduler.h"
+#include "tree_walk.h"
 
 namespace deltaspec {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// a sequence that drafted a chain this step (or nothing): the planted swap_keep bug acts on chains
+bool s_is_chain(const Sequence & s) { return s.tree.empty(); }
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -41,6 +45,7 @@ int64_t Scheduler::draft_all() {
     for (auto & sp : running_) {
         Sequence & s = *sp;
         s.draft = Draft{};
+        s.tree = DraftTree{};
         if (!s.speculates()) continue;
         // as generate_speculative: the batch [pending, drafts...] must fit the context, and drafts
         // past max_tokens would be thrown away (the target adds one token itself)
@@ -56,12 +61,19 @@ int64_t Scheduler::draft_all() {
                 s.lookup.insert(s.lookup.end(), s.history.begin(), s.history.end());
                 text = &s.lookup;
             }
-            s.draft = s.drafter->propose(*text, std::min(s.n_draft, room));
-            if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+            if (s.spec.tree_budget > 0) {
+                // every node takes a KV row and a row of the pass: the tree fits the context and the pass
+                const int64_t budget = std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap});
+                s.tree = s.drafter->propose_tree(*text, budget, std::min(s.n_draft, room));
+                if (s.tree.max_depth() < s.spec.n_min) s.tree = DraftTree{};
+            } else {
+                s.draft = s.drafter->propose(*text, std::min(s.n_draft, room));
+                if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+            }
             s.stats.draft_seconds += seconds_since(td);
         }
         s.stats.n_steps++;
-        n_drafting += !s.draft.tokens.empty();
+        n_drafting += !s.draft.tokens.empty() || !s.tree.empty();
     }
     return n_drafting;
 }
@@ -84,6 +96,9 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         for (size_t d = 0; d < s.draft.tokens.size(); ++d) {
             rows_.add(s.draft.tokens[d], p0 + 1 + (int32_t)d, (int32_t)s.slot, (int32_t)(first_row[i] + d));
         }
+        for (int64_t n = 0; n < s.tree.size(); ++n) {  // node n: row 1 + n of the slot, its parent's row after the root
+            rows_.add(s.tree.token[n], p0 + s.tree.depth[n], (int32_t)s.slot, (int32_t)(first_row[i] + 1 + s.tree.parent[n]));
+        }
         all_argmax = all_argmax && !needs_logits(s.req);
     }
     first_row[N] = rows_.size();
@@ -99,26 +114,42 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     }
     const double verify_seconds = seconds_since(tv);
 
-    // accept per sequence: n_acc drafts, then `next` (the correction or the bonus token)
+    // accept per sequence: n_acc drafts, then `next` (the correction or the bonus token). A tree's
+    // walk turns into the chain it accepted (draft.tokens) and its rows (kept).
     const PlantedBug bug = planted_bug();
     std::vector<int64_t> n_acc(N, 0);
     std::vector<int32_t> next(N, -1), row_argmax;
+    std::vector<std::vector<int32_t>> kept(N);  // rows of each slot kept after its root, relative to it
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
         const int64_t r0 = first_row[i];
         float * logits = all_argmax ? nullptr : logits_.data() + r0 * n_vocab;
-        if (s.draft.tokens.empty()) {  // generate_speculative's plain step, or a sequence that does not speculate
+        if (s.draft.tokens.empty() && s.tree.empty()) {  // generate_speculative's plain step, or no speculation
             next[i] = all_argmax ? argmax_[r0] : choose(s, logits, n_vocab);
             continue;
         }
         const size_t before = s.history.size();  // the accept rules append the accepted drafts; commit() does
+        const int64_t T = first_row[i + 1] - r0;
         if (s.req.sampling.argmax_only()) {
-            const int64_t T = first_row[i + 1] - r0;
             row_argmax.resize(T);
             for (int64_t t = 0; t < T; ++t) row_argmax[t] = all_argmax ? argmax_[r0 + t] : first_argmax(logits + t * n_vocab, n_vocab);
-            n_acc[i] = accept_argmax(row_argmax.data(), s.draft, s.history, next[i]);
+        }
+        if (!s.tree.empty()) {
+            const TreeWalk walk = s.req.sampling.argmax_only()
+                                      ? walk_tree_argmax(s.tree, row_argmax.data(), s.history)
+                                      : walk_tree(s.tree, logits, n_vocab, s.sampler, s.history, TreeRule::rejection,
+                                                  tree_rule_bug());
+            for (int32_t node : walk.path) {
+                s.draft.tokens.push_back(s.tree.token[node]);
+                kept[i].push_back(node + 1);
+            }
+            s.draft.cost = s.tree.cost;
+            n_acc[i] = (int64_t)walk.path.size();
+            next[i] = walk.next;
         } else {
-            n_acc[i] = accept_draft(logits, n_vocab, s.draft, s.sampler, s.history, next[i], bug);
+            n_acc[i] = s.req.sampling.argmax_only() ? accept_argmax(row_argmax.data(), s.draft, s.history, next[i])
+                                                    : accept_draft(logits, n_vocab, s.draft, s.sampler, s.history, next[i], bug);
+            for (int64_t d = 1; d <= n_acc[i]; ++d) kept[i].push_back((int32_t)d);
         }
         s.history.resize(before);
     }
@@ -128,16 +159,19 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     std::vector<std::vector<int32_t>> paths(N);
     for (int64_t i = 0; i < N; ++i) {
         int64_t keep = n_acc[i];
-        if (rows_bug() == RowsBug::swap_keep) {  // the next drafting slot's count, cut to this slot's rows
+        if (rows_bug() == RowsBug::swap_keep && s_is_chain(*running_[i])) {  // the next drafting slot's count, cut to this chain
             for (int64_t j = 1; j < N; ++j) {
                 const int64_t o = (i + j) % N;
-                if (!running_[o]->draft.tokens.empty()) {
-                    keep = std::min<int64_t>(n_acc[o], (int64_t)running_[i]->draft.tokens.size());
+                if (!running_[o]->draft.tokens.empty() || !running_[o]->tree.empty()) {
+                    keep = std::min<int64_t>(n_acc[o], first_row[i + 1] - first_row[i] - 1);
                     break;
                 }
             }
+            kept[i].clear();
+            for (int64_t d = 1; d <= keep; ++d) kept[i].push_back((int32_t)d);
         }
-        for (int64_t d = 0; d <= keep; ++d) paths[i].push_back((int32_t)(first_row[i] + d));
+        paths[i].push_back((int32_t)first_row[i]);
+        for (int32_t r : kept[i]) paths[i].push_back((int32_t)(first_row[i] + r));
     }
     engine_.keep_paths(paths);
     const double keep_seconds = seconds_since(tr);
@@ -151,14 +185,17 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         bool running = true;
         for (int64_t d = 0; d < n_acc[i] && running; ++d) running = commit(s, draft.tokens[d], ev, /*check_ctx =*/false);
         if (running) commit(s, next[i], ev);
-        if (draft.tokens.empty()) continue;
+        if (draft.tokens.empty() && s.tree.empty()) continue;
 
-        const int64_t n_full = (int64_t)draft.tokens.size();
+        // the most a round could have accepted: the chain, or the tree's depth
+        const int64_t n_full = s.tree.empty() ? (int64_t)draft.tokens.size() : s.tree.max_depth();
+        const int64_t n_verified = s.tree.empty() ? n_full : s.tree.size();
         n_accepting += n_acc[i] > 0;
         n_rejecting += n_acc[i] < n_full;
         s.stats.verify_seconds += verify_seconds;
         s.stats.rollback_seconds += keep_seconds;
-        s.stats.n_drafted += n_full;
+        s.stats.n_drafted += n_verified;
+        s.stats.n_tree_nodes += s.tree.size();
         s.stats.n_accepted += n_acc[i];
         s.stats.accepted_lengths.push_back((int32_t)n_acc[i]);
         constexpr double kLossBudget = 0.05;  // generate_speculative's

@@ -42,7 +42,9 @@ RowsBug rows_bug() {
         if (v.empty()) return RowsBug::none;
         if (v == "swap_keep") return RowsBug::swap_keep;
         if (v == "wrong_parent") return RowsBug::wrong_parent;
-        throw std::invalid_argument("DELTASPEC_TEST_ROWS_BUG (test only) must be unset, 'swap_keep' or 'wrong_parent', not '" +
+        if (v == "no_compaction") return RowsBug::no_compaction;
+        throw std::invalid_argument("DELTASPEC_TEST_ROWS_BUG (test only) must be unset, 'swap_keep', 'wrong_parent' or "
+                                    "'no_compaction', not '" +
                                     v + "'");
     }();
     return bug;
@@ -66,7 +68,8 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
     // the slots' runs of rows: slot first, first + 1, ..., each a non-empty run in the batch
     const int64_t first = rows.slot[0];
     std::vector<int64_t> begin;  // begin[i]: the first row of slot first + i
-    std::vector<int32_t> depth(R), local(R);
+    std::vector<int32_t> depth(R), local(R), n_children(R, 0);
+    bool branched = false;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t s = rows.slot[r];
         if (r == 0 || s != rows.slot[r - 1]) {
@@ -85,6 +88,8 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
         }
         depth[r] = p < 0 ? 0 : depth[p] + 1;
         local[r] = (int32_t)(r - b);
+        if (p >= 0) branched = branched || ++n_children[p] > 1;
+        else branched = branched || r > b;  // a second root of the slot
         const SequenceState & st = pool_.slots[s];
         if (rows.pos[r] != st.n_past + depth[r]) {
             throw std::invalid_argument("verify_rows: row " + str(r) + " has position " + str(rows.pos[r]) + "; slot " + str(s) +
@@ -178,6 +183,7 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
     compute(g);
     rows_stats_.calls += 1;
     rows_stats_.multi_slot_calls += N > 1;
+    rows_stats_.branched_calls += branched;
     rows_stats_.rows += R;
     rows_stats_.padded_rows += T - R;
     rows_stats_.max_slots = std::max(rows_stats_.max_slots, N);
@@ -241,7 +247,12 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
         for (int64_t d = 0; d < n;) {
             int64_t e = d + 1;
             while (e < n && pend.local[path[e]] - e == pend.local[path[d]] - d) ++e;
-            if (pend.local[path[d]] != d) moves.push_back({pend.first_slot + i, pend.p0[i] + pend.local[path[d]], pend.p0[i] + d, e - d});
+            if (pend.local[path[d]] != d) {
+                rows_stats_.kv_rows_moved += e - d;  // counted with the bug planted too: the tokens must show it
+                if (rows_bug() != RowsBug::no_compaction) {
+                    moves.push_back({pend.first_slot + i, pend.p0[i] + pend.local[path[d]], pend.p0[i] + d, e - d});
+                }
+            }
             d = e;
         }
     }

@@ -181,14 +181,11 @@ def test_kv_cache_info_per_slot(path, models):
 
 
 def test_batch_refuses_speculation_and_streaming(models):
-    """Drafters other than prompt lookup (which tests/test_batch_speculative.py covers) and trees are
-    refused. Seen to fail with the checks in Model._batch_request removed (a draft model was ignored)."""
+    """Drafters other than prompt lookup (which tests/test_batch_speculative.py covers) are refused. Seen to fail with the checks in Model._batch_request removed (a draft model was ignored)."""
     one, four = models
     with pytest.raises(DeltaspecError, match="only prompt lookup") as e:
         four.generate_batch([[1, 2, 3]], draft_model=one)
     assert isinstance(e.value, NotImplementedError)
-    with pytest.raises(DeltaspecError, match="only prompt lookup"):
-        four.add_request([1, 2, 3], spec_type="ngram-simple", tree_budget=4)
     with pytest.raises(DeltaspecError, match="only prompt lookup"):
         four.add_request([1, 2, 3], spec_type="mtp")
     with pytest.raises(ValueError, match="stream"):

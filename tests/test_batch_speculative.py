@@ -13,9 +13,10 @@ towards three tokens (logit_bias +10 on 10, 11, 12; ignore_eos): they then wande
 drafts are accepted in part and rejected in part, in many sequences in the same pass (asserted with
 Model.batch_spec_stats and the engine's rows_stats).
 
-Planted bugs (DELTASPEC_TEST_ROWS_BUG, csrc/rows.h) each test was seen to fail with:
-"wrong_parent" (the verify graph runs the second slot's last row from its grandparent) and
-"swap_keep" (the scheduler commits to each slot the accepted length of the next drafting slot).
+Planted bugs (DELTASPEC_TEST_ROWS_BUG, csrc/rows.h) each test was seen to fail with (its docstring
+says which): "wrong_parent" (the verify graph runs the second slot's last row from its grandparent),
+"swap_keep" (the scheduler commits to each slot the accepted length of the next drafting slot) and
+"no_compaction" (a kept tree path's KV rows stay where the verify wrote them).
 """
 
 import numpy as np
@@ -101,6 +102,32 @@ def test_speculative_batch_sampling_equals_alone(models):
     _assert_drafting_ran(four, batch)
     alone = [one.generate(p, **{**SPEC, "temperature": 0.8, **o}) for p, o in zip(prompts, per_prompt)]
     _assert_same(batch, alone, "generate() alone with the same seed and speculation")
+
+
+def test_speculative_batch_trees_equal_alone(models):
+    """N-gram draft trees (tree_budget 8: the history went on differently after the same words, so
+    trees branch) of several sequences verified in one pass, each slot's rows a tree, each walked as
+    generate_speculative walks it (greedy: the argmax; sampled: rejection) and its path kept with its
+    KV rows compacted: every sequence gives generate()'s tokens alone with the same trees, and greedy
+    plain decoding's. Seen to fail with DELTASPEC_TEST_ROWS_BUG=wrong_parent and =no_compaction
+    (the kept path's KV rows left where the verify wrote them)."""
+    one, four = models
+    prompts = _prompts(5, seed=13)
+    for temperature in (0.0, 0.8):
+        options = dict(SPEC, tree_budget=8, temperature=temperature, seed=21, max_tokens=50)
+        rows_before = dict(four._engine.rows_stats)
+        batch = four.generate_batch(prompts, **options)
+        rows = {k: v - rows_before[k] for k, v in four._engine.rows_stats.items() if k not in ("max_slots",)}
+        assert rows["branched_calls"] > 0 and rows["kv_rows_moved"] > 0, rows
+        assert four.batch_spec_stats["mixed_passes"] > 0
+        assert sum(r.stats.n_tree_nodes > 0 for r in batch) >= 2
+        alone = [one.generate(p, **options) for p in prompts]
+        _assert_same(batch, alone, f"generate() alone with the same trees (temperature {temperature})")
+        for b, a in zip(batch, alone):
+            assert (b.stats.n_tree_nodes, b.stats.n_accepted) == (a.stats.n_tree_nodes, a.stats.n_accepted)
+        if temperature == 0.0:
+            plain = [one.generate(p, **{**options, "spec_type": None, "tree_budget": 0}) for p in prompts]
+            _assert_same(batch, plain, "plain greedy generate()")
 
 
 def test_speculative_requests_join_and_leave(models):

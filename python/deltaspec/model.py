@@ -35,7 +35,7 @@ SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of 
 
 class BatchSpeculationError(DeltaspecError, NotImplementedError):
     """A speculative decoder asked of generate_batch / add_request that they do not run for several
-    sequences yet (all but prompt lookup: a draft model, the MTP head, DFlash, draft trees)."""
+    sequences yet (all but prompt lookup: a draft model, the MTP head, DFlash)."""
 
 
 @dataclass
@@ -367,10 +367,10 @@ class Model:
         if unknown:
             raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
         o = {**_GENERATE_DEFAULTS, **options}
-        if o["draft_model"] is not None or o["tree_budget"] != 0 or o["spec_type"] not in (None, "ngram-simple"):
+        if o["draft_model"] is not None or o["spec_type"] not in (None, "ngram-simple"):
             raise BatchSpeculationError(f"{where}(): of the speculative decoders only prompt lookup (spec_type "
-                                        "'ngram-simple', chains) runs for concurrent sequences yet; call generate() per "
-                                        "prompt to speculate with a draft model, the MTP head, DFlash or draft trees")
+                                        "'ngram-simple', chains or trees) runs for concurrent sequences yet; call "
+                                        "generate() per prompt to speculate with a draft model, the MTP head or DFlash")
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
         if o["logprobs"] is not None:
@@ -380,8 +380,12 @@ class Model:
                                    seed=self._default_seed if o["seed"] is None else o["seed"],
                                    logit_bias=self._logit_bias(o["logit_bias"], o["ignore_eos"]))
         request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
-        request.speculation = self._speculation(o["spec_type"], None, o["draft_n_max"], o["draft_n_min"])
+        request.speculation = self._speculation(o["spec_type"], None, o["draft_n_max"], o["draft_n_min"],
+                                                o["tree_budget"])
         request.grammar = grammar_of(o["grammar"])
+        if request.grammar is not None and o["tree_budget"]:
+            raise ValueError("tree_budget (draft trees) cannot be combined with a grammar yet; use chains "
+                             "(tree_budget=0)")
         if request.grammar is not None and o["ignore_eos"]:
             raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
                              "end-of-generation token is allowed")
@@ -389,9 +393,10 @@ class Model:
 
     @staticmethod
     def _native_spec(request: _Request):
-        """The scheduler's speculation of a request: None, or prompt lookup's (n_max, n_min, ngram_max)."""
+        """The scheduler's speculation of a request: None, or prompt lookup's (n_max, n_min, ngram_max,
+        reference (none), tree_budget)."""
         spec = request.speculation
-        return None if spec is None else (spec.n_max, spec.n_min, spec.ngram_max)
+        return None if spec is None else (spec.n_max, spec.n_min, spec.ngram_max, [], spec.tree_budget)
 
     @property
     def batch_spec_stats(self) -> dict[str, int]:
@@ -426,10 +431,10 @@ class Model:
         generate_kwargs are generate()'s (max_tokens, temperature, ..., seed, stop), for every
         prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
         max_tokens, seed, stop or grammar). spec_type="ngram-simple" (prompt lookup, draft_n_max,
-        draft_n_min) speculates: every step verifies the drafts of all running sequences in one target
+        draft_n_min, tree_budget for n-gram draft trees) speculates: every step verifies the drafts of all running sequences in one target
         pass, and each result equals generate() alone with the same speculation (greedy and seeded
-        sampling; a sequence with a grammar decodes plainly in the batch); other drafters and draft
-        trees raise BatchSpeculationError. stream=True raises ValueError. cancel() stops every sequence."""
+        sampling; a sequence with a grammar decodes plainly in the batch); other drafters raise
+        BatchSpeculationError. stream=True raises ValueError. cancel() stops every sequence."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise TypeError(f"prompts must be a non-empty list of prompts (str or token ids), got {prompts!r:.80}")
         if per_prompt is None:
