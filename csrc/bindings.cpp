@@ -196,14 +196,16 @@ SeqSpec seq_spec_of(const py::object & spec) {
     SeqSpec out;
     if (spec.is_none()) return out;
     auto t = spec.cast<py::tuple>();
-    if (t.size() < 3 || t.size() > 5) {
-        throw std::invalid_argument("speculation: (draft_n_max, draft_n_min, ngram_max[, reference[, tree_budget]])");
+    if (t.size() < 3 || t.size() > 6) {
+        throw std::invalid_argument("speculation: (draft_n_max, draft_n_min, ngram_max[, reference[, tree_budget[, "
+                                    "draft_model]]])");
     }
     out.n_max = t[0].cast<int64_t>();
     out.n_min = t[1].cast<int64_t>();
     out.ngram_max = t[2].cast<int64_t>();
     if (t.size() > 3) out.reference = t[3].cast<std::vector<int32_t>>();
     if (t.size() > 4) out.tree_budget = t[4].cast<int64_t>();
+    if (t.size() > 5) out.draft_model = t[5].cast<bool>();
     if (out.n_max < 1) throw std::invalid_argument("speculation: draft_n_max must be >= 1");
     return out;
 }
@@ -230,7 +232,16 @@ py::dict batch_spec_dict(const BatchSpecStats & s) {
 
 // Requests (prompt, max_tokens, sampling, stop[, constraint[, speculation]]) run concurrently on the
 // engine's slots (speculation: seq_spec_of's).
-py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids) {
+// The scheduler's draft model (requests with SeqSpec::draft_model): `draft`'s engine, its forward
+// costing what ModelDrafter's estimate says (weight bytes per step, draft over target).
+void set_draft(Scheduler & scheduler, Runner & r, Runner * draft) {
+    if (draft == nullptr) return;
+    if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
+    const double step_cost = (double)draft->engine->step_weight_bytes() / (double)r.engine->step_weight_bytes();
+    scheduler.set_draft_model(*draft->engine, step_cost);
+}
+
+py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids, Runner * draft) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate_batch()");
     std::vector<GenerateRequest> reqs;
     std::vector<SeqSpec> specs;
@@ -247,6 +258,8 @@ py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> e
     {
         py::gil_scoped_release release;
         Scheduler scheduler(*r.engine, r.pieces);
+        if (draft) draft->single();  // its slots are the scheduler's now
+        set_draft(scheduler, r, draft);
         results = scheduler.run(reqs, r.cancel, specs, &stats);
         r.batch_spec = scheduler.spec_stats();
     }
@@ -691,20 +704,24 @@ PYBIND11_MODULE(_core, m) {
              "Re-arm before a generate(); cleared by the caller so a cancel that races the start still counts.")
         .def_property_readonly("n_past", [](const Runner & r) { return r.engine->slot_n_past(0); })
         .def_property_readonly("n_seq_max", [](const Runner & r) { return r.engine->n_seq_max(); })
-        .def("generate_batch", &generate_batch_py, py::arg("requests"), py::arg("eog_ids"),
+        .def("generate_batch", &generate_batch_py, py::arg("requests"), py::arg("eog_ids"), py::arg("draft") = nullptr,
              "Run (prompt, max_tokens, sampling, stop) requests concurrently to the end; result dicts in order.")
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
                                std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint,
-                               py::object speculation) {
+                               py::object speculation, Runner * draft) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
                  if (!r.scheduler) r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces);
+                 if (draft && r.scheduler->draft_engine() != draft->engine.get()) {
+                     draft->single();
+                     set_draft(*r.scheduler, r, draft);
+                 }
                  GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
                  req.constraint = constraint_of(constraint);
                  const int64_t id = r.scheduler->add_request(req, {}, seq_spec_of(speculation));
                  if (!constraint.is_none()) r.constraints[id] = constraint;
                  return id;
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
-             py::arg("constraint") = py::none(), py::arg("speculation") = py::none(),
+             py::arg("constraint") = py::none(), py::arg("speculation") = py::none(), py::arg("draft") = nullptr,
              "Queue a request for step(); returns its id. speculation: None or (draft_n_max, draft_n_min, "
              "ngram_max[, reference token ids[, tree_budget]]): prompt lookup drafts (trees of up to tree_budget nodes when > 0) (searching the reference text, then the "
              "request's own) verified with the other requests' rows in one pass.")

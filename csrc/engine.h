@@ -113,9 +113,10 @@ class Engine {
     // sequences. `rows` are grouped by slot, slots consecutive from rows.slot[0], every slot's rows a
     // chain or tree of its own (parent -1: the slot's committed state; else an earlier row of the
     // same slot), position = the slot's length + depth. `out` receives every row's logits
-    // (LogitsWanted::all) or argmax (::argmax_all), in row order. Nothing is committed: keep_paths
-    // then keeps one root-to-leaf path per slot (row indices of `rows`, in slot order; at least the
-    // root), as keep_path does for one slot. Anything else that reads or extends a sequence first
+    // (LogitsWanted::all) or argmax (::argmax_all), in row order (only the rows whose wants_logits
+    // is set, when some are not). Nothing is committed: keep_paths then keeps one root-to-leaf path
+    // per slot (row indices of `rows`, in slot order; empty: the slot keeps nothing), as keep_path
+    // does for one slot. Anything else that reads or extends a sequence first
     // drops the batch (keeps none of it).
     void verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out);
     void keep_paths(const std::vector<std::vector<int32_t>> & paths);

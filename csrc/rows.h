@@ -46,9 +46,10 @@ BatchBug batch_bug();
 // and recurrence) when that slot verifies 3+ rows, "swap_keep" makes the scheduler commit to each
 // slot the accepted length of the next slot that drafted a chain (cut to the slot's own rows),
 // "no_compaction" makes Engine::keep_paths leave a kept tree path's KV rows where the verify wrote
-// them. Read once per process; unset or empty in every real use, anything else throws
-// std::invalid_argument.
-enum class RowsBug { none, wrong_parent, swap_keep, no_compaction };
+// them, "draft_slot_swap" makes the batched draft model (batch_draft.cpp) run each sequence's
+// drafting in the next drafting sequence's draft slot. Read once per process; unset or empty in every
+// real use, anything else throws std::invalid_argument.
+enum class RowsBug { none, wrong_parent, swap_keep, no_compaction, draft_slot_swap };
 RowsBug rows_bug();
 
 }  // namespace deltaspec

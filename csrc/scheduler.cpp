@@ -87,11 +87,22 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
     }
     waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
     waiting_.back()->on_token = std::move(on_token);
+    if (spec.draft_model && (!model_drafter_ || spec.tree_budget > 0)) {
+        waiting_.pop_back();
+        throw std::invalid_argument(model_drafter_ ? "a draft model drafts chains across sequences (tree_budget must be 0)"
+                                                   : "speculation with a draft model: the scheduler has none (set_draft_model)");
+    }
     // a grammar or logprobs: plain steps (their rows go through the verify pass undrafted)
     if (spec.n_max > 0 && !req.constraint && req.n_logprobs < 0) {
         Sequence & s = *waiting_.back();
         s.spec = spec;
-        s.drafter = std::make_unique<NgramDrafter>(spec.ngram_max);
+        if (spec.draft_model) {
+            SamplingParams ds = req.sampling;
+            ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
+            s.draft_state = std::make_unique<DraftSlotState>(ds);
+        } else {
+            s.drafter = std::make_unique<NgramDrafter>(spec.ngram_max);
+        }
         s.n_draft = std::max<int64_t>(spec.n_min, std::min<int64_t>(spec.n_max, 4));
     }
     return next_id_++;
@@ -164,6 +175,13 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
             engine_.eval(fresh, n, LogitsWanted::last, logits_.data());
             token = choose(*s, logits_.data(), n_vocab);
         }
+        if (model_drafter_) {  // the draft slot reads the prompt (or is emptied for a sequence without it)
+            if (s->draft_state) {
+                model_drafter_->begin(s->slot, *s->draft_state, s->req.prompt);
+            } else {
+                model_drafter_->clear_slot(s->slot);
+            }
+        }
         s->res.n_prefilled = n;
         s->res.prefill_seconds = seconds_since(t0);
         s->decode_start = Clock::now();
@@ -227,11 +245,26 @@ void Scheduler::release_finished() {
         const int64_t last = (int64_t)running_.size() - 1;
         if (i != last) {
             if (batch_bug() != BatchBug::no_move) engine_.move_slot(last, i);
+            if (model_drafter_) model_drafter_->engine().move_slot(last, i);
             running_[i] = std::move(running_[last]);
             running_[i]->slot = i;
         }
         running_.pop_back();
     }
+}
+
+void Scheduler::set_draft_model(Engine & draft, double step_cost) {
+    if (model_drafter_ && &model_drafter_->engine() == &draft) return;
+    if (model_drafter_ || !idle()) throw std::logic_error("set_draft_model: the scheduler has a draft model or requests already");
+    if (&draft == &engine_) throw std::invalid_argument("the draft model must be a separate engine");
+    if (draft.hparams().n_vocab != engine_.hparams().n_vocab || draft.n_seq_max() < engine_.n_seq_max() ||
+        draft.n_ctx() < engine_.n_ctx()) {
+        throw std::invalid_argument("the draft model needs the target's vocabulary (" + std::to_string(engine_.hparams().n_vocab) +
+                                    "), at least its n_seq_max (" + std::to_string(engine_.n_seq_max()) + ") and n_ctx (" +
+                                    std::to_string(engine_.n_ctx()) + "); it has " + std::to_string(draft.hparams().n_vocab) +
+                                    ", " + std::to_string(draft.n_seq_max()) + " and " + std::to_string(draft.n_ctx()));
+    }
+    model_drafter_ = std::make_unique<BatchModelDrafter>(draft, step_cost);
 }
 
 std::vector<StepEvent> Scheduler::step() {

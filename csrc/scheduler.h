@@ -15,6 +15,7 @@
 #include "generate.h"
 #include "sampler.h"
 #include "speculative.h"
+#include "batch_draft.h"
 
 namespace deltaspec {
 
@@ -31,6 +32,9 @@ struct SeqSpec {
     int64_t ngram_max = 3;
     std::vector<int32_t> reference;
     int64_t tree_budget = 0;
+    // drafts with the scheduler's draft model (Scheduler::set_draft_model) instead of prompt lookup,
+    // as generate_speculative's ModelDrafter (chains)
+    bool draft_model = false;
 };
 
 struct Sequence {
@@ -56,6 +60,7 @@ struct Sequence {
     Draft draft;        // this step's (chains)
     DraftTree tree;     // this step's (tree_budget > 0)
     std::vector<int32_t> lookup;  // spec.reference + history, the text the drafter searches
+    std::unique_ptr<DraftSlotState> draft_state;  // spec.draft_model: its draft slot's state
     SpecStats stats;
     bool speculates() const { return spec.n_max > 0; }
 };
@@ -102,6 +107,12 @@ class Scheduler {
     std::vector<GenerateResult> run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel,
                                     const std::vector<SeqSpec> & specs = {}, std::vector<SpecStats> * stats = nullptr);
     const BatchSpecStats & spec_stats() const { return spec_stats_; }
+    // The draft model of requests with SeqSpec::draft_model: an engine of the same vocabulary with
+    // at least this engine's slots; a draft forward costs step_cost target decode steps (as for
+    // ModelDrafter). Set once, before such requests.
+    void set_draft_model(Engine & draft, double step_cost);
+    bool has_draft_model() const { return model_drafter_ != nullptr; }
+    const Engine * draft_engine() const { return model_drafter_ ? &model_drafter_->engine() : nullptr; }
 
   private:
     void admit(std::vector<StepEvent> & events);
@@ -129,6 +140,7 @@ class Scheduler {
     std::vector<int32_t> argmax_;
     RowBatch rows_;
     BatchSpecStats spec_stats_;
+    std::unique_ptr<BatchModelDrafter> model_drafter_;
 };
 
 }  // namespace deltaspec

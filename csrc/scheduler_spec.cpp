@@ -42,6 +42,8 @@ int64_t Scheduler::draft_all() {
     // the pass holds every running sequence's rows, each slot padded to the longest: Tq <= n_ubatch / N
     const int64_t cap = engine_.n_ubatch() / std::max<int64_t>(1, (int64_t)running_.size()) - 1;
     int64_t n_drafting = 0;
+    std::vector<DraftJob> jobs;  // the draft model's, drafted together below
+    std::vector<Sequence *> job_seq;
     for (auto & sp : running_) {
         Sequence & s = *sp;
         s.draft = Draft{};
@@ -53,6 +55,14 @@ int64_t Scheduler::draft_all() {
         const int64_t room = std::min({n_ctx - engine_.slot_n_past(s.slot) - 1, s.spec.n_max, left - 1, cap});
         if (s.pause > 0) {
             --s.pause;
+        } else if (room >= std::max<int64_t>(s.spec.n_min, 1) && s.draft_state) {
+            DraftJob job;
+            job.slot = s.slot;
+            job.state = s.draft_state.get();
+            job.committed = &s.history;
+            job.n_max = std::min(s.n_draft, room);
+            jobs.push_back(std::move(job));
+            job_seq.push_back(&s);
         } else if (room >= std::max<int64_t>(s.spec.n_min, 1)) {
             const auto td = Clock::now();
             const std::vector<int32_t> * text = &s.history;
@@ -74,6 +84,18 @@ int64_t Scheduler::draft_all() {
         }
         s.stats.n_steps++;
         n_drafting += !s.draft.tokens.empty() || !s.tree.empty();
+    }
+    if (!jobs.empty()) {
+        const auto td = Clock::now();
+        model_drafter_->propose(jobs);
+        const double seconds = seconds_since(td);
+        for (size_t k = 0; k < jobs.size(); ++k) {
+            Sequence & s = *job_seq[k];
+            s.draft = std::move(jobs[k].draft);
+            if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+            s.stats.draft_seconds += seconds;  // the passes were shared
+            n_drafting += !s.draft.tokens.empty();
+        }
     }
     return n_drafting;
 }

@@ -43,8 +43,9 @@ RowsBug rows_bug() {
         if (v == "swap_keep") return RowsBug::swap_keep;
         if (v == "wrong_parent") return RowsBug::wrong_parent;
         if (v == "no_compaction") return RowsBug::no_compaction;
-        throw std::invalid_argument("DELTASPEC_TEST_ROWS_BUG (test only) must be unset, 'swap_keep', 'wrong_parent' or "
-                                    "'no_compaction', not '" +
+        if (v == "draft_slot_swap") return RowsBug::draft_slot_swap;
+        throw std::invalid_argument("DELTASPEC_TEST_ROWS_BUG (test only) must be unset, 'swap_keep', 'wrong_parent', "
+                                    "'no_compaction' or 'draft_slot_swap', not '" +
                                     v + "'");
     }();
     return bug;
@@ -58,6 +59,7 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
     for (const auto * column : {&rows.pos, &rows.slot, &rows.parent}) {
         if ((int64_t)column->size() != R) throw std::invalid_argument("verify_rows: the row batch's columns differ in length");
     }
+    if ((int64_t)rows.wants_logits.size() != R) throw std::invalid_argument("verify_rows: the row batch's columns differ in length");
     if (R < 1) throw std::invalid_argument("verify_rows: no rows");
     if (!deltaspec_rows_cpu_available()) {
         throw std::runtime_error("verify_rows: this ggml-cpu lacks deltaspec's rows ops (ggml/cpu/inject.cmake)");
@@ -189,7 +191,15 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
     rows_stats_.max_slots = std::max(rows_stats_.max_slots, N);
 
     const size_t row_bytes = wanted == LogitsWanted::all ? hp_.n_vocab * sizeof(float) : sizeof(int32_t);
-    if (T == R) {
+    const bool every_row = std::all_of(rows.wants_logits.begin(), rows.wants_logits.end(), [](uint8_t w) { return w != 0; });
+    if (!every_row) {  // the rows asked for, in row order (a drafter reads each slot's last row)
+        char * dst = static_cast<char *>(out);
+        for (int64_t r = 0; r < R; ++r) {
+            if (!rows.wants_logits[r]) continue;
+            ggml_backend_tensor_get(g.out, dst, pend.row_of[r] * row_bytes, row_bytes);
+            dst += row_bytes;
+        }
+    } else if (T == R) {
         ggml_backend_tensor_get(g.out, out, 0, T * row_bytes);
     } else {
         char * dst = static_cast<char *>(out);
@@ -211,8 +221,7 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
     // each path in the padded batch's rows, checked against the verified parents
     std::vector<std::vector<int32_t>> padded(N);
     for (int64_t i = 0; i < N; ++i) {
-        const std::vector<int32_t> & path = paths[i];
-        if (path.empty()) throw std::invalid_argument("keep_paths: slot " + str(pend.first_slot + i) + " keeps no row (its root at least)");
+        const std::vector<int32_t> & path = paths[i];  // empty: the slot keeps nothing
         for (size_t d = 0; d < path.size(); ++d) {
             if (path[d] < 0 || path[d] >= R) throw std::invalid_argument("keep_paths: row " + str(path[d]) + " was not verified");
             const int32_t t = pend.row_of[path[d]];
@@ -230,7 +239,7 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
     std::vector<int32_t> slot(T, -1), flags(T, 0);
     for (int64_t i = 0; i < N; ++i) {
         for (int32_t t : padded[i]) slot[t] = (int32_t)(pend.first_slot + i);
-        flags[padded[i].back()] = DELTASPEC_ROW_WRITE_BACK;
+        if (!padded[i].empty()) flags[padded[i].back()] = DELTASPEC_ROW_WRITE_BACK;
     }
     std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS);
     char err[256];

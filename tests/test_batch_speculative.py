@@ -1,5 +1,5 @@
 """Speculation for several sequences at once: generate_batch / add_request with spec_type
-"ngram-simple". Every scheduler step drafts per sequence (prompt lookup), verifies all running
+"ngram-simple" (chains and trees) or a draft model. Every scheduler step drafts per sequence (prompt lookup), verifies all running
 sequences' rows in ONE target pass (Engine::verify_rows: each slot's chain [pending token, drafts...]
 as rows of its slot) and commits each slot's accepted prefix (Engine::keep_paths).
 
@@ -15,8 +15,9 @@ Model.batch_spec_stats and the engine's rows_stats).
 
 Planted bugs (DELTASPEC_TEST_ROWS_BUG, csrc/rows.h) each test was seen to fail with (its docstring
 says which): "wrong_parent" (the verify graph runs the second slot's last row from its grandparent),
-"swap_keep" (the scheduler commits to each slot the accepted length of the next drafting slot) and
-"no_compaction" (a kept tree path's KV rows stay where the verify wrote them).
+"swap_keep" (the scheduler commits to each slot the accepted length of the next drafting slot),
+"no_compaction" (a kept tree path's KV rows stay where the verify wrote them) and "draft_slot_swap"
+(the batched draft model drafts each sequence in another sequence's draft slot).
 """
 
 import numpy as np
@@ -128,6 +129,35 @@ def test_speculative_batch_trees_equal_alone(models):
         if temperature == 0.0:
             plain = [one.generate(p, **{**options, "spec_type": None, "tree_budget": 0}) for p in prompts]
             _assert_same(batch, plain, "plain greedy generate()")
+
+
+def test_speculative_batch_draft_model_equals_alone(models, tmp_path):
+    """A draft model (another random model: drafts partly accepted; draft_n_min 1 so drafting never
+    pauses) drafting for every sequence in its own slots, its chains grown in passes over all drafting
+    sequences (csrc/batch_draft.cpp): greedy and seeded sampling give the tokens, drafts and acceptance
+    of generate() alone with the same draft model (the same catch-up, draws and cost), and greedy
+    plain decoding's tokens; requests join as others finish (7 on 4 slots). Seen to fail with
+    DELTASPEC_TEST_ROWS_BUG=draft_slot_swap (each sequence drafts in another's draft slot) and
+    =swap_keep (=wrong_parent left it green: no second slot verified 3+ rows on the target here)."""
+    one, four = models
+    path = write_tiny_vocab_model(tmp_path / "draft.gguf", seed=1)
+    with Model(path, n_ctx=N_CTX, n_threads=1) as d_one, Model(path, n_ctx=N_CTX, n_threads=1, n_seq_max=4) as d_four:
+        prompts = _prompts(7, seed=17)
+        for temperature in (0.0, 0.8):
+            options = dict(logit_bias=BIAS, ignore_eos=True, temperature=temperature, seed=5, draft_n_min=1)
+            per_prompt = [dict(max_tokens=30 + 6 * k) for k in range(7)]
+            batch = four.generate_batch(prompts, per_prompt=per_prompt, draft_model=d_four, **options)
+            _assert_drafting_ran(four, batch)
+            assert d_four._engine.rows_stats["multi_slot_calls"] > 0  # the draft's passes held several slots
+            alone = [one.generate(p, draft_model=d_one, **options, **o) for p, o in zip(prompts, per_prompt)]
+            _assert_same(batch, alone, f"generate() alone with the draft model (temperature {temperature})")
+            for b, a in zip(batch, alone):
+                assert (b.stats.n_drafted, b.stats.n_accepted, b.stats.accepted_lengths) == \
+                       (a.stats.n_drafted, a.stats.n_accepted, a.stats.accepted_lengths), "other drafts than alone"
+            if temperature == 0.0:
+                plain = [one.generate(p, logit_bias=BIAS, ignore_eos=True, temperature=0, **o)
+                         for p, o in zip(prompts, per_prompt)]
+                _assert_same(batch, plain, "plain greedy generate()")
 
 
 def test_speculative_requests_join_and_leave(models):

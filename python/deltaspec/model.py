@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -367,10 +368,12 @@ class Model:
         if unknown:
             raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
         o = {**_GENERATE_DEFAULTS, **options}
-        if o["draft_model"] is not None or o["spec_type"] not in (None, "ngram-simple"):
-            raise BatchSpeculationError(f"{where}(): of the speculative decoders only prompt lookup (spec_type "
-                                        "'ngram-simple', chains or trees) runs for concurrent sequences yet; call "
-                                        "generate() per prompt to speculate with a draft model, the MTP head or DFlash")
+        if o["spec_type"] not in (None, "ngram-simple", "draft-simple") or \
+                (o["draft_model"] is not None and o["tree_budget"] != 0):
+            raise BatchSpeculationError(f"{where}(): of the speculative decoders prompt lookup (spec_type "
+                                        "'ngram-simple', chains or trees) and a draft model (chains) run for concurrent "
+                                        "sequences yet; call generate() per prompt to speculate with the MTP head, "
+                                        "DFlash or draft-model trees")
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
         if o["logprobs"] is not None:
@@ -380,7 +383,7 @@ class Model:
                                    seed=self._default_seed if o["seed"] is None else o["seed"],
                                    logit_bias=self._logit_bias(o["logit_bias"], o["ignore_eos"]))
         request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
-        request.speculation = self._speculation(o["spec_type"], None, o["draft_n_max"], o["draft_n_min"],
+        request.speculation = self._speculation(o["spec_type"], o["draft_model"], o["draft_n_max"], o["draft_n_min"],
                                                 o["tree_budget"])
         request.grammar = grammar_of(o["grammar"])
         if request.grammar is not None and o["tree_budget"]:
@@ -396,7 +399,21 @@ class Model:
         """The scheduler's speculation of a request: None, or prompt lookup's (n_max, n_min, ngram_max,
         reference (none), tree_budget)."""
         spec = request.speculation
-        return None if spec is None else (spec.n_max, spec.n_min, spec.ngram_max, [], spec.tree_budget)
+        if spec is None:
+            return None
+        return (spec.n_max, spec.n_min, spec.ngram_max, [], spec.tree_budget, spec.draft is not None)
+
+    def _batch_draft(self, requests: Sequence[_Request]):
+        """The one draft Model of the requests that draft with one (None if none does)."""
+        drafts = {id(r.speculation.draft): r.speculation.draft for r in requests
+                  if r.speculation is not None and r.speculation.draft is not None}
+        if len(drafts) > 1:
+            raise ValueError("the requests of a batch draft with one draft model (got several draft_model values)")
+        draft = next(iter(drafts.values()), None)
+        if draft is not None and draft.n_seq_max < self.n_seq_max:
+            raise ValueError(f"draft model {draft.path} has n_seq_max = {draft.n_seq_max}: drafting for concurrent "
+                             f"sequences needs one slot per sequence (load it with n_seq_max={self.n_seq_max})")
+        return draft
 
     @property
     def batch_spec_stats(self) -> dict[str, int]:
@@ -449,13 +466,15 @@ class Model:
         constraints = [self._constraint(r) for r in requests]
         native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c, self._native_spec(r))
                   for r, c in zip(requests, constraints)]
-        with engine_of(self) as engine:
+        draft_model = self._batch_draft(requests)
+        with engine_of(self) as engine, contextlib.ExitStack() as held:
+            draft = None if draft_model is None else held.enter_context(engine_of(draft_model))
             self._cached_tokens = None  # the slots' states are the batch's now
             with self._control:
                 engine.clear_cancel()
                 self._batch_running = True
             try:
-                outs = engine.generate_batch(native, eog)
+                outs = engine.generate_batch(native, eog, draft)
             finally:
                 with self._control:
                     self._batch_running = False
@@ -470,11 +489,14 @@ class Model:
         raise RuntimeError."""
         req = self._batch_request(prompt, generate_kwargs, "add_request")
         constraint = self._constraint(req)
+        draft_model = self._batch_draft([req])
         with engine_of(self) as engine:
             self._cached_tokens = None
+            # the scheduler keeps the draft model's engine for its requests (the caller keeps the Model)
             request_id = engine.add_request(req.prompt, req.max_tokens, req.sampling.native(),
                                             sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop],
-                                            constraint=constraint, speculation=self._native_spec(req))
+                                            constraint=constraint, speculation=self._native_spec(req),
+                                            draft=None if draft_model is None else draft_model._live())
         self._request_prompts[request_id] = (len(req.prompt), constraint)
         return request_id
 
@@ -624,7 +646,9 @@ class Model:
         path = os.fspath(path)
         cached = getattr(self, "_draft_models", {})
         if path not in cached:
-            cached[path] = Model(path, n_ctx=self.n_ctx, n_threads=self.n_threads, device=self.device)
+            # as many slots as this model: generate_batch / add_request draft for every sequence
+            cached[path] = Model(path, n_ctx=self.n_ctx, n_threads=self.n_threads, device=self.device,
+                                 n_seq_max=self.n_seq_max)
             self._draft_models = cached
         return cached[path]
 
