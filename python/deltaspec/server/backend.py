@@ -2,12 +2,12 @@
 
 Two backends, chosen by `make_backend`:
 - `BatchBackend`: Model.add_request / step / cancel_request. Every step admits the requests given
-  slots and decodes one token for every running one in one batch (continuous batching); with
-  prompt lookup (--spec-type ngram-simple) each request drafts and every step verifies all running
-  requests' drafts in one target pass (speculation batched across requests).
+  slots and decodes one token for every running one in one batch (continuous batching); with a
+  drafter (--spec-type ngram-simple, or -md: a draft model loaded with --parallel slots) each request
+  drafts and every step verifies all running requests' drafts in one target pass (speculation
+  batched across requests).
 - `SpeculativeBackend`: one request at a time through Model.generate(stream=True, draft_model /
-  spec_type), the engine's speculative loop, for the drafters the batch scheduler does not run yet
-  (a draft model, MTP, DFlash: Model.add_request raises BatchSpeculationError), at --parallel 1.
+  spec_type), the engine's one-sequence speculative loop, at --parallel 1 with a drafter.
 
 Backends run on the engine loop's thread only, except `interrupt`, which any thread may call.
 Each turns the engine's tokens into `Progress` reports: a text delta, and the result at the end.
@@ -41,15 +41,15 @@ class ServeConfigError(ValueError):
 
 
 # what the batch scheduler speculates with (Model.add_request); other drafters run one request at a time
-BATCHED_SPEC_TYPES = ("ngram-simple",)
+BATCHED_SPEC_TYPES = ("ngram-simple", "draft-simple")
 
 
 class BatchBackend:
     def __init__(self, model, speculation: dict | None = None):
         self.model = model
         self.slots = model.n_seq_max
-        # add_request's speculation keywords (spec_type, draft_n_max, draft_n_min), or none
-        self.speculation = {} if speculation is None else {k: v for k, v in speculation.items() if k != "draft_model"}
+        # add_request's speculation keywords (spec_type, draft_model, draft_n_max, draft_n_min), or none
+        self.speculation = {} if speculation is None else dict(speculation)
         self._running: dict[int, tuple[object, TextAssembler]] = {}  # engine request id -> (job, text)
 
     @property
@@ -151,16 +151,16 @@ class SpeculativeBackend:
 
 
 def _batched(speculation: dict | None) -> bool:
-    return speculation is None or (speculation["spec_type"] in BATCHED_SPEC_TYPES and speculation["draft_model"] is None)
+    return speculation is None or speculation["spec_type"] in BATCHED_SPEC_TYPES
 
 
 def check_serveable(parallel: int, speculation: dict | None) -> None:
     """ServeConfigError when no backend serves `parallel` slots with `speculation` (before any load)."""
     if parallel != 1 and not _batched(speculation):
         raise ServeConfigError(
-            f"speculative decoding with --spec-type {speculation['spec_type']} (-md) is served one request at a "
+            f"speculative decoding with --spec-type {speculation['spec_type']} is served one request at a "
             f"time (--parallel 1): the engine's batch scheduler speculates with {', '.join(BATCHED_SPEC_TYPES)} "
-            f"only yet; got --parallel {parallel}. Use --parallel 1 with this drafter, or --spec-type ngram-simple")
+            f"only yet; got --parallel {parallel}")
 
 
 def make_backend(model, parallel: int, speculation: dict | None):
