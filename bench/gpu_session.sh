@@ -27,6 +27,10 @@
 #      small launches came out host-bound: 30 us for an 11 us mat-vec) -> kernels_bench.json
 #   batch: aggregate decode tok/s with 1/4/16/32 sequences at once (bench/batch_bench.py),
 #      against llama-batched-bench when the `build` step made one -> batch_bench.json
+#   batchspec: aggregate decode tok/s with prompt-lookup speculation across 1/4/16 sequences
+#      (bench/batch_spec_bench.py: plain, own-text lookup, a reference holding the plain output, the
+#      same with every 4th token wrong), llama-batched-bench's plain rows beside them when `build`
+#      made it -> batch_spec_bench.json
 #   tq: the tq KV cache types on the synthetic 27B: allocated KV bytes per type at 32K/128K/256K
 #      (bench/kv_memory.py -> kv_memory.json), then tg128 at depths TQ_DEPTHS (default 16384 65536)
 #      with q4_0, tq3 and q4_0+rot against llama-bench's q4_0 (-> kv_decode_bench.json; depth 131072
@@ -49,8 +53,8 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify tree mtp profile server
-#   tq tq-test
+# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch batchspec ab verify tree mtp
+#   profile server tq tq-test
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -116,7 +120,7 @@ wait_for_stock_build() {  # nothing is timed while a compile runs
 cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
-    has_step bench || has_step bench-ours || has_step batch || has_step stock || has_step ab || has_step verify ||
+    has_step bench || has_step bench-ours || has_step batch || has_step batchspec || has_step stock || has_step ab || has_step verify ||
         has_step tree || has_step profile || has_step server || has_step tq
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
@@ -222,6 +226,12 @@ if has_step batch; then
     [[ -x $LLAMA_BUILD/bin/llama-batched-bench ]] && peer=(--batched-bench "$LLAMA_BUILD/bin/llama-batched-bench")
     python3 "$REPO/bench/batch_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
         --out "$OUT/batch_bench.json" | tee "$OUT/batch_bench.md"
+fi
+if has_step batchspec; then
+    peer=()
+    [[ -x $LLAMA_BUILD/bin/llama-batched-bench ]] && peer=(--batched-bench "$LLAMA_BUILD/bin/llama-batched-bench")
+    python3 "$REPO/bench/batch_spec_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
+        --out "$OUT/batch_spec_bench.json" | tee "$OUT/batch_spec_bench.md"
 fi
 if has_step stock; then
     python3 "$REPO/bench/decode_bench.py" stock /tmp/q27.gguf --reps "${BENCH_REPS:-3}" \

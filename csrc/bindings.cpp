@@ -46,6 +46,7 @@ struct Runner {
     std::unique_ptr<Scheduler> scheduler;  // created by the first add_request
     std::map<int64_t, py::object> constraints;  // add_request's grammars, kept alive until their request ends
     std::unique_ptr<MtpHead> mtp;          // the MTP head run on its own (mtp_eval), made on first use
+    BatchSpecStats batch_spec;             // the last generate_batch's speculation across sequences
 
     // The engine for a one-sequence call (slot 0); refused while scheduled requests hold slots.
     Engine & single() {
@@ -189,25 +190,85 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     return out;
 }
 
-// Requests (prompt, max_tokens, sampling, stop[, constraint]) run concurrently on the engine's slots.
-py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids) {
+// A request's speculation from Python: None, or (draft_n_max, draft_n_min, ngram_max[, reference
+// token ids]) for prompt lookup (SeqSpec).
+SeqSpec seq_spec_of(const py::object & spec) {
+    SeqSpec out;
+    if (spec.is_none()) return out;
+    auto t = spec.cast<py::tuple>();
+    if (t.size() < 3 || t.size() > 6) {
+        throw std::invalid_argument("speculation: (draft_n_max, draft_n_min, ngram_max[, reference[, tree_budget[, "
+                                    "draft_model]]])");
+    }
+    out.n_max = t[0].cast<int64_t>();
+    out.n_min = t[1].cast<int64_t>();
+    out.ngram_max = t[2].cast<int64_t>();
+    if (t.size() > 3) out.reference = t[3].cast<std::vector<int32_t>>();
+    if (t.size() > 4) out.tree_budget = t[4].cast<int64_t>();
+    if (t.size() > 5) out.draft_model = t[5].cast<bool>();
+    if (out.n_max < 1) throw std::invalid_argument("speculation: draft_n_max must be >= 1");
+    return out;
+}
+
+void add_spec_stats(py::dict & out, const SpecStats & stats) {
+    out["n_steps"] = stats.n_steps;
+    out["n_drafted"] = stats.n_drafted;
+    out["n_accepted"] = stats.n_accepted;
+    out["n_tree_nodes"] = stats.n_tree_nodes;
+    out["accepted_lengths"] = stats.accepted_lengths;
+    out["draft_seconds"] = stats.draft_seconds;
+    out["verify_seconds"] = stats.verify_seconds;
+    out["rollback_seconds"] = stats.rollback_seconds;
+}
+
+py::dict batch_spec_dict(const BatchSpecStats & s) {
+    py::dict d;
+    d["verify_passes"] = s.verify_passes;
+    d["multi_draft_passes"] = s.multi_draft_passes;
+    d["mixed_passes"] = s.mixed_passes;
+    d["max_drafting"] = s.max_drafting;
+    return d;
+}
+
+// Requests (prompt, max_tokens, sampling, stop[, constraint[, speculation]]) run concurrently on the
+// engine's slots (speculation: seq_spec_of's).
+// The scheduler's draft model (requests with SeqSpec::draft_model): `draft`'s engine, its forward
+// costing what ModelDrafter's estimate says (weight bytes per step, draft over target).
+void set_draft(Scheduler & scheduler, Runner & r, Runner * draft) {
+    if (draft == nullptr) return;
+    if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
+    const double step_cost = (double)draft->engine->step_weight_bytes() / (double)r.engine->step_weight_bytes();
+    scheduler.set_draft_model(*draft->engine, step_cost);
+}
+
+py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids, Runner * draft) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate_batch()");
     std::vector<GenerateRequest> reqs;
+    std::vector<SeqSpec> specs;
     for (py::handle h : requests) {
         auto t = h.cast<py::tuple>();
         reqs.push_back(make_request(t[0].cast<std::vector<int32_t>>(), t[1].cast<int32_t>(),
                                     t[2].cast<SamplingParams>(), eog_ids, t[3].cast<std::vector<std::string>>()));
         if (t.size() > 4) reqs.back().constraint = constraint_of(t[4]);  // `requests` keeps it alive
+        specs.push_back(t.size() > 5 ? seq_spec_of(t[5]) : SeqSpec{});
     }
     r.single();  // no step()-driven requests in the slots
     std::vector<GenerateResult> results;
+    std::vector<SpecStats> stats;
     {
         py::gil_scoped_release release;
         Scheduler scheduler(*r.engine, r.pieces);
-        results = scheduler.run(reqs, r.cancel);
+        if (draft) draft->single();  // its slots are the scheduler's now
+        set_draft(scheduler, r, draft);
+        results = scheduler.run(reqs, r.cancel, specs, &stats);
+        r.batch_spec = scheduler.spec_stats();
     }
     py::list out;
-    for (const GenerateResult & res : results) out.append(result_dict(res));
+    for (size_t i = 0; i < results.size(); ++i) {
+        py::dict d = result_dict(results[i]);
+        if (specs[i].n_max > 0) add_spec_stats(d, stats[i]);
+        out.append(d);
+    }
     return out;
 }
 
@@ -224,7 +285,13 @@ py::list step_py(Runner & r) {
         d["id"] = ev.id;
         d["tokens"] = ev.tokens;
         d["finished"] = ev.finished;
-        d["result"] = ev.finished ? py::object(result_dict(ev.result)) : py::object(py::none());
+        if (ev.finished) {
+            py::dict res = result_dict(ev.result);
+            if (ev.speculative) add_spec_stats(res, ev.spec);
+            d["result"] = res;
+        } else {
+            d["result"] = py::none();
+        }
         out.append(d);
         if (ev.finished) r.constraints.erase(ev.id);
     }
@@ -637,20 +704,46 @@ PYBIND11_MODULE(_core, m) {
              "Re-arm before a generate(); cleared by the caller so a cancel that races the start still counts.")
         .def_property_readonly("n_past", [](const Runner & r) { return r.engine->slot_n_past(0); })
         .def_property_readonly("n_seq_max", [](const Runner & r) { return r.engine->n_seq_max(); })
-        .def("generate_batch", &generate_batch_py, py::arg("requests"), py::arg("eog_ids"),
+        .def("generate_batch", &generate_batch_py, py::arg("requests"), py::arg("eog_ids"), py::arg("draft") = nullptr,
              "Run (prompt, max_tokens, sampling, stop) requests concurrently to the end; result dicts in order.")
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
-                               std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint) {
+                               std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint,
+                               py::object speculation, Runner * draft) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
                  if (!r.scheduler) r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces);
+                 if (draft && r.scheduler->draft_engine() != draft->engine.get()) {
+                     draft->single();
+                     set_draft(*r.scheduler, r, draft);
+                 }
                  GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
                  req.constraint = constraint_of(constraint);
-                 const int64_t id = r.scheduler->add_request(req);
+                 const int64_t id = r.scheduler->add_request(req, {}, seq_spec_of(speculation));
                  if (!constraint.is_none()) r.constraints[id] = constraint;
                  return id;
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
-             py::arg("constraint") = py::none(),
-             "Queue a request for step(); returns its id.")
+             py::arg("constraint") = py::none(), py::arg("speculation") = py::none(), py::arg("draft") = nullptr,
+             "Queue a request for step(); returns its id. speculation: None or (draft_n_max, draft_n_min, "
+             "ngram_max[, reference token ids[, tree_budget]]): prompt lookup drafts (trees of up to tree_budget nodes when > 0) (searching the reference text, then the "
+             "request's own) verified with the other requests' rows in one pass.")
+        .def_property_readonly("batch_spec_stats", [](const Runner & r) {
+                 return batch_spec_dict(r.scheduler ? r.scheduler->spec_stats() : r.batch_spec);
+             }, "Speculation across sequences (add_request's scheduler, else the last generate_batch): verify "
+                "passes, those with drafts of 2+ sequences, those that also accepted and rejected drafts, the most "
+                "sequences drafting in one pass.")
+        .def_property_readonly("rows_stats", [](const Runner & r) {
+                 const auto & s = r.engine->rows_stats();
+                 py::dict d;
+                 d["calls"] = s.calls;
+                 d["multi_slot_calls"] = s.multi_slot_calls;
+                 d["rows"] = s.rows;
+                 d["padded_rows"] = s.padded_rows;
+                 d["max_slots"] = s.max_slots;
+                 d["keep_calls"] = s.keep_calls;
+                 d["kept_rows"] = s.kept_rows;
+                 d["branched_calls"] = s.branched_calls;
+                 d["kv_rows_moved"] = s.kv_rows_moved;
+                 return d;
+             }, "What verify_rows (rows of several slots in one verify pass) has run.")
         .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")
         .def("eval_in_slot", [](Runner & r, int64_t slot, Tokens tokens, const std::string & logits) {
                  Engine & e = r.single();

@@ -95,6 +95,7 @@ void Engine::reset() {
     clear_tapped();
     verify_T_ = 0;
     tree_parents_.clear();
+    rows_pending_.active = false;
     checkpoint_n_past_ = -1;
 }
 
@@ -225,6 +226,7 @@ void Engine::keep(int64_t n_keep) {
 void Engine::settle_verify() {
     if (verify_T_ > 0) keep(verify_T_);
     tree_parents_.clear();  // a tree verify batch left the committed state as it was: drop it
+    rows_pending_.active = false;  // so did a verify_rows batch
 }
 
 void Engine::ensure_slots(int64_t n) {
@@ -236,6 +238,7 @@ void Engine::ensure_slots(int64_t n) {
     clear_tapped();
     verify_T_ = 0;
     tree_parents_.clear();
+    rows_pending_.active = false;
     checkpoint_n_past_ = -1;
 }
 
@@ -253,6 +256,7 @@ void Engine::restore_checkpoint() {
     tapped_.resize(std::min<size_t>(tapped_.size(), (seq().n_past - tapped_pos_) * taps_.layers.size() * hp_.n_embd));
     verify_T_ = 0;
     tree_parents_.clear();
+    rows_pending_.active = false;
 }
 
 void Engine::drop_step_graph() {
@@ -275,6 +279,7 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.in = n_seqs > 0 ? make_batch_inputs(step_.ctx, n_seqs, T / n_seqs, n_kv, first_slot)
                : tree     ? make_tree_inputs(step_.ctx, T, n_kv)
                           : make_step_inputs(step_.ctx, T, n_kv, keep_states);
+    if (n_seqs > 0 && tree) add_rows_input(step_.ctx, step_.in);  // verify_rows: rows of several slots
     const bool hidden = wanted == LogitsWanted::hidden;
     const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all || hidden;
     const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;

@@ -109,6 +109,26 @@ class Engine {
     };
     const TreeStats & tree_stats() const { return tree_stats_; }
 
+    // Verification of rows of several slots in one pass (verify_rows.cpp): speculation for many
+    // sequences. `rows` are grouped by slot, slots consecutive from rows.slot[0], every slot's rows a
+    // chain or tree of its own (parent -1: the slot's committed state; else an earlier row of the
+    // same slot), position = the slot's length + depth. `out` receives every row's logits
+    // (LogitsWanted::all) or argmax (::argmax_all), in row order (only the rows whose wants_logits
+    // is set, when some are not). Nothing is committed: keep_paths then keeps one root-to-leaf path
+    // per slot (row indices of `rows`, in slot order; empty: the slot keeps nothing), as keep_path
+    // does for one slot. Anything else that reads or extends a sequence first
+    // drops the batch (keeps none of it).
+    void verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out);
+    void keep_paths(const std::vector<std::vector<int32_t>> & paths);
+    // What verify_rows has run (tests assert that passes over several slots happened).
+    struct RowsStats {
+        int64_t calls = 0, multi_slot_calls = 0;  // passes; passes holding rows of 2+ slots
+        int64_t rows = 0, padded_rows = 0;        // the callers' rows; copies added to even out the slots
+        int64_t max_slots = 0, keep_calls = 0, kept_rows = 0;
+        int64_t branched_calls = 0, kv_rows_moved = 0;  // passes with a branching slot; KV rows compacted
+    };
+    const RowsStats & rows_stats() const { return rows_stats_; }
+
     // Save the recurrent state now / restore it and the position saved (a drafter's checkpoint).
     void checkpoint();
     void restore_checkpoint();
@@ -137,6 +157,7 @@ class Engine {
     const HParams & hparams() const { return hp_; }
     int64_t n_past() const { return pool_.slots[cur_].n_past; }
     int64_t n_ctx() const { return pool_.n_ctx; }
+    int64_t n_ubatch() const { return opts_.n_ubatch; }
     const std::string & backend_name() const { return backend_name_; }
     const SequenceState & state() {  // the current slot's live state (a pending verify batch kept whole first)
         settle_verify();
@@ -212,6 +233,16 @@ class Engine {
     int64_t verify_p0_ = -1, verify_T_ = 0;  // the last verify batch, for keep()
     std::vector<int32_t> tree_parents_;      // the pending tree verify batch's parents (empty: none), for keep_path()
     TreeStats tree_stats_;
+    // verify_rows' batch until keep_paths: padded rows (slot i's at i * tq ..), their parents,
+    // slots and indices within their slot, each slot's length before it, the caller's rows' places
+    struct RowsPending {
+        bool active = false;
+        int64_t first_slot = 0, n_slots = 0, tq = 0;
+        std::vector<int32_t> parent, slot, local, row_of;
+        std::vector<int64_t> p0;
+    };
+    RowsPending rows_pending_;
+    RowsStats rows_stats_;
     ggml_gallocr_t keep_alloc_ = nullptr;    // keep_path's replay graph's memory, reused
     int64_t checkpoint_n_past_ = -1;
     Taps taps_;                  // the layers asked for; their graph outputs in the step graph

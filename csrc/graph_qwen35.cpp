@@ -40,10 +40,15 @@ StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, 
 
 StepInputs make_tree_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv) {
     StepInputs in = make_step_inputs(ctx, n_tokens, n_kv, /*keep_states =*/true);
-    in.rows = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, n_tokens);
-    ggml_set_input(in.rows);
-    in.n_saved = n_tokens;
+    add_rows_input(ctx, in);
     return in;
+}
+
+void add_rows_input(ggml_context * ctx, StepInputs & in) {
+    in.keep_states = true;
+    in.rows = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, in.n_tokens);
+    ggml_set_input(in.rows);
+    in.n_saved = in.n_tokens;
 }
 
 void set_chain_inputs(const StepInputs & in, int64_t p0, int64_t T, int64_t n_kv) {
@@ -225,7 +230,8 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
                               const StepInputs & in, const FoldInput & fold_input, VerifyStates * verify) {
     ggml_tensor * conv_state = st.conv[il];
     ggml_tensor * ssm_state = st.ssm[il];
-    const bool several = in.n_seqs > 0;   // rows of several sequences, in consecutive slots
+    // rows of several sequences in consecutive slots (a tree batch's rows ops take any slots as they are)
+    const bool several = in.n_seqs > 0 && !in.rows;
     const int64_t N = several ? in.n_seqs : 1;
     const int64_t T = in.n_tokens, Tq = T / N, S = hp.ssm_state_size, Hk = hp.ssm_n_k_heads, Hv = hp.ssm_n_v_heads;
     const int64_t C = hp.conv_channels(), Kc = hp.ssm_conv_kernel;
@@ -354,8 +360,10 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
                            const StatePool & pool, const SequenceState & st, const StepInputs & in,
                            int64_t n_logit_rows, const FoldInput & fold_input, VerifyStates * verify,
                            Taps * taps) {
-    if (in.n_seqs > 0 && (in.keep_states || in.n_tokens % in.n_seqs != 0 || (n_logit_rows != 0 && n_logit_rows != in.n_tokens))) {
-        throw std::logic_error("build_qwen35: rows of several sequences: equal rows per sequence, logits of every row or none, no verify");
+    if (in.n_seqs > 0 && ((in.keep_states && !in.rows) || in.n_tokens % in.n_seqs != 0 ||
+                          (n_logit_rows != 0 && n_logit_rows != in.n_tokens))) {
+        throw std::logic_error("build_qwen35: rows of several sequences: equal rows per sequence, logits of every row or "
+                               "none, verified as rows (no chain verify)");
     }
     if (in.keep_states) {
         if (verify == nullptr) throw std::logic_error("build_qwen35: a verify batch needs VerifyStates");

@@ -45,6 +45,10 @@ StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, 
 // The inputs of a tree verify batch of n_tokens rows (see StepInputs::rows).
 StepInputs make_tree_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv);
 
+// Makes `in` a tree verify batch (the rows input, n_saved = its rows, keep_states): with n_seqs > 0,
+// rows of several slots whose attention runs as one FA stream per slot (Engine::verify_rows).
+void add_rows_input(ggml_context * ctx, StepInputs & in);
+
 // Sets one of the inputs above once the graph is allocated. An input no kept node reads is not
 // allocated (e.g. the mask when the last layer is an attention layer and the batch wants no
 // logits): there is nothing to set then.

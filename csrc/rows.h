@@ -40,4 +40,16 @@ struct RowBatch {
 enum class BatchBug { none, shared_slot, position, no_move, no_reset };
 BatchBug batch_bug();
 
+// DELTASPEC_TEST_ROWS_BUG (test only) plants a bug so that the tests of speculation for several
+// sequences at once (tests/test_batch_speculative.py) can show they notice it: "wrong_parent" makes
+// the verify graph (Engine::verify_rows) run the second slot's last row from its grandparent (mask
+// and recurrence) when that slot verifies 3+ rows, "swap_keep" makes the scheduler commit to each
+// slot the accepted length of the next slot that drafted a chain (cut to the slot's own rows),
+// "no_compaction" makes Engine::keep_paths leave a kept tree path's KV rows where the verify wrote
+// them, "draft_slot_swap" makes the batched draft model (batch_draft.cpp) run each sequence's
+// drafting in the next drafting sequence's draft slot. Read once per process; unset or empty in every
+// real use, anything else throws std::invalid_argument.
+enum class RowsBug { none, wrong_parent, swap_keep, no_compaction, draft_slot_swap };
+RowsBug rows_bug();
+
 }  // namespace deltaspec

@@ -53,7 +53,7 @@ void record_logprobs(const GenerateRequest & req, const float * row, int64_t n_v
 Sequence::Sequence(int64_t id_, GenerateRequest request, const PieceTable & pieces)
     : id(id_), req(std::move(request)), sampler(req.sampling), history(req.prompt), out(pieces, req, on_token, res) {}
 
-int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_token) {
+int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_token, const SeqSpec & spec) {
     const int64_t n_vocab = engine_.hparams().n_vocab;
     if ((int64_t)pieces_.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
     if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
@@ -75,8 +75,36 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
                                     " and the prompt " + std::to_string(req.prompt.size()) +
                                     " (a resumed prompt runs alone and has at least one new token)");
     }
+    if (spec.n_max < 0 || spec.n_min < 0 || (spec.n_max > 0 && spec.n_min > spec.n_max) || spec.ngram_max < 1 ||
+        spec.tree_budget < 0) {
+        throw std::invalid_argument("speculation needs 0 <= draft_n_min <= draft_n_max, ngram_max >= 1, tree_budget >= 0");
+    }
+    for (size_t i = 0; i < spec.reference.size(); ++i) {
+        if (spec.reference[i] < 0 || spec.reference[i] >= n_vocab) {
+            throw std::out_of_range("speculation: reference token id " + std::to_string(spec.reference[i]) + " at index " +
+                                    std::to_string(i) + " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
+        }
+    }
     waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
     waiting_.back()->on_token = std::move(on_token);
+    if (spec.draft_model && (!model_drafter_ || spec.tree_budget > 0)) {
+        waiting_.pop_back();
+        throw std::invalid_argument(model_drafter_ ? "a draft model drafts chains across sequences (tree_budget must be 0)"
+                                                   : "speculation with a draft model: the scheduler has none (set_draft_model)");
+    }
+    // a grammar or logprobs: plain steps (their rows go through the verify pass undrafted)
+    if (spec.n_max > 0 && !req.constraint && req.n_logprobs < 0) {
+        Sequence & s = *waiting_.back();
+        s.spec = spec;
+        if (spec.draft_model) {
+            SamplingParams ds = req.sampling;
+            ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
+            s.draft_state = std::make_unique<DraftSlotState>(ds);
+        } else {
+            s.drafter = std::make_unique<NgramDrafter>(spec.ngram_max);
+        }
+        s.n_draft = std::max<int64_t>(spec.n_min, std::min<int64_t>(spec.n_max, 4));
+    }
     return next_id_++;
 }
 
@@ -104,16 +132,18 @@ void Scheduler::finish(Sequence & s, FinishReason why, StepEvent & ev) {
     if (s.slot >= 0) s.res.decode_seconds = seconds_since(s.decode_start);
     ev.finished = true;
     ev.result = s.res;
+    ev.speculative = s.speculates();
+    ev.spec = s.stats;
 }
 
-bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev) {
+bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx) {
     s.history.push_back(token);
     ev.tokens.push_back(token);
     if (!s.out.emit(token)) {  // the Emitter set res.finish
         finish(s, s.res.finish, ev);
         return false;
     }
-    if (engine_.slot_n_past(s.slot) >= engine_.n_ctx()) {
+    if (check_ctx && engine_.slot_n_past(s.slot) >= engine_.n_ctx()) {
         finish(s, FinishReason::length, ev);
         return false;
     }
@@ -144,6 +174,13 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
             logits_.resize(n_vocab);
             engine_.eval(fresh, n, LogitsWanted::last, logits_.data());
             token = choose(*s, logits_.data(), n_vocab);
+        }
+        if (model_drafter_) {  // the draft slot reads the prompt (or is emptied for a sequence without it)
+            if (s->draft_state) {
+                model_drafter_->begin(s->slot, *s->draft_state, s->req.prompt);
+            } else {
+                model_drafter_->clear_slot(s->slot);
+            }
         }
         s->res.n_prefilled = n;
         s->res.prefill_seconds = seconds_since(t0);
@@ -208,11 +245,26 @@ void Scheduler::release_finished() {
         const int64_t last = (int64_t)running_.size() - 1;
         if (i != last) {
             if (batch_bug() != BatchBug::no_move) engine_.move_slot(last, i);
+            if (model_drafter_) model_drafter_->engine().move_slot(last, i);
             running_[i] = std::move(running_[last]);
             running_[i]->slot = i;
         }
         running_.pop_back();
     }
+}
+
+void Scheduler::set_draft_model(Engine & draft, double step_cost) {
+    if (model_drafter_ && &model_drafter_->engine() == &draft) return;
+    if (model_drafter_ || !idle()) throw std::logic_error("set_draft_model: the scheduler has a draft model or requests already");
+    if (&draft == &engine_) throw std::invalid_argument("the draft model must be a separate engine");
+    if (draft.hparams().n_vocab != engine_.hparams().n_vocab || draft.n_seq_max() < engine_.n_seq_max() ||
+        draft.n_ctx() < engine_.n_ctx()) {
+        throw std::invalid_argument("the draft model needs the target's vocabulary (" + std::to_string(engine_.hparams().n_vocab) +
+                                    "), at least its n_seq_max (" + std::to_string(engine_.n_seq_max()) + ") and n_ctx (" +
+                                    std::to_string(engine_.n_ctx()) + "); it has " + std::to_string(draft.hparams().n_vocab) +
+                                    ", " + std::to_string(draft.n_seq_max()) + " and " + std::to_string(draft.n_ctx()));
+    }
+    model_drafter_ = std::make_unique<BatchModelDrafter>(draft, step_cost);
 }
 
 std::vector<StepEvent> Scheduler::step() {
@@ -223,25 +275,35 @@ std::vector<StepEvent> Scheduler::step() {
     release_finished();
     admit(events);
     release_finished();
-    decode_running(events);
+    if (!decode_speculative(events)) decode_running(events);
     release_finished();
     return events;
 }
 
-std::vector<GenerateResult> Scheduler::run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel) {
+std::vector<GenerateResult> Scheduler::run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel,
+                                           const std::vector<SeqSpec> & specs, std::vector<SpecStats> * stats) {
+    if (!specs.empty() && specs.size() != reqs.size()) throw std::invalid_argument("run: one SeqSpec per request, or none");
     std::vector<int64_t> ids;
-    for (const GenerateRequest & r : reqs) ids.push_back(add_request(r));
+    for (size_t i = 0; i < reqs.size(); ++i) ids.push_back(add_request(reqs[i], {}, specs.empty() ? SeqSpec{} : specs[i]));
     std::unordered_map<int64_t, GenerateResult> done;
+    std::unordered_map<int64_t, SpecStats> done_stats;
     while (!idle()) {
         if (cancel.load()) {
             for (int64_t id : ids) this->cancel(id);
         }
         for (StepEvent & ev : step()) {
-            if (ev.finished) done[ev.id] = std::move(ev.result);
+            if (ev.finished) {
+                done[ev.id] = std::move(ev.result);
+                done_stats[ev.id] = std::move(ev.spec);
+            }
         }
     }
     std::vector<GenerateResult> out;
     for (int64_t id : ids) out.push_back(std::move(done.at(id)));
+    if (stats) {
+        stats->clear();
+        for (int64_t id : ids) stats->push_back(std::move(done_stats.at(id)));
+    }
     return out;
 }
 

@@ -14,8 +14,28 @@
 #include "engine.h"
 #include "generate.h"
 #include "sampler.h"
+#include "speculative.h"
+#include "batch_draft.h"
 
 namespace deltaspec {
+
+// A request's speculation in the scheduler (scheduler_spec.cpp): prompt lookup drafts of up to
+// n_max tokens (n_max 0: none), as generate_speculative's NgramDrafter with SpecOptions n_max, n_min.
+// `reference` (optional): a text the lookup searches before the sequence's own (prompt lookup
+// over a document the target never reads, as llama.cpp's static lookup cache; the benches use it
+// for stated acceptance rates on random-weight models).
+// tree_budget > 0: n-gram draft trees of up to that many nodes (NgramDrafter::propose_tree), walked
+// with TreeRule::rejection as generate_speculative walks them.
+struct SeqSpec {
+    int64_t n_max = 0;
+    int64_t n_min = 0;
+    int64_t ngram_max = 3;
+    std::vector<int32_t> reference;
+    int64_t tree_budget = 0;
+    // drafts with the scheduler's draft model (Scheduler::set_draft_model) instead of prompt lookup,
+    // as generate_speculative's ModelDrafter (chains)
+    bool draft_model = false;
+};
 
 struct Sequence {
     explicit Sequence(int64_t id, GenerateRequest request, const PieceTable & pieces);
@@ -32,6 +52,17 @@ struct Sequence {
     bool finished = false;
     bool cancel_requested = false;
     std::chrono::steady_clock::time_point decode_start;
+
+    // speculation (spec.n_max > 0): generate_speculative's per-sequence state, the same schedule
+    SeqSpec spec;
+    std::unique_ptr<Drafter> drafter;
+    int64_t n_draft = 0, pause = 0, backoff = 1;
+    Draft draft;        // this step's (chains)
+    DraftTree tree;     // this step's (tree_budget > 0)
+    std::vector<int32_t> lookup;  // spec.reference + history, the text the drafter searches
+    std::unique_ptr<DraftSlotState> draft_state;  // spec.draft_model: its draft slot's state
+    SpecStats stats;
+    bool speculates() const { return spec.n_max > 0; }
 };
 
 // What one step did to one sequence.
@@ -40,6 +71,17 @@ struct StepEvent {
     std::vector<int32_t> tokens;   // the tokens this step committed (the first comes from the prefill)
     bool finished = false;
     GenerateResult result;         // when finished
+    bool speculative = false;      // the request speculated: `spec` holds its stats (when finished)
+    SpecStats spec;
+};
+
+// What the scheduler's speculation did across sequences (tests assert that passes over several
+// drafting sequences happened).
+struct BatchSpecStats {
+    int64_t verify_passes = 0;      // target passes that verified drafts (Engine::verify_rows)
+    int64_t multi_draft_passes = 0; // ... with drafts of 2+ sequences
+    int64_t mixed_passes = 0;       // ... of which one sequence accepted drafts and another rejected some
+    int64_t max_drafting = 0;       // the most sequences that drafted in one pass
 };
 
 class Scheduler {
@@ -48,7 +90,9 @@ class Scheduler {
 
     // Queues a request (validated now); returns its id. `on_token` hears each of its tokens as it
     // is committed; returning false cancels it (streaming).
-    int64_t add_request(const GenerateRequest & req, TokenCallback on_token = {});
+    // `spec` (n_max > 0): it speculates with prompt lookup, verified with the other sequences' rows
+    // (each gives the tokens generate_speculative gives it alone with the same drafter).
+    int64_t add_request(const GenerateRequest & req, TokenCallback on_token = {}, const SeqSpec & spec = {});
     // A waiting request finishes at once, a running one at the next step (finish "cancelled",
     // with the tokens it has); unknown or finished ids are ignored.
     void cancel(int64_t id);
@@ -60,7 +104,15 @@ class Scheduler {
 
     // Runs the requests to the end; results in request order. `cancel` (checked each step)
     // cancels all of them.
-    std::vector<GenerateResult> run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel);
+    std::vector<GenerateResult> run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel,
+                                    const std::vector<SeqSpec> & specs = {}, std::vector<SpecStats> * stats = nullptr);
+    const BatchSpecStats & spec_stats() const { return spec_stats_; }
+    // The draft model of requests with SeqSpec::draft_model: an engine of the same vocabulary with
+    // at least this engine's slots; a draft forward costs step_cost target decode steps (as for
+    // ModelDrafter). Set once, before such requests.
+    void set_draft_model(Engine & draft, double step_cost);
+    bool has_draft_model() const { return model_drafter_ != nullptr; }
+    const Engine * draft_engine() const { return model_drafter_ ? &model_drafter_->engine() : nullptr; }
 
   private:
     void admit(std::vector<StepEvent> & events);
@@ -69,7 +121,11 @@ class Scheduler {
     // (and its logprobs recorded when asked for)
     int32_t choose(Sequence & s, float * row, int64_t n_vocab);
     // commits a sampled token; false when the sequence is done
-    bool commit(Sequence & s, int32_t token, StepEvent & ev);
+    bool commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx = true);
+    // scheduler_spec.cpp: when a running sequence drafts this step, one verify pass over every
+    // running sequence's rows, accept and keep per sequence; false (nothing done) when none drafts
+    bool decode_speculative(std::vector<StepEvent> & events);
+    int64_t draft_all();  // this step's drafts; how many sequences drafted
     void finish(Sequence & s, FinishReason why, StepEvent & ev);
     void release_finished();
     StepEvent & event_of(std::vector<StepEvent> & events, const Sequence & s);
@@ -83,6 +139,8 @@ class Scheduler {
     std::vector<float> raw_;  // a row before its grammar mask (logprobs)
     std::vector<int32_t> argmax_;
     RowBatch rows_;
+    BatchSpecStats spec_stats_;
+    std::unique_ptr<BatchModelDrafter> model_drafter_;
 };
 
 }  // namespace deltaspec

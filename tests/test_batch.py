@@ -181,13 +181,16 @@ def test_kv_cache_info_per_slot(path, models):
 
 
 def test_batch_refuses_speculation_and_streaming(models):
-    """Seen to fail with the checks in Model._batch_request removed (a draft model was ignored)."""
+    """Drafters other than prompt lookup and a draft model's chains (tests/test_batch_speculative.py)
+    are refused, and so is a draft model with fewer slots than the target. Seen to fail with the checks in Model._batch_request removed (a draft model was ignored)."""
     one, four = models
-    with pytest.raises(DeltaspecError, match="draft_model / spec_type") as e:
-        four.generate_batch([[1, 2, 3]], draft_model=one)
+    with pytest.raises(DeltaspecError, match="prompt lookup .* and a draft model") as e:
+        four.generate_batch([[1, 2, 3]], draft_model=one, tree_budget=4)
     assert isinstance(e.value, NotImplementedError)
-    with pytest.raises(DeltaspecError, match="draft_model / spec_type"):
-        four.add_request([1, 2, 3], spec_type="ngram-simple")
+    with pytest.raises(DeltaspecError, match="prompt lookup .* and a draft model"):
+        four.add_request([1, 2, 3], spec_type="mtp")
+    with pytest.raises(ValueError, match="n_seq_max = 1"):
+        four.generate_batch([[1, 2, 3]], draft_model=one)
     with pytest.raises(ValueError, match="stream"):
         four.generate_batch([[1, 2, 3]], stream=True)
     with pytest.raises(TypeError, match="'n_tokens'"):

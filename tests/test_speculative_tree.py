@@ -116,5 +116,5 @@ def test_tree_budget_arguments(models):
         target.generate([1, 2], max_tokens=4, draft_model=draft, tree_budget=-1)
     with pytest.raises(ValueError, match="pass draft_model or spec_type too"):
         target.generate([1, 2], max_tokens=4, tree_budget=8)
-    with pytest.raises(Exception, match="speculative decoding"):
+    with pytest.raises(ValueError, match="pass draft_model or spec_type too"):
         target.generate_batch([[1, 2]], max_tokens=4, tree_budget=8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -34,7 +35,8 @@ SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of 
 
 
 class BatchSpeculationError(DeltaspecError, NotImplementedError):
-    """Speculative decoding asked of generate_batch / add_request, which decode without a drafter."""
+    """A speculative decoder asked of generate_batch / add_request that they do not run for several
+    sequences yet (all but prompt lookup: a draft model, the MTP head, DFlash)."""
 
 
 @dataclass
@@ -367,9 +369,12 @@ class Model:
         if unknown:
             raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
         o = {**_GENERATE_DEFAULTS, **options}
-        if o["draft_model"] is not None or o["spec_type"] is not None or o["tree_budget"] != 0:
-            raise BatchSpeculationError(f"{where}(): speculative decoding (draft_model / spec_type) is not available "
-                                        "for concurrent sequences yet; call generate() per prompt to speculate")
+        if o["spec_type"] not in (None, "ngram-simple", "draft-simple") or \
+                (o["draft_model"] is not None and o["tree_budget"] != 0):
+            raise BatchSpeculationError(f"{where}(): of the speculative decoders prompt lookup (spec_type "
+                                        "'ngram-simple', chains or trees) and a draft model (chains) run for concurrent "
+                                        "sequences yet; call generate() per prompt to speculate with the MTP head, "
+                                        "DFlash or draft-model trees")
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
         if o["logprobs"] is not None:
@@ -379,11 +384,45 @@ class Model:
                                    seed=self._default_seed if o["seed"] is None else o["seed"],
                                    logit_bias=self._logit_bias(o["logit_bias"], o["ignore_eos"]))
         request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
+        request.speculation = self._speculation(o["spec_type"], o["draft_model"], o["draft_n_max"], o["draft_n_min"],
+                                                o["tree_budget"])
         request.grammar = grammar_of(o["grammar"])
+        if request.grammar is not None and o["tree_budget"]:
+            raise ValueError("tree_budget (draft trees) cannot be combined with a grammar yet; use chains "
+                             "(tree_budget=0)")
         if request.grammar is not None and o["ignore_eos"]:
             raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
                              "end-of-generation token is allowed")
         return request
+
+    @staticmethod
+    def _native_spec(request: _Request):
+        """The scheduler's speculation of a request: None, or prompt lookup's (n_max, n_min, ngram_max,
+        reference (none), tree_budget)."""
+        spec = request.speculation
+        if spec is None:
+            return None
+        return (spec.n_max, spec.n_min, spec.ngram_max, [], spec.tree_budget, spec.draft is not None)
+
+    def _batch_draft(self, requests: Sequence[_Request]):
+        """The one draft Model of the requests that draft with one (None if none does)."""
+        drafts = {id(r.speculation.draft): r.speculation.draft for r in requests
+                  if r.speculation is not None and r.speculation.draft is not None}
+        if len(drafts) > 1:
+            raise ValueError("the requests of a batch draft with one draft model (got several draft_model values)")
+        draft = next(iter(drafts.values()), None)
+        if draft is not None and draft.n_seq_max < self.n_seq_max:
+            raise ValueError(f"draft model {draft.path} has n_seq_max = {draft.n_seq_max}: drafting for concurrent "
+                             f"sequences needs one slot per sequence (load it with n_seq_max={self.n_seq_max})")
+        return draft
+
+    @property
+    def batch_spec_stats(self) -> dict[str, int]:
+        """Speculation across the sequences of add_request's scheduler (else of the last generate_batch):
+        verify_passes (target passes that verified drafts, each over every running sequence's rows),
+        multi_draft_passes (those with drafts of 2+ sequences), mixed_passes (of those, the ones that
+        accepted drafts and rejected drafts), max_drafting (the most sequences drafting in one pass)."""
+        return dict(self._live().batch_spec_stats)
 
     def _constraint(self, request: _Request):
         """The engine-side state of the request's grammar (None without one)."""
@@ -409,8 +448,11 @@ class Model:
 
         generate_kwargs are generate()'s (max_tokens, temperature, ..., seed, stop), for every
         prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
-        max_tokens, seed, stop or grammar). Speculation (draft_model, spec_type) raises
-        BatchSpeculationError; stream=True raises ValueError. cancel() stops every sequence."""
+        max_tokens, seed, stop or grammar). spec_type="ngram-simple" (prompt lookup, draft_n_max,
+        draft_n_min, tree_budget for n-gram draft trees) speculates: every step verifies the drafts of all running sequences in one target
+        pass, and each result equals generate() alone with the same speculation (greedy and seeded
+        sampling; a sequence with a grammar decodes plainly in the batch); other drafters raise
+        BatchSpeculationError. stream=True raises ValueError. cancel() stops every sequence."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise TypeError(f"prompts must be a non-empty list of prompts (str or token ids), got {prompts!r:.80}")
         if per_prompt is None:
@@ -423,15 +465,17 @@ class Model:
                     for p, extra in zip(prompts, per_prompt)]
         eog = sorted(self.tokenizer.eog_ids)
         constraints = [self._constraint(r) for r in requests]
-        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c)
+        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c, self._native_spec(r))
                   for r, c in zip(requests, constraints)]
-        with engine_of(self) as engine:
+        draft_model = self._batch_draft(requests)
+        with engine_of(self) as engine, contextlib.ExitStack() as held:
+            draft = None if draft_model is None else held.enter_context(engine_of(draft_model))
             self._cached_tokens = None  # the slots' states are the batch's now
             with self._control:
                 engine.clear_cancel()
                 self._batch_running = True
             try:
-                outs = engine.generate_batch(native, eog)
+                outs = engine.generate_batch(native, eog, draft)
             finally:
                 with self._control:
                     self._batch_running = False
@@ -440,16 +484,20 @@ class Model:
 
     # --- requests stepped by the caller (a server's loop) ----------------------------------------
     def add_request(self, prompt: str | Sequence[int], **generate_kwargs: Any) -> int:
-        """Queue a request (generate()'s keyword arguments, no speculation or streaming) for step();
+        """Queue a request (generate()'s keyword arguments, no streaming; speculation as generate_batch's)
+        for step();
         returns its id. While requests are unfinished, one-sequence calls (generate, eval, ...)
         raise RuntimeError."""
         req = self._batch_request(prompt, generate_kwargs, "add_request")
         constraint = self._constraint(req)
+        draft_model = self._batch_draft([req])
         with engine_of(self) as engine:
             self._cached_tokens = None
+            # the scheduler keeps the draft model's engine for its requests (the caller keeps the Model)
             request_id = engine.add_request(req.prompt, req.max_tokens, req.sampling.native(),
                                             sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop],
-                                            constraint=constraint)
+                                            constraint=constraint, speculation=self._native_spec(req),
+                                            draft=None if draft_model is None else draft_model._live())
         self._request_prompts[request_id] = (len(req.prompt), constraint)
         return request_id
 
@@ -597,7 +645,9 @@ class Model:
         path = os.fspath(path)
         cached = getattr(self, "_draft_models", {})
         if path not in cached:
-            cached[path] = Model(path, n_ctx=self.n_ctx, n_threads=self.n_threads, device=self.device)
+            # as many slots as this model: generate_batch / add_request draft for every sequence
+            cached[path] = Model(path, n_ctx=self.n_ctx, n_threads=self.n_threads, device=self.device,
+                                 n_seq_max=self.n_seq_max)
             self._draft_models = cached
         return cached[path]
 

@@ -2,11 +2,12 @@
 
 Two backends, chosen by `make_backend`:
 - `BatchBackend`: Model.add_request / step / cancel_request. Every step admits the requests given
-  slots and decodes one token for every running one in one batch (continuous batching).
+  slots and decodes one token for every running one in one batch (continuous batching); with a
+  drafter (--spec-type ngram-simple, or -md: a draft model loaded with --parallel slots) each request
+  drafts and every step verifies all running requests' drafts in one target pass (speculation
+  batched across requests).
 - `SpeculativeBackend`: one request at a time through Model.generate(stream=True, draft_model /
-  spec_type), the engine's speculative loop (--parallel 1 with a drafter): the engine's batch
-  scheduler does not speculate yet (Model.add_request raises BatchSpeculationError). When it does,
-  `make_backend` is the one place to change.
+  spec_type), the engine's one-sequence speculative loop, at --parallel 1 with a drafter.
 
 Backends run on the engine loop's thread only, except `interrupt`, which any thread may call.
 Each turns the engine's tokens into `Progress` reports: a text delta, and the result at the end.
@@ -39,10 +40,16 @@ class ServeConfigError(ValueError):
     """The server's options ask for something the engine cannot serve."""
 
 
+# what the batch scheduler speculates with (Model.add_request); other drafters run one request at a time
+BATCHED_SPEC_TYPES = ("ngram-simple", "draft-simple")
+
+
 class BatchBackend:
-    def __init__(self, model):
+    def __init__(self, model, speculation: dict | None = None):
         self.model = model
         self.slots = model.n_seq_max
+        # add_request's speculation keywords (spec_type, draft_model, draft_n_max, draft_n_min), or none
+        self.speculation = {} if speculation is None else dict(speculation)
         self._running: dict[int, tuple[object, TextAssembler]] = {}  # engine request id -> (job, text)
 
     @property
@@ -51,7 +58,8 @@ class BatchBackend:
 
     def start(self, job) -> None:
         r = job.request
-        job.engine_id = self.model.add_request(r.prompt, max_tokens=r.max_tokens, **r.options)
+        job.engine_id = self.model.add_request(r.prompt, max_tokens=r.max_tokens, **r.options,
+                                               **({} if planted("spec_ignored") else self.speculation))
         self._running[job.engine_id] = (job, TextAssembler(self.model.tokenizer, r.options["stop"]))
 
     def cancel(self, job) -> None:
@@ -142,17 +150,23 @@ class SpeculativeBackend:
         return [] if job is None else [job]
 
 
+def _batched(speculation: dict | None) -> bool:
+    return speculation is None or speculation["spec_type"] in BATCHED_SPEC_TYPES
+
+
 def check_serveable(parallel: int, speculation: dict | None) -> None:
     """ServeConfigError when no backend serves `parallel` slots with `speculation` (before any load)."""
-    if speculation is not None and parallel != 1:
+    if parallel != 1 and not _batched(speculation):
         raise ServeConfigError(
-            f"speculative decoding (-md / --spec-type) is served one request at a time (--parallel 1): the "
-            f"engine's batch scheduler does not batch speculation yet; got --parallel {parallel}. Use --parallel 1 "
-            "with a drafter, or --parallel N without one")
+            f"speculative decoding with --spec-type {speculation['spec_type']} is served one request at a "
+            f"time (--parallel 1): the engine's batch scheduler speculates with {', '.join(BATCHED_SPEC_TYPES)} "
+            f"only yet; got --parallel {parallel}")
 
 
 def make_backend(model, parallel: int, speculation: dict | None):
     """The backend for `model` (loaded with n_seq_max=parallel) and the speculation options asked for
     (generate()'s draft_model / spec_type / draft_n_max / draft_n_min, or None)."""
     check_serveable(parallel, speculation)
+    if parallel != 1 and speculation is not None:
+        return BatchBackend(model, speculation)
     return BatchBackend(model) if speculation is None else SpeculativeBackend(model, speculation)

@@ -13,8 +13,8 @@ import time
 DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
 (streamed as server-sent events), /v1/models, /health and /metrics (Prometheus). --parallel N requests decode
 together in one batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each
-slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type) serves one
-request at a time: the engine's batch scheduler does not batch speculation yet."""
+slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type) at any -np:
+every step verifies the drafts of all running requests in one target pass."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -141,7 +141,9 @@ def serve(args) -> int:
     model = Model(args.model, n_ctx=args.ctx_size, n_seq_max=args.parallel, device=device, n_ubatch=args.ubatch_size,
                   type_k=args.cache_type_k, type_v=args.cache_type_v, **kwargs)
     if speculation and speculation["draft_model"] is not None:
-        speculation["draft_model"] = Model(speculation["draft_model"], n_ctx=args.ctx_size, device=device, **kwargs)
+        # a slot per request: the batch backend drafts for every running request at once
+        speculation["draft_model"] = Model(speculation["draft_model"], n_ctx=args.ctx_size, device=device,
+                                           n_seq_max=args.parallel, **kwargs)
     backend = make_backend(model, args.parallel, speculation)
     metrics = ServerMetrics(backend.slots, args.queue_size, speculation is not None)
     engine = EngineLoop(backend, metrics, args.queue_size)

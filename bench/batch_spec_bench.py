@@ -1,0 +1,208 @@
+"""Aggregate decode throughput with speculation across several sequences (prompt lookup), beside plain
+batched decoding, at 1/4/16 sequences.
+
+    python bench/batch_spec_bench.py MODEL.gguf [--device cuda] [--n-seqs 1,4,16] [--prompt 128] [--gen 128]
+                                     [--draft-n-max 8] [--reps 3] [--batched-bench BIN] [--out FILE.json]
+
+Each count N runs N greedy requests (distinct random prompts of --prompt tokens, exactly --gen tokens
+each: no end-of-generation ids) through add_request / step, in these modes:
+  plain     no drafter: one decode row per sequence per step (bench/batch_bench.py's measure);
+  ngram     prompt lookup in the sequence's own text (spec_type "ngram-simple"): on random weights
+            it finds little to draft, so this row shows what speculation costs when it does not pay;
+  ref       prompt lookup that also searches a reference text holding the plain run's output for the
+            same prompt: drafts are the target's own greedy continuation, so nearly all are accepted
+            (a GPU batch may part from the plain run at near-ties; the table states the acceptance);
+  ref/4     the same reference with every 4th token replaced: drafts break off at the replaced
+            tokens (and lookups miss near them), a lower acceptance, stated in the table.
+Every step after the first (which admits and prefills all N) is timed; the rate is the tokens those
+steps committed over their time, summed over the sequences (aggregate tok/s, as batch_bench.py).
+The speculative modes verify every running sequence's rows in ONE target pass per step
+(Engine::verify_rows) and commit each sequence's accepted prefix (Engine::keep_paths).
+
+Repetitions interleave (every mode and count, then llama-batched-bench's plain S_TG on the same file
+when --batched-bench is given: llama.cpp has no batched prompt-lookup bench to set beside ours), --reps
+times; each cell reports the median and the spread (min, max). Synthetic GGUFs have random weights: the
+speed is that of the shapes and quant mix, the acceptance is the stated one (say so with every number).
+Writes bench/results/latest/batch_spec_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batch_bench import measure_peer  # noqa: E402  (llama-batched-bench's plain rows)
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "batch_spec_bench.json"
+MODES = ("plain", "ngram", "ref", "ref/4")
+
+
+class Ours:
+    def __init__(self, model_path: str, device: str, n_seqs: list[int], n_prompt: int, n_gen: int, n_draft: int,
+                 threads: int | None = None):
+        from deltaspec import Model
+        from deltaspec.sampling import SamplingOptions
+
+        kw = dict(n_threads=threads) if threads else {}
+        self.model = Model(model_path, n_ctx=n_prompt + n_gen + 1, device=device, n_seq_max=max(n_seqs),
+                           progress=False, **kw)
+        self.greedy = SamplingOptions(temperature=0.0).native()
+        self.n_seqs, self.n_prompt, self.n_gen, self.n_draft = n_seqs, n_prompt, n_gen, n_draft
+        rng = np.random.default_rng(0)
+        self.prompts = [rng.integers(0, self.model.n_vocab, size=n_prompt).tolist() for _ in range(max(n_seqs))]
+        self.plain_out: dict[int, list[list[int]]] = {}  # N -> the plain run's greedy tokens per prompt
+        self.run(warm=True)
+
+    def _speculation(self, mode: str, n: int, k: int):
+        if mode == "plain":
+            return None
+        if mode == "ngram":
+            return (self.n_draft, 0, 3)
+        ref = list(self.prompts[k]) + list(self.plain_out[n][k])
+        if mode == "ref/4":
+            ref = [(t + 1) % self.model.n_vocab if i % 4 == 3 else t for i, t in enumerate(ref)]
+        return (self.n_draft, 0, 3, ref)
+
+    def _one(self, n: int, mode: str, gen: int) -> dict:
+        engine = self.model._engine
+        before = dict(engine.rows_stats)
+        ids = [engine.add_request(self.prompts[k], gen, self.greedy, [], [], speculation=self._speculation(mode, n, k))
+               for k in range(n)]
+        tokens = {i: [] for i in ids}
+        results = {}
+
+        def step() -> int:
+            got = 0
+            for ev in engine.step():
+                tokens[ev["id"]].extend(ev["tokens"])
+                got += len(ev["tokens"])
+                if ev["finished"]:
+                    results[ev["id"]] = ev["result"]
+            return got
+
+        step()  # admits and prefills every request (and takes their first step)
+        t1 = time.perf_counter()
+        n_tokens = 0
+        while engine.n_requests:
+            n_tokens += step()
+        t2 = time.perf_counter()
+        assert all(len(tokens[i]) == gen for i in ids), "a request did not make exactly --gen tokens"
+        outs = [tokens[i] for i in ids]
+        if mode == "plain":  # the same count's plain run is the reference (a GPU batch may part at near-ties)
+            self.plain_out[n] = outs
+        drafted = sum(results[i].get("n_drafted", 0) for i in ids)
+        accepted = sum(results[i].get("n_accepted", 0) for i in ids)
+        rounds = sum(len(results[i].get("accepted_lengths", [])) for i in ids)
+        after = engine.rows_stats
+        same = sum(out == ref for out, ref in zip(outs, self.plain_out[n]))
+        return {"n_seqs": n, "mode": mode, "decode_s": t2 - t1, "decode_tokens": n_tokens,
+                "tok_s": n_tokens / (t2 - t1), "n_drafted": drafted, "n_accepted": accepted,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "mean_accepted_per_round": accepted / rounds if rounds else 0.0,
+                "verify_passes": after["calls"] - before["calls"],
+                "multi_slot_passes": after["multi_slot_calls"] - before["multi_slot_calls"],
+                "padded_rows": after["padded_rows"] - before["padded_rows"],
+                "rows": after["rows"] - before["rows"], "same_as_plain": same}
+
+    def run(self, warm: bool = False) -> list[dict]:
+        out = []
+        for n in self.n_seqs:
+            for mode in MODES:
+                r = self._one(n, mode, 8 if warm else self.n_gen)
+                if warm:
+                    continue
+                out.append(r)
+                print(f"N={n:3d} {mode:6s}: {r['tok_s']:9.1f} tok/s aggregate, acceptance {r['acceptance_rate']:.2f} "
+                      f"({r['n_accepted']}/{r['n_drafted']}), {r['verify_passes']} verify passes "
+                      f"({r['multi_slot_passes']} of 2+ slots), {r['same_as_plain']}/{n} same as plain", flush=True)
+        return out
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def summarize(reps: list[list[dict]]) -> list[dict]:
+    out = []
+    for i, first in enumerate(reps[0]):
+        vals = [rep[i]["tok_s"] for rep in reps]
+        med = float(np.median(vals))
+        cell = {k: first[k] for k in ("n_seqs", "mode")}
+        cell.update(tok_s=med, tok_s_min=min(vals), tok_s_max=max(vals), reps=vals,
+                    acceptance_rate=float(np.median([rep[i]["acceptance_rate"] for rep in reps])),
+                    mean_accepted_per_round=float(np.median([rep[i]["mean_accepted_per_round"] for rep in reps])),
+                    same_as_plain=min(rep[i]["same_as_plain"] for rep in reps))
+        out.append(cell)
+    return out
+
+
+def table(ours: list[dict], peer: list[dict] | None) -> str:
+    head = "| sequences | " + " | ".join(f"{m} tok/s (min-max) [acc]" for m in MODES) + \
+           " | ref / plain | llama.cpp plain tok/s |"
+    rows = [head, "|" + "---:|" * (len(MODES) + 3)]
+    peer_by_n = {r["n_seqs"]: r for r in (peer or [])}
+    for n in dict.fromkeys(r["n_seqs"] for r in ours):
+        cells = {r["mode"]: r for r in ours if r["n_seqs"] == n}
+        text = []
+        for m in MODES:
+            c = cells[m]
+            acc = "" if m == "plain" else f" [{c['acceptance_rate']:.2f}, {c['mean_accepted_per_round']:.1f}/round]"
+            text.append(f"{c['tok_s']:.1f} ({c['tok_s_min']:.1f}-{c['tok_s_max']:.1f}){acc}")
+        p = peer_by_n.get(n)
+        rows.append(f"| {n} | " + " | ".join(text) + f" | {cells['ref']['tok_s'] / cells['plain']['tok_s']:.2f}x | " +
+                    (f"{np.median(p['reps']):.1f}" if p else "-") + " |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    ap.add_argument("--n-seqs", default="1,4,16")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--draft-n-max", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batched-bench", help="llama-batched-bench binary (plain batched decode of the same file)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    n_seqs = [int(x) for x in args.n_seqs.split(",")]
+    if args.gen < 8 or args.prompt < 1 or not n_seqs or min(n_seqs) < 1 or args.reps < 1 or args.draft_n_max < 1:
+        ap.error("need --gen >= 8, --prompt >= 1, --reps >= 1, --draft-n-max >= 1 and sequence counts >= 1")
+    ours_reps, peer_reps = [], []
+    runner = Ours(args.model, args.device, n_seqs, args.prompt, args.gen, args.draft_n_max, args.threads)
+    try:
+        for rep in range(args.reps):
+            print(f"repetition {rep + 1}/{args.reps}", flush=True)
+            ours_reps.append(runner.run())
+            if args.batched_bench:
+                peer_reps.append(measure_peer(args.batched_bench, args.model, n_seqs, args.prompt, args.gen, args.device))
+    finally:
+        runner.close()
+    ours = summarize(ours_reps)
+    peer = None
+    if peer_reps:
+        peer = [{"n_seqs": r["n_seqs"], "reps": [rep[i]["tok_s"] for rep in peer_reps]} for i, r in enumerate(peer_reps[0])]
+    print(table(ours, peer))
+    result = {"model": os.path.abspath(args.model), "device": args.device, "host": platform.node(),
+              "n_prompt": args.prompt, "n_gen": args.gen, "draft_n_max": args.draft_n_max, "reps": args.reps,
+              "deltaspec": ours, "deltaspec_runs": ours_reps, "llama_cpp_plain": peer,
+              "note": "aggregate decode tok/s after the prefill step; ngram: prompt lookup in the own text; ref: "
+                      "lookup also in a reference holding the plain run's output (stated ~full acceptance); ref/4: "
+                      "the reference with every 4th token wrong; synthetic weights: the speed of the shapes"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

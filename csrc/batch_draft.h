@@ -1,0 +1,69 @@
+// A draft model drafting for several sequences at once: a second Engine with the target's slots
+// (a sequence in target slot i drafts in draft slot i), whose passes hold every drafting sequence's
+// rows (Engine::verify_rows). Per sequence it proposes what ModelDrafter::propose proposes (same
+// catch-up rule, sampler and draws, same cost estimate), so a batch drafts each sequence's chains as
+// generate_speculative's ModelDrafter does alone.
+//
+// Per round: one pass evaluates every drafting sequence's catch-up (the committed tokens its slot
+// lacks; a backlog longer than max_catch_up restarts the slot from the last max_catch_up tokens, as
+// ModelDrafter does) and commits it (keep_paths); then pass j (1 .. n_max - 1) evaluates each chain
+// of drafts d_1 .. d_j from the slot's committed state without committing it, its last row giving
+// d_{j+1}. The drafts are never committed, so nothing needs a checkpoint to roll back; a pass of a
+// small draft model reads its weights once whatever its rows, so the re-evaluated chains cost little.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "drafters.h"
+#include "engine.h"
+#include "sampler.h"
+
+namespace deltaspec {
+
+// One sequence's draft-model state.
+struct DraftSlotState {
+    explicit DraftSlotState(const SamplingParams & sampling) : sampler(sampling) {}
+    Sampler sampler;            // the draft's draws (ModelDrafter's seed rule: the caller's)
+    int64_t n_synced = 0;       // the slot holds committed[start .. n_synced) for some start
+    int64_t last_drafted = 0;   // tokens the previous round drafted
+};
+
+// What one sequence asks for in a round (n_max 0: nothing) and gets.
+struct DraftJob {
+    int64_t slot = -1;
+    DraftSlotState * state = nullptr;
+    const std::vector<int32_t> * committed = nullptr;  // prompt + committed tokens
+    int64_t n_max = 0;
+    Draft draft;
+};
+
+class BatchModelDrafter {
+  public:
+    BatchModelDrafter(Engine & draft, double step_cost, int64_t max_catch_up = 16)
+        : draft_(draft), step_cost_(step_cost), max_catch_up_(max_catch_up) {}
+
+    // A sequence admitted into `slot`: the slot reads its prompt (ModelDrafter::begin).
+    void begin(int64_t slot, DraftSlotState & st, const std::vector<int32_t> & prompt);
+    // Drafts for every job with n_max > 0 (jobs in any order, distinct slots).
+    void propose(std::vector<DraftJob> & jobs);
+    Engine & engine() { return draft_; }
+
+  private:
+    // Evaluates chains[k] (non-empty) after the committed state of jobs[k]'s slot, in passes of
+    // consecutive slots that fit n_ubatch (a slot between them without a chain gets a dummy row,
+    // never kept); the logits of each chain's last row land in last_[k]; `commit` keeps the chains.
+    void run(const std::vector<DraftJob *> & jobs, const std::vector<std::vector<int32_t>> & chains, bool commit);
+
+    Engine & draft_;
+    double step_cost_;
+    int64_t max_catch_up_;
+    RowBatch rows_;
+    std::vector<float> out_;
+    std::vector<std::vector<float>> last_;
+  public:
+    // A slot whose sequence does not draft with the model: emptied, so that a pass's dummy row fits it.
+    void clear_slot(int64_t slot);
+};
+
+}  // namespace deltaspec

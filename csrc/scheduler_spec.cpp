@@ -1,0 +1,242 @@
+// Speculation for several sequences at once: one scheduler step drafts for every running sequence
+// that speculates, verifies every running sequence's rows in ONE target pass (Engine::verify_rows:
+// a drafting sequence's chain [pending token, drafts...], any other sequence's pending token alone),
+// then per sequence applies generate_speculative's accept rule (accept_argmax / accept_draft, the
+// sequence's own Sampler, so the same random draws in the same order) and keeps the accepted prefix
+// of each slot (Engine::keep_paths). The drafting schedule (room, adaptive draft length, pause and
+// backoff) is generate_speculative's, per sequence, and depends on its tokens only: each sequence
+// gives the tokens it gives alone with generate_speculative and the same drafter, greedy or sampled.
+// One difference: a pass holds at most n_ubatch rows, so with N sequences a draft is at most
+// n_ubatch / N - 1 tokens long (a sampled sequence whose draft that cuts takes other random draws
+// than alone; it is no less exact).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "scheduler.h"
+#include "tree_walk.h"
+
+namespace deltaspec {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// a sequence that drafted a chain this step (or nothing): the planted swap_keep bug acts on chains
+bool s_is_chain(const Sequence & s) { return s.tree.empty(); }
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// as scheduler.cpp: the first maximum, as ggml's argmax picks it
+int32_t first_argmax(const float * row, int64_t n) { return (int32_t)(std::max_element(row, row + n) - row); }
+
+// as scheduler.cpp: whether the sequence must see its logits rather than the device's argmax
+bool needs_logits(const GenerateRequest & req) {
+    return !req.sampling.argmax_only() || req.n_logprobs >= 0 || req.constraint != nullptr;
+}
+
+}  // namespace
+
+int64_t Scheduler::draft_all() {
+    const int64_t n_ctx = engine_.n_ctx();
+    // the pass holds every running sequence's rows, each slot padded to the longest: Tq <= n_ubatch / N
+    const int64_t cap = engine_.n_ubatch() / std::max<int64_t>(1, (int64_t)running_.size()) - 1;
+    int64_t n_drafting = 0;
+    std::vector<DraftJob> jobs;  // the draft model's, drafted together below
+    std::vector<Sequence *> job_seq;
+    for (auto & sp : running_) {
+        Sequence & s = *sp;
+        s.draft = Draft{};
+        s.tree = DraftTree{};
+        if (!s.speculates()) continue;
+        // as generate_speculative: the batch [pending, drafts...] must fit the context, and drafts
+        // past max_tokens would be thrown away (the target adds one token itself)
+        const int64_t left = s.req.max_tokens - (int64_t)s.res.tokens.size();
+        const int64_t room = std::min({n_ctx - engine_.slot_n_past(s.slot) - 1, s.spec.n_max, left - 1, cap});
+        if (s.pause > 0) {
+            --s.pause;
+        } else if (room >= std::max<int64_t>(s.spec.n_min, 1) && s.draft_state) {
+            DraftJob job;
+            job.slot = s.slot;
+            job.state = s.draft_state.get();
+            job.committed = &s.history;
+            job.n_max = std::min(s.n_draft, room);
+            jobs.push_back(std::move(job));
+            job_seq.push_back(&s);
+        } else if (room >= std::max<int64_t>(s.spec.n_min, 1)) {
+            const auto td = Clock::now();
+            const std::vector<int32_t> * text = &s.history;
+            if (!s.spec.reference.empty()) {
+                s.lookup.assign(s.spec.reference.begin(), s.spec.reference.end());
+                s.lookup.insert(s.lookup.end(), s.history.begin(), s.history.end());
+                text = &s.lookup;
+            }
+            if (s.spec.tree_budget > 0) {
+                // every node takes a KV row and a row of the pass: the tree fits the context and the pass
+                const int64_t budget = std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap});
+                s.tree = s.drafter->propose_tree(*text, budget, std::min(s.n_draft, room));
+                if (s.tree.max_depth() < s.spec.n_min) s.tree = DraftTree{};
+            } else {
+                s.draft = s.drafter->propose(*text, std::min(s.n_draft, room));
+                if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+            }
+            s.stats.draft_seconds += seconds_since(td);
+        }
+        s.stats.n_steps++;
+        n_drafting += !s.draft.tokens.empty() || !s.tree.empty();
+    }
+    if (!jobs.empty()) {
+        const auto td = Clock::now();
+        model_drafter_->propose(jobs);
+        const double seconds = seconds_since(td);
+        for (size_t k = 0; k < jobs.size(); ++k) {
+            Sequence & s = *job_seq[k];
+            s.draft = std::move(jobs[k].draft);
+            if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+            s.stats.draft_seconds += seconds;  // the passes were shared
+            n_drafting += !s.draft.tokens.empty();
+        }
+    }
+    return n_drafting;
+}
+
+bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
+    if (running_.empty()) return false;
+    const int64_t n_drafting = draft_all();
+    if (n_drafting == 0) return false;  // a plain decode step (decode_running) for everyone
+
+    const int64_t n_vocab = engine_.hparams().n_vocab;
+    const int64_t N = (int64_t)running_.size();
+    rows_.clear();
+    std::vector<int64_t> first_row(N + 1);
+    bool all_argmax = true;
+    for (int64_t i = 0; i < N; ++i) {
+        const Sequence & s = *running_[i];
+        first_row[i] = rows_.size();
+        const int32_t p0 = (int32_t)engine_.slot_n_past(s.slot);
+        rows_.add(s.pending, p0, (int32_t)s.slot);
+        for (size_t d = 0; d < s.draft.tokens.size(); ++d) {
+            rows_.add(s.draft.tokens[d], p0 + 1 + (int32_t)d, (int32_t)s.slot, (int32_t)(first_row[i] + d));
+        }
+        for (int64_t n = 0; n < s.tree.size(); ++n) {  // node n: row 1 + n of the slot, its parent's row after the root
+            rows_.add(s.tree.token[n], p0 + s.tree.depth[n], (int32_t)s.slot, (int32_t)(first_row[i] + 1 + s.tree.parent[n]));
+        }
+        all_argmax = all_argmax && !needs_logits(s.req);
+    }
+    first_row[N] = rows_.size();
+    const int64_t R = rows_.size();
+
+    const auto tv = Clock::now();
+    if (all_argmax) {
+        argmax_.resize(R);
+        engine_.verify_rows(rows_, LogitsWanted::argmax_all, argmax_.data());
+    } else {
+        logits_.resize(R * n_vocab);
+        engine_.verify_rows(rows_, LogitsWanted::all, logits_.data());
+    }
+    const double verify_seconds = seconds_since(tv);
+
+    // accept per sequence: n_acc drafts, then `next` (the correction or the bonus token). A tree's
+    // walk turns into the chain it accepted (draft.tokens) and its rows (kept).
+    const PlantedBug bug = planted_bug();
+    std::vector<int64_t> n_acc(N, 0);
+    std::vector<int32_t> next(N, -1), row_argmax;
+    std::vector<std::vector<int32_t>> kept(N);  // rows of each slot kept after its root, relative to it
+    for (int64_t i = 0; i < N; ++i) {
+        Sequence & s = *running_[i];
+        const int64_t r0 = first_row[i];
+        float * logits = all_argmax ? nullptr : logits_.data() + r0 * n_vocab;
+        if (s.draft.tokens.empty() && s.tree.empty()) {  // generate_speculative's plain step, or no speculation
+            next[i] = all_argmax ? argmax_[r0] : choose(s, logits, n_vocab);
+            continue;
+        }
+        const size_t before = s.history.size();  // the accept rules append the accepted drafts; commit() does
+        const int64_t T = first_row[i + 1] - r0;
+        if (s.req.sampling.argmax_only()) {
+            row_argmax.resize(T);
+            for (int64_t t = 0; t < T; ++t) row_argmax[t] = all_argmax ? argmax_[r0 + t] : first_argmax(logits + t * n_vocab, n_vocab);
+        }
+        if (!s.tree.empty()) {
+            const TreeWalk walk = s.req.sampling.argmax_only()
+                                      ? walk_tree_argmax(s.tree, row_argmax.data(), s.history)
+                                      : walk_tree(s.tree, logits, n_vocab, s.sampler, s.history, TreeRule::rejection,
+                                                  tree_rule_bug());
+            for (int32_t node : walk.path) {
+                s.draft.tokens.push_back(s.tree.token[node]);
+                kept[i].push_back(node + 1);
+            }
+            s.draft.cost = s.tree.cost;
+            n_acc[i] = (int64_t)walk.path.size();
+            next[i] = walk.next;
+        } else {
+            n_acc[i] = s.req.sampling.argmax_only() ? accept_argmax(row_argmax.data(), s.draft, s.history, next[i])
+                                                    : accept_draft(logits, n_vocab, s.draft, s.sampler, s.history, next[i], bug);
+            for (int64_t d = 1; d <= n_acc[i]; ++d) kept[i].push_back((int32_t)d);
+        }
+        s.history.resize(before);
+    }
+
+    // keep each slot's pending token and accepted drafts
+    const auto tr = Clock::now();
+    std::vector<std::vector<int32_t>> paths(N);
+    for (int64_t i = 0; i < N; ++i) {
+        int64_t keep = n_acc[i];
+        if (rows_bug() == RowsBug::swap_keep && s_is_chain(*running_[i])) {  // the next drafting slot's count, cut to this chain
+            for (int64_t j = 1; j < N; ++j) {
+                const int64_t o = (i + j) % N;
+                if (!running_[o]->draft.tokens.empty() || !running_[o]->tree.empty()) {
+                    keep = std::min<int64_t>(n_acc[o], first_row[i + 1] - first_row[i] - 1);
+                    break;
+                }
+            }
+            kept[i].clear();
+            for (int64_t d = 1; d <= keep; ++d) kept[i].push_back((int32_t)d);
+        }
+        paths[i].push_back((int32_t)first_row[i]);
+        for (int32_t r : kept[i]) paths[i].push_back((int32_t)(first_row[i] + r));
+    }
+    engine_.keep_paths(paths);
+    const double keep_seconds = seconds_since(tr);
+
+    // emit, then adapt each drafting sequence's schedule as generate_speculative does
+    int64_t n_accepting = 0, n_rejecting = 0;
+    for (int64_t i = 0; i < N; ++i) {
+        Sequence & s = *running_[i];
+        StepEvent & ev = event_of(events, s);
+        const Draft & draft = s.draft;
+        bool running = true;
+        for (int64_t d = 0; d < n_acc[i] && running; ++d) running = commit(s, draft.tokens[d], ev, /*check_ctx =*/false);
+        if (running) commit(s, next[i], ev);
+        if (draft.tokens.empty() && s.tree.empty()) continue;
+
+        // the most a round could have accepted: the chain, or the tree's depth
+        const int64_t n_full = s.tree.empty() ? (int64_t)draft.tokens.size() : s.tree.max_depth();
+        const int64_t n_verified = s.tree.empty() ? n_full : s.tree.size();
+        n_accepting += n_acc[i] > 0;
+        n_rejecting += n_acc[i] < n_full;
+        s.stats.verify_seconds += verify_seconds;
+        s.stats.rollback_seconds += keep_seconds;
+        s.stats.n_drafted += n_verified;
+        s.stats.n_tree_nodes += s.tree.size();
+        s.stats.n_accepted += n_acc[i];
+        s.stats.accepted_lengths.push_back((int32_t)n_acc[i]);
+        constexpr double kLossBudget = 0.05;  // generate_speculative's
+        const int64_t n_floor = std::max<int64_t>(s.spec.n_min, 1);
+        s.n_draft = n_acc[i] == n_full ? std::min(s.spec.n_max, s.n_draft * 2) : std::max(n_floor, n_acc[i] + 1);
+        const double loss = draft.cost - (double)n_acc[i];
+        if (s.spec.n_min == 0 && (n_acc[i] == 0 || loss > 0)) {
+            s.pause = std::max<int64_t>(s.backoff, (int64_t)std::ceil(loss / kLossBudget));
+            s.backoff = std::min<int64_t>(s.backoff * 2, 256);
+        } else {
+            s.backoff = 1;
+        }
+        if (s.finished) ev.spec = s.stats;  // finish() copied them before this round's counts
+    }
+    spec_stats_.verify_passes += 1;
+    spec_stats_.multi_draft_passes += n_drafting >= 2;
+    spec_stats_.mixed_passes += n_drafting >= 2 && n_accepting >= 1 && n_rejecting >= 1;
+    spec_stats_.max_drafting = std::max(spec_stats_.max_drafting, n_drafting);
+    return true;
+}
+
+}  // namespace deltaspec

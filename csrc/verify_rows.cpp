@@ -1,0 +1,322 @@
+// Verification of rows of several sequence slots in one target pass (Engine::verify_rows) and the
+// commit of each slot's accepted path (Engine::keep_paths): speculation for many sequences at once.
+//
+// The graph is the tree verify graph (verify_tree.cpp: the DeltaNet layers run the parent-indexed
+// rows ops over the pool, reading each row's slot's committed state and writing nothing), with
+// attention as one FA stream per slot (decode_rows.cpp's layout). FA streams hold equally many
+// queries, so a slot with fewer rows than the longest (rounded up to a power of two, so that graphs
+// are reused) is padded with copies of its last row: same
+// token, parent, position and KV row, so a copy computes exactly what that row computes and writes
+// the same KV values to the same place (no row of garbage can reach a KV row). Copies are dropped
+// from the logits returned and from every commit.
+//
+// keep_paths then commits every slot's accepted path in one small graph: the rows ops once more
+// over the verify pass's inputs with every row off the paths skipped and each path's leaf writing
+// its slot's DeltaNet state and conv window back, and each slot's kept KV rows moved to consecutive
+// positions where a path skipped rows (trees; a chain's accepted prefix is already in place).
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "deltaspec_rows.h"
+#include "engine.h"
+#include "ggml-alloc.h"
+#include "output_alias.h"
+
+namespace deltaspec {
+
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+// Read once per process (the tests plant it for a whole run).
+RowsBug rows_bug() {
+    static const RowsBug bug = [] {
+        const char * env = std::getenv("DELTASPEC_TEST_ROWS_BUG");
+        const std::string v = env ? env : "";
+        if (v.empty()) return RowsBug::none;
+        if (v == "swap_keep") return RowsBug::swap_keep;
+        if (v == "wrong_parent") return RowsBug::wrong_parent;
+        if (v == "no_compaction") return RowsBug::no_compaction;
+        if (v == "draft_slot_swap") return RowsBug::draft_slot_swap;
+        throw std::invalid_argument("DELTASPEC_TEST_ROWS_BUG (test only) must be unset, 'swap_keep', 'wrong_parent', "
+                                    "'no_compaction' or 'draft_slot_swap', not '" +
+                                    v + "'");
+    }();
+    return bug;
+}
+
+void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out) {
+    const int64_t R = rows.size();
+    if (wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all) {
+        throw std::invalid_argument("verify_rows returns the logits or the argmax of every row");
+    }
+    for (const auto * column : {&rows.pos, &rows.slot, &rows.parent}) {
+        if ((int64_t)column->size() != R) throw std::invalid_argument("verify_rows: the row batch's columns differ in length");
+    }
+    if ((int64_t)rows.wants_logits.size() != R) throw std::invalid_argument("verify_rows: the row batch's columns differ in length");
+    if (R < 1) throw std::invalid_argument("verify_rows: no rows");
+    if (!deltaspec_rows_cpu_available()) {
+        throw std::runtime_error("verify_rows: this ggml-cpu lacks deltaspec's rows ops (ggml/cpu/inject.cmake)");
+    }
+    settle_verify();
+    const RowsBug bug = rows_bug();
+
+    // the slots' runs of rows: slot first, first + 1, ..., each a non-empty run in the batch
+    const int64_t first = rows.slot[0];
+    std::vector<int64_t> begin;  // begin[i]: the first row of slot first + i
+    std::vector<int32_t> depth(R), local(R), n_children(R, 0);
+    bool branched = false;
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t s = rows.slot[r];
+        if (r == 0 || s != rows.slot[r - 1]) {
+            if (s != first + (int64_t)begin.size() || s >= pool_.n_seq) {
+                throw std::invalid_argument("verify_rows: row " + str(r) + " is in slot " + str(s) + "; the rows must be " +
+                                            "grouped by slot, slots consecutive from " + str(first) +
+                                            " below n_seq_max = " + str(pool_.n_seq));
+            }
+            begin.push_back(r);
+        }
+        const int64_t b = begin.back();
+        const int32_t p = rows.parent[r];
+        if (p != -1 && (p < b || p >= r)) {
+            throw std::invalid_argument("verify_rows: row " + str(r) + " has parent " + str(p) +
+                                        "; a parent is an earlier row of the same slot (" + str(b) + ".." + str(r - 1) + ") or -1");
+        }
+        depth[r] = p < 0 ? 0 : depth[p] + 1;
+        local[r] = (int32_t)(r - b);
+        if (p >= 0) branched = branched || ++n_children[p] > 1;
+        else branched = branched || r > b;  // a second root of the slot
+        const SequenceState & st = pool_.slots[s];
+        if (rows.pos[r] != st.n_past + depth[r]) {
+            throw std::invalid_argument("verify_rows: row " + str(r) + " has position " + str(rows.pos[r]) + "; slot " + str(s) +
+                                        " holds " + str(st.n_past) + " tokens and the row's depth is " + str(depth[r]));
+        }
+        if (rows.token[r] < 0 || rows.token[r] >= hp_.n_vocab) {
+            throw std::out_of_range("token id " + str(rows.token[r]) + " at row " + str(r) +
+                                    " is outside the vocabulary [0, " + str(hp_.n_vocab) + ")");
+        }
+    }
+    const int64_t N = (int64_t)begin.size();
+    begin.push_back(R);
+    int64_t Tq = 0, n_kv = 0;
+    for (int64_t i = 0; i < N; ++i) {
+        const int64_t n = begin[i + 1] - begin[i];
+        const SequenceState & st = pool_.slots[first + i];
+        if (st.n_past + n > st.n_ctx) {
+            throw std::length_error("verify_rows: slot " + str(first + i) + " holds " + str(st.n_past) + " tokens; " + str(n) +
+                                    " rows do not fit its context of " + str(st.n_ctx));
+        }
+        Tq = std::max(Tq, n);
+        n_kv = std::max(n_kv, st.n_kv_for(st.n_past + n));
+    }
+    // Tq rounded up to a power of two where it fits: the step graph of a shape is kept and reused
+    // (a CUDA graph replayed), and draft lengths change every round
+    int64_t bucket = 1;
+    while (bucket < Tq) bucket *= 2;
+    if (N * bucket <= opts_.n_ubatch) Tq = bucket;
+    const int64_t T = N * Tq;
+    if (T > opts_.n_ubatch) {
+        throw std::invalid_argument("verify_rows: " + str(N) + " slots of up to " + str(Tq) + " rows make " + str(T) +
+                                    " rows, more than n_ubatch = " + str(opts_.n_ubatch));
+    }
+
+    // the padded batch: slot i's rows at i * Tq + local, then copies of its last row
+    RowsPending & pend = rows_pending_;
+    pend = RowsPending{};
+    pend.first_slot = first;
+    pend.n_slots = N;
+    pend.tq = Tq;
+    pend.row_of.resize(R);
+    pend.parent.assign(T, -1);
+    pend.slot.assign(T, -1);
+    pend.local.assign(T, 0);
+    std::vector<int32_t> tokens(T), pos(4 * T, 0);
+    std::vector<int64_t> kv_rows(T);
+    for (int64_t i = 0; i < N; ++i) {
+        const int64_t s = first + i, p0 = pool_.slots[s].n_past, n = begin[i + 1] - begin[i];
+        pend.p0.push_back(p0);
+        for (int64_t j = 0; j < Tq; ++j) {
+            const int64_t r = begin[i] + std::min(j, n - 1);  // the caller's row (its last one for a copy)
+            const int64_t t = i * Tq + j;
+            if (j < n) pend.row_of[r] = (int32_t)t;
+            const int32_t p = rows.parent[r];
+            pend.parent[t] = p < 0 ? -1 : (int32_t)(i * Tq + local[p]);
+            pend.slot[t] = (int32_t)s;
+            pend.local[t] = local[r];
+            tokens[t] = rows.token[r];
+            pos[t] = pos[T + t] = pos[2 * T + t] = rows.pos[r];
+            kv_rows[t] = s * pool_.n_ctx + p0 + local[r];
+        }
+    }
+    // the planted bug: the second slot's last row continues its grandparent in the verify graph
+    std::vector<int32_t> parent = pend.parent;
+    if (bug == RowsBug::wrong_parent && N > 1) {
+        const int64_t n = begin[2] - begin[1];
+        if (n > 2) parent[Tq + n - 1] -= 1;
+    }
+    std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS);
+    char err[256];
+    if (deltaspec_rows_plan(T, parent.data(), pend.slot.data(), nullptr, pool_.n_seq, plan.data(), err, sizeof(err)) < 0) {
+        throw std::invalid_argument(std::string("verify_rows: ") + err);
+    }
+
+    StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/true, N, first, /*tree =*/true);
+    set_input(g.in.tokens, tokens.data(), T * sizeof(int32_t));
+    set_input(g.in.pos, pos.data(), pos.size() * sizeof(int32_t));
+    set_input(g.in.kv_rows, kv_rows.data(), T * sizeof(int64_t));
+    set_input(g.in.rows, plan.data(), plan.size() * sizeof(int32_t));
+    // mask {n_kv, Tq, 1, N}: row t of stream i sees slot i's committed rows and its own ancestors'
+    std::vector<ggml_fp16_t> mask(n_kv * T);
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t p0 = pend.p0[t / Tq];
+        ggml_fp16_t * m = mask.data() + t * n_kv;
+        for (int64_t j = 0; j < n_kv; ++j) m[j] = j < p0 ? zero : neg_inf;
+        for (int64_t a = t; a >= 0; a = parent[a]) m[p0 + pend.local[a]] = zero;
+    }
+    set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
+
+    compute(g);
+    rows_stats_.calls += 1;
+    rows_stats_.multi_slot_calls += N > 1;
+    rows_stats_.branched_calls += branched;
+    rows_stats_.rows += R;
+    rows_stats_.padded_rows += T - R;
+    rows_stats_.max_slots = std::max(rows_stats_.max_slots, N);
+
+    const size_t row_bytes = wanted == LogitsWanted::all ? hp_.n_vocab * sizeof(float) : sizeof(int32_t);
+    const bool every_row = std::all_of(rows.wants_logits.begin(), rows.wants_logits.end(), [](uint8_t w) { return w != 0; });
+    if (!every_row) {  // the rows asked for, in row order (a drafter reads each slot's last row)
+        char * dst = static_cast<char *>(out);
+        for (int64_t r = 0; r < R; ++r) {
+            if (!rows.wants_logits[r]) continue;
+            ggml_backend_tensor_get(g.out, dst, pend.row_of[r] * row_bytes, row_bytes);
+            dst += row_bytes;
+        }
+    } else if (T == R) {
+        ggml_backend_tensor_get(g.out, out, 0, T * row_bytes);
+    } else {
+        char * dst = static_cast<char *>(out);
+        for (int64_t i = 0; i < N; ++i) {  // each slot's own rows are consecutive in both layouts
+            const int64_t n = begin[i + 1] - begin[i];
+            ggml_backend_tensor_get(g.out, dst + begin[i] * row_bytes, i * Tq * row_bytes, n * row_bytes);
+        }
+    }
+    pend.active = true;
+}
+
+void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
+    RowsPending & pend = rows_pending_;
+    if (!pend.active) throw std::logic_error("keep_paths(paths) needs the rows just verified (verify_rows)");
+    const int64_t N = pend.n_slots, Tq = pend.tq, T = N * Tq, R = (int64_t)pend.row_of.size();
+    if ((int64_t)paths.size() != N) {
+        throw std::invalid_argument("keep_paths: one path per verified slot (" + str(N) + "), got " + str(paths.size()));
+    }
+    // each path in the padded batch's rows, checked against the verified parents
+    std::vector<std::vector<int32_t>> padded(N);
+    for (int64_t i = 0; i < N; ++i) {
+        const std::vector<int32_t> & path = paths[i];  // empty: the slot keeps nothing
+        for (size_t d = 0; d < path.size(); ++d) {
+            if (path[d] < 0 || path[d] >= R) throw std::invalid_argument("keep_paths: row " + str(path[d]) + " was not verified");
+            const int32_t t = pend.row_of[path[d]];
+            const int32_t want = d == 0 ? -1 : padded[i].back();
+            if (t / Tq != i || pend.parent[t] != want) {
+                throw std::invalid_argument("keep_paths: path of slot " + str(pend.first_slot + i) + ": row " + str(path[d]) +
+                                            (t / Tq != i ? std::string(" is another slot's") :
+                                             " does not continue " + (d == 0 ? std::string("the committed state") : "row " + str(path[d - 1]))));
+            }
+            padded[i].push_back(t);
+        }
+    }
+
+    // the rows ops' plan: the paths' rows in their slots, every other row skipped, each leaf written back
+    std::vector<int32_t> slot(T, -1), flags(T, 0);
+    for (int64_t i = 0; i < N; ++i) {
+        for (int32_t t : padded[i]) slot[t] = (int32_t)(pend.first_slot + i);
+        if (!padded[i].empty()) flags[padded[i].back()] = DELTASPEC_ROW_WRITE_BACK;
+    }
+    std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS);
+    char err[256];
+    const int64_t n_saved = deltaspec_rows_plan(T, pend.parent.data(), slot.data(), flags.data(), pool_.n_seq, plan.data(),
+                                                err, sizeof(err));
+    if (n_saved < 0) throw std::logic_error(std::string("keep_paths: ") + err);
+
+    // KV moves: slot i's row p0 + local(path[d]) -> p0 + d, in runs that move by the same distance
+    struct Move { int64_t slot, from, to, n; };
+    std::vector<Move> moves;
+    for (int64_t i = 0; i < N; ++i) {
+        const std::vector<int32_t> & path = padded[i];
+        const int64_t n = (int64_t)path.size();
+        for (int64_t d = 0; d < n;) {
+            int64_t e = d + 1;
+            while (e < n && pend.local[path[e]] - e == pend.local[path[d]] - d) ++e;
+            if (pend.local[path[d]] != d) {
+                rows_stats_.kv_rows_moved += e - d;  // counted with the bug planted too: the tokens must show it
+                if (rows_bug() != RowsBug::no_compaction) {
+                    moves.push_back({pend.first_slot + i, pend.p0[i] + pend.local[path[d]], pend.p0[i] + d, e - d});
+                }
+            }
+            d = e;
+        }
+    }
+
+    const VerifyStates & vs = step_.verify;
+    const size_t per_layer = std::max<size_t>(16, 6 * moves.size());
+    const size_t n_tensors = per_layer * (size_t)hp_.n_layer + 16, n_nodes = n_tensors;
+    ggml_init_params params = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_nodes, false), nullptr,
+                               /*no_alloc =*/true};
+    ggml_context * ctx = ggml_init(params);
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_nodes, false);
+    try {
+        ggml_tensor * rows_t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, T);
+        ggml_set_input(rows_t);
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            if (vs.q[il]) {
+                const LayerWeights & l = weights_.layers[il];
+                ggml_tensor * windows = ggml_reshape_3d(ctx, pool_.conv[il], hp_.ssm_conv_kernel - 1, hp_.conv_channels(), pool_.n_seq);
+                ggml_build_forward_expand(gf, deltaspec_rows_ssm_conv(ctx, windows, output_alias(ctx, vs.conv_x[il]), l.conv1d, rows_t));
+                const int64_t S = hp_.ssm_state_size, Hv = hp_.ssm_n_v_heads;
+                ggml_tensor * states = ggml_reshape_4d(ctx, pool_.ssm[il], S, S, Hv, pool_.n_seq);
+                ggml_build_forward_expand(
+                    gf, deltaspec_rows_gated_delta_net(ctx, output_alias(ctx, vs.q[il]), output_alias(ctx, vs.k[il]),
+                                                       output_alias(ctx, vs.v[il]), output_alias(ctx, vs.g[il]),
+                                                       output_alias(ctx, vs.beta[il]), states, rows_t, n_saved));
+            } else if (pool_.k[il]) {
+                // a source row is never an earlier run's destination (local >= depth), so order is enough
+                for (const Move & m : moves) {
+                    for (ggml_tensor * cache : {pool_.k[il], pool_.v[il]}) {
+                        auto rows_at = [&](int64_t first_row) {
+                            return ggml_view_2d(ctx, cache, cache->ne[0], m.n, cache->nb[1],
+                                                (m.slot * pool_.n_ctx + first_row) * cache->nb[1]);
+                        };
+                        ggml_build_forward_expand(gf, ggml_cpy(ctx, rows_at(m.from), rows_at(m.to)));
+                    }
+                }
+            }
+        }
+        if (keep_alloc_ == nullptr) keep_alloc_ = ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend_));
+        if (!ggml_gallocr_alloc_graph(keep_alloc_, gf)) throw std::runtime_error("cannot allocate keep_paths' replay");
+        if (rows_t->buffer) ggml_backend_tensor_set(rows_t, plan.data(), 0, plan.size() * sizeof(int32_t));
+        if (ggml_backend_graph_compute(backend_, gf) != GGML_STATUS_SUCCESS) {
+            throw std::runtime_error("keep_paths: committing the accepted paths failed");
+        }
+    } catch (...) {
+        ggml_free(ctx);
+        throw;
+    }
+    ggml_free(ctx);
+    for (int64_t i = 0; i < N; ++i) {
+        pool_.slots[pend.first_slot + i].n_past += (int64_t)paths[i].size();
+        rows_stats_.kept_rows += (int64_t)padded[i].size();
+    }
+    rows_stats_.keep_calls += 1;
+    pend.active = false;
+}
+
+}  // namespace deltaspec
