@@ -14,6 +14,7 @@
 #include "engine.h"
 #include "generate.h"
 #include "sampler.h"
+#include "top_rows.h"
 
 namespace deltaspec {
 
@@ -68,6 +69,8 @@ class Scheduler {
     // the token after a logits row: masked by the request's grammar, then argmax or sampled
     // (and its logprobs recorded when asked for)
     int32_t choose(Sequence & s, float * row, int64_t n_vocab);
+    // whether every sequence's token can come from its row's top candidates (top_rows.h)
+    bool top_rows_serve_all() const;
     // commits a sampled token; false when the sequence is done
     bool commit(Sequence & s, int32_t token, StepEvent & ev);
     void finish(Sequence & s, FinishReason why, StepEvent & ev);
@@ -82,6 +85,7 @@ class Scheduler {
     std::vector<float> logits_;
     std::vector<float> raw_;  // a row before its grammar mask (logprobs)
     std::vector<int32_t> argmax_;
+    std::vector<int32_t> top_;  // top rows (top_rows.h), when they serve every sequence
     RowBatch rows_;
 };
 
