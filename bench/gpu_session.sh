@@ -27,6 +27,9 @@
 #      small launches came out host-bound: 30 us for an 11 us mat-vec) -> kernels_bench.json
 #   batch: aggregate decode tok/s with 1/4/16/32 sequences at once (bench/batch_bench.py),
 #      against llama-batched-bench when the `build` step made one -> batch_bench.json
+#   toprows: sampled decode of 16 and 32 sequences with each logits row reduced on the device to its
+#      top 64 (ggml/deltaspec_top.h) against whole rows copied to the host, interleaved
+#      (bench/top_rows_bench.py) -> top_rows_bench.json
 #   tq: the tq KV cache types on the synthetic 27B: allocated KV bytes per type at 32K/128K/256K
 #      (bench/kv_memory.py -> kv_memory.json), then tg128 at depths TQ_DEPTHS (default 16384 65536)
 #      with q4_0, tq3 and q4_0+rot against llama-bench's q4_0 (-> kv_decode_bench.json; depth 131072
@@ -40,7 +43,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify tree mtp profile server tq
+# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch ab verify tree mtp profile server tq toprows
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -107,7 +110,7 @@ cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step stock || has_step ab || has_step verify ||
-        has_step tree || has_step profile || has_step server || has_step tq
+        has_step tree || has_step profile || has_step server || has_step tq || has_step toprows
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
@@ -192,6 +195,10 @@ if has_step batch; then
     [[ -x $LLAMA_BUILD/bin/llama-batched-bench ]] && peer=(--batched-bench "$LLAMA_BUILD/bin/llama-batched-bench")
     python3 "$REPO/bench/batch_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
         --out "$OUT/batch_bench.json" | tee "$OUT/batch_bench.md"
+fi
+if has_step toprows; then
+    python3 "$REPO/bench/top_rows_bench.py" /tmp/q27.gguf --device cuda --n-seqs 16,32 \
+        --out "$OUT/top_rows_bench.json" | tee "$OUT/top_rows_bench.md"
 fi
 if has_step stock; then
     python3 "$REPO/bench/decode_bench.py" stock /tmp/q27.gguf --reps "${BENCH_REPS:-3}" \
