@@ -93,8 +93,6 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     const int64_t n_vocab = target.hparams().n_vocab;
     if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
     if ((int64_t)pieces.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
-    // tree verification does not mask its rows with a grammar yet
-    if (req.constraint && spec.tree_budget > 0) throw std::invalid_argument("a grammar cannot be combined with draft trees (tree_budget) yet");
     GenerateResult res;
     const PlantedBug bug = planted_bug();
     const TreeRuleBug tree_bug = spec.tree_budget > 0 ? tree_rule_bug() : TreeRuleBug::none;
@@ -156,6 +154,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
                 // every node takes a KV row in the verify: the whole tree must fit the context
                 const int64_t budget = std::min(spec.tree_budget, target.n_ctx() - target.n_past() - 1);
                 tree = drafter.propose_tree(history, budget, std::min(n_draft, room));
+                if (req.constraint) req.constraint->prune_tree(tree);  // what the grammar forbids is not verified
                 if (tree.max_depth() < spec.n_min) tree = DraftTree{};
             } else {
                 draft = drafter.propose(history, std::min(n_draft, room));
@@ -180,7 +179,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         if (!tree.empty()) {
             auto tv = Clock::now();
             const TreeWalk walk = verify_and_walk_tree(target, tree, next, device_argmax, sampler, history,
-                                                       spec.tree_rule, tree_bug, rows, argmax);
+                                                       spec.tree_rule, tree_bug, rows, argmax, req.constraint);
             stats.verify_seconds += seconds_since(tv);
             auto tr = Clock::now();
             keep_walk(target, tree, walk);  // `next` (the old one) and the accepted path stay

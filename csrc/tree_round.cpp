@@ -14,7 +14,8 @@ RowBatch tree_rows(const Engine & target, const DraftTree & tree, int32_t root) 
 
 TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t root, bool device_argmax,
                               Sampler & sampler, std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug,
-                              std::vector<float> & logits, std::vector<int32_t> & argmax) {
+                              std::vector<float> & logits, std::vector<int32_t> & argmax,
+                              TokenConstraint * constraint) {
     const RowBatch rows = tree_rows(target, tree, root);
     const int64_t T = rows.size(), n_vocab = target.hparams().n_vocab;
     // the rows in the same order either way: row 0 the root, row 1 + i node i
@@ -33,6 +34,7 @@ TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t r
     } else {
         target.verify_tree(rows, LogitsWanted::all, logits.data());
     }
+    if (constraint) constraint->mask_tree_rows(tree, logits.data(), n_vocab);
     return walk_tree(tree, logits.data(), n_vocab, sampler, history, rule, bug);
 }
 
