@@ -211,6 +211,11 @@ void Engine::eval_verify_argmax(const int32_t * tokens, int64_t T, int32_t * arg
     verify(tokens, T, LogitsWanted::argmax_all, argmax);
 }
 
+void Engine::eval_verify_top(const int32_t * tokens, int64_t T, int32_t * top) {
+    verify(tokens, T, LogitsWanted::top_all, top);
+    decode_stats_.top_rows += T;
+}
+
 void Engine::verify(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out) {
     if (T < 1 || T > seq().n_slots || T > opts_.n_ubatch) {
         throw std::invalid_argument("a verify batch holds 1 to " + std::to_string(std::min(seq().n_slots, opts_.n_ubatch)) +

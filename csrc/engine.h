@@ -98,6 +98,7 @@ class Engine {
     // them). Anything else that reads or extends the sequence first keeps the whole batch.
     void eval_verify(const int32_t * tokens, int64_t n_tokens, float * logits);
     void eval_verify_argmax(const int32_t * tokens, int64_t n_tokens, int32_t * argmax);  // greedy
+    void eval_verify_top(const int32_t * tokens, int64_t n_tokens, int32_t * top);  // every row's top row
     void keep(int64_t n_keep);
     // Tree verification (verify_tree.cpp), on the current slot. `rows` are the slot's rows (slot =
     // current_slot()): parent -1 continues the slot's committed state, parent p (< the row's index)

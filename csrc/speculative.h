@@ -6,6 +6,8 @@
 // same settings.
 #pragma once
 
+#include <functional>
+
 #include "drafters.h"
 #include "generate.h"
 #include "tree_walk.h"
@@ -51,6 +53,12 @@ PlantedBug planted_bug();
 // (row i predicts the token after batch[i]); returns the accepted draft prefix length and sets
 // `next` to the token the target contributes after it (correction or bonus).
 int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, Sampler & sampler,
+                     std::vector<int32_t> & history, int32_t & next, PlantedBug bug = PlantedBug::none);
+// Row i's target distribution p (the sampler's chain with `history`), from whichever form the verify
+// returned its rows in: whole logits rows or top rows (top_rows.h).
+using RowDistribution = std::function<void(int64_t row, const std::vector<int32_t> & history, Distribution & p)>;
+// The same rule with p read through `p_of`.
+int64_t accept_draft(const RowDistribution & p_of, const Draft & draft, Sampler & sampler,
                      std::vector<int32_t> & history, int32_t & next, PlantedBug bug = PlantedBug::none);
 
 // The same rule for greedy decoding without penalties, from the argmax of every row: the longest

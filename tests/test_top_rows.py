@@ -97,3 +97,31 @@ def test_rows_stay_whole_where_the_candidates_do_not_decide(model, unfit):
     options.update(unfit)
     model.generate(_prompts(1)[0], **options)
     assert model._engine.decode_stats["top_rows"] == before
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    """A draft that agrees with the target in part (another seed's weights would agree nowhere)."""
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    scale = {"blk.1.ffn_down.weight": 1.5}
+    path = write_tiny_vocab_model(tmp_path_factory.mktemp("top_rows") / "draft.gguf", seed=0,
+                                  weight_map=lambda name, x: x * scale.get(name, 1.0))
+    with Model(path, n_ctx=256, n_threads=1) as m:
+        yield m
+
+
+def test_speculative_sampling_equals_the_whole_rows(model, draft):
+    """Sampled speculation with a draft model (chains): the prompt's row, the plain steps and every
+    verify batch's rows come as top rows, and the tokens are the whole-row path's for the same seed
+    (the accept rule reads the same distributions)."""
+    prompt = _prompts(1, seed=21)[0]
+
+    def run():
+        return model.generate(prompt, max_tokens=40, seed=6, temperature=1.0, top_k=K, top_p=0.95, min_p=0.0,
+                              draft_model=draft, draft_n_min=1, draft_n_max=4)
+
+    reduced, whole, n_top = _both_paths(model, run)
+    assert reduced.tokens == whole.tokens
+    assert reduced.stats.n_accepted > 0
+    assert n_top > len(reduced.tokens), "the verify batches did not return top rows"
