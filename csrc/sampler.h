@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <utility>
 #include <vector>
@@ -44,6 +45,10 @@ struct Distribution {
     std::vector<int32_t> ids;
     std::vector<float> probs;
 };
+
+// Row i's target distribution p (the sampler's chain with `history`), from whichever form a verify
+// batch returned its rows in: whole logits rows or top rows (top_rows.h).
+using RowDistribution = std::function<void(int64_t row, const std::vector<int32_t> & history, Distribution & p)>;
 
 class Sampler {
   public:

@@ -6,8 +6,6 @@
 // same settings.
 #pragma once
 
-#include <functional>
-
 #include "drafters.h"
 #include "generate.h"
 #include "tree_walk.h"
@@ -54,10 +52,7 @@ PlantedBug planted_bug();
 // `next` to the token the target contributes after it (correction or bonus).
 int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, Sampler & sampler,
                      std::vector<int32_t> & history, int32_t & next, PlantedBug bug = PlantedBug::none);
-// Row i's target distribution p (the sampler's chain with `history`), from whichever form the verify
-// returned its rows in: whole logits rows or top rows (top_rows.h).
-using RowDistribution = std::function<void(int64_t row, const std::vector<int32_t> & history, Distribution & p)>;
-// The same rule with p read through `p_of`.
+// The same rule with p read through `p_of` (sampler.h).
 int64_t accept_draft(const RowDistribution & p_of, const Draft & draft, Sampler & sampler,
                      std::vector<int32_t> & history, int32_t & next, PlantedBug bug = PlantedBug::none);
 

@@ -8,9 +8,9 @@ engine's counter that the reduced one ran.
 
 Planted bugs (DELTASPEC_TEST_TOP_BUG, read once per process, in the op's CPU side) the tests were
 seen to fail with: "k_minus_1" (the last candidate is not the row's 64th) fails
-test_generate_logprobs_equal_the_whole_rows (its 64 top logprobs) and the sampled batch test (top_k
-64 over a flat tiny model draws the 64th); "no_lse" (the row's max written as its log-sum-exp)
-fails the logprobs test.
+test_generate_logprobs_equal_the_whole_rows (its 64 top logprobs), the sampled batch test and both
+speculative tests (top_k 64 over a flat tiny model draws the 64th); "no_lse" (the row's max written
+as its log-sum-exp) fails the logprobs test.
 """
 
 import numpy as np
@@ -111,17 +111,22 @@ def draft(tmp_path_factory):
         yield m
 
 
-def test_speculative_sampling_equals_the_whole_rows(model, draft):
-    """Sampled speculation with a draft model (chains): the prompt's row, the plain steps and every
-    verify batch's rows come as top rows, and the tokens are the whole-row path's for the same seed
-    (the accept rule reads the same distributions)."""
+@pytest.mark.parametrize("tree_budget", [0, 8])
+def test_speculative_sampling_equals_the_whole_rows(model, draft, tree_budget):
+    """Sampled speculation with a draft model, chains and trees: the prompt's row, the plain steps
+    and every verify batch's rows come as top rows, and the tokens are the whole-row path's for the
+    same seed (the accept rule and the tree walk read the same distributions); trees branched."""
     prompt = _prompts(1, seed=21)[0]
+    engine = model._engine
 
     def run():
-        return model.generate(prompt, max_tokens=40, seed=6, temperature=1.0, top_k=K, top_p=0.95, min_p=0.0,
-                              draft_model=draft, draft_n_min=1, draft_n_max=4)
+        return model.generate(prompt, max_tokens=40, seed=6, temperature=1.5, top_k=K, top_p=1.0, min_p=0.0,
+                              draft_model=draft, draft_n_min=1, draft_n_max=4, tree_budget=tree_budget)
 
+    branched = engine.tree_stats["branched_calls"]
     reduced, whole, n_top = _both_paths(model, run)
     assert reduced.tokens == whole.tokens
     assert reduced.stats.n_accepted > 0
     assert n_top > len(reduced.tokens), "the verify batches did not return top rows"
+    if tree_budget:
+        assert engine.tree_stats["branched_calls"] > branched
