@@ -22,7 +22,8 @@ namespace deltaspec {
 RowBatch tree_rows(const Engine & target, const DraftTree & tree, int32_t root);
 
 // Verifies `tree` after `root` in one target pass and walks it. device_argmax: greedy without
-// penalties from the device's argmax of every row; otherwise every row's logits through the
+// penalties from the device's argmax of every row; otherwise every row's logits (or, where
+// the sampler allows and no grammar masks them, every row's top candidates: top_rows.h) through the
 // sampler and `rule`. `history` (prompt + committed tokens, root last) gets the accepted tokens;
 // the walk's `next` is the target's token after them. `logits` and `argmax` are scratch. The
 // target then holds the verify batch: keep_walk commits root + the accepted path. A grammar
