@@ -105,9 +105,9 @@ class Engine {
     // continues row p; position = the slot's length + the row's depth (siblings share a position).
     // Every row attends to the slot's committed KV rows and to its own ancestors in the batch only;
     // the DeltaNet layers run the parent-indexed rows ops. `out` receives every row's logits
-    // (LogitsWanted::all, n_vocab floats each), argmax (::argmax_all) or top row (::top_all,
-    // top_rows.h). Nothing is committed: keep_path(path) then keeps one root-to-leaf path (path[0] a
-    // row of parent -1, path[i]'s parent path[i-1]): the KV rows of its nodes moved to consecutive positions, the recurrent
+    // (LogitsWanted::all, n_vocab floats each), argmax (::argmax_all) or top row (::top_all). Nothing is committed:
+    // keep_path(path) then keeps one root-to-leaf path (path[0] a row of parent -1, path[i]'s
+    // parent path[i-1]): the KV rows of its nodes moved to consecutive positions, the recurrent
     // state (DeltaNet state and conv window) after its leaf committed by replaying the path's
     // recurrences through the rows ops from the verify pass's inputs (the target is not re-run).
     // Anything else that reads or extends the sequence first drops the tree (keeps none of it).
