@@ -9,7 +9,8 @@ Planted bugs (DELTASPEC_TEST_GRAMMAR_BUG, csrc/token_constraint.h) these tests w
 run by the tests themselves: "tree_row_unmasked" (node 0's verify row not masked: greedy output
 parts from plain decoding or a forbidden token reaches commit), "drop_rejected" (a sampled child the
 grammar forbids removed instead of kept for rejection: the chi-square test rejects). "verify_unmasked"
-(no tree row masked) fails the greedy test too.
+(no tree row masked) fails the greedy test too (GrammarError); "no_cut" (nothing pruned) fails it by
+its cut count only: masked rows never accept a forbidden node, so the output stays plain decoding's.
 """
 
 import os
