@@ -31,6 +31,9 @@
 #      (bench/batch_spec_bench.py: plain, own-text lookup, a reference holding the plain output, the
 #      same with every 4th token wrong), llama-batched-bench's plain rows beside them when `build`
 #      made it -> batch_spec_bench.json
+#   toprows: sampled decode of 16 and 32 sequences with each logits row reduced on the device to its
+#      top 64 (ggml/deltaspec_top.h) against whole rows copied to the host, interleaved
+#      (bench/top_rows_bench.py) -> top_rows_bench.json
 #   tq: the tq KV cache types on the synthetic 27B: allocated KV bytes per type at 32K/128K/256K
 #      (bench/kv_memory.py -> kv_memory.json), then tg128 at depths TQ_DEPTHS (default 16384 65536)
 #      with q4_0, tq3 and q4_0+rot against llama-bench's q4_0 (-> kv_decode_bench.json; depth 131072
@@ -54,7 +57,7 @@
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
 # steps: any of kernels build build-ours stock-build stock test bench bench-ours batch batchspec ab verify tree mtp
-#   profile server tq tq-test
+#   profile server tq tq-test toprows
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -121,7 +124,7 @@ cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step batchspec || has_step stock || has_step ab || has_step verify ||
-        has_step tree || has_step profile || has_step server || has_step tq
+        has_step tree || has_step profile || has_step server || has_step tq || has_step toprows
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
@@ -232,6 +235,10 @@ if has_step batchspec; then
     [[ -x $LLAMA_BUILD/bin/llama-batched-bench ]] && peer=(--batched-bench "$LLAMA_BUILD/bin/llama-batched-bench")
     python3 "$REPO/bench/batch_spec_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
         --out "$OUT/batch_spec_bench.json" | tee "$OUT/batch_spec_bench.md"
+fi
+if has_step toprows; then
+    python3 "$REPO/bench/top_rows_bench.py" /tmp/q27.gguf --device cuda --n-seqs 16,32 \
+        --out "$OUT/top_rows_bench.json" | tee "$OUT/top_rows_bench.md"
 fi
 if has_step stock; then
     python3 "$REPO/bench/decode_bench.py" stock /tmp/q27.gguf --reps "${BENCH_REPS:-3}" \

@@ -785,8 +785,14 @@ PYBIND11_MODULE(_core, m) {
                  d["calls"] = s.calls;
                  d["rows"] = s.rows;
                  d["max_rows"] = s.max_rows;
+                 d["top_rows"] = s.top_rows;
                  return d;
-             }, "What batched decoding has run: calls, rows in all, the most rows of one call.")
+             }, "What batched decoding has run: calls, rows in all, the most rows of one call; rows that "
+                "returned their top candidates instead of whole logits (top_rows).")
+        .def_property("top_rows_enabled", [](const Runner & r) { return r.engine->top_rows_enabled(); },
+                      [](Runner & r, bool on) { r.engine->enable_top_rows(on); },
+                      "Whether sequences whose sampler allows it take their rows' top candidates from the "
+                      "device instead of whole logits rows (on; off compares both ways).")
         .def("verify_tree", [](Runner & r, Tokens tokens, Tokens parents, bool argmax) {
                  Engine & e = r.single();
                  const int64_t T = tokens.shape(0);

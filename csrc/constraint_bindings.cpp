@@ -57,6 +57,17 @@ class PyTokenConstraint : public TokenConstraint {
 
 using F32 = py::array_t<float, py::array::c_style>;
 
+DraftTree tree_of(const std::vector<int32_t> & tokens, const std::vector<int32_t> & parents, bool sampled) {
+    if (parents.size() != tokens.size()) throw std::invalid_argument("tokens and parents must have one entry per node");
+    DraftTree t;
+    if (sampled) {  // one q shared by every node's children: only whether they were drawn matters here
+        t.dists.emplace_back();
+        t.root_child_q = 0;
+    }
+    for (size_t i = 0; i < tokens.size(); ++i) t.add(tokens[i], parents[i], sampled ? 0 : -1);
+    return t;
+}
+
 }  // namespace
 
 void bind_token_constraint(py::module_ & m) {
@@ -92,7 +103,22 @@ void bind_token_constraint(py::module_ & m) {
                  c.cut_draft(d);
                  return d.tokens;
              }, py::arg("drafts"), py::arg("sampled") = false,
-             "The draft as verification gets it (sampled: drawn from a distribution q, not deterministic).");
+             "The draft as verification gets it (sampled: drawn from a distribution q, not deterministic).")
+        .def("prune_tree", [](TokenConstraint & c, std::vector<int32_t> tokens, std::vector<int32_t> parents, bool sampled) {
+                 DraftTree t = tree_of(tokens, parents, sampled);
+                 c.prune_tree(t);
+                 return py::make_tuple(t.token, t.parent);
+             }, py::arg("tokens"), py::arg("parents"), py::arg("sampled") = false,
+             "A draft tree (node i: tokens[i], parent node parents[i] or -1) as verification gets it: "
+             "(tokens, parents). sampled: every node's children drawn from a distribution q.")
+        .def("mask_tree_rows", [](TokenConstraint & c, std::vector<int32_t> tokens, std::vector<int32_t> parents, F32 rows) {
+                 if (rows.ndim() != 2 || rows.shape(0) != (py::ssize_t)tokens.size() + 1) {
+                     throw std::invalid_argument("rows must be float32 (len(tokens) + 1, n_vocab)");
+                 }
+                 c.mask_tree_rows(tree_of(tokens, parents, false), rows.mutable_data(), rows.shape(1));
+             }, py::arg("tokens"), py::arg("parents"), py::arg("rows"),
+             "Mask a tree's verify rows in place: row 0 with the rule's state now, row 1 + i with its state "
+             "after node i's path.");
 }
 
 }  // namespace deltaspec

@@ -38,8 +38,8 @@ BatchBug batch_bug() {
 
 void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
     const int64_t N = rows.size();
-    if (wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all) {
-        throw std::invalid_argument("decode returns the logits or the argmax of its rows");
+    if (wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all && wanted != LogitsWanted::top_all) {
+        throw std::invalid_argument("decode returns the logits, the argmax or the top candidates of its rows");
     }
     if (N < 1 || N > pool_.n_seq || N > opts_.n_ubatch) {
         throw std::invalid_argument("decode takes 1 to " + std::to_string(std::min(pool_.n_seq, opts_.n_ubatch)) +
@@ -115,7 +115,10 @@ void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
     decode_stats_.max_rows = std::max(decode_stats_.max_rows, N);
 
     // every row's result came out; keep those asked for, in row order
-    const size_t row_bytes = wanted == LogitsWanted::all ? hp_.n_vocab * sizeof(float) : sizeof(int32_t);
+    const size_t row_bytes = wanted == LogitsWanted::all       ? hp_.n_vocab * sizeof(float)
+                             : wanted == LogitsWanted::top_all ? top_row_words() * sizeof(int32_t)
+                                                               : sizeof(int32_t);
+    if (wanted == LogitsWanted::top_all) decode_stats_.top_rows += N;
     if (std::all_of(rows.wants_logits.begin(), rows.wants_logits.end(), [](uint8_t w) { return w != 0; })) {
         ggml_backend_tensor_get(g.out, out, 0, N * row_bytes);
         return;

@@ -11,6 +11,7 @@
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
 #include "deltaspec_rows.h"
+#include "deltaspec_top.h"
 #include "graph_qwen35.h"
 
 namespace deltaspec {
@@ -116,8 +117,9 @@ void Engine::move_slot(int64_t from, int64_t to) {
 }
 
 void Engine::eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits) {
-    if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {
-        throw std::invalid_argument("use eval_argmax / eval_verify_argmax for argmax tokens");
+    if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all || wanted == LogitsWanted::top ||
+        wanted == LogitsWanted::top_all) {
+        throw std::invalid_argument("use eval_argmax / eval_verify_argmax / eval_top for argmax tokens or top rows");
     }
     eval_all(tokens, n_tokens, wanted, logits);
 }
@@ -130,6 +132,16 @@ int32_t Engine::eval_argmax(const int32_t * tokens, int64_t n_tokens) {
     int32_t token = -1;
     eval_all(tokens, n_tokens, LogitsWanted::argmax, &token);
     return token;
+}
+
+int64_t Engine::top_k() const {
+    // enough for top_logprobs <= 20 (OpenAI's limit) and the top-k of common sampler settings (40)
+    return std::min<int64_t>(64, hp_.n_vocab);
+}
+
+void Engine::eval_top(const int32_t * tokens, int64_t n_tokens, int32_t * top) {
+    eval_all(tokens, n_tokens, LogitsWanted::top, top);
+    decode_stats_.top_rows += 1;
 }
 
 void Engine::make_scheduler() {
@@ -198,6 +210,11 @@ void Engine::eval_verify(const int32_t * tokens, int64_t T, float * logits) {
 
 void Engine::eval_verify_argmax(const int32_t * tokens, int64_t T, int32_t * argmax) {
     verify(tokens, T, LogitsWanted::argmax_all, argmax);
+}
+
+void Engine::eval_verify_top(const int32_t * tokens, int64_t T, int32_t * top) {
+    verify(tokens, T, LogitsWanted::top_all, top);
+    decode_stats_.top_rows += T;
 }
 
 void Engine::verify(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out) {
@@ -281,7 +298,8 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
                           : make_step_inputs(step_.ctx, T, n_kv, keep_states);
     if (n_seqs > 0 && tree) add_rows_input(step_.ctx, step_.in);  // verify_rows: rows of several slots
     const bool hidden = wanted == LogitsWanted::hidden;
-    const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all || hidden;
+    const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all ||
+                           wanted == LogitsWanted::top_all || hidden;
     const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
     // hidden states: no folding, so that the head's input stays the output norm's own result
     step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, pool_, n_seqs > 0 ? pool_.slots[first_slot] : seq(),
@@ -294,6 +312,11 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     }
     if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {  // per row
         step_.out = ggml_argmax(step_.ctx, step_.out);
+        ggml_set_output(step_.out);
+        ggml_build_forward_expand(step_.gf, step_.out);
+    }
+    if (wanted == LogitsWanted::top || wanted == LogitsWanted::top_all) {  // per row
+        step_.out = deltaspec_top_rows(step_.ctx, step_.out, (int)top_k());
         ggml_set_output(step_.out);
         ggml_build_forward_expand(step_.gf, step_.out);
     }

@@ -19,8 +19,10 @@ namespace deltaspec {
 
 // What a step returns: no logits, the last row's, every row's, or the argmax (on the device, so
 // that 4 bytes cross over instead of a vocabulary of floats) of the last row or of every row; or
-// (hidden) every row's final hidden state, the output norm's result the head would multiply.
-enum class LogitsWanted { none, last, all, argmax, argmax_all, hidden };
+// (hidden) every row's final hidden state, the output norm's result the head would multiply; or
+// (top, top_all) the last row's or every row's top candidates (top_rows.h: its top_k() largest
+// logits with their ids and its log-sum-exp, reduced on the device).
+enum class LogitsWanted { none, last, all, argmax, argmax_all, hidden, top, top_all };
 
 struct EngineOptions {
     int64_t n_ctx = 4096;
@@ -48,6 +50,15 @@ class Engine {
     void eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits);
     // Appends tokens and returns the argmax of the last row's logits (greedy decoding).
     int32_t eval_argmax(const int32_t * tokens, int64_t n_tokens);
+    // Appends tokens; `top` receives the last row's top candidates (top_row_words() int32s, top_rows.h).
+    void eval_top(const int32_t * tokens, int64_t n_tokens, int32_t * top);
+    // How many candidates a top row holds (min(64, n_vocab)), and its size in int32 words.
+    int64_t top_k() const;
+    int64_t top_row_words() const { return 2 * top_k() + 1; }
+    // Whether callers may ask for top rows instead of whole logits rows (on; tests turn it off to
+    // compare both ways).
+    bool top_rows_enabled() const { return top_rows_enabled_; }
+    void enable_top_rows(bool on) { top_rows_enabled_ = on; }
     void reset();                 // start a new, empty sequence (in the current slot)
     // Appends tokens; `hidden` receives n_embd floats per token: the final hidden state after the
     // output norm (what embeddings pool).
@@ -71,12 +82,13 @@ class Engine {
     // One row per sequence, each continuing its slot's committed state (parent -1, position =
     // the slot's length), in consecutive slots rows.slot[0], rows.slot[0] + 1, ...: one graph for
     // all of them, each slot then one token longer. `out` receives, for the rows that want
-    // logits and in row order, n_vocab floats each (LogitsWanted::all) or the argmax
-    // (LogitsWanted::argmax_all, on the device).
+    // logits and in row order, n_vocab floats each (LogitsWanted::all), the argmax
+    // (LogitsWanted::argmax_all, on the device) or top_row_words() int32s (LogitsWanted::top_all).
     void decode(const RowBatch & rows, LogitsWanted wanted, void * out);
     // What decode() has run (tests assert that batches of several sequences happened).
     struct DecodeStats {
         int64_t calls = 0, rows = 0, max_rows = 0;
+        int64_t top_rows = 0;  // rows returned as top candidates (decode or eval_top), not as whole logits
     };
     const DecodeStats & decode_stats() const { return decode_stats_; }
 
@@ -86,13 +98,14 @@ class Engine {
     // them). Anything else that reads or extends the sequence first keeps the whole batch.
     void eval_verify(const int32_t * tokens, int64_t n_tokens, float * logits);
     void eval_verify_argmax(const int32_t * tokens, int64_t n_tokens, int32_t * argmax);  // greedy
+    void eval_verify_top(const int32_t * tokens, int64_t n_tokens, int32_t * top);  // every row's top row
     void keep(int64_t n_keep);
     // Tree verification (verify_tree.cpp), on the current slot. `rows` are the slot's rows (slot =
     // current_slot()): parent -1 continues the slot's committed state, parent p (< the row's index)
     // continues row p; position = the slot's length + the row's depth (siblings share a position).
     // Every row attends to the slot's committed KV rows and to its own ancestors in the batch only;
     // the DeltaNet layers run the parent-indexed rows ops. `out` receives every row's logits
-    // (LogitsWanted::all, n_vocab floats each) or argmax (::argmax_all). Nothing is committed:
+    // (LogitsWanted::all, n_vocab floats each), argmax (::argmax_all) or top row (::top_all). Nothing is committed:
     // keep_path(path) then keeps one root-to-leaf path (path[0] a row of parent -1, path[i]'s
     // parent path[i-1]): the KV rows of its nodes moved to consecutive positions, the recurrent
     // state (DeltaNet state and conv window) after its leaf committed by replaying the path's
@@ -248,6 +261,7 @@ class Engine {
     Taps taps_;                  // the layers asked for; their graph outputs in the step graph
     std::vector<float> tapped_;  // rows of positions tapped_pos_ .. (set_taps)
     int64_t tapped_pos_ = 0;
+    bool top_rows_enabled_ = true;
 };
 
 

@@ -20,6 +20,8 @@ class GrammarDrafter : public Drafter {
         : constraint_(constraint), inner_(std::move(inner)) {}
     void begin(const std::vector<int32_t> & prompt) override;
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
+    // forced tokens as a chain; otherwise the inner drafter's tree
+    DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
     void accept(const std::vector<int32_t> & committed_after) override;
 
   private:

@@ -26,7 +26,7 @@ void Sampler::apply_penalties(std::vector<float> & logits, const std::vector<int
 namespace {
 
 // Softmax over the candidates' logits, in place into probs (candidates sorted by logit, descending).
-void softmax(const std::vector<float> & logits, const std::vector<int32_t> & ids, std::vector<float> & probs,
+void softmax(const float * logits, const std::vector<int32_t> & ids, std::vector<float> & probs,
              float temperature = 1.0f) {
     probs.resize(ids.size());
     const float max_l = logits[ids[0]];
@@ -65,6 +65,11 @@ void Sampler::distribution(const float * logits, int64_t n_vocab, const std::vec
     std::partial_sort(out.ids.begin(), out.ids.begin() + k, out.ids.end(), by_logit);
     out.ids.resize(k);
 
+    shape(l.data(), out);
+}
+
+void Sampler::shape(const float * l, Distribution & out) const {
+    const SamplingParams & p = params_;
     softmax(l, out.ids, out.probs);
     if (p.top_p < 1.0f) {  // smallest prefix whose mass reaches top_p
         double cum = 0.0;
@@ -86,6 +91,27 @@ void Sampler::distribution(const float * logits, int64_t n_vocab, const std::vec
         out.ids.resize(keep);
     }
     softmax(l, out.ids, out.probs, p.temperature);
+}
+
+void Sampler::distribution_top(const float * logits, const int32_t * ids, int64_t k, Distribution & out) {
+    out.ids.clear();
+    out.probs.clear();
+    if (params_.greedy()) {  // the first maximum: ties already go to the lowest id
+        out.ids.push_back(ids[0]);
+        out.probs.push_back(1.0f);
+        return;
+    }
+    // the candidates are distribution()'s partially sorted top_k, in its order
+    const int64_t n = std::min<int64_t>(params_.top_k, k);
+    out.ids.resize(n);
+    std::iota(out.ids.begin(), out.ids.end(), 0);
+    shape(logits, out);
+    for (int32_t & i : out.ids) i = ids[i];
+}
+
+int32_t Sampler::sample_top(const float * logits, const int32_t * ids, int64_t k) {
+    distribution_top(logits, ids, k, dist_);
+    return draw(dist_);
 }
 
 int32_t Sampler::draw(const Distribution & d) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <utility>
 #include <vector>
@@ -29,6 +30,14 @@ struct SamplingParams {
         return greedy() && repeat_penalty == 1.0f && presence_penalty == 0.0f && frequency_penalty == 0.0f &&
                logit_bias.empty();
     }
+    // Whether a row's k largest logits (in order, ties by lower id: ggml/deltaspec_top.h) decide the
+    // distribution exactly: no penalty or bias (they could lift a token from below the k into it),
+    // and greedy or a chain that starts with top_k <= k.
+    bool top_serves(int64_t k) const {
+        const bool reshaped = repeat_penalty != 1.0f || presence_penalty != 0.0f || frequency_penalty != 0.0f ||
+                              !logit_bias.empty();
+        return !reshaped && (greedy() || (top_k > 0 && top_k <= k));
+    }
 };
 
 // Candidate tokens with their probabilities (sums to 1), most probable first.
@@ -36,6 +45,10 @@ struct Distribution {
     std::vector<int32_t> ids;
     std::vector<float> probs;
 };
+
+// Row i's target distribution p (the sampler's chain with `history`), from whichever form a verify
+// batch returned its rows in: whole logits rows or top rows (top_rows.h).
+using RowDistribution = std::function<void(int64_t row, const std::vector<int32_t> & history, Distribution & p)>;
 
 class Sampler {
   public:
@@ -48,11 +61,18 @@ class Sampler {
     int32_t draw(const Distribution & d);
     double uniform();  // a draw from U[0, 1) of this sampler's stream (rejection sampling)
     int32_t sample(const float * logits, int64_t n_vocab, const std::vector<int32_t> & history);
+    // distribution() from those k candidates (logits[i] of token ids[i]), when params().top_serves(k): the
+    // same logits in the same order reach the same arithmetic, so the result is distribution()'s
+    // over the whole row, bit for bit.
+    void distribution_top(const float * logits, const int32_t * ids, int64_t k, Distribution & out);
+    int32_t sample_top(const float * logits, const int32_t * ids, int64_t k);
 
     const SamplingParams & params() const { return params_; }
 
   private:
     void apply_penalties(std::vector<float> & logits, const std::vector<int32_t> & history) const;
+    // top-p, min-p and temperature over out.ids (indices into `logits`, sorted by logit descending)
+    void shape(const float * logits, Distribution & out) const;
 
     SamplingParams params_;
     std::mt19937_64 rng_;

@@ -170,6 +170,10 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
         int32_t token = -1;
         if (!needs_logits(s->req)) {
             token = engine_.eval_argmax(fresh, n);
+        } else if (engine_.top_rows_enabled() && top_rows_serve(s->req, engine_.top_k())) {
+            top_.resize(engine_.top_row_words());
+            engine_.eval_top(fresh, n, top_.data());
+            token = choose_from_top(s->req, s->sampler, top_row(top_.data(), engine_.top_k()), s->res);
         } else {
             logits_.resize(n_vocab);
             engine_.eval(fresh, n, LogitsWanted::last, logits_.data());
@@ -202,6 +206,14 @@ int32_t Scheduler::choose(Sequence & s, float * row, int64_t n_vocab) {
     return token;
 }
 
+bool Scheduler::top_rows_serve_all() const {
+    if (!engine_.top_rows_enabled()) return false;
+    for (const auto & s : running_) {
+        if (!top_rows_serve(s->req, engine_.top_k())) return false;
+    }
+    return true;
+}
+
 void Scheduler::decode_running(std::vector<StepEvent> & events) {
     if (running_.empty()) return;
     const int64_t n_vocab = engine_.hparams().n_vocab;
@@ -212,13 +224,19 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
         rows_.add(s->pending, (int32_t)engine_.slot_n_past(s->slot), (int32_t)s->slot);
         all_argmax = all_argmax && !needs_logits(s->req);
     }
-    // greedy everywhere: only the argmax ids cross over; otherwise every row's logits. One sequence
+    // greedy everywhere: only the argmax ids cross over; where every sequence's sampler and logprobs
+    // are decided by its row's top candidates, those (top_rows.h); otherwise every row's logits. One sequence
     // takes the one-sequence step, whose graph writes its state in place (ggml-cuda's fused forms)
     // and which is what generate() runs.
+    const bool all_top = !all_argmax && top_rows_serve_all();
+    const int64_t W = engine_.top_row_words();
+    if (all_top) top_.resize(N * W);
     if (N == 1) {
         engine_.use_slot(0);
         if (all_argmax) {
             argmax_.assign(1, engine_.eval_argmax(&rows_.token[0], 1));
+        } else if (all_top) {
+            engine_.eval_top(&rows_.token[0], 1, top_.data());
         } else {
             logits_.resize(n_vocab);
             engine_.eval(&rows_.token[0], 1, LogitsWanted::last, logits_.data());
@@ -226,13 +244,17 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
     } else if (all_argmax) {
         argmax_.resize(N);
         engine_.decode(rows_, LogitsWanted::argmax_all, argmax_.data());
+    } else if (all_top) {
+        engine_.decode(rows_, LogitsWanted::top_all, top_.data());
     } else {
         logits_.resize(N * n_vocab);
         engine_.decode(rows_, LogitsWanted::all, logits_.data());
     }
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
-        const int32_t token = all_argmax ? argmax_[i] : choose(s, logits_.data() + i * n_vocab, n_vocab);
+        const int32_t token = all_argmax ? argmax_[i]
+                              : all_top  ? choose_from_top(s.req, s.sampler, top_row(top_.data() + i * W, engine_.top_k()), s.res)
+                                         : choose(s, logits_.data() + i * n_vocab, n_vocab);
         commit(s, token, event_of(events, s));
     }
 }

@@ -16,6 +16,7 @@
 #include "sampler.h"
 #include "speculative.h"
 #include "batch_draft.h"
+#include "top_rows.h"
 
 namespace deltaspec {
 
@@ -120,6 +121,8 @@ class Scheduler {
     // the token after a logits row: masked by the request's grammar, then argmax or sampled
     // (and its logprobs recorded when asked for)
     int32_t choose(Sequence & s, float * row, int64_t n_vocab);
+    // whether every sequence's token can come from its row's top candidates (top_rows.h)
+    bool top_rows_serve_all() const;
     // commits a sampled token; false when the sequence is done
     bool commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx = true);
     // scheduler_spec.cpp: when a running sequence drafts this step, one verify pass over every
@@ -138,6 +141,7 @@ class Scheduler {
     std::vector<float> logits_;
     std::vector<float> raw_;  // a row before its grammar mask (logprobs)
     std::vector<int32_t> argmax_;
+    std::vector<int32_t> top_;  // top rows (top_rows.h), when they serve every sequence
     RowBatch rows_;
     BatchSpecStats spec_stats_;
     std::unique_ptr<BatchModelDrafter> model_drafter_;

@@ -9,6 +9,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "top_rows.h"
 #include "tree_round.h"
 
 namespace deltaspec {
@@ -58,10 +59,18 @@ PlantedBug planted_bug() {
 
 int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, Sampler & sampler,
                      std::vector<int32_t> & history, int32_t & next, PlantedBug bug) {
+    const RowDistribution p_of = [&](int64_t i, const std::vector<int32_t> & h, Distribution & p) {
+        sampler.distribution(rows + i * n_vocab, n_vocab, h, p);
+    };
+    return accept_draft(p_of, draft, sampler, history, next, bug);
+}
+
+int64_t accept_draft(const RowDistribution & p_of, const Draft & draft, Sampler & sampler,
+                     std::vector<int32_t> & history, int32_t & next, PlantedBug bug) {
     Distribution p;
     const int64_t k = (int64_t)draft.tokens.size();
     for (int64_t i = 0; i < k; ++i) {
-        sampler.distribution(rows + i * n_vocab, n_vocab, history, p);
+        p_of(i, history, p);
         const int32_t d = draft.tokens[i];
         const Distribution * q = draft.dists.empty() ? nullptr : &draft.dists[i];
         const float pd = prob_of(p, d);
@@ -75,7 +84,8 @@ int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, S
         }
         history.push_back(d);
     }
-    next = sampler.sample(rows + k * n_vocab, n_vocab, history);  // all accepted: the bonus token
+    p_of(k, history, p);  // all accepted: the bonus token
+    next = sampler.draw(p);
     return k;
 }
 
@@ -93,8 +103,6 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     const int64_t n_vocab = target.hparams().n_vocab;
     if (req.prompt.empty()) throw std::invalid_argument("the prompt is empty");
     if ((int64_t)pieces.size() != n_vocab) throw std::invalid_argument("piece table does not match the vocabulary");
-    // tree verification does not mask its rows with a grammar yet
-    if (req.constraint && spec.tree_budget > 0) throw std::invalid_argument("a grammar cannot be combined with draft trees (tree_budget) yet");
     GenerateResult res;
     const PlantedBug bug = planted_bug();
     const TreeRuleBug tree_bug = spec.tree_budget > 0 ? tree_rule_bug() : TreeRuleBug::none;
@@ -104,9 +112,23 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     std::vector<int32_t> argmax;
     // greedy without penalties: the device returns argmax ids, no logits cross over
     const bool device_argmax = req.sampling.argmax_only() && !req.constraint;  // a grammar masks logits
+    // a sampler that the rows' top candidates decide: those cross over instead of whole rows (top_rows.h)
+    const bool top = !device_argmax && target.top_rows_enabled() && top_rows_serve(req, target.top_k());
+    const int64_t W = target.top_row_words();
+    std::vector<int32_t> top_words;
+    const RowDistribution top_p = [&](int64_t i, const std::vector<int32_t> &, Distribution & p) {
+        const TopRow r = top_row(top_words.data() + i * W, target.top_k());
+        sampler.distribution_top(r.logit, r.id, r.k, p);
+    };
     // one target step on `tokens`, the next token sampled (or the argmax) after its last row
     auto step = [&](const int32_t * tokens, int64_t n) {
         if (device_argmax) return target.eval_argmax(tokens, n);
+        if (top) {
+            top_words.resize(W);
+            target.eval_top(tokens, n, top_words.data());
+            const TopRow r = top_row(top_words.data(), target.top_k());
+            return sampler.sample_top(r.logit, r.id, r.k);
+        }
         rows.resize(n_vocab);
         target.eval(tokens, n, LogitsWanted::last, rows.data());
         if (req.constraint) req.constraint->mask_row(rows.data(), n_vocab);
@@ -156,6 +178,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
                 // every node takes a KV row in the verify: the whole tree must fit the context
                 const int64_t budget = std::min(spec.tree_budget, target.n_ctx() - target.n_past() - 1);
                 tree = drafter.propose_tree(history, budget, std::min(n_draft, room));
+                if (req.constraint) req.constraint->prune_tree(tree);  // what the grammar forbids is not verified
                 if (tree.max_depth() < spec.n_min) tree = DraftTree{};
             } else {
                 draft = drafter.propose(history, std::min(n_draft, room));
@@ -180,7 +203,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         if (!tree.empty()) {
             auto tv = Clock::now();
             const TreeWalk walk = verify_and_walk_tree(target, tree, next, device_argmax, sampler, history,
-                                                       spec.tree_rule, tree_bug, rows, argmax);
+                                                       spec.tree_rule, tree_bug, rows, argmax, req.constraint);
             stats.verify_seconds += seconds_since(tv);
             auto tr = Clock::now();
             keep_walk(target, tree, walk);  // `next` (the old one) and the accepted path stay
@@ -200,6 +223,9 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             if (device_argmax) {
                 argmax.resize(T);
                 target.eval_verify_argmax(batch.data(), T, argmax.data());
+            } else if (top) {
+                top_words.resize(T * W);
+                target.eval_verify_top(batch.data(), T, top_words.data());
             } else {
                 rows.resize(T * n_vocab);
                 target.eval_verify(batch.data(), T, rows.data());
@@ -209,6 +235,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             stats.n_drafted += (int64_t)draft.tokens.size();
 
             n_acc = device_argmax ? accept_argmax(argmax.data(), draft, history, next)
+                    : top         ? accept_draft(top_p, draft, sampler, history, next, bug)
                                   : accept_draft(rows.data(), n_vocab, draft, sampler, history, next, bug);
             auto tr = Clock::now();
             target.keep(1 + n_acc);  // `next` (the old one) and the accepted drafts stay

@@ -52,6 +52,9 @@ PlantedBug planted_bug();
 // `next` to the token the target contributes after it (correction or bonus).
 int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, Sampler & sampler,
                      std::vector<int32_t> & history, int32_t & next, PlantedBug bug = PlantedBug::none);
+// The same rule with p read through `p_of` (sampler.h).
+int64_t accept_draft(const RowDistribution & p_of, const Draft & draft, Sampler & sampler,
+                     std::vector<int32_t> & history, int32_t & next, PlantedBug bug = PlantedBug::none);
 
 // The same rule for greedy decoding without penalties, from the argmax of every row: the longest
 // prefix of drafts that equal the target's argmax.

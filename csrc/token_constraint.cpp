@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "draft_tree.h"
 #include "drafters.h"
 
 namespace deltaspec {
@@ -17,8 +18,9 @@ GrammarBug grammar_bug() {
     if (v == "verify_unmasked") return GrammarBug::verify_unmasked;
     if (v == "no_cut") return GrammarBug::no_cut;
     if (v == "drop_rejected") return GrammarBug::drop_rejected;
-    throw std::invalid_argument("DELTASPEC_TEST_GRAMMAR_BUG (test only) must be unset, 'verify_unmasked', 'no_cut' or "
-                                "'drop_rejected', not '" + v + "'");
+    if (v == "tree_row_unmasked") return GrammarBug::tree_row_unmasked;
+    throw std::invalid_argument("DELTASPEC_TEST_GRAMMAR_BUG (test only) must be unset, 'verify_unmasked', 'no_cut', "
+                                "'drop_rejected' or 'tree_row_unmasked', not '" + v + "'");
 }
 
 namespace {
@@ -79,6 +81,70 @@ void TokenConstraint::mask_verify_rows(const Draft & draft, float * rows, int64_
         // a forbidden draft (kept for rejection sampling, see cut_draft) is rejected at its row,
         // so no row after it is read: the rule has no state there
         if (i < k && !allows(mask, draft.tokens[i])) break;
+    }
+}
+
+std::vector<uint8_t> TokenConstraint::allowed_nodes(const DraftTree & tree) {
+    std::vector<uint8_t> allowed(tree.size(), 0);
+    for (int32_t i = 0; i < (int32_t)tree.size(); ++i) {
+        const int32_t par = tree.parent[i];
+        if (par >= 0 && !allowed[par]) continue;  // below a forbidden node
+        const std::vector<int32_t> path = tree.path_tokens(i);
+        allowed[i] = check_draft(path) == (int64_t)path.size();
+    }
+    return allowed;
+}
+
+void TokenConstraint::prune_tree(DraftTree & tree) {
+    const int64_t n = tree.size();
+    if (n == 0 || bug == GrammarBug::no_cut) return;
+    const std::vector<uint8_t> allowed = allowed_nodes(tree);
+    DraftTree out;
+    out.dists = tree.dists;
+    out.root_child_q = tree.root_child_q;
+    out.draw = tree.draw;
+    out.cost = tree.cost;
+    std::vector<int32_t> index(n, -1);  // node -> its index in `out`, -1 when cut
+    for (int32_t i = 0; i < (int32_t)n; ++i) {
+        const int32_t par = tree.parent[i];
+        if (par >= 0 && (index[par] < 0 || !allowed[par])) continue;  // under a cut node or a kept forbidden leaf
+        const bool drawn = tree.children_q(par) >= 0;
+        if (!allowed[i] && !(drawn && bug != GrammarBug::drop_rejected)) continue;
+        index[i] = out.add(tree.token[i], par < 0 ? -1 : index[par], allowed[i] ? tree.child_q[i] : -1);
+    }
+    n_cut_tokens += n - out.size();
+    tree = std::move(out);
+}
+
+void TokenConstraint::mask_tree_rows(const DraftTree & tree, float * rows, int64_t n_vocab) {
+    if (bug == GrammarBug::verify_unmasked) return;
+    const int64_t n = tree.size();
+    const int64_t n_words = (n_vocab + 31) / 32;
+    const std::vector<uint8_t> allowed = allowed_nodes(tree);
+    std::vector<uint8_t> masked(n + 1, 0);  // by row: 0 the committed state's, 1 + i node i's
+    auto mask = [&](int64_t row, const uint32_t * m) {
+        masked[row] = 1;
+        if (row == 1 && bug == GrammarBug::tree_row_unmasked) return;
+        apply(m, rows + row * n_vocab, n_vocab);
+    };
+    // deepest nodes first: the masks along one node's path serve its ancestors' rows too
+    for (int32_t i = (int32_t)n - 1; i >= 0; --i) {
+        if (!allowed[i] || masked[i + 1]) continue;
+        const std::vector<int32_t> path = tree.path_tokens(i);
+        const int64_t d = (int64_t)path.size();
+        masks_.assign((d + 1) * n_words, 0u);
+        fill_masks(masks_.data(), n_words, path);
+        int32_t node = i;
+        for (int64_t j = d; j >= 0; --j) {  // mask row j is the state after path[0 .. j): node's ancestor at depth j
+            const int64_t row = node + 1;
+            if (!masked[row]) mask(row, masks_.data() + j * n_words);
+            node = j > 0 ? tree.parent[node] : -1;
+        }
+    }
+    if (!masked[0]) {  // no node allowed: the committed state's row alone
+        masks_.assign(n_words, 0u);
+        fill_masks(masks_.data(), n_words, {});
+        mask(0, masks_.data());
     }
 }
 

@@ -7,7 +7,8 @@
 //   - speculative decoding cuts a draft after its longest allowed prefix before verification
 //     (cut_draft), and masks each verify row with the rule's state after the drafts before that
 //     row (mask_verify_rows), so that accepting and the correction / bonus token see exactly what
-//     plain constrained decoding would see at that position.
+//     plain constrained decoding would see at that position. A draft tree is pruned the same way
+//     (prune_tree) and each of its rows masked with the state after its node's path (mask_tree_rows).
 //
 // The rule itself is implemented in Python (deltaspec.constraint, around llguidance's matcher)
 // through the pybind11 trampoline of constraint_bindings.cpp; C++ only asks it for bitmasks.
@@ -19,13 +20,16 @@
 namespace deltaspec {
 
 struct Draft;
+struct DraftTree;
 
 // Test only: constraint-path bugs planted so that tests/test_structured.py can show it catches
 // them. Read from DELTASPEC_TEST_GRAMMAR_BUG when a constraint is made: unset or empty (every real
 // use) is no bug; "verify_unmasked" leaves verify rows unmasked; "no_cut" verifies drafts the
 // rule forbids; "drop_rejected" cuts a sampled draft before (not after) its first forbidden token,
-// which biases sampled output (see cut_draft). Any other value is an error.
-enum class GrammarBug { none, verify_unmasked, no_cut, drop_rejected };
+// which biases sampled output (see cut_draft; in a tree: removes a forbidden sampled child instead
+// of keeping it for rejection); "tree_row_unmasked" leaves one row of a draft tree's verify batch
+// (node 0's, the top-1 chain's first) unmasked. Any other value is an error.
+enum class GrammarBug { none, verify_unmasked, no_cut, drop_rejected, tree_row_unmasked };
 GrammarBug grammar_bug();
 
 class TokenConstraint {
@@ -51,6 +55,17 @@ class TokenConstraint {
     void cut_draft(Draft & draft);
     // Masks the verify rows of [last committed, drafts...]: row i with the state after drafts[0 .. i).
     void mask_verify_rows(const Draft & draft, float * rows, int64_t n_vocab);
+    // Prunes a draft tree (draft_tree.h) before verification: a node the rule forbids after its
+    // path goes, with everything below it; except that a node drawn from a q (its parent's
+    // children_q) stays, as a leaf, for the rejection rule to reject (what cut_draft does with a
+    // sampled chain's first forbidden token; removing it would draw its parent row's token from p
+    // instead of the residual). Counts the nodes cut.
+    void prune_tree(DraftTree & tree);
+    // Masks the verify rows of [last committed, node 0, node 1, ...]: row 0 with the state after the
+    // committed tokens, row 1 + i with the state after node i's path. A forbidden node's row (the
+    // sampled leaves prune_tree keeps) is left as it is: no walk reaches a node its parent's masked
+    // row gives probability 0.
+    void mask_tree_rows(const DraftTree & tree, float * rows, int64_t n_vocab);
 
     // What the constraint did, for stats and for tests that the path ran.
     int64_t n_masked_rows = 0;  // logit rows masked
@@ -60,6 +75,8 @@ class TokenConstraint {
 
   private:
     void apply(const uint32_t * mask, float * logits, int64_t n_vocab);
+    // per node of the tree: whether the rule allows its path after the committed tokens
+    std::vector<uint8_t> allowed_nodes(const DraftTree & tree);
     std::vector<uint32_t> masks_;
 };
 

@@ -1,5 +1,7 @@
 #include "tree_round.h"
 
+#include "top_rows.h"
+
 namespace deltaspec {
 
 bool is_chain(const DraftTree & tree) { return tree.chain_length() == tree.size(); }
@@ -14,7 +16,8 @@ RowBatch tree_rows(const Engine & target, const DraftTree & tree, int32_t root) 
 
 TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t root, bool device_argmax,
                               Sampler & sampler, std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug,
-                              std::vector<float> & logits, std::vector<int32_t> & argmax) {
+                              std::vector<float> & logits, std::vector<int32_t> & argmax,
+                              TokenConstraint * constraint) {
     const RowBatch rows = tree_rows(target, tree, root);
     const int64_t T = rows.size(), n_vocab = target.hparams().n_vocab;
     // the rows in the same order either way: row 0 the root, row 1 + i node i
@@ -27,12 +30,29 @@ TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t r
         }
         return walk_tree_argmax(tree, argmax.data(), history);
     }
+    // a sampler that the rows' top candidates decide (and no grammar, whose mask needs whole rows):
+    // top rows cross over instead (top_rows.h), into the argmax scratch
+    if (!constraint && target.top_rows_enabled() && sampler.params().top_serves(target.top_k())) {
+        const int64_t W = target.top_row_words();
+        argmax.resize(T * W);
+        if (is_chain(tree)) {
+            target.eval_verify_top(rows.token.data(), T, argmax.data());
+        } else {
+            target.verify_tree(rows, LogitsWanted::top_all, argmax.data());
+        }
+        const RowDistribution p_of = [&](int64_t r, const std::vector<int32_t> &, Distribution & p) {
+            const TopRow top = top_row(argmax.data() + r * W, target.top_k());
+            sampler.distribution_top(top.logit, top.id, top.k, p);
+        };
+        return walk_tree(tree, p_of, n_vocab, sampler, history, rule, bug);
+    }
     logits.resize(T * n_vocab);
     if (is_chain(tree)) {
         target.eval_verify(rows.token.data(), T, logits.data());
     } else {
         target.verify_tree(rows, LogitsWanted::all, logits.data());
     }
+    if (constraint) constraint->mask_tree_rows(tree, logits.data(), n_vocab);
     return walk_tree(tree, logits.data(), n_vocab, sampler, history, rule, bug);
 }
 

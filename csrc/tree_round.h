@@ -12,6 +12,7 @@
 #include "draft_tree.h"
 #include "engine.h"
 #include "sampler.h"
+#include "token_constraint.h"
 #include "tree_walk.h"
 
 namespace deltaspec {
@@ -21,13 +22,17 @@ namespace deltaspec {
 RowBatch tree_rows(const Engine & target, const DraftTree & tree, int32_t root);
 
 // Verifies `tree` after `root` in one target pass and walks it. device_argmax: greedy without
-// penalties from the device's argmax of every row; otherwise every row's logits through the
+// penalties from the device's argmax of every row; otherwise every row's logits (or, where
+// the sampler allows and no grammar masks them, every row's top candidates: top_rows.h) through the
 // sampler and `rule`. `history` (prompt + committed tokens, root last) gets the accepted tokens;
 // the walk's `next` is the target's token after them. `logits` and `argmax` are scratch. The
-// target then holds the verify batch: keep_walk commits root + the accepted path.
+// target then holds the verify batch: keep_walk commits root + the accepted path. A grammar
+// (`constraint`, optional; not with device_argmax) masks each row with its state after the row's
+// path (TokenConstraint::mask_tree_rows) before the walk.
 TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t root, bool device_argmax,
                               Sampler & sampler, std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug,
-                              std::vector<float> & logits, std::vector<int32_t> & argmax);
+                              std::vector<float> & logits, std::vector<int32_t> & argmax,
+                              TokenConstraint * constraint = nullptr);
 void keep_walk(Engine & target, const DraftTree & tree, const TreeWalk & walk);
 
 // Whether node i of the tree is the child of node i - 1 for every i (the chain verify serves it).

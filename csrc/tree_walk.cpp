@@ -109,13 +109,21 @@ int32_t try_children(const DraftTree & tree, const std::vector<int32_t> & childr
 
 TreeWalk walk_tree(const DraftTree & tree, const float * rows, int64_t n_vocab, Sampler & sampler,
                    std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug) {
+    const RowDistribution p_of = [&](int64_t r, const std::vector<int32_t> & h, Distribution & p) {
+        sampler.distribution(rows + r * n_vocab, n_vocab, h, p);
+    };
+    return walk_tree(tree, p_of, n_vocab, sampler, history, rule, bug);
+}
+
+TreeWalk walk_tree(const DraftTree & tree, const RowDistribution & p_of, int64_t n_vocab, Sampler & sampler,
+                   std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug) {
     tree.check(n_vocab);
     TreeWalk w;
     Distribution target;
     // vocabulary-sized, so kept between walks; set() starts by clearing what the last use left
     thread_local DenseDist p, q;
     for (int32_t node = -1;;) {
-        sampler.distribution(rows + (int64_t)(node + 1) * n_vocab, n_vocab, history, target);
+        p_of(node + 1, history, target);
         const std::vector<int32_t> children = tree.children(node);
         int32_t next_node = -1;
         if (rule == TreeRule::match) {

@@ -51,6 +51,9 @@ TreeRuleBug tree_rule_bug();
 // tokens are appended to `history`, `next` is not.
 TreeWalk walk_tree(const DraftTree & tree, const float * rows, int64_t n_vocab, Sampler & sampler,
                    std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug = TreeRuleBug::none);
+// The same walk with row r's p read through `p_of` (sampler.h: row 0 the root's, row 1 + i node i's).
+TreeWalk walk_tree(const DraftTree & tree, const RowDistribution & p_of, int64_t n_vocab, Sampler & sampler,
+                   std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug = TreeRuleBug::none);
 
 // Greedy without penalties from the device's argmax of every row (1 + tree.size() ids): follow the
 // child whose token is the argmax.

@@ -67,8 +67,8 @@ std::string str(int64_t v) { return std::to_string(v); }
 
 void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out) {
     const int64_t T = rows.size();
-    if (wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all) {
-        throw std::invalid_argument("verify_tree returns the logits or the argmax of every row");
+    if (wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all && wanted != LogitsWanted::top_all) {
+        throw std::invalid_argument("verify_tree returns the logits, the argmax or the top candidates of every row");
     }
     if (T < 1 || T > opts_.n_ubatch) {
         throw std::invalid_argument("a tree verify batch holds 1 to " + str(opts_.n_ubatch) + " rows (n_ubatch), got " + str(T));
@@ -150,8 +150,8 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
     const int64_t n_roots = std::count(rows.parent.begin(), rows.parent.end(), -1);
     tree_stats_.branched_calls += n_roots > 1 || std::any_of(n_children.begin(), n_children.end(), [](int32_t c) { return c > 1; });
     tree_stats_.rows_op_nodes += g.n_rows_op_nodes;
-    const size_t row_bytes = wanted == LogitsWanted::all ? hp_.n_vocab * sizeof(float) : sizeof(int32_t);
-    ggml_backend_tensor_get(g.out, out, 0, T * row_bytes);
+    ggml_backend_tensor_get(g.out, out, 0, ggml_nbytes(g.out));  // every row's logits, argmax or top row
+    if (wanted == LogitsWanted::top_all) decode_stats_.top_rows += T;
 }
 
 void Engine::keep_path(const int32_t * path, int64_t n) {

@@ -2,10 +2,12 @@
 # batched state copies, deltaspec_copies.cu, and the verify batches' DeltaNet recurrence,
 # deltaspec_deltanet.cu, and short-row concatenation, deltaspec_concat.cu, and the rows ops of
 # ggml/deltaspec_rows.h, deltaspec_rows.cu, and the tq KV cache nodes of ggml/deltaspec_tq.h,
-# deltaspec_tq.cu) and compiles ggml-cuda.cu with its quantized mat-vec
+# deltaspec_tq.cu, and the logits rows' top candidates of ggml/deltaspec_top.h, deltaspec_top.cu)
+# and compiles ggml-cuda.cu with its quantized mat-vec
 # and tile-kernel entries (and its fused rms_norm, swiglu and add, for the norms, SwiGLUs and
 # residual adds folded into our kernels, and its gated_delta_net, ssm_conv and concat entries, and
-# its set_rows and flash-attention entries with FA's support and allocation-size queries)
+# its set_rows and flash-attention entries with FA's support and allocation-size queries, and its
+# top_k entry)
 # renamed to our dispatchers, which compute what our kernels serve and hand the rest to ggml's own
 # functions. No upstream file is changed.
 #
@@ -25,7 +27,8 @@ function(deltaspec_add_cuda_kernels)
                                      "${DELTASPEC_CUDA_DIR}/deltaspec_deltanet.cu"
                                      "${DELTASPEC_CUDA_DIR}/deltaspec_concat.cu"
                                      "${DELTASPEC_CUDA_DIR}/deltaspec_rows.cu"
-                                     "${DELTASPEC_CUDA_DIR}/deltaspec_tq.cu")
+                                     "${DELTASPEC_CUDA_DIR}/deltaspec_tq.cu"
+                                     "${DELTASPEC_CUDA_DIR}/deltaspec_top.cu")
     target_include_directories(ggml-cuda PRIVATE "${cuda_src_dir}" "${DELTASPEC_CUDA_DIR}" "${DELTASPEC_CUDA_DIR}/..")
     set(renamed
         ggml_cuda_mul_mat_vec_q=deltaspec_mul_mat_vec_q
@@ -40,7 +43,8 @@ function(deltaspec_add_cuda_kernels)
         ggml_cuda_op_set_rows=deltaspec_tq_op_set_rows
         ggml_cuda_flash_attn_ext=deltaspec_tq_flash_attn_ext
         ggml_cuda_flash_attn_ext_supported=deltaspec_tq_flash_attn_ext_supported
-        ggml_cuda_flash_attn_ext_get_alloc_size=deltaspec_tq_flash_attn_ext_get_alloc_size)
+        ggml_cuda_flash_attn_ext_get_alloc_size=deltaspec_tq_flash_attn_ext_get_alloc_size
+        ggml_cuda_op_top_k=deltaspec_op_top_k)
     set_source_files_properties("${cuda_src_dir}/ggml-cuda.cu" TARGET_DIRECTORY ggml-cuda
         PROPERTIES COMPILE_DEFINITIONS "${renamed}")
     message(STATUS "deltaspec: CUDA kernels added to ggml-cuda")

@@ -297,9 +297,9 @@ class Model:
 
         Structured output: `grammar` (a deltaspec.Grammar, or a GBNF / Lark string) is enforced
         while decoding, also with speculation (drafts the grammar forbids are cut before they are
-        verified, and every verified position is masked as plain decoding would mask it, so greedy
-        output is token-identical with and without speculation; draft trees are not available with
-        a grammar yet). The text ends when the grammar is complete (an end-of-generation token is
+        verified, and every verified position, of a chain or of a draft tree, is masked as plain
+        decoding would mask it after that position's path, so greedy output is token-identical with
+        and without speculation). The text ends when the grammar is complete (an end-of-generation token is
         then allowed), or earlier at max_tokens.
 
         seed None uses the Model's seed (random when it has none); -1 is random. ignore_eos bans the
@@ -318,9 +318,6 @@ class Model:
         request.speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min, tree_budget)
         request.n_logprobs = self._n_logprobs(logprobs, request.speculation is not None)
         request.grammar = grammar_of(grammar)
-        if request.grammar is not None and tree_budget:
-            raise ValueError("tree_budget (draft trees) cannot be combined with a grammar yet; use chains "
-                             "(tree_budget=0)")
         if request.grammar is not None and ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
                              "end-of-generation token is allowed")

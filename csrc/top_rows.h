@@ -1,0 +1,43 @@
+// A logits row reduced on the device to its top candidates (ggml/deltaspec_top.h, LogitsWanted::top
+// and ::top_all): what a sequence's next token and its log-probabilities need when its sampler's
+// chain starts with a small top-k, so that k + k + 1 words cross to the host instead of n_vocab floats
+// and the host sorts k candidates instead of the vocabulary.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "generate.h"
+#include "sampler.h"
+
+namespace deltaspec {
+
+// One row of Engine::top_row_words() int32 words: k logits (F32 bits, largest first, ties by lower
+// id), their k token ids, the row's log-sum-exp (F32 bits).
+struct TopRow {
+    const float * logit = nullptr;
+    const int32_t * id = nullptr;
+    int64_t k = 0;
+    float lse = 0.0f;
+};
+
+inline TopRow top_row(const int32_t * words, int64_t k) {
+    TopRow r;
+    r.logit = reinterpret_cast<const float *>(words);  // F32 bits, as the op wrote them
+    r.id = words + k;
+    r.k = k;
+    std::memcpy(&r.lse, words + 2 * k, sizeof(float));
+    return r;
+}
+
+// Whether a request's token and log-probabilities can come from top rows of k candidates: no
+// grammar (its mask needs every token's logit), a sampler they decide (SamplingParams::top_serves: no
+// penalties or logit bias, greedy or top_k <= k), and at most k top log-probabilities.
+bool top_rows_serve(const GenerateRequest & req, int64_t k);
+
+// The sequence's next token from a top row (greedy: the first candidate, the row's first maximum;
+// else drawn as Sampler::sample would draw it from the whole row) and, when the request asks for
+// them, its log-probability and the n_logprobs best ones (logit - lse), appended to `res`.
+int32_t choose_from_top(const GenerateRequest & req, Sampler & sampler, const TopRow & row, GenerateResult & res);
+
+}  // namespace deltaspec
