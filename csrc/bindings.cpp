@@ -53,6 +53,7 @@ struct Runner {
             throw std::runtime_error("requests added with add_request() are still running; step() them to the end "
                                      "or cancel them before a one-sequence call");
         }
+        if (scheduler) scheduler->forget_histories();  // the call may change slot 0
         engine->use_slot(0);
         return *engine;
     }
@@ -642,7 +643,7 @@ PYBIND11_MODULE(_core, m) {
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
                                std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
-                 if (!r.scheduler) r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces);
+                 if (!r.scheduler) r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces, /*keep_histories=*/true);
                  GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
                  req.constraint = constraint_of(constraint);
                  const int64_t id = r.scheduler->add_request(req);

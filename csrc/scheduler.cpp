@@ -131,9 +131,11 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
             continue;
         }
         s->slot = (int64_t)running_.size();
-        engine_.use_slot(s->slot);
         const auto t0 = Clock::now();
-        const int64_t cached = s->req.n_cached;  // checked by add_request: the slot holds them
+        // the slot holds the prompt's first `cached` tokens: a kept history moved in, or what the
+        // caller said (checked by add_request)
+        const int64_t cached = histories_ ? histories_->take(s->slot, s->req.prompt) : s->req.n_cached;
+        engine_.use_slot(s->slot);
         if (cached == 0 && batch_bug() != BatchBug::no_reset) engine_.reset();
         const int32_t * fresh = s->req.prompt.data() + cached;
         const int64_t n = (int64_t)s->req.prompt.size() - cached;
@@ -206,6 +208,10 @@ void Scheduler::release_finished() {
     for (int64_t i = (int64_t)running_.size() - 1; i >= 0; --i) {
         if (!running_[i]->finished) continue;
         const int64_t last = (int64_t)running_.size() - 1;
+        if (histories_) {  // its state holds every committed token but the last, never evaluated
+            const std::vector<int32_t> & h = running_[i]->history;
+            histories_->finished(i, last, std::vector<int32_t>(h.begin(), h.end() - 1));
+        }
         if (i != last) {
             if (batch_bug() != BatchBug::no_move) engine_.move_slot(last, i);
             running_[i] = std::move(running_[last]);

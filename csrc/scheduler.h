@@ -14,6 +14,7 @@
 #include "engine.h"
 #include "generate.h"
 #include "sampler.h"
+#include "slot_history.h"
 
 namespace deltaspec {
 
@@ -44,7 +45,13 @@ struct StepEvent {
 
 class Scheduler {
   public:
-    Scheduler(Engine & engine, const PieceTable & pieces) : engine_(engine), pieces_(pieces) {}
+    // keep_histories: finished sequences' states stay in idle slots, and a request whose prompt
+    // begins with one of them resumes there (slot_history.h); for a scheduler that outlives its
+    // requests (a server's). Without it every admitted request starts from an empty slot.
+    Scheduler(Engine & engine, const PieceTable & pieces, bool keep_histories = false)
+        : engine_(engine), pieces_(pieces) {
+        if (keep_histories) histories_ = std::make_unique<SlotHistories>(engine);
+    }
 
     // Queues a request (validated now); returns its id. `on_token` hears each of its tokens as it
     // is committed; returning false cancels it (streaming).
@@ -57,6 +64,10 @@ class Scheduler {
     bool idle() const { return waiting_.empty() && running_.empty(); }
     int64_t n_running() const { return (int64_t)running_.size(); }
     int64_t n_waiting() const { return (int64_t)waiting_.size(); }
+    // Something else changed the slots (a one-sequence call): their kept histories are unknown now.
+    void forget_histories() {
+        if (histories_) histories_->forget();
+    }
 
     // Runs the requests to the end; results in request order. `cancel` (checked each step)
     // cancels all of them.
@@ -83,6 +94,7 @@ class Scheduler {
     std::vector<float> raw_;  // a row before its grammar mask (logprobs)
     std::vector<int32_t> argmax_;
     RowBatch rows_;
+    std::unique_ptr<SlotHistories> histories_;  // keep_histories only
 };
 
 }  // namespace deltaspec
