@@ -44,6 +44,7 @@ struct Runner {
     PieceTable pieces;
     std::atomic<bool> cancel{false};
     std::unique_ptr<Scheduler> scheduler;  // created by the first add_request
+    int64_t prefill_budget = 0;            // its set_prefill_budget
     std::map<int64_t, py::object> constraints;  // add_request's grammars, kept alive until their request ends
     std::unique_ptr<MtpHead> mtp;          // the MTP head run on its own (mtp_eval), made on first use
 
@@ -643,7 +644,10 @@ PYBIND11_MODULE(_core, m) {
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
                                std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
-                 if (!r.scheduler) r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces, /*keep_histories=*/true);
+                 if (!r.scheduler) {
+                     r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces, /*keep_histories=*/true);
+                     r.scheduler->set_prefill_budget(r.prefill_budget);
+                 }
                  GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
                  req.constraint = constraint_of(constraint);
                  const int64_t id = r.scheduler->add_request(req);
@@ -652,6 +656,11 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
              py::arg("constraint") = py::none(),
              "Queue a request for step(); returns its id.")
+        .def("set_prefill_budget", [](Runner & r, int64_t n) {
+                 if (n < 0) throw std::invalid_argument("prefill budget must be >= 0 (0: no limit), got " + std::to_string(n));
+                 r.prefill_budget = n;
+                 if (r.scheduler) r.scheduler->set_prefill_budget(n);
+             }, py::arg("n_tokens"), "Prompt tokens one step() prefills at most (0: no limit).")
         .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")
         .def("eval_in_slot", [](Runner & r, int64_t slot, Tokens tokens, const std::string & logits) {
                  Engine & e = r.single();

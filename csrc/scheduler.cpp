@@ -123,7 +123,9 @@ bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev) {
 
 void Scheduler::admit(std::vector<StepEvent> & events) {
     const int64_t n_vocab = engine_.hparams().n_vocab;
+    int64_t n_prefilled = 0;  // this step's
     while (!waiting_.empty() && (int64_t)running_.size() < engine_.n_seq_max()) {
+        if (prefill_budget_ > 0 && n_prefilled >= prefill_budget_) break;
         std::unique_ptr<Sequence> s = std::move(waiting_.front());
         waiting_.pop_front();
         if (s->cancel_requested) {
@@ -148,6 +150,7 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
             token = choose(*s, logits_.data(), n_vocab);
         }
         s->res.n_prefilled = n;
+        n_prefilled += n;
         s->res.prefill_seconds = seconds_since(t0);
         s->decode_start = Clock::now();
         Sequence & seq = *s;

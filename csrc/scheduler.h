@@ -64,6 +64,11 @@ class Scheduler {
     bool idle() const { return waiting_.empty() && running_.empty(); }
     int64_t n_running() const { return (int64_t)running_.size(); }
     int64_t n_waiting() const { return (int64_t)waiting_.size(); }
+    // Prompt tokens one step prefills at most (0: no limit): admission stops once a step has
+    // prefilled that many, and the rest wait for the next step, so the running sequences decode in
+    // between instead of waiting for every new prompt (time to first token under load). A prompt
+    // longer than the budget is still prefilled whole, alone in its step.
+    void set_prefill_budget(int64_t n_tokens) { prefill_budget_ = n_tokens; }
     // Something else changed the slots (a one-sequence call): their kept histories are unknown now.
     void forget_histories() {
         if (histories_) histories_->forget();
@@ -95,6 +100,7 @@ class Scheduler {
     std::vector<int32_t> argmax_;
     RowBatch rows_;
     std::unique_ptr<SlotHistories> histories_;  // keep_histories only
+    int64_t prefill_budget_ = 0;
 };
 
 }  // namespace deltaspec

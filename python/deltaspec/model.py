@@ -472,6 +472,15 @@ class Model:
         with engine_of(self) as engine:
             engine.cancel_request(request_id)
 
+    def set_prefill_budget(self, n_tokens: int) -> None:
+        """Prompt tokens one step() prefills at most (0, the default: every request that finds a
+        slot). Past it, waiting requests wait for the next step and the running ones decode in
+        between (their tokens keep coming while new prompts arrive); a longer prompt is prefilled
+        whole, alone in its step."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"prefill budget must be an integer >= 0 (0: no limit), got {n_tokens!r}")
+        self._live().set_prefill_budget(n_tokens)
+
     @property
     def has_unfinished_requests(self) -> bool:
         return self._live().n_requests > 0
