@@ -221,6 +221,7 @@ if has_step server; then
     echo "llama-server build: $(( $(date +%s) - t0 )) s"
     peer=()
     [[ -x $LLAMA_BUILD/bin/llama-server ]] && peer=(--llama-server "$LLAMA_BUILD/bin/llama-server")
+    # shellcheck disable=SC2086  # SERVER_BENCH_ARGS: more options, e.g. --streams 1,32
     python3 "$REPO/bench/server_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
-        --out "$OUT/server_bench.json" | tee "$OUT/server_bench.md"
+        ${SERVER_BENCH_ARGS:-} --out "$OUT/server_bench.json" | tee "$OUT/server_bench.md"
 fi

@@ -441,7 +441,10 @@ class Model:
     def add_request(self, prompt: str | Sequence[int], **generate_kwargs: Any) -> int:
         """Queue a request (generate()'s keyword arguments, no speculation or streaming) for step();
         returns its id. While requests are unfinished, one-sequence calls (generate, eval, ...)
-        raise RuntimeError."""
+        raise RuntimeError. A finished request's state stays in its slot while the slot is idle; a
+        later request whose prompt begins with that request's prompt and output (a chat's next turn)
+        resumes from it and prefills only the rest (result.stats.cached_tokens counts the tokens it
+        skipped). A one-sequence call forgets every such state."""
         req = self._batch_request(prompt, generate_kwargs, "add_request")
         constraint = self._constraint(req)
         with engine_of(self) as engine:
