@@ -66,8 +66,8 @@ class Scheduler {
     int64_t n_waiting() const { return (int64_t)waiting_.size(); }
     // Prompt tokens one step prefills at most (0: no limit): admission stops once a step has
     // prefilled that many, and the rest wait for the next step, so the running sequences decode in
-    // between instead of waiting for every new prompt (time to first token under load). A prompt
-    // longer than the budget is still prefilled whole, alone in its step.
+    // between instead of waiting for every new prompt (time to first token under load). The
+    // prompt that crosses the budget is still prefilled whole (prompts are not split yet).
     void set_prefill_budget(int64_t n_tokens) { prefill_budget_ = n_tokens; }
     // Something else changed the slots (a one-sequence call): their kept histories are unknown now.
     void forget_histories() {

@@ -478,8 +478,8 @@ class Model:
     def set_prefill_budget(self, n_tokens: int) -> None:
         """Prompt tokens one step() prefills at most (0, the default: every request that finds a
         slot). Past it, waiting requests wait for the next step and the running ones decode in
-        between (their tokens keep coming while new prompts arrive); a longer prompt is prefilled
-        whole, alone in its step."""
+        between (their tokens keep coming while new prompts arrive). The prompt that crosses the
+        budget is still prefilled whole (prompts are not split yet)."""
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
             raise ValueError(f"prefill budget must be an integer >= 0 (0: no limit), got {n_tokens!r}")
         self._live().set_prefill_budget(n_tokens)

@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest batch of prompt tokens per graph (default: %(default)s)")
     p.add_argument("--prefill-budget", type=int, default=512, metavar="N",
                    help="prompt tokens prefilled per engine step at most; the running requests decode between "
-                        "steps, so new prompts do not stall them (a longer prompt is prefilled alone; 0: no limit; "
-                        "default: %(default)s)")
+                        "steps, so new prompts do not stall them (the prompt that crosses it is prefilled whole; "
+                        "0: no limit; default: %(default)s)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE", help="KV cache type for K (default: f16)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help="KV cache type for V (default: f16)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cpu, or cuda with -ngl > 0)")
