@@ -30,6 +30,7 @@ struct Sequence {
     Emitter out;
     int64_t slot = -1;             // while running
     int32_t pending = -1;          // the token emitted last, not yet in the slot's state
+    int64_t n_fed = 0;             // prompt tokens in the slot's state (a prompt split by the prefill budget: < its size)
     bool finished = false;
     bool cancel_requested = false;
     std::chrono::steady_clock::time_point decode_start;
@@ -64,10 +65,11 @@ class Scheduler {
     bool idle() const { return waiting_.empty() && running_.empty(); }
     int64_t n_running() const { return (int64_t)running_.size(); }
     int64_t n_waiting() const { return (int64_t)waiting_.size(); }
-    // Prompt tokens one step prefills at most (0: no limit): admission stops once a step has
-    // prefilled that many, and the rest wait for the next step, so the running sequences decode in
-    // between instead of waiting for every new prompt (time to first token under load). The
-    // prompt that crosses the budget is still prefilled whole (prompts are not split yet).
+    // Prompt tokens one step prefills at most (0: no limit): the running sequences decode in every
+    // step instead of waiting for every new prompt (time to first token under load, and no stall
+    // behind a long prompt). A prompt that does not fit is split: its sequence takes the top
+    // running slot, is fed a budget's worth per step and decodes once its prompt is complete; no
+    // other request is admitted until then.
     void set_prefill_budget(int64_t n_tokens) { prefill_budget_ = n_tokens; }
     // Something else changed the slots (a one-sequence call): their kept histories are unknown now.
     void forget_histories() {
@@ -80,6 +82,10 @@ class Scheduler {
 
   private:
     void admit(std::vector<StepEvent> & events);
+    // evaluates up to `budget` more of s's prompt in its slot; once the prompt is complete, chooses
+    // and commits its first token. Returns the prompt tokens evaluated.
+    int64_t feed(Sequence & s, int64_t budget, std::vector<StepEvent> & events);
+    bool split_on_top() const;  // the top running sequence's prompt is not complete yet
     void decode_running(std::vector<StepEvent> & events);
     // the token after a logits row: masked by the request's grammar, then argmax or sampled
     // (and its logprobs recorded when asked for)

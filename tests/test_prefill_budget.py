@@ -1,7 +1,7 @@
 """Model.set_prefill_budget: a step prefills at most that many prompt tokens, so requests that arrive
-together are admitted a few per step while the ones already running decode in between (what keeps
-a server's streams flowing, and its first tokens coming, when many prompts arrive at once); each
-request's tokens stay those of generate() alone."""
+together are admitted a few per step, and a long prompt is split over steps, while the ones already
+running decode in every step (what keeps a server's streams flowing, and its first tokens coming,
+when many or long prompts arrive); each request's tokens stay those of generate() alone."""
 
 from __future__ import annotations
 
@@ -42,3 +42,28 @@ def test_budget_admits_a_few_prompts_per_step_and_keeps_the_tokens(model_path):
         assert [got[i] for i in ids] == want
         with pytest.raises(ValueError, match="prefill budget"):
             m.set_prefill_budget(-1)
+
+
+def test_a_long_prompt_is_split_while_another_request_decodes(model_path):
+    """An 8-token prompt and a 40-token one under a budget of 16: step 1 prefills the short one (its
+    first token, then a decode step's) and 8 tokens of the long one; steps 2 and 3 feed the long one
+    16 tokens each while the short one decodes a token per step; in step 3 the long one's prompt is
+    complete: its first token, then a decode step's. A third request waits until then. Greedy tokens
+    equal generate()'s. Seen to fail with the budget check taken out of feed() (the long prompt was
+    prefilled whole in step 1)."""
+    with Model(model_path, n_ctx=256, n_threads=1, n_seq_max=3) as m:
+        prompts = [[(5 * j + 1) % 256 for j in range(8)], [(3 * j + 2) % 256 for j in range(40)], [9, 8, 7]]
+        want = []
+        for p in prompts:
+            m.reset()
+            want.append(m.generate(p, max_tokens=N_GEN, temperature=0, ignore_eos=True).tokens)
+        m.set_prefill_budget(16)
+        short, long, third = [m.add_request(p, max_tokens=N_GEN, temperature=0, ignore_eos=True) for p in prompts]
+        steps, got = [], {}
+        while m.has_unfinished_requests:
+            outs = m.step()
+            steps.append({o.request_id: len(o.tokens) for o in outs})
+            got.update({o.request_id: o.result for o in outs if o.finished})
+        assert steps[:4] == [{short: 2}, {short: 1}, {short: 1, long: 2}, {short: 1, long: 1, third: 2}]
+        assert [got[i].tokens for i in (short, long, third)] == want
+        assert got[long].stats.cached_tokens == 0  # all 40 prompt tokens counted as prefilled

@@ -477,9 +477,9 @@ class Model:
 
     def set_prefill_budget(self, n_tokens: int) -> None:
         """Prompt tokens one step() prefills at most (0, the default: every request that finds a
-        slot). Past it, waiting requests wait for the next step and the running ones decode in
-        between (their tokens keep coming while new prompts arrive). The prompt that crosses the
-        budget is still prefilled whole (prompts are not split yet)."""
+        slot, whole). The running requests decode in every step, so their tokens keep coming while
+        new prompts arrive; a prompt that does not fit is split over steps (its request decodes
+        once its prompt is complete, and waiting requests are admitted after it)."""
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
             raise ValueError(f"prefill budget must be an integer >= 0 (0: no limit), got {n_tokens!r}")
         self._live().set_prefill_budget(n_tokens)

@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="largest batch of prompt tokens per graph (default: %(default)s)")
     p.add_argument("--prefill-budget", type=int, default=512, metavar="N",
-                   help="prompt tokens prefilled per engine step at most; the running requests decode between "
-                        "steps, so new prompts do not stall them (the prompt that crosses it is prefilled whole; "
+                   help="prompt tokens prefilled per engine step at most; the running requests decode in every "
+                        "step, so new or long prompts do not stall them (a longer prompt is split over steps; "
                         "0: no limit; default: %(default)s)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE", help="KV cache type for K (default: f16)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help="KV cache type for V (default: f16)")
