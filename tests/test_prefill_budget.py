@@ -67,3 +67,28 @@ def test_a_long_prompt_is_split_while_another_request_decodes(model_path):
         assert steps[:4] == [{short: 2}, {short: 1}, {short: 1, long: 2}, {short: 1, long: 1, third: 2}]
         assert [got[i].tokens for i in (short, long, third)] == want
         assert got[long].stats.cached_tokens == 0  # all 40 prompt tokens counted as prefilled
+
+
+def test_a_split_prompt_stays_on_top_when_a_lower_slot_frees(model_path):
+    """Three slots, budget 16: A (stops after 2 tokens) and B run in slots 0 and 1 while C's 60-token
+    prompt is split in slot 2. A's end frees slot 0: B moves down into it and C (still split) down
+    into slot 1, on top, so the decode batch stays the consecutive slots of B alone; B's and C's
+    tokens equal generate()'s. Seen to fail with the split prompt moved into the freed slot like
+    any other sequence (C was decoded before its prompt was complete)."""
+    with Model(model_path, n_ctx=256, n_threads=1, n_seq_max=3) as m:
+        prompts = [[1, 2, 3, 4], [40, 41, 42, 43], [(11 * j + 5) % 256 for j in range(60)]]
+        lengths = [2, N_GEN, N_GEN]
+        want = []
+        for p, n in zip(prompts, lengths):
+            m.reset()
+            want.append(m.generate(p, max_tokens=n, temperature=0, ignore_eos=True).tokens)
+        m.set_prefill_budget(16)
+        ids = [m.add_request(p, max_tokens=n, temperature=0, ignore_eos=True) for p, n in zip(prompts, lengths)]
+        steps, got = [], {}
+        while m.has_unfinished_requests:
+            outs = m.step()
+            steps.append({o.request_id: len(o.tokens) for o in outs})
+            got.update({o.request_id: o.result.tokens for o in outs if o.finished})
+        assert steps[0] == {ids[0]: 2, ids[1]: 2}  # A done; C fed 8 of 60
+        assert ids[2] not in steps[1] and ids[2] not in steps[3] and steps[4][ids[2]] == 2  # complete in step 5
+        assert [got[i] for i in ids] == want
