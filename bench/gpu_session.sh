@@ -246,15 +246,29 @@ if has_step stock; then
         --out "$OUT/stock_vs_injected.json" | tee "$OUT/stock_vs_injected.md"
 fi
 if has_step server; then
-    # The `build` step's llama.cpp folder configured again with the server on (and no web UI, which
-    # would be downloaded): ggml and libllama are up to date, only the server's own sources compile.
+    # The `build` step's llama.cpp folder configured again with the server on: ggml and libllama are
+    # up to date, only the server's own sources compile. Its web UI stays out, offline: no npm build
+    # (LLAMA_BUILD_UI=OFF) and no download of prebuilt assets (LLAMA_USE_PREBUILT_UI=OFF), so
+    # scripts/ui-assets.cmake generates an empty asset table; tools/CMakeLists.txt still adds
+    # tools/ui whenever the server is built, so the carried tree needs that folder's three build
+    # files (not its web sources).
     t0=$(date +%s)
-    { cmake -S "$DELTASPEC_GGML_SOURCE" -B "$LLAMA_BUILD" -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF &&
-      cmake --build "$LLAMA_BUILD" -j "$(nproc)" --target llama-server; } > "$OUT/llama_server_build.log" 2>&1 \
-        || { echo "llama-server build failed (see llama_server_build.log)"; tail -5 "$OUT/llama_server_build.log"; }
+    ui=$DELTASPEC_GGML_SOURCE/tools/ui
+    if [[ ! -f $ui/CMakeLists.txt || ! -f $ui/ui.cpp.in || ! -f $ui/ui.h.in ]]; then
+        echo "llama-server build skipped: the carried tree lacks $ui/{CMakeLists.txt,ui.cpp.in,ui.h.in};" \
+             "on the dev machine: mkdir -p .deps/gpu-src/llama.cpp/tools/ui && cp" \
+             ".deps/llama_cpp_python-0.3.36/vendor/llama.cpp/tools/ui/{CMakeLists.txt,ui.cpp.in,ui.h.in}" \
+             ".deps/gpu-src/llama.cpp/tools/ui/" | tee "$OUT/llama_server_build.log"
+    else
+        { cmake -S "$DELTASPEC_GGML_SOURCE" -B "$LLAMA_BUILD" -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
+              -DLLAMA_USE_PREBUILT_UI=OFF &&
+          cmake --build "$LLAMA_BUILD" -j "$(nproc)" --target llama-server; } > "$OUT/llama_server_build.log" 2>&1 \
+            || { echo "llama-server build failed (see llama_server_build.log)"; tail -5 "$OUT/llama_server_build.log"; }
+    fi
     echo "llama-server build: $(( $(date +%s) - t0 )) s"
     peer=()
     [[ -x $LLAMA_BUILD/bin/llama-server ]] && peer=(--llama-server "$LLAMA_BUILD/bin/llama-server")
+    # shellcheck disable=SC2086  # SERVER_BENCH_ARGS: more options, e.g. --streams 1,32
     python3 "$REPO/bench/server_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
-        --out "$OUT/server_bench.json" | tee "$OUT/server_bench.md"
+        ${SERVER_BENCH_ARGS:-} --out "$OUT/server_bench.json" | tee "$OUT/server_bench.md"
 fi

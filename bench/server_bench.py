@@ -8,9 +8,9 @@ Both servers are started once, side by side (the H200 holds two copies of a 27B 
 as many slots as the largest stream count: deltaspec `-np MAX -c PROMPT+GEN+64` (context per slot),
 llama-server `-np MAX -c MAX*(PROMPT+GEN+64) -ngl 99 -fa on --no-cache-prompt` (its -c is divided
 among its slots). A run sends N streamed greedy /v1/completions at once (threads released by one
-barrier), each with a fresh random prompt of PROMPT token ids (no prompt cache can help) and
-max_tokens GEN, and records per stream: time to the first text chunk (TTFT), tokens (usage, or
-chunks with text), and the end. Reported per run: aggregate tok/s = all streams' tokens / (last end
+barrier), each with a fresh random prompt of PROMPT token ids (no prompt cache can help; every
+server of a run gets the same N prompts) and max_tokens GEN, and records per stream: time to the
+first text chunk (TTFT), tokens (usage, or chunks with text), and the end. Reported per run: aggregate tok/s = all streams' tokens / (last end
 - first send), TTFT median and p90, and per-stream decode tok/s = (tokens - 1) / (end - first text).
 Every N is warmed once per server first; then repetitions interleave (rep, N, then both servers in
 an order that alternates), and the summary gives median, min and max over repetitions.
@@ -18,8 +18,10 @@ an order that alternates), and the summary gives median, min and max over repeti
 Weights of a synthetic GGUF are random: the speed is that of the shapes and quant mix (say so with
 every number). llama-server gets `ignore_eos`; deltaspec has no such option, so a stream of ours
 that samples an end token stops early and its token count says so (on a 248k vocabulary, rare).
---spec ARGS adds a third server, deltaspec with a drafter (`--spec '-md DRAFT.gguf'` or
-`--spec '--spec-type ngram-simple'`), at 1 stream only: speculation is served one request at a time
+--variant NAME=ARGS (repeatable) adds another deltaspec server with these extra flags (split at
+spaces), named deltaspec-NAME, timed in the same interleaved repetitions (an A/B in one run, e.g.
+`--variant nobudget=--prefill-budget=0`). --spec ARGS adds a server, deltaspec with a drafter
+(`--spec '-md DRAFT.gguf'` or `--spec '--spec-type ngram-simple'`), at 1 stream only: speculation is served one request at a time
 (--parallel 1) until the engine batches it, and with random weights a drafter accepts next to
 nothing (that row is the cost of speculating, not its gain).
 """
@@ -135,8 +137,12 @@ def prompt_id_range(model_path: str) -> tuple[int, int]:
     return (1000, 150000) if n_vocab > 150000 else (0, min(256, n_vocab))
 
 
-def run_streams(server: Server, model: str, n: int, n_prompt: int, n_gen: int, rng, ids: tuple[int, int]) -> dict:
-    prompts = [[int(t) for t in rng.integers(*ids, size=n_prompt)] for _ in range(n)]
+def random_prompts(n: int, n_prompt: int, rng, ids: tuple[int, int]) -> list[list[int]]:
+    return [[int(t) for t in rng.integers(*ids, size=n_prompt)] for _ in range(n)]
+
+
+def run_streams(server: Server, model: str, prompts: list[list[int]], n_gen: int) -> dict:
+    n = len(prompts)
     barrier = threading.Barrier(n)
     outs: list[dict] = [{} for _ in range(n)]
     errors: list[BaseException] = []
@@ -216,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", default=None, metavar="ARGS",
                     help="also a speculative deltaspec server (-np 1, so 1 stream only) with these flags, e.g. "
                          "'-md DRAFT.gguf' or '--spec-type ngram-simple'")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="also a deltaspec server with these extra flags, reported as deltaspec-NAME (repeatable)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     streams = [int(x) for x in args.streams.split(",")]
@@ -228,6 +236,14 @@ def main(argv: list[str] | None = None) -> int:
                 "-c", str(ctx), "--port", str(free_port()), "--queue-size", str(4 * n_max), "--log-level", "warning",
                 "-a", "bench", *threads]
     servers = [Server("deltaspec", ours_cmd, int(ours_cmd[ours_cmd.index("--port") + 1]), log_dir)]
+    for variant in args.variant:
+        name, sep, extra = variant.partition("=")
+        if not sep or not name:
+            ap.error(f"--variant wants NAME=ARGS, got {variant!r}")
+        port = free_port()
+        cmd = [*ours_cmd[:ours_cmd.index("--port")], "--port", str(port), *ours_cmd[ours_cmd.index("--port") + 2:],
+               *extra.split()]
+        servers.append(Server(f"deltaspec-{name}", cmd, port, log_dir))
     if args.llama_server:
         port = free_port()
         peer_cmd = [args.llama_server, "-m", args.model, "-np", str(n_max), "-c", str(n_max * ctx),
@@ -249,13 +265,15 @@ def main(argv: list[str] | None = None) -> int:
             s.ready()
         for s in servers:  # graphs of every batch size built before anything is timed
             for n in (streams if s.name != "deltaspec-spec" else [1]):
-                run_streams(s, "bench", n, args.prompt, 8, rng, ids)
+                run_streams(s, "bench", random_prompts(n, args.prompt, rng, ids), 8)
         for rep in range(args.reps):
             for n in streams:
                 here = [s for s in servers if s.name != "deltaspec-spec" or n == 1]  # it has one slot
                 order = here if (rep + n) % 2 == 0 else here[::-1]
+                # every server gets the same prompts, new ones each run (each server sees a prompt once)
+                prompts = random_prompts(n, args.prompt, rng, ids)
                 for s in order:
-                    r = run_streams(s, "bench", n, args.prompt, args.gen, rng, ids)
+                    r = run_streams(s, "bench", prompts, args.gen)
                     r["rep"] = rep
                     runs.append(r)
                     print(f"rep {rep} {s.name:12s} N={n:3d}: {r['agg_tok_s']:8.1f} tok/s aggregate, TTFT median "

@@ -44,6 +44,7 @@ struct Runner {
     PieceTable pieces;
     std::atomic<bool> cancel{false};
     std::unique_ptr<Scheduler> scheduler;  // created by the first add_request
+    int64_t prefill_budget = 0;            // its set_prefill_budget
     std::map<int64_t, py::object> constraints;  // add_request's grammars, kept alive until their request ends
     std::unique_ptr<MtpHead> mtp;          // the MTP head run on its own (mtp_eval), made on first use
     BatchSpecStats batch_spec;             // the last generate_batch's speculation across sequences
@@ -54,6 +55,7 @@ struct Runner {
             throw std::runtime_error("requests added with add_request() are still running; step() them to the end "
                                      "or cancel them before a one-sequence call");
         }
+        if (scheduler) scheduler->forget_histories();  // the call may change slot 0
         engine->use_slot(0);
         return *engine;
     }
@@ -710,7 +712,10 @@ PYBIND11_MODULE(_core, m) {
                                std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint,
                                py::object speculation, Runner * draft) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
-                 if (!r.scheduler) r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces);
+                 if (!r.scheduler) {
+                     r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces, /*keep_histories=*/true);
+                     r.scheduler->set_prefill_budget(r.prefill_budget);
+                 }
                  if (draft && r.scheduler->draft_engine() != draft->engine.get()) {
                      draft->single();
                      set_draft(*r.scheduler, r, draft);
@@ -744,6 +749,11 @@ PYBIND11_MODULE(_core, m) {
                  d["kv_rows_moved"] = s.kv_rows_moved;
                  return d;
              }, "What verify_rows (rows of several slots in one verify pass) has run.")
+        .def("set_prefill_budget", [](Runner & r, int64_t n) {
+                 if (n < 0) throw std::invalid_argument("prefill budget must be >= 0 (0: no limit), got " + std::to_string(n));
+                 r.prefill_budget = n;
+                 if (r.scheduler) r.scheduler->set_prefill_budget(n);
+             }, py::arg("n_tokens"), "Prompt tokens one step() prefills at most (0: no limit).")
         .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")
         .def("eval_in_slot", [](Runner & r, int64_t slot, Tokens tokens, const std::string & logits) {
                  Engine & e = r.single();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -151,9 +152,53 @@ bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev, bool check_c
     return true;
 }
 
+bool Scheduler::split_on_top() const {
+    return !running_.empty() && running_.back()->n_fed < (int64_t)running_.back()->req.prompt.size();
+}
+
+int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & events) {
+    const auto t0 = Clock::now();
+    engine_.use_slot(s.slot);
+    const int32_t * chunk = s.req.prompt.data() + s.n_fed;
+    const int64_t left = (int64_t)s.req.prompt.size() - s.n_fed;
+    const int64_t n = std::min(left, budget);
+    int32_t token = -1;
+    if (n < left) {
+        engine_.eval(chunk, n, LogitsWanted::none, nullptr);
+    } else if (!needs_logits(s.req)) {
+        token = engine_.eval_argmax(chunk, n);
+    } else if (engine_.top_rows_enabled() && top_rows_serve(s.req, engine_.top_k())) {
+        top_.resize(engine_.top_row_words());
+        engine_.eval_top(chunk, n, top_.data());
+        token = choose_from_top(s.req, s.sampler, top_row(top_.data(), engine_.top_k()), s.res);
+    } else {
+        const int64_t n_vocab = engine_.hparams().n_vocab;
+        logits_.resize(n_vocab);
+        engine_.eval(chunk, n, LogitsWanted::last, logits_.data());
+        token = choose(s, logits_.data(), n_vocab);
+    }
+    if (n == left && model_drafter_) {  // the draft slot reads the whole prompt (or is emptied for a sequence without it)
+        if (s.draft_state) {
+            model_drafter_->begin(s.slot, *s.draft_state, s.req.prompt);
+        } else {
+            model_drafter_->clear_slot(s.slot);
+        }
+    }
+    s.n_fed += n;
+    s.res.n_prefilled += n;
+    s.res.prefill_seconds += seconds_since(t0);
+    if (n == left) {
+        s.decode_start = Clock::now();
+        commit(s, token, event_of(events, s));
+    }
+    return n;
+}
+
 void Scheduler::admit(std::vector<StepEvent> & events) {
-    const int64_t n_vocab = engine_.hparams().n_vocab;
-    while (!waiting_.empty() && (int64_t)running_.size() < engine_.n_seq_max()) {
+    // prompt tokens this step may still prefill
+    int64_t budget = prefill_budget_ > 0 ? prefill_budget_ : std::numeric_limits<int64_t>::max();
+    if (split_on_top()) budget -= feed(*running_.back(), budget, events);
+    while (budget > 0 && !split_on_top() && !waiting_.empty() && (int64_t)running_.size() < engine_.n_seq_max()) {
         std::unique_ptr<Sequence> s = std::move(waiting_.front());
         waiting_.pop_front();
         if (s->cancel_requested) {
@@ -161,37 +206,14 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
             continue;
         }
         s->slot = (int64_t)running_.size();
+        // the slot holds the prompt's first `cached` tokens: a kept history moved in, or what the
+        // caller said (checked by add_request)
+        s->n_fed = histories_ ? histories_->take(s->slot, s->req.prompt) : s->req.n_cached;
         engine_.use_slot(s->slot);
-        const auto t0 = Clock::now();
-        const int64_t cached = s->req.n_cached;  // checked by add_request: the slot holds them
-        if (cached == 0 && batch_bug() != BatchBug::no_reset) engine_.reset();
-        const int32_t * fresh = s->req.prompt.data() + cached;
-        const int64_t n = (int64_t)s->req.prompt.size() - cached;
-        int32_t token = -1;
-        if (!needs_logits(s->req)) {
-            token = engine_.eval_argmax(fresh, n);
-        } else if (engine_.top_rows_enabled() && top_rows_serve(s->req, engine_.top_k())) {
-            top_.resize(engine_.top_row_words());
-            engine_.eval_top(fresh, n, top_.data());
-            token = choose_from_top(s->req, s->sampler, top_row(top_.data(), engine_.top_k()), s->res);
-        } else {
-            logits_.resize(n_vocab);
-            engine_.eval(fresh, n, LogitsWanted::last, logits_.data());
-            token = choose(*s, logits_.data(), n_vocab);
-        }
-        if (model_drafter_) {  // the draft slot reads the prompt (or is emptied for a sequence without it)
-            if (s->draft_state) {
-                model_drafter_->begin(s->slot, *s->draft_state, s->req.prompt);
-            } else {
-                model_drafter_->clear_slot(s->slot);
-            }
-        }
-        s->res.n_prefilled = n;
-        s->res.prefill_seconds = seconds_since(t0);
-        s->decode_start = Clock::now();
+        if (s->n_fed == 0 && batch_bug() != BatchBug::no_reset) engine_.reset();
         Sequence & seq = *s;
         running_.push_back(std::move(s));
-        commit(seq, token, event_of(events, seq));
+        budget -= feed(seq, budget, events);
     }
 }
 
@@ -215,12 +237,14 @@ bool Scheduler::top_rows_serve_all() const {
 }
 
 void Scheduler::decode_running(std::vector<StepEvent> & events) {
-    if (running_.empty()) return;
+    // a split prompt (the top slot) decodes once it is complete; the others are consecutive slots
+    const int64_t N = n_decoding();
+    if (N == 0) return;
     const int64_t n_vocab = engine_.hparams().n_vocab;
-    const int64_t N = (int64_t)running_.size();
     bool all_argmax = true;
     rows_.clear();
-    for (const auto & s : running_) {
+    for (int64_t i = 0; i < N; ++i) {
+        const auto & s = running_[i];
         rows_.add(s->pending, (int32_t)engine_.slot_n_past(s->slot), (int32_t)s->slot);
         all_argmax = all_argmax && !needs_logits(s->req);
     }
@@ -265,11 +289,21 @@ void Scheduler::release_finished() {
     for (int64_t i = (int64_t)running_.size() - 1; i >= 0; --i) {
         if (!running_[i]->finished) continue;
         const int64_t last = (int64_t)running_.size() - 1;
+        if (histories_) {  // its state holds every committed token but the last, never evaluated
+            const std::vector<int32_t> & h = running_[i]->history;
+            histories_->finished(i, last, std::vector<int32_t>(h.begin(), h.end() - 1));
+        }
+        const auto move_to = [&](int64_t from, int64_t to) {
+            if (batch_bug() != BatchBug::no_move) engine_.move_slot(from, to);
+            if (model_drafter_) model_drafter_->engine().move_slot(from, to);
+            running_[to] = std::move(running_[from]);
+            running_[to]->slot = to;
+        };
         if (i != last) {
-            if (batch_bug() != BatchBug::no_move) engine_.move_slot(last, i);
-            if (model_drafter_) model_drafter_->engine().move_slot(last, i);
-            running_[i] = std::move(running_[last]);
-            running_[i]->slot = i;
+            // the highest decoding sequence fills the hole; a split prompt stays on top, one slot down
+            const bool split = split_on_top() && i != last - 1;
+            move_to(split ? last - 1 : last, i);
+            if (split) move_to(last, last - 1);
         }
         running_.pop_back();
     }

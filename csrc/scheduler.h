@@ -17,6 +17,7 @@
 #include "speculative.h"
 #include "batch_draft.h"
 #include "top_rows.h"
+#include "slot_history.h"
 
 namespace deltaspec {
 
@@ -50,6 +51,7 @@ struct Sequence {
     Emitter out;
     int64_t slot = -1;             // while running
     int32_t pending = -1;          // the token emitted last, not yet in the slot's state
+    int64_t n_fed = 0;             // prompt tokens in the slot's state (a prompt split by the prefill budget: < its size)
     bool finished = false;
     bool cancel_requested = false;
     std::chrono::steady_clock::time_point decode_start;
@@ -87,7 +89,13 @@ struct BatchSpecStats {
 
 class Scheduler {
   public:
-    Scheduler(Engine & engine, const PieceTable & pieces) : engine_(engine), pieces_(pieces) {}
+    // keep_histories: finished sequences' states stay in idle slots, and a request whose prompt
+    // begins with one of them resumes there (slot_history.h); for a scheduler that outlives its
+    // requests (a server's). Without it every admitted request starts from an empty slot.
+    Scheduler(Engine & engine, const PieceTable & pieces, bool keep_histories = false)
+        : engine_(engine), pieces_(pieces) {
+        if (keep_histories) histories_ = std::make_unique<SlotHistories>(engine);
+    }
 
     // Queues a request (validated now); returns its id. `on_token` hears each of its tokens as it
     // is committed; returning false cancels it (streaming).
@@ -102,6 +110,16 @@ class Scheduler {
     bool idle() const { return waiting_.empty() && running_.empty(); }
     int64_t n_running() const { return (int64_t)running_.size(); }
     int64_t n_waiting() const { return (int64_t)waiting_.size(); }
+    // Prompt tokens one step prefills at most (0: no limit): the running sequences decode in every
+    // step instead of waiting for every new prompt (time to first token under load, and no stall
+    // behind a long prompt). A prompt that does not fit is split: its sequence takes the top
+    // running slot, is fed a budget's worth per step and decodes once its prompt is complete; no
+    // other request is admitted until then.
+    void set_prefill_budget(int64_t n_tokens) { prefill_budget_ = n_tokens; }
+    // Something else changed the slots (a one-sequence call): their kept histories are unknown now.
+    void forget_histories() {
+        if (histories_) histories_->forget();
+    }
 
     // Runs the requests to the end; results in request order. `cancel` (checked each step)
     // cancels all of them.
@@ -117,6 +135,12 @@ class Scheduler {
 
   private:
     void admit(std::vector<StepEvent> & events);
+    // evaluates up to `budget` more of s's prompt in its slot; once the prompt is complete, chooses
+    // and commits its first token. Returns the prompt tokens evaluated.
+    int64_t feed(Sequence & s, int64_t budget, std::vector<StepEvent> & events);
+    bool split_on_top() const;  // the top running sequence's prompt is not complete yet
+    // the running sequences that decode this step: all but a split prompt on top
+    int64_t n_decoding() const { return (int64_t)running_.size() - (split_on_top() ? 1 : 0); }
     void decode_running(std::vector<StepEvent> & events);
     // the token after a logits row: masked by the request's grammar, then argmax or sampled
     // (and its logprobs recorded when asked for)
@@ -145,6 +169,8 @@ class Scheduler {
     RowBatch rows_;
     BatchSpecStats spec_stats_;
     std::unique_ptr<BatchModelDrafter> model_drafter_;
+    std::unique_ptr<SlotHistories> histories_;  // keep_histories only
+    int64_t prefill_budget_ = 0;
 };
 
 }  // namespace deltaspec

@@ -40,12 +40,14 @@ bool needs_logits(const GenerateRequest & req) {
 int64_t Scheduler::draft_all() {
     const int64_t n_ctx = engine_.n_ctx();
     // the pass holds every running sequence's rows, each slot padded to the longest: Tq <= n_ubatch / N
-    const int64_t cap = engine_.n_ubatch() / std::max<int64_t>(1, (int64_t)running_.size()) - 1;
+    // a prompt still being prefilled (split over steps, the top slot) neither drafts nor decodes
+    const int64_t N = n_decoding();
+    const int64_t cap = engine_.n_ubatch() / std::max<int64_t>(1, N) - 1;
     int64_t n_drafting = 0;
     std::vector<DraftJob> jobs;  // the draft model's, drafted together below
     std::vector<Sequence *> job_seq;
-    for (auto & sp : running_) {
-        Sequence & s = *sp;
+    for (int64_t i = 0; i < N; ++i) {
+        Sequence & s = *running_[i];
         s.draft = Draft{};
         s.tree = DraftTree{};
         if (!s.speculates()) continue;
@@ -101,12 +103,12 @@ int64_t Scheduler::draft_all() {
 }
 
 bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
-    if (running_.empty()) return false;
+    if (n_decoding() == 0) return false;
     const int64_t n_drafting = draft_all();
     if (n_drafting == 0) return false;  // a plain decode step (decode_running) for everyone
 
     const int64_t n_vocab = engine_.hparams().n_vocab;
-    const int64_t N = (int64_t)running_.size();
+    const int64_t N = n_decoding();
     rows_.clear();
     std::vector<int64_t> first_row(N + 1);
     bool all_argmax = true;

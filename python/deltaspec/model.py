@@ -484,7 +484,10 @@ class Model:
         """Queue a request (generate()'s keyword arguments, no streaming; speculation as generate_batch's)
         for step();
         returns its id. While requests are unfinished, one-sequence calls (generate, eval, ...)
-        raise RuntimeError."""
+        raise RuntimeError. A finished request's state stays in its slot while the slot is idle; a
+        later request whose prompt begins with that request's prompt and output (a chat's next turn)
+        resumes from it and prefills only the rest (result.stats.cached_tokens counts the tokens it
+        skipped). A one-sequence call forgets every such state."""
         req = self._batch_request(prompt, generate_kwargs, "add_request")
         constraint = self._constraint(req)
         draft_model = self._batch_draft([req])
@@ -517,6 +520,15 @@ class Model:
         "cancelled" and the tokens it has."""
         with engine_of(self) as engine:
             engine.cancel_request(request_id)
+
+    def set_prefill_budget(self, n_tokens: int) -> None:
+        """Prompt tokens one step() prefills at most (0, the default: every request that finds a
+        slot, whole). The running requests decode in every step, so their tokens keep coming while
+        new prompts arrive; a prompt that does not fit is split over steps (its request decodes
+        once its prompt is complete, and waiting requests are admitted after it)."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"prefill budget must be an integer >= 0 (0: no limit), got {n_tokens!r}")
+        self._live().set_prefill_budget(n_tokens)
 
     @property
     def has_unfinished_requests(self) -> bool:

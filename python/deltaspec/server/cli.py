@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads (default: all usable)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="largest batch of prompt tokens per graph (default: %(default)s)")
+    p.add_argument("--prefill-budget", type=int, default=512, metavar="N",
+                   help="prompt tokens prefilled per engine step at most; the running requests decode in every "
+                        "step, so new or long prompts do not stall them (a longer prompt is split over steps; "
+                        "0: no limit; default: %(default)s)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE", help="KV cache type for K (default: f16)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help="KV cache type for V (default: f16)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cpu, or cuda with -ngl > 0)")
@@ -128,6 +132,8 @@ def serve(args) -> int:
     for flag, value in (("--parallel", args.parallel), ("--queue-size", args.queue_size), ("-c", args.ctx_size)):
         if value < 1:
             raise ServeError(f"{flag} must be >= 1, got {value}")
+    if args.prefill_budget < 0:
+        raise ServeError(f"--prefill-budget must be >= 0 (0: no limit), got {args.prefill_budget}")
     if not 0 <= args.port <= 65535:
         raise ServeError(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
@@ -144,6 +150,7 @@ def serve(args) -> int:
         # a slot per request: the batch backend drafts for every running request at once
         speculation["draft_model"] = Model(speculation["draft_model"], n_ctx=args.ctx_size, device=device,
                                            n_seq_max=args.parallel, **kwargs)
+    model.set_prefill_budget(args.prefill_budget)
     backend = make_backend(model, args.parallel, speculation)
     metrics = ServerMetrics(backend.slots, args.queue_size, speculation is not None)
     engine = EngineLoop(backend, metrics, args.queue_size)

@@ -22,14 +22,15 @@ DONE = sse("[DONE]")
 
 def completion_body(result: GenerationResult, model: str) -> dict:
     s = result.stats
-    return oai.completion(result.text, result.finish_reason, model, s.prompt_tokens, s.generated_tokens)
+    return {**oai.completion(result.text, result.finish_reason, model, s.prompt_tokens, s.generated_tokens),
+            "usage": _usage(result)}
 
 
 def chat_body(result: GenerationResult, model: str, thinking_open: bool) -> dict:
     s = result.stats
     reasoning, content = split_reasoning(result.text, thinking_open=thinking_open)
-    return oai.chat_completion(content, result.finish_reason, model, s.prompt_tokens, s.generated_tokens,
-                               reasoning_content=reasoning)
+    return {**oai.chat_completion(content, result.finish_reason, model, s.prompt_tokens, s.generated_tokens,
+                                  reasoning_content=reasoning), "usage": _usage(result)}
 
 
 class CompletionChunks:
@@ -82,4 +83,8 @@ class ChatChunks:
 
 
 def _usage(result: GenerationResult) -> dict:
-    return oai.usage(result.stats.prompt_tokens, result.stats.generated_tokens)
+    """OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens a kept history
+    held, which were not prefilled (a chat's earlier turns: csrc/slot_history.h)."""
+    s = result.stats
+    return {**oai.usage(s.prompt_tokens, s.generated_tokens),
+            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
