@@ -134,9 +134,6 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
     if (tree_budget < 0) throw std::invalid_argument("tree_budget must be >= 0 (0: chains)");
-    if (!dflash.is_none() && tree_budget > 0) {
-        throw std::invalid_argument("the DFlash drafter drafts chains only for now (tree_budget must be 0)");
-    }
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
     GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
     req.constraint = constraint_of(constraint);
@@ -159,7 +156,9 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
             // a pass reads the drafter's weights and the target's LM head
             const double pass_cost = (double)(dm->weight_bytes() + ggml_nbytes(r.engine->weights().output)) /
                                      (double)r.engine->step_weight_bytes();
-            drafter = std::make_unique<DFlashDrafter>(*dm, *r.engine, pass_cost);
+            SamplingParams ds = sampling;
+            ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the tree's draws must not mirror the target's
+            drafter = std::make_unique<DFlashDrafter>(*dm, *r.engine, pass_cost, ds);
         } else if (mtp) {
             SamplingParams ds = sampling;
             ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's

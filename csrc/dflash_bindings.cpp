@@ -83,6 +83,37 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                  t.set_taps({});
              }, py::arg("ids"),
              "The target reads ids (a fresh sequence) and its tapped features become the whole context.")
+        .def("tree", [](DFlashModel & d, std::vector<int32_t> ids, int64_t budget, int64_t max_depth, float temperature,
+                        uint64_t seed) {
+                 if (ids.empty()) throw std::invalid_argument("ids must hold at least the anchor token");
+                 DraftTree tree;
+                 {
+                     py::gil_scoped_release release;
+                     Engine & t = d.target();
+                     SamplingParams sp;
+                     sp.temperature = temperature;
+                     sp.seed = seed;
+                     DFlashDrafter drafter(d, t, 1.0, sp);  // its taps, until it goes
+                     t.reset();
+                     const std::vector<int32_t> prompt(ids.begin(), ids.end() - 1);
+                     if (!prompt.empty()) t.eval(prompt.data(), (int64_t)prompt.size(), LogitsWanted::none, nullptr);
+                     drafter.begin(prompt);
+                     tree = drafter.propose_tree(ids, budget, max_depth);
+                 }
+                 py::dict out;
+                 out["token"] = tree.token;
+                 out["parent"] = tree.parent;
+                 out["depth"] = tree.depth;
+                 out["child_q"] = tree.child_q;
+                 out["root_child_q"] = tree.root_child_q;
+                 py::list dists;
+                 for (const Distribution & q : tree.dists) dists.append(py::make_tuple(q.ids, q.probs));
+                 out["dists"] = dists;
+                 return out;
+             }, py::arg("ids"), py::arg("budget"), py::arg("max_depth"), py::arg("temperature") = 0.0f,
+             py::arg("seed") = 0,
+             "The DDTree tree the speculative loop would verify after ids (the target reads all but the "
+             "last, the anchor): DFlashDrafter::propose_tree, greedy (temperature <= 0) or sampled.")
         .def("truncate", &DFlashModel::truncate, py::arg("n"), "Forget context rows at positions >= n.")
         .def_property_readonly("n_cached", &DFlashModel::n_cached)
         .def_property_readonly("n_feat", &DFlashModel::n_feat)

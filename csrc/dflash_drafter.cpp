@@ -15,8 +15,8 @@ std::vector<int> dflash_taps(const DFlashHParams & hp) {
     return taps;
 }
 
-DFlashDrafter::DFlashDrafter(DFlashModel & model, Engine & target, double pass_cost)
-    : model_(model), target_(target), pass_cost_(pass_cost), top1_(model.hparams().block_size - 1) {
+DFlashDrafter::DFlashDrafter(DFlashModel & model, Engine & target, double pass_cost, const SamplingParams & sampling)
+    : model_(model), target_(target), pass_cost_(pass_cost), sampler_(sampling), top1_(model.hparams().block_size - 1) {
     target_.set_taps(dflash_taps(model.hparams()));
 }
 
@@ -38,8 +38,7 @@ void DFlashDrafter::begin(const std::vector<int32_t> & prompt) {
     inject_tapped();  // the prompt's rows: the target has just read it
 }
 
-Draft DFlashDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
-    Draft d;
+bool DFlashDrafter::ready(const std::vector<int32_t> & committed) {
     inject_tapped();
     // the anchor (the last committed token, not yet read by the target) sits right after the context
     const int64_t anchor_pos = (int64_t)committed.size() - 1;
@@ -47,13 +46,51 @@ Draft DFlashDrafter::propose(const std::vector<int32_t> & committed, int64_t n_m
         throw std::logic_error("DFlash drafter: context of " + std::to_string(model_.n_cached()) +
                                " rows before an anchor at position " + std::to_string(anchor_pos));
     }
-    if (anchor_pos + model_.hparams().block_size > model_.n_ctx()) return d;  // no room for a block
+    return anchor_pos + model_.hparams().block_size <= model_.n_ctx();  // else no room for a block
+}
+
+Draft DFlashDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
+    Draft d;
+    if (!ready(committed)) return d;
     model_.block(committed.back(), nullptr, top1_.data());
     n_passes_++;
     const int64_t n = std::min<int64_t>(n_max, (int64_t)top1_.size());
     d.tokens.assign(top1_.begin(), top1_.begin() + n);
     d.cost = pass_cost_;
     return d;
+}
+
+DraftTree DFlashDrafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {
+    const int64_t n_slots = model_.hparams().block_size - 1;
+    const int64_t depth = std::min(max_depth, n_slots);
+    if (budget < 1 || depth < 1 || !ready(committed)) return DraftTree{};
+    const bool sampled = !sampler_.params().greedy();
+    const int64_t k = std::min<int64_t>(budget, model_.n_vocab());
+    top_ids_.resize(n_slots * k);
+    top_probs_.resize(n_slots * k);
+    model_.block(committed.back(), nullptr, nullptr, k, sampled ? sampler_.params().temperature : 1.0f, top_ids_.data(),
+                 top_probs_.data());
+    n_passes_++;
+
+    std::vector<Distribution> marginals(depth);
+    for (int64_t d = 0; d < depth; ++d) {
+        Distribution & m = marginals[d];
+        m.ids.assign(top_ids_.begin() + d * k, top_ids_.begin() + (d + 1) * k);
+        m.probs.assign(top_probs_.begin() + d * k, top_probs_.begin() + (d + 1) * k);
+        if (sampled) {  // q must sum to 1: the draws come from these K tokens only
+            double sum = 0.0;
+            for (float p : m.probs) sum += p;
+            for (float & p : m.probs) p = (float)(p / sum);
+        }
+    }
+    BestFirstOptions o;
+    o.budget = budget;
+    o.max_depth = depth;
+    o.seed_chain = false;
+    if (sampled) o.uniform = [this] { return sampler_.uniform(); };
+    DraftTree tree = build_from_marginals(marginals, o);
+    tree.cost = pass_cost_;
+    return tree;
 }
 
 }  // namespace deltaspec

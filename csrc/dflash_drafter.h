@@ -1,12 +1,15 @@
 // DFlash as a Drafter of the speculative loop: one block pass per round proposes the top-1 token of
-// every block slot (a chain). Its context is the target's tapped features of the committed tokens
-// (Engine::set_taps with the drafter's layers), injected before each block.
+// every block slot (a chain), or a DDTree tree over the slots' distributions (propose_tree). Its
+// context is the target's tapped features of the committed tokens (Engine::set_taps with the
+// drafter's layers), injected before each block; after a tree round the target keeps the taps of
+// the accepted path only (Engine::keep_path), so the context never holds a rejected branch.
 #pragma once
 
 #include <vector>
 
 #include "dflash_model.h"
 #include "drafters.h"
+#include "sampler.h"
 
 namespace deltaspec {
 
@@ -19,21 +22,36 @@ class DFlashDrafter : public Drafter {
   public:
     // Sets the target's taps; `pass_cost` is one block pass in target decode steps (an estimate
     // from weight bytes, which keeps the loop's drafting schedule independent of timing).
-    DFlashDrafter(DFlashModel & model, Engine & target, double pass_cost);
+    // `sampling`: the request's (its temperature and a seed of the drafter's own) for trees.
+    DFlashDrafter(DFlashModel & model, Engine & target, double pass_cost, const SamplingParams & sampling = {});
     ~DFlashDrafter() override;
     void begin(const std::vector<int32_t> & prompt) override;
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
+    // DDTree (Ringel & Romano; draft_tree.h build_from_marginals with seed_chain false, the paper's
+    // pure best-first rule, which bench/testbed/ddtree.py follows): one block pass gives every
+    // slot's top-K tokens, K = min(budget, n_vocab), the most ranks a budget-node tree can use at
+    // one depth; slot d's are the candidates of every node of depth d + 1. Greedy: children
+    // ranked by softmax(logits), chosen deterministically (no q). Sampling: q_d = softmax(logits /
+    // temperature) over slot d's top K, renormalized (what the children really are drawn from,
+    // so the rejection walk is exact for it), children drawn without replacement (Gumbel top-k).
+    // Cost over the chain: the top-K (on the device) and (B-1) x K ids and probabilities read
+    // back instead of B-1 argmax ids, then a heap of O(budget) items on the host.
+    DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
 
     int64_t n_passes() const { return n_passes_; }
 
   private:
     void inject_tapped();  // the target's new rows -> the drafter's context
+    bool ready(const std::vector<int32_t> & committed);  // the context ends before the anchor; room for a block
 
     DFlashModel & model_;
     Engine & target_;
     double pass_cost_;
+    Sampler sampler_;  // uniforms of the Gumbel draws (sampled trees)
     int64_t n_passes_ = 0;
     std::vector<int32_t> top1_;
+    std::vector<int32_t> top_ids_;
+    std::vector<float> top_probs_;
 };
 
 }  // namespace deltaspec

@@ -175,10 +175,14 @@ void DFlashModel::inject(const float * features, int64_t n, int64_t pos0) {
     n_cached_ = pos0 + n;
 }
 
-void DFlashModel::block(int32_t anchor, float * logits, int32_t * top1) {
+void DFlashModel::block(int32_t anchor, float * logits, int32_t * top1, int64_t top_k, float temperature,
+                        int32_t * top_ids, float * top_probs) {
     const int64_t B = hp_.block_size, p0 = n_cached_, n_kv = p0 + B;
     if (n_kv > n_ctx_) throw std::length_error("DFlash block past the drafter's context of " + std::to_string(n_ctx_));
     if (anchor < 0 || anchor >= n_vocab()) throw std::out_of_range("DFlash block: anchor token outside the vocabulary");
+    if (top_k < 0 || top_k > n_vocab() || !(temperature > 0.0f)) {
+        throw std::invalid_argument("DFlash block: top_k must be in [0, n_vocab] and the temperature > 0");
+    }
     ggml_context * ctx = ggml_init({meta_.size(), meta_.data(), /*no_alloc =*/true});
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size_, false);
     const DFlashGraphWeights w{hp_, fc_, hidden_norm_, output_norm_, layers_, target_.weights().token_embd,
@@ -190,6 +194,19 @@ void DFlashModel::block(int32_t anchor, float * logits, int32_t * top1) {
         best = ggml_argmax(ctx, out);
         ggml_set_output(best);
         ggml_build_forward_expand(gf, best);
+    }
+    // a tree's candidates: (B-1) x top_k ids and probabilities cross over instead of (B-1) x n_vocab
+    // logits (15 x 248k floats, 15 MB, for the 27B's vocabulary)
+    ggml_tensor *cand_ids = nullptr, *cand_probs = nullptr;
+    if (top_k > 0) {
+        ggml_tensor * probs = ggml_soft_max_ext(ctx, out, nullptr, 1.0f / temperature, 0.0f);  // {V, B-1}
+        cand_ids = ggml_top_k(ctx, out, (int)top_k);                                          // {k, B-1}
+        // per slot: row ids[., s] of the slot's probabilities seen as V rows of one value
+        cand_probs = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, probs->ne[0], probs->ne[1]), cand_ids);
+        for (ggml_tensor * t : {cand_ids, cand_probs}) {
+            ggml_set_output(t);
+            ggml_build_forward_expand(gf, t);
+        }
     }
     try {
         run(gf);
@@ -212,6 +229,8 @@ void DFlashModel::block(int32_t anchor, float * logits, int32_t * top1) {
         }
         if (logits) ggml_backend_tensor_get(out, logits, 0, ggml_nbytes(out));
         if (top1) ggml_backend_tensor_get(best, top1, 0, ggml_nbytes(best));
+        if (top_k > 0 && top_ids) ggml_backend_tensor_get(cand_ids, top_ids, 0, ggml_nbytes(cand_ids));
+        if (top_k > 0 && top_probs) ggml_backend_tensor_get(cand_probs, top_probs, 0, ggml_nbytes(cand_probs));
     } catch (...) {
         ggml_free(ctx);
         throw;

@@ -50,9 +50,13 @@ class DFlashModel {
     void inject(const float * features, int64_t n_rows, int64_t pos0);
     // One block [anchor, mask x (block_size-1)] at positions n_cached() .. : the non-causal pass
     // over every cached context row and the block. Writes the logits of the block_size-1 predicted
-    // slots ({block_size-1, n_vocab} row-major) to `logits`, or their argmax to `top1` (on the
-    // device); either may be null. Leaves the cache as it was.
-    void block(int32_t anchor, float * logits, int32_t * top1);
+    // slots ({block_size-1, n_vocab} row-major) to `logits`, their argmax to `top1`, and / or (when
+    // top_k > 0) each slot's top_k tokens to `top_ids` with their probabilities under
+    // softmax(logits / temperature) to `top_probs` ({block_size-1, top_k} each, a slot's tokens in
+    // no particular order), all computed on the device; any output may be null. Leaves the cache
+    // as it was.
+    void block(int32_t anchor, float * logits, int32_t * top1, int64_t top_k = 0, float temperature = 1.0f,
+               int32_t * top_ids = nullptr, float * top_probs = nullptr);
     void truncate(int64_t n) { n_cached_ = std::min(n_cached_, n); }  // forget context rows >= n
 
     const DFlashHParams & hparams() const { return hp_; }

@@ -160,12 +160,16 @@ DraftTree build_best_first(const NodeDistribution & dist, const BestFirstOptions
 
     if (budget == 0 || max_depth == 0) return tree;
     expand(-1);
-    // the top-1 chain first: the likeliest path must be verified whatever the scores elsewhere
-    for (int32_t node = -1; tree.size() < std::min(budget, max_depth) && !cands[node + 1].ids.empty();) {
-        offer(node, 1);
-        node = add(node, 0);
+    if (opts.seed_chain) {
+        // the top-1 chain first: the likeliest path must be verified whatever the scores elsewhere
+        for (int32_t node = -1; tree.size() < std::min(budget, max_depth) && !cands[node + 1].ids.empty();) {
+            offer(node, 1);
+            node = add(node, 0);
+        }
+        if (!tree.empty()) offer((int32_t)tree.size() - 1, 0);  // the chain's end may grow further
+    } else {
+        offer(-1, 0);
     }
-    if (!tree.empty()) offer((int32_t)tree.size() - 1, 0);  // the chain's end may grow further
     while (tree.size() < budget && !frontier.empty()) {
         const auto [s, neg_seq, par, rank] = frontier.top();
         frontier.pop();

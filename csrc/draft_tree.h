@@ -19,8 +19,9 @@ enum class ChildDraw : uint8_t {
     iid,                  // every child an independent draw from q (SpecInfer's setting)
 };
 
-// Nodes are stored so that a parent precedes its children, and the top-1 chain comes first: nodes
-// 0 .. chain_length()-1 are each the child of the one before (node 0 a child of the root).
+// Nodes are stored so that a parent precedes its children. Most drafters put the top-1 chain first
+// (nodes 0 .. chain_length()-1 each the child of the one before, node 0 a child of the root); a
+// pure best-first tree (BestFirstOptions::seed_chain false) stores nodes in score order instead.
 struct DraftTree {
     std::vector<int32_t> token;   // the drafted token of each node
     std::vector<int32_t> parent;  // its parent node; -1: a child of the root (the last committed token)
@@ -67,14 +68,18 @@ struct BestFirstOptions {
     // uniforms) and q is recorded, so that rejection sampling can be exact. Unset: children are the
     // most probable tokens, chosen deterministically, and no q is recorded.
     std::function<double()> uniform;
+    // The top-1 chain first, whatever its scores (Luce's default); false: pure best-first from the
+    // root's rank-0 candidate, the DDTree paper's rule (liranringel/ddtree, our torch reference
+    // bench/testbed/ddtree.py), which can leave the chain's deep nodes out for likelier branches.
+    bool seed_chain = true;
 };
 
-// DDTree's best-first expansion with the top-1 chain seeded first (as Luce): the chain of
-// rank-0 children down to min(max_depth, budget); then, until the budget is spent, the candidate
-// with the highest path score, where a candidate is (node, rank r) and its score is the node's
-// score plus log of q's r-th largest probability. Popping a candidate adds the node and offers its
-// next-rank sibling and its own rank-0 child. Scores use q's sorted probabilities, never the drawn
-// token's, so that whether a drawn child exists never depends on which token it is (what keeps
+// DDTree's best-first expansion, with the top-1 chain seeded first (as Luce) when seed_chain: the
+// chain of rank-0 children down to min(max_depth, budget); then, until the budget is spent, the
+// candidate with the highest path score, where a candidate is (node, rank r) and its score is the
+// node's score plus log of q's r-th largest probability (ties: the candidate offered first).
+// Popping a candidate adds the node and offers its next-rank sibling, then its own rank-0 child.
+// Scores use q's sorted probabilities, never the drawn token's, so that whether a drawn child exists never depends on which token it is (what keeps
 // rejection sampling exact on sampled trees). `dist` is called once per node that may get
 // children, in the order nodes are added.
 DraftTree build_best_first(const NodeDistribution & dist, const BestFirstOptions & opts);

@@ -27,8 +27,8 @@ class Drafter {
     virtual void begin(const std::vector<int32_t> & prompt) {}
     // Propose up to n_max tokens that follow `committed` (prompt + generated so far).
     virtual Draft propose(const std::vector<int32_t> & committed, int64_t n_max) = 0;
-    // Propose a tree of at most `budget` nodes no deeper than `max_depth` after `committed`, its
-    // top-1 chain first (draft_tree.h). A drafter that cannot branch proposes its chain.
+    // Propose a tree of at most `budget` nodes no deeper than `max_depth` after `committed`
+    // (draft_tree.h). A drafter that cannot branch proposes its chain.
     virtual DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth);
     // The target accepted the first n_accepted drafted tokens and appended `bonus`.
     virtual void accept(const std::vector<int32_t> & committed_after) {}

@@ -179,7 +179,9 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
                 const int64_t budget = std::min(spec.tree_budget, target.n_ctx() - target.n_past() - 1);
                 tree = drafter.propose_tree(history, budget, std::min(n_draft, room));
                 if (req.constraint) req.constraint->prune_tree(tree);  // what the grammar forbids is not verified
-                if (tree.max_depth() < spec.n_min) tree = DraftTree{};
+                // n_min counts verified nodes: a best-first tree fills its budget but may stay
+                // shallow (DDTree's budget 8 under a 15-deep block), which is no reason to skip it
+                if (tree.size() < std::min(spec.n_min, budget)) tree = DraftTree{};
             } else {
                 draft = drafter.propose(history, std::min(n_draft, room));
                 if (req.constraint) req.constraint->cut_draft(draft);  // what the grammar forbids is not verified

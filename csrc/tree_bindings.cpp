@@ -77,8 +77,9 @@ TreeRule rule_from(const std::string & s) {
 }
 
 BestFirstOptions options(int64_t budget, int64_t max_depth, int64_t max_children, py::object sample_seed,
-                         std::mt19937_64 & rng) {
+                         std::mt19937_64 & rng, bool seed_chain = true) {
     BestFirstOptions o;
+    o.seed_chain = seed_chain;
     o.budget = budget;
     o.max_depth = max_depth;
     o.max_children = max_children;
@@ -114,7 +115,7 @@ void bind_trees(py::module_ & m) {
     m.def(
         "tree_best_first",
         [](const std::function<SparseDist(std::vector<int32_t>)> & dist, int64_t budget, int64_t max_depth,
-           int64_t max_children, py::object sample_seed) {
+           int64_t max_children, py::object sample_seed, bool seed_chain) {
             std::mt19937_64 rng;
             std::vector<std::vector<int32_t>> asked;
             const DraftTree t = build_best_first(
@@ -122,27 +123,27 @@ void bind_trees(py::module_ & m) {
                     asked.push_back(tree.path_tokens(node));
                     out = to_dist(dist(asked.back()));
                 },
-                options(budget, max_depth, max_children, sample_seed, rng));
+                options(budget, max_depth, max_children, sample_seed, rng, seed_chain));
             py::dict out = tree_dict(t);
             out["asked"] = asked;  // the paths whose distribution the builder asked for, in order
             return out;
         },
         py::arg("dist"), py::arg("budget"), py::arg("max_depth"), py::arg("max_children") = 0,
-        py::arg("sample_seed") = py::none(),
+        py::arg("sample_seed") = py::none(), py::arg("seed_chain") = true,
         "Test only: build_best_first with dist(path) -> (ids, probs); sample_seed set draws children "
-        "without replacement.");
+        "without replacement; seed_chain false: pure best-first.");
 
     m.def(
         "tree_from_marginals",
         [](const std::vector<SparseDist> & marginals, int64_t budget, int64_t max_depth, int64_t max_children,
-           py::object sample_seed) {
+           py::object sample_seed, bool seed_chain) {
             std::vector<Distribution> ms;
             for (const auto & d : marginals) ms.push_back(to_dist(d));
             std::mt19937_64 rng;
-            return tree_dict(build_from_marginals(ms, options(budget, max_depth, max_children, sample_seed, rng)));
+            return tree_dict(build_from_marginals(ms, options(budget, max_depth, max_children, sample_seed, rng, seed_chain)));
         },
         py::arg("marginals"), py::arg("budget"), py::arg("max_depth"), py::arg("max_children") = 0,
-        py::arg("sample_seed") = py::none(), "Test only: build_from_marginals.");
+        py::arg("sample_seed") = py::none(), py::arg("seed_chain") = true, "Test only: build_from_marginals.");
 
     m.def(
         "ngram_tree",

@@ -326,3 +326,36 @@ def test_reference_dflash_chain_matches_deltaspec(smoke):
             steps, drafted, accepted = steps + r.stats.n_steps, drafted + r.stats.n_drafted, accepted + r.stats.n_accepted
     assert drafted > 0
     assert (steps, drafted, accepted) == (ref.steps, ref.drafted, ref.accepted)
+
+
+def test_reference_ddtree_matches_deltaspec(smoke):
+    """The torch reference's DFlash + DDTree rounds (bench/testbed/ddtree.py on the torch drafter's
+    block, block - 1 deep, drafting only with that much room) and deltaspec's spec_type "dflash"
+    with tree_budget and draft_n_min = draft_n_max = block - 1 commit the same tokens in the same
+    target passes, with the same nodes verified and accepted, at budgets below and above the
+    block. Seen to fail with deltaspec's tree seeded with the top-1 chain (BestFirstOptions::
+    seed_chain) and with the loop's draft_n_min compared with the tree's depth (budget 8 then never
+    drafts)."""
+    import acceptance
+    import deltaspec
+    target, draft, dflash, mtp = acceptance.load_torch_models(smoke, torch.device("cpu"))
+    training = json.loads((smoke / "manifest.json").read_text())["training"]
+    prompts, block = training["prompts"][:2], training["block_size"]
+    n_new = 40
+    cont = reference.continuation(target, torch.tensor(prompts), n_new, 0.0, 0)
+    n_gen = reference.generated_lengths(cont, len(prompts[0]), 0)
+    drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=training["mask_token_id"])
+    with deltaspec.Model(smoke / "target.gguf", n_ctx=256, progress=False) as model:
+        for budget in (8, 22):
+            ref = reference.simulate(cont, len(prompts[0]), n_gen, drafters.dflash_tree(budget), block - 1, block - 1)
+            steps = drafted = accepted = 0
+            for i, p in enumerate(prompts):
+                r = model.generate(p, max_tokens=n_new, temperature=0, draft_model=smoke / "dflash.gguf",
+                                   spec_type="dflash", draft_n_max=block - 1, draft_n_min=block - 1,
+                                   tree_budget=budget)
+                assert r.tokens == cont[i, len(p):len(p) + n_gen[i]].tolist()
+                steps, drafted = steps + r.stats.n_steps, drafted + r.stats.n_drafted
+                accepted += r.stats.n_accepted
+                assert r.stats.n_tree_nodes == r.stats.n_drafted
+            assert drafted > 0 and ref.accepted > 0, budget
+            assert (steps, drafted, accepted) == (ref.steps, ref.drafted, ref.accepted), budget

@@ -168,7 +168,8 @@ def _add_run_parser(sub) -> None:
                    help="fewest tokens drafted per step (default: %(default)s)")
     g.add_argument("--spec-tree-budget", type=int, default=0, metavar="N",
                    help="draft trees of up to N nodes (no deeper than --spec-draft-n-max), verified in one "
-                        "pass; 0: chains (default: %(default)s)")
+                        "pass (with --spec-type dflash: a DDTree tree over one block); 0: chains "
+                        "(default: %(default)s)")
     g = p.add_argument_group("structured output (enforced while decoding, speculation included)")
     g.add_argument("--grammar", metavar="GRAMMAR", default=None,
                    help="GBNF grammar (llama.cpp's format; Lark with a start: rule) the output must match")

@@ -199,6 +199,19 @@ class Drafter:
         """The argmax of every predicted slot (the chain draft), as block_logits takes `ids`."""
         return list(self._core.block_top1(self._anchor(ids)))
 
+    def tree(self, ids: Sequence[int], budget: int, max_depth: int | None = None, temperature: float = 0.0,
+             seed: int = 0) -> dict:
+        """The DDTree draft tree speculation verifies after `ids` (the target reads all but the last,
+        the anchor; its state is reset): {token, parent, depth} per node (parent -1: the anchor),
+        and for sampled trees (temperature > 0) the per-depth q the children were drawn from
+        (`dists`: (ids, probs) per depth, `child_q` / `root_child_q` index them)."""
+        arr = self.target._token_array(ids)
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= 256:
+            raise ValueError(f"budget must be an integer in [1, 256], got {budget!r}")
+        depth = self.block_size - 1 if max_depth is None else int(max_depth)
+        with self.target._busy:
+            return self._core.tree(arr.tolist(), budget, depth, float(temperature), int(seed))
+
     def _anchor(self, ids: int | Sequence[int]) -> int:
         if isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
             return int(ids)

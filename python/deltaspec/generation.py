@@ -253,7 +253,7 @@ class Generator:
                                                constraint=constraint, mtp=spec.mtp)
         if spec.dflash:  # a deltaspec.dflash.Drafter on this model's engine
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
-                                               eog, stop, spec.n_max, spec.n_min, callback,
+                                               eog, stop, spec.n_max, spec.n_min, callback, spec.tree_budget,
                                                constraint=constraint, dflash=spec.draft._core)
         with engine_of(spec.draft) as draft:  # the draft model's engine is ours for the whole run too
             return engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,

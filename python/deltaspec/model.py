@@ -287,11 +287,15 @@ class Model:
         Speculative decoding (lossless: same greedy output, same sampling distribution):
         spec_type "draft-simple" with draft_model (a Model or a GGUF path with the same
         vocabulary), "ngram-simple" (prompt lookup) or "mtp" (alias "draft-mtp": the model's own MTP
-        head, for files converted with their MTP layer); draft_n_max / draft_n_min bound the draft
-        length, which adapts to the acceptance rate. tree_budget > 0 drafts trees of up to that
-        many nodes (DDTree-style best-first with the top-1 chain first; n-gram drafts branch where
-        the text went on differently; the MTP head's trees are its chain with its next-best tokens
-        as extra leaves at each depth) verified in one target pass; 0 drafts chains. Stats then
+        head, for files converted with their MTP layer) or "dflash" (alias "draft-dflash": draft_model
+        a DFlash block drafter, deltaspec.Drafter or its GGUF path, one pass drafting a block);
+        draft_n_max / draft_n_min bound the draft length, which adapts to the acceptance rate (tree
+        nodes count for draft_n_min). tree_budget > 0 drafts trees of up to that many nodes
+        (draft model: best-first with the top-1 chain first; DFlash: DDTree's best-first over the
+        block's per-slot distributions, children drawn without replacement when sampling; the MTP
+        head: its chain with its next-best tokens as extra leaves at each depth; n-gram drafts
+        branch where the text went on differently) verified in one target pass; 0 drafts chains.
+        Stats then
         report n_drafted, n_accepted, acceptance_rate, mean_acceptance_length, n_tree_nodes,
         accepted_lengths (per verified draft) and draft / verify / rollback time.
 
@@ -587,9 +591,7 @@ class Model:
                 raise ValueError("spec_type 'ngram-simple' drafts from the text itself; do not pass draft_model")
             return Speculation(None, n_max, n_min, tree_budget=tree_budget)
         if spec_type in ("dflash", "draft-dflash"):
-            if tree_budget:
-                raise ValueError("spec_type 'dflash' drafts chains for now: tree_budget must be 0")
-            return self._dflash_speculation(draft_model, n_max, n_min)
+            return self._dflash_speculation(draft_model, n_max, n_min, tree_budget)
         if draft_model is None:
             raise ValueError("spec_type 'draft-simple' needs draft_model (a Model or a GGUF path)")
         if not isinstance(draft_model, (Model, str, os.PathLike)):
@@ -629,7 +631,7 @@ class Model:
         the new ones (result.stats.cached_tokens says how many it skipped)."""
         session_state.load(self, state)
 
-    def _dflash_speculation(self, draft_model, n_max, n_min) -> Speculation:
+    def _dflash_speculation(self, draft_model, n_max, n_min, tree_budget=0) -> Speculation:
         from .dflash import Drafter
 
         if draft_model is None:
@@ -647,7 +649,7 @@ class Model:
             raise ValueError(f"the DFlash drafter {draft_model.path} was loaded for another target model")
         # a block predicts block_size - 1 tokens: longer drafts do not exist (llama.cpp clamps too)
         n_max = min(n_max, draft_model.block_size - 1)
-        return Speculation(draft_model, n_max, min(n_min, n_max), dflash=True)
+        return Speculation(draft_model, n_max, min(n_min, n_max), tree_budget=tree_budget, dflash=True)
 
     def _draft_cache(self, path) -> "Model":
         """A draft Model loaded from a path once and kept with this model."""
