@@ -1,11 +1,13 @@
 // Speculation for several sequences at once: one scheduler step drafts for every running sequence
-// that speculates, verifies every running sequence's rows in ONE target pass (Engine::verify_rows:
-// a drafting sequence's chain [pending token, drafts...], any other sequence's pending token alone),
-// then per sequence applies generate_speculative's accept rule (accept_argmax / accept_draft, the
-// sequence's own Sampler, so the same random draws in the same order) and keeps the accepted prefix
-// of each slot (Engine::keep_paths). The drafting schedule (room, adaptive draft length, pause and
-// backoff) is generate_speculative's, per sequence, and depends on its tokens only: each sequence
-// gives the tokens it gives alone with generate_speculative and the same drafter, greedy or sampled.
+// that speculates (prompt lookup chains or trees, or the draft model's chains: batch_draft.h),
+// verifies every running sequence's rows in ONE target pass (Engine::verify_rows: a drafting
+// sequence's chain [pending token, drafts...] or tree [pending token, nodes...], any other sequence's
+// pending token alone), then per sequence applies generate_speculative's accept rule (accept_argmax /
+// accept_draft, or walk_tree's; the sequence's own Sampler, so the same random draws in the same
+// order) and keeps the accepted path of each slot (Engine::keep_paths). The drafting schedule (room,
+// adaptive draft length, pause and backoff) is generate_speculative's, per sequence, and depends on
+// its tokens only: each sequence gives the tokens it gives alone with generate_speculative and the
+// same drafter, greedy or sampled.
 // One difference: a pass holds at most n_ubatch rows, so with N sequences a draft is at most
 // n_ubatch / N - 1 tokens long (a sampled sequence whose draft that cuts takes other random draws
 // than alone; it is no less exact).
