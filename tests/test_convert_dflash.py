@@ -227,9 +227,11 @@ def test_refuses_bad_tensors_and_targets(tmp_path):
     good = _micro(tmp_path / "d")
     with pytest.raises(ConversionError, match="not a DFlash drafter"):  # a Qwen3.5 folder is no drafter
         CD.convert_dflash_to_gguf(target, tmp_path / "o.gguf", target)
+    with pytest.raises(ConversionError, match="is a DFlash drafter: convert it for its target"):
+        convert_hf_to_gguf(good, tmp_path / "o.gguf")  # and a drafter is no Qwen3.5 checkpoint
     with pytest.raises(ConversionError, match="neither a Hugging Face checkpoint folder nor a GGUF"):
         CD.convert_dflash_to_gguf(good, tmp_path / "o.gguf", tmp_path / "nothing")
-    with pytest.raises(ConversionError, match="architecture"):  # a target folder that is not Qwen3.5
+    with pytest.raises(ConversionError, match="is a DFlash drafter"):  # a target folder that is not Qwen3.5
         CD.convert_dflash_to_gguf(good, tmp_path / "o.gguf", good)
     not_gguf = tmp_path / "t.gguf"
     not_gguf.write_bytes(b"junk" * 10)

@@ -195,6 +195,9 @@ def _load_hparams(folder: Path) -> dict[str, Any]:
         raise ConversionError(f"{cfg_path}: not valid JSON ({e})") from None
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
+    if isinstance(arch, str) and "DFlash" in arch:
+        raise ConversionError(f"{cfg_path}: {arch} is a DFlash drafter: convert it for its target with "
+                              "deltaspec.convert_dflash.convert_dflash_to_gguf (CLI: deltaspec convert ... --target T)")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConversionError(f"{cfg_path}: architecture {arch!r} is not supported "
                               f"(only {', '.join(SUPPORTED_ARCHITECTURES)})")
