@@ -23,8 +23,8 @@ from gguf import GGUFWriter  # noqa: E402
 
 from deltaspec import convert as C  # noqa: E402
 from deltaspec.errors import ConversionError, DeltaspecError  # noqa: E402
-from deltaspec.gguf_file import read_gguf  # noqa: E402
 from deltaspec.testing.tiny_models import MTP_CONFIGS, TINY_CONFIGS, check_not_flat, probe_logits, tiny_model_dir  # noqa: E402
+from gguf_compare import assert_same_gguf, read_gguf_view  # noqa: E402
 from upstream import llama_cpp_tree, run_reference_converter  # noqa: E402
 
 NOT_COMPARED: dict[str, str] = {}  # metadata key -> why it may differ (none today)
@@ -84,18 +84,7 @@ def ours(hf_dirs, tmp_path_factory):
     return get
 
 
-def _read(path: Path) -> tuple[dict[str, tuple], list[tuple]]:
-    """key -> (GGUF value type, value) and [(name, ggml shape, type name, data bytes)], in file order.
-
-    Arrays have the type (9, element type). The whole-file comparison below catches whatever this
-    view would not (float bit patterns, the element types inside an array of arrays, padding).
-    """
-    g = read_gguf(path)
-    assert g.version == 3, path
-    buf = path.read_bytes()
-    kv = {key: (g.value_types[key], value) for key, value in g.metadata.items()}
-    tensors = [(t.name, t.shape, t.type.name, buf[t.offset:t.offset + t.n_bytes]) for t in g.tensors.values()]
-    return kv, tensors
+_read = read_gguf_view
 
 
 @pytest.mark.parametrize("name,outtype", CASES, ids=[f"{n}-{t}" for n, t in CASES])
@@ -120,33 +109,10 @@ def test_mtp_layer_matches_llama_cpp(name, outtype, keep, reference, ours):
 
 
 def _assert_same_gguf(mine: Path, reference: Path) -> None:
-    ref_kv, ref_t = _read(reference)
-    our_kv, our_t = _read(mine)
-
-    assert [t[0] for t in our_t] == [t[0] for t in ref_t], "tensor names or order differ"
-    for (tname, shape, qtype, data), (_, rshape, rqtype, rdata) in zip(our_t, ref_t):
-        assert (shape, qtype) == (rshape, rqtype), tname
-        same = data == rdata  # a bare assert would make pytest diff megabytes
-        assert same, f"{tname}: bytes differ"
-
-    keys = (set(ref_kv) | set(our_kv)) - set(NOT_COMPARED)
-    assert sorted(keys - set(our_kv)) == [], "keys only llama.cpp writes"
-    assert sorted(keys - set(ref_kv)) == [], "keys only deltaspec writes"
-    for key in sorted(keys):
-        same = our_kv[key] == ref_kv[key]
-        assert same, f"{key}: ours {_short(our_kv[key])} != llama.cpp {_short(ref_kv[key])}"
-    assert [k for k in our_kv if k in keys] == [k for k in ref_kv if k in keys], "same keys, other order"
+    assert_same_gguf(mine, reference, NOT_COMPARED)
+    ref_kv, _ = read_gguf_view(reference)
     assert ref_kv["tokenizer.ggml.pre"][1] == "qwen35"  # the reference hash-detected the real vocab
     assert "tokenizer.chat_template" in ref_kv
-
-    if not NOT_COMPARED:  # same keys in the same order, same alignment: the very same file
-        same = mine.read_bytes() == reference.read_bytes()
-        assert same, "files differ outside the compared keys and tensors"
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) < 300 else text[:300] + "..."
 
 
 def test_v_heads_are_reordered(hf_dirs, ours):

@@ -46,6 +46,19 @@ def smoke(tmp_path_factory) -> Path:
     return out
 
 
+def test_dflash_gguf_is_llama_cpp_converters_file(smoke, tmp_path):
+    """export.py writes dflash.gguf with deltaspec's converter; llama.cpp's (llama_convert.py, which
+    names the testbed's pre-tokenizer "qwen35" as deltaspec's converter does) writes the same bytes
+    from the same folders. Seen to fail with convert_dflash writing the mask token id before the
+    vocabulary ('files differ': the keys' order)."""
+    import export
+    ref = tmp_path / "llama-dflash.gguf"
+    export.llama_convert(export.default_llama_cpp(), [str(smoke / "hf/dflash"), "--target-model-dir",
+                                                      str(smoke / "hf/target"), "--outtype", "f16", "--outfile", str(ref)])
+    same = ref.read_bytes() == (smoke / "dflash.gguf").read_bytes()
+    assert same, "files differ"
+
+
 def test_split_keeps_files_and_packages_on_one_side(smoke, tmp_path):
     """No package and no file content on both sides of the split; duplicated content is kept once.
     Seen to fail with `corpus.is_heldout` patched to hash the file path instead of the package
@@ -90,7 +103,8 @@ def test_exported_target_loads_in_deltaspec_with_torch_logits(smoke):
     """The target GGUF from deltaspec's converter gives transformers' logits (same f16 weights) and
     the same greedy text, also drafting with its MTP layer (which deltaspec's converter keeps; the
     MTP head alone also went to mtp.gguf through llama.cpp's converter), the DFlash
-    drafter to dflash.gguf with its target layers shifted to llama.cpp's layer-input convention.
+    drafter to dflash.gguf (deltaspec's converter too) with its target layers shifted to llama.cpp's
+    layer-input convention.
     Seen to fail with deltaspec.convert._plus_one patched to the identity (norms off by one)."""
     import deltaspec
     import gguf
@@ -274,10 +288,11 @@ def test_reference_draft_chain_matches_deltaspec(smoke, drafter):
 
 
 def test_dflash_gguf_from_llama_cpp_drafts_as_torch(smoke):
-    """The testbed's dflash.gguf (llama.cpp's converter, f16) drafting for deltaspec's target from
-    features deltaspec's target taps itself (Drafter.block_logits(ids)) gives the torch
-    DFlashDraftModel's logits when that is fed transformers' hidden_states at target_layer_ids
-    (the +1 offset of extract_context_feature): the same top-1 chain, logits within f16 rounding.
+    """The testbed's dflash.gguf (deltaspec's converter, f16: llama.cpp's converter's bytes) drafting
+    for deltaspec's target from features deltaspec's target taps itself (Drafter.block_logits(ids))
+    gives the torch DFlashDraftModel's logits when that is fed transformers' hidden_states at
+    target_layer_ids (the +1 offset of extract_context_feature): the same top-1 chain, logits
+    within f16 rounding.
     Seen to fail with the taps one layer too deep (L instead of L-1 in dflash_taps) and with the
     head reading block slots 0..B-2 instead of 1..B-1."""
     import acceptance

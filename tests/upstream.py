@@ -56,3 +56,28 @@ def run_reference_converter(jobs: list[tuple]) -> None:
     if proc.returncode != 0:
         raise RuntimeError(f"llama.cpp convert_hf_to_gguf.py failed (exit {proc.returncode}):\n"
                            + proc.stdout[-6000:])
+
+
+_DFLASH_DRIVER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf
+for hf_dir, target, out, outtype in json.loads(sys.argv[2]):
+    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--target-model-dir", target, "--outfile", out, "--outtype", outtype]
+    convert_hf_to_gguf.main()
+"""
+
+
+def run_reference_dflash_converter(jobs: list[tuple]) -> None:
+    """Convert each (drafter_dir, target_dir, out_gguf, outtype) with llama.cpp's convert_hf_to_gguf.py
+    and its `--target-model-dir` (the DFlash drafter takes the target's vocabulary), all in one
+    interpreter as run_reference_converter does."""
+    tree = llama_cpp_tree()
+    paths = [str(tree / "gguf-py"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    spec = json.dumps([[str(x) for x in job[:3]] + [job[3]] for job in jobs])
+    proc = subprocess.run([sys.executable, "-c", _DFLASH_DRIVER, str(tree), spec], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp convert_hf_to_gguf.py (DFlash) failed (exit {proc.returncode}):\n"
+                           + proc.stdout[-6000:])

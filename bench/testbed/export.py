@@ -2,7 +2,7 @@
 
   target.gguf  qwen35 target with its MTP layer, deltaspec's converter (which keeps MTP, as llama.cpp's does)
   draft.gguf   qwen35 2-layer draft model, deltaspec's converter
-  dflash.gguf  DFlash drafter, llama.cpp's converter (deltaspec's converts qwen35 only)
+  dflash.gguf  DFlash drafter, deltaspec's converter (byte-identical to llama.cpp's: test_testbed.py)
   mtp.gguf     the target's MTP head alone (`--mtp`: blk.{n_layer}.nextn.* + embedding + final
                norm), llama.cpp's converter (an MTP-only file, for llama.cpp)
   hf_target.tar, hf_drafters.tar   the HF folders (f16) the torch reference loads
@@ -60,6 +60,7 @@ def llama_convert(llama_dir: Path, args: list[str]) -> None:
 
 def convert_all(out: Path, llama_dir: Path) -> dict[str, float]:
     from deltaspec.convert import convert_hf_to_gguf
+    from deltaspec.convert_dflash import convert_dflash_to_gguf
     hf = out / "hf"
     times = {}
     for name in ("target", "draft"):
@@ -67,8 +68,9 @@ def convert_all(out: Path, llama_dir: Path) -> dict[str, float]:
         convert_hf_to_gguf(hf / name, out / f"{name}.gguf", "f16")
         times[f"convert_{name}_s"] = round(time.time() - t, 1)
     t = time.time()
-    llama_convert(llama_dir, [str(hf / "dflash"), "--target-model-dir", str(hf / "target"),
-                              "--outtype", "f16", "--outfile", str(out / "dflash.gguf")])
+    convert_dflash_to_gguf(hf / "dflash", out / "dflash.gguf", hf / "target", "f16")
+    times["convert_dflash_s"] = round(time.time() - t, 1)
+    t = time.time()
     llama_convert(llama_dir, [str(hf / "target"), "--mtp", "--outtype", "f16", "--outfile", str(out / "mtp.gguf")])
     times["convert_llama_cpp_s"] = round(time.time() - t, 1)
     return times

@@ -14,12 +14,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"deltaspec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")  # StrictParser too (parser_class)
 
-    p = sub.add_parser("convert", help="convert a Hugging Face Qwen3.5 text checkpoint to GGUF")
-    p.add_argument("hf_dir", help="folder with config.json, *.safetensors and tokenizer files")
+    p = sub.add_parser("convert", help="convert a Hugging Face Qwen3.5 text checkpoint, or a DFlash drafter "
+                                       "checkpoint (with --target), to GGUF")
+    p.add_argument("hf_dir", help="folder with config.json, *.safetensors and tokenizer files (a DFlash drafter's "
+                                  "folder has no tokenizer: see --target)")
     p.add_argument("out", help="output .gguf path")
     p.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"])
     p.add_argument("--no-mtp", action="store_true",
                    help="drop the checkpoint's MTP layer (kept by default, as llama.cpp's converter keeps it)")
+    p.add_argument("--target", "--target-model-dir", dest="target", metavar="TARGET",
+                   help="for a DFlash drafter (DFlashDraftModel): its target model, as the HF folder or the qwen35 "
+                        "GGUF, whose vocabulary the drafter's file carries and which it must fit")
     p.set_defaults(run=_run_convert)
 
     p = sub.add_parser("info", help="print a qwen35 GGUF's architecture, sizes and quant mix")
@@ -624,7 +629,19 @@ def _chat(model, system: str | None, sampling: dict, template_kwargs: dict, log:
 
 def _run_convert(args: argparse.Namespace) -> int:
     from .convert import convert_hf_to_gguf
+    from .convert_dflash import convert_dflash_to_gguf, is_dflash_checkpoint
+    from .errors import ConversionError
 
+    if is_dflash_checkpoint(args.hf_dir):
+        if args.target is None:
+            raise ConversionError(f"{args.hf_dir} is a DFlash drafter, which has no tokenizer of its own: give "
+                                  "--target TARGET (the target model's HF folder or GGUF)")
+        if args.no_mtp:
+            raise ConversionError("--no-mtp: a DFlash drafter has no MTP layer")
+        convert_dflash_to_gguf(args.hf_dir, args.out, args.target, outtype=args.outtype)
+        return 0
+    if args.target is not None:
+        raise ConversionError(f"--target is for DFlash drafter checkpoints; {args.hf_dir} is not one")
     convert_hf_to_gguf(args.hf_dir, args.out, outtype=args.outtype, mtp=not args.no_mtp)
     return 0
 

@@ -146,18 +146,30 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
     plan = _plan_tensors(folder, hp, sources, default_qtype)
     log = (lambda msg: print(msg, file=sys.stderr)) if progress else (lambda msg: None)
 
-    writer = gguf.GGUFWriter(path=None, arch=ARCH)
-    for p in plan:
-        dtype = np.float32 if p.qtype == _QT.F32 else np.float16 if p.qtype == _QT.F16 else np.uint8
-        shape = p.shape if dtype != np.uint8 else gguf.quant_shape_to_byte_shape(p.shape, p.qtype)
-        writer.add_tensor_info(p.gguf_name, shape, np.dtype(dtype),
-                               int(np.prod(shape)) * np.dtype(dtype).itemsize, raw_dtype=p.qtype)
+    writer = planned_writer(ARCH, plan)
     writer.add_type(gguf.GGUFType.MODEL)
     _add_general_metadata(writer, folder)
     _add_hparams(writer, hp, ftype)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_vocab(writer, folder, hp)
+    write_planned(writer, plan, out, log)
+    return out
 
+
+def planned_writer(arch: str, plan: list[_Planned]) -> gguf.GGUFWriter:
+    """A writer for `arch` holding the tensor table of `plan` (llama.cpp's converter adds the
+    tensors before the metadata too, so general.size_label can count their parameters)."""
+    writer = gguf.GGUFWriter(path=None, arch=arch)
+    for p in plan:
+        dtype = np.float32 if p.qtype == _QT.F32 else np.float16 if p.qtype == _QT.F16 else np.uint8
+        shape = p.shape if dtype != np.uint8 else gguf.quant_shape_to_byte_shape(p.shape, p.qtype)
+        writer.add_tensor_info(p.gguf_name, shape, np.dtype(dtype),
+                               int(np.prod(shape)) * np.dtype(dtype).itemsize, raw_dtype=p.qtype)
+    return writer
+
+
+def write_planned(writer: gguf.GGUFWriter, plan: list[_Planned], out: Path, log: Callable[[str], None]) -> None:
+    """Write the header, the metadata and each planned tensor, one at a time."""
     # write next to the target and rename, so a failure never leaves a truncated GGUF behind
     with gguf_written_to(out, writer) as tmp:
         writer.write_header_to_file(path=tmp)
@@ -167,7 +179,6 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
             data = gguf.quants.quantize(p.transform(p.source.load()), p.qtype)
             writer.write_tensor_data(data)
             log(f"[{i + 1}/{len(plan)}] {p.gguf_name} {p.qtype.name} {tuple(reversed(p.shape))}")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +195,9 @@ def _load_hparams(folder: Path) -> dict[str, Any]:
         raise ConversionError(f"{cfg_path}: not valid JSON ({e})") from None
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
+    if isinstance(arch, str) and "DFlash" in arch:
+        raise ConversionError(f"{cfg_path}: {arch} is a DFlash drafter: convert it for its target with "
+                              "deltaspec.convert_dflash.convert_dflash_to_gguf (CLI: deltaspec convert ... --target T)")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConversionError(f"{cfg_path}: architecture {arch!r} is not supported "
                               f"(only {', '.join(SUPPORTED_ARCHITECTURES)})")
