@@ -200,3 +200,4 @@ def test_sampled_tree_speculation_has_exact_marginals(tiny, monkeypatch):
     wrong = [chi_square_p(wrong_counts[pos], exact[pos]) for pos in COMPARED]
     print("p wrong", wrong)
     assert min(wrong) < 1e-6
+
