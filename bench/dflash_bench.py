@@ -18,6 +18,16 @@ and a plain decode step (eval_argmax) for reference. Each is timed --reps times,
 a warm-up; median and spread (max - min) are reported. tokens/s at AL = AL / (draft + verify +
 commit); AL = 8.3 is the seeds' (Qwen3.5-27B, DDTree budget 22, HumanEval), pass more with --al.
 
+Tree rounds (--tree-budgets, default 16 22 32): the real loop, `generate(..., spec_type="dflash",
+tree_budget=B, draft_n_min=1)` after a --depth-token prompt, --tree-tokens tokens, greedy, a tree
+every round; its own timers per round: draft = the kept rows' features injected + one block pass +
+each slot's top-K on the device + the DDTree build (DFlashDrafter::propose_tree), verify = the tree
+verify of B + 1 rows (Engine::verify_tree, the rows ops) + the walk, commit = keep_path (KV rows
+moved, the path's recurrent state replayed, its taps kept). The random drafter's trees are accepted
+~never, so each round keeps one row; at AL n keep_path replays n rows (`commit` above measures the
+drafter's side of that). --tree-sampled adds the same at T = 1 (every row's logits to the host, the
+rejection walk).
+
 --llama-bin DIR (a llama.cpp build with llama-speculative-simple; build one with --build-llama DIR
 on the GPU machine): llama.cpp's draft-dflash chain (block 16: 15 drafts a round) on the same two
 files, greedy, --llama-n tokens; its decode speed and acceptance as it prints them. Its drafts are
@@ -115,6 +125,54 @@ def deltaspec_rounds(args) -> dict:
     return result
 
 
+def tree_rounds(args) -> dict:
+    """Rounds of the speculative loop with DFlash trees: per budget (and T), --reps runs interleaved."""
+    from deltaspec import Drafter, Model
+
+    budgets = sorted(args.tree_budgets)
+    n_ctx = args.depth + args.tree_tokens + max(budgets) + 64
+    model = Model(args.target, n_ctx=n_ctx, device=args.device, progress=False)
+    drafter = Drafter(args.drafter, target=model, n_ctx=n_ctx)
+    prompt = np.random.default_rng(1).integers(0, model.n_vocab, size=args.depth).tolist()
+    temps = [0.0, 1.0] if args.tree_sampled else [0.0]
+    cases = [(b, T) for T in temps for b in budgets]
+    per: dict[tuple, dict[str, list[float]]] = {c: {"draft": [], "verify": [], "commit": [], "nodes": [], "al": []}
+                                                for c in cases}
+
+    def run(b, T, seed):
+        r = model.generate(prompt, max_tokens=args.tree_tokens, temperature=T, top_k=0, top_p=1.0, min_p=0.0,
+                           seed=seed, draft_model=drafter, spec_type="dflash", draft_n_max=drafter.block_size - 1,
+                           draft_n_min=1, tree_budget=b)
+        return r.stats
+
+    for b, T in cases:  # warm-up: graphs of every shape built (and captured on CUDA)
+        run(b, T, 0)
+    for rep in range(args.reps):
+        for b, T in cases:  # interleaved
+            s = run(b, T, rep + 1)
+            n = s.n_steps
+            if s.n_tree_nodes == 0 or n == 0:
+                raise RuntimeError(f"budget {b}, T {T}: no tree verified (n_steps {n})")
+            v = per[(b, T)]
+            v["draft"].append(s.draft_seconds / n)
+            v["verify"].append(s.verify_seconds / n)
+            v["commit"].append(s.rollback_seconds / n)
+            v["nodes"].append(s.n_tree_nodes / n)
+            v["al"].append((s.n_accepted + n) / n)
+    rows = []
+    for (b, T), v in per.items():
+        t = {k: stats(v[k]) for k in ("draft", "verify", "commit")}
+        rnd = [d + ve + c for d, ve, c in zip(v["draft"], v["verify"], v["commit"])]
+        r_ms = stats(rnd)
+        rows.append({"budget": b, "temperature": T, "verify_rows": b + 1, **{f"{k}_ms": t[k]["median_ms"] for k in t},
+                     "round_ms": r_ms["median_ms"], "round_spread_ms": r_ms["spread_ms"], "runs": len(rnd),
+                     "rounds_per_run": args.tree_tokens, "nodes_per_round": round(statistics.median(v["nodes"]), 2),
+                     "measured_al": round(statistics.median(v["al"]), 3),
+                     "tok_s_at_al": {str(al): round(1e3 * al / r_ms["median_ms"], 1) for al in args.al}})
+    model.close()
+    return {"rows": rows, "depth": args.depth, "tokens": args.tree_tokens, "device": args.device}
+
+
 def build_llama(build_dir: Path, cuda: bool) -> Path:
     """llama.cpp's llama-speculative-simple from the pinned tree (the peer's flags, examples on)."""
     sys.path.insert(0, str(REPO / "bench" / "peers"))
@@ -163,6 +221,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--inner", type=int, default=5, help="timings per rep and row")
     ap.add_argument("--al", type=float, nargs="+", default=[4.0, 8.0, 8.3])
+    ap.add_argument("--tree-budgets", type=int, nargs="*", default=[16, 22, 32],
+                    help="DFlash + DDTree rounds through the speculative loop (none: skip)")
+    ap.add_argument("--tree-tokens", type=int, default=64, help="tokens generated per tree run")
+    ap.add_argument("--tree-sampled", action="store_true", help="tree rounds at T = 1 too")
     ap.add_argument("--llama-bin", default=None)
     ap.add_argument("--build-llama", default=None, metavar="DIR", help="build llama-speculative-simple into DIR first")
     ap.add_argument("--llama-n", type=int, default=256)
@@ -174,6 +236,8 @@ def main(argv=None) -> dict:
     report = {"target": os.path.basename(args.target), "drafter": os.path.basename(args.drafter),
               "note": "random weights: round costs only; tok/s at a stated acceptance length"}
     report["deltaspec"] = deltaspec_rounds(args)
+    if args.tree_budgets:
+        report["deltaspec_tree_rounds"] = tree_rounds(args)
     if args.llama_bin:
         report["llama_cpp_draft_dflash"] = [llama_dflash(args, i) for i in range(args.reps)]
     print(f"deltaspec DFlash round at depth {args.depth} on {args.device} (median of {args.reps}x{args.inner}, ms):")
@@ -183,6 +247,16 @@ def main(argv=None) -> dict:
         print(f"{r['budget']:>6} {r['verify_rows']:>4} {r['draft_ms']:>8.2f} {r['verify_ms']:>8.2f} {r['commit_ms']:>8.2f} "
               f"{r['round_ms']:>8.2f} {r['plain_step_ms']:>8.2f}  "
               + " / ".join(str(v) for v in r["tok_s_at_al"].values()) + f"  (plain {r['plain_tok_s']})")
+    if "deltaspec_tree_rounds" in report:
+        tr = report["deltaspec_tree_rounds"]
+        print(f"deltaspec DFlash + DDTree rounds through generate() at depth {args.depth} on {args.device} "
+              f"({args.tree_tokens} tokens a run, median of {args.reps} runs, ms per round):")
+        print(f"{'budget':>6} {'T':>3} {'rows':>4} {'draft':>8} {'verify':>8} {'commit':>8} {'round':>8} {'spread':>7} "
+              f"{'nodes':>6} {'AL':>5}  tok/s at AL " + " / ".join(str(a) for a in args.al))
+        for r in tr["rows"]:
+            print(f"{r['budget']:>6} {r['temperature']:>3g} {r['verify_rows']:>4} {r['draft_ms']:>8.2f} "
+                  f"{r['verify_ms']:>8.2f} {r['commit_ms']:>8.2f} {r['round_ms']:>8.2f} {r['round_spread_ms']:>7.2f} "
+                  f"{r['nodes_per_round']:>6} {r['measured_al']:>5}  " + " / ".join(str(v) for v in r["tok_s_at_al"].values()))
     for r in report.get("llama_cpp_draft_dflash", []):
         print(f"llama.cpp draft-dflash rep {r['rep']}: {r.get('tok_s', '?')} tok/s decode, "
               f"drafted {r.get('n_drafted', '?')} accepted {r.get('n_accept', '?')}")

@@ -49,6 +49,10 @@
 #      llama.cpp's draft-mtp (llama-speculative-simple, compiled against the `build` step's
 #      libraries; llama.cpp is built first when no call made them) -> mtp_bench.json; deltaspec
 #      must be installed (`build` in this call or an earlier one)
+#   dflash: DFlash rounds on the synthetic 27B with a random drafter of the 27B DFlash drafter's
+#      shape (/tmp/d27.gguf, Q8_0): the chain round's parts (budgets 15/16/22/32) and DDTree trees
+#      of 16/22/32 nodes through the speculative loop, greedy and T = 1 (bench/dflash_bench.py),
+#      beside llama.cpp's draft-dflash when llama-speculative-simple was built -> dflash_bench.json
 #   server: `deltaspec serve` vs llama-server at 1/4/16/32 concurrent streams (bench/server_bench.py)
 #      -> server_bench.json; llama-server is added to the `build` step's folder first (a call after
 #      `build`); needs the starlette and uvicorn wheels (and their dependencies) in .whl
@@ -57,7 +61,7 @@
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
 # steps: any of kernels build build-ours stock-build stock test bench bench-ours batch batchspec ab verify tree mtp
-#   profile server tq tq-test toprows
+#   dflash profile server tq tq-test toprows
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -124,7 +128,7 @@ cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step batchspec || has_step stock || has_step ab || has_step verify ||
-        has_step tree || has_step profile || has_step server || has_step tq || has_step toprows
+        has_step tree || has_step profile || has_step server || has_step tq || has_step toprows || has_step dflash
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
@@ -182,6 +186,17 @@ if has_step mtp; then  # MTP rounds, chains of N = 1..5 drafts and trees, on the
         echo "no llama.cpp peer: .deps/gpu-src lacks examples/speculative-simple (copy it from the pinned tree)"
     python3 "$REPO/bench/mtp_bench.py" /tmp/q27mtp.gguf --device cuda --llama-build "$LLAMA_BUILD" \
         --out "$OUT/mtp_bench.json" | tee "$OUT/mtp_bench.md"
+fi
+if has_step dflash; then
+    if [[ ! -f /tmp/d27.gguf ]]; then
+        python3 -m deltaspec.synth_dflash /tmp/d27.gguf.part --quant q8_0 > "$OUT/synth_dflash.log" 2>&1 \
+            && mv /tmp/d27.gguf.part /tmp/d27.gguf
+    fi
+    peer=()
+    [[ -x $LLAMA_BUILD/bin/llama-speculative-simple ]] && peer=(--llama-bin "$LLAMA_BUILD/bin")
+    python3 "$REPO/bench/dflash_bench.py" /tmp/q27.gguf /tmp/d27.gguf --device cuda --budgets 15 16 22 32 \
+        --tree-budgets 16 22 32 --tree-sampled ${peer[@]+"${peer[@]}"} --out "$OUT/dflash_bench.json" \
+        | tee "$OUT/dflash_bench.md"
 fi
 if has_step verify; then
     python3 "$REPO/bench/verify_cost.py" /tmp/q27.gguf --device cuda --out "$OUT/verify_cost.json" \

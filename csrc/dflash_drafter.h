@@ -37,6 +37,7 @@ class DFlashDrafter : public Drafter {
     // Cost over the chain: the top-K (on the device) and (B-1) x K ids and probabilities read
     // back instead of B-1 argmax ids, then a heap of O(budget) items on the host.
     DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
+    bool tree_depth_is_free() const override { return true; }
 
     int64_t n_passes() const { return n_passes_; }
 

@@ -30,6 +30,10 @@ class Drafter {
     // Propose a tree of at most `budget` nodes no deeper than `max_depth` after `committed`
     // (draft_tree.h). A drafter that cannot branch proposes its chain.
     virtual DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth);
+    // True when a tree costs the drafter the same at any depth (one DFlash block pass): the loop
+    // then asks for trees as deep as the room allows (draft_n_max), the budget alone bounding the
+    // verify, as DDTree does; otherwise no deeper than the adaptive draft length.
+    virtual bool tree_depth_is_free() const { return false; }
     // The target accepted the first n_accepted drafted tokens and appended `bonus`.
     virtual void accept(const std::vector<int32_t> & committed_after) {}
 };

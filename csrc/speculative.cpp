@@ -177,7 +177,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             if (spec.tree_budget > 0) {
                 // every node takes a KV row in the verify: the whole tree must fit the context
                 const int64_t budget = std::min(spec.tree_budget, target.n_ctx() - target.n_past() - 1);
-                tree = drafter.propose_tree(history, budget, std::min(n_draft, room));
+                tree = drafter.propose_tree(history, budget, drafter.tree_depth_is_free() ? room : std::min(n_draft, room));
                 if (req.constraint) req.constraint->prune_tree(tree);  // what the grammar forbids is not verified
                 // n_min counts verified nodes: a best-first tree fills its budget but may stay
                 // shallow (DDTree's budget 8 under a 15-deep block), which is no reason to skip it

@@ -16,7 +16,8 @@ struct SpecOptions {
     int64_t n_max = 16;  // longest draft
     int64_t n_min = 0;   // shorter drafts (trees: fewer nodes, or fewer than the budget) are not verified (plain step)
     // > 0: draft trees of up to this many nodes (no deeper than the adaptive draft length, which
-    // n_max bounds), verified in one pass (Engine::verify_tree) and walked with tree_rule (greedy
+    // n_max bounds, or than n_max itself where depth costs the drafter nothing,
+    // Drafter::tree_depth_is_free), verified in one pass (Engine::verify_tree) and walked with tree_rule (greedy
     // follows the target's argmax either way); 0: chains, as Engine::eval_verify runs them.
     int64_t tree_budget = 0;
     TreeRule tree_rule = TreeRule::rejection;

@@ -200,3 +200,25 @@ def test_sampled_tree_speculation_has_exact_marginals(tiny, monkeypatch):
     wrong = [chi_square_p(wrong_counts[pos], exact[pos]) for pos in COMPARED]
     print("p wrong", wrong)
     assert min(wrong) < 1e-6
+
+
+
+def test_cli_dflash_tree_text_unchanged(tiny, tmp_path):
+    """`deltaspec run -md D.gguf --spec-type dflash --spec-tree-budget 22` prints plain greedy's
+    text and reports tree nodes. Seen to fail with model.py refusing tree_budget for spec_type
+    "dflash" (the CLI then exits 1 with the refusal)."""
+    import subprocess
+
+    target, drafter = tiny
+    d = drafter(4, 2.0)
+    base = ["-m", target.path, "-p", "the cat sat on the mat", "-n", "24", "--temp", "0", "-t", "1", "-c", "256"]
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "deltaspec", "run", *base, *extra], capture_output=True,
+                              text=True, encoding="utf-8", errors="replace", timeout=120)
+
+    plain, fast = run(), run("-md", d.path, "--spec-type", "dflash", "--spec-tree-budget", "22",
+                             "--spec-draft-n-min", "1")
+    assert plain.returncode == 0 and fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout and len(plain.stdout) > 30
+    assert "tree nodes" in fast.stderr.strip().splitlines()[-1]

@@ -343,31 +343,48 @@ def test_reference_dflash_chain_matches_deltaspec(smoke):
     assert (steps, drafted, accepted) == (ref.steps, ref.drafted, ref.accepted)
 
 
-def test_reference_ddtree_matches_deltaspec(smoke):
+def test_reference_ddtree_matches_deltaspec(smoke, tmp_path):
     """The torch reference's DFlash + DDTree rounds (bench/testbed/ddtree.py on the torch drafter's
-    block, block - 1 deep, drafting only with that much room) and deltaspec's spec_type "dflash"
-    with tree_budget and draft_n_min = draft_n_max = block - 1 commit the same tokens in the same
-    target passes, with the same nodes verified and accepted, at budgets below and above the
-    block. Seen to fail with deltaspec's tree seeded with the top-1 chain (BestFirstOptions::
-    seed_chain) and with the loop's draft_n_min compared with the tree's depth (budget 8 then never
-    drafts)."""
+    block, up to block - 1 deep) and deltaspec's spec_type "dflash" with tree_budget commit the same
+    tokens in the same target passes, with the same nodes verified and accepted: drafting only with
+    room for block - 1 (draft_n_min = draft_n_max = block - 1, budget 8) and drafting whenever
+    there is room (draft_n_min = 1, budget 22, trees as deep as the room: the acceptance report's
+    setting). The second case sharpens the drafter (its output norm x4, in torch and in a copy of
+    the GGUF): the smoke drafter's own slots are so flat that its trees are one level deep.
+    Seen to fail with deltaspec's tree seeded with the top-1 chain (BestFirstOptions::
+    seed_chain), with the loop's draft_n_min compared with the tree's depth (budget 8 then never
+    drafts) and with DFlash trees no deeper than the adaptive draft length (the sharpened case)."""
+    import shutil
+
     import acceptance
     import deltaspec
+    from deltaspec.gguf_file import read_gguf
     target, draft, dflash, mtp = acceptance.load_torch_models(smoke, torch.device("cpu"))
     training = json.loads((smoke / "manifest.json").read_text())["training"]
     prompts, block = training["prompts"][:2], training["block_size"]
     n_new = 40
     cont = reference.continuation(target, torch.tensor(prompts), n_new, 0.0, 0)
     n_gen = reference.generated_lengths(cont, len(prompts[0]), 0)
-    drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=training["mask_token_id"])
+    sharp = tmp_path / "dflash_sharp.gguf"
+    shutil.copy(smoke / "dflash.gguf", sharp)
+    norm = read_gguf(sharp).tensors["output_norm.weight"]
+    assert int(norm.type) == 0  # F32, as llama.cpp's converter keeps norms
+    w = np.memmap(sharp, dtype=np.float32, mode="r+", offset=norm.offset, shape=tuple(norm.shape))
+    w *= 4.0
+    w.flush()
+    del w
     with deltaspec.Model(smoke / "target.gguf", n_ctx=256, progress=False) as model:
-        for budget in (8, 22):
-            ref = reference.simulate(cont, len(prompts[0]), n_gen, drafters.dflash_tree(budget), block - 1, block - 1)
+        for budget, n_min, file in ((8, block - 1, smoke / "dflash.gguf"), (22, 1, sharp)):
+            if file == sharp:
+                with torch.no_grad():
+                    dflash.norm.weight.mul_(4.0)
+            drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp,
+                                          mask_id=training["mask_token_id"])
+            ref = reference.simulate(cont, len(prompts[0]), n_gen, drafters.dflash_tree(budget), block - 1, n_min)
             steps = drafted = accepted = 0
             for i, p in enumerate(prompts):
-                r = model.generate(p, max_tokens=n_new, temperature=0, draft_model=smoke / "dflash.gguf",
-                                   spec_type="dflash", draft_n_max=block - 1, draft_n_min=block - 1,
-                                   tree_budget=budget)
+                r = model.generate(p, max_tokens=n_new, temperature=0, draft_model=file, spec_type="dflash",
+                                   draft_n_max=block - 1, draft_n_min=n_min, tree_budget=budget)
                 assert r.tokens == cont[i, len(p):len(p) + n_gen[i]].tolist()
                 steps, drafted = steps + r.stats.n_steps, drafted + r.stats.n_drafted
                 accepted += r.stats.n_accepted

@@ -4,10 +4,16 @@ pass) and acceptance rate of every drafter, on the held-out prompts fixed at tra
 
     python bench/testbed/acceptance.py --dir /tmp/testbed --out OUT [--device cuda] [--n-new 256]
 
-Measured by deltaspec (on --device) where deltaspec has the drafter: n-gram (prompt lookup) and the
-draft model (chain). Everything else by the torch reference (bench/testbed/reference.py), labelled
-so: DFlash chain, DDTree budgets, MTP 1-5, and the draft model chain again, so deltaspec and torch
-can be compared on the same drafter (greedy: the same tokens are expected).
+Measured by deltaspec (on --device) where deltaspec has the drafter: n-gram (prompt lookup), the
+draft model (chain), MTP 1-5, the DFlash chain and DFlash + DDTree budgets. Everything by the torch
+reference (bench/testbed/reference.py) too, labelled so, so that deltaspec and torch can be compared
+on the same drafter (greedy: the same tokens and, where the rounds are set up alike, the same
+acceptance are expected).
+
+Only some of deltaspec's rows, e.g. on a machine without CUDA, merged into an existing report (the
+other rows are kept; rows of the same drafter, T and device replaced):
+
+    python bench/testbed/acceptance.py --dir D --out bench/results/latest --device cpu --deltaspec-rows dflash
 
 Verification rules, which decide acceptance at T = 1: deltaspec verifies by rejection sampling;
 the torch reference by exact match against the target's sample (the DFlash / DDTree reference
@@ -99,28 +105,34 @@ DELTASPEC_CONFIGS = {
     # k drafts every round, beside the torch reference's "MTP k=" rows
     **{f"mtp{k}": (f"MTP k={k}", "chain") for k in MTP_STEPS},
     "dflash_fixed": ("DFlash chain, block - 1 drafts or none", "chain"),
+    # DDTree as the torch reference runs it: a tree every round (draft_n_min 1), as deep as the room
+    # allows up to block - 1 (DFlash trees ignore the adaptive draft length), so both count the
+    # same rounds and T = 0 acceptance must agree
+    **{f"dflash_tree{b}": (f"DFlash + DDTree budget {b}", "tree") for b in DDTREE_BUDGETS},
 }
 DFLASH_FIXED = DELTASPEC_CONFIGS["dflash_fixed"][0]
 
 
-def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed, key):
+def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed, key, threads=2):
     """One deltaspec configuration over every prompt: (row or None for plain, the tokens)."""
     import deltaspec
     name, shape = DELTASPEC_CONFIGS[key]
     n_ctx = len(prompts[0]) + n_new + 64
     # two threads each: seven of these run at once beside the torch reference
-    model = deltaspec.Model(folder / "target.gguf", n_ctx=n_ctx, device=device, n_threads=2, progress=False)
+    model = deltaspec.Model(folder / "target.gguf", n_ctx=n_ctx, device=device, n_threads=threads, progress=False)
     draft = (deltaspec.Model(folder / "draft.gguf", n_ctx=n_ctx, device=device, n_threads=2, progress=False)
              if "draft" in key else None)
     kw = {"plain": {}, "ngram": dict(spec_type="ngram-simple"),
           "draft_fixed": dict(draft_model=draft, draft_n_max=DRAFT_CHAIN_K, draft_n_min=DRAFT_CHAIN_K),
           "draft_adaptive": dict(draft_model=draft, draft_n_max=16),
           **{f"mtp{k}": dict(spec_type="mtp", draft_n_max=k, draft_n_min=k) for k in MTP_STEPS}}.get(key)
-    if key == "dflash_fixed":
+    if key.startswith("dflash"):
         block = json.loads((folder / "manifest.json").read_text())["training"]["block_size"]
         kw = dict(draft_model=folder / "dflash.gguf", spec_type="dflash", draft_n_max=block - 1, draft_n_min=block - 1)
+        if key.startswith("dflash_tree"):
+            kw.update(draft_n_min=1, tree_budget=int(key[len("dflash_tree"):]))
     t = time.time()
-    steps = drafted = accepted = 0
+    steps = drafted = accepted = nodes = 0
     outs = []
     for i, p in enumerate(prompts):
         r = model.generate(p, max_tokens=n_new, seed=seed + i, temperature=T, top_k=0, top_p=1.0, min_p=0.0, **kw)
@@ -128,12 +140,14 @@ def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed
         steps += r.stats.n_steps
         drafted += r.stats.n_drafted
         accepted += r.stats.n_accepted
+        nodes += r.stats.n_tree_nodes
     model.close()
     if draft is not None:
         draft.close()
     if key == "plain":
         return None, outs
-    r = row(name, shape, f"deltaspec ({device})", T, steps, drafted, accepted, time.time() - t)
+    r = row(name, shape, f"deltaspec ({device})", T, steps, drafted, accepted, time.time() - t,
+            **({"tree_nodes": nodes} if nodes else {}))
     print(f"  T={T:g} {name:32s} AL {r['mean_acceptance_length']:.3f} ({r['seconds']} s)", flush=True)
     return r, outs
 
@@ -159,6 +173,14 @@ def markdown(report: dict) -> str:
     for r in report["rows"]:
         out.append(f"| {r['drafter']} | {r['shape']} | {r['measured_by']} | {r['temperature']:g} | "
                    f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.3f} | {r['drafted_per_step']} | {r['steps']} |")
+    same = report.get("same_drafter_greedy", [])
+    if same:
+        out += ["", "## The same drafter measured by torch and by deltaspec, T = 0", "",
+                "Where deltaspec's rounds are set up as the torch reference's (the rows' names say how), the "
+                "acceptance is the same: the same steps, drafted and accepted counts.", "",
+                "| drafter | deltaspec | torch AL | deltaspec AL | same counts |", "|---|---|---|---|---|"]
+        out += [f"| {r['drafter']} | {r['deltaspec']} | {r['torch_al']:.3f} | {r['deltaspec_al']:.3f} | "
+                f"{'yes' if r['same_counts'] else 'no'} |" for r in same]
     ag = report["agreement_greedy"]
     out += ["", "## deltaspec vs torch, greedy", ""]
     for k, v in ag.items():
@@ -169,6 +191,81 @@ def markdown(report: dict) -> str:
         out += ["```python", s["prompt_tail"] + "⟨" + s["completion"] + "⟩", "```", ""]
     out += [f"Training: {json.dumps(report['losses'])}", ""]
     return "\n".join(out)
+
+
+def start_worker(args, work: Path, T: float, key: str):
+    """One deltaspec row in a process of its own (--deltaspec-only): (process, log, result file)."""
+    result = work / f"T{T:g}_{key}.json"
+    cmd = [sys.executable, os.path.abspath(__file__), "--dir", str(args.dir), "--out", str(result),
+           "--device", args.device, "--n-new", str(args.n_new), "--seed", str(args.seed), "--threads", str(args.threads),
+           "--deltaspec-only", f"{T:g}:{key}"] + (["--n-prompts", str(args.n_prompts)] if args.n_prompts else [])
+    log = open(result.with_suffix(".log"), "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, result
+
+
+def finish_worker(T, key, worker, all_logs) -> dict:
+    """Waits for a worker; its {"row", "tokens"} (raises with its log's tail when it failed)."""
+    proc, log, result = worker
+    rc = proc.wait()
+    log.close()
+    text = result.with_suffix(".log").read_text()
+    all_logs.write(f"== T={T:g} {key} (exit {rc})\n{text}")
+    print(text, end="", flush=True)
+    if rc != 0:
+        raise RuntimeError(f"deltaspec {key} at T={T:g} failed (exit {rc}): {text[-2000:]}")
+    return json.loads(result.read_text())
+
+
+def same_rows(report: dict) -> list[dict]:
+    """T = 0 rows of one drafter measured by torch and by deltaspec: their acceptance side by side."""
+    torch_rows = {(r["drafter"], r["temperature"]): r for r in report["rows"] if r["measured_by"] == "torch reference"}
+    out = []
+    for r in report["rows"]:
+        ref = torch_rows.get((r["drafter"], r["temperature"]))
+        if r["measured_by"] != "torch reference" and ref is not None and r["temperature"] == 0:
+            out.append({"drafter": r["drafter"], "deltaspec": r["measured_by"],
+                        "torch_al": ref["mean_acceptance_length"], "deltaspec_al": r["mean_acceptance_length"],
+                        "same_counts": all(r[k] == ref[k] for k in ("steps", "drafted", "accepted"))})
+    return out
+
+
+def merge_deltaspec_rows(args, keys: list[str]) -> dict:
+    """Runs deltaspec's rows `keys` (T = 0 and 1; plain at T = 0 for the token comparison) at most
+    --jobs at a time, and merges them into the report in --out: rows of the same drafter, T and
+    measured_by are replaced, the others kept."""
+    report_path = args.out / "acceptance.json"
+    report = json.loads(report_path.read_text())
+    work = Path(tempfile.mkdtemp(prefix="testbed_acceptance_"))
+    temps = [float(t) for t in args.temps.split(",")]
+    todo = ([(0.0, "plain")] if 0.0 in temps else []) + [(T, k) for T in temps for k in keys]
+    results, running = {}, {}
+    t0 = time.time()
+    with open(work / "deltaspec.log", "w") as all_logs:
+        while todo or running:
+            while todo and len(running) < args.jobs:
+                T, key = todo.pop(0)
+                running[(T, key)] = start_worker(args, work, T, key)
+            done = next(iter(running))  # the oldest: workers of one size take about as long
+            results[done] = finish_worker(*done, running.pop(done), all_logs)
+    device = f"deltaspec ({args.device})"
+    new_rows = [results[(T, k)]["row"] for T in temps for k in keys]
+    replaced = {(r["drafter"], r["temperature"], r["measured_by"]) for r in new_rows}
+    report["rows"] = [r for r in report["rows"]
+                      if (r["drafter"], r["temperature"], r["measured_by"]) not in replaced] + new_rows
+    for k in keys if 0.0 in temps else []:
+        name = DELTASPEC_CONFIGS[k][0]
+        report["agreement_greedy"][f"{device} {name} vs {device} plain"] = \
+            agreement(results[(0.0, k)]["tokens"], results[(0.0, "plain")]["tokens"])
+    if args.n_prompts is not None and args.n_prompts != report["n_prompts"]:
+        raise ValueError(f"--n-prompts {args.n_prompts}: the report in {args.out} has {report['n_prompts']} prompts")
+    report.setdefault("merged_runs", []).append({"device": args.device, "keys": keys, "temps": temps, "jobs": args.jobs,
+                                                 "threads": args.threads, "seconds": round(time.time() - t0, 1)})
+    report["same_drafter_greedy"] = same_rows(report)
+    report_path.write_text(json.dumps(report, indent=1))
+    md = markdown(report)
+    (args.out / "acceptance.md").write_text(md)
+    print(md)
+    return report
 
 
 def main(argv=None) -> dict:
@@ -182,15 +279,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--deltaspec-only", default=None, metavar="T:CONFIG",
                     help="(internal) run one of deltaspec's rows and write it to the file --out")
+    ap.add_argument("--deltaspec-rows", default=None, metavar="KEYS",
+                    help="only these deltaspec rows (comma-separated keys of DELTASPEC_CONFIGS, or 'dflash' for "
+                         "every DFlash row), at T = 0 and 1, merged into the report already in --out")
+    ap.add_argument("--jobs", type=int, default=1, help="--deltaspec-rows: rows run at once")
+    ap.add_argument("--temps", default="0,1", help="--deltaspec-rows: temperatures (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=2, help="threads of each deltaspec row")
     args = ap.parse_args(argv)
     manifest = json.loads((args.dir / "manifest.json").read_text())
     training = manifest["training"]
     prompts_list = training["prompts"][:args.n_prompts]
     if args.deltaspec_only is not None:
         T, key = args.deltaspec_only.split(":")
-        r, toks = deltaspec_row(args.dir, prompts_list, args.n_new, float(T), args.device, args.seed, key)
+        r, toks = deltaspec_row(args.dir, prompts_list, args.n_new, float(T), args.device, args.seed, key, args.threads)
         args.out.write_text(json.dumps({"row": r, "tokens": toks}))
         return {}
+    if args.deltaspec_rows is not None:
+        keys = [k for k in DELTASPEC_CONFIGS if k.startswith("dflash")] if args.deltaspec_rows == "dflash" \
+            else args.deltaspec_rows.split(",")
+        unknown = [k for k in keys if k not in DELTASPEC_CONFIGS or k == "plain"]
+        if unknown:
+            raise SystemExit(f"--deltaspec-rows: unknown keys {unknown}; known: {list(DELTASPEC_CONFIGS)[1:]}")
+        return merge_deltaspec_rows(args, keys)
     # deltaspec's rows run in processes of their own, one per configuration and temperature, beside
     # the torch reference: each decodes token by token (its speed is not what is measured here), so
     # together they take the time of the slowest instead of the sum. Their files stay out of OUT
@@ -202,12 +312,7 @@ def main(argv=None) -> dict:
         for key in DELTASPEC_CONFIGS:
             if key == "plain" and T != 0:
                 continue
-            result = work / f"T{T:g}_{key}.json"
-            cmd = [sys.executable, os.path.abspath(__file__), "--dir", str(args.dir), "--out", str(result),
-                   "--device", args.device, "--n-new", str(args.n_new), "--seed", str(args.seed),
-                   "--deltaspec-only", f"{T:g}:{key}"] + (["--n-prompts", str(args.n_prompts)] if args.n_prompts else [])
-            log = open(result.with_suffix(".log"), "w")
-            workers[(T, key)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, result)
+            workers[(T, key)] = start_worker(args, work, T, key)
     tdev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models = load_torch_models(args.dir, tdev)
     prompts = torch.tensor(prompts_list, device=tdev)
@@ -225,15 +330,8 @@ def main(argv=None) -> dict:
     ds_tokens: dict[float, dict[str, list]] = {0.0: {}, 1.0: {}}
     t = time.time()
     with open(args.out / "deltaspec.log", "w") as all_logs:
-        for (T, key), (proc, log, result) in workers.items():
-            rc = proc.wait()
-            log.close()
-            text = result.with_suffix(".log").read_text()
-            all_logs.write(f"== T={T:g} {key} (exit {rc})\n{text}")
-            print(text, end="")
-            if rc != 0:
-                raise RuntimeError(f"deltaspec {key} at T={T:g} failed (exit {rc}): {text[-2000:]}")
-            got = json.loads(result.read_text())
+        for (T, key), worker in workers.items():
+            got = finish_worker(T, key, worker, all_logs)
             if got["row"] is not None:
                 rows.append(got["row"])
             ds_tokens[T][DELTASPEC_CONFIGS[key][0]] = got["tokens"]
@@ -245,6 +343,8 @@ def main(argv=None) -> dict:
         f"deltaspec draft model chain k={DRAFT_CHAIN_K} vs deltaspec plain":
             agreement(ds_tokens[0.0][f"draft model chain k={DRAFT_CHAIN_K}"], ds_tokens[0.0]["plain"]),
         f"deltaspec {DFLASH_FIXED} vs torch greedy": agreement(ds_tokens[0.0][DFLASH_FIXED], conts[0.0]),
+        **{f"deltaspec DFlash + DDTree budget {b} vs torch greedy":
+           agreement(ds_tokens[0.0][f"DFlash + DDTree budget {b}"], conts[0.0]) for b in DDTREE_BUDGETS},
     }
     import tokenizers
     tk = tokenizers.Tokenizer.from_file(str(args.dir / "hf/target/tokenizer.json"))
@@ -254,6 +354,7 @@ def main(argv=None) -> dict:
               "deltaspec_device": args.device, "torch_device": str(tdev), "rows": rows, "agreement_greedy": ag,
               "samples": samples, "losses": manifest["losses"], "files": manifest["files"], "times": times,
               "total_seconds": round(time.time() - t_start, 1)}
+    report["same_drafter_greedy"] = same_rows(report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "acceptance.json").write_text(json.dumps(report, indent=1))
     md = markdown(report)
