@@ -4,10 +4,6 @@
 
 namespace deltaspec {
 
-namespace {
-
-// Greedy trees rank candidates by the draft's softmax (penalties as the request's), not by the
-// one-hot greedy distribution, which would leave nothing to branch to.
 SamplingParams tree_ranking(SamplingParams p) {
     p.temperature = 1.0f;
     p.top_k = 32;
@@ -15,8 +11,6 @@ SamplingParams tree_ranking(SamplingParams p) {
     p.min_p = 0.0f;
     return p;
 }
-
-}  // namespace
 
 Draft NgramDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
     Draft d;

@@ -11,6 +11,11 @@
 
 namespace deltaspec {
 
+// The distribution greedy draft trees rank a node's candidates by: the drafter's softmax at T = 1,
+// top 32, with the request's penalties, not the one-hot greedy distribution, which would leave
+// nothing to branch to. (Sampled trees draw from the request's own distribution instead.)
+SamplingParams tree_ranking(SamplingParams p);
+
 struct Draft {
     std::vector<int32_t> tokens;
     // q: the distribution each token was drawn from (empty = deterministic, i.e. one-hot)

@@ -5,20 +5,6 @@
 
 namespace deltaspec {
 
-namespace {
-
-// Greedy trees rank the head's candidates by its softmax (the request's penalties applied), as
-// ModelDrafter's trees do, not by the one-hot greedy distribution, which leaves nothing to branch to.
-SamplingParams tree_ranking(SamplingParams p) {
-    p.temperature = 1.0f;
-    p.top_k = 32;
-    p.top_p = 1.0f;
-    p.min_p = 0.0f;
-    return p;
-}
-
-}  // namespace
-
 MtpDrafter::MtpDrafter(Engine & target, const SamplingParams & sampling)
     : target_(target), old_taps_(target.taps()), head_(target, target.n_ctx()), sampler_(sampling),
       ranker_(tree_ranking(sampling)), zeros_(target.hparams().n_embd, 0.0f) {
