@@ -9,6 +9,7 @@ and against the host run of the kernel source:
   - how many head vectors differ, and how: the fp16 scale only, the codes, or all-zero (unwritten)
     rows; which lanes' values carry the differing codes; the CUDA/CPU scale ratios;
   - whether CUDA's bytes for a vector are the CPU's bytes for another vector (rows misplaced);
+  - whether a differing scale's low byte is the scale's value as a saturated integer (issue 27);
   - whether two runs on CUDA agree (a race shows as run-to-run differences);
   - the same count in fresh processes under CUDA_LAUNCH_BLOCKING=1, GGML_CUDA_PDL=0 +
     DELTASPEC_CUDA_PDL=0, GGML_CUDA_DISABLE_GRAPHS=1 and DELTASPEC_CUDA_KERNELS=0 (which setting
@@ -73,6 +74,10 @@ def compare(bits, D, dev, ref, name):
     # CUDA's bytes of a vector equal to the reference's bytes of another vector?
     ref_index = {bytes(r): i for i, r in enumerate(ref)}
     misplaced = sum(1 for i in rows if ref_index.get(bytes(dev[i]), i) != i)
+    # issue 27's signature: the scale's high byte right and its low byte the scale's VALUE as a
+    # saturated integer, min(255, trunc(d)) (what ptxas made of a byte-wise copy of the half)
+    saturated = np.clip(np.trunc(d_ref), 0, 255).astype(np.uint8)
+    low_is_value = (dev[:, 1] == ref[:, 1]) & (dev[:, 0] == saturated) & (dev[:, 0] != ref[:, 0])
     out = {
         "vs": name, "vectors": int(len(dev)), "differ": int(differ.sum()), "unwritten_zero": int(zero.sum()),
         "scale_only": int(((d_dev != d_ref) & ~code_differ.any(axis=1) & differ & ~zero).sum()),
@@ -82,6 +87,7 @@ def compare(bits, D, dev, ref, name):
         "scale_ratio_median": float(np.nanmedian(ratio)) if ratio.size else 1.0,
         "scale_ratio_spread": float(np.nanmax(np.abs(ratio - 1))) if ratio.size else 0.0,
         "misplaced": int(misplaced),
+        "scale_low_byte_is_saturated_value": int(low_is_value[rows].sum()) if rows.size else 0,
         "differing_codes_by_lane": lanes.tolist(),
     }
     return out
@@ -213,6 +219,10 @@ def main():
         print("VERDICT: the differing rows are all zero on CUDA: the kernel did not write them")
     elif sum(r["cuda_vs_cpu"]["misplaced"] for r in q) > 0:
         print("VERDICT: CUDA wrote other vectors' bytes into rows (indexing / strides)")
+    elif sum(r["cuda_vs_cpu"]["scale_low_byte_is_saturated_value"] for r in q) == n_vs_cpu:
+        print("VERDICT: every differing scale's low byte is min(255, trunc(d)): a float-to-integer conversion "
+              "(F2I.U8.F16) in place of the low byte's store, as nvcc 13.0 compiled a byte-wise copy of the half "
+              "(issue 27; tests/test_tq_sass.py checks the machine code)")
     elif sum(r["cuda_vs_cpu"]["scale_only"] for r in q) == n_vs_cpu:
         print("VERDICT: only the fp16 scales differ (codes equal): the scale's arithmetic or its fp16 rounding")
     else:

@@ -93,6 +93,7 @@ inline float __fmaf_rn(float a, float b, float c) {
     return deltaspec::ftz(std::fmaf(deltaspec::ftz(a), deltaspec::ftz(b), deltaspec::ftz(c)));
 }
 inline half __float2half_rn(float f) { return {ggml_fp32_to_fp16(f)}; }
+inline unsigned short __half_as_ushort(half h) { return h.bits; }
 
 float __shfl_xor_sync(unsigned /*mask*/, float v, int m) {
     deltaspec::WarpRun & w = *deltaspec::g_warp;
