@@ -15,19 +15,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// The first maximum, as ggml's argmax picks it: a greedy sequence in a batch that also samples
-// gets the token the device's argmax would have given it.
-int32_t first_argmax(const float * row, int64_t n) {
-    return (int32_t)(std::max_element(row, row + n) - row);
-}
-
-// Whether the sequence must see its logits rather than the device's argmax: it samples, or the
-// caller asked for log-probabilities.
-// a grammar masks the logits, so greedy under one needs them too
-bool needs_logits(const GenerateRequest & req) {
-    return !req.sampling.argmax_only() || req.n_logprobs >= 0 || req.constraint != nullptr;
-}
-
 // The generated token's log-probability under `row` (log_softmax of the raw logits, in double)
 // and the n_logprobs most probable tokens' ones, appended to the result.
 void record_logprobs(const GenerateRequest & req, const float * row, int64_t n_vocab, int32_t token,
@@ -50,6 +37,14 @@ void record_logprobs(const GenerateRequest & req, const float * row, int64_t n_v
 }
 
 }  // namespace
+
+int32_t first_argmax(const float * row, int64_t n) {
+    return (int32_t)(std::max_element(row, row + n) - row);
+}
+
+bool needs_logits(const GenerateRequest & req) {
+    return !req.sampling.argmax_only() || req.n_logprobs >= 0 || req.constraint != nullptr;
+}
 
 Sequence::Sequence(int64_t id_, GenerateRequest request, const PieceTable & pieces)
     : id(id_), req(std::move(request)), sampler(req.sampling), history(req.prompt), out(pieces, req, on_token, res) {}

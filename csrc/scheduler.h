@@ -39,6 +39,13 @@ struct SeqSpec {
     bool draft_model = false;
 };
 
+// The first maximum, as ggml's argmax picks it: a greedy sequence in a batch that also samples
+// gets the token the device's argmax would have given it.
+int32_t first_argmax(const float * row, int64_t n);
+// Whether the sequence must see its logits rather than the device's argmax: it samples, asked for
+// log-probabilities, or has a grammar (which masks the logits, so greedy under one needs them too).
+bool needs_logits(const GenerateRequest & req);
+
 struct Sequence {
     explicit Sequence(int64_t id, GenerateRequest request, const PieceTable & pieces);
 

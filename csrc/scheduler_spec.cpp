@@ -29,14 +29,6 @@ bool s_is_chain(const Sequence & s) { return s.tree.empty(); }
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// as scheduler.cpp: the first maximum, as ggml's argmax picks it
-int32_t first_argmax(const float * row, int64_t n) { return (int32_t)(std::max_element(row, row + n) - row); }
-
-// as scheduler.cpp: whether the sequence must see its logits rather than the device's argmax
-bool needs_logits(const GenerateRequest & req) {
-    return !req.sampling.argmax_only() || req.n_logprobs >= 0 || req.constraint != nullptr;
-}
-
 }  // namespace
 
 int64_t Scheduler::draft_all() {

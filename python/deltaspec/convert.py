@@ -131,14 +131,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
     checkpoint's MTP layer, if it has one (llama.cpp's default; False is its `--no-mtp`).
     Raises `ConversionError` for a missing/unsupported folder, config or tensor.
     """
-    if outtype not in OUTTYPES:
-        raise ConversionError(f"outtype {outtype!r} is not one of {sorted(OUTTYPES)}")
-    folder = Path(hf_dir).resolve()
-    out = Path(out_path)
-    if not folder.is_dir():
-        raise ConversionError(f"{hf_dir}: not a directory (expected a Hugging Face checkpoint folder)")
-    if out.is_dir() or not out.resolve().parent.is_dir():
-        raise ConversionError(f"{out}: expected a file path in an existing folder")
+    folder, out = _conversion_paths(hf_dir, out_path, outtype, "a Hugging Face checkpoint folder")
     hp = _load_hparams(folder)
     sources = _index_safetensors(folder)
     hp["n_mtp"] = _mtp_layer_count(sources, hp) if mtp else 0
@@ -154,6 +147,20 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
     _add_vocab(writer, folder, hp)
     write_planned(writer, plan, out, log)
     return out
+
+
+def _conversion_paths(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], outtype: str,
+                      expected: str) -> tuple[Path, Path]:
+    """The checked checkpoint folder and output path of a conversion (shared by every converter)."""
+    if outtype not in OUTTYPES:
+        raise ConversionError(f"outtype {outtype!r} is not one of {sorted(OUTTYPES)}")
+    folder = Path(hf_dir).resolve()
+    out = Path(out_path)
+    if not folder.is_dir():
+        raise ConversionError(f"{hf_dir}: not a directory (expected {expected})")
+    if out.is_dir() or not out.resolve().parent.is_dir():
+        raise ConversionError(f"{out}: expected a file path in an existing folder")
+    return folder, out
 
 
 def planned_writer(arch: str, plan: list[_Planned]) -> gguf.GGUFWriter:

@@ -26,8 +26,8 @@ from typing import Any
 
 import gguf
 
-from .convert import (OUTTYPES, _ST_DTYPES, _Planned, _Source, _add_general_metadata, _add_vocab, _identity,
-                      _index_safetensors, _load_hparams, _read_json, _tensor_qtype, planned_writer, write_planned)
+from .convert import (OUTTYPES, _ST_DTYPES, _Planned, _Source, _add_general_metadata, _add_vocab, _conversion_paths,
+                      _identity, _index_safetensors, _load_hparams, _read_json, _tensor_qtype, planned_writer, write_planned)
 from .errors import ConversionError, DeltaspecError
 from .gguf_file import read_gguf
 
@@ -89,14 +89,7 @@ def convert_dflash_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.Pa
     them. Raises `ConversionError` naming the file, key or tensor that is missing, unsupported or
     does not fit the target.
     """
-    if outtype not in OUTTYPES:
-        raise ConversionError(f"outtype {outtype!r} is not one of {sorted(OUTTYPES)}")
-    folder = Path(hf_dir).resolve()
-    out = Path(out_path)
-    if not folder.is_dir():
-        raise ConversionError(f"{hf_dir}: not a directory (expected a DFlash checkpoint folder)")
-    if out.is_dir() or not out.resolve().parent.is_dir():
-        raise ConversionError(f"{out}: expected a file path in an existing folder")
+    folder, out = _conversion_paths(hf_dir, out_path, outtype, "a DFlash checkpoint folder")
     hp = _load_drafter_hparams(folder)
     tgt = _load_target(Path(target))
     _check_fit(folder / "config.json", hp, tgt)
