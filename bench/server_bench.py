@@ -92,9 +92,9 @@ class Server:
     "deltaspec" or "llama-server" (where its draft counts come from, which plain server prepares
     its echo prompts)."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, family: str):
+    def __init__(self, name: str, cmd: list[str], port: int, log_stem: Path, family: str):
         self.name, self.cmd, self.port, self.family = name, cmd, port, family
-        self.log_path = log_dir / f"server_bench_{name}.log"
+        self.log_path = log_stem.with_name(f"{log_stem.name}_{name}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -404,13 +404,13 @@ def main(argv: list[str] | None = None) -> int:
         commands = server_commands(args, ctx)
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
-    log_dir = Path(args.out).resolve().parent
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_stem = Path(args.out).resolve().with_suffix("")  # server logs beside the JSON, named after it
+    log_stem.parent.mkdir(parents=True, exist_ok=True)
     servers = []
     for name, family, cmd in commands:
         port = free_port()
         cmd = [str(port) if a == "PORT" else a for a in cmd]
-        servers.append(Server(name, cmd, port, log_dir, family))
+        servers.append(Server(name, cmd, port, log_stem, family))
     names = [s.name for s in servers]
     runs: list[dict] = []
     rng = np.random.default_rng(0)
