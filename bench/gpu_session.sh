@@ -311,10 +311,10 @@ if has_step server-spec; then
             *) echo "SERVER_SPEC: unknown drafter $drafter (ngram, draft)"; exit 1 ;;
         esac
     done
-    # 4 servers of the 27B side by side (about 110 GB with 32 slots each); --deadline: no third
-    # repetition when two took over 4 minutes (the call stays inside 10)
+    # 4 servers of the 27B side by side (about 110 GB with 32 slots each); 64 tokens per stream and
+    # --deadline (no third repetition when two took over 200 s) keep the step inside 8 minutes
     # shellcheck disable=SC2086  # SERVER_SPEC_ARGS: more options, e.g. --prompts random
     python3 "$REPO/bench/server_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} "${spec[@]}" \
-        --prompts echo --prompt 64 --gen 128 --draft-n-max 8 --deadline 240 ${SERVER_SPEC_ARGS:-} \
+        --prompts echo --prompt 64 --gen 64 --draft-n-max 8 --deadline 200 ${SERVER_SPEC_ARGS:-} \
         --out "$OUT/server_spec_bench.json" | tee "$OUT/server_spec_bench.md"
 fi
