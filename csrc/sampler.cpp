@@ -2,12 +2,30 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 #include <unordered_map>
+
+#include "logit_order.h"
 
 namespace deltaspec {
 
-Sampler::Sampler(const SamplingParams & params) : params_(params), rng_(params.seed) {}
+namespace {
+
+bool comparison_sort_planted() {
+    const char * env = std::getenv("DELTASPEC_TEST_SAMPLER_SORT");
+    const std::string v = env ? env : "";
+    if (v.empty()) return false;
+    if (v == "comparison") return true;
+    throw std::invalid_argument("DELTASPEC_TEST_SAMPLER_SORT (test only) must be unset or 'comparison', not '" + v + "'");
+}
+
+}  // namespace
+
+Sampler::Sampler(const SamplingParams & params)
+    : params_(params), rng_(params.seed), comparison_sort_(comparison_sort_planted()) {}
 
 void Sampler::apply_penalties(std::vector<float> & logits, const std::vector<int32_t> & history) const {
     const SamplingParams & p = params_;
@@ -43,34 +61,47 @@ void softmax(const float * logits, const std::vector<int32_t> & ids, std::vector
 void Sampler::distribution(const float * logits, int64_t n_vocab, const std::vector<int32_t> & history,
                            Distribution & out) {
     const SamplingParams & p = params_;
-    scratch_.assign(logits, logits + n_vocab);
-    apply_penalties(scratch_, history);
-    for (const auto & [id, bias] : p.logit_bias) {
-        if (id >= 0 && id < n_vocab) scratch_[id] += bias;
+    const bool reshaped = p.repeat_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
+                          !p.logit_bias.empty();
+    const float * l = logits;  // the row as it is, unless penalties or bias change a copy of it
+    if (reshaped) {
+        scratch_.assign(logits, logits + n_vocab);
+        apply_penalties(scratch_, history);
+        for (const auto & [id, bias] : p.logit_bias) {
+            if (id >= 0 && id < n_vocab) scratch_[id] += bias;
+        }
+        l = scratch_.data();
     }
-    std::vector<float> & l = scratch_;
 
     out.ids.clear();
     out.probs.clear();
     if (p.greedy()) {
         // first maximum: ties go to the lowest id, as llama.cpp's greedy sampler
-        out.ids.push_back((int32_t)(std::max_element(l.begin(), l.end()) - l.begin()));
+        out.ids.push_back((int32_t)(std::max_element(l, l + n_vocab) - l));
         out.probs.push_back(1.0f);
         return;
     }
-    const auto by_logit = [&l](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); };
     int64_t k = p.top_k > 0 ? std::min<int64_t>(p.top_k, n_vocab) : n_vocab;
-    out.ids.resize(n_vocab);
-    std::iota(out.ids.begin(), out.ids.end(), 0);
-    std::partial_sort(out.ids.begin(), out.ids.begin() + k, out.ids.end(), by_logit);
+    if (k > kRadixFrom && !comparison_sort_) {
+        order_by_logit(l, n_vocab, out.ids);  // the comparison's order (logit_order.h), in linear time
+        sorts_.radix++;
+    } else {
+        const auto by_logit = [l](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); };
+        out.ids.resize(n_vocab);
+        std::iota(out.ids.begin(), out.ids.end(), 0);
+        std::partial_sort(out.ids.begin(), out.ids.begin() + k, out.ids.end(), by_logit);
+        if (k > kRadixFrom) sorts_.comparison++;
+    }
     out.ids.resize(k);
 
-    shape(l.data(), out);
+    shape(l, out);
 }
 
 void Sampler::shape(const float * l, Distribution & out) const {
     const SamplingParams & p = params_;
-    softmax(l, out.ids, out.probs);
+    // the temperature-1 probabilities only serve the top-p and min-p cuts; without them the
+    // final softmax below recomputes every probability from the logits anyway
+    if (p.top_p < 1.0f || p.min_p > 0.0f) softmax(l, out.ids, out.probs);
     if (p.top_p < 1.0f) {  // smallest prefix whose mass reaches top_p
         double cum = 0.0;
         size_t keep = out.ids.size();

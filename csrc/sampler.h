@@ -69,6 +69,17 @@ class Sampler {
 
     const SamplingParams & params() const { return params_; }
 
+    // How distribution() ordered its candidates, counted since construction: whole-row radix
+    // orders (logit_order.h) and comparison sorts keeping more than kRadixFrom candidates (the
+    // slow path a top_k = 0 sampler must not take: tests/test_sampler_order.py).
+    struct SortCounts {
+        int64_t radix = 0;
+        int64_t comparison = 0;
+    };
+    const SortCounts & sort_counts() const { return sorts_; }
+    // top_k above this: one linear radix order of the row beats a partial sort's heap
+    static constexpr int64_t kRadixFrom = 256;
+
   private:
     void apply_penalties(std::vector<float> & logits, const std::vector<int32_t> & history) const;
     // top-p, min-p and temperature over out.ids (indices into `logits`, sorted by logit descending)
@@ -78,6 +89,10 @@ class Sampler {
     std::mt19937_64 rng_;
     std::vector<float> scratch_;
     Distribution dist_;
+    SortCounts sorts_;
+    // Test only: DELTASPEC_TEST_SAMPLER_SORT=comparison orders every row with the comparison
+    // sort (the same order, the old cost), so that the sort counter's test can be seen to fail.
+    bool comparison_sort_ = false;
 };
 
 }  // namespace deltaspec

@@ -194,6 +194,8 @@ void bind_trees(py::module_ & m) {
             py::dict out = walk_result(walk_tree(t, rows.data(), rows.shape(1), sampler, history, rule_from(rule),
                                                  tree_rule_bug()));
             out["history"] = history;
+            out["radix_sorts"] = sampler.sort_counts().radix;  // how the walk ordered its rows (sampler.h)
+            out["comparison_sorts"] = sampler.sort_counts().comparison;
             return out;
         },
         py::arg("tree"), py::arg("rows"), py::arg("sampling"), py::arg("history"), py::arg("rule"),
@@ -216,6 +218,8 @@ void bind_trees(py::module_ & m) {
             out["n_accepted"] = n;
             out["next"] = next;
             out["history"] = history;
+            out["radix_sorts"] = sampler.sort_counts().radix;
+            out["comparison_sorts"] = sampler.sort_counts().comparison;
             return out;
         },
         py::arg("rows"), py::arg("tokens"), py::arg("dists"), py::arg("sampling"), py::arg("history"),
