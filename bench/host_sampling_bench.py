@@ -11,6 +11,9 @@ the Qwen3.5 vocabulary (248320), for the samplers that matter:
            force whole rows; without them the device's top rows serve it)
   greedy   temperature 0 on whole rows (penalties force it off the device argmax)
 
+'chainQ' is the chain accept rule with a whole-vocabulary q (a model drafter sampling without
+top-k), less the same call at temperature 0 (the binding converting q from Python lists).
+
 Trees are built like the DFlash drafter builds them (build_from_marginals, children drawn for
 sampled targets). 'agree' rows lift every node's token in its parent's row so the walk goes deep
 (more rows visited per walk); 'random' rows leave the draft mostly rejected at the root.
@@ -67,9 +70,13 @@ def rows_for(tree: dict, rng: np.random.Generator, agree: bool) -> np.ndarray:
     return rows
 
 
-def chain_case(n: int, rng: np.random.Generator, agree: bool):
+def chain_case(n: int, rng: np.random.Generator, agree: bool, full_q: bool = False):
     tokens = rng.choice(N_VOCAB, size=n, replace=False).astype(int).tolist()
-    dists = [([t], [1.0]) for t in tokens]
+    if full_q:  # a model drafter sampling without top-k: q over the whole vocabulary
+        q = rng.dirichlet(np.ones(N_VOCAB)).astype(np.float32)
+        dists = [(list(range(N_VOCAB)), q.tolist())] * n
+    else:
+        dists = [([t], [1.0]) for t in tokens]
     rows = rng.normal(size=(n + 1, N_VOCAB)).astype(np.float32) * 2.0
     if agree:
         for i, t in enumerate(tokens):
@@ -91,16 +98,20 @@ def time_tree(sampler: str, budget: int, agree: bool, walks: int, seed: int) -> 
     return 1e3 * total / walks, 1e3 * total / visited
 
 
-def time_chain(sampler: str, n: int, agree: bool, walks: int, seed: int) -> tuple[float, float]:
+def time_chain(sampler: str, n: int, agree: bool, walks: int, seed: int, full_q: bool = False) -> tuple[float, float]:
     rng = np.random.default_rng(seed)
     params = SAMPLERS[sampler]
     total, visited = 0.0, 0
     for w in range(walks):
-        tokens, dists, rows = chain_case(n, rng, agree)
+        tokens, dists, rows = chain_case(n, rng, agree, full_q)
         t0 = time.perf_counter()
         out = _core.accept_chain(rows, tokens, dists, sampling(params, seed + w), [1, 2, 3])
         total += time.perf_counter() - t0
         visited += out["n_accepted"] + 1
+        if full_q:  # less what the binding spends converting q (the same call with a one-hot p)
+            t0 = time.perf_counter()
+            _core.accept_chain(rows, tokens, dists, sampling(SAMPLERS["greedy"], seed + w), [1, 2, 3])
+            total -= time.perf_counter() - t0
     return 1e3 * total / walks, 1e3 * total / visited
 
 
@@ -118,12 +129,16 @@ def main() -> None:
             for b in args.budgets:
                 cases.append(("tree", sampler, b, agree))
             cases.append(("chain", sampler, 15, agree))
+        if sampler == "plain":
+            cases.append(("chainQ", sampler, 4, False))  # whole-vocabulary q (model drafter, top_k 0)
     samples = {c: [] for c in cases}
     for rep in range(args.reps):  # interleaved: every case once per repetition
         for c in cases:
             kind, sampler, size, agree = c
-            fn = time_tree if kind == "tree" else time_chain
-            samples[c].append(fn(sampler, size, agree, args.walks, seed=100 * rep + 7))
+            if kind == "tree":
+                samples[c].append(time_tree(sampler, size, agree, args.walks, seed=100 * rep + 7))
+            else:
+                samples[c].append(time_chain(sampler, size, agree, args.walks, seed=100 * rep + 7, kind == "chainQ"))
 
     print(f"vocab {N_VOCAB}, {args.walks} walks per sample, {args.reps} interleaved repetitions (median [min-max])")
     print(f"{'kind':6} {'sampler':8} {'size':>4} {'rows':7} {'ms/walk':>22} {'ms/visited row':>22}")

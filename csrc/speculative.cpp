@@ -28,16 +28,40 @@ float prob_of(const Distribution & d, int32_t token) {
 }
 
 // norm(max(0, p - q)): where a rejected draft token's mass goes (Leviathan et al., Chen et al.).
+// q is looked up densely by id: a drafter sampling without top-k hands over a whole-vocabulary q,
+// and scanning it once per candidate of p was quadratic in the vocabulary.
 Distribution residual(const Distribution & p, const Distribution * q, int32_t drafted) {
+    thread_local std::vector<float> q_at;     // q's probability by id (prob_of's: the first entry)
+    thread_local std::vector<uint8_t> in_q;   // whether q lists the id
+    if (q) {
+        for (size_t i = 0; i < q->ids.size(); ++i) {
+            const int32_t id = q->ids[i];
+            if (id < 0) continue;  // matches no candidate of p
+            if ((size_t)id >= q_at.size()) {
+                q_at.resize((size_t)id + 1, 0.0f);
+                in_q.resize((size_t)id + 1, 0);
+            }
+            if (!in_q[id]) {
+                in_q[id] = 1;
+                q_at[id] = q->probs[i];
+            }
+        }
+    }
     Distribution r;
     double sum = 0.0;
     for (size_t i = 0; i < p.ids.size(); ++i) {
-        const float qi = q ? prob_of(*q, p.ids[i]) : (p.ids[i] == drafted ? 1.0f : 0.0f);
+        const int32_t id = p.ids[i];
+        const float qi = q ? ((size_t)id < q_at.size() && in_q[id] ? q_at[id] : 0.0f) : (id == drafted ? 1.0f : 0.0f);
         const float m = std::max(0.0f, p.probs[i] - qi);
         if (m > 0.0f) {
-            r.ids.push_back(p.ids[i]);
+            r.ids.push_back(id);
             r.probs.push_back(m);
             sum += m;
+        }
+    }
+    if (q) {
+        for (int32_t id : q->ids) {
+            if (id >= 0) in_q[id] = 0;
         }
     }
     if (r.ids.empty()) return p;  // p <= q everywhere only when p == q: rejection cannot happen then
