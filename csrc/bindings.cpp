@@ -187,6 +187,8 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
     out["draft_seconds"] = stats.draft_seconds;
     out["verify_seconds"] = stats.verify_seconds;
     out["rollback_seconds"] = stats.rollback_seconds;
+    out["sampler_radix_sorts"] = stats.sampler_radix_sorts;
+    out["sampler_comparison_sorts"] = stats.sampler_comparison_sorts;
     if (mtp) out["n_mtp_steps"] = n_mtp_steps;
     return out;
 }

@@ -287,6 +287,8 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         }
     }
     res.decode_seconds = seconds_since(t0);
+    stats.sampler_radix_sorts += sampler.sort_counts().radix;
+    stats.sampler_comparison_sorts += sampler.sort_counts().comparison;
     return res;
 }
 

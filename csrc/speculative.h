@@ -32,6 +32,10 @@ struct SpecStats {
     double draft_seconds = 0.0;
     double verify_seconds = 0.0;
     double rollback_seconds = 0.0;
+    // how the target's sampler ordered whole rows (sampler.h SortCounts); comparison sorts over
+    // the vocabulary are the slow path no real sampler takes any more
+    int64_t sampler_radix_sorts = 0;
+    int64_t sampler_comparison_sorts = 0;
 };
 
 GenerateResult generate_speculative(Engine & target, Drafter & drafter, const PieceTable & pieces,

@@ -13,12 +13,15 @@ order. Two claims:
 2. No comparison sort: a top_k = 0 walk and chain accept count 0 comparison sorts of more than
    Sampler::kRadixFrom candidates and at least one radix order (the path under test ran). Seen to
    fail: the same check under DELTASPEC_TEST_SAMPLER_SORT=comparison raises (asserted below).
+   The same through generate(): a sampled speculative run (tree and chain) reports its sorts in
+   GenerationStats (sampler_radix_sorts > 0, sampler_comparison_sorts == 0), red under the plant.
 """
 
 import numpy as np
 import pytest
 
-from deltaspec import _core
+from deltaspec import Model, _core
+from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
 
 N_VOCAB = 248320
 PLANT = "DELTASPEC_TEST_SAMPLER_SORT"
@@ -100,3 +103,23 @@ def test_bad_plant_is_refused(monkeypatch):
     monkeypatch.setenv(PLANT, "heap")
     with pytest.raises(ValueError, match="DELTASPEC_TEST_SAMPLER_SORT"):
         walk(np.zeros((2, 8), np.float32), [1], SAMPLERS["plain"], 0)
+
+
+def sorts_of(model, draft, tree_budget):
+    r = model.generate([72, 101, 108, 108, 111, 32], max_tokens=8, seed=1, draft_model=draft, draft_n_max=3,
+                       draft_n_min=1, tree_budget=tree_budget, **SAMPLERS["plain"])
+    assert r.stats.n_drafted > 0  # speculation ran
+    return r.stats.sampler_radix_sorts, r.stats.sampler_comparison_sorts
+
+
+def test_generate_reports_no_comparison_sort(monkeypatch):
+    """The tiny vocabulary (265 ids) is above Sampler::kRadixFrom, so top_k = 0 takes the radix order."""
+    path = tiny_vocab_model_path()
+    with Model(path, n_ctx=64, n_threads=1) as model, Model(path, n_ctx=64, n_threads=1) as draft:
+        assert model.n_vocab > 256
+        for budget in (4, 0):  # a tree walk, then the chain accept rule
+            monkeypatch.delenv(PLANT, raising=False)
+            radix, comparison = sorts_of(model, draft, budget)
+            assert radix > 0 and comparison == 0, (budget, radix, comparison)
+            monkeypatch.setenv(PLANT, "comparison")
+            assert sorts_of(model, draft, budget)[1] > 0, budget

@@ -40,6 +40,9 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rollback_seconds: float = 0.0
+    # whole rows the sampler ordered by radix / by comparison sort (csrc/sampler.h SortCounts)
+    sampler_radix_sorts: int = 0
+    sampler_comparison_sorts: int = 0
     # structured output only (a grammar): logit rows masked, draft tokens cut before verification,
     # forced tokens drafted (speculation)
     grammar_masked_rows: int = 0
@@ -373,7 +376,8 @@ def result_of(tokenizer, n_prompt: int, out: dict) -> tuple[GenerationResult, by
     if out["stop_offset"] >= 0:
         data = data[:out["stop_offset"]]
     spec = {k: out[k] for k in ("n_steps", "n_drafted", "n_accepted", "n_tree_nodes", "accepted_lengths",
-                                "draft_seconds", "verify_seconds", "rollback_seconds", "grammar_masked_rows",
+                                "draft_seconds", "verify_seconds", "rollback_seconds", "sampler_radix_sorts",
+                                "sampler_comparison_sorts", "grammar_masked_rows",
                                 "grammar_cut_tokens", "grammar_forced_tokens") if k in out}
     cached = n_prompt - out["n_prefilled"] if out.get("n_prefilled") else 0  # 0: a speculative run, no count
     stats = GenerationStats(prompt_tokens=n_prompt, generated_tokens=len(tokens),
