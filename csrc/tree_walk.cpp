@@ -130,9 +130,11 @@ struct TargetDist {
         double sum = 0.0;
         if (pending > 0.0) {  // the pending division, then this residual's sum, in one pass
             const double * old = minus[cur].data();
+            const double div = pending;  // a local: the stores through pr could alias the member
             for (size_t i = 0; i < n; ++i) {
-                pr[i] = std::max(0.0, pr[i] - old[i]) / pending;
-                sum += std::max(0.0, pr[i] - m[i]);
+                const double v = std::max(0.0, pr[i] - old[i]) / div;
+                pr[i] = v;
+                sum += std::max(0.0, v - m[i]);
             }
         } else {
             for (size_t i = 0; i < n; ++i) sum += std::max(0.0, pr[i] - m[i]);
