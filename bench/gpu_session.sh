@@ -61,12 +61,15 @@
 #      draft model, /tmp/d08.gguf, same vocabulary; one drafter per call fits the time), all -np 32,
 #      echo prompts (--prompts echo: the text repeats so that lookup drafts), interleaved reps,
 #      drafted/accepted per row -> server_spec_bench.json (SERVER_SPEC_ARGS: more options)
+#   hostsample: the host part of sampled verification at the 248K vocabulary on this machine's CPU
+#      (tree walk and chain accept per sampler, no GPU; bench/host_sampling_bench.py, ~1 min)
+#      -> host_sampling.json
 # Benchmarks never run while a compile does: a step that measures waits for every background job.
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
 # steps: any of kernels build build-ours stock-build stock test bench bench-ours batch batchspec ab verify tree mtp
-#   dflash profile server server-spec tq tq-test toprows
+#   dflash profile server server-spec tq tq-test toprows hostsample
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -203,6 +206,10 @@ if has_step dflash; then
     python3 "$REPO/bench/dflash_bench.py" /tmp/q27.gguf /tmp/d27.gguf --device cuda --budgets 15 16 22 32 \
         --tree-budgets 16 22 32 --tree-sampled ${peer[@]+"${peer[@]}"} --out "$OUT/dflash_bench.json" \
         | tee "$OUT/dflash_bench.md"
+fi
+if has_step hostsample; then
+    python3 "$REPO/bench/host_sampling_bench.py" --budgets 16 22 32 --out "$OUT/host_sampling.json" \
+        | tee "$OUT/host_sampling.md"
 fi
 if has_step verify; then
     python3 "$REPO/bench/verify_cost.py" /tmp/q27.gguf --device cuda --out "$OUT/verify_cost.json" \
