@@ -798,6 +798,22 @@ PYBIND11_MODULE(_core, m) {
                  return d;
              }, "What batched decoding has run: calls, rows in all, the most rows of one call; rows that "
                 "returned their top candidates instead of whole logits (top_rows).")
+        .def_property_readonly("graph_stats", [](const Runner & r) {
+                 const auto s = r.engine->graph_stats();
+                 py::dict d;
+                 d["builds"] = s.builds;
+                 d["reuses"] = s.reuses;
+                 d["switches"] = s.switches;
+                 d["evictions"] = s.evictions;
+                 d["kept"] = s.kept;
+                 d["kept_bytes"] = s.kept_bytes;
+                 d["max_graphs"] = s.max_graphs;
+                 d["build_seconds"] = s.build_seconds;
+                 d["alloc_seconds"] = s.alloc_seconds;
+                 return d;
+             }, "The target's step graphs: built and allocated (builds, and the host seconds they took) vs "
+                "steps that ran a kept graph (reuses; switches: those whose graph was not the previous "
+                "step's); kept graphs evicted; graphs kept now and their compute buffers' bytes; the limit.")
         .def_property("top_rows_enabled", [](const Runner & r) { return r.engine->top_rows_enabled(); },
                       [](Runner & r, bool on) { r.engine->enable_top_rows(on); },
                       "Whether sequences whose sampler allows it take their rows' top candidates from the "

@@ -91,6 +91,18 @@ class Engine {
         int64_t top_rows = 0;  // rows returned as top candidates (decode or eval_top), not as whole logits
     };
     const DecodeStats & decode_stats() const { return decode_stats_; }
+    // What the step graphs cost (step_graphs.cpp): graphs built and allocated vs steps that ran a
+    // kept one (tests assert that alternating shapes stop rebuilding; benches show the host time).
+    struct GraphStats {
+        int64_t builds = 0;       // graphs built and allocated
+        int64_t reuses = 0;       // steps that ran a kept graph: no build, no allocation
+        int64_t switches = 0;     // of those, steps whose graph was not the previous step's
+        int64_t evictions = 0;    // kept graphs freed to stay within the cache's limits
+        int64_t kept = 0, kept_bytes = 0;  // graphs held now (the last step's included), their compute buffers
+        int64_t max_graphs = 0;   // the cache's limit (DELTASPEC_GRAPH_CACHE)
+        double build_seconds = 0, alloc_seconds = 0;  // host time building graphs, allocating them
+    };
+    GraphStats graph_stats() const;
 
     // Speculative verification: append a batch of at most n_slots tokens and return logits for
     // every row, leaving what the recurrent state after each token needs (VerifyStates); then
@@ -204,12 +216,15 @@ class Engine {
     void keep_tree_taps(const std::vector<int32_t> & path);    // verify_tree.cpp: the path's tapped rows -> tapped_
     void append_taps(int64_t n_rows);  // the step's tapped rows -> tapped_
 
-    // The last graph built stays allocated: a step of the same shape (every decode step until the
-    // visible KV length grows by kv_pad) only sets its inputs and computes, no rebuild, no
-    // re-allocation, and the CUDA backend can replay it as a CUDA graph.
+    // A step's graph, built and allocated once for its shape and kept (step_graphs.cpp says why
+    // and for how long): a later step of the same shape only sets its inputs and computes, and
+    // the CUDA backend can replay it as a CUDA graph.
     struct StepGraph {
-        ggml_context * ctx = nullptr;
+        ggml_context * ctx = nullptr;  // owns its tensor and node descriptors
         ggml_cgraph * gf = nullptr;
+        ggml_backend_sched_t sched = nullptr;  // this graph's own scheduler, allocated for it alone
+        size_t bytes = 0;                      // its compute buffers'
+        std::vector<ggml_tensor *> tap_out;    // Taps::out of this graph (taps_.out while it runs)
         StepInputs in;
         ggml_tensor * out = nullptr;
         int64_t n_tokens = -1, n_kv = -1;
@@ -220,29 +235,36 @@ class Engine {
         int64_t n_rows_op_nodes = 0;  // nodes of the rows ops (deltaspec_rows.h) in gf
         VerifyStates verify;  // keep_states: where each token's recurrent state is
     };
+    // The graph of that shape, kept or built (step_graphs.cpp); it becomes step_.
     StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool keep_states,
                            int64_t n_seqs = 0, int64_t first_slot = 0, bool tree = false);
     void compute(StepGraph & g);
+    void build_step_graph(StepGraph & g);  // g's key set: its graph, allocated by a scheduler of its own
+    void free_step_graph(StepGraph & g);
+    // Frees kept graphs, the least recently run first, until within the limits; take_sched: returns
+    // the last one's scheduler instead of freeing it (null if none was evicted).
+    ggml_backend_sched_t evict_kept_graphs(size_t max_kept, bool take_sched);
     SequenceState & seq() { return pool_.slots[cur_]; }
     const SequenceState & seq() const { return pool_.slots[cur_]; }
     void check_batch(const int32_t * tokens, int64_t n_tokens) const;  // fits the context, ids in range
-    void make_scheduler();  // sizes the graph scratch; (re)creates sched_
-    void drop_step_graph();
+    void init_step_graphs();  // the graphs' size and the cache's limits (step_graphs.cpp)
+    void drop_step_graph();   // every kept graph: the tensors they name are gone or changed
 
     HParams hp_;
     EngineOptions opts_;
     ggml_backend_t backend_ = nullptr;      // holds weights and state
     ggml_backend_t backend_cpu_ = nullptr;  // the scheduler's mandatory CPU fallback
-    ggml_backend_sched_t sched_ = nullptr;
     std::string backend_name_;
     bool fold_inputs_ = false;  // norms and SwiGLUs offered to our CUDA kernels (cuda_kernels.h)
     ModelWeights weights_;
     StatePool pool_;
     int64_t cur_ = 0;  // the slot of the one-sequence calls
     DecodeStats decode_stats_;
-    std::vector<uint8_t> graph_meta_;       // scratch for graph/tensor descriptors
-    size_t graph_size_ = 0;
-    StepGraph step_;
+    size_t graph_size_ = 0;                 // nodes and leaves a step graph may hold
+    StepGraph step_;                        // the last step's graph (keep() reads its outputs)
+    std::vector<StepGraph> kept_graphs_;    // other graphs kept for reuse, least recently run first
+    size_t max_graphs_ = 8, max_kept_bytes_ = 0;  // the cache's limits (init_step_graphs)
+    GraphStats graph_stats_;
     int64_t verify_p0_ = -1, verify_T_ = 0;  // the last verify batch, for keep()
     std::vector<int32_t> tree_parents_;      // the pending tree verify batch's parents (empty: none), for keep_path()
     TreeStats tree_stats_;
