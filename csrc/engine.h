@@ -225,6 +225,7 @@ class Engine {
         ggml_backend_sched_t sched = nullptr;  // this graph's own scheduler, allocated for it alone
         size_t bytes = 0;                      // its compute buffers'
         std::vector<ggml_tensor *> tap_out;    // Taps::out of this graph (taps_.out while it runs)
+        int64_t runs = 0;                      // steps that ran it (1: on probation, step_graphs.cpp)
         StepInputs in;
         ggml_tensor * out = nullptr;
         int64_t n_tokens = -1, n_kv = -1;
@@ -241,8 +242,8 @@ class Engine {
     void compute(StepGraph & g);
     void build_step_graph(StepGraph & g);  // g's key set: its graph, allocated by a scheduler of its own
     void free_step_graph(StepGraph & g);
-    // Frees kept graphs, the least recently run first, until within the limits; take_sched: returns
-    // the last one's scheduler instead of freeing it (null if none was evicted).
+    // Frees kept graphs until within the limits (step_graphs.cpp: which go first); take_sched:
+    // returns the last one's scheduler instead of freeing it (null if none was evicted).
     ggml_backend_sched_t evict_kept_graphs(size_t max_kept, bool take_sched);
     SequenceState & seq() { return pool_.slots[cur_]; }
     const SequenceState & seq() const { return pool_.slots[cur_]; }

@@ -9,7 +9,7 @@
 // ggml_cuda_graph_get_key) saw the same key with other node properties at each change, reset its
 // warm-up and replayed no CUDA graph at all while the shapes alternated.
 //
-// So the graph of each shape is kept (least recently run evicted first), each with
+// So the graph of each shape is kept, each with
 //  - a ggml context of its own: its descriptors stay valid while other graphs are built, and its
 //    distinct node addresses give ggml-cuda a key of its own, so each kept graph keeps its own
 //    captured CUDA graph and replays it (ggml-cuda skips even the property check while the split's
@@ -23,8 +23,13 @@
 //    stay where they are: a switch only sets the inputs. (mtp_head.cpp does the same for its two.)
 // The price is memory: each kept graph keeps its compute buffer. The cache is bounded in graphs
 // (DELTASPEC_GRAPH_CACHE, default 8) and in the bytes of the graphs kept besides the last step's
-// (DELTASPEC_GRAPH_CACHE_MIB, default 1024). Graphs of shorter KV lengths (n_kv grows by kv_pad)
-// are never run again and age out. A new graph takes over the scheduler, and so the buffers, of
+// (DELTASPEC_GRAPH_CACHE_MIB, default 1024). Which go first: a plain LRU lets one-off graphs push
+// out the ones the rounds alternate between (a scheduler prefills each new sequence's prompt in
+// its slot, a graph that names that slot and is run once; 4 of them evicted half of a cache of 8
+// every admission). So, as in the 2Q policy, a graph run once waits on probation (at most
+// kProbation graphs, the oldest evicted first) and only a graph run again enters the protected
+// part, itself least-recently-run first out (graphs of a shorter KV length, n_kv growing by
+// kv_pad, are never run again and age out there). A new graph takes over the scheduler, and so the buffers, of
 // the graph it evicts (no allocation of device memory when the cache is full): with
 // DELTASPEC_GRAPH_CACHE=1 a step does what it did before the cache, one graph on one scheduler.
 //
@@ -77,6 +82,10 @@ size_t env_count(const char * name, size_t fallback, size_t min) {
     return (size_t)v;
 }
 
+// Graphs run once that the cache keeps on probation (see the top of this file): a scheduler's
+// admission prefills 1-4 sequences, mostly one graph each.
+constexpr size_t kProbation = 2;
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -111,6 +120,7 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     };
     if (bug != GraphBug::never_reuse) {
         if (fits(step_)) {
+            step_.runs += 1;
             graph_stats_.reuses += 1;
             return step_;
         }
@@ -120,9 +130,11 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
             kept_graphs_.erase(kept_graphs_.begin() + (ptrdiff_t)i);
             if (step_.ctx) kept_graphs_.push_back(std::move(step_));  // now the most recently run
             step_ = std::move(g);
+            step_.runs += 1;
             taps_.out = step_.tap_out;
             graph_stats_.reuses += 1;
             graph_stats_.switches += 1;
+            evict_kept_graphs(max_graphs_ - 1, false);  // step_ may have left probation: the protected part's limit
             return step_;
         }
     }
@@ -139,6 +151,7 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_.first_slot = first_slot;
     step_.slot = slot;
     step_.tree = tree;
+    step_.runs = 1;
     build_step_graph(step_);
     evict_kept_graphs(max_graphs_ - 1, false);  // and within the byte limit, now that its size is known
     return step_;
@@ -208,18 +221,33 @@ void Engine::build_step_graph(StepGraph & g) {
 }
 
 ggml_backend_sched_t Engine::evict_kept_graphs(size_t max_kept, bool take_sched) {
-    size_t bytes = 0;
-    for (const StepGraph & g : kept_graphs_) bytes += g.bytes;
+    // Probation only where there is room besides it (a cache of a few graphs is one plain LRU).
+    const size_t probation = max_kept >= 2 * kProbation ? kProbation : 0, protect = max_kept - probation;
+    size_t bytes = 0, n_probation = 0;
+    for (const StepGraph & g : kept_graphs_) {
+        bytes += g.bytes;
+        n_probation += g.runs == 1;
+    }
     ggml_backend_sched_t taken = nullptr;
-    while (!kept_graphs_.empty() && (kept_graphs_.size() > max_kept || bytes > max_kept_bytes_)) {
-        StepGraph & g = kept_graphs_.front();
+    for (;;) {
+        const size_t n_protected = kept_graphs_.size() - n_probation;
+        const bool evict_probation = probation > 0 && n_probation > probation;
+        const bool evict_protected = probation > 0 && n_protected > protect;
+        if (!evict_probation && !evict_protected && kept_graphs_.size() <= max_kept && bytes <= max_kept_bytes_) break;
+        // the least recently run graph of the part over its limit, else of all
+        auto victim = kept_graphs_.begin();
+        if (evict_probation || evict_protected) {
+            while ((victim->runs == 1) != evict_probation) ++victim;
+        }
+        StepGraph & g = *victim;
         bytes -= g.bytes;
+        n_probation -= g.runs == 1;
         if (take_sched) {
             if (taken) ggml_backend_sched_free(taken);
             taken = std::exchange(g.sched, nullptr);
         }
         free_step_graph(g);
-        kept_graphs_.erase(kept_graphs_.begin());
+        kept_graphs_.erase(victim);
         graph_stats_.evictions += 1;
     }
     return taken;
