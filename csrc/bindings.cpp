@@ -808,12 +808,14 @@ PYBIND11_MODULE(_core, m) {
                  d["kept"] = s.kept;
                  d["kept_bytes"] = s.kept_bytes;
                  d["max_graphs"] = s.max_graphs;
+                 d["max_kept_bytes"] = s.max_kept_bytes;
                  d["build_seconds"] = s.build_seconds;
                  d["alloc_seconds"] = s.alloc_seconds;
                  return d;
              }, "The target's step graphs: built and allocated (builds, and the host seconds they took) vs "
                 "steps that ran a kept graph (reuses; switches: those whose graph was not the previous "
-                "step's); kept graphs evicted; graphs kept now and their compute buffers' bytes; the limit.")
+                "step's); kept graphs evicted; graphs kept now and their compute buffers' bytes; the limits "
+                "(graphs; bytes of the graphs kept besides the last step's).")
         .def_property("top_rows_enabled", [](const Runner & r) { return r.engine->top_rows_enabled(); },
                       [](Runner & r, bool on) { r.engine->enable_top_rows(on); },
                       "Whether sequences whose sampler allows it take their rows' top candidates from the "

@@ -99,7 +99,7 @@ class Engine {
         int64_t switches = 0;     // of those, steps whose graph was not the previous step's
         int64_t evictions = 0;    // kept graphs freed to stay within the cache's limits
         int64_t kept = 0, kept_bytes = 0;  // graphs held now (the last step's included), their compute buffers
-        int64_t max_graphs = 0;   // the cache's limit (DELTASPEC_GRAPH_CACHE)
+        int64_t max_graphs = 0, max_kept_bytes = 0;  // its limits (DELTASPEC_GRAPH_CACHE, _MIB)
         double build_seconds = 0, alloc_seconds = 0;  // host time building graphs, allocating them
     };
     GraphStats graph_stats() const;

@@ -23,7 +23,9 @@
 //    stay where they are: a switch only sets the inputs. (mtp_head.cpp does the same for its two.)
 // The price is memory: each kept graph keeps its compute buffer. The cache is bounded in graphs
 // (DELTASPEC_GRAPH_CACHE, default 8) and in the bytes of the graphs kept besides the last step's
-// (DELTASPEC_GRAPH_CACHE_MIB, default 1024). Which go first: a plain LRU lets one-off graphs push
+// (DELTASPEC_GRAPH_CACHE_MIB, default a 16th of the device's memory: a verify graph of a 27B
+// holds a few hundred MB, its DeltaNet states, so a 24 GB card keeps a few, an H200 all 8).
+// Which go first: a plain LRU lets one-off graphs push
 // out the ones the rounds alternate between (a scheduler prefills each new sequence's prompt in
 // its slot, a graph that names that slot and is run once; 4 of them evicted half of a cache of 8
 // every admission). So, as in the 2Q policy, a graph run once waits on probation (at most
@@ -97,7 +99,9 @@ void Engine::init_step_graphs() {
     // covers embeddings, head and inputs. (Too few aborts inside ggml's scheduler.)
     graph_size_ = (size_t)(96 * hp_.n_layer + 512);
     max_graphs_ = env_count("DELTASPEC_GRAPH_CACHE", 8, 1);
-    max_kept_bytes_ = env_count("DELTASPEC_GRAPH_CACHE_MIB", 1024, 0) << 20;
+    size_t free = 0, total = 0;
+    ggml_backend_dev_memory(ggml_backend_get_device(backend_), &free, &total);
+    max_kept_bytes_ = env_count("DELTASPEC_GRAPH_CACHE_MIB", (total / 16) >> 20, 0) << 20;
 }
 
 Engine::GraphStats Engine::graph_stats() const {
@@ -106,6 +110,7 @@ Engine::GraphStats Engine::graph_stats() const {
     s.kept_bytes = (int64_t)step_.bytes;
     for (const StepGraph & g : kept_graphs_) s.kept_bytes += (int64_t)g.bytes;
     s.max_graphs = (int64_t)max_graphs_;
+    s.max_kept_bytes = (int64_t)max_kept_bytes_;
     return s;
 }
 

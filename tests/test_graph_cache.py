@@ -49,7 +49,7 @@ def path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(path):
-    with _env(DELTASPEC_GRAPH_CACHE=8, DELTASPEC_GRAPH_CACHE_MIB=1024):  # the defaults, whatever the caller's environment
+    with _env(DELTASPEC_GRAPH_CACHE=8, DELTASPEC_GRAPH_CACHE_MIB=1024):  # whatever the caller's environment
         m = Model(path, n_ctx=N_CTX, n_threads=1, n_seq_max=4)
     yield m
     m.close()
@@ -139,6 +139,8 @@ def test_limits_and_one_graph_as_before(path):
     tokens, _, default = runs["default"]
     for name in ("one", "three", "no_bytes"):
         assert runs[name][0] == tokens, f"{name}: other tokens than the default cache's"
+    assert default["max_graphs"] == 8 and default["max_kept_bytes"] == 1024 << 20
+    assert runs["no_bytes"][2]["max_kept_bytes"] == 0
     assert runs["one"][1] == 1 and runs["no_bytes"][1] == 1 and runs["three"][1] <= 3
     for name in ("one", "three", "no_bytes"):
         assert runs[name][2]["evictions"] > 0, name
