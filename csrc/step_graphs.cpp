@@ -2,42 +2,45 @@
 //
 // Speculation changes the step's shape every round: one sequence alternates a one-row step with
 // verify batches whose length follows the drafts; a scheduler of several sequences alternates a
-// plain pass of N rows with a verify pass of N * (1 + d) rows. With only the last graph kept, every
+// plain pass of N rows with a verify pass of N x Tq rows. With only the last graph kept, every
 // change of shape rebuilt the graph (build_qwen35, thousands of nodes) and re-ran the scheduler's
 // split and allocation, on the host, every round. And since every graph was built into the same
-// descriptor buffer, ggml-cuda (which keeps one CUDA graph per first-node address,
-// ggml_cuda_graph_get_key) saw the same key with other node properties at each change, reset its
-// warm-up and replayed no CUDA graph at all while the shapes alternated.
+// descriptor buffer, graphs of one kind had the same first-node address, which is ggml-cuda's key
+// for its CUDA graphs (ggml_cuda_graph_get_key): it saw the key again with other node properties
+// at each change, reset its warm-up and replayed no CUDA graph while the shapes alternated.
 //
 // So the graph of each shape is kept, each with
 //  - a ggml context of its own: its descriptors stay valid while other graphs are built, and its
-//    distinct node addresses give ggml-cuda a key of its own, so each kept graph keeps its own
-//    captured CUDA graph and replays it (ggml-cuda skips even the property check while the split's
-//    uid is unchanged, i.e. while we do not re-allocate);
+//    own node addresses give ggml-cuda a key of its own, so each kept graph keeps its captured
+//    CUDA graph and replays it (ggml-cuda skips even the property check while the split's uid is
+//    unchanged, i.e. while we do not re-allocate);
 //  - a ggml_backend_sched of its own, allocated once for that graph. A scheduler holds the split
 //    of ONE graph (its splits, graph copy, input copies) and its gallocr places that graph's
 //    tensors in its buffer: computing graph A on a scheduler last allocated for graph B runs B's
 //    splits. Sharing one scheduler would mean re-running the split and allocation at every switch
-//    (most of the host time a rebuild costs, GraphStats::alloc_seconds) and would let the
-//    allocator move tensors (another CUDA capture). With its own scheduler a kept graph's tensors
-//    stay where they are: a switch only sets the inputs. (mtp_head.cpp does the same for its two.)
+//    (about half of the host time of a rebuild: GraphStats::alloc_seconds vs build_seconds) and
+//    would let the allocator move tensors (another CUDA capture). With a scheduler of its own a
+//    kept graph's tensors stay where they are: a switch only sets the inputs. (mtp_head.cpp does
+//    the same for its two graphs.)
+//
 // The price is memory: each kept graph keeps its compute buffer. The cache is bounded in graphs
 // (DELTASPEC_GRAPH_CACHE, default 8) and in the bytes of the graphs kept besides the last step's
-// (DELTASPEC_GRAPH_CACHE_MIB, default a 16th of the device's memory: a verify graph of a 27B
-// holds a few hundred MB, its DeltaNet states, so a 24 GB card keeps a few, an H200 all 8).
-// Which go first: a plain LRU lets one-off graphs push
-// out the ones the rounds alternate between (a scheduler prefills each new sequence's prompt in
-// its slot, a graph that names that slot and is run once; 4 of them evicted half of a cache of 8
-// every admission). So, as in the 2Q policy, a graph run once waits on probation (at most
-// kProbation graphs, the oldest evicted first) and only a graph run again enters the protected
-// part, itself least-recently-run first out (graphs of a shorter KV length, n_kv growing by
-// kv_pad, are never run again and age out there). A new graph takes over the scheduler, and so the buffers, of
-// the graph it evicts (no allocation of device memory when the cache is full): with
-// DELTASPEC_GRAPH_CACHE=1 a step does what it did before the cache, one graph on one scheduler.
+// (DELTASPEC_GRAPH_CACHE_MIB, default a 16th of the device's memory: a 27B's verify graph holds
+// its DeltaNet states, hundreds of MB by our estimate, so a 24 GB card keeps a few, an H200 all).
+// Which go first: a plain LRU lets one-off graphs push out the ones the rounds alternate between
+// (a scheduler prefills each new sequence's prompt in its slot, a graph that names the slot and
+// runs once; 4 of them flushed half of a cache of 8 at every admission). So, as in the 2Q policy,
+// a graph run once waits on probation (kProbation graphs, the oldest evicted first) and only a
+// graph run again enters the protected part, least recently run first out (graphs of a shorter KV
+// length, n_kv growing by kv_pad, are never run again and age out there). A new graph takes over
+// the scheduler, and so the buffers, of the graph it evicts (no device allocation once the cache
+// is full): with DELTASPEC_GRAPH_CACHE=1 a step does what it did before the cache, one graph on
+// one scheduler.
 //
-// Row counts are keyed exactly, not padded up to buckets: a verify batch padded with dummy rows
-// would run other kernels (ggml-cuda picks mat-vec or tiled products by the row count), so its
-// rows could differ in the last bits from the unpadded batch's and greedy tokens could change.
+// Row counts are keyed exactly here, not padded up to buckets: a verify batch padded with dummy
+// rows would run other kernels (ggml-cuda picks mat-vec or tiled products by the row count), so
+// its rows could differ in the last bits from the unpadded batch's and greedy tokens could change.
+// (verify_rows pads its slots' rows to a power of two itself: copies it already had to add.)
 #include <chrono>
 #include <cstdlib>
 #include <stdexcept>
