@@ -38,7 +38,7 @@
 #      (bench/kv_memory.py -> kv_memory.json), then tg128 at depths TQ_DEPTHS (default 16384 65536)
 #      with q4_0, tq3 and q4_0+rot against llama-bench's q4_0 (-> kv_decode_bench.json; depth 131072
 #      alone fits one 10-minute call: TQ_DEPTHS=131072)
-#   tq-test: the tq KV cache types' CUDA checks, with them offered on CUDA (DELTASPEC_CUDA_TQ=1):
+#   tq-test: the tq KV cache types' CUDA checks:
 #      bench/tq_cuda_diag.py (how the CUDA quantizer's bytes differ from the CPU's, if they do; VERDICT
 #      lines -> tq_cuda_diag.md/.json), then tests/test_gpu_turboquant.py and test_gpu.py's cache pairs
 #      with a tq or rotated side -> gpu_tq_tests.xml / .log
@@ -140,9 +140,6 @@ if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the te
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
       && mv /tmp/q27.gguf.part /tmp/q27.gguf; echo "synth 27B q4_k_m: $(( $(date +%s) - t0 )) s" >> "$OUT/synth.log" ) &
 fi
-# the tq and rotated cache types stay off on CUDA (kv_cache.supported_types) until tq-test passes;
-# the steps that exercise them offer them anyway
-if has_step tq || has_step tq-test; then export DELTASPEC_CUDA_TQ=1; fi
 if has_step tq-test; then
     python3 "$REPO/bench/tq_cuda_diag.py" --json "$OUT/tq_cuda_diag.json" 2>&1 | tee "$OUT/tq_cuda_diag.md" \
         || echo "tq_cuda_diag failed"
