@@ -805,6 +805,23 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("tokens"),
              "One row per slot 0 .. len(tokens)-1, each appending its token to its slot, in one batch: "
              "logits (len(tokens), n_vocab).")
+        .def("prefill_slots", [](Runner & r, std::vector<std::vector<int32_t>> chunks) {
+                 Engine & e = r.single();
+                 RowBatch rows;
+                 for (size_t i = 0; i < chunks.size(); ++i) {
+                     const int32_t p0 = (int32_t)e.slot_n_past((int64_t)i);
+                     for (size_t j = 0; j < chunks[i].size(); ++j) {
+                         rows.add(chunks[i][j], p0 + (int32_t)j, (int32_t)i, j == 0 ? -1 : (int32_t)rows.size() - 1);
+                     }
+                 }
+                 py::array_t<float> out({(int64_t)chunks.size(), e.hparams().n_vocab});
+                 float * dst = out.mutable_data();
+                 py::gil_scoped_release release;
+                 e.prefill_rows(rows, LogitsWanted::all, dst);
+                 return out;
+             }, py::arg("chunks"),
+             "Prompt chunks of equal length appended to slots 0 .. len(chunks)-1 in one pass (Engine::prefill_rows): "
+             "each slot's last row's logits (len(chunks), n_vocab).")
         .def_property_readonly("decode_stats", [](const Runner & r) {
                  const auto & s = r.engine->decode_stats();
                  py::dict d;

@@ -94,3 +94,32 @@ def test_split_prompt_and_new_requests_share_passes_under_a_budget(models):
     after = four._engine.prefill_stats
     assert after["multi_slot_passes"] - before["multi_slot_passes"] >= 2, "passes over several slots"
     assert after["max_slots"] >= 3
+
+
+def test_prefilled_states_give_the_single_sequence_logits(models):
+    """Teacher-forced, through Engine::prefill_rows directly: 4 slots holding prompts of different
+    lengths (0, 5, 17, 30 tokens) take a 9-token chunk each in one pass, then 5 batched decode steps;
+    the chunk's last-row logits and every decode row's logits equal, bitwise, those of the same tokens
+    evaluated alone (so each slot's conv window, DeltaNet state and KV rows came out of the pass as a
+    prefill of its own leaves them)."""
+    one, four = models
+    engine = four._engine
+    heads = _prompts([0, 5, 17, 30], seed=13)
+    chunks = _prompts([9, 9, 9, 9], seed=14)
+    steps = np.random.default_rng(15).integers(0, 256, size=(5, 4))
+    for slot, h in enumerate(heads):
+        engine.reset_slot(slot)
+        if h:
+            engine.eval_in_slot(slot, h, "none")
+    before = dict(engine.prefill_stats)
+    last = engine.prefill_slots(chunks)
+    decoded = np.stack([engine.decode_slots(row) for row in steps])  # (5, 4, n_vocab)
+    assert engine.prefill_stats["multi_slot_passes"] == before["multi_slot_passes"] + 1
+    for slot, (h, c) in enumerate(zip(heads, chunks)):
+        alone = one.logits(h + c + steps[:, slot].tolist())
+        n = len(h) + len(c)
+        assert np.array_equal(last[slot], alone[n - 1]), f"slot {slot}: the chunk's last row"
+        assert np.array_equal(decoded[:, slot], alone[n:]), f"slot {slot}: the decode steps after the pass"
+        assert engine.slot_n_past(slot) == n + len(steps)
+    with pytest.raises(ValueError, match="same number of rows"):
+        engine.prefill_slots([[1, 2], [3]])
