@@ -102,7 +102,8 @@ void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out
     std::vector<int64_t> kv_rows(T);
     for (int64_t i = 0; i < N; ++i) flags[i * Tq + Tq - 1] = DELTASPEC_ROW_WRITE_BACK;
     for (int64_t r = 0; r < T; ++r) {
-        const int32_t p = rows.pos[r] + (bug == PrefillBug::position && r >= Tq ? 1 : 0);
+        // the planted bug: slots after the first counted from the first slot's start
+        const int32_t p = bug == PrefillBug::position && r >= Tq ? rows.pos[r] - rows.pos[r / Tq * Tq] + rows.pos[0] : rows.pos[r];
         pos[r] = pos[T + r] = pos[2 * T + r] = p;
         kv_rows[r] = rows.slot[r] * pool_.n_ctx + rows.pos[r];
     }

@@ -7,11 +7,13 @@ seeded sampling), its recurrent state (conv window and DeltaNet state, written b
 and KV rows being those a prefill of its own would leave; and the passes really held prompt rows of
 several sequences (the engine's prefill_stats).
 
-Planted bugs (DELTASPEC_TEST_PREFILL_BUG, csrc/rows.h) each test was seen to fail with: "position"
-(every slot after the first of a pass one position further on) and "shared_state" (every slot after
-the first starts from the first slot's committed recurrent state). Also seen to fail: each test's
-assertion on prefill_stats with the scheduler's passes switched off (Model._engine.set_prefill_rows(False)
-in the fixture: the tokens stay right, no pass held two slots).
+Planted bugs (DELTASPEC_TEST_PREFILL_BUG, csrc/rows.h): "shared_state" (every slot after the first of a
+pass starts from the first slot's committed recurrent state) made every test fail; "position" (every
+slot after the first of a pass given positions from the first slot's start) made the budget test and
+the logits test fail (the generate_batch test's passes hold slots of equal starts, where it changes
+nothing). Also seen to fail: both scheduler tests' assertions on prefill_stats with the scheduler's
+passes switched off (Model._engine.set_prefill_rows(False) in the fixture: the tokens stay right, no
+pass held two slots).
 """
 
 import numpy as np
