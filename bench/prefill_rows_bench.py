@@ -3,10 +3,12 @@ pass (Engine::prefill_rows, the default) against each prompt prefilled alone in 
 before it), on one Model.
 
     python bench/prefill_rows_bench.py [MODEL.gguf] [--device cpu|cuda] [--n-seqs 8] [--prompt 64]
-                                       [--budget 512] [--gen 4] [--reps 3] [--threads N] [--out FILE.json]
+                                       [--budget 512] [--gen 4] [--reps 3] [--threads N] [--shape wide|tiny]
+                                       [--out FILE.json]
 
-Without MODEL a synthetic tiny-vocabulary qwen35 (n_embd 256, 8 layers, random F32 weights) is
-written to a temporary folder: its speed is that of its shapes only (say so with every number).
+Without MODEL a synthetic tiny-vocabulary qwen35 with random F32 weights is written to a temporary
+folder (--shape wide: n_embd 256, 8 layers; tiny: the tests' n_embd 64, 4 layers, where a pass's
+fixed costs dominate): its speed is that of its shapes only (say so with every number).
 Each run adds --n-seqs requests with fresh random prompts of --prompt tokens at once (greedy, no
 end-of-generation tokens) and steps the scheduler (prefill budget --budget per step, as
 `deltaspec serve --prefill-budget`) until every request has its first token: a request's TTFT is
@@ -71,6 +73,7 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--shape", choices=("wide", "tiny"), default="wide", help="the synthetic model's (no MODEL)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
 
@@ -82,8 +85,8 @@ def main() -> int:
         from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
 
         tmp = tempfile.TemporaryDirectory()
-        path = str(write_tiny_vocab_model(Path(tmp.name) / "bench.gguf", seed=0, n_embd=256, n_layer=8, n_ff=768,
-                                          n_head=4, n_head_kv=2, ssm_v_heads=4, ssm_k_heads=2))
+        shape = dict(n_embd=256, n_layer=8, n_ff=768, n_head=4, n_head_kv=2, ssm_v_heads=4, ssm_k_heads=2)
+        path = str(write_tiny_vocab_model(Path(tmp.name) / "bench.gguf", seed=0, **(shape if args.shape == "wide" else {})))
     kw = dict(n_threads=args.threads) if args.threads else {}
     rng = np.random.default_rng(0)
     runs: dict[str, list[dict]] = {"rows": [], "alone": []}
@@ -107,7 +110,7 @@ def main() -> int:
     summary = {mode: {k: spread([r[k] for r in rs]) for k in ("ttft_median_ms", "ttft_last_ms")}
                for mode, rs in runs.items()}
     print(f"\n{args.n_seqs} prompts of {args.prompt} tokens submitted together, prefill budget {args.budget}, "
-          f"{backend}, {path if args.model else 'synthetic tiny-vocabulary model (random weights)'}")
+          f"{backend}, {path if args.model else f'synthetic tiny-vocabulary model, {args.shape} shape (random weights)'}")
     print("| prefill | TTFT median ms (min-max) | last TTFT ms (min-max) |")
     print("|---|---|---|")
     for mode, s in summary.items():

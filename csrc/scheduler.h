@@ -1,6 +1,7 @@
 // Many requests on one engine, in the shape of nano-vllm's engine loop: a Sequence per request, a
-// step that admits waiting requests into free slots (prefill) and then decodes every running
-// sequence in one batch of rows, sampling and committing per sequence. Sequences finish
+// step that admits waiting requests into free slots (prefill: the prompt chunks of the step's
+// sequences together, Engine::prefill_rows) and then decodes every running sequence in one batch of
+// rows, sampling and committing per sequence. Sequences finish
 // independently (their own max_tokens, stop tokens and strings, sampler and seed); each gives the
 // tokens generate() gives it alone.
 #pragma once
@@ -121,7 +122,9 @@ class Scheduler {
     // step instead of waiting for every new prompt (time to first token under load, and no stall
     // behind a long prompt). A prompt that does not fit is split: its sequence takes the top
     // running slot, is fed a budget's worth per step and decodes once its prompt is complete; no
-    // other request is admitted until then.
+    // other request is admitted until then. The step's chunks (the split prompt's, then the newly
+    // admitted ones') are evaluated together: one Engine::prefill_rows pass over their consecutive
+    // slots per round of equal-length pieces, not one prompt after another.
     void set_prefill_budget(int64_t n_tokens) { prefill_budget_ = n_tokens; }
     // Something else changed the slots (a one-sequence call): their kept histories are unknown now.
     void forget_histories() {
