@@ -147,6 +147,16 @@ bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev, bool check_c
     return true;
 }
 
+void Scheduler::begin_draft(Sequence & s) {
+    if (!model_drafter_) return;
+    // the draft slot reads the whole prompt (or is emptied for a sequence without it)
+    if (s.draft_state) {
+        model_drafter_->begin(s.slot, *s.draft_state, s.req.prompt);
+    } else {
+        model_drafter_->clear_slot(s.slot);
+    }
+}
+
 bool Scheduler::split_on_top() const {
     return !running_.empty() && running_.back()->n_fed < (int64_t)running_.back()->req.prompt.size();
 }
@@ -172,13 +182,7 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
         engine_.eval(chunk, n, LogitsWanted::last, logits_.data());
         token = choose(s, logits_.data(), n_vocab);
     }
-    if (n == left && model_drafter_) {  // the draft slot reads the whole prompt (or is emptied for a sequence without it)
-        if (s.draft_state) {
-            model_drafter_->begin(s.slot, *s.draft_state, s.req.prompt);
-        } else {
-            model_drafter_->clear_slot(s.slot);
-        }
-    }
+    if (n == left) begin_draft(s);
     s.n_fed += n;
     s.res.n_prefilled += n;
     s.res.prefill_seconds += seconds_since(t0);
@@ -284,7 +288,6 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
         logits_.resize(N * n_vocab);
         engine_.prefill_rows(rows_, LogitsWanted::all, logits_.data());
     }
-    prefill_passes_ += 1;
     const double seconds = seconds_since(t0);  // the pass was shared
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *seqs[i];
@@ -295,13 +298,7 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
         const int32_t token = all_argmax ? argmax_[i]
                               : all_top  ? choose_from_top(s.req, s.sampler, top_row(top_.data() + i * W, engine_.top_k()), s.res)
                                          : choose(s, logits_.data() + i * n_vocab, n_vocab);
-        if (model_drafter_) {  // the draft slot reads the whole prompt (or is emptied for a sequence without it)
-            if (s.draft_state) {
-                model_drafter_->begin(s.slot, *s.draft_state, s.req.prompt);
-            } else {
-                model_drafter_->clear_slot(s.slot);
-            }
-        }
+        begin_draft(s);
         s.decode_start = Clock::now();
         commit(s, token, event_of(events, s));
     }

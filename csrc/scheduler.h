@@ -143,10 +143,8 @@ class Scheduler {
     bool has_draft_model() const { return model_drafter_ != nullptr; }
     const Engine * draft_engine() const { return model_drafter_ ? &model_drafter_->engine() : nullptr; }
 
-    // Prompt chunks of several sequences evaluated in one pass (Engine::prefill_rows) so far; off
-    // (set_prefill_rows(false)): each sequence's chunk is evaluated alone, one after another (the
-    // benches' before/after).
-    int64_t prefill_passes() const { return prefill_passes_; }
+    // Off: each sequence's prompt chunk is evaluated alone, one after another, instead of several
+    // in one Engine::prefill_rows pass (the benches' before/after).
     void set_prefill_rows(bool on) { disable_prefill_rows_ = !on; }
 
   private:
@@ -161,6 +159,7 @@ class Scheduler {
     // n more prompt tokens of each of seqs (consecutive slots) in one pass; a sequence whose prompt
     // is then complete chooses and commits its first token
     void feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::vector<StepEvent> & events);
+    void begin_draft(Sequence & s);  // s's prompt is complete: its draft slot (the draft model's) follows
     // evaluates up to `budget` more of s's prompt in its slot; once the prompt is complete, chooses
     // and commits its first token. Returns the prompt tokens evaluated.
     int64_t feed(Sequence & s, int64_t budget, std::vector<StepEvent> & events);
@@ -197,7 +196,6 @@ class Scheduler {
     std::unique_ptr<BatchModelDrafter> model_drafter_;
     std::unique_ptr<SlotHistories> histories_;  // keep_histories only
     int64_t prefill_budget_ = 0;
-    int64_t prefill_passes_ = 0;
     bool disable_prefill_rows_ = false;
 };
 
