@@ -45,6 +45,7 @@ struct Runner {
     std::atomic<bool> cancel{false};
     std::unique_ptr<Scheduler> scheduler;  // created by the first add_request
     int64_t prefill_budget = 0;            // its set_prefill_budget
+    bool prefill_rows = true;              // its and generate_batch's set_prefill_rows
     std::map<int64_t, py::object> constraints;  // add_request's grammars, kept alive until their request ends
     std::unique_ptr<MtpHead> mtp;          // the MTP head run on its own (mtp_eval), made on first use
     BatchSpecStats batch_spec;             // the last generate_batch's speculation across sequences
@@ -259,6 +260,7 @@ py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> e
     {
         py::gil_scoped_release release;
         Scheduler scheduler(*r.engine, r.pieces);
+        scheduler.set_prefill_rows(r.prefill_rows);
         if (draft) draft->single();  // its slots are the scheduler's now
         set_draft(scheduler, r, draft);
         results = scheduler.run(reqs, r.cancel, specs, &stats);
@@ -714,6 +716,7 @@ PYBIND11_MODULE(_core, m) {
                  if (!r.scheduler) {
                      r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces, /*keep_histories=*/true);
                      r.scheduler->set_prefill_budget(r.prefill_budget);
+                     r.scheduler->set_prefill_rows(r.prefill_rows);
                  }
                  if (draft && r.scheduler->draft_engine() != draft->engine.get()) {
                      draft->single();
@@ -753,6 +756,20 @@ PYBIND11_MODULE(_core, m) {
                  r.prefill_budget = n;
                  if (r.scheduler) r.scheduler->set_prefill_budget(n);
              }, py::arg("n_tokens"), "Prompt tokens one step() prefills at most (0: no limit).")
+        .def("set_prefill_rows", [](Runner & r, bool on) {
+                 r.prefill_rows = on;
+                 if (r.scheduler) r.scheduler->set_prefill_rows(on);
+             }, py::arg("on"),
+             "Prompt chunks of several requests evaluated in one pass (on, the default), or each alone in turn.")
+        .def_property_readonly("prefill_stats", [](const Runner & r) {
+                 const auto & s = r.engine->prefill_stats();
+                 py::dict d;
+                 d["passes"] = s.passes;
+                 d["multi_slot_passes"] = s.multi_slot_passes;
+                 d["rows"] = s.rows;
+                 d["max_slots"] = s.max_slots;
+                 return d;
+             }, "What prefill_rows (prompt chunks of several slots in one pass) has run.")
         .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")
         .def("eval_in_slot", [](Runner & r, int64_t slot, Tokens tokens, const std::string & logits) {
                  Engine & e = r.single();
@@ -788,6 +805,23 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("tokens"),
              "One row per slot 0 .. len(tokens)-1, each appending its token to its slot, in one batch: "
              "logits (len(tokens), n_vocab).")
+        .def("prefill_slots", [](Runner & r, std::vector<std::vector<int32_t>> chunks) {
+                 Engine & e = r.single();
+                 RowBatch rows;
+                 for (size_t i = 0; i < chunks.size(); ++i) {
+                     const int32_t p0 = (int32_t)e.slot_n_past((int64_t)i);
+                     for (size_t j = 0; j < chunks[i].size(); ++j) {
+                         rows.add(chunks[i][j], p0 + (int32_t)j, (int32_t)i, j == 0 ? -1 : (int32_t)rows.size() - 1);
+                     }
+                 }
+                 py::array_t<float> out({(int64_t)chunks.size(), e.hparams().n_vocab});
+                 float * dst = out.mutable_data();
+                 py::gil_scoped_release release;
+                 e.prefill_rows(rows, LogitsWanted::all, dst);
+                 return out;
+             }, py::arg("chunks"),
+             "Prompt chunks of equal length appended to slots 0 .. len(chunks)-1 in one pass (Engine::prefill_rows): "
+             "each slot's last row's logits (len(chunks), n_vocab).")
         .def_property_readonly("decode_stats", [](const Runner & r) {
                  const auto & s = r.engine->decode_stats();
                  py::dict d;

@@ -297,10 +297,17 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
                : tree     ? make_tree_inputs(step_.ctx, T, n_kv)
                           : make_step_inputs(step_.ctx, T, n_kv, keep_states);
     if (n_seqs > 0 && tree) add_rows_input(step_.ctx, step_.in);  // verify_rows: rows of several slots
+    // rows of several slots without verify states: a prefill of chains (prefill_rows.cpp), each
+    // slot's last row writing its state back, every slot's last row's result
+    const bool prefill = n_seqs > 0 && tree && !keep_states;
+    if (prefill) {
+        step_.in.keep_states = false;
+        step_.in.n_saved = 0;
+    }
     const bool hidden = wanted == LogitsWanted::hidden;
     const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all ||
                            wanted == LogitsWanted::top_all || hidden;
-    const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
+    const int64_t n_rows = wanted == LogitsWanted::none ? 0 : prefill ? n_seqs : every_row ? T : 1;
     // hidden states: no folding, so that the head's input stays the output norm's own result
     step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, pool_, n_seqs > 0 ? pool_.slots[first_slot] : seq(),
                              step_.in, n_rows,

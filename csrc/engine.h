@@ -142,6 +142,19 @@ class Engine {
     };
     const RowsStats & rows_stats() const { return rows_stats_; }
 
+    // Prompt chunks of several sequences in one pass (prefill_rows.cpp): `rows` hold slots
+    // rows.slot[0], +1, ... consecutive, each a chain (parent -1, then the previous row) of the same
+    // number of rows at positions slot length + 0, 1, ...; each slot is then that much longer, its
+    // state as if the chunk had been eval()'d in it alone. `out` receives each slot's last row's
+    // logits (LogitsWanted::all), argmax (::argmax_all) or top row (::top_all), in slot order, or
+    // nothing (::none).
+    void prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out);
+    // What prefill_rows has run (tests assert that passes over several slots happened).
+    struct PrefillStats {
+        int64_t passes = 0, multi_slot_passes = 0, rows = 0, max_slots = 0;
+    };
+    const PrefillStats & prefill_stats() const { return prefill_stats_; }
+
     // Save the recurrent state now / restore it and the position saved (a drafter's checkpoint).
     void checkpoint();
     void restore_checkpoint();
@@ -256,6 +269,7 @@ class Engine {
     };
     RowsPending rows_pending_;
     RowsStats rows_stats_;
+    PrefillStats prefill_stats_;
     ggml_gallocr_t keep_alloc_ = nullptr;    // keep_path's replay graph's memory, reused
     int64_t checkpoint_n_past_ = -1;
     Taps taps_;                  // the layers asked for; their graph outputs in the step graph
