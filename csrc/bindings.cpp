@@ -746,6 +746,7 @@ PYBIND11_MODULE(_core, m) {
                  d["kept_rows"] = s.kept_rows;
                  d["branched_calls"] = s.branched_calls;
                  d["kv_rows_moved"] = s.kv_rows_moved;
+                 d["keep_graph_builds"] = s.keep_graph_builds;
                  return d;
              }, "What verify_rows (rows of several slots in one verify pass) has run.")
         .def("set_prefill_budget", [](Runner & r, int64_t n) {
@@ -845,9 +846,11 @@ PYBIND11_MODULE(_core, m) {
                  d["keep_calls"] = s.keep_calls;
                  d["kept_rows"] = s.kept_rows;
                  d["kv_rows_moved"] = s.kv_rows_moved;
+                 d["keep_graph_builds"] = s.keep_graph_builds;
                  return d;
              }, "What tree verification has run: verify calls, rows, the most rows of one call, calls with "
-                "a branch, rows-op graph nodes run, keep_path calls, rows kept, KV rows moved.")
+                "a branch, rows-op graph nodes run, keep_path calls, rows kept, KV rows moved, keep_path "
+                "calls that built their commit graph.")
         .def("cancel_request", [](Runner & r, int64_t id) {
                  if (r.scheduler) r.scheduler->cancel(id);
              }, py::arg("id"), "Cancel a request added with add_request (finishes at the next step).")
