@@ -49,7 +49,7 @@ void Engine::KeepGraph::drop() {
     if (ctx) ggml_free(ctx);
     ctx = nullptr;
     gf = nullptr;
-    rows = tap_ids = taps = nullptr;
+    input = taps = nullptr;
     key.clear();
 }
 
@@ -126,7 +126,7 @@ int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, co
         kg.drop();
         // per recurrent layer 6 aliases (each a view of its base), 2 reshapes and the 2 ops, the views
         // and reshapes being graph nodes too; per attention layer 2 views and a copy for K and for V
-        // per move; per tap an alias (and its base), a gather and a concat; the rows tensors
+        // per move; per tap an alias (and its base), a gather and a concat; the input and its views
         const size_t per_layer = std::max<size_t>(16, 6 * moves.size());
         const size_t n_tensors = per_layer * (size_t)hp_.n_layer + 4 * (size_t)n_taps + 16, n_nodes = n_tensors;
         ggml_init_params params = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_nodes, false), nullptr,
@@ -135,19 +135,22 @@ int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, co
         ggml_context * ctx = kg.ctx;
         try {
             kg.gf = ggml_new_graph_custom(ctx, n_nodes, false);
-            kg.rows = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, T);
-            ggml_set_input(kg.rows);
+            // one input, the rows ops' plan then the gathered taps' rows: one upload per commit
+            const int64_t n_plan = DELTASPEC_ROWS_N_COLS * T;
+            kg.input = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_plan + n_tap_rows);
+            ggml_set_input(kg.input);
+            ggml_tensor * rows_t = ggml_view_2d(ctx, kg.input, DELTASPEC_ROWS_N_COLS, T, DELTASPEC_ROWS_N_COLS * sizeof(int32_t), 0);
             for (int il = 0; il < hp_.n_layer; ++il) {
                 if (vs.q[il]) {
                     const LayerWeights & l = weights_.layers[il];
                     ggml_tensor * windows = ggml_reshape_3d(ctx, pool_.conv[il], hp_.ssm_conv_kernel - 1, hp_.conv_channels(), pool_.n_seq);
-                    ggml_build_forward_expand(kg.gf, deltaspec_rows_ssm_conv(ctx, windows, output_alias(ctx, vs.conv_x[il]), l.conv1d, kg.rows));
+                    ggml_build_forward_expand(kg.gf, deltaspec_rows_ssm_conv(ctx, windows, output_alias(ctx, vs.conv_x[il]), l.conv1d, rows_t));
                     const int64_t S = hp_.ssm_state_size, Hv = hp_.ssm_n_v_heads;
                     ggml_tensor * states = ggml_reshape_4d(ctx, pool_.ssm[il], S, S, Hv, pool_.n_seq);
                     ggml_build_forward_expand(
                         kg.gf, deltaspec_rows_gated_delta_net(ctx, output_alias(ctx, vs.q[il]), output_alias(ctx, vs.k[il]),
                                                               output_alias(ctx, vs.v[il]), output_alias(ctx, vs.g[il]),
-                                                              output_alias(ctx, vs.beta[il]), states, kg.rows, n_saved));
+                                                              output_alias(ctx, vs.beta[il]), states, rows_t, n_saved));
                 } else if (pool_.k[il]) {
                     // a source row is never an earlier run's destination (local >= depth), so order is enough
                     for (const Move & m : moves) {
@@ -164,11 +167,10 @@ int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, co
             if (n_taps > 0) {
                 // tap i is {E, T}: its path rows gathered {E, n}, the taps side by side {n_taps * E, n}, the
                 // layout tapped() holds
-                kg.tap_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tap_rows);
-                ggml_set_input(kg.tap_ids);
+                ggml_tensor * tap_ids = ggml_view_1d(ctx, kg.input, n_tap_rows, n_plan * sizeof(int32_t));
                 ggml_tensor * rows = nullptr;
                 for (int64_t i = 0; i < n_taps; ++i) {
-                    ggml_tensor * g = ggml_get_rows(ctx, output_alias(ctx, taps_.out[i]), kg.tap_ids);
+                    ggml_tensor * g = ggml_get_rows(ctx, output_alias(ctx, taps_.out[i]), tap_ids);
                     rows = rows == nullptr ? g : ggml_concat(ctx, rows, g, 0);
                 }
                 kg.taps = rows;
@@ -185,8 +187,10 @@ int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, co
         }
         kg.key = std::move(key);
     }
-    if (kg.rows->buffer) ggml_backend_tensor_set(kg.rows, plan.data(), 0, plan.size() * sizeof(int32_t));  // none without DeltaNet layers
-    if (kg.tap_ids) ggml_backend_tensor_set(kg.tap_ids, tap_rows.data(), 0, tap_rows.size() * sizeof(int32_t));
+    if (kg.input->buffer) {  // none without DeltaNet layers and taps
+        if (n_taps > 0) plan.insert(plan.end(), tap_rows.begin(), tap_rows.end());
+        ggml_backend_tensor_set(kg.input, plan.data(), 0, plan.size() * sizeof(int32_t));
+    }
     if (ggml_backend_graph_compute(backend_, kg.gf) != GGML_STATUS_SUCCESS) {
         kg.drop();
         throw std::runtime_error("committing the accepted paths failed");

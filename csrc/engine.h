@@ -268,7 +268,7 @@ class Engine {
     struct KeepGraph {
         ggml_context * ctx = nullptr;
         ggml_cgraph * gf = nullptr;
-        ggml_tensor * rows = nullptr, * tap_ids = nullptr, * taps = nullptr;  // inputs; the gathered taps
+        ggml_tensor * input = nullptr, * taps = nullptr;  // the plan and the taps' rows; the gathered taps
         std::vector<int64_t> key;
         KeepGraph() = default;
         KeepGraph(const KeepGraph &) = delete;
