@@ -109,7 +109,8 @@ class Engine {
     // keep_path(path) then keeps one root-to-leaf path (path[0] a row of parent -1, path[i]'s
     // parent path[i-1]): the KV rows of its nodes moved to consecutive positions, the recurrent
     // state (DeltaNet state and conv window) after its leaf committed by replaying the path's
-    // recurrences through the rows ops from the verify pass's inputs (the target is not re-run).
+    // recurrences through the rows ops from the verify pass's inputs (the target is not re-run):
+    // keep_paths' commit (commit_paths.cpp) on this one slot, with the path's taps.
     // Anything else that reads or extends the sequence first drops the tree (keeps none of it).
     void verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out);
     void keep_path(const int32_t * path, int64_t n);
