@@ -749,6 +749,7 @@ PYBIND11_MODULE(_core, m) {
                  d["kept_rows"] = s.kept_rows;
                  d["branched_calls"] = s.branched_calls;
                  d["kv_rows_moved"] = s.kv_rows_moved;
+                 d["keep_graph_builds"] = s.keep_graph_builds;
                  return d;
              }, "What verify_rows (rows of several slots in one verify pass) has run.")
         .def("set_prefill_budget", [](Runner & r, int64_t n) {
@@ -868,6 +869,35 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("path"),
              "After verify_tree, keep one root-to-leaf path of rows (KV rows compacted, recurrent state after "
              "the leaf committed; the target is not re-run).")
+        .def("verify_rows", [](Runner & r, Tokens tokens, Tokens parents, Tokens slots) {
+                 Engine & e = r.single();
+                 const int64_t R = tokens.shape(0);
+                 if (parents.ndim() != 1 || parents.shape(0) != R || slots.ndim() != 1 || slots.shape(0) != R) {
+                     throw std::invalid_argument("verify_rows: parents and slots must be one entry per token");
+                 }
+                 RowBatch rows;
+                 std::vector<int32_t> depth(R, 0);
+                 for (int64_t i = 0; i < R; ++i) {
+                     const int32_t p = parents.at(i), s = slots.at(i);
+                     if (p >= 0 && p < i) depth[i] = depth[p] + 1;  // otherwise verify_rows names the bad parent
+                     const int64_t n_past = s >= 0 && s < e.n_seq_max() ? e.slot_n_past(s) : 0;
+                     rows.add(tokens.at(i), (int32_t)(n_past + depth[i]), s, p);
+                 }
+                 py::array_t<float> out({R, e.hparams().n_vocab});
+                 float * dst = out.mutable_data();
+                 py::gil_scoped_release release;
+                 e.verify_rows(rows, LogitsWanted::all, dst);
+                 return out;
+             }, py::arg("tokens"), py::arg("parents"), py::arg("slots"),
+             "Verify rows of several slots in one pass (grouped by slot, slots consecutive; parents[i] = an "
+             "earlier row of the same slot, or -1; position = the slot's length + depth): every row's logits, "
+             "nothing committed until keep_paths().")
+        .def("keep_paths", [](Runner & r, const std::vector<std::vector<int32_t>> & paths) {
+                 py::gil_scoped_release release;
+                 r.single().keep_paths(paths);
+             }, py::arg("paths"),
+             "After verify_rows, keep one root-to-leaf path of rows per verified slot (row indices; empty: "
+             "the slot keeps nothing).")
         .def_property_readonly("tree_stats", [](const Runner & r) {
                  const auto & s = r.engine->tree_stats();
                  py::dict d;
@@ -879,9 +909,11 @@ PYBIND11_MODULE(_core, m) {
                  d["keep_calls"] = s.keep_calls;
                  d["kept_rows"] = s.kept_rows;
                  d["kv_rows_moved"] = s.kv_rows_moved;
+                 d["keep_graph_builds"] = s.keep_graph_builds;
                  return d;
              }, "What tree verification has run: verify calls, rows, the most rows of one call, calls with "
-                "a branch, rows-op graph nodes run, keep_path calls, rows kept, KV rows moved.")
+                "a branch, rows-op graph nodes run, keep_path calls, rows kept, KV rows moved, keep_path "
+                "calls that built their commit graph.")
         .def("cancel_request", [](Runner & r, int64_t id) {
                  if (r.scheduler) r.scheduler->cancel(id);
              }, py::arg("id"), "Cancel a request added with add_request (finishes at the next step).")

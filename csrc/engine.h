@@ -109,7 +109,8 @@ class Engine {
     // keep_path(path) then keeps one root-to-leaf path (path[0] a row of parent -1, path[i]'s
     // parent path[i-1]): the KV rows of its nodes moved to consecutive positions, the recurrent
     // state (DeltaNet state and conv window) after its leaf committed by replaying the path's
-    // recurrences through the rows ops from the verify pass's inputs (the target is not re-run).
+    // recurrences through the rows ops from the verify pass's inputs (the target is not re-run):
+    // keep_paths' commit (commit_paths.cpp) on this one slot, with the path's taps.
     // Anything else that reads or extends the sequence first drops the tree (keeps none of it).
     void verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out);
     void keep_path(const int32_t * path, int64_t n);
@@ -119,6 +120,7 @@ class Engine {
         int64_t branched_calls = 0;  // verify batches in which a row, or the committed sequence, has 2+ children
         int64_t rows_op_nodes = 0;   // rows-op nodes (deltaspec_rows.h) in the graphs those calls ran
         int64_t keep_calls = 0, kept_rows = 0, kv_rows_moved = 0;
+        int64_t keep_graph_builds = 0;  // keep_path calls that built their commit graph (the others reused it)
     };
     const TreeStats & tree_stats() const { return tree_stats_; }
 
@@ -139,6 +141,7 @@ class Engine {
         int64_t rows = 0, padded_rows = 0;        // the callers' rows; copies added to even out the slots
         int64_t max_slots = 0, keep_calls = 0, kept_rows = 0;
         int64_t branched_calls = 0, kv_rows_moved = 0;  // passes with a branching slot; KV rows compacted
+        int64_t keep_graph_builds = 0;  // keep_paths calls that built their commit graph (the others reused it)
     };
     const RowsStats & rows_stats() const { return rows_stats_; }
 
@@ -213,8 +216,13 @@ class Engine {
     bool replay_deltanet_cuda(int64_t n);    // n < T: the same
     void advance_verify_state_graph(int64_t n, bool conv, bool deltanet);  // a ggml graph, any backend
     void settle_verify();
-    void replay_tree_path(const std::vector<int32_t> & path);  // verify_tree.cpp: keep_path's graph
-    void keep_tree_taps(const std::vector<int32_t> & path);    // verify_tree.cpp: the path's tapped rows -> tapped_
+    // commit_paths.cpp: keep_path's and keep_paths' commit of rows_pending_'s paths (paths[i]: slot
+    // first_slot + i's rows in the padded batch, root first), the planted bugs their callers pass,
+    // `tap_rows`' taps (one slot) gathered to `taps`. Returns the KV rows that move; `built`: whether
+    // the commit graph was built (not reused).
+    struct CommitBugs { bool no_compaction = false, parent_state = false, stale_graph = false; };
+    int64_t commit_paths(const std::vector<std::vector<int32_t>> & paths, const CommitBugs & bugs,
+                         const std::vector<int32_t> & tap_rows, float * taps, bool & built);
     void append_taps(int64_t n_rows);  // the step's tapped rows -> tapped_
 
     // The last graph built stays allocated: a step of the same shape (every decode step until the
@@ -257,12 +265,12 @@ class Engine {
     size_t graph_size_ = 0;
     StepGraph step_;
     int64_t verify_p0_ = -1, verify_T_ = 0;  // the last verify batch, for keep()
-    std::vector<int32_t> tree_parents_;      // the pending tree verify batch's parents (empty: none), for keep_path()
     TreeStats tree_stats_;
-    // verify_rows' batch until keep_paths: padded rows (slot i's at i * tq ..), their parents,
-    // slots and indices within their slot, each slot's length before it, the caller's rows' places
+    // verify_rows' batch until keep_paths, or verify_tree's (tree: one slot, unpadded) until
+    // keep_path: padded rows (slot i's at i * tq ..), their parents, slots and indices within
+    // their slot, each slot's length before it, the caller's rows' places
     struct RowsPending {
-        bool active = false;
+        bool active = false, tree = false;
         int64_t first_slot = 0, n_slots = 0, tq = 0;
         std::vector<int32_t> parent, slot, local, row_of;
         std::vector<int64_t> p0;
@@ -270,7 +278,20 @@ class Engine {
     RowsPending rows_pending_;
     RowsStats rows_stats_;
     PrefillStats prefill_stats_;
-    ggml_gallocr_t keep_alloc_ = nullptr;    // keep_path's replay graph's memory, reused
+    ggml_gallocr_t keep_alloc_ = nullptr;    // the commit graph's memory, reused
+    // The last commit graph (commit_paths.cpp), kept for the next commit of the same shape (key).
+    struct KeepGraph {
+        ggml_context * ctx = nullptr;
+        ggml_cgraph * gf = nullptr;
+        ggml_tensor * input = nullptr, * taps = nullptr;  // the plan and the taps' rows; the gathered taps
+        std::vector<int64_t> key;
+        KeepGraph() = default;
+        KeepGraph(const KeepGraph &) = delete;
+        KeepGraph & operator=(const KeepGraph &) = delete;
+        ~KeepGraph() { drop(); }
+        void drop();
+    };
+    KeepGraph keep_graph_;
     int64_t checkpoint_n_past_ = -1;
     Taps taps_;                  // the layers asked for; their graph outputs in the step graph
     std::vector<float> tapped_;  // rows of positions tapped_pos_ .. (set_taps)
