@@ -42,7 +42,7 @@
 #      (bench/kv_memory.py -> kv_memory.json), then tg128 at depths TQ_DEPTHS (default 16384 65536)
 #      with q4_0, tq3 and q4_0+rot against llama-bench's q4_0 (-> kv_decode_bench.json; depth 131072
 #      alone fits one 10-minute call: TQ_DEPTHS=131072)
-#   tq-test: the tq KV cache types' CUDA checks, with them offered on CUDA (DELTASPEC_CUDA_TQ=1):
+#   tq-test: the tq KV cache types' CUDA checks:
 #      bench/tq_cuda_diag.py (how the CUDA quantizer's bytes differ from the CPU's, if they do; VERDICT
 #      lines -> tq_cuda_diag.md/.json), then tests/test_gpu_turboquant.py and test_gpu.py's cache pairs
 #      with a tq or rotated side -> gpu_tq_tests.xml / .log
@@ -60,12 +60,17 @@
 #   server: `deltaspec serve` vs llama-server at 1/4/16/32 concurrent streams (bench/server_bench.py)
 #      -> server_bench.json; llama-server is added to the `build` step's folder first (a call after
 #      `build`); needs the starlette and uvicorn wheels (and their dependencies) in .whl
+#   server-spec: the same with speculation beside the plain servers: deltaspec and llama-server with
+#      the drafters of SERVER_SPEC (default "ngram": prompt lookup; "draft": a synthetic 0.8B Q4_K_M
+#      draft model, /tmp/d08.gguf, same vocabulary; one drafter per call fits the time), all -np 32,
+#      echo prompts (--prompts echo: the text repeats so that lookup drafts), interleaved reps,
+#      drafted/accepted per row -> server_spec_bench.json (SERVER_SPEC_ARGS: more options)
 # Benchmarks never run while a compile does: a step that measures waits for every background job.
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
 # steps: any of kernels build build-ours stock-build stock test bench bench-ours batch batchspec ab verify tree mtp
-#   dflash profile server tq tq-test toprows graphcache
+#   dflash profile server server-spec tq tq-test toprows graphcache
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -132,16 +137,13 @@ cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step batchspec || has_step stock || has_step ab || has_step verify ||
-        has_step tree || has_step profile || has_step server || has_step tq || has_step toprows || has_step dflash ||
-        has_step graphcache
+        has_step tree || has_step profile || has_step server || has_step server-spec || has_step tq || has_step toprows ||
+        has_step dflash || has_step graphcache
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
       && mv /tmp/q27.gguf.part /tmp/q27.gguf; echo "synth 27B q4_k_m: $(( $(date +%s) - t0 )) s" >> "$OUT/synth.log" ) &
 fi
-# the tq and rotated cache types stay off on CUDA (kv_cache.supported_types) until tq-test passes;
-# the steps that exercise them offer them anyway
-if has_step tq || has_step tq-test; then export DELTASPEC_CUDA_TQ=1; fi
 if has_step tq-test; then
     python3 "$REPO/bench/tq_cuda_diag.py" --json "$OUT/tq_cuda_diag.json" 2>&1 | tee "$OUT/tq_cuda_diag.md" \
         || echo "tq_cuda_diag failed"
@@ -269,15 +271,14 @@ if has_step stock; then
         --llama-bench "$LLAMA_BUILD/bin/llama-bench" --stock-bench "$STOCK_BUILD/bin/llama-bench" \
         --out "$OUT/stock_vs_injected.json" | tee "$OUT/stock_vs_injected.md"
 fi
-if has_step server; then
+build_llama_server() {
     # The `build` step's llama.cpp folder configured again with the server on: ggml and libllama are
     # up to date, only the server's own sources compile. Its web UI stays out, offline: no npm build
     # (LLAMA_BUILD_UI=OFF) and no download of prebuilt assets (LLAMA_USE_PREBUILT_UI=OFF), so
     # scripts/ui-assets.cmake generates an empty asset table; tools/CMakeLists.txt still adds
     # tools/ui whenever the server is built, so the carried tree needs that folder's three build
     # files (not its web sources).
-    t0=$(date +%s)
-    ui=$DELTASPEC_GGML_SOURCE/tools/ui
+    local t0=$(date +%s) ui=$DELTASPEC_GGML_SOURCE/tools/ui
     if [[ ! -f $ui/CMakeLists.txt || ! -f $ui/ui.cpp.in || ! -f $ui/ui.h.in ]]; then
         echo "llama-server build skipped: the carried tree lacks $ui/{CMakeLists.txt,ui.cpp.in,ui.h.in};" \
              "on the dev machine: mkdir -p .deps/gpu-src/llama.cpp/tools/ui && cp" \
@@ -290,9 +291,35 @@ if has_step server; then
             || { echo "llama-server build failed (see llama_server_build.log)"; tail -5 "$OUT/llama_server_build.log"; }
     fi
     echo "llama-server build: $(( $(date +%s) - t0 )) s"
-    peer=()
-    [[ -x $LLAMA_BUILD/bin/llama-server ]] && peer=(--llama-server "$LLAMA_BUILD/bin/llama-server")
+}
+if has_step server || has_step server-spec; then
+    build_llama_server
+fi
+peer=()
+[[ -x $LLAMA_BUILD/bin/llama-server ]] && peer=(--llama-server "$LLAMA_BUILD/bin/llama-server")
+if has_step server; then
     # shellcheck disable=SC2086  # SERVER_BENCH_ARGS: more options, e.g. --streams 1,32
     python3 "$REPO/bench/server_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
         ${SERVER_BENCH_ARGS:-} --out "$OUT/server_bench.json" | tee "$OUT/server_bench.md"
+fi
+if has_step server-spec; then
+    spec=()
+    for drafter in ${SERVER_SPEC:-ngram}; do
+        case $drafter in
+            ngram) spec+=(--spec ngram) ;;
+            draft)
+                if [[ ! -f /tmp/d08.gguf ]]; then  # same vocabulary as the 27B (every preset has Qwen3.5's)
+                    python3 -m deltaspec synth --preset 0.8b --quant q4_k_m /tmp/d08.gguf.part > "$OUT/synth_d08.log" 2>&1 \
+                        && mv /tmp/d08.gguf.part /tmp/d08.gguf
+                fi
+                spec+=(--spec draft=/tmp/d08.gguf) ;;
+            *) echo "SERVER_SPEC: unknown drafter $drafter (ngram, draft)"; exit 1 ;;
+        esac
+    done
+    # 4 servers of the 27B side by side (about 110 GB with 32 slots each); 64 tokens per stream and
+    # --deadline (no third repetition when two took over 200 s) keep the step inside 8 minutes
+    # shellcheck disable=SC2086  # SERVER_SPEC_ARGS: more options, e.g. --prompts random
+    python3 "$REPO/bench/server_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} "${spec[@]}" \
+        --prompts echo --prompt 64 --gen 64 --draft-n-max 8 --deadline 200 ${SERVER_SPEC_ARGS:-} \
+        --out "$OUT/server_spec_bench.json" | tee "$OUT/server_spec_bench.md"
 fi

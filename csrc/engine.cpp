@@ -91,7 +91,6 @@ void Engine::reset() {
     seq().clear();
     clear_tapped();
     verify_T_ = 0;
-    tree_parents_.clear();
     rows_pending_.active = false;
     checkpoint_n_past_ = -1;
 }
@@ -227,8 +226,7 @@ void Engine::keep(int64_t n_keep) {
 
 void Engine::settle_verify() {
     if (verify_T_ > 0) keep(verify_T_);
-    tree_parents_.clear();  // a tree verify batch left the committed state as it was: drop it
-    rows_pending_.active = false;  // so did a verify_rows batch
+    rows_pending_.active = false;  // a tree or rows verify batch left the committed state as it was: drop it
 }
 
 void Engine::ensure_slots(int64_t n) {
@@ -239,8 +237,8 @@ void Engine::ensure_slots(int64_t n) {
     allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_, opts_.kv_format_k, opts_.kv_format_v);
     clear_tapped();
     verify_T_ = 0;
-    tree_parents_.clear();
     rows_pending_.active = false;
+    keep_graph_.drop();  // it names the released state tensors
     checkpoint_n_past_ = -1;
 }
 
@@ -257,7 +255,6 @@ void Engine::restore_checkpoint() {
     if (tapped_pos_ > seq().n_past) clear_tapped();
     tapped_.resize(std::min<size_t>(tapped_.size(), (seq().n_past - tapped_pos_) * taps_.layers.size() * hp_.n_embd));
     verify_T_ = 0;
-    tree_parents_.clear();
     rows_pending_.active = false;
 }
 

@@ -28,11 +28,14 @@
 // (DELTASPEC_GRAPH_CACHE_MIB, default a 16th of the device's memory: a 27B's verify graph holds
 // its DeltaNet states, hundreds of MB by our estimate, so a 24 GB card keeps a few, an H200 all).
 // Which go first: a plain LRU lets one-off graphs push out the ones the rounds alternate between
-// (a scheduler prefills each new sequence's prompt in its slot, a graph that names the slot and
-// runs once; 4 of them flushed half of a cache of 8 at every admission). So, as in the 2Q policy,
-// a graph run once waits on probation (kProbation graphs, the oldest evicted first) and only a
-// graph run again enters the protected part, least recently run first out (graphs of a shorter KV
-// length, n_kv growing by kv_pad, are never run again and age out there). A new graph takes over
+// (a scheduler prefilling each new sequence's prompt alone in its slot builds a graph that names
+// the slot and runs once; 4 of them flushed half of a cache of 8 at every admission). So, as in
+// the 2Q policy, a graph run once waits on probation (kProbation graphs, the oldest evicted first)
+// and only a graph run again enters the protected part, least recently run first out (graphs of a
+// shorter KV length, n_kv growing by kv_pad, are never run again and age out there); and the keys
+// of graphs evicted on probation are remembered (max_graphs_ of them), so that a shape that comes
+// back after more others than probation holds (4 slots' one-row steps in turn) is built once
+// more, straight into the protected part, instead of at every turn. A new graph takes over
 // the scheduler, and so the buffers, of the graph it evicts (no device allocation once the cache
 // is full): with DELTASPEC_GRAPH_CACHE=1 a step does what it did before the cache, one graph on
 // one scheduler.
@@ -41,6 +44,7 @@
 // rows would run other kernels (ggml-cuda picks mat-vec or tiled products by the row count), so
 // its rows could differ in the last bits from the unpadded batch's and greedy tokens could change.
 // (verify_rows pads its slots' rows to a power of two itself: copies it already had to add.)
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <stdexcept>
@@ -121,14 +125,17 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
                                        int64_t n_seqs, int64_t first_slot, bool tree) {
     const GraphBug bug = graph_bug();
     const int64_t slot = n_seqs > 0 ? -1 : cur_;  // a one-sequence graph names its slot's tensors
+    const StepKey key = {T, n_kv, wanted, keep_states, tree, n_seqs, first_slot, slot};
     auto fits = [&](const StepGraph & g) {
-        return g.ctx && g.n_tokens == T && g.n_kv == n_kv && g.wanted == wanted && g.keep_states == keep_states &&
-               g.n_seqs == n_seqs && g.first_slot == first_slot && g.tree == tree &&
-               (g.slot == slot || (bug == GraphBug::slot_key && g.slot >= 0 && slot >= 0));
+        if (!g.ctx) return false;
+        if (bug != GraphBug::slot_key || g.key.slot < 0 || slot < 0) return g.key == key;
+        StepKey other_slot = g.key;
+        other_slot.slot = slot;
+        return other_slot == key;
     };
     if (bug != GraphBug::never_reuse) {
         if (fits(step_)) {
-            step_.runs += 1;
+            step_.probation = false;
             graph_stats_.reuses += 1;
             return step_;
         }
@@ -138,7 +145,7 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
             kept_graphs_.erase(kept_graphs_.begin() + (ptrdiff_t)i);
             if (step_.ctx) kept_graphs_.push_back(std::move(step_));  // now the most recently run
             step_ = std::move(g);
-            step_.runs += 1;
+            step_.probation = false;
             taps_.out = step_.tap_out;
             graph_stats_.reuses += 1;
             graph_stats_.switches += 1;
@@ -151,15 +158,11 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
     step_ = StepGraph{};
     // room for the new one; it takes over the scheduler (and the buffers) of the last graph evicted
     step_.sched = evict_kept_graphs(max_graphs_ - 1, /*take_sched =*/true);
-    step_.n_tokens = T;
-    step_.n_kv = n_kv;
-    step_.wanted = wanted;
-    step_.keep_states = keep_states;
-    step_.n_seqs = n_seqs;
-    step_.first_slot = first_slot;
-    step_.slot = slot;
-    step_.tree = tree;
-    step_.runs = 1;
+    step_.key = key;
+    // a shape evicted on probation and back: run again, so protected from the start
+    const auto seen = std::find(evicted_keys_.begin(), evicted_keys_.end(), key);
+    step_.probation = seen == evicted_keys_.end();
+    if (!step_.probation) evicted_keys_.erase(seen);
     build_step_graph(step_);
     evict_kept_graphs(max_graphs_ - 1, false);  // and within the byte limit, now that its size is known
     return step_;
@@ -167,25 +170,33 @@ Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wan
 
 void Engine::build_step_graph(StepGraph & g) {
     const auto t0 = std::chrono::steady_clock::now();
-    const int64_t T = g.n_tokens, n_seqs = g.n_seqs;
-    const LogitsWanted wanted = g.wanted;
+    const StepKey & k = g.key;
+    const int64_t T = k.n_tokens, n_seqs = k.n_seqs;
+    const LogitsWanted wanted = k.wanted;
     try {
         ggml_init_params params = {ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false),
                                    nullptr, /*no_alloc =*/true};
         g.ctx = ggml_init(params);
         if (!g.ctx) throw std::runtime_error("cannot create the step graph's context");
         g.gf = ggml_new_graph_custom(g.ctx, graph_size_, false);
-        g.in = n_seqs > 0 ? make_batch_inputs(g.ctx, n_seqs, T / n_seqs, g.n_kv, g.first_slot)
-               : g.tree   ? make_tree_inputs(g.ctx, T, g.n_kv)
-                          : make_step_inputs(g.ctx, T, g.n_kv, g.keep_states);
-        if (n_seqs > 0 && g.tree) add_rows_input(g.ctx, g.in);  // verify_rows: rows of several slots
+        g.in = n_seqs > 0 ? make_batch_inputs(g.ctx, n_seqs, T / n_seqs, k.n_kv, k.first_slot)
+               : k.tree   ? make_tree_inputs(g.ctx, T, k.n_kv)
+                          : make_step_inputs(g.ctx, T, k.n_kv, k.keep_states);
+        if (n_seqs > 0 && k.tree) add_rows_input(g.ctx, g.in);  // verify_rows: rows of several slots
+        // rows of several slots without verify states: a prefill of chains (prefill_rows.cpp), each
+        // slot's last row writing its state back, every slot's last row's result
+        const bool prefill = n_seqs > 0 && k.tree && !k.keep_states;
+        if (prefill) {
+            g.in.keep_states = false;
+            g.in.n_saved = 0;
+        }
         const bool hidden = wanted == LogitsWanted::hidden;
         const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all ||
                                wanted == LogitsWanted::top_all || hidden;
-        const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
+        const int64_t n_rows = wanted == LogitsWanted::none ? 0 : prefill ? n_seqs : every_row ? T : 1;
         const bool taps = n_seqs == 0 && !taps_.layers.empty();
         // hidden states: no folding, so that the head's input stays the output norm's own result
-        g.out = build_qwen35(g.ctx, g.gf, hp_, weights_, pool_, n_seqs > 0 ? pool_.slots[g.first_slot] : pool_.slots[g.slot],
+        g.out = build_qwen35(g.ctx, g.gf, hp_, weights_, pool_, n_seqs > 0 ? pool_.slots[k.first_slot] : pool_.slots[k.slot],
                              g.in, n_rows, fold_inputs_ && !hidden ? FoldInput(cuda_fold_input) : FoldInput(), &g.verify,
                              taps ? &taps_ : nullptr);
         g.tap_out = taps ? taps_.out : std::vector<ggml_tensor *>();
@@ -234,7 +245,7 @@ ggml_backend_sched_t Engine::evict_kept_graphs(size_t max_kept, bool take_sched)
     size_t bytes = 0, n_probation = 0;
     for (const StepGraph & g : kept_graphs_) {
         bytes += g.bytes;
-        n_probation += g.runs == 1;
+        n_probation += g.probation;
     }
     ggml_backend_sched_t taken = nullptr;
     for (;;) {
@@ -245,11 +256,15 @@ ggml_backend_sched_t Engine::evict_kept_graphs(size_t max_kept, bool take_sched)
         // the least recently run graph of the part over its limit, else of all
         auto victim = kept_graphs_.begin();
         if (evict_probation || evict_protected) {
-            while ((victim->runs == 1) != evict_probation) ++victim;
+            while (victim->probation != evict_probation) ++victim;
         }
         StepGraph & g = *victim;
         bytes -= g.bytes;
-        n_probation -= g.runs == 1;
+        n_probation -= g.probation;
+        if (g.probation) {
+            evicted_keys_.push_back(g.key);
+            if (evicted_keys_.size() > max_graphs_) evicted_keys_.erase(evicted_keys_.begin());
+        }
         if (take_sched) {
             if (taken) ggml_backend_sched_free(taken);
             taken = std::exchange(g.sched, nullptr);
@@ -271,6 +286,7 @@ void Engine::drop_step_graph() {
     free_step_graph(step_);
     for (StepGraph & g : kept_graphs_) free_step_graph(g);
     kept_graphs_.clear();
+    evicted_keys_.clear();
     taps_.out.clear();
 }
 

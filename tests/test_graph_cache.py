@@ -94,10 +94,8 @@ def test_batch_alternating_shapes_reuse_graphs(model, path):
     """generate_batch with prompt lookup on 4 slots: plain passes of N rows (decode) between verify
     passes of N x Tq rows (verify_rows), N falling as sequences end. Each sequence gives the tokens
     of plain greedy generate() alone; the same batch run again switches between kept graphs and
-    builds only its 4 prompts' prefill graphs (one per slot) and the shapes the first run ran once
-    (the prefills push those off probation), where one kept graph rebuilds ~30 times. Seen to fail with
-    DELTASPEC_TEST_GRAPH_BUG=slot_key (the tokens: the prompts are one length, so slot 1's prefill
-    ran slot 0's graph) and =never_reuse (the counts)."""
+    builds at most a few graphs (shapes the first run ran once, which left probation), where one
+    kept graph rebuilds ~30 times. Seen to fail with DELTASPEC_TEST_GRAPH_BUG=never_reuse."""
     prompts = _prompts(4, seed=7)
     with Model(path, n_ctx=N_CTX, n_threads=1) as one:
         plain = [one.generate(p, max_tokens=48, temperature=0).tokens for p in prompts]
@@ -114,6 +112,35 @@ def test_batch_alternating_shapes_reuse_graphs(model, path):
     assert d["switches"] > 10, d
     assert d["builds"] <= 4 + 2, d
     assert d["reuses"] > 5 * max(1, d["builds"]), d
+
+
+def test_slots_of_one_shape_run_their_own_graphs(model, path):
+    """One-sequence steps of one shape in 4 slots in turn (a prompt chunk each, then a token each,
+    round-robin: what a scheduler feeding each prompt alone does): a graph names its slot's state,
+    so each slot runs a graph of its own, and each slot's logits are a one-slot engine's on that
+    slot's tokens alone. The 4 slots' one-row graphs come back after more others than probation
+    holds: the cache remembers the evicted keys, so from the third round on every step runs a kept
+    graph. Seen to fail with DELTASPEC_TEST_GRAPH_BUG=slot_key (slot 1..3's steps ran slot 0's
+    graph, on slot 0's state: the logits) and =never_reuse (the counts)."""
+    engine = model._engine
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, 256, size=13).tolist() for _ in range(4)]
+    for s in range(4):
+        engine.reset_slot(s)
+    got = [[engine.eval_in_slot(s, seqs[s][:8])] for s in range(4)]
+    for t in range(8, 13):
+        if t == 10:
+            before = dict(engine.graph_stats)
+        for s in range(4):
+            got[s].append(engine.eval_in_slot(s, seqs[s][t:t + 1]))
+    d = _delta(engine.graph_stats, before)
+    with Model(path, n_ctx=N_CTX, n_threads=1) as one:
+        for s in range(4):
+            one._engine.reset()
+            want = [one._engine.eval(seqs[s][:8])] + [one._engine.eval(seqs[s][t:t + 1]) for t in range(8, 13)]
+            for step, (g, w) in enumerate(zip(got[s], want)):
+                np.testing.assert_array_equal(g, w, err_msg=f"slot {s}, step {step}")
+    assert d["builds"] == 0 and d["switches"] == 3 * 4, d  # rounds 3-5: each step another slot's kept graph
 
 
 def test_limits_and_one_graph_as_before(path):
