@@ -12,7 +12,9 @@ NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.j
        testbed_manifest.json rows_op_bench.json batch_bench.json slot_memory.json tree_verify_cost.json
        tree_verify_cost.md server_bench.json server_bench.md dflash_bench.json mtp_bench.json
        kv_quality.json kv_quality.md tree_acceptance.json batch_spec_bench.json batch_spec_bench.md
-       top_rows_bench.json top_rows_bench.md mtp_bench.md tq_cuda_diag.json gpu_tq_tests.xml"
+       top_rows_bench.json top_rows_bench.md mtp_bench.md tq_cuda_diag.json gpu_tq_tests.xml
+       tq_cuda_diag.md dflash_bench.md kv_memory.json kv_decode_bench.json kv_decode_bench.md
+       server_spec_bench.json server_spec_bench.md"
 LATEST=bench/results/latest
 FROM=${1:-}
 if [[ -n $FROM && ! -d $FROM ]]; then

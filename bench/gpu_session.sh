@@ -31,6 +31,10 @@
 #      (bench/batch_spec_bench.py: plain, own-text lookup, a reference holding the plain output, the
 #      same with every 4th token wrong), llama-batched-bench's plain rows beside them when `build`
 #      made it -> batch_spec_bench.json
+#   graphcache: speculative rounds whose shapes alternate (prompt lookup in a reference with every 4th
+#      token wrong) and plain decode, 1/4/16 sequences, with the step graph cache's default limit
+#      against one kept graph (DELTASPEC_GRAPH_CACHE=1, as before the cache), interleaved
+#      (bench/graph_cache_bench.py) -> graph_cache_bench.json
 #   toprows: sampled decode of 16 and 32 sequences with each logits row reduced on the device to its
 #      top 64 (ggml/deltaspec_top.h) against whole rows copied to the host, interleaved
 #      (bench/top_rows_bench.py) -> top_rows_bench.json
@@ -38,7 +42,7 @@
 #      (bench/kv_memory.py -> kv_memory.json), then tg128 at depths TQ_DEPTHS (default 16384 65536)
 #      with q4_0, tq3 and q4_0+rot against llama-bench's q4_0 (-> kv_decode_bench.json; depth 131072
 #      alone fits one 10-minute call: TQ_DEPTHS=131072)
-#   tq-test: the tq KV cache types' CUDA checks, with them offered on CUDA (DELTASPEC_CUDA_TQ=1):
+#   tq-test: the tq KV cache types' CUDA checks:
 #      bench/tq_cuda_diag.py (how the CUDA quantizer's bytes differ from the CPU's, if they do; VERDICT
 #      lines -> tq_cuda_diag.md/.json), then tests/test_gpu_turboquant.py and test_gpu.py's cache pairs
 #      with a tq or rotated side -> gpu_tq_tests.xml / .log
@@ -69,7 +73,7 @@
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
 # steps: any of kernels build build-ours stock-build stock test bench bench-ours batch batchspec ab verify tree mtp
-#   dflash profile server server-spec tq tq-test toprows hostsample
+#   dflash profile server server-spec tq tq-test toprows graphcache hostsample
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -137,15 +141,12 @@ REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step batchspec || has_step stock || has_step ab || has_step verify ||
         has_step tree || has_step profile || has_step server || has_step server-spec || has_step tq || has_step toprows ||
-        has_step dflash
+        has_step dflash || has_step graphcache
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
       && mv /tmp/q27.gguf.part /tmp/q27.gguf; echo "synth 27B q4_k_m: $(( $(date +%s) - t0 )) s" >> "$OUT/synth.log" ) &
 fi
-# the tq and rotated cache types stay off on CUDA (kv_cache.supported_types) until tq-test passes;
-# the steps that exercise them offer them anyway
-if has_step tq || has_step tq-test; then export DELTASPEC_CUDA_TQ=1; fi
 if has_step tq-test; then
     python3 "$REPO/bench/tq_cuda_diag.py" --json "$OUT/tq_cuda_diag.json" 2>&1 | tee "$OUT/tq_cuda_diag.md" \
         || echo "tq_cuda_diag failed"
@@ -263,6 +264,10 @@ if has_step batchspec; then
     [[ -x $LLAMA_BUILD/bin/llama-batched-bench ]] && peer=(--batched-bench "$LLAMA_BUILD/bin/llama-batched-bench")
     python3 "$REPO/bench/batch_spec_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
         --out "$OUT/batch_spec_bench.json" | tee "$OUT/batch_spec_bench.md"
+fi
+if has_step graphcache; then
+    python3 "$REPO/bench/graph_cache_bench.py" /tmp/q27.gguf --device cuda --n-seqs 1,4,16 --prompt 128 --gen 128 \
+        --out "$OUT/graph_cache_bench.json" | tee "$OUT/graph_cache_bench.md"
 fi
 if has_step toprows; then
     python3 "$REPO/bench/top_rows_bench.py" /tmp/q27.gguf --device cuda --n-seqs 16,32 \

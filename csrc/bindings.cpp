@@ -45,6 +45,7 @@ struct Runner {
     std::atomic<bool> cancel{false};
     std::unique_ptr<Scheduler> scheduler;  // created by the first add_request
     int64_t prefill_budget = 0;            // its set_prefill_budget
+    bool prefill_rows = true;              // its and generate_batch's set_prefill_rows
     std::map<int64_t, py::object> constraints;  // add_request's grammars, kept alive until their request ends
     std::unique_ptr<MtpHead> mtp;          // the MTP head run on its own (mtp_eval), made on first use
     BatchSpecStats batch_spec;             // the last generate_batch's speculation across sequences
@@ -261,6 +262,7 @@ py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> e
     {
         py::gil_scoped_release release;
         Scheduler scheduler(*r.engine, r.pieces);
+        scheduler.set_prefill_rows(r.prefill_rows);
         if (draft) draft->single();  // its slots are the scheduler's now
         set_draft(scheduler, r, draft);
         results = scheduler.run(reqs, r.cancel, specs, &stats);
@@ -716,6 +718,7 @@ PYBIND11_MODULE(_core, m) {
                  if (!r.scheduler) {
                      r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces, /*keep_histories=*/true);
                      r.scheduler->set_prefill_budget(r.prefill_budget);
+                     r.scheduler->set_prefill_rows(r.prefill_rows);
                  }
                  if (draft && r.scheduler->draft_engine() != draft->engine.get()) {
                      draft->single();
@@ -748,6 +751,7 @@ PYBIND11_MODULE(_core, m) {
                  d["kept_rows"] = s.kept_rows;
                  d["branched_calls"] = s.branched_calls;
                  d["kv_rows_moved"] = s.kv_rows_moved;
+                 d["keep_graph_builds"] = s.keep_graph_builds;
                  return d;
              }, "What verify_rows (rows of several slots in one verify pass) has run.")
         .def("set_prefill_budget", [](Runner & r, int64_t n) {
@@ -755,6 +759,20 @@ PYBIND11_MODULE(_core, m) {
                  r.prefill_budget = n;
                  if (r.scheduler) r.scheduler->set_prefill_budget(n);
              }, py::arg("n_tokens"), "Prompt tokens one step() prefills at most (0: no limit).")
+        .def("set_prefill_rows", [](Runner & r, bool on) {
+                 r.prefill_rows = on;
+                 if (r.scheduler) r.scheduler->set_prefill_rows(on);
+             }, py::arg("on"),
+             "Prompt chunks of several requests evaluated in one pass (on, the default), or each alone in turn.")
+        .def_property_readonly("prefill_stats", [](const Runner & r) {
+                 const auto & s = r.engine->prefill_stats();
+                 py::dict d;
+                 d["passes"] = s.passes;
+                 d["multi_slot_passes"] = s.multi_slot_passes;
+                 d["rows"] = s.rows;
+                 d["max_slots"] = s.max_slots;
+                 return d;
+             }, "What prefill_rows (prompt chunks of several slots in one pass) has run.")
         .def("step", &step_py, "One scheduler step: a list of {id, tokens, finished, result (dict or None)}.")
         .def("eval_in_slot", [](Runner & r, int64_t slot, Tokens tokens, const std::string & logits) {
                  Engine & e = r.single();
@@ -790,6 +808,23 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("tokens"),
              "One row per slot 0 .. len(tokens)-1, each appending its token to its slot, in one batch: "
              "logits (len(tokens), n_vocab).")
+        .def("prefill_slots", [](Runner & r, std::vector<std::vector<int32_t>> chunks) {
+                 Engine & e = r.single();
+                 RowBatch rows;
+                 for (size_t i = 0; i < chunks.size(); ++i) {
+                     const int32_t p0 = (int32_t)e.slot_n_past((int64_t)i);
+                     for (size_t j = 0; j < chunks[i].size(); ++j) {
+                         rows.add(chunks[i][j], p0 + (int32_t)j, (int32_t)i, j == 0 ? -1 : (int32_t)rows.size() - 1);
+                     }
+                 }
+                 py::array_t<float> out({(int64_t)chunks.size(), e.hparams().n_vocab});
+                 float * dst = out.mutable_data();
+                 py::gil_scoped_release release;
+                 e.prefill_rows(rows, LogitsWanted::all, dst);
+                 return out;
+             }, py::arg("chunks"),
+             "Prompt chunks of equal length appended to slots 0 .. len(chunks)-1 in one pass (Engine::prefill_rows): "
+             "each slot's last row's logits (len(chunks), n_vocab).")
         .def_property_readonly("decode_stats", [](const Runner & r) {
                  const auto & s = r.engine->decode_stats();
                  py::dict d;
@@ -800,6 +835,24 @@ PYBIND11_MODULE(_core, m) {
                  return d;
              }, "What batched decoding has run: calls, rows in all, the most rows of one call; rows that "
                 "returned their top candidates instead of whole logits (top_rows).")
+        .def_property_readonly("graph_stats", [](const Runner & r) {
+                 const auto s = r.engine->graph_stats();
+                 py::dict d;
+                 d["builds"] = s.builds;
+                 d["reuses"] = s.reuses;
+                 d["switches"] = s.switches;
+                 d["evictions"] = s.evictions;
+                 d["kept"] = s.kept;
+                 d["kept_bytes"] = s.kept_bytes;
+                 d["max_graphs"] = s.max_graphs;
+                 d["max_kept_bytes"] = s.max_kept_bytes;
+                 d["build_seconds"] = s.build_seconds;
+                 d["alloc_seconds"] = s.alloc_seconds;
+                 return d;
+             }, "The target's step graphs: built and allocated (builds, and the host seconds they took) vs "
+                "steps that ran a kept graph (reuses; switches: those whose graph was not the previous "
+                "step's); kept graphs evicted; graphs kept now and their compute buffers' bytes; the limits "
+                "(graphs; bytes of the graphs kept besides the last step's).")
         .def_property("top_rows_enabled", [](const Runner & r) { return r.engine->top_rows_enabled(); },
                       [](Runner & r, bool on) { r.engine->enable_top_rows(on); },
                       "Whether sequences whose sampler allows it take their rows' top candidates from the "
@@ -836,6 +889,35 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("path"),
              "After verify_tree, keep one root-to-leaf path of rows (KV rows compacted, recurrent state after "
              "the leaf committed; the target is not re-run).")
+        .def("verify_rows", [](Runner & r, Tokens tokens, Tokens parents, Tokens slots) {
+                 Engine & e = r.single();
+                 const int64_t R = tokens.shape(0);
+                 if (parents.ndim() != 1 || parents.shape(0) != R || slots.ndim() != 1 || slots.shape(0) != R) {
+                     throw std::invalid_argument("verify_rows: parents and slots must be one entry per token");
+                 }
+                 RowBatch rows;
+                 std::vector<int32_t> depth(R, 0);
+                 for (int64_t i = 0; i < R; ++i) {
+                     const int32_t p = parents.at(i), s = slots.at(i);
+                     if (p >= 0 && p < i) depth[i] = depth[p] + 1;  // otherwise verify_rows names the bad parent
+                     const int64_t n_past = s >= 0 && s < e.n_seq_max() ? e.slot_n_past(s) : 0;
+                     rows.add(tokens.at(i), (int32_t)(n_past + depth[i]), s, p);
+                 }
+                 py::array_t<float> out({R, e.hparams().n_vocab});
+                 float * dst = out.mutable_data();
+                 py::gil_scoped_release release;
+                 e.verify_rows(rows, LogitsWanted::all, dst);
+                 return out;
+             }, py::arg("tokens"), py::arg("parents"), py::arg("slots"),
+             "Verify rows of several slots in one pass (grouped by slot, slots consecutive; parents[i] = an "
+             "earlier row of the same slot, or -1; position = the slot's length + depth): every row's logits, "
+             "nothing committed until keep_paths().")
+        .def("keep_paths", [](Runner & r, const std::vector<std::vector<int32_t>> & paths) {
+                 py::gil_scoped_release release;
+                 r.single().keep_paths(paths);
+             }, py::arg("paths"),
+             "After verify_rows, keep one root-to-leaf path of rows per verified slot (row indices; empty: "
+             "the slot keeps nothing).")
         .def_property_readonly("tree_stats", [](const Runner & r) {
                  const auto & s = r.engine->tree_stats();
                  py::dict d;
@@ -847,9 +929,11 @@ PYBIND11_MODULE(_core, m) {
                  d["keep_calls"] = s.keep_calls;
                  d["kept_rows"] = s.kept_rows;
                  d["kv_rows_moved"] = s.kv_rows_moved;
+                 d["keep_graph_builds"] = s.keep_graph_builds;
                  return d;
              }, "What tree verification has run: verify calls, rows, the most rows of one call, calls with "
-                "a branch, rows-op graph nodes run, keep_path calls, rows kept, KV rows moved.")
+                "a branch, rows-op graph nodes run, keep_path calls, rows kept, KV rows moved, keep_path "
+                "calls that built their commit graph.")
         .def("cancel_request", [](Runner & r, int64_t id) {
                  if (r.scheduler) r.scheduler->cancel(id);
              }, py::arg("id"), "Cancel a request added with add_request (finishes at the next step).")

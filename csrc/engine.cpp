@@ -10,8 +10,6 @@
 #include "env.h"
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
-#include "deltaspec_rows.h"
-#include "deltaspec_top.h"
 #include "graph_qwen35.h"
 
 namespace deltaspec {
@@ -61,9 +59,8 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
         load_weights(weights_, path, hp_, backend_, env_on("DELTASPEC_STACK_PROJECTIONS"), opts.progress);
         allocate_state(pool_, hp_, opts.n_ctx, opts.n_seq_max, opts.type_k, opts.type_v, opts.n_slots, backend_,
                        opts.kv_format_k, opts.kv_format_v);
-        make_scheduler();
+        init_step_graphs();
     } catch (...) {
-        if (sched_) ggml_backend_sched_free(sched_);
         if (backend_cpu_ && backend_cpu_ != backend_) ggml_backend_free(backend_cpu_);
         if (backend_) ggml_backend_free(backend_);
         throw;
@@ -73,7 +70,6 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
 Engine::~Engine() {
     drop_step_graph();
     if (keep_alloc_) ggml_gallocr_free(keep_alloc_);
-    ggml_backend_sched_free(sched_);
     // weights_ and pool_ free their buffers in their destructors, which run after this body;
     // the backends must outlive those buffers, so release the buffers first.
     if (weights_.buffer) {
@@ -95,7 +91,6 @@ void Engine::reset() {
     seq().clear();
     clear_tapped();
     verify_T_ = 0;
-    tree_parents_.clear();
     rows_pending_.active = false;
     checkpoint_n_past_ = -1;
 }
@@ -142,17 +137,6 @@ int64_t Engine::top_k() const {
 void Engine::eval_top(const int32_t * tokens, int64_t n_tokens, int32_t * top) {
     eval_all(tokens, n_tokens, LogitsWanted::top, top);
     decode_stats_.top_rows += 1;
-}
-
-void Engine::make_scheduler() {
-    // Nodes and leaves (weights, state) both count. A layer costs under 96 of them; the rest
-    // covers embeddings, head and inputs. (Too few aborts inside ggml's scheduler.)
-    graph_size_ = (size_t)(96 * hp_.n_layer + 512);
-    graph_meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
-    if (sched_) ggml_backend_sched_free(sched_);
-    ggml_backend_t backends[2] = {backend_, backend_cpu_};
-    sched_ = ggml_backend_sched_new(backends, nullptr, backend_ == backend_cpu_ ? 1 : 2, graph_size_, false, false);
-    if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
 }
 
 void Engine::check_batch(const int32_t * tokens, int64_t n_tokens) const {
@@ -242,8 +226,7 @@ void Engine::keep(int64_t n_keep) {
 
 void Engine::settle_verify() {
     if (verify_T_ > 0) keep(verify_T_);
-    tree_parents_.clear();  // a tree verify batch left the committed state as it was: drop it
-    rows_pending_.active = false;  // so did a verify_rows batch
+    rows_pending_.active = false;  // a tree or rows verify batch left the committed state as it was: drop it
 }
 
 void Engine::ensure_slots(int64_t n) {
@@ -254,8 +237,8 @@ void Engine::ensure_slots(int64_t n) {
     allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_, opts_.kv_format_k, opts_.kv_format_v);
     clear_tapped();
     verify_T_ = 0;
-    tree_parents_.clear();
     rows_pending_.active = false;
+    keep_graph_.drop();  // it names the released state tensors
     checkpoint_n_past_ = -1;
 }
 
@@ -272,71 +255,7 @@ void Engine::restore_checkpoint() {
     if (tapped_pos_ > seq().n_past) clear_tapped();
     tapped_.resize(std::min<size_t>(tapped_.size(), (seq().n_past - tapped_pos_) * taps_.layers.size() * hp_.n_embd));
     verify_T_ = 0;
-    tree_parents_.clear();
     rows_pending_.active = false;
-}
-
-void Engine::drop_step_graph() {
-    if (step_.ctx) ggml_free(step_.ctx);  // the descriptors live in graph_meta_, which stays
-    step_ = StepGraph{};
-}
-
-Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wanted, bool keep_states,
-                                       int64_t n_seqs, int64_t first_slot, bool tree) {
-    const int64_t slot = n_seqs > 0 ? -1 : cur_;  // a one-sequence graph names its slot's tensors
-    if (step_.ctx && step_.n_tokens == T && step_.n_kv == n_kv && step_.wanted == wanted &&
-        step_.keep_states == keep_states && step_.n_seqs == n_seqs && step_.first_slot == first_slot &&
-        step_.slot == slot && step_.tree == tree) {
-        return step_;
-    }
-    drop_step_graph();
-    ggml_init_params params = {graph_meta_.size(), graph_meta_.data(), /*no_alloc =*/true};
-    step_.ctx = ggml_init(params);
-    step_.gf = ggml_new_graph_custom(step_.ctx, graph_size_, false);
-    step_.in = n_seqs > 0 ? make_batch_inputs(step_.ctx, n_seqs, T / n_seqs, n_kv, first_slot)
-               : tree     ? make_tree_inputs(step_.ctx, T, n_kv)
-                          : make_step_inputs(step_.ctx, T, n_kv, keep_states);
-    if (n_seqs > 0 && tree) add_rows_input(step_.ctx, step_.in);  // verify_rows: rows of several slots
-    const bool hidden = wanted == LogitsWanted::hidden;
-    const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all ||
-                           wanted == LogitsWanted::top_all || hidden;
-    const int64_t n_rows = every_row ? T : wanted == LogitsWanted::none ? 0 : 1;
-    // hidden states: no folding, so that the head's input stays the output norm's own result
-    step_.out = build_qwen35(step_.ctx, step_.gf, hp_, weights_, pool_, n_seqs > 0 ? pool_.slots[first_slot] : seq(),
-                             step_.in, n_rows,
-                             fold_inputs_ && !hidden ? FoldInput(cuda_fold_input) : FoldInput(), &step_.verify,
-                             n_seqs == 0 && !taps_.layers.empty() ? &taps_ : nullptr);
-    if (hidden) {  // the head's input {n_embd, T}; the head itself still runs (embeddings are rare)
-        step_.out = step_.out->src[1];
-        ggml_set_output(step_.out);
-    }
-    if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {  // per row
-        step_.out = ggml_argmax(step_.ctx, step_.out);
-        ggml_set_output(step_.out);
-        ggml_build_forward_expand(step_.gf, step_.out);
-    }
-    if (wanted == LogitsWanted::top || wanted == LogitsWanted::top_all) {  // per row
-        step_.out = deltaspec_top_rows(step_.ctx, step_.out, (int)top_k());
-        ggml_set_output(step_.out);
-        ggml_build_forward_expand(step_.gf, step_.out);
-    }
-    ggml_backend_sched_reset(sched_);
-    if (!ggml_backend_sched_alloc_graph(sched_, step_.gf)) {
-        drop_step_graph();
-        throw std::runtime_error("cannot allocate the compute graph");
-    }
-    step_.n_tokens = T;
-    step_.n_kv = n_kv;
-    step_.wanted = wanted;
-    step_.keep_states = keep_states;
-    step_.n_seqs = n_seqs;
-    step_.first_slot = first_slot;
-    step_.slot = slot;
-    step_.tree = tree;
-    for (int i = 0; i < ggml_graph_n_nodes(step_.gf); ++i) {
-        step_.n_rows_op_nodes += deltaspec_is_rows_node(ggml_graph_node(step_.gf, i)) ? 1 : 0;
-    }
-    return step_;
 }
 
 void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool keep_states) {
@@ -374,17 +293,6 @@ void Engine::append_taps(int64_t T) {
         for (int64_t t = 0; t < T; ++t) {
             std::copy_n(rows.data() + t * E, E, tapped_.data() + first + (t * n + i) * E);
         }
-    }
-}
-
-}  // namespace deltaspec
-
-namespace deltaspec {
-
-void Engine::compute(StepGraph & g) {
-    if (ggml_backend_sched_graph_compute(sched_, g.gf) != GGML_STATUS_SUCCESS) {
-        drop_step_graph();
-        throw std::runtime_error("graph computation failed");
     }
 }
 

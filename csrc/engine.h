@@ -91,6 +91,18 @@ class Engine {
         int64_t top_rows = 0;  // rows returned as top candidates (decode or eval_top), not as whole logits
     };
     const DecodeStats & decode_stats() const { return decode_stats_; }
+    // What the step graphs cost (step_graphs.cpp): graphs built and allocated vs steps that ran a
+    // kept one (tests assert that alternating shapes stop rebuilding; benches show the host time).
+    struct GraphStats {
+        int64_t builds = 0;       // graphs built and allocated
+        int64_t reuses = 0;       // steps that ran a kept graph: no build, no allocation
+        int64_t switches = 0;     // of those, steps whose graph was not the previous step's
+        int64_t evictions = 0;    // kept graphs freed to stay within the cache's limits
+        int64_t kept = 0, kept_bytes = 0;  // graphs held now (the last step's included), their compute buffers
+        int64_t max_graphs = 0, max_kept_bytes = 0;  // its limits (DELTASPEC_GRAPH_CACHE, _MIB)
+        double build_seconds = 0, alloc_seconds = 0;  // host time building graphs, allocating them
+    };
+    GraphStats graph_stats() const;
 
     // Speculative verification: append a batch of at most n_slots tokens and return logits for
     // every row, leaving what the recurrent state after each token needs (VerifyStates); then
@@ -109,7 +121,8 @@ class Engine {
     // keep_path(path) then keeps one root-to-leaf path (path[0] a row of parent -1, path[i]'s
     // parent path[i-1]): the KV rows of its nodes moved to consecutive positions, the recurrent
     // state (DeltaNet state and conv window) after its leaf committed by replaying the path's
-    // recurrences through the rows ops from the verify pass's inputs (the target is not re-run).
+    // recurrences through the rows ops from the verify pass's inputs (the target is not re-run):
+    // keep_paths' commit (commit_paths.cpp) on this one slot, with the path's taps.
     // Anything else that reads or extends the sequence first drops the tree (keeps none of it).
     void verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out);
     void keep_path(const int32_t * path, int64_t n);
@@ -119,6 +132,7 @@ class Engine {
         int64_t branched_calls = 0;  // verify batches in which a row, or the committed sequence, has 2+ children
         int64_t rows_op_nodes = 0;   // rows-op nodes (deltaspec_rows.h) in the graphs those calls ran
         int64_t keep_calls = 0, kept_rows = 0, kv_rows_moved = 0;
+        int64_t keep_graph_builds = 0;  // keep_path calls that built their commit graph (the others reused it)
     };
     const TreeStats & tree_stats() const { return tree_stats_; }
 
@@ -139,8 +153,22 @@ class Engine {
         int64_t rows = 0, padded_rows = 0;        // the callers' rows; copies added to even out the slots
         int64_t max_slots = 0, keep_calls = 0, kept_rows = 0;
         int64_t branched_calls = 0, kv_rows_moved = 0;  // passes with a branching slot; KV rows compacted
+        int64_t keep_graph_builds = 0;  // keep_paths calls that built their commit graph (the others reused it)
     };
     const RowsStats & rows_stats() const { return rows_stats_; }
+
+    // Prompt chunks of several sequences in one pass (prefill_rows.cpp): `rows` hold slots
+    // rows.slot[0], +1, ... consecutive, each a chain (parent -1, then the previous row) of the same
+    // number of rows at positions slot length + 0, 1, ...; each slot is then that much longer, its
+    // state as if the chunk had been eval()'d in it alone. `out` receives each slot's last row's
+    // logits (LogitsWanted::all), argmax (::argmax_all) or top row (::top_all), in slot order, or
+    // nothing (::none).
+    void prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out);
+    // What prefill_rows has run (tests assert that passes over several slots happened).
+    struct PrefillStats {
+        int64_t passes = 0, multi_slot_passes = 0, rows = 0, max_slots = 0;
+    };
+    const PrefillStats & prefill_stats() const { return prefill_stats_; }
 
     // Save the recurrent state now / restore it and the position saved (a drafter's checkpoint).
     void checkpoint();
@@ -200,63 +228,102 @@ class Engine {
     bool replay_deltanet_cuda(int64_t n);    // n < T: the same
     void advance_verify_state_graph(int64_t n, bool conv, bool deltanet);  // a ggml graph, any backend
     void settle_verify();
-    void replay_tree_path(const std::vector<int32_t> & path);  // verify_tree.cpp: keep_path's graph
-    void keep_tree_taps(const std::vector<int32_t> & path);    // verify_tree.cpp: the path's tapped rows -> tapped_
+    // commit_paths.cpp: keep_path's and keep_paths' commit of rows_pending_'s paths (paths[i]: slot
+    // first_slot + i's rows in the padded batch, root first), the planted bugs their callers pass,
+    // `tap_rows`' taps (one slot) gathered to `taps`. Returns the KV rows that move; `built`: whether
+    // the commit graph was built (not reused).
+    struct CommitBugs { bool no_compaction = false, parent_state = false, stale_graph = false; };
+    int64_t commit_paths(const std::vector<std::vector<int32_t>> & paths, const CommitBugs & bugs,
+                         const std::vector<int32_t> & tap_rows, float * taps, bool & built);
     void append_taps(int64_t n_rows);  // the step's tapped rows -> tapped_
 
-    // The last graph built stays allocated: a step of the same shape (every decode step until the
-    // visible KV length grows by kv_pad) only sets its inputs and computes, no rebuild, no
-    // re-allocation, and the CUDA backend can replay it as a CUDA graph.
-    struct StepGraph {
-        ggml_context * ctx = nullptr;
-        ggml_cgraph * gf = nullptr;
-        StepInputs in;
-        ggml_tensor * out = nullptr;
+    // What a step graph's structure depends on: a kept graph serves the steps of its key.
+    struct StepKey {
         int64_t n_tokens = -1, n_kv = -1;
         LogitsWanted wanted = LogitsWanted::none;
         bool keep_states = false;
         bool tree = false;  // a tree verify batch (StepInputs::rows)
         int64_t n_seqs = 0, first_slot = 0, slot = -1;  // rows of several slots, or the one slot
+        bool operator==(const StepKey & o) const {
+            return n_tokens == o.n_tokens && n_kv == o.n_kv && wanted == o.wanted && keep_states == o.keep_states &&
+                   tree == o.tree && n_seqs == o.n_seqs && first_slot == o.first_slot && slot == o.slot;
+        }
+    };
+    // A step's graph, built and allocated once for its shape and kept (step_graphs.cpp says why
+    // and for how long): a later step of the same shape only sets its inputs and computes, and
+    // the CUDA backend can replay it as a CUDA graph.
+    struct StepGraph {
+        StepKey key;
+        ggml_context * ctx = nullptr;  // owns its tensor and node descriptors
+        ggml_cgraph * gf = nullptr;
+        ggml_backend_sched_t sched = nullptr;  // this graph's own scheduler, allocated for it alone
+        size_t bytes = 0;                      // its compute buffers'
+        std::vector<ggml_tensor *> tap_out;    // Taps::out of this graph (taps_.out while it runs)
+        bool probation = true;                 // run once so far (step_graphs.cpp: eviction)
+        StepInputs in;
+        ggml_tensor * out = nullptr;
         int64_t n_rows_op_nodes = 0;  // nodes of the rows ops (deltaspec_rows.h) in gf
         VerifyStates verify;  // keep_states: where each token's recurrent state is
     };
+    // The graph of that shape, kept or built (step_graphs.cpp); it becomes step_.
     StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool keep_states,
                            int64_t n_seqs = 0, int64_t first_slot = 0, bool tree = false);
     void compute(StepGraph & g);
+    void build_step_graph(StepGraph & g);  // g's key set: its graph, allocated by a scheduler of its own
+    void free_step_graph(StepGraph & g);
+    // Frees kept graphs until within the limits (step_graphs.cpp: which go first); take_sched:
+    // returns the last one's scheduler instead of freeing it (null if none was evicted).
+    ggml_backend_sched_t evict_kept_graphs(size_t max_kept, bool take_sched);
     SequenceState & seq() { return pool_.slots[cur_]; }
     const SequenceState & seq() const { return pool_.slots[cur_]; }
     void check_batch(const int32_t * tokens, int64_t n_tokens) const;  // fits the context, ids in range
-    void make_scheduler();  // sizes the graph scratch; (re)creates sched_
-    void drop_step_graph();
+    void init_step_graphs();  // the graphs' size and the cache's limits (step_graphs.cpp)
+    void drop_step_graph();   // every kept graph: the tensors they name are gone or changed
 
     HParams hp_;
     EngineOptions opts_;
     ggml_backend_t backend_ = nullptr;      // holds weights and state
     ggml_backend_t backend_cpu_ = nullptr;  // the scheduler's mandatory CPU fallback
-    ggml_backend_sched_t sched_ = nullptr;
     std::string backend_name_;
     bool fold_inputs_ = false;  // norms and SwiGLUs offered to our CUDA kernels (cuda_kernels.h)
     ModelWeights weights_;
     StatePool pool_;
     int64_t cur_ = 0;  // the slot of the one-sequence calls
     DecodeStats decode_stats_;
-    std::vector<uint8_t> graph_meta_;       // scratch for graph/tensor descriptors
-    size_t graph_size_ = 0;
-    StepGraph step_;
+    size_t graph_size_ = 0;                 // nodes and leaves a step graph may hold
+    StepGraph step_;                        // the last step's graph (keep() reads its outputs)
+    std::vector<StepGraph> kept_graphs_;    // other graphs kept for reuse, least recently run first
+    std::vector<StepKey> evicted_keys_;     // of graphs evicted on probation, the oldest first
+    size_t max_graphs_ = 8, max_kept_bytes_ = 0;  // the cache's limits (init_step_graphs)
+    GraphStats graph_stats_;
     int64_t verify_p0_ = -1, verify_T_ = 0;  // the last verify batch, for keep()
-    std::vector<int32_t> tree_parents_;      // the pending tree verify batch's parents (empty: none), for keep_path()
     TreeStats tree_stats_;
-    // verify_rows' batch until keep_paths: padded rows (slot i's at i * tq ..), their parents,
-    // slots and indices within their slot, each slot's length before it, the caller's rows' places
+    // verify_rows' batch until keep_paths, or verify_tree's (tree: one slot, unpadded) until
+    // keep_path: padded rows (slot i's at i * tq ..), their parents, slots and indices within
+    // their slot, each slot's length before it, the caller's rows' places
     struct RowsPending {
-        bool active = false;
+        bool active = false, tree = false;
         int64_t first_slot = 0, n_slots = 0, tq = 0;
         std::vector<int32_t> parent, slot, local, row_of;
         std::vector<int64_t> p0;
     };
     RowsPending rows_pending_;
     RowsStats rows_stats_;
-    ggml_gallocr_t keep_alloc_ = nullptr;    // keep_path's replay graph's memory, reused
+    PrefillStats prefill_stats_;
+    ggml_gallocr_t keep_alloc_ = nullptr;    // the commit graph's memory, reused
+    // The last commit graph (commit_paths.cpp), kept for the next commit of the same shape (key).
+    struct KeepGraph {
+        ggml_context * ctx = nullptr;
+        ggml_cgraph * gf = nullptr;
+        ggml_tensor * input = nullptr, * taps = nullptr;  // the plan and the taps' rows; the gathered taps
+        std::vector<int64_t> key;
+        KeepGraph() = default;
+        KeepGraph(const KeepGraph &) = delete;
+        KeepGraph & operator=(const KeepGraph &) = delete;
+        ~KeepGraph() { drop(); }
+        void drop();
+    };
+    KeepGraph keep_graph_;
     int64_t checkpoint_n_past_ = -1;
     Taps taps_;                  // the layers asked for; their graph outputs in the step graph
     std::vector<float> tapped_;  // rows of positions tapped_pos_ .. (set_taps)

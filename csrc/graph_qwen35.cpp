@@ -254,8 +254,10 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     if (in.rows) {  // a tree: each row's window gathered along its ancestors, the pool read only
         ggml_tensor * windows = ggml_reshape_3d(ctx, pool.conv[il], Kc - 1, C, pool.n_seq);
         y = deltaspec_rows_ssm_conv(ctx, windows, qkv, l.conv1d, in.rows);  // {C, T, 1}
-        ggml_set_output(qkv->view_src ? qkv->view_src : qkv);
-        verify->conv_x[il] = qkv;
+        if (in.keep_states) {  // a verify batch (a prefill of rows writes its slots back in the op)
+            ggml_set_output(qkv->view_src ? qkv->view_src : qkv);
+            verify->conv_x[il] = qkv;
+        }
     } else if (several) {  // per sequence: {Kc-1+Tq, C, N}; the windows of the slots, read and written in place
         ggml_tensor * windows = ggml_view_3d(ctx, pool.conv[il], Kc - 1, C, N, (Kc - 1) * f, pool.conv[il]->nb[1],
                                              in.first_slot * pool.conv[il]->nb[1]);
@@ -300,7 +302,7 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
         // op (the kernel writes the new states in place), as for one sequence below
         ggml_tensor * new_states = ggml_view_2d(ctx, res, S * S * Hv, N, S * S * Hv * f, S * Hv * T * f);
         ggml_build_forward_expand(gf, ggml_cpy(ctx, new_states, slots_state));
-    } else if (in.rows) {  // the pool stays; keep_path replays the accepted path from these
+    } else if (in.rows && in.keep_states) {  // the pool stays; keep_path replays the accepted path from these
         for (ggml_tensor * t : {q, k, v, g, beta}) ggml_set_output(t->view_src ? t->view_src : t);
         verify->q[il] = q;
         verify->k[il] = k;
@@ -317,6 +319,8 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
         verify->beta[il] = beta;
         verify->result[il] = res;
         verify->n_tokens = T;
+    } else if (in.rows) {
+        // a prefill of rows (Engine::prefill_rows): each slot's last row wrote its state back in the op
     } else {
         ggml_tensor * new_state = ggml_view_1d(ctx, res, S * S * Hv, S * Hv * T * f);
         // One token: copy into a view of the state, the form ggml-cuda fuses into the op (its kernel
@@ -360,10 +364,12 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
                            const StatePool & pool, const SequenceState & st, const StepInputs & in,
                            int64_t n_logit_rows, const FoldInput & fold_input, VerifyStates * verify,
                            Taps * taps) {
+    // a prefill of rows of several slots (rows, no verify states) returns each slot's last row
+    const bool prefill_rows = in.n_seqs > 0 && in.rows && !in.keep_states;
     if (in.n_seqs > 0 && ((in.keep_states && !in.rows) || in.n_tokens % in.n_seqs != 0 ||
-                          (n_logit_rows != 0 && n_logit_rows != in.n_tokens))) {
-        throw std::logic_error("build_qwen35: rows of several sequences: equal rows per sequence, logits of every row or "
-                               "none, verified as rows (no chain verify)");
+                          (n_logit_rows != 0 && n_logit_rows != (prefill_rows ? in.n_seqs : in.n_tokens)))) {
+        throw std::logic_error("build_qwen35: rows of several sequences: equal rows per sequence, logits of every row "
+                               "(each sequence's last row for a prefill) or none, verified as rows (no chain verify)");
     }
     if (in.keep_states) {
         if (verify == nullptr) throw std::logic_error("build_qwen35: a verify batch needs VerifyStates");
@@ -406,7 +412,10 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
 
     // A prefill micro-batch whose logits nobody reads skips the head (n_vocab x E per row).
     if (n_logit_rows == 0) return nullptr;
-    if (n_logit_rows < in.n_tokens) {
+    if (prefill_rows) {  // row Tq-1 of every slot's Tq rows
+        const int64_t Tq = in.n_tokens / in.n_seqs;
+        x = ggml_cont(ctx, ggml_view_2d(ctx, x, x->ne[0], in.n_seqs, Tq * x->nb[1], (Tq - 1) * x->nb[1]));
+    } else if (n_logit_rows < in.n_tokens) {
         x = ggml_view_2d(ctx, x, x->ne[0], n_logit_rows, x->nb[1], (in.n_tokens - n_logit_rows) * x->nb[1]);
     }
     x = input_norm(ctx, x, w.output_norm, eps, fold_input, {w.output});

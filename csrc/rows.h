@@ -52,4 +52,13 @@ BatchBug batch_bug();
 enum class RowsBug { none, wrong_parent, swap_keep, no_compaction, draft_slot_swap };
 RowsBug rows_bug();
 
+// DELTASPEC_TEST_PREFILL_BUG (test only) plants a bug so that the tests of prompt chunks of several
+// sequences in one pass (tests/test_prefill_rows.py) can show they notice it: "position" gives the rows
+// of every slot after the first of an Engine::prefill_rows pass the positions of the first slot's start
+// (RoPE of another slot's length; KV rows and mask stay right), "shared_state" starts every slot after the first from the first slot's committed
+// recurrent state (copied over its own). Read once per process; unset or empty in every real use,
+// anything else throws std::invalid_argument.
+enum class PrefillBug { none, position, shared_state };
+PrefillBug prefill_bug();
+
 }  // namespace deltaspec

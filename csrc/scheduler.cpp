@@ -147,6 +147,16 @@ bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev, bool check_c
     return true;
 }
 
+void Scheduler::begin_draft(Sequence & s) {
+    if (!model_drafter_) return;
+    // the draft slot reads the whole prompt (or is emptied for a sequence without it)
+    if (s.draft_state) {
+        model_drafter_->begin(s.slot, *s.draft_state, s.req.prompt);
+    } else {
+        model_drafter_->clear_slot(s.slot);
+    }
+}
+
 bool Scheduler::split_on_top() const {
     return !running_.empty() && running_.back()->n_fed < (int64_t)running_.back()->req.prompt.size();
 }
@@ -172,13 +182,7 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
         engine_.eval(chunk, n, LogitsWanted::last, logits_.data());
         token = choose(s, logits_.data(), n_vocab);
     }
-    if (n == left && model_drafter_) {  // the draft slot reads the whole prompt (or is emptied for a sequence without it)
-        if (s.draft_state) {
-            model_drafter_->begin(s.slot, *s.draft_state, s.req.prompt);
-        } else {
-            model_drafter_->clear_slot(s.slot);
-        }
-    }
+    if (n == left) begin_draft(s);
     s.n_fed += n;
     s.res.n_prefilled += n;
     s.res.prefill_seconds += seconds_since(t0);
@@ -190,10 +194,18 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
 }
 
 void Scheduler::admit(std::vector<StepEvent> & events) {
-    // prompt tokens this step may still prefill
+    // prompt tokens this step may still prefill, handed out first come first served: the split
+    // prompt on top first, then each request admitted takes what it needs; the last one may not
+    // get all (it is split, stays on top, and no other request is admitted until it is complete)
     int64_t budget = prefill_budget_ > 0 ? prefill_budget_ : std::numeric_limits<int64_t>::max();
-    if (split_on_top()) budget -= feed(*running_.back(), budget, events);
-    while (budget > 0 && !split_on_top() && !waiting_.empty() && (int64_t)running_.size() < engine_.n_seq_max()) {
+    std::vector<PromptChunk> chunks;  // consecutive slots, evaluated together below
+    const auto take_chunk = [&](Sequence & seq) {
+        const int64_t n = std::min((int64_t)seq.req.prompt.size() - seq.n_fed, budget);
+        chunks.push_back({&seq, n});
+        budget -= n;
+    };
+    if (split_on_top()) take_chunk(*running_.back());
+    while (budget > 0 && !waiting_.empty() && (int64_t)running_.size() < engine_.n_seq_max()) {
         std::unique_ptr<Sequence> s = std::move(waiting_.front());
         waiting_.pop_front();
         if (s->cancel_requested) {
@@ -208,7 +220,87 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
         if (s->n_fed == 0 && batch_bug() != BatchBug::no_reset) engine_.reset();
         Sequence & seq = *s;
         running_.push_back(std::move(s));
-        budget -= feed(seq, budget, events);
+        take_chunk(seq);
+    }
+    feed_together(chunks, events);
+}
+
+void Scheduler::feed_together(const std::vector<PromptChunk> & chunks, std::vector<StepEvent> & events) {
+    // Rounds over the chunks still unfed: a run of 2+ consecutive ones goes through one
+    // Engine::prefill_rows pass per round, every sequence fed the same number of tokens (the
+    // shortest chunk's, at most n_ubatch in all); a run of one takes the one-sequence path (feed),
+    // whose micro-batches and graph are what generate() runs.
+    std::vector<int64_t> left;
+    for (const PromptChunk & c : chunks) left.push_back(c.n);
+    const int64_t K = (int64_t)chunks.size();
+    for (bool fed = true; fed;) {
+        fed = false;
+        for (int64_t a = 0; a < K;) {
+            if (left[a] == 0) {
+                ++a;
+                continue;
+            }
+            int64_t b = a + 1;
+            while (b < K && left[b] > 0 && b - a < engine_.n_ubatch()) ++b;
+            fed = true;
+            if (b - a == 1 || disable_prefill_rows_) {
+                for (int64_t i = a; i < b; ++i) left[i] -= feed(*chunks[i].seq, left[i], events);
+            } else {
+                int64_t n = engine_.n_ubatch() / (b - a);
+                for (int64_t i = a; i < b; ++i) n = std::min(n, left[i]);
+                std::vector<Sequence *> seqs;
+                for (int64_t i = a; i < b; ++i) seqs.push_back(chunks[i].seq);
+                feed_rows(seqs, n, events);
+                for (int64_t i = a; i < b; ++i) left[i] -= n;
+            }
+            a = b;
+        }
+    }
+}
+
+void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::vector<StepEvent> & events) {
+    const auto t0 = Clock::now();
+    const int64_t N = (int64_t)seqs.size(), n_vocab = engine_.hparams().n_vocab;
+    rows_.clear();
+    bool any_done = false, all_argmax = true, all_top = engine_.top_rows_enabled();
+    for (const Sequence * s : seqs) {
+        const int32_t p0 = (int32_t)engine_.slot_n_past(s->slot);
+        for (int64_t j = 0; j < n; ++j) {
+            const int32_t parent = j == 0 ? -1 : (int32_t)rows_.size() - 1;
+            rows_.add(s->req.prompt[s->n_fed + j], p0 + (int32_t)j, (int32_t)s->slot, parent, j == n - 1);
+        }
+        if (s->n_fed + n < (int64_t)s->req.prompt.size()) continue;  // its prompt goes on in a later round
+        any_done = true;
+        all_argmax = all_argmax && !needs_logits(s->req);
+        all_top = all_top && top_rows_serve(s->req, engine_.top_k());
+    }
+    // one result row per sequence (its last row's), read only for the sequences whose prompt is complete
+    const int64_t W = engine_.top_row_words();
+    if (!any_done) {
+        engine_.prefill_rows(rows_, LogitsWanted::none, nullptr);
+    } else if (all_argmax) {
+        argmax_.resize(N);
+        engine_.prefill_rows(rows_, LogitsWanted::argmax_all, argmax_.data());
+    } else if (all_top) {
+        top_.resize(N * W);
+        engine_.prefill_rows(rows_, LogitsWanted::top_all, top_.data());
+    } else {
+        logits_.resize(N * n_vocab);
+        engine_.prefill_rows(rows_, LogitsWanted::all, logits_.data());
+    }
+    const double seconds = seconds_since(t0);  // the pass was shared
+    for (int64_t i = 0; i < N; ++i) {
+        Sequence & s = *seqs[i];
+        s.n_fed += n;
+        s.res.n_prefilled += n;
+        s.res.prefill_seconds += seconds;
+        if (s.n_fed < (int64_t)s.req.prompt.size()) continue;
+        const int32_t token = all_argmax ? argmax_[i]
+                              : all_top  ? choose_from_top(s.req, s.sampler, top_row(top_.data() + i * W, engine_.top_k()), s.res)
+                                         : choose(s, logits_.data() + i * n_vocab, n_vocab);
+        begin_draft(s);
+        s.decode_start = Clock::now();
+        commit(s, token, event_of(events, s));
     }
 }
 

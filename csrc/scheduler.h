@@ -1,6 +1,7 @@
 // Many requests on one engine, in the shape of nano-vllm's engine loop: a Sequence per request, a
-// step that admits waiting requests into free slots (prefill) and then decodes every running
-// sequence in one batch of rows, sampling and committing per sequence. Sequences finish
+// step that admits waiting requests into free slots (prefill: the prompt chunks of the step's
+// sequences together, Engine::prefill_rows) and then decodes every running sequence in one batch of
+// rows, sampling and committing per sequence. Sequences finish
 // independently (their own max_tokens, stop tokens and strings, sampler and seed); each gives the
 // tokens generate() gives it alone.
 #pragma once
@@ -121,7 +122,9 @@ class Scheduler {
     // step instead of waiting for every new prompt (time to first token under load, and no stall
     // behind a long prompt). A prompt that does not fit is split: its sequence takes the top
     // running slot, is fed a budget's worth per step and decodes once its prompt is complete; no
-    // other request is admitted until then.
+    // other request is admitted until then. The step's chunks (the split prompt's, then the newly
+    // admitted ones') are evaluated together: one Engine::prefill_rows pass over their consecutive
+    // slots per round of equal-length pieces, not one prompt after another.
     void set_prefill_budget(int64_t n_tokens) { prefill_budget_ = n_tokens; }
     // Something else changed the slots (a one-sequence call): their kept histories are unknown now.
     void forget_histories() {
@@ -140,8 +143,23 @@ class Scheduler {
     bool has_draft_model() const { return model_drafter_ != nullptr; }
     const Engine * draft_engine() const { return model_drafter_ ? &model_drafter_->engine() : nullptr; }
 
+    // Off: each sequence's prompt chunk is evaluated alone, one after another, instead of several
+    // in one Engine::prefill_rows pass (the benches' before/after).
+    void set_prefill_rows(bool on) { disable_prefill_rows_ = !on; }
+
   private:
+    struct PromptChunk {
+        Sequence * seq;
+        int64_t n;  // prompt tokens it is fed this step
+    };
+    // admits waiting requests into free slots and hands out the step's prefill budget
     void admit(std::vector<StepEvent> & events);
+    // evaluates the step's prompt chunks (consecutive slots): several sequences at once where it can
+    void feed_together(const std::vector<PromptChunk> & chunks, std::vector<StepEvent> & events);
+    // n more prompt tokens of each of seqs (consecutive slots) in one pass; a sequence whose prompt
+    // is then complete chooses and commits its first token
+    void feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::vector<StepEvent> & events);
+    void begin_draft(Sequence & s);  // s's prompt is complete: its draft slot (the draft model's) follows
     // evaluates up to `budget` more of s's prompt in its slot; once the prompt is complete, chooses
     // and commits its first token. Returns the prompt tokens evaluated.
     int64_t feed(Sequence & s, int64_t budget, std::vector<StepEvent> & events);
@@ -178,6 +196,7 @@ class Scheduler {
     std::unique_ptr<BatchModelDrafter> model_drafter_;
     std::unique_ptr<SlotHistories> histories_;  // keep_histories only
     int64_t prefill_budget_ = 0;
+    bool disable_prefill_rows_ = false;
 };
 
 }  // namespace deltaspec

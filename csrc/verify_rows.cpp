@@ -10,10 +10,11 @@
 // the same KV values to the same place (no row of garbage can reach a KV row). Copies are dropped
 // from the logits returned and from every commit.
 //
-// keep_paths then commits every slot's accepted path in one small graph: the rows ops once more
-// over the verify pass's inputs with every row off the paths skipped and each path's leaf writing
-// its slot's DeltaNet state and conv window back, and each slot's kept KV rows moved to consecutive
-// positions where a path skipped rows (trees; a chain's accepted prefix is already in place).
+// keep_paths then commits every slot's accepted path in one small graph (commit_paths.cpp, which
+// keep_path's one tree shares): the rows ops once more over the verify pass's inputs with every row
+// off the paths skipped and each path's leaf writing its slot's DeltaNet state and conv window back,
+// and each slot's kept KV rows moved to consecutive positions where a path skipped rows (trees; a
+// chain's accepted prefix is already in place).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -23,8 +24,6 @@
 
 #include "deltaspec_rows.h"
 #include "engine.h"
-#include "ggml-alloc.h"
-#include "output_alias.h"
 
 namespace deltaspec {
 
@@ -213,8 +212,9 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
 
 void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
     RowsPending & pend = rows_pending_;
-    if (!pend.active) throw std::logic_error("keep_paths(paths) needs the rows just verified (verify_rows)");
-    const int64_t N = pend.n_slots, Tq = pend.tq, T = N * Tq, R = (int64_t)pend.row_of.size();
+    // (a verify_tree batch is keep_path's: its taps are kept with it)
+    if (!pend.active || pend.tree) throw std::logic_error("keep_paths(paths) needs the rows just verified (verify_rows)");
+    const int64_t N = pend.n_slots, Tq = pend.tq, R = (int64_t)pend.row_of.size();
     if ((int64_t)paths.size() != N) {
         throw std::invalid_argument("keep_paths: one path per verified slot (" + str(N) + "), got " + str(paths.size()));
     }
@@ -235,88 +235,13 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
         }
     }
 
-    // the rows ops' plan: the paths' rows in their slots, every other row skipped, each leaf written back
-    std::vector<int32_t> slot(T, -1), flags(T, 0);
-    for (int64_t i = 0; i < N; ++i) {
-        for (int32_t t : padded[i]) slot[t] = (int32_t)(pend.first_slot + i);
-        if (!padded[i].empty()) flags[padded[i].back()] = DELTASPEC_ROW_WRITE_BACK;
-    }
-    std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS);
-    char err[256];
-    const int64_t n_saved = deltaspec_rows_plan(T, pend.parent.data(), slot.data(), flags.data(), pool_.n_seq, plan.data(),
-                                                err, sizeof(err));
-    if (n_saved < 0) throw std::logic_error(std::string("keep_paths: ") + err);
-
-    // KV moves: slot i's row p0 + local(path[d]) -> p0 + d, in runs that move by the same distance
-    struct Move { int64_t slot, from, to, n; };
-    std::vector<Move> moves;
-    for (int64_t i = 0; i < N; ++i) {
-        const std::vector<int32_t> & path = padded[i];
-        const int64_t n = (int64_t)path.size();
-        for (int64_t d = 0; d < n;) {
-            int64_t e = d + 1;
-            while (e < n && pend.local[path[e]] - e == pend.local[path[d]] - d) ++e;
-            if (pend.local[path[d]] != d) {
-                rows_stats_.kv_rows_moved += e - d;  // counted with the bug planted too: the tokens must show it
-                if (rows_bug() != RowsBug::no_compaction) {
-                    moves.push_back({pend.first_slot + i, pend.p0[i] + pend.local[path[d]], pend.p0[i] + d, e - d});
-                }
-            }
-            d = e;
-        }
-    }
-
-    const VerifyStates & vs = step_.verify;
-    const size_t per_layer = std::max<size_t>(16, 6 * moves.size());
-    const size_t n_tensors = per_layer * (size_t)hp_.n_layer + 16, n_nodes = n_tensors;
-    ggml_init_params params = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_nodes, false), nullptr,
-                               /*no_alloc =*/true};
-    ggml_context * ctx = ggml_init(params);
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_nodes, false);
-    try {
-        ggml_tensor * rows_t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, T);
-        ggml_set_input(rows_t);
-        for (int il = 0; il < hp_.n_layer; ++il) {
-            if (vs.q[il]) {
-                const LayerWeights & l = weights_.layers[il];
-                ggml_tensor * windows = ggml_reshape_3d(ctx, pool_.conv[il], hp_.ssm_conv_kernel - 1, hp_.conv_channels(), pool_.n_seq);
-                ggml_build_forward_expand(gf, deltaspec_rows_ssm_conv(ctx, windows, output_alias(ctx, vs.conv_x[il]), l.conv1d, rows_t));
-                const int64_t S = hp_.ssm_state_size, Hv = hp_.ssm_n_v_heads;
-                ggml_tensor * states = ggml_reshape_4d(ctx, pool_.ssm[il], S, S, Hv, pool_.n_seq);
-                ggml_build_forward_expand(
-                    gf, deltaspec_rows_gated_delta_net(ctx, output_alias(ctx, vs.q[il]), output_alias(ctx, vs.k[il]),
-                                                       output_alias(ctx, vs.v[il]), output_alias(ctx, vs.g[il]),
-                                                       output_alias(ctx, vs.beta[il]), states, rows_t, n_saved));
-            } else if (pool_.k[il]) {
-                // a source row is never an earlier run's destination (local >= depth), so order is enough
-                for (const Move & m : moves) {
-                    for (ggml_tensor * cache : {pool_.k[il], pool_.v[il]}) {
-                        auto rows_at = [&](int64_t first_row) {
-                            return ggml_view_2d(ctx, cache, cache->ne[0], m.n, cache->nb[1],
-                                                (m.slot * pool_.n_ctx + first_row) * cache->nb[1]);
-                        };
-                        ggml_build_forward_expand(gf, ggml_cpy(ctx, rows_at(m.from), rows_at(m.to)));
-                    }
-                }
-            }
-        }
-        if (keep_alloc_ == nullptr) keep_alloc_ = ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend_));
-        if (!ggml_gallocr_alloc_graph(keep_alloc_, gf)) throw std::runtime_error("cannot allocate keep_paths' replay");
-        if (rows_t->buffer) ggml_backend_tensor_set(rows_t, plan.data(), 0, plan.size() * sizeof(int32_t));
-        if (ggml_backend_graph_compute(backend_, gf) != GGML_STATUS_SUCCESS) {
-            throw std::runtime_error("keep_paths: committing the accepted paths failed");
-        }
-    } catch (...) {
-        ggml_free(ctx);
-        throw;
-    }
-    ggml_free(ctx);
-    for (int64_t i = 0; i < N; ++i) {
-        pool_.slots[pend.first_slot + i].n_past += (int64_t)paths[i].size();
-        rows_stats_.kept_rows += (int64_t)padded[i].size();
-    }
+    CommitBugs bugs;
+    bugs.no_compaction = rows_bug() == RowsBug::no_compaction;
+    bool built = false;
+    rows_stats_.kv_rows_moved += commit_paths(padded, bugs, {}, nullptr, built);
+    for (const std::vector<int32_t> & path : padded) rows_stats_.kept_rows += (int64_t)path.size();
     rows_stats_.keep_calls += 1;
-    pend.active = false;
+    rows_stats_.keep_graph_builds += built;
 }
 
 }  // namespace deltaspec

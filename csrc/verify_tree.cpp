@@ -7,16 +7,14 @@
 // rows and its ancestors' (itself included). So every root-to-leaf path computes what that path
 // computes as a chain.
 //
-// keep_path then commits without re-running the target: a small graph moves the path's KV rows to
-// consecutive positions (same-type row copies: exact for quantized caches too) and runs the rows ops
-// once more over the verify pass's inputs (graph outputs, VerifyStates) with every row off the path
-// skipped and the leaf writing its DeltaNet state and conv window back into the pool: the cost of a
-// chain of the path's length, nothing stored per row during the verify.
+// keep_path then commits without re-running the target: the batch is pending as keep_paths' one
+// slot (Engine::RowsPending, unpadded), and the commit is keep_paths' (commit_paths.cpp): the path's
+// KV rows moved to consecutive positions, the recurrent state after its leaf replayed by the rows ops.
 //
 // Taps (Engine::set_taps): the verify graph outputs every row's tapped hidden states like any step;
-// keep_path copies only the kept rows' out of them, in path order, so that after a round the tapped
-// rows are those a plain run over the committed tokens would have tapped (a drafter fed from them,
-// DFlash or MTP, never sees a rejected branch).
+// keep_path keeps only the kept rows' out of them (gathered in the commit's graph), in path order, so
+// that after a round the tapped rows are those a plain run over the committed tokens would have tapped
+// (a drafter fed from them, DFlash or MTP, never sees a rejected branch).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -26,8 +24,6 @@
 
 #include "deltaspec_rows.h"
 #include "engine.h"
-#include "ggml-alloc.h"
-#include "output_alias.h"
 
 namespace deltaspec {
 
@@ -39,9 +35,10 @@ namespace {
 // position length + its index instead of length + its depth, "no_compaction" leaves the kept KV rows
 // where the verify wrote them, "parent_state" commits the recurrent state after the leaf's parent
 // instead of after the leaf, "taps_uncompacted" keeps the tapped rows of the batch's first rows
-// instead of the path's (the unaccepted rows' features). Read once per process; unset or empty in
-// every real use, anything else throws std::invalid_argument.
-enum class TreeBug { none, sibling_visible, row_position, no_compaction, parent_state, taps_uncompacted };
+// instead of the path's (the unaccepted rows' features), "stale_keep_graph" reuses the last commit
+// graph when only its KV moves differ (the last path's moves done again). Read once per process;
+// unset or empty in every real use, anything else throws std::invalid_argument.
+enum class TreeBug { none, sibling_visible, row_position, no_compaction, parent_state, taps_uncompacted, stale_keep_graph };
 
 TreeBug read_tree_bug() {
     const char * env = std::getenv("DELTASPEC_TEST_TREE_BUG");
@@ -52,8 +49,9 @@ TreeBug read_tree_bug() {
     if (v == "no_compaction") return TreeBug::no_compaction;
     if (v == "parent_state") return TreeBug::parent_state;
     if (v == "taps_uncompacted") return TreeBug::taps_uncompacted;
+    if (v == "stale_keep_graph") return TreeBug::stale_keep_graph;
     throw std::invalid_argument("DELTASPEC_TEST_TREE_BUG (test only) must be unset, 'sibling_visible', 'row_position', "
-                                "'no_compaction', 'parent_state' or 'taps_uncompacted', not '" + v + "'");
+                                "'no_compaction', 'parent_state', 'taps_uncompacted' or 'stale_keep_graph', not '" + v + "'");
 }
 
 TreeBug tree_bug() {
@@ -143,7 +141,19 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
     set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
 
     compute(g);
-    tree_parents_ = rows.parent;
+    // pending until keep_path: one slot, its rows unpadded (commit_paths reads this layout)
+    RowsPending & pend = rows_pending_;
+    pend = RowsPending{};
+    pend.tree = true;
+    pend.first_slot = cur_;
+    pend.n_slots = 1;
+    pend.tq = T;
+    pend.parent = rows.parent;
+    pend.slot.assign(T, (int32_t)cur_);
+    pend.local.resize(T);
+    for (int64_t t = 0; t < T; ++t) pend.local[t] = (int32_t)t;
+    pend.row_of = pend.local;
+    pend.p0 = {p0};
     tree_stats_.verify_calls += 1;
     tree_stats_.rows += T;
     tree_stats_.max_rows = std::max(tree_stats_.max_rows, T);
@@ -152,137 +162,60 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
     tree_stats_.rows_op_nodes += g.n_rows_op_nodes;
     ggml_backend_tensor_get(g.out, out, 0, ggml_nbytes(g.out));  // every row's logits, argmax or top row
     if (wanted == LogitsWanted::top_all) decode_stats_.top_rows += T;
+    pend.active = true;
 }
 
 void Engine::keep_path(const int32_t * path, int64_t n) {
-    const int64_t T = (int64_t)tree_parents_.size();
-    if (T == 0) throw std::logic_error("keep_path(path) needs the tree verify batch just evaluated (verify_tree)");
+    const RowsPending & pend = rows_pending_;
+    if (!pend.active || !pend.tree) throw std::logic_error("keep_path(path) needs the tree verify batch just evaluated (verify_tree)");
+    const int64_t T = pend.tq;
     if (n < 1 || n > T) throw std::invalid_argument("keep_path: a path holds 1 to " + str(T) + " rows, got " + str(n));
     for (int64_t d = 0; d < n; ++d) {
         const int32_t r = path[d];
         if (r < 0 || r >= T) throw std::invalid_argument("keep_path: path[" + str(d) + "] = " + str(r) + " is not a row of the batch");
         const int32_t want = d == 0 ? -1 : path[d - 1];
-        if (tree_parents_[r] != want) {
+        if (pend.parent[r] != want) {
             throw std::invalid_argument("keep_path: path[" + str(d) + "] = row " + str(r) + " has parent " +
-                                        str(tree_parents_[r]) + ", not " + (d == 0 ? std::string("-1 (a root)") : "row " + str(want)));
+                                        str(pend.parent[r]) + ", not " + (d == 0 ? std::string("-1 (a root)") : "row " + str(want)));
         }
     }
-    const std::vector<int32_t> kept(path, path + n);
-    keep_tree_taps(kept);  // before the replay, which computes on the same backend
-    replay_tree_path(kept);
-    seq().n_past += n;
-    tree_parents_.clear();
-    tree_stats_.keep_calls += 1;
-    tree_stats_.kept_rows += n;
-}
-
-void Engine::keep_tree_taps(const std::vector<int32_t> & path) {
-    const int64_t E = hp_.n_embd, n_taps = (int64_t)taps_.layers.size(), n = (int64_t)path.size();
-    if (n_taps == 0) return;
-    const int64_t p0 = seq().n_past;
-    if (tapped_pos_ + n_tapped_rows() != p0) {  // positions ran on without taps (as append_taps)
-        tapped_.clear();
-        tapped_pos_ = p0;
-    }
-    std::vector<int32_t> rows = path;
-    if (tree_bug() == TreeBug::taps_uncompacted) {
-        for (int64_t d = 0; d < n; ++d) rows[d] = (int32_t)d;
-    }
-    const size_t first = tapped_.size();
-    tapped_.resize(first + n * n_taps * E);
-    // the graph's tap i is {E, T}: a row is E contiguous floats, so a run of consecutive rows (the
-    // accepted part of the top-1 chain, mostly) is one read
-    std::vector<float> run;
-    for (int64_t i = 0; i < n_taps; ++i) {
-        for (int64_t d = 0; d < n;) {
-            int64_t e = d + 1;
-            while (e < n && rows[e] == rows[e - 1] + 1) ++e;
-            run.resize((e - d) * E);
-            ggml_backend_tensor_get(taps_.out[i], run.data(), (size_t)rows[d] * E * sizeof(float), run.size() * sizeof(float));
-            for (int64_t k = d; k < e; ++k) {  // each kept row's taps side by side, as append_taps lays them
-                std::copy_n(run.data() + (k - d) * E, E, tapped_.data() + first + (k * n_taps + i) * E);
-            }
-            d = e;
-        }
-    }
-}
-
-void Engine::replay_tree_path(const std::vector<int32_t> & path) {
     const TreeBug bug = tree_bug();
-    const VerifyStates & vs = step_.verify;
-    const int64_t T = (int64_t)tree_parents_.size(), n = (int64_t)path.size(), p0 = seq().n_past;
-    // the path's rows in this slot, the others skipped; the leaf writes the state back
-    std::vector<int32_t> slot(T, -1), flags(T, 0);
-    for (int32_t r : path) slot[r] = (int32_t)cur_;
-    const int64_t leaf = bug == TreeBug::parent_state && n > 1 ? path[n - 2] : path[n - 1];
-    if (bug == TreeBug::parent_state && n > 1) slot[path[n - 1]] = -1;
-    flags[leaf] = DELTASPEC_ROW_WRITE_BACK;
-    std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS);
-    char err[256];
-    const int64_t n_saved = deltaspec_rows_plan(T, tree_parents_.data(), slot.data(), flags.data(), pool_.n_seq, plan.data(),
-                                                err, sizeof(err));
-    if (n_saved < 0) throw std::logic_error(std::string("keep_path: ") + err);
+    const std::vector<int32_t> kept(path, path + n);  // the batch is unpadded: its rows are the padded rows
 
-    // per recurrent layer 6 aliases (each a view of its base), 2 reshapes and the 2 ops, the views
-    // and reshapes being graph nodes too; per attention layer 2 views and a copy for K and for V
-    // per moved run; the rows tensor
-    size_t n_moves = 0;
-    for (int64_t d = 0; d < n; ++d) n_moves += path[d] != d && (d == 0 || path[d] - d != path[d - 1] - (d - 1));
-    const size_t per_layer = std::max<size_t>(16, 6 * n_moves);
-    const size_t n_tensors = per_layer * (size_t)hp_.n_layer + 16, n_nodes = n_tensors;
-    ggml_init_params params = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_nodes, false), nullptr,
-                               /*no_alloc =*/true};
-    ggml_context * ctx = ggml_init(params);
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, n_nodes, false);
+    // the path's tapped rows, in path order, appended to tapped_ (the commit gathers them)
+    const int64_t E = hp_.n_embd, n_taps = (int64_t)taps_.layers.size(), p0 = seq().n_past;
+    std::vector<int32_t> tap_rows;
+    float * taps = nullptr;
+    size_t first_tap = tapped_.size();
+    if (n_taps > 0) {
+        if (tapped_pos_ + n_tapped_rows() != p0) {  // positions ran on without taps (as append_taps)
+            tapped_.clear();
+            tapped_pos_ = p0;
+        }
+        tap_rows = kept;
+        if (bug == TreeBug::taps_uncompacted) {
+            for (int64_t d = 0; d < n; ++d) tap_rows[d] = (int32_t)d;
+        }
+        first_tap = tapped_.size();
+        tapped_.resize(first_tap + n * n_taps * E);
+        taps = tapped_.data() + first_tap;
+    }
+    CommitBugs bugs;
+    bugs.no_compaction = bug == TreeBug::no_compaction;
+    bugs.parent_state = bug == TreeBug::parent_state;
+    bugs.stale_graph = bug == TreeBug::stale_keep_graph;
+    bool built = false;
+    int64_t moved = 0;
     try {
-        ggml_tensor * rows_t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, T);
-        ggml_set_input(rows_t);
-        for (int il = 0; il < hp_.n_layer; ++il) {
-            if (vs.q[il]) {
-                const LayerWeights & l = weights_.layers[il];
-                ggml_tensor * windows = pool_.conv[il];
-                windows = ggml_reshape_3d(ctx, windows, hp_.ssm_conv_kernel - 1, hp_.conv_channels(), pool_.n_seq);
-                ggml_build_forward_expand(gf, deltaspec_rows_ssm_conv(ctx, windows, output_alias(ctx, vs.conv_x[il]), l.conv1d, rows_t));
-                const int64_t S = hp_.ssm_state_size, Hv = hp_.ssm_n_v_heads;
-                ggml_tensor * states = ggml_reshape_4d(ctx, pool_.ssm[il], S, S, Hv, pool_.n_seq);
-                ggml_build_forward_expand(
-                    gf, deltaspec_rows_gated_delta_net(ctx, output_alias(ctx, vs.q[il]), output_alias(ctx, vs.k[il]),
-                                                       output_alias(ctx, vs.v[il]), output_alias(ctx, vs.g[il]),
-                                                       output_alias(ctx, vs.beta[il]), states, rows_t, n_saved));
-            } else if (seq().k[il] && bug != TreeBug::no_compaction) {
-                // KV row p0 + path[d] -> p0 + d, in runs of rows that move by the same distance. A
-                // source row is never an earlier run's destination (path[d] >= d), so order is enough.
-                for (int64_t d = 0; d < n;) {
-                    int64_t e = d + 1;
-                    while (e < n && path[e] - e == path[d] - d) ++e;
-                    if (path[d] != d) {
-                        for (ggml_tensor * cache : {seq().k[il], seq().v[il]}) {
-                            auto rows_of = [&](int64_t first) {
-                                return ggml_view_2d(ctx, cache, cache->ne[0], e - d, cache->nb[1], first * cache->nb[1]);
-                            };
-                            ggml_build_forward_expand(gf, ggml_cpy(ctx, rows_of(p0 + path[d]), rows_of(p0 + d)));
-                        }
-                    }
-                    d = e;
-                }
-            }
-        }
-        // the rows tensor and the replays' results, in a buffer kept from one keep_path to the next (a
-        // device allocation per round would cost more than the replay)
-        if (keep_alloc_ == nullptr) keep_alloc_ = ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend_));
-        if (!ggml_gallocr_alloc_graph(keep_alloc_, gf)) throw std::runtime_error("cannot allocate keep_path's replay");
-        if (rows_t->buffer) ggml_backend_tensor_set(rows_t, plan.data(), 0, plan.size() * sizeof(int32_t));  // none without DeltaNet layers
-        if (ggml_backend_graph_compute(backend_, gf) != GGML_STATUS_SUCCESS) {
-            throw std::runtime_error("keep_path: committing the accepted path failed");
-        }
-        if (bug != TreeBug::no_compaction) {
-            for (int64_t d = 0; d < n; ++d) tree_stats_.kv_rows_moved += path[d] != d;
-        }
+        moved = commit_paths({kept}, bugs, tap_rows, taps, built);
     } catch (...) {
-        ggml_free(ctx);
+        tapped_.resize(first_tap);
         throw;
     }
-    ggml_free(ctx);
+    tree_stats_.keep_calls += 1;
+    tree_stats_.kept_rows += n;
+    tree_stats_.kv_rows_moved += moved;
+    tree_stats_.keep_graph_builds += built;
 }
 
 }  // namespace deltaspec

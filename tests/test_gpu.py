@@ -479,10 +479,11 @@ def test_cuda_refuses_iq4_nl(kv_model):
     """ggml-cuda has no flash attention for IQ4_NL (ggml would run the op on the CPU behind the
     user's back): every pair with it is refused with a ValueError naming the type and the device,
     before anything is loaded. With the pairs above, every one of the 81 ggml pairs is accounted for
-    (the tq and rotated types stay CPU-only for now: kv_cache.supported_types)."""
+    (the tq types and the rotated ggml types add 225 - 64 CUDA pairs, tested above with a tq or
+    rotated side)."""
     ggml_pairs = [p for p in CUDA_KV_PAIRS if set(p) <= set(CACHE_TYPES)]
     assert len(ggml_pairs) + len(CUDA_REFUSED_PAIRS) == 81 and len(CUDA_REFUSED_PAIRS) == 17
-    assert len(CUDA_KV_PAIRS) == 8 * 8
+    assert len(CUDA_KV_PAIRS) == 15 * 15
     for type_k, type_v in CUDA_REFUSED_PAIRS:
         which = "type_k" if type_k == "iq4_nl" else "type_v"
         with pytest.raises(ValueError, match=rf"{which}='iq4_nl' is not supported on cuda"):

@@ -365,10 +365,11 @@ def test_tq_type_table(name, head_dim, bpe):
 def test_supported_pairs():
     assert len(supported_pairs("cpu")) == 17 * 17  # 9 ggml types, tq3, tq4, 6 rotated
     cuda = supported_pairs("cuda")
-    assert len(cuda) == 8 * 8 and not any(t.startswith("iq4_nl") for p in cuda for t in p)
+    assert len(cuda) == 15 * 15 and not any(t.startswith("iq4_nl") for p in cuda for t in p)
     assert CUDA_VEC_PAIRS_DEFAULT <= cuda
-    # the tq and rotated types stay CPU-only until their CUDA tests pass (kv_cache.supported_types)
-    assert set(supported_types("cuda")) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"}
+    # ggml-cuda has no flash attention for iq4_nl, plain or rotated; the tq types passed their H200 tests
+    assert set(supported_types("cuda")) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "tq3", "tq4",
+                                             "q8_0+rot", "q4_0+rot", "q4_1+rot", "q5_0+rot", "q5_1+rot"}
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -384,8 +385,9 @@ def test_validate_accepts_supported(device):
     (("f16", "Q8_0", "cpu"), r"type_v='Q8_0' is not a KV cache type"),
     (("f16", None, "cpu"), r"type_v=None is not a KV cache type"),
     (("f16", "iq4_nl", "cuda"), r"type_v='iq4_nl' is not supported on cuda \(supported on cuda: f32, f16, bf16, "
-                                r"q8_0, q4_0, q4_1, q5_0, q5_1\)"),
-    (("tq3", "f16", "cuda"), r"type_k='tq3' is not supported on cuda"),
+                                r"q8_0, q4_0, q4_1, q5_0, q5_1, tq3, tq4, q8_0\+rot, q4_0\+rot, q4_1\+rot, "
+                                r"q5_0\+rot, q5_1\+rot\)"),
+    (("iq4_nl+rot", "f16", "cuda"), r"type_k='iq4_nl\+rot' is not supported on cuda"),
     (("iq4_nl", "f16", "cuda"), r"type_k='iq4_nl' is not supported on cuda"),
     (("f16", "f16", "metal"), r"device must be one of \('cpu', 'cuda'\), got 'metal'"),
     (("q8_0", "f16", "cpu", 48), r"type_k='q8_0': its block of 32 elements does not divide the head dim 48 "

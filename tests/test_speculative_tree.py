@@ -6,9 +6,10 @@ and with prompt lookup, while the trees really branch and paths off the top-1 ch
 
 Planted bugs (DELTASPEC_TEST_TREE_BUG, csrc/verify_tree.cpp) seen to turn these tests red (the
 output parts from plain greedy): sibling_visible, row_position, no_compaction and parent_state each
-make test_tree_speculation_greedy_is_lossless[draft] fail; parent_state (and no_compaction, through
-its KV-rows-moved assertion only) [ngram], whose nearly context-free model (below) does not notice
-the attention bugs; no_compaction and parent_state test_tree_speculation_with_penalties_is_lossless.
+make test_tree_speculation_greedy_is_lossless[draft] fail; parent_state [ngram], whose nearly
+context-free model (below) does not notice the attention bugs (no_compaction among them: the KV rows
+moved are counted whether or not they move); no_compaction and parent_state
+test_tree_speculation_with_penalties_is_lossless.
 """
 
 import shutil

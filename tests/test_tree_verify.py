@@ -23,6 +23,11 @@ turn the tests named in its line red (run `DELTASPEC_TEST_TREE_BUG=<bug> pytest 
                    test_keep_path_quantized_cache
   taps_uncompacted keep_path keeps the tapped rows of the batch's first rows, not the path's:
                    test_keep_path_taps_equal_plain_run
+  stale_keep_graph the commit graph (shared by keep_path and keep_paths) is reused when only its KV
+                   moves differ: test_keep_path_equals_plain_evaluation,
+                   test_keep_paths_of_one_slot_equal_keep_path
+DELTASPEC_TEST_ROWS_BUG=no_compaction (csrc/rows.h: keep_paths leaves a kept path's KV rows where the
+verify wrote them) turns test_keep_paths_of_one_slot_equal_keep_path red.
 """
 
 import numpy as np
@@ -281,3 +286,60 @@ def test_keep_path_taps_equal_plain_run(pair):
     finally:
         ref_engine.set_taps([])
     assert np.array_equal(got, want), np.abs(got - want).max()
+
+
+def test_keep_paths_of_one_slot_equal_keep_path(path, pair):
+    """keep_path is keep_paths' commit on one slot: for every path of a tree, verify_rows + keep_paths
+    of that tree in one slot leaves the recurrent state and committed KV rows verify_tree + keep_path
+    leaves, bitwise; two slots verified in one pass, each keeping a path off its first chain (KV rows
+    move in both), continue as plain evaluation does; rounds of one shape reuse the commit graph.
+    Seen to fail with DELTASPEC_TEST_TREE_BUG=parent_state, =no_compaction and =stale_keep_graph, and
+    with DELTASPEC_TEST_ROWS_BUG=no_compaction."""
+    tree, ref = pair
+    tokens, parents = TREES["ddtree"]
+    paths = _paths(parents)
+    with Model(path, n_ctx=256, n_threads=1, n_seq_max=2) as rows:
+        engine = rows._live()
+        moved = engine.rows_stats["kv_rows_moved"]
+        for p in paths:
+            tree.reset()
+            tree.eval(PREFIX)
+            tree._live().verify_tree(np.array(tokens, np.int32), np.array(parents, np.int32), argmax=True)
+            tree._live().keep_path(np.array(p, np.int32))
+            rows.reset()
+            rows.eval(PREFIX)
+            engine.verify_rows(np.array(tokens, np.int32), np.array(parents, np.int32), np.zeros(len(tokens), np.int32))
+            engine.keep_paths([np.array(p, np.int32)])
+            _assert_same_state(rows, tree)
+        assert engine.rows_stats["kv_rows_moved"] > moved
+
+        # two slots in one pass: slot 0 keeps the last leaf's path, slot 1 (its rows after slot 0's)
+        # the second one's, each then equal to plain evaluation's next logits
+        engine.reset_slot(0)
+        engine.reset_slot(1)
+        engine.eval_in_slot(0, np.array(PREFIX, np.int32))
+        engine.eval_in_slot(1, np.array(PREFIX[:5], np.int32))
+        T = len(tokens)
+        both = np.array(tokens + [t + 1 for t in tokens], np.int32)
+        both_parents = np.array(parents + [q + T if q >= 0 else -1 for q in parents], np.int32)
+        engine.verify_rows(both, both_parents, np.repeat(np.array([0, 1], np.int32), T))
+        keep0, keep1 = paths[-1], paths[1]
+        assert keep0 != list(range(len(keep0))) and keep1 != list(range(len(keep1)))
+        engine.keep_paths([np.array(keep0, np.int32), np.array([T + r for r in keep1], np.int32)])
+        for slot, prefix, kept in ((0, PREFIX, [tokens[r] for r in keep0]), (1, PREFIX[:5], [tokens[r] + 1 for r in keep1])):
+            assert engine.slot_n_past(slot) == len(prefix) + len(kept)
+            want = ref.logits(prefix + kept + [99])[-1]
+            assert np.array_equal(engine.eval_in_slot(slot, np.array([99], np.int32))[-1], want), f"slot {slot}"
+
+    # rounds of one shape (a chain verified, its first 3 rows kept) build the commit graph once
+    tree.reset()
+    tree.eval(PREFIX)
+    chain = [40, 41, 42, 43, 44, 45]
+    builds = tree._live().tree_stats["keep_graph_builds"]
+    for _ in range(4):
+        tree._live().verify_tree(np.array(chain, np.int32), np.arange(-1, len(chain) - 1, dtype=np.int32), argmax=True)
+        tree._live().keep_path(np.array([0, 1, 2], np.int32))
+    assert tree._live().tree_stats["keep_graph_builds"] == builds + 1
+    ref.reset()
+    ref.eval(PREFIX + chain[:3] * 4)
+    _assert_same_state(tree, ref)

@@ -17,7 +17,6 @@ and, after, to see what the engine allocated: `Model.kv_cache_info()` (`allocate
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 from gguf import GGML_QUANT_SIZES
@@ -156,19 +155,17 @@ def supported_types(device: str) -> tuple[str, ...]:
         # tq attention node any type with to_float beside a tq side.
         return KV_CACHE_TYPES
     if device == "cuda":
-        # Not the tq and rotated types yet: on the H200 (bench/results/latest/gpu_tests.xml) the CUDA
-        # quantizer's bytes differed from the CPU's and the F16-path attention from the CPU's
-        # (tests/test_gpu_turboquant.py), so they stay CPU-only until those tests pass.
-        # DELTASPEC_CUDA_TQ=1 offers them anyway: for the GPU run that decides (bench/gpu_session.sh tq-test).
-        if os.environ.get("DELTASPEC_CUDA_TQ") == "1":
-            return (*_CUDA_TYPES, *TQ_CACHE_TYPES, *(n for n, t in ROTATED_CACHE_TYPES.items() if t in _CUDA_TYPES))
-        return _CUDA_TYPES
+        # ggml's CUDA types (not iq4_nl: ggml-cuda has no flash attention for it), the tq types and
+        # the rotated ones of those types. The tq quantizer writes the CPU's bytes on the H200 and the
+        # attention over them matches the CPU's (tests/test_gpu_turboquant.py, test_gpu.py's pairs;
+        # bench/results/latest/gpu_tq_tests.xml, tq_cuda_diag.md).
+        return (*_CUDA_TYPES, *TQ_CACHE_TYPES, *(n for n, t in ROTATED_CACHE_TYPES.items() if t in _CUDA_TYPES))
     raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
 
 
 def supported_pairs(device: str) -> frozenset[tuple[str, str]]:
     """All (type_k, type_v) pairs that run on `device`: 289 on the CPU (tq3/tq4 and the rotated types
-    with anything), fewer on CUDA (ggml's own types only, see supported_types).
+    with anything), 225 on CUDA (no iq4_nl, plain or rotated: see supported_types).
 
     On CUDA only `CUDA_VEC_PAIRS_DEFAULT` are fast for single-token decode; see the comment there.
     """
