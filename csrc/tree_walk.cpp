@@ -67,7 +67,7 @@ struct DenseDist {
 // order, so the draws are the same bit for bit; only the memory walk differs. A residual's
 // normalization is left pending (p[i] = max(0, prob[i] - minus[i]) / pending, computed where read)
 // and done in the same pass as the next residual's sum, so a run of rejected siblings costs one
-// pass over the candidates each instead of two scattered ones (248320 ids: ~3-4x less).
+// pass over the candidates each instead of two scattered ones (248320 ids: ~0.25 instead of ~1 ms).
 struct TargetDist {
     std::vector<int32_t> ids;    // p's candidates with p > 0, in p's order
     std::vector<double> prob;    // see `pending`
