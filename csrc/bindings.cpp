@@ -449,10 +449,13 @@ PYBIND11_MODULE(_core, m) {
     m.attr("kv_pad") = SequenceState::kv_pad;  // n_ctx is rounded up to a multiple of this
 
     m.def("has_device", [](const std::string & device) {
-              if (device == "cpu") return true;
-              if (device != "cuda") throw std::invalid_argument("device must be 'cpu' or 'cuda'");
-              return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr;
-          }, py::arg("device"), "Whether this build can run on `device` here (a GPU is present and compiled in).");
+              try {
+                  return backend_device(device) != nullptr;
+              } catch (const std::runtime_error &) {  // absent; a bad name (invalid_argument) is the caller's error
+                  return false;
+              }
+          }, py::arg("device"), "Whether this build can run on `device` ('cpu', 'cuda', 'cuda:N') here "
+                                "(that GPU is present and compiled in).");
 
     m.def("cuda_kernels_available", &cuda_kernels_available,
           "Whether ggml-cuda here carries deltaspec's own kernels (on by default on CUDA; "

@@ -14,20 +14,43 @@
 
 namespace deltaspec {
 
+ggml_backend_dev_t backend_device(const std::string & device) {
+    if (device == "cpu") {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        if (!dev) throw std::runtime_error("device 'cpu' is not available in this build of deltaspec");
+        return dev;
+    }
+    // "cuda:N" counts only GPUs, in ggml's registry order (CUDA0, CUDA1, ...): the CPU's place in the
+    // registry says nothing about which card a user means
+    size_t index = 0;
+    if (device.rfind("cuda:", 0) == 0) {
+        const std::string digits = device.substr(5);
+        if (digits.empty() || digits.size() > 6 || digits.find_first_not_of("0123456789") != std::string::npos) {
+            throw std::invalid_argument("device: expected 'cpu', 'cuda' or 'cuda:N' (N >= 0), got '" + device + "'");
+        }
+        index = std::stoul(digits);
+    } else if (device != "cuda" && device != "gpu") {
+        throw std::invalid_argument("device must be 'cpu', 'cuda' or 'cuda:N', got '" + device + "'");
+    }
+    std::vector<ggml_backend_dev_t> gpus;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        if (ggml_backend_dev_type(ggml_backend_dev_get(i)) == GGML_BACKEND_DEVICE_TYPE_GPU) {
+            gpus.push_back(ggml_backend_dev_get(i));
+        }
+    }
+    if (gpus.empty()) throw std::runtime_error("device '" + device + "' is not available in this build of deltaspec");
+    if (index >= gpus.size()) {
+        throw std::runtime_error("device '" + device + "': GPU index " + std::to_string(index) + " is out of range: " +
+                                 "this machine and build have " + std::to_string(gpus.size()) + " GPU device(s), " +
+                                 "cuda:0 .. cuda:" + std::to_string(gpus.size() - 1));
+    }
+    return gpus[index];
+}
+
 namespace {
 
 ggml_backend_t init_backend(const std::string & device) {
-    enum ggml_backend_dev_type type;
-    if (device == "cpu") {
-        type = GGML_BACKEND_DEVICE_TYPE_CPU;
-    } else if (device == "cuda" || device == "gpu") {
-        type = GGML_BACKEND_DEVICE_TYPE_GPU;
-    } else {
-        throw std::invalid_argument("device must be 'cpu' or 'cuda', got '" + device + "'");
-    }
-    ggml_backend_dev_t dev = ggml_backend_dev_by_type(type);
-    if (!dev) throw std::runtime_error("device '" + device + "' is not available in this build of deltaspec");
-    ggml_backend_t backend = ggml_backend_dev_init(dev, nullptr);
+    ggml_backend_t backend = ggml_backend_dev_init(backend_device(device), nullptr);
     if (!backend) throw std::runtime_error("cannot initialise device '" + device + "'");
     return backend;
 }

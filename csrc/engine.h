@@ -24,11 +24,15 @@ namespace deltaspec {
 // logits with their ids and its log-sum-exp, reduced on the device).
 enum class LogitsWanted { none, last, all, argmax, argmax_all, hidden, top, top_all };
 
+// The ggml device `device` names: "cpu", "cuda" (= "cuda:0"; "gpu" too) or "cuda:N", the N-th GPU.
+// invalid_argument for another name; runtime_error naming the index and the GPU count when absent.
+ggml_backend_dev_t backend_device(const std::string & device);
+
 struct EngineOptions {
     int64_t n_ctx = 4096;
     int64_t n_ubatch = 512;       // largest micro-batch one graph processes
     int n_threads = 1;
-    std::string device = "cpu";   // "cpu" or "cuda"
+    std::string device = "cpu";   // "cpu", "cuda" or "cuda:N" (backend_device)
     ggml_type type_k = GGML_TYPE_F16;  // KV cache types (Python maps llama.cpp's names to these)
     ggml_type type_v = GGML_TYPE_F16;
     int kv_format_k = 0;          // deltaspec_kv_format (ggml/deltaspec_tq.h): 0 type_k as is, 1 type_k holding

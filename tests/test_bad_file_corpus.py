@@ -175,7 +175,7 @@ BAD_MODEL_ARGS = [
     *[("n_ctx", dict(n_ctx=v)) for v in (-1, 1.5, "64", None, True, 2**40, 2**63, NAN)],
     *[("n_threads", dict(n_threads=v)) for v in (-1, 1.5, "1", True, 10**6, 2**40)],
     *[("n_ubatch", dict(n_ubatch=v)) for v in (0, 1.5, None, False, 2**63)],
-    *[("device", dict(device=v)) for v in ("", "tpu", 1, "CPU", "gpu", "cuda:0")],  # None: the default
+    *[("device", dict(device=v)) for v in ("", "tpu", 1, "CPU", "gpu", "cuda:x", "cuda:-1", "cuda:")],  # None: the default
     ("type_k", dict(type_k="")), ("type_k", dict(type_k=None)), ("type_v", dict(type_v=5)),
     ("type_v", dict(type_v="Q8_0")), ("type_k", dict(type_k="q4_k")),
     ("progress", dict(progress="yes")), ("progress", dict(progress=1)),

@@ -389,7 +389,7 @@ def test_validate_accepts_supported(device):
                                 r"q5_0\+rot, q5_1\+rot\)"),
     (("iq4_nl+rot", "f16", "cuda"), r"type_k='iq4_nl\+rot' is not supported on cuda"),
     (("iq4_nl", "f16", "cuda"), r"type_k='iq4_nl' is not supported on cuda"),
-    (("f16", "f16", "metal"), r"device must be one of \('cpu', 'cuda'\), got 'metal'"),
+    (("f16", "f16", "metal"), r"device must be 'cpu', 'cuda' or 'cuda:N' \(N: a GPU index, 0 the first\), got 'metal'"),
     (("q8_0", "f16", "cpu", 48), r"type_k='q8_0': its block of 32 elements does not divide the head dim 48 "
                                  r"\(types that fit: f32, f16, bf16\)"),
     (("f16", "q4_1", "cpu", 80), r"type_v='q4_1': its block of 32 elements does not divide the head dim 80"),

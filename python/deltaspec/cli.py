@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .devices import device_arg, device_kind
+
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
@@ -129,7 +131,8 @@ def _add_run_parser(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE",
                    help="KV cache type for V (default: %(default)s)")
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cpu, or as -ngl says)")
+    p.add_argument("--device", default=None, type=device_arg, metavar="{cpu,cuda,cuda:N}",
+                   help="cuda = cuda:0, the first GPU (default: cpu, or as -ngl says)")
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", metavar="N", default=None,
                    help="the engine runs on one device, whole: 0 = CPU; N >= 1, 'all' = every layer on the GPU "
                         "(--device cuda); 'auto' = --device's choice (default: auto)")
@@ -348,9 +351,9 @@ def _device(args: argparse.Namespace) -> str:
         if n == -1:
             return args.device or "cpu"
         wanted = "cuda" if n > 0 else "cpu"
-    if args.device is not None and args.device != wanted:
+    if args.device is not None and device_kind(args.device) != wanted:
         raise RunError(f"-ngl/--n-gpu-layers: {ngl} means --device {wanted}, but --device {args.device} was given")
-    return wanted
+    return wanted if args.device is None else args.device  # "cuda:1" stays that GPU
 
 
 def _check_ngl_device(args: argparse.Namespace, device: str) -> None:
@@ -358,7 +361,7 @@ def _check_ngl_device(args: argparse.Namespace, device: str) -> None:
     # engine's own message (which knows only the device name) would
     from . import _core
 
-    if args.n_gpu_layers not in (None, "auto", "-1") and device == "cuda" and not _core.has_device("cuda"):
+    if args.n_gpu_layers not in (None, "auto", "-1") and device_kind(device) == "cuda" and not _core.has_device("cuda"):
         raise RunError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: asks for the GPU, but this build of deltaspec "
                        "has no CUDA device; use -ngl 0 (CPU), or build with CUDA (README, Building)")
 

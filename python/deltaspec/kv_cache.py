@@ -22,6 +22,8 @@ from typing import Protocol
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from .devices import device_kind
+
 # llama.cpp `common/arg.cpp kv_cache_types`, in its order. The native engine parses the same names.
 CACHE_TYPES: dict[str, T] = {
     "f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1,
@@ -149,7 +151,8 @@ def kv_cache_bytes(hparams: _KVHParams, n_ctx: int, type_k: str = DEFAULT_CACHE_
 
 
 def supported_types(device: str) -> tuple[str, ...]:
-    """Cache type names usable for K or V on `device` ("cpu" or "cuda")."""
+    """Cache type names usable for K or V on `device` ("cpu", "cuda" or "cuda:N": every GPU alike)."""
+    device = device_kind(device)
     if device == "cpu":
         # ggml's CPU flash attention takes any K type with vec_dot and any V type with to_float; the
         # tq attention node any type with to_float beside a tq side.
@@ -160,7 +163,7 @@ def supported_types(device: str) -> tuple[str, ...]:
         # attention over them matches the CPU's (tests/test_gpu_turboquant.py, test_gpu.py's pairs;
         # bench/results/latest/gpu_tq_tests.xml, tq_cuda_diag.md).
         return (*_CUDA_TYPES, *TQ_CACHE_TYPES, *(n for n, t in ROTATED_CACHE_TYPES.items() if t in _CUDA_TYPES))
-    raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    raise AssertionError(device)  # device_kind knows no other
 
 
 def supported_pairs(device: str) -> frozenset[tuple[str, str]]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _core
+from .devices import device_kind
 
 
 @dataclass
@@ -32,12 +33,12 @@ def resolve(path: Any, model_path: Any, device: str | None, n_gpu_layers: Any, n
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
             raise ValueError(f"n_gpu_layers must be 0 (CPU), -1 or a layer count > 0 (the GPU), got {n_gpu_layers!r}")
         wanted = "cpu" if n_gpu_layers == 0 else "cuda"
-        if device is not None and device != wanted:
+        if device is not None and device_kind(device) != wanted:  # "cuda:1" is a GPU too
             raise ValueError(f"n_gpu_layers={n_gpu_layers} means device {wanted!r}, but device={device!r} was given")
         if wanted == "cuda" and not _core.has_device("cuda"):
             raise ValueError(f"n_gpu_layers={n_gpu_layers} asks for the GPU, but this build of deltaspec has no CUDA "
                              "device (built without CUDA, or no GPU visible); use n_gpu_layers=0 for the CPU")
-        device = wanted
+        device = wanted if device is None else device
     if n_batch is not None:
         if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch < 1:
             raise ValueError(f"n_batch must be a positive integer, got {n_batch!r}")

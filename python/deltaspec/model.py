@@ -20,6 +20,7 @@ from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation,
 from .gguf_file import read_gguf
 from .grammar import Grammar, grammar_of
 from .qwen35 import check_tensors, read_hparams
+from .devices import device_kind
 from .kv_cache import allocated_state, engine_cache_args, validate_cache_types
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
@@ -114,8 +115,7 @@ class Model:
         if n_threads is None:
             n_threads = min(default_threads(), MAX_THREADS)
         _check_count("n_threads", n_threads, MAX_THREADS, " or None")
-        if device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        device_kind(device)  # "cpu", "cuda" or "cuda:N"; ValueError naming it otherwise
         if not (progress is None or isinstance(progress, bool) or callable(progress)):
             raise TypeError(f"progress must be None, a bool or a callable taking a float, got {progress!r}")
 

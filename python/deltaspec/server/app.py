@@ -26,6 +26,7 @@ from .engine_loop import EngineLoop, Failure, Job
 from .errors import APIError
 from .metrics import ServerMetrics
 from .planted import planted
+from .replicas import ReplicaSet
 from .responses import DONE, ChatChunks, CompletionChunks, chat_body, completion_body, sse
 from .schemas import GenerationRequest, Served, parse_chat, parse_completion
 
@@ -35,7 +36,7 @@ log = logging.getLogger("deltaspec.server")
 @dataclass
 class ServerState:
     served: Served
-    engine: EngineLoop
+    engine: EngineLoop | ReplicaSet            # a ReplicaSet (--replicas) offers the same calls
     metrics: ServerMetrics
     api_key: str | None
     created: int
@@ -200,8 +201,13 @@ def create_app(state: ServerState) -> Starlette:
             return JSONResponse({"status": "error", "message": "the engine loop has failed"}, status_code=503)
         if not engine.accepting:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
-        return JSONResponse({"status": "ok", "slots_idle": state.metrics.slots - engine.n_running,
-                             "slots_processing": engine.n_running, "requests_waiting": engine.n_waiting})
+        body = {"status": "ok", "slots_idle": state.metrics.slots - engine.n_running,
+                "slots_processing": engine.n_running, "requests_waiting": engine.n_waiting}
+        if isinstance(engine, ReplicaSet):
+            body["replicas"] = engine.status()
+            if any(r["status"] != "ok" for r in body["replicas"]):  # serving, on fewer replicas
+                body["status"] = "degraded"
+        return JSONResponse(body)
 
     async def metrics(request: Request):
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -240,7 +246,7 @@ class Server(uvicorn.Server):
     then waits for open requests, up to its graceful timeout), and printing the bound address (the
     port, when --port 0) once it listens."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineLoop):
+    def __init__(self, config: uvicorn.Config, engine: EngineLoop | ReplicaSet):
         super().__init__(config)
         self.engine = engine
 

@@ -10,11 +10,14 @@ import os
 import sys
 import time
 
+from ..devices import device_arg, device_kind
+
 DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
 (streamed as server-sent events), /v1/models, /health and /metrics (Prometheus). --parallel N requests decode
 together in one batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each
 slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type) at any -np:
-every step verifies the drafts of all running requests in one target pass."""
+every step verifies the drafts of all running requests in one target pass. --replicas DEV,DEV,...: one copy
+of the model per device (and of the draft model), each with its own -np slots, behind one queue."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "0: no limit; default: %(default)s)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE", help="KV cache type for K (default: f16)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help="KV cache type for V (default: f16)")
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="(default: cpu, or cuda with -ngl > 0)")
+    p.add_argument("--device", default=None, type=device_arg, metavar="{cpu,cuda,cuda:N}",
+                   help="cuda = cuda:0, the first GPU (default: cpu, or cuda with -ngl > 0)")
+    p.add_argument("--replicas", default=None, metavar="DEV,DEV,...",
+                   help="one replica of the model per listed device (cpu, cuda, cuda:N; a device may repeat), "
+                        "each with its own --parallel slots and -c context and, with -md, its own draft model; "
+                        "one --queue-size for the whole server. Requests go to the replica that kept the "
+                        "history their prompt extends (a chat's next turn), else to the least busy one. "
+                        "A CPU replica runs -t threads: give -t cores / replicas (default: one replica, --device)")
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", default=None, metavar="N",
                    help="0 = CPU; N >= 1 or 'all' = the whole model on the GPU (--device cuda)")
     p.add_argument("-md", "--model-draft", default=None, metavar="FNAME", help="draft model (spec-type draft-simple)")
@@ -81,9 +91,34 @@ def _device(args) -> str:
     if not (args.n_gpu_layers in ("all", "auto") or args.n_gpu_layers.isdigit()):
         raise ServeError(f"-ngl: expected a number of layers or 'all', got {args.n_gpu_layers!r}")
     device = "cuda" if wants_gpu else "cpu"
-    if args.device is not None and args.device != device:
+    if args.device is not None and device_kind(args.device) != device:
         raise ServeError(f"-ngl {args.n_gpu_layers} asks for {device} but --device is {args.device}")
-    return device
+    return device if args.device is None else args.device  # "cuda:1" stays that GPU
+
+
+MAX_REPLICAS = 64
+
+
+def _replica_devices(args) -> list[str] | None:
+    """--replicas as a list of devices (None without it)."""
+    if args.replicas is None:
+        return None
+    devices = [d.strip() for d in args.replicas.split(",")]
+    for d in devices:
+        try:
+            device_kind(d, "--replicas: each device")
+        except ValueError as e:
+            raise ServeError(f"{e} (in --replicas {args.replicas!r})") from None
+    if len(devices) > MAX_REPLICAS:
+        raise ServeError(f"--replicas: at most {MAX_REPLICAS} devices, got {len(devices)}")
+    if args.device is not None:
+        raise ServeError("--replicas names every replica's device; leave out --device")
+    if args.n_gpu_layers is not None:
+        wanted = _device(args)
+        for d in devices:
+            if device_kind(d) != wanted:
+                raise ServeError(f"-ngl {args.n_gpu_layers} asks for {wanted} but --replicas has {d}")
+    return devices
 
 
 def _speculation(args) -> dict | None:
@@ -120,14 +155,30 @@ def _served(model, args):
                   n_vocab=model.n_vocab, template=template, aliases=(args.model, os.path.abspath(args.model)))
 
 
+def _load(args, device: str, speculation: dict | None):
+    """(Model, backend) on `device`: the target and, with -md, a draft model of its own there."""
+    from ..model import Model
+    from .backend import make_backend
+
+    kwargs = {"n_threads": args.threads} if args.threads is not None else {}
+    model = Model(args.model, n_ctx=args.ctx_size, n_seq_max=args.parallel, device=device, n_ubatch=args.ubatch_size,
+                  type_k=args.cache_type_k, type_v=args.cache_type_v, **kwargs)
+    if speculation and speculation["draft_model"] is not None:
+        # a slot per request: the batch backend drafts for every running request at once
+        speculation = {**speculation, "draft_model": Model(speculation["draft_model"], n_ctx=args.ctx_size,
+                                                            device=device, n_seq_max=args.parallel, **kwargs)}
+    model.set_prefill_budget(args.prefill_budget)
+    return model, make_backend(model, args.parallel, speculation)
+
+
 def serve(args) -> int:
     import uvicorn
 
-    from ..model import Model
     from .app import Server, ServerState, create_app
-    from .backend import ServeConfigError, check_serveable, make_backend
+    from .backend import ServeConfigError, check_serveable
     from .engine_loop import EngineLoop
     from .metrics import ServerMetrics
+    from .replicas import ReplicaSet
 
     for flag, value in (("--parallel", args.parallel), ("--queue-size", args.queue_size), ("-c", args.ctx_size)):
         if value < 1:
@@ -142,21 +193,28 @@ def serve(args) -> int:
         check_serveable(args.parallel, speculation)
     except ServeConfigError as e:
         raise ServeError(str(e)) from None
-    device = _device(args)
-    kwargs = {"n_threads": args.threads} if args.threads is not None else {}
-    model = Model(args.model, n_ctx=args.ctx_size, n_seq_max=args.parallel, device=device, n_ubatch=args.ubatch_size,
-                  type_k=args.cache_type_k, type_v=args.cache_type_v, **kwargs)
-    if speculation and speculation["draft_model"] is not None:
-        # a slot per request: the batch backend drafts for every running request at once
-        speculation["draft_model"] = Model(speculation["draft_model"], n_ctx=args.ctx_size, device=device,
-                                           n_seq_max=args.parallel, **kwargs)
-    model.set_prefill_budget(args.prefill_budget)
-    backend = make_backend(model, args.parallel, speculation)
-    metrics = ServerMetrics(backend.slots, args.queue_size, speculation is not None)
-    engine = EngineLoop(backend, metrics, args.queue_size)
+    replica_devices = _replica_devices(args)
+    if replica_devices is None:
+        device = _device(args)
+        model, backend = _load(args, device, speculation)
+        metrics = ServerMetrics(backend.slots, args.queue_size, speculation is not None)
+        engine = EngineLoop(backend, metrics, args.queue_size)
+        slots = backend.slots
+    else:
+        device = ",".join(replica_devices)
+        loaded = [_load(args, d, speculation) for d in replica_devices]
+        model = loaded[0][0]  # every replica is the same file: any one tokenizes and describes it
+        slots = sum(b.slots for _, b in loaded)
+        metrics = ServerMetrics(slots, args.queue_size, speculation is not None,
+                                replicas=[(d, b.slots) for d, (_, b) in zip(replica_devices, loaded)])
+        engine = ReplicaSet(metrics, args.queue_size)
+        for d, (_, backend) in zip(replica_devices, loaded):
+            engine.add(d, backend)
     served = _served(model, args)
-    info = {"n_ctx": model.n_ctx, "n_vocab": model.n_vocab, "parallel": backend.slots, "device": device,
+    info = {"n_ctx": model.n_ctx, "n_vocab": model.n_vocab, "parallel": slots, "device": device,
             "speculation": None if speculation is None else speculation["spec_type"]}
+    if replica_devices is not None:
+        info["replicas"] = replica_devices
     state = ServerState(served, engine, metrics, args.api_key, int(time.time()), info)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.timeout_graceful, access_log=False)

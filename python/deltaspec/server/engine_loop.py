@@ -16,7 +16,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
+from ..generation import GenerationResult
 from .backend import Progress
 from .errors import APIError, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
@@ -39,6 +41,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)   # Progress ..., then a final one or Failure
     id: int = field(default_factory=itertools.count().__next__)
     engine_id: int = -1
+    replica: int = 0                         # which replica's engine loop holds it (--replicas; else 0)
     cancel_requested: bool = False
     cancel_sent: bool = False
     submitted: float = field(default_factory=time.monotonic)
@@ -53,17 +56,22 @@ class Job:
 
 
 class EngineLoop:
-    def __init__(self, backend, metrics: ServerMetrics, max_waiting: int):
+    def __init__(self, backend, metrics: ServerMetrics, max_waiting: int, name: str = "deltaspec-engine",
+                 on_finished: Callable[[Job, GenerationResult], None] | None = None):
+        """`metrics` may be a ServerMetrics or one replica's view of it (metrics.ReplicaMetrics);
+        `on_finished` hears every request that finished in the engine (engine thread; the replica
+        set remembers what the slot kept)."""
         self.backend = backend
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self._on_finished = on_finished
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: dict[int, Job] = {}     # Job.id -> job, for jobs handed to the backend
         self._cancelled: list[Job] = []        # running jobs whose cancel is yet to reach the engine
         self._cond = threading.Condition()
         self._accepting = True
         self._stopping = False                 # finish what runs, then exit
-        self._thread = threading.Thread(target=self._run, name="deltaspec-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.healthy = True
         self._leaked: list[Job] = []           # planted bug "leak_jobs" only
 
@@ -224,6 +232,8 @@ class EngineLoop:
                 self.metrics.set_load(len(self._waiting), len(self._running))
             s = p.result.stats
             self.metrics.finished(p.result.finish_reason, s.prompt_tokens, s.generated_tokens, s)
+            if self._on_finished is not None:
+                self._on_finished(p.job, p.result)
             if planted("leak_jobs"):
                 self._leaked.append(p.job)
         p.job.deliver(p)
