@@ -33,7 +33,8 @@ Rows (servers):
   llama-server-draft  -md FILE --spec-type draft-simple --spec-draft-n-max N (the draft on the GPU too,
                       -ngld 99; p-min 0, its default: full chains, as ours).
   deltaspec-NAME      --variant NAME=ARGS: deltaspec with these extra flags (an A/B in one run, e.g.
-                      `--variant nobudget=--prefill-budget=0`).
+                      `--variant nobudget=--prefill-budget=0`; on two GPUs
+                      `--variant replicas=--replicas=cuda:0,cuda:1`: a model per GPU, one queue).
 Drafted and accepted tokens per run: ours from the server's /metrics (deltaspec_draft_tokens_total
 and deltaspec_draft_tokens_accepted_total, read before and after the run; deltaspec_engine_steps_total
 gives the target passes), llama-server's from the `timings` (draft_n, draft_n_accepted) of every

@@ -234,11 +234,12 @@ def test_bad_device_names_raise_value_error_naming_the_device(files, device):
 
 
 def test_bad_replicas_flag_is_refused_before_loading(files, capsys):
-    """--replicas with a bad device, an empty entry, or beside --device: exit 2 with one line
-    naming the flag, before any model loads. Seen to fail with device_kind accepting any "cuda..."
+    """--replicas with a bad device, an empty entry, or beside a --device / -ngl of another kind:
+    exit 2 with one line naming the flags, before any model loads. Seen to fail with device_kind accepting any "cuda..."
     prefix (cuda:x reached the engine)."""
     cases = [(["--replicas", "cpu,cuda:x"], "--replicas"), (["--replicas", "cpu,,cpu"], "--replicas"),
-             (["--replicas", "cpu,cpu", "--device", "cpu"], "leave out --device"),
+             (["--replicas", "cpu,cpu", "--device", "cuda"], "--device cuda but --replicas has cpu"),
+             (["--replicas", "cuda:0,cuda:1", "--device", "cuda:1"], "give only the kind"),
              (["--replicas", "cpu", "-ngl", "99"], "-ngl 99 asks for cuda but --replicas has cpu")]
     from deltaspec.server.cli import main
 

@@ -89,6 +89,9 @@ class Model:
         False shows nothing, and a callable receives the fraction of the weights uploaded, 0.0 ..
         1.0, ending with exactly 1.0 (at most ~100 calls; raising aborts the load).
 
+        `device`: "cpu" (the default), "cuda" (= "cuda:0") or "cuda:N", the N-th GPU of ggml's
+        registry (deltaspec.devices); the whole model and its state live there.
+
         `n_seq_max` sequence slots, each with a KV cache of n_ctx rows and a recurrent state, let
         generate_batch / add_request run that many sequences at once (the weights are shared).
 

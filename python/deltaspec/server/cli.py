@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from ..devices import device_arg, device_kind
+from ..devices import DEVICE_KINDS, device_arg, device_kind
 
 DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
 (streamed as server-sent events), /v1/models, /health and /metrics (Prometheus). --parallel N requests decode
@@ -111,8 +111,13 @@ def _replica_devices(args) -> list[str] | None:
             raise ServeError(f"{e} (in --replicas {args.replicas!r})") from None
     if len(devices) > MAX_REPLICAS:
         raise ServeError(f"--replicas: at most {MAX_REPLICAS} devices, got {len(devices)}")
-    if args.device is not None:
-        raise ServeError("--replicas names every replica's device; leave out --device")
+    if args.device is not None:  # kept for scripts that always pass --device (bench/server_bench.py --variant)
+        if args.device not in DEVICE_KINDS:
+            raise ServeError(f"--device {args.device} names one device, but --replicas names every replica's: "
+                             "leave out --device, or give only the kind (cpu, cuda)")
+        for d in devices:
+            if device_kind(d) != args.device:
+                raise ServeError(f"--device {args.device} but --replicas has {d}")
     if args.n_gpu_layers is not None:
         wanted = _device(args)
         for d in devices:
