@@ -5,7 +5,8 @@ lists (deltaspec/devices.py, csrc/engine.cpp backend_device).
 
 The claims: greedy answers from either replica are Model.generate()'s; concurrent requests spread
 over both replicas; a conversation's next turn goes to the replica that kept its history and
-resumes there; a client that disconnects cancels its request on the replica that runs it.
+resumes there; a client that disconnects cancels its request on the replica that runs it; one
+--queue-size bounds the whole server; SIGTERM lets every replica finish its requests.
 
 Server tests were seen to fail with a bug planted in the server (DELTASPEC_TEST_SERVER_BUG=NAME in
 pytest's environment, which the server inherits; deltaspec/server/planted.py); the docstrings name
@@ -15,6 +16,7 @@ the bug. The device-name tests were seen to fail with device_kind patched back t
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -26,7 +28,7 @@ from deltaspec import Model
 from deltaspec.errors import EngineError
 from deltaspec.kv_cache import supported_types
 from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
-from test_server import TEMPLATE, ServerProcess, _never_ends, ask, expected
+from test_server import TEMPLATE, ServerProcess, _never_ends, _request_in_thread, ask, expected
 
 N_CTX = 4096      # a 4000-token stream outlasts the disconnect below
 PARALLEL = 2      # slots per replica
@@ -201,6 +203,60 @@ def test_disconnect_cancels_on_the_replica_that_runs_it(server, reference):
     for t in threads:
         t.join(60)
     assert [with_threads.get(k) for k in range(len(prompts))] == [expected(reference, p, 10) for p in prompts]
+
+
+def test_one_queue_bound_for_the_whole_server(files):
+    """--replicas cpu,cpu -np 1 --queue-size 2: two long streams run (one on each replica) and two
+    more wait, one on each; a fifth request gets 429 queue_full at once, counted in /metrics: the
+    bound is the server's, whichever replica a request waits on. When the streams' clients hang up
+    the server serves again. Seen to fail with unbounded_queue (the fifth was queued: no 429)."""
+    s = ServerProcess(files[0], "--replicas", "cpu,cpu", "-np", "1", "-c", "16384", "--queue-size", "2")
+    try:
+        client = s.client()
+        release = threading.Event()
+
+        def hold(k: int) -> None:  # a stream that keeps its place until its client hangs up
+            stream = client.completions.create(model="tiny", prompt=f"hold {k}", max_tokens=16000, stream=True)
+            next(iter(stream))
+            release.wait(60)
+            stream.close()
+
+        holders = []
+        for k in range(4):  # one at a time: the first two run, one on each replica, the next two wait
+            holders.append(threading.Thread(target=hold, args=(k,)))
+            holders[-1].start()
+            assert _wait_until(lambda: s.metrics()["deltaspec_requests_running"] + s.metrics()[
+                "deltaspec_requests_waiting"] == k + 1)
+        m = s.metrics()
+        assert per_replica(m, "requests_running") == [1, 1] and per_replica(m, "requests_waiting") == [1, 1]
+        with pytest.raises(openai.RateLimitError) as e:
+            s.client(timeout=10).completions.create(model="tiny", prompt="one more", max_tokens=4)
+        assert e.value.code == "queue_full"
+        assert s.metrics()['deltaspec_requests_rejected_total{reason="queue_full"}'] == 1
+        release.set()
+        for t in holders:
+            t.join(60)
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+    finally:
+        release.set()
+        assert s.stop() == 0
+
+
+def test_sigterm_lets_every_replica_finish(files):
+    """SIGTERM while a long request runs on each replica: both still get all their tokens (finish
+    "length") and the process exits 0. Seen to fail with cancel_on_shutdown (both cut: "cancelled")."""
+    s = ServerProcess(files[0], "--replicas", "cpu,cpu", "-np", "1", "-c", "4096", "--timeout-graceful", "60")
+    outs: list[dict] = [{}, {}]
+    threads = []
+    for out in outs:  # one after the other: the second goes to the idle replica
+        threads.append(_request_in_thread(s.client(), 4000, out))
+        assert _wait_until(lambda: s.metrics()["deltaspec_requests_running"] == len(threads))
+    assert per_replica(s.metrics(), "requests_running") == [1, 1]
+    s.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert [(o.get("finish"), o.get("tokens")) for o in outs] == [("length", 4000)] * 2, outs
+    assert s.proc.wait(30) == 0, "".join(s.log)
 
 
 # --- device names ------------------------------------------------------------------------------
