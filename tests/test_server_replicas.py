@@ -296,7 +296,8 @@ def test_bad_replicas_flag_is_refused_before_loading(files, capsys):
     cases = [(["--replicas", "cpu,cuda:x"], "--replicas"), (["--replicas", "cpu,,cpu"], "--replicas"),
              (["--replicas", "cpu,cpu", "--device", "cuda"], "--device cuda but --replicas has cpu"),
              (["--replicas", "cuda:0,cuda:1", "--device", "cuda:1"], "give only the kind"),
-             (["--replicas", "cpu", "-ngl", "99"], "-ngl 99 asks for cuda but --replicas has cpu")]
+             (["--replicas", "cpu", "-ngl", "99"], "-ngl 99 asks for cuda but --replicas has cpu"),
+             (["--replicas", "cpu,cuda:7"], "--replicas: device 'cuda:7' is not available")]
     from deltaspec.server.cli import main
 
     for flags, message in cases:

@@ -123,6 +123,12 @@ def _replica_devices(args) -> list[str] | None:
         for d in devices:
             if device_kind(d) != wanted:
                 raise ServeError(f"-ngl {args.n_gpu_layers} asks for {wanted} but --replicas has {d}")
+    from .. import _core
+
+    for d in devices:  # before any replica loads (the engine would say so only when its turn came)
+        if not _core.has_device(d):
+            raise ServeError(f"--replicas: device {d!r} is not available in this build of deltaspec on this "
+                             "machine (a CPU-only build, or no such GPU)")
     return devices
 
 
