@@ -355,9 +355,12 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_serving(server, refer
 
 
 def test_memory_is_flat_over_many_requests(server):
-    """1000 requests (4 clients at a time, mixed streamed and not): the server's resident memory
-    after the last is within 2 MiB of what it was after the first 200. Seen to fail with leak_jobs
-    (the engine loop keeps every finished request)."""
+    """3000 requests (4 clients at a time, mixed streamed and not): the server's resident memory
+    after the last is within 7 MiB of what it was after the first 1000. The warm-up is long because
+    bounded structures fill over the first ~1000 requests (the engine's step graph cache meets new
+    batch shapes, malloc's arenas grow): after it, 2000 more grew it by 1.5-3.6 MiB here.
+    Seen to fail with leak_jobs (the engine loop keeps every finished request: about 5 MiB per 1000
+    requests: 11.7 MiB over the 2000)."""
     client = server.client()
 
     def run(first: int, last: int, i: int) -> None:
@@ -368,13 +371,13 @@ def test_memory_is_flat_over_many_requests(server):
                 client.completions.create(model="tiny", prompt=f"request {k}", max_tokens=8)
 
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda i: run(0, 200, i), range(4)))
+        list(pool.map(lambda i: run(0, 1000, i), range(4)))
     warm = server.rss()
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda i: run(200, 1000, i), range(4)))
+        list(pool.map(lambda i: run(1000, 3000, i), range(4)))
     growth = server.rss() - warm
-    print(f"resident memory: {warm / 2**20:.1f} MiB after 200 requests, {growth / 2**20:+.2f} MiB after 800 more")
-    assert growth < 2 * 2**20, f"resident memory grew {growth / 2**20:.1f} MiB over 800 requests"
+    print(f"resident memory: {warm / 2**20:.1f} MiB after 1000 requests, {growth / 2**20:+.2f} MiB after 2000 more")
+    assert growth < 7 * 2**20, f"resident memory grew {growth / 2**20:.1f} MiB over 2000 requests"
 
 
 def _request_in_thread(client, max_tokens: int, out: dict) -> threading.Thread:
