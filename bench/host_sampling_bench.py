@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from deltaspec import _core
+from deltaspec.sampling import SamplingOptions
 
 N_VOCAB = 248320
 SAMPLERS = {
@@ -45,11 +46,7 @@ SAMPLERS = {
 
 
 def sampling(params: dict, seed: int):
-    sp = _core.SamplingParams()
-    for k, v in params.items():
-        setattr(sp, k, v)
-    sp.seed = seed
-    return sp
+    return SamplingOptions(**params, seed=seed).native()
 
 
 def draft_tree(budget: int, depth: int, rng: np.random.Generator, sampled: bool) -> dict:

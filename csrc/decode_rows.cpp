@@ -88,14 +88,7 @@ void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
         kv_rows[i] = rows.slot[i] * pool_.n_ctx + p;
     }
     if (bug == BatchBug::shared_slot) {  // the first row's recurrent state, in every row's slot
-        const SequenceState & src = pool_.slots[first];
-        for (int64_t i = 1; i < N; ++i) {
-            for (size_t il = 0; il < src.conv.size(); ++il) {
-                if (!src.conv[il]) continue;
-                ggml_backend_tensor_copy(src.conv[il], pool_.slots[first + i].conv[il]);
-                ggml_backend_tensor_copy(src.ssm[il], pool_.slots[first + i].ssm[il]);
-            }
-        }
+        for (int64_t i = 1; i < N; ++i) copy_recurrent_state(pool_.slots[first], pool_.slots[first + i]);
     }
     set_input(g.in.tokens, rows.token.data(), N * sizeof(int32_t));
     set_input(g.in.pos, pos.data(), pos.size() * sizeof(int32_t));

@@ -108,14 +108,7 @@ void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out
         kv_rows[r] = rows.slot[r] * pool_.n_ctx + rows.pos[r];
     }
     if (bug == PrefillBug::shared_state) {  // the first slot's committed recurrent state, in every slot
-        const SequenceState & src = pool_.slots[first];
-        for (int64_t i = 1; i < N; ++i) {
-            for (size_t il = 0; il < src.conv.size(); ++il) {
-                if (!src.conv[il]) continue;
-                ggml_backend_tensor_copy(src.conv[il], pool_.slots[first + i].conv[il]);
-                ggml_backend_tensor_copy(src.ssm[il], pool_.slots[first + i].ssm[il]);
-            }
-        }
+        for (int64_t i = 1; i < N; ++i) copy_recurrent_state(pool_.slots[first], pool_.slots[first + i]);
     }
     std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS);
     char err[256];

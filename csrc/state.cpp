@@ -204,6 +204,14 @@ std::vector<StateTensorInfo> state_tensor_info(const StatePool & pool) {
     return out;
 }
 
+void copy_recurrent_state(const SequenceState & from, SequenceState & to) {
+    for (size_t il = 0; il < from.conv.size(); ++il) {
+        if (!from.conv[il]) continue;
+        ggml_backend_tensor_copy(from.conv[il], to.conv[il]);
+        ggml_backend_tensor_copy(from.ssm[il], to.ssm[il]);
+    }
+}
+
 void copy_recurrent_state(SequenceState & st, bool to_saved) {
     if (st.n_slots == 0) throw std::logic_error("no saved recurrent state: the state was allocated without slots");
     for (size_t il = 0; il < st.conv.size(); ++il) {

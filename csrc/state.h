@@ -90,5 +90,7 @@ std::vector<StateTensorInfo> state_tensor_info(const StatePool & pool);
 
 // the saved recurrent state <- the live one (or the reverse), every recurrent layer; device copies.
 void copy_recurrent_state(SequenceState & st, bool to_saved);
+// `to`'s live recurrent state <- `from`'s, every recurrent layer; device copies (KV rows untouched).
+void copy_recurrent_state(const SequenceState & from, SequenceState & to);
 
 }  // namespace deltaspec

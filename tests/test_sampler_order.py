@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from deltaspec import Model, _core
+from deltaspec.sampling import SamplingOptions
 from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
 
 N_VOCAB = 248320
@@ -33,11 +34,7 @@ SAMPLERS = {
 
 
 def sampling(params: dict, seed: int):
-    sp = _core.SamplingParams()
-    for k, v in params.items():
-        setattr(sp, k, v)
-    sp.seed = seed
-    return sp
+    return SamplingOptions(**params, seed=seed).native()
 
 
 def tied_rows(n: int, seed: int) -> np.ndarray:

@@ -27,20 +27,11 @@ openai = pytest.importorskip("openai")  # CI installs it with the test extra: ne
 from deltaspec import Model
 from deltaspec.errors import EngineError
 from deltaspec.kv_cache import supported_types
-from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
-from test_server import TEMPLATE, ServerProcess, _never_ends, _request_in_thread, ask, expected
+from test_server import ServerProcess, _request_in_thread, ask, expected, files  # noqa: F401 (files: a fixture)
 
 N_CTX = 4096      # a 4000-token stream outlasts the disconnect below
 PARALLEL = 2      # slots per replica
 N_GEN = 12
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("replicas")
-    template = folder / "chatml.jinja"
-    template.write_text(TEMPLATE)
-    return write_tiny_vocab_model(folder / "tiny.gguf", seed=0, weight_map=_never_ends), template
 
 
 @pytest.fixture(scope="module")
