@@ -72,7 +72,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours stock-build stock test bench bench-ours batch batchspec ab verify tree mtp
+# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec ab verify tree mtp
 #   dflash profile server server-spec tq tq-test toprows graphcache hostsample
 # (default: build test bench)
 set -euo pipefail
@@ -108,6 +108,20 @@ if has_step build; then
 fi
 if has_step build-ours; then
     install_deltaspec "own ggml-cuda" "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a"
+fi
+# A fresh machine would spend the build's four minutes again: `pack` returns the installed deltaspec
+# (every file pip lists for it, absolute paths) as xz parts of 15 MB, and `prebuilt` installs such
+# parts carried in .prebuilt/ instead of building (same image, so the same paths)
+if has_step pack; then
+    loc=$(python3 -m pip show deltaspec | sed -n 's/^Location: //p')
+    python3 -m pip show -f deltaspec | sed -n '/^Files:/,$p' | tail -n +2 | sed 's/^ *//' \
+        | while read -r f; do realpath -m "$loc/$f"; done > /tmp/prebuilt_files.txt
+    tar -P -cf - -T /tmp/prebuilt_files.txt | xz -T0 -6 | split -b 15M -d - "$OUT/prebuilt.tar.xz."
+    ls -l "$OUT"/prebuilt.tar.xz.*
+fi
+if has_step prebuilt; then
+    cat .prebuilt/prebuilt.tar.xz.* | tar -P -xJf -
+    python3 -c "import deltaspec._core" && echo "deltaspec from .prebuilt/"
 fi
 if [[ -n ${kernels_pid:-} ]]; then  # on an idle host, before anything else uses the GPU or the cores
     if wait "$kernels_pid"; then
