@@ -16,6 +16,7 @@ std::vector<ggml_backend_t> Engine::sched_backends() const {
 void Engine::compute_split_graph(ggml_cgraph * gf, size_t graph_size, const char * what) {
     // A scheduler of its own, for this one run: it places each node on the device of the state it
     // writes (or of its weights) and copies what a node reads from another device, as for a step.
+    if (split_bug() == SplitBug::no_side_graph) return;
     std::vector<ggml_backend_t> backends = sched_backends();
     ggml_backend_sched_t sched =
         ggml_backend_sched_new(backends.data(), nullptr, (int)backends.size(), graph_size, false, false);

@@ -17,8 +17,9 @@ SplitBug split_bug() {
     if (v.empty()) return SplitBug::none;
     if (v == "all_first") return SplitBug::all_first;
     if (v == "state_first") return SplitBug::state_first;
-    throw std::invalid_argument("DELTASPEC_TEST_SPLIT_BUG (test only) must be unset, 'all_first' or 'state_first', not '" +
-                                v + "'");
+    if (v == "no_side_graph") return SplitBug::no_side_graph;
+    throw std::invalid_argument("DELTASPEC_TEST_SPLIT_BUG (test only) must be unset, 'all_first', 'state_first' or "
+                                "'no_side_graph', not '" + v + "'");
 }
 
 std::vector<int> layer_devices(int64_t n_blocks, const std::vector<float> & tensor_split) {

@@ -76,9 +76,11 @@ struct DeviceLayers {
 // DELTASPEC_TEST_SPLIT_BUG (test only) plants a bug so the split's tests can show that they notice:
 // "all_first" gives every layer to the first device (the map ignores tensor_split); "state_first"
 // puts every layer's KV cache and recurrent state on the first device whatever device its weights
-// are on (a node that writes a state in place then writes a scheduler's copy of it). Read per call;
-// unset or empty in every real use, anything else throws std::invalid_argument.
-enum class SplitBug { none, all_first, state_first };
+// are on (a node that writes a state in place then writes a scheduler's copy of it); "no_side_graph"
+// skips the small graphs a split runs through a scheduler of its own (keep()'s replay: the state
+// stays as before the verify batch). Read per call; unset or empty in every real use, anything else
+// throws std::invalid_argument.
+enum class SplitBug { none, all_first, state_first, no_side_graph };
 SplitBug split_bug();
 
 }  // namespace deltaspec
