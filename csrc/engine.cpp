@@ -91,6 +91,9 @@ void Engine::open_backends() {
         for (size_t i = 0; i < split_.backends.size(); ++i) {
             backend_name_ += (i ? "," : "") + std::string(ggml_backend_name(split_.backends[i]));
         }
+        // our kernels serve the nodes ggml-cuda runs, as on one GPU (folding stays off: it would skip
+        // an op whose readers may sit on another device)
+        if (split_.backends.size() > 1) enable_cuda_kernels();
         return;
     }
     backend_ = init_backend(opts_.device);
