@@ -124,3 +124,47 @@ def test_cpu_split_gives_the_one_device_tokens(paths):
         spec = split.generate_batch(prompts, spec_type="ngram-simple", **greedy)
         assert [r.tokens for r in spec] == batch
         assert split._engine.rows_stats["multi_slot_calls"] > 0 and split._engine.rows_stats["keep_calls"] > 0
+
+
+# --- the command line ----------------------------------------------------------------------------
+def _run(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "deltaspec", "run", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_run_devices_and_tensor_split(paths):
+    """`deltaspec run --devices cpu -sm layer -ts 1` loads the split (its -v summary names devices and
+    tensor_split) and prints `--device cpu`'s greedy text; bad values fail naming the flags. Seen to fail
+    with _placement returning {"device": ...} for --devices too (the summary lacked devices=)."""
+    common = ["-m", paths[0], "-p", "hello", "-n", 16, "--temp", 0, "-t", 1, "--no-display-prompt", "--ignore-eos"]
+    one = _run(*common, "--device", "cpu")
+    split = _run(*common, "--devices", "cpu", "-sm", "layer", "-ts", "1", "-v")
+    assert one.returncode == 0 and split.returncode == 0, split.stderr
+    assert "devices=['cpu']" in split.stderr and "tensor_split=[1.0]" in split.stderr
+    assert split.stdout == one.stdout and one.stdout.strip()
+    for extra, message in ((["--devices", "cpu", "--device", "cpu"], "--device cpu and --devices cpu: pass one of them"),
+                           (["--devices", "cpu", "-ts", "1,1"], "tensor_split has 2 entries but devices has 1"),
+                           (["-ts", "3,1"], "-ts/--tensor-split needs --devices")):
+        bad = _run(*common, *extra)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--devices", "cpu", "--replicas", "cpu,cpu"], "--devices cpu and --replicas cpu,cpu: pass one of them"),
+    (["--devices", "cpu,cpu"], "names the same device"),
+    (["--devices", "cpu", "-ts", "0"], "tensor_split must have an entry > 0"),
+    (["-sm", "layer"], "-sm/--split-mode needs --devices"),
+])
+def test_cli_serve_devices_checks(extra, message):
+    """`deltaspec serve --devices ...`: the same checks before anything loads. Seen to fail with the
+    --replicas check taken out of server/cli.py's _layer_split (the first case did not raise)."""
+    from deltaspec.server.cli import ServeError, _layer_split, build_parser
+
+    args = build_parser().parse_args(["-m", "x.gguf", *extra])
+    with pytest.raises(ServeError, match=message):
+        _layer_split(args)
+    ok = build_parser().parse_args(["-m", "x.gguf", "--devices", "cpu", "-ts", "2"])
+    assert _layer_split(ok) == (["cpu"], [2.0])
