@@ -461,6 +461,14 @@ PYBIND11_MODULE(_core, m) {
           "The device index of blocks 0 .. n_blocks-1 and of the output layer (last) under a layer split with these "
           "shares: llama.cpp's -sm layer -ts rule (csrc/layer_split.h).");
 
+    m.def("rpc_available", &rpc_available, "Whether this build has ggml's RPC backend (devices 'rpc:HOST:PORT').");
+    m.def("start_rpc_server", [](const std::string & endpoint, int n_threads) {
+              py::gil_scoped_release release;
+              start_rpc_server(endpoint, n_threads);
+          }, py::arg("endpoint"), py::arg("n_threads") = 1,
+          "Serve this process's CPU as ggml RPC device 'rpc:<endpoint>' from a thread of its own until the process "
+          "ends (tests: a layer split over two backends without a GPU).");
+
     m.def("cuda_kernels_available", &cuda_kernels_available,
           "Whether ggml-cuda here carries deltaspec's own kernels (on by default on CUDA; "
           "DELTASPEC_CUDA_KERNELS=0 keeps ggml's).");

@@ -5,11 +5,57 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include <thread>
+
 #include "ggml-alloc.h"
+#ifdef DELTASPEC_RPC
+#include "ggml-rpc.h"
+#endif
 
 namespace deltaspec {
 
 ggml_backend_dev_t backend_device(const std::string & device);  // engine.cpp
+
+namespace {
+
+// A split's device: a name backend_device takes, or "rpc:HOST:PORT", the first device of ggml's RPC
+// server there (the caller checks that it answers: ggml aborts the process when it does not).
+ggml_backend_dev_t split_device(const std::string & name) {
+    if (name.rfind("rpc:", 0) != 0) return backend_device(name);
+#ifdef DELTASPEC_RPC
+    ggml_backend_reg_t reg = ggml_backend_rpc_add_server(name.substr(4).c_str());
+    if (!reg || ggml_backend_reg_dev_count(reg) == 0) {
+        throw std::runtime_error("devices: the RPC server at '" + name.substr(4) + "' offers no device");
+    }
+    return ggml_backend_reg_dev_get(reg, 0);
+#else
+    throw std::invalid_argument("devices: '" + name + "': this build of deltaspec has no RPC backend");
+#endif
+}
+
+}  // namespace
+
+bool rpc_available() {
+#ifdef DELTASPEC_RPC
+    return true;
+#else
+    return false;
+#endif
+}
+
+void start_rpc_server(const std::string & endpoint, int n_threads) {
+#ifdef DELTASPEC_RPC
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    // it serves until the process ends (ggml has no call that stops it)
+    std::thread([endpoint, n_threads, cpu]() mutable {
+        ggml_backend_rpc_start_server(endpoint.c_str(), nullptr, (size_t)std::max(1, n_threads), 1, &cpu);
+    }).detach();
+#else
+    (void)endpoint;
+    (void)n_threads;
+    throw std::runtime_error("this build of deltaspec has no RPC backend");
+#endif
+}
 
 SplitBug split_bug() {
     const char * env = std::getenv("DELTASPEC_TEST_SPLIT_BUG");
@@ -79,7 +125,7 @@ LayerSplit make_layer_split(const std::vector<std::string> & devices, const std:
     }
     std::vector<ggml_backend_dev_t> devs;
     for (const std::string & name : devices) {
-        ggml_backend_dev_t dev = backend_device(name);
+        ggml_backend_dev_t dev = split_device(name);
         if (std::find(devs.begin(), devs.end(), dev) != devs.end()) {
             throw std::invalid_argument("devices: '" + name + "' names a device listed before it");
         }

@@ -52,6 +52,13 @@ struct LayerSplit {
 // llama.cpp does when no -ts is given. Throws std::invalid_argument naming the parameter.
 LayerSplit make_layer_split(const std::vector<std::string> & devices, const std::vector<float> & tensor_split,
                             int64_t n_blocks, ggml_backend_t cpu_backend);
+// ggml's RPC backend (built in unless the engine links a lent ggml): a split's device may be
+// "rpc:HOST:PORT", the first device of an RPC server there. start_rpc_server serves this process's
+// CPU at `endpoint` ("127.0.0.1:PORT") from a thread of its own until the process ends: how the CPU
+// tests split a model over two backends with real copies between them.
+bool rpc_available();
+void start_rpc_server(const std::string & endpoint, int n_threads);
+
 // Frees the backends make_layer_split created (not the CPU's).
 void free_layer_split(LayerSplit & split);
 

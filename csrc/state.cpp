@@ -157,7 +157,9 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
         } catch (const std::runtime_error & e) {
             throw std::runtime_error(std::string("the KV/recurrent state (n_ctx or n_seq_max too large?): ") + e.what());
         }
-        for (ggml_backend_buffer_t b : pool.split_buffers) ggml_backend_buffer_clear(b, 0);
+        for (ggml_backend_buffer_t b : pool.split_buffers) {
+            if (b) ggml_backend_buffer_clear(b, 0);  // null: a place without state (only the output layer, say)
+        }
     } else {
         pool.buffer = ggml_backend_alloc_ctx_tensors(pool.ctx, backend);
         if (!pool.buffer) throw std::runtime_error("cannot allocate the KV/recurrent state (n_ctx or n_seq_max too large?)");

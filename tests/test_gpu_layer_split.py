@@ -22,7 +22,10 @@ Planted bugs (DELTASPEC_TEST_SPLIT_BUG, csrc/layer_split.h), each of which must 
   no_side_graph  keep()'s replay (a split runs it through a scheduler of its own) skipped:
                  test_split_speculative_matches_plain fails.
 Not run where this file was written (no GPU there): the lead's run with each switch is what shows
-them red (the command is in the layersplit report). The CPU file saw all_first and no_side_graph red.
+them red here. tests/test_layer_split.py runs the same checks on a split between the CPU and a CPU
+served over ggml's RPC backend (real copies between two backends) and saw each switch turn them red
+(all_first: placement; state_first: placement and the tree verification's tokens; no_side_graph: the
+speculative chains' tokens).
 """
 
 import numpy as np

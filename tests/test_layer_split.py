@@ -4,6 +4,8 @@ the parameters' checks, the layer -> device map against llama.cpp's rule, and th
 replay and the paths' commit through schedulers of their own) giving the one-device engine's tokens.
 The split between a GPU and the CPU: tests/test_gpu_layer_split.py (-m gpu)."""
 
+import socket
+
 import numpy as np
 import pytest
 
@@ -85,45 +87,94 @@ def test_layer_map_refuses_bad_shares(shares, match):
 
 
 # --- the split's code path on the CPU ------------------------------------------------------------
-def test_cpu_split_gives_the_one_device_tokens(paths):
-    """devices=["cpu"] runs the split's own path (weights and state in per-place buffers allocated
-    by csrc/layer_split.cpp, every graph through a scheduler over the split's backends, keep()'s
-    replay and the accepted paths' commit through schedulers of their own) and must give device="cpu"'s
-    greedy tokens bit for bit: alone, speculative with a draft model (chain and tree), and a batch of
-    sequences with prompt lookup (the rows ops writing several slots back).
+# devices=["cpu"]: the split's own path (weights and state in per-place buffers allocated by
+# csrc/layer_split.cpp, every graph through a scheduler over the split's backends, keep()'s replay and
+# the accepted paths' commit through schedulers of their own) with one place. [rpc, "cpu"]: two
+# backends, this process's CPU served over ggml's RPC backend (deltaspec.testing.rpc_device) holding
+# layers 0-4 and the CPU 5-7 and the output layer (8 blocks, [1, 1]: LLAMA_CPP_CASES), ggml's scheduler
+# copying activations between them at every step, as between a GPU and the CPU.
+# name: devices, tensor_split, each device's layers (by hand from llama.cpp's rule, as LLAMA_CPP_CASES)
+PLACEMENTS = {"cpu": (["cpu"], [1], [list(range(8))]),
+              "rpc+cpu": (["rpc", "cpu"], [1, 1], [[0, 1, 2, 3, 4], [5, 6, 7]]),
+              # 8/9 is exactly the split point: the CPU holds the output layer alone (no state there)
+              "rpc+cpu-output": (["rpc", "cpu"], [8, 1], [list(range(8)), []])}
+ATTENTION = {3, 7}
+
+
+@pytest.fixture(scope="module", params=sorted(PLACEMENTS))
+def placed(request, paths):
+    from deltaspec.testing.rpc_device import local_rpc_device
+
+    names, shares, _ = PLACEMENTS[request.param]
+    devices = [local_rpc_device() if d == "rpc" else d for d in names]
+    kw = dict(n_ctx=512, n_seq_max=3, n_threads=1)
+    with Model(paths[0], device="cpu", **kw) as one, Model(paths[0], devices=devices, tensor_split=shares, **kw) as split:
+        yield request.param, one, split
+
+
+def test_split_places_layers(placed):
+    """device_layers() and the state's buffers: each layer's weights, KV cache (attention layers 3, 7)
+    and DeltaNet state where llama.cpp's rule puts it, the token embeddings and the output layer on the
+    CPU. Seen to fail under DELTASPEC_TEST_SPLIT_BUG=all_first (both rpc+cpu placements: every layer
+    and the embeddings on the RPC device) and state_first (rpc+cpu: no KV cache left on the CPU)."""
+    name, one, split = placed
+    names, _, layers = PLACEMENTS[name]
+    got = [(d["device"].split(":")[0], d["layers"], d["input"], d["output"]) for d in split.device_layers()]
+    assert got == [(n, l, n == "cpu", n == "cpu") for n, l in zip(names, layers)]
+    for d, l in zip(split.device_layers(), layers):
+        assert d["weight_bytes"] > 0
+        assert (d["kv_bytes"] > 0) == bool(ATTENTION & set(l)) and (d["state_bytes"] > 0) == bool(set(l) - ATTENTION), d
+    assert sum(d["weight_bytes"] for d in split.device_layers()) == one.device_layers()[0]["weight_bytes"]
+    info = split.kv_cache_info()
+    for entry in info["attention_layers"] + info["recurrent_layers"]:
+        on_rpc = names[0] == "rpc" and entry["layer"] in layers[0]
+        assert entry["buffer"].startswith("RPC" if on_rpc else "CPU"), entry
+
+
+def test_split_gives_the_one_device_tokens(placed, paths):
+    """The split gives device="cpu"'s greedy tokens bit for bit (the RPC server computes with the same
+    CPU code): alone, speculative with a draft model (chain and tree, drafts kept in part), and a
+    batch of sequences, plain and with prompt lookup (the rows ops writing several slots back).
 
     Seen to fail under DELTASPEC_TEST_SPLIT_BUG=no_side_graph (keep()'s replay, which a split runs
-    through a scheduler of its own, skipped): the speculative chain's tokens parted from plain greedy
-    after the first partly accepted draft. (all_first and state_first move nothing with one place.)"""
-    target, draft = paths
-    kw = dict(n_ctx=512, n_seq_max=3, n_threads=1)
-    with Model(target, device="cpu", **kw) as one, Model(target, devices=["cpu"], tensor_split=[1], **kw) as split:
-        assert split._engine.tensor_split == [1.0] and one._engine.tensor_split == []  # the split path ran
-        placed = split.device_layers()
-        assert [(d["device"], d["layers"], d["input"], d["output"]) for d in placed] == [("cpu", list(range(8)), True, True)]
-        assert placed[0]["weight_bytes"] == one.device_layers()[0]["weight_bytes"] > 0
-        assert placed[0]["kv_bytes"] > 0 and placed[0]["state_bytes"] > 0
+    through a scheduler of its own, skipped): the speculative chains parted from plain greedy after the
+    first partly kept draft, with every placement; and (rpc+cpu) under state_first (every layer's
+    state on the RPC device, the CPU layers' rows ops writing a scheduler's copy of it): the tree
+    verification's tokens parted (keep_path's commit wrote the copy)."""
+    name, one, split = placed
+    _, draft = paths
+    assert split._engine.tensor_split and not one._engine.tensor_split  # the split's path ran
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, size=int(rng.integers(3, 30))).tolist() for _ in range(3)]
+    greedy = dict(max_tokens=40, temperature=0, logit_bias=BIAS)
+    drafted = accepted = 0
+    for p in prompts:
+        ref = one.generate(p, **greedy).tokens
+        assert split.generate(p, **greedy).tokens == ref
+        chain = split.generate(p, draft_model=draft, draft_n_max=6, **greedy)
+        assert chain.tokens == ref
+        drafted, accepted = drafted + chain.stats.n_drafted, accepted + chain.stats.n_accepted
+        tree = split.generate(p, draft_model=draft, draft_n_max=6, tree_budget=8, **greedy)
+        assert tree.tokens == ref and tree.stats.n_drafted > 0
+    assert 0 < accepted < drafted  # drafts kept in part: keep(n < T) replayed the recurrence
+    assert split._engine.tree_stats["keep_calls"] > 0
 
-        rng = np.random.default_rng(5)
-        prompts = [rng.integers(0, 256, size=int(rng.integers(3, 30))).tolist() for _ in range(3)]
-        greedy = dict(max_tokens=40, temperature=0, logit_bias=BIAS)
-        drafted = accepted = 0
-        for p in prompts:
-            ref = one.generate(p, **greedy).tokens
-            assert split.generate(p, **greedy).tokens == ref
-            chain = split.generate(p, draft_model=draft, draft_n_max=6, **greedy)
-            assert chain.tokens == ref
-            drafted, accepted = drafted + chain.stats.n_drafted, accepted + chain.stats.n_accepted
-            tree = split.generate(p, draft_model=draft, draft_n_max=6, tree_budget=8, **greedy)
-            assert tree.tokens == ref and tree.stats.n_drafted > 0
-        assert 0 < accepted < drafted  # drafts kept in part: keep(n < T) replayed the recurrence
-        assert split._engine.tree_stats["keep_calls"] > 0
+    batch = [r.tokens for r in one.generate_batch(prompts, **greedy)]
+    assert [r.tokens for r in split.generate_batch(prompts, **greedy)] == batch
+    spec = split.generate_batch(prompts, spec_type="ngram-simple", **greedy)
+    assert [r.tokens for r in spec] == batch
+    assert split._engine.rows_stats["multi_slot_calls"] > 0 and split._engine.rows_stats["keep_calls"] > 0
 
-        batch = [r.tokens for r in one.generate_batch(prompts, **greedy)]
-        assert [r.tokens for r in split.generate_batch(prompts, **greedy)] == batch
-        spec = split.generate_batch(prompts, spec_type="ngram-simple", **greedy)
-        assert [r.tokens for r in spec] == batch
-        assert split._engine.rows_stats["multi_slot_calls"] > 0 and split._engine.rows_stats["keep_calls"] > 0
+
+def test_rpc_device_that_does_not_answer_is_refused(paths):
+    """An RPC device must answer before ggml connects (ggml would abort the process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(ValueError, match=rf"devices\[1\]='rpc:127.0.0.1:{port}': no RPC server answers"):
+        Model(paths[0], n_ctx=256, devices=["cpu", f"rpc:127.0.0.1:{port}"])
+    with pytest.raises(ValueError, match=r"devices\[0\] must be 'rpc:HOST:PORT'"):
+        Model(paths[0], n_ctx=256, devices=["rpc:nowhere"])
 
 
 # --- the command line ----------------------------------------------------------------------------

@@ -47,7 +47,8 @@ def parse_layer_split(devices: object, split: object = None, tensor_split: objec
     default without -ts). ValueError / TypeError naming the parameter for anything else.
 
     `devices` is a list of device names ("cpu", "cuda", "cuda:N"; a string "cuda:0,cpu" works too),
-    each once, every one present in this build and machine; `split` is "layer" (llama.cpp's
+    each once, every one present in this build and machine; "rpc:HOST:PORT" is the first device of
+    ggml's RPC server there (`rpc-server` of the same ggml, or deltaspec._core.start_rpc_server); `split` is "layer" (llama.cpp's
     `-sm layer`: whole layers per device; the default) and nothing else; `tensor_split` has one
     number >= 0 per device, not all 0 (llama.cpp's `-ts`); `device` must not be given as well."""
     if devices is None:
@@ -64,7 +65,10 @@ def parse_layer_split(devices: object, split: object = None, tensor_split: objec
         raise TypeError(f"devices must be a non-empty list of device names ('cpu', 'cuda', 'cuda:N'), got {devices!r}")
     seen: dict[str, str] = {}
     for i, d in enumerate(devices):
-        device_kind(d, f"devices[{i}]")
+        if not (isinstance(d, str) and d.startswith("rpc:")):
+            device_kind(d, f"devices[{i}]")
+        elif not _RPC.fullmatch(d):
+            raise ValueError(f"devices[{i}] must be 'rpc:HOST:PORT' for an RPC device, got {d!r}")
         if _canonical(d) in seen:
             raise ValueError(f"devices: {d!r} names the same device as {seen[_canonical(d)]!r} listed before it; "
                              "list each device once")
@@ -72,7 +76,9 @@ def parse_layer_split(devices: object, split: object = None, tensor_split: objec
     from . import _core
 
     for i, d in enumerate(devices):
-        if not _core.has_device(d):
+        if d.startswith("rpc:"):
+            _check_rpc(d, f"devices[{i}]")
+        elif not _core.has_device(d):
             raise ValueError(f"devices[{i}]={d!r} is not available here: this build of deltaspec or this machine "
                              f"has no such device (a CPU-only build has only 'cpu')")
     if split is None:
@@ -103,6 +109,24 @@ def parse_layer_split(devices: object, split: object = None, tensor_split: objec
     if sum(shares) <= 0:
         raise ValueError(f"tensor_split must have an entry > 0, got {list(tensor_split)!r}")
     return list(devices), shares
+
+
+_RPC = re.compile(r"rpc:[A-Za-z0-9.\-]+:[0-9]{1,5}")
+
+
+def _check_rpc(device: str, what: str) -> None:
+    """An RPC device's server must answer before ggml connects (ggml aborts the process when it does not)."""
+    import socket
+
+    from . import _core
+
+    if not _core.rpc_available():
+        raise ValueError(f"{what}={device!r}: this build of deltaspec has no RPC backend")
+    host, port = device[4:].rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(f"{what}={device!r}: no RPC server answers at {host}:{port} ({e})") from None
 
 
 def layer_devices(n_blocks: int, tensor_split: list[float]) -> list[int]:

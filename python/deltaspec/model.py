@@ -116,7 +116,8 @@ class Model:
         if layer_split is not None and n_gpu_layers is not None:
             raise ValueError(f"n_gpu_layers={n_gpu_layers!r} and devices= both place the model; pass devices= alone")
         if layer_split is not None:
-            device = layer_split[0][0]  # the first device: what speaks for the model (draft models go there)
+            # the first local device speaks for the model (draft models loaded from a path go there)
+            device = next((d for d in layer_split[0] if not d.startswith("rpc:")), "cpu")
         choice = llama_args.resolve(path, model_path, device, n_gpu_layers, n_ubatch, n_batch, seed, flash_attn)
         path, device, n_ubatch, self._default_seed = choice.path, choice.device, choice.n_ubatch, choice.seed
         if verbose is not None and not isinstance(verbose, bool):
@@ -143,8 +144,8 @@ class Model:
         gguf = read_gguf(self.path)
         self.hparams = read_hparams(gguf)
         check_tensors(self.hparams, gguf)
-        for d in layer_split[0] if layer_split else [device]:
-            validate_cache_types(type_k, type_v, d, self.hparams.head_dim)
+        for d in layer_split[0] if layer_split else [device]:  # an RPC device: held to the CPU's types
+            validate_cache_types(type_k, type_v, "cpu" if d.startswith("rpc:") else d, self.hparams.head_dim)
         # the vocabulary and merges stay with the tokenizer; everything else is kept as read
         self.metadata: dict[str, Any] = {k: v for k, v in gguf.metadata.items()
                                          if not (isinstance(v, list) and len(v) > SMALL_ARRAY)}
