@@ -177,6 +177,15 @@ def test_rpc_device_that_does_not_answer_is_refused(paths):
         Model(paths[0], n_ctx=256, devices=["rpc:nowhere"])
 
 
+def test_mtp_drafting_needs_one_device(tmp_path):
+    """The MTP head's graphs and cache are made for one device: a split model refuses spec_type="mtp"
+    naming devices= (csrc/mtp_head.cpp). Seen to fail with that check taken out (the head ran)."""
+    path = write_tiny_vocab_model(tmp_path / "mtp.gguf", seed=0, n_layer=4, mtp=True)
+    with Model(path, devices=["cpu"], n_ctx=256, n_threads=1) as m:
+        with pytest.raises(ValueError, match=r"spec_type 'mtp' is not supported with devices="):
+            m.generate([1, 2, 3], max_tokens=4, temperature=0, spec_type="mtp")
+
+
 # --- the command line ----------------------------------------------------------------------------
 def _run(*args):
     import subprocess
