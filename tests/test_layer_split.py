@@ -228,3 +228,20 @@ def test_cli_serve_devices_checks(extra, message):
         _layer_split(args)
     ok = build_parser().parse_args(["-m", "x.gguf", "--devices", "cpu", "-ts", "2"])
     assert _layer_split(ok) == (["cpu"], [2.0])
+
+
+def test_cli_info_shows_the_split(paths):
+    """`deltaspec info -ts 3,1` shows where the split puts the layers (the 8-block case of
+    LLAMA_CPP_CASES) and their weights. Seen to fail under DELTASPEC_TEST_SPLIT_BUG=all_first
+    (device 0: layers 0-7 + output)."""
+    import subprocess
+    import sys
+
+    info = subprocess.run([sys.executable, "-m", "deltaspec", "info", str(paths[0]), "-ts", "3,1"], capture_output=True,
+                          text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert "token embeddings" in info.stdout and "on the CPU" in info.stdout
+    assert "  device 0: layers 0-6, " in info.stdout and "  device 1: layer 7 + output, " in info.stdout
+    bad = subprocess.run([sys.executable, "-m", "deltaspec", "info", str(paths[0]), "-ts", "0,0"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "-ts/--tensor-split: tensor_split must have an entry > 0" in bad.stderr

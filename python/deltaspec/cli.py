@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
                    help="context size for the memory estimate, rounded up to a multiple of 256 as Model "
                         "allocates it (default: %(default)s)")
+    p.add_argument("-ts", "--tensor-split", default=None, metavar="N,N,...",
+                   help="also show where a layer split with these shares puts the layers (as run --devices ... -ts)")
     p.set_defaults(run=_run_info)
 
     from .synth import PRESETS, QUANTS  # numpy + gguf only
@@ -683,7 +685,16 @@ def _run_convert(args: argparse.Namespace) -> int:
 def _run_info(args: argparse.Namespace) -> int:
     from .info import print_info
 
-    print_info(args.model, n_ctx=args.ctx_size)
+    shares = None
+    if args.tensor_split is not None:
+        from .devices import parse_shares
+
+        try:
+            shares = parse_shares(args.tensor_split)
+        except (TypeError, ValueError) as e:
+            print(f"deltaspec info: error: -ts/--tensor-split: {e}", file=sys.stderr)
+            return 2
+    print_info(args.model, n_ctx=args.ctx_size, tensor_split=shares)
     return 0
 
 

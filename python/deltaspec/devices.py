@@ -88,12 +88,18 @@ def parse_layer_split(devices: object, split: object = None, tensor_split: objec
                          f"with their weights, KV cache and recurrent state, per device)")
     if tensor_split is None:
         return list(devices), []
+    return list(devices), parse_shares(tensor_split, len(devices))
+
+
+def parse_shares(tensor_split: object, n_devices: int | None = None) -> list[float]:
+    """tensor_split (a list of numbers, or "3,1") checked: one finite number >= 0 per device (when
+    n_devices is given), not all 0. ValueError / TypeError naming tensor_split otherwise."""
     if isinstance(tensor_split, str):
         tensor_split = [s.strip() for s in tensor_split.split(",")]
-    if not isinstance(tensor_split, (list, tuple)):
+    if not isinstance(tensor_split, (list, tuple)) or not tensor_split:
         raise TypeError(f"tensor_split must be a list of numbers, one per device, got {tensor_split!r}")
-    if len(tensor_split) != len(devices):
-        raise ValueError(f"tensor_split has {len(tensor_split)} entries but devices has {len(devices)}: "
+    if n_devices is not None and len(tensor_split) != n_devices:
+        raise ValueError(f"tensor_split has {len(tensor_split)} entries but devices has {n_devices}: "
                          "one share per device")
     shares = []
     for i, x in enumerate(tensor_split):
@@ -108,7 +114,7 @@ def parse_layer_split(devices: object, split: object = None, tensor_split: objec
         shares.append(v)
     if sum(shares) <= 0:
         raise ValueError(f"tensor_split must have an entry > 0, got {list(tensor_split)!r}")
-    return list(devices), shares
+    return shares
 
 
 _RPC = re.compile(r"rpc:[A-Za-z0-9.\-]+:[0-9]{1,5}")
