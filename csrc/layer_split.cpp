@@ -199,6 +199,8 @@ std::vector<ggml_backend_buffer_t> alloc_placed(ggml_context * ctx, const std::v
     };
     for (size_t p = 0; p < backends.size(); ++p) {
         if (bytes[p] == 0) continue;
+        // room to align the first tensor too, whatever the base address
+        bytes[p] += ggml_backend_buft_get_alignment(ggml_backend_get_default_buffer_type(backends[p]));
         buffers[p] = ggml_backend_alloc_buffer(backends[p], bytes[p]);
         if (!buffers[p]) {
             free_all();

@@ -21,11 +21,11 @@ Planted bugs (DELTASPEC_TEST_SPLIT_BUG, csrc/layer_split.h), each of which must 
                  test_split_batch_matches_one_device fails;
   no_side_graph  keep()'s replay (a split runs it through a scheduler of its own) skipped:
                  test_split_speculative_matches_plain fails.
-Not run where this file was written (no GPU there): the lead's run with each switch is what shows
-them red here. tests/test_layer_split.py runs the same checks on a split between the CPU and a CPU
-served over ggml's RPC backend (real copies between two backends) and saw each switch turn them red
-(all_first: placement; state_first: placement and the tree verification's tokens; no_side_graph: the
-speculative chains' tokens).
+Not run on a GPU where this file was written (none there). Its logic was run there on a copy with
+cuda:0 replaced by this process's CPU served over ggml's RPC backend (deltaspec.testing.rpc_device;
+device="cuda" by "cpu"): 8 passed; all_first turned both placement tests red; state_first the
+placement tests and, with [1, 1], the speculative and batch tests; no_side_graph both speculative
+tests. The lead's GPU run with each switch (bench/gpu_session.sh layersplit) is the check here.
 """
 
 import numpy as np
