@@ -65,6 +65,9 @@
 #      draft model, /tmp/d08.gguf, same vocabulary; one drafter per call fits the time), all -np 32,
 #      echo prompts (--prompts echo: the text repeats so that lookup drafts), interleaved reps,
 #      drafted/accepted per row -> server_spec_bench.json (SERVER_SPEC_ARGS: more options)
+#   layersplit: tests/test_gpu_layer_split.py (one model split by layers between cuda:0 and the CPU),
+#      then once under each of its planted bugs (DELTASPEC_TEST_SPLIT_BUG), each of which must fail
+#      -> gpu_layer_split.log
 #   hostsample: the host part of sampled verification at the 248K vocabulary on this machine's CPU
 #      (tree walk and chain accept per sampler, no GPU; bench/host_sampling_bench.py, ~1 min)
 #      -> host_sampling.json
@@ -73,7 +76,7 @@
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
 # steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec ab verify tree mtp
-#   dflash profile server server-spec tq tq-test toprows graphcache hostsample
+#   dflash profile server server-spec tq tq-test toprows graphcache hostsample layersplit
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -169,6 +172,17 @@ if has_step tq-test; then
         || echo "tq GPU tests failed (see gpu_tq_tests.log)"
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tq_tests.log" | cut -c1-200 | head -40 || true
     tail -3 "$OUT/gpu_tq_tests.log"
+fi
+if has_step layersplit; then
+    python3 -m pytest -q -s -m gpu -p no:cacheprovider "$REPO/tests/test_gpu_layer_split.py" -rA \
+        > "$OUT/gpu_layer_split.log" 2>&1 || echo "layer split GPU tests failed (see gpu_layer_split.log)"
+    grep -E "diverge|^(PASSED|FAILED|ERROR)" "$OUT/gpu_layer_split.log" | cut -c1-200 || true
+    tail -1 "$OUT/gpu_layer_split.log"
+    for bug in all_first state_first no_side_graph; do  # each planted bug must turn a test red
+        echo "planted bug $bug (must fail):"
+        DELTASPEC_TEST_SPLIT_BUG=$bug python3 -m pytest -q -m gpu -p no:cacheprovider \
+            "$REPO/tests/test_gpu_layer_split.py" 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 || true
+    done
 fi
 if has_step test; then
     # every gpu-marked test of the suite; a module that cannot be imported here (a CPU-only test's

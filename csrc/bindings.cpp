@@ -457,6 +457,18 @@ PYBIND11_MODULE(_core, m) {
           }, py::arg("device"), "Whether this build can run on `device` ('cpu', 'cuda', 'cuda:N') here "
                                 "(that GPU is present and compiled in).");
 
+    m.def("layer_devices", &layer_devices, py::arg("n_blocks"), py::arg("tensor_split"),
+          "The device index of blocks 0 .. n_blocks-1 and of the output layer (last) under a layer split with these "
+          "shares: llama.cpp's -sm layer -ts rule (csrc/layer_split.h).");
+
+    m.def("rpc_available", &rpc_available, "Whether this build has ggml's RPC backend (devices 'rpc:HOST:PORT').");
+    m.def("start_rpc_server", [](const std::string & endpoint, int n_threads) {
+              py::gil_scoped_release release;
+              start_rpc_server(endpoint, n_threads);
+          }, py::arg("endpoint"), py::arg("n_threads") = 1,
+          "Serve this process's CPU as ggml RPC device 'rpc:<endpoint>' from a thread of its own until the process "
+          "ends (tests: a layer split over two backends without a GPU).");
+
     m.def("cuda_kernels_available", &cuda_kernels_available,
           "Whether ggml-cuda here carries deltaspec's own kernels (on by default on CUDA; "
           "DELTASPEC_CUDA_KERNELS=0 keeps ggml's).");
@@ -558,8 +570,11 @@ PYBIND11_MODULE(_core, m) {
     py::class_<Runner>(m, "Engine")
         .def(py::init([](const std::string & path, const HParams & hp, int64_t n_ctx, int64_t n_ubatch, int n_threads,
                          const std::string & device, int type_k, int type_v,
-                         py::object progress, int64_t n_seq_max, int kv_format_k, int kv_format_v) {
+                         py::object progress, int64_t n_seq_max, int kv_format_k, int kv_format_v,
+                         const std::vector<std::string> & devices, const std::vector<float> & tensor_split) {
                  EngineOptions o;
+                 o.devices = devices;
+                 o.tensor_split = tensor_split;
                  o.n_ctx = n_ctx;
                  o.n_seq_max = n_seq_max;
                  o.n_ubatch = n_ubatch;
@@ -588,6 +603,8 @@ PYBIND11_MODULE(_core, m) {
              py::arg("path"), py::arg("hparams"), py::arg("n_ctx"), py::arg("n_ubatch"), py::arg("n_threads"),
              py::arg("device"), py::arg("type_k"), py::arg("type_v"), py::arg("progress") = py::none(),
              py::arg("n_seq_max") = 1, py::arg("kv_format_k") = 0, py::arg("kv_format_v") = 0,
+             py::arg("devices") = std::vector<std::string>(), py::arg("tensor_split") = std::vector<float>(),
+             "devices / tensor_split: a layer split over these devices (csrc/layer_split.h; `device` then unused). "
              "kv_format_k / kv_format_v (ggml/deltaspec_tq.h): 1 stores rotated rows of type_k / type_v, 3 or 4 "
              "makes that cache tq3 / tq4 (type_k / type_v then unused). "
              "progress: None or a callable(done_bytes, total_bytes), called with the GIL held at most ~100 "
@@ -963,6 +980,26 @@ PYBIND11_MODULE(_core, m) {
              },
              "The state's tensors as allocated, one dict each: kind ('k', 'v', 'conv', 'ssm', 'conv_saved', "
              "'ssm_saved'), layer, type (ggml's name), nbytes, shape (ne0, ne1), buffer.")
+        .def_property_readonly("device_layers", [](const Runner & r) {
+                 py::list out;
+                 for (const DeviceLayers & d : r.engine->device_layers()) {
+                     py::dict e;
+                     e["device"] = d.device;
+                     e["backend"] = d.backend;
+                     e["layers"] = d.layers;
+                     e["input"] = d.input;
+                     e["output"] = d.output;
+                     e["weight_bytes"] = d.weight_bytes;
+                     e["kv_bytes"] = d.kv_bytes;
+                     e["state_bytes"] = d.state_bytes;
+                     out.append(e);
+                 }
+                 return out;
+             },
+             "What each device holds (layer_split.h DeviceLayers): device, backend, layers, input, output, "
+             "weight_bytes, kv_bytes, state_bytes; one entry on one device.")
+        .def_property_readonly("tensor_split", [](const Runner & r) { return r.engine->layer_split().tensor_split; },
+                               "The shares a layer split used (empty on one device).")
         .def_property_readonly("weight_buffer_types", [](const Runner & r) { return r.engine->weight_buffer_types(); },
                                "Names of the ggml buffer types the weights live in (plain 'CPU' on a CPU engine).")
         .def_property_readonly("weight_stacks", [](const Runner & r) { return r.engine->weight_stacks(); },

@@ -179,8 +179,17 @@ int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, co
             }
             // the rows tensors and the results, in a buffer kept from one commit to the next (a device
             // allocation per round would cost more than the replay)
-            if (keep_alloc_ == nullptr) keep_alloc_ = ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend_));
-            if (!ggml_gallocr_alloc_graph(keep_alloc_, kg.gf)) throw std::runtime_error("cannot allocate the accepted paths' commit");
+            if (split_.active()) {  // its nodes run on the devices of their layers: a scheduler of its own
+                if (keep_sched_) ggml_backend_sched_free(keep_sched_);
+                std::vector<ggml_backend_t> backends = sched_backends();
+                keep_sched_ = ggml_backend_sched_new(backends.data(), nullptr, (int)backends.size(), n_tensors, false, false);
+                if (!keep_sched_ || !ggml_backend_sched_alloc_graph(keep_sched_, kg.gf)) {
+                    throw std::runtime_error("cannot allocate the accepted paths' commit");
+                }
+            } else {
+                if (keep_alloc_ == nullptr) keep_alloc_ = ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend_));
+                if (!ggml_gallocr_alloc_graph(keep_alloc_, kg.gf)) throw std::runtime_error("cannot allocate the accepted paths' commit");
+            }
         } catch (...) {
             kg.drop();
             throw;
@@ -191,7 +200,9 @@ int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, co
         if (n_taps > 0) plan.insert(plan.end(), tap_rows.begin(), tap_rows.end());
         ggml_backend_tensor_set(kg.input, plan.data(), 0, plan.size() * sizeof(int32_t));
     }
-    if (ggml_backend_graph_compute(backend_, kg.gf) != GGML_STATUS_SUCCESS) {
+    const ggml_status status = split_.active() ? ggml_backend_sched_graph_compute(keep_sched_, kg.gf)
+                                               : ggml_backend_graph_compute(backend_, kg.gf);
+    if (status != GGML_STATUS_SUCCESS) {
         kg.drop();
         throw std::runtime_error("committing the accepted paths failed");
     }

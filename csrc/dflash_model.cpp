@@ -72,6 +72,9 @@ class DFlashFile {
 DFlashModel::DFlashModel(const std::string & path, const DFlashHParams & hp, Engine & target, int64_t n_ctx)
     : hp_(hp), target_(target), n_ctx_(n_ctx) {
     const int64_t E = hp.n_embd, D = hp.head_dim, H = hp.n_head, Hkv = hp.n_head_kv;
+    if (target.layer_split().active()) {  // its weights, cache and scheduler are made for one device
+        throw std::invalid_argument("a DFlash drafter is not supported with devices= (a layer split); load the target on one device");
+    }
     if (E != target.hparams().n_embd) throw std::invalid_argument("DFlash drafter and target differ in hidden size");
     if (hp.n_rot < 2 || hp.n_rot > D || H % Hkv != 0 || hp.block_size < 2 || n_ctx < hp.block_size) {
         throw std::invalid_argument("DFlash hyper-parameters out of range");

@@ -69,25 +69,52 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
     }
     opts_.progress = nullptr;  // only the load uses it; keep no reference to the caller's callback
     try {
-        backend_ = init_backend(opts.device);
-        backend_name_ = ggml_backend_name(backend_);
-        if (opts.device == "cpu") {
-            backend_cpu_ = backend_;
-        } else {
-            backend_cpu_ = ggml_backend_cpu_init();
-            fold_inputs_ = enable_cuda_kernels() && env_on("DELTASPEC_FOLD_INPUTS");
-        }
-        ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts.n_threads));
-
-        load_weights(weights_, path, hp_, backend_, env_on("DELTASPEC_STACK_PROJECTIONS"), opts.progress);
+        open_backends();
+        const LayerSplit * split = split_.active() ? &split_ : nullptr;
+        load_weights(weights_, path, hp_, backend_, env_on("DELTASPEC_STACK_PROJECTIONS"), opts.progress, split);
         allocate_state(pool_, hp_, opts.n_ctx, opts.n_seq_max, opts.type_k, opts.type_v, opts.n_slots, backend_,
-                       opts.kv_format_k, opts.kv_format_v);
+                       opts.kv_format_k, opts.kv_format_v, split);
         init_step_graphs();
     } catch (...) {
-        if (backend_cpu_ && backend_cpu_ != backend_) ggml_backend_free(backend_cpu_);
-        if (backend_) ggml_backend_free(backend_);
+        close_backends();
         throw;
     }
+}
+
+void Engine::open_backends() {
+    if (!opts_.devices.empty()) {
+        backend_cpu_ = ggml_backend_cpu_init();
+        ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts_.n_threads));
+        // blocks: the trunk's and the MTP layers after it, as the GGUF's block_count counts them
+        split_ = make_layer_split(opts_.devices, opts_.tensor_split, hp_.n_layer + hp_.n_layer_nextn, backend_cpu_);
+        backend_ = split_.backends[0];
+        for (size_t i = 0; i < split_.backends.size(); ++i) {
+            backend_name_ += (i ? "," : "") + std::string(ggml_backend_name(split_.backends[i]));
+        }
+        // our kernels serve the nodes ggml-cuda runs, as on one GPU (folding stays off: it would skip
+        // an op whose readers may sit on another device)
+        if (split_.backends.size() > 1) enable_cuda_kernels();
+        return;
+    }
+    backend_ = init_backend(opts_.device);
+    backend_name_ = ggml_backend_name(backend_);
+    if (opts_.device == "cpu") {
+        backend_cpu_ = backend_;
+    } else {
+        backend_cpu_ = ggml_backend_cpu_init();
+        fold_inputs_ = enable_cuda_kernels() && env_on("DELTASPEC_FOLD_INPUTS");
+    }
+    ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts_.n_threads));
+}
+
+void Engine::close_backends() {
+    if (split_.active()) {
+        free_layer_split(split_);  // the devices' backends but the CPU's
+    } else if (backend_ && backend_ != backend_cpu_) {
+        ggml_backend_free(backend_);
+    }
+    if (backend_cpu_) ggml_backend_free(backend_cpu_);
+    backend_ = backend_cpu_ = nullptr;
 }
 
 Engine::~Engine() {
@@ -95,18 +122,24 @@ Engine::~Engine() {
     if (keep_alloc_) ggml_gallocr_free(keep_alloc_);
     // weights_ and pool_ free their buffers in their destructors, which run after this body;
     // the backends must outlive those buffers, so release the buffers first.
+    if (keep_sched_) ggml_backend_sched_free(keep_sched_);
     if (weights_.buffer) {
         ggml_backend_buffer_free(weights_.buffer);
         weights_.buffer = nullptr;
     }
+    for (ggml_backend_buffer_t b : weights_.split_buffers) {
+        if (b) ggml_backend_buffer_free(b);
+    }
+    weights_.split_buffers.clear();
     pool_.release();
-    if (backend_cpu_ != backend_) ggml_backend_free(backend_cpu_);
-    ggml_backend_free(backend_);
+    close_backends();
 }
 
 size_t Engine::step_weight_bytes() const {
     // the MTP head's own weights are not read by a target step
-    const size_t all = ggml_backend_buffer_get_size(weights_.buffer) - weights_.mtp.bytes;
+    size_t all = weights_.buffer ? ggml_backend_buffer_get_size(weights_.buffer) : 0;
+    for (ggml_backend_buffer_t b : weights_.split_buffers) all += b ? ggml_backend_buffer_get_size(b) : 0;
+    all -= weights_.mtp.bytes;
     return weights_.output == weights_.token_embd ? all : all - ggml_nbytes(weights_.token_embd);
 }
 
@@ -257,7 +290,8 @@ void Engine::ensure_slots(int64_t n) {
     drop_step_graph();
     const int64_t n_ctx = pool_.n_ctx, n_seq = pool_.n_seq;
     pool_.release();
-    allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_, opts_.kv_format_k, opts_.kv_format_v);
+    allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_, opts_.kv_format_k, opts_.kv_format_v,
+                   split_.active() ? &split_ : nullptr);
     clear_tapped();
     verify_T_ = 0;
     rows_pending_.active = false;

@@ -11,6 +11,7 @@
 #include "ggml-backend.h"
 #include "graph_qwen35.h"
 #include "hparams.h"
+#include "layer_split.h"
 #include "rows.h"
 #include "state.h"
 #include "weights.h"
@@ -33,6 +34,10 @@ struct EngineOptions {
     int64_t n_ubatch = 512;       // largest micro-batch one graph processes
     int n_threads = 1;
     std::string device = "cpu";   // "cpu", "cuda" or "cuda:N" (backend_device)
+    // A layer split (layer_split.h) instead of `device`: the devices, each once, and their shares of
+    // the layers (empty: by free memory, as llama.cpp). Empty devices: `device` holds everything.
+    std::vector<std::string> devices;
+    std::vector<float> tensor_split;
     ggml_type type_k = GGML_TYPE_F16;  // KV cache types (Python maps llama.cpp's names to these)
     ggml_type type_v = GGML_TYPE_F16;
     int kv_format_k = 0;          // deltaspec_kv_format (ggml/deltaspec_tq.h): 0 type_k as is, 1 type_k holding
@@ -204,6 +209,10 @@ class Engine {
     int64_t n_ctx() const { return pool_.n_ctx; }
     int64_t n_ubatch() const { return opts_.n_ubatch; }
     const std::string & backend_name() const { return backend_name_; }
+    // The layer split (inactive on one device) and what each of its devices holds (engine_split.cpp;
+    // one entry, everything, on one device).
+    const LayerSplit & layer_split() const { return split_; }
+    std::vector<DeviceLayers> device_layers() const;
     const SequenceState & state() {  // the current slot's live state (a pending verify batch kept whole first)
         settle_verify();
         return seq();
@@ -283,11 +292,19 @@ class Engine {
     void check_batch(const int32_t * tokens, int64_t n_tokens) const;  // fits the context, ids in range
     void init_step_graphs();  // the graphs' size and the cache's limits (step_graphs.cpp)
     void drop_step_graph();   // every kept graph: the tensors they name are gone or changed
+    // engine_split.cpp: the backends a scheduler runs graphs on (the device's and the CPU, or every
+    // place of a split); a small graph over the state and a step's outputs run through a scheduler
+    // of its own (a split's tensors live on several devices); the backends opened and closed.
+    std::vector<ggml_backend_t> sched_backends() const;
+    void compute_split_graph(ggml_cgraph * gf, size_t graph_size, const char * what);
+    void open_backends();
+    void close_backends();
 
     HParams hp_;
     EngineOptions opts_;
     ggml_backend_t backend_ = nullptr;      // holds weights and state
     ggml_backend_t backend_cpu_ = nullptr;  // the scheduler's mandatory CPU fallback
+    LayerSplit split_;                      // active: backend_ is the first listed device's
     std::string backend_name_;
     bool fold_inputs_ = false;  // norms and SwiGLUs offered to our CUDA kernels (cuda_kernels.h)
     ModelWeights weights_;
@@ -315,6 +332,7 @@ class Engine {
     RowsStats rows_stats_;
     PrefillStats prefill_stats_;
     ggml_gallocr_t keep_alloc_ = nullptr;    // the commit graph's memory, reused
+    ggml_backend_sched_t keep_sched_ = nullptr;  // the same under a layer split (its graph spans devices)
     // The last commit graph (commit_paths.cpp), kept for the next commit of the same shape (key).
     struct KeepGraph {
         ggml_context * ctx = nullptr;

@@ -26,6 +26,9 @@ MtpHead::MtpHead(const Engine & target, int64_t n_ctx, int64_t n_ubatch)
         throw std::invalid_argument("this model file has no MTP layer (qwen35.nextn_predict_layers is 0): "
                                     "convert it with its MTP weights to draft with MTP");
     }
+    if (target.layer_split().active()) {  // its graphs and cache are made for one device
+        throw std::invalid_argument("spec_type 'mtp' is not supported with devices= (a layer split); load the model on one device");
+    }
     if (n_ctx < 1 || n_ubatch < 1) throw std::invalid_argument("MtpHead: n_ctx and n_ubatch must be >= 1");
     // FA reads the first n_kv rows, a multiple of kv_pad (SequenceState::n_kv_for)
     n_ctx_ = (n_ctx + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;

@@ -15,6 +15,8 @@ StatePool::~StatePool() { release(); }
 
 void StatePool::release() {
     if (buffer) ggml_backend_buffer_free(buffer);
+    for (ggml_backend_buffer_t b : split_buffers) ggml_backend_buffer_free(b);
+    split_buffers.clear();
     if (alias_ctx) ggml_free(alias_ctx);
     if (ctx) ggml_free(ctx);
     buffer = nullptr;
@@ -86,7 +88,8 @@ ggml_tensor * alias(ggml_context * ctx, ggml_tensor * whole, int64_t ne0, int64_
 }  // namespace
 
 void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t n_seq, ggml_type type_k,
-                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend, int format_k, int format_v) {
+                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend, int format_k, int format_v,
+                    const LayerSplit * split) {
     if (n_seq < 1) throw std::invalid_argument("n_seq_max must be >= 1");
     pool.n_seq = n_seq;
     pool.n_ctx = (n_ctx + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
@@ -142,10 +145,27 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
             ggml_set_name(pool.v[il], ("caches_v_" + suffix).c_str());
         }
     }
-    pool.buffer = ggml_backend_alloc_ctx_tensors(pool.ctx, backend);
-    if (!pool.buffer) throw std::runtime_error("cannot allocate the KV/recurrent state (n_ctx or n_seq_max too large?)");
-    // zero everything once: masked KV rows are still multiplied by 0, and garbage may be NaN
-    ggml_backend_buffer_clear(pool.buffer, 0);
+    if (split && split->active()) {
+        // every state tensor's name ends in _<layer>
+        const bool bug = split_bug() == SplitBug::state_first;
+        auto place = [&](const ggml_tensor * t) {
+            const std::string name = ggml_get_name(t);
+            return bug ? 0 : split->block.at(std::stoi(name.substr(name.rfind('_') + 1)));
+        };
+        try {
+            pool.split_buffers = alloc_placed(pool.ctx, split->backends, place, GGML_BACKEND_BUFFER_USAGE_ANY);
+        } catch (const std::runtime_error & e) {
+            throw std::runtime_error(std::string("the KV/recurrent state (n_ctx or n_seq_max too large?): ") + e.what());
+        }
+        for (ggml_backend_buffer_t b : pool.split_buffers) {
+            if (b) ggml_backend_buffer_clear(b, 0);  // null: a place without state (only the output layer, say)
+        }
+    } else {
+        pool.buffer = ggml_backend_alloc_ctx_tensors(pool.ctx, backend);
+        if (!pool.buffer) throw std::runtime_error("cannot allocate the KV/recurrent state (n_ctx or n_seq_max too large?)");
+        // zero everything once: masked KV rows are still multiplied by 0, and garbage may be NaN
+        ggml_backend_buffer_clear(pool.buffer, 0);
+    }
 
     ggml_init_params alias_params = {ggml_tensor_overhead() * (4 * (size_t)L * n_seq + 1), nullptr, true};
     pool.alias_ctx = ggml_init(alias_params);

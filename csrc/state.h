@@ -8,6 +8,7 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "hparams.h"
+#include "layer_split.h"
 
 namespace deltaspec {
 
@@ -53,7 +54,8 @@ struct StatePool {
 
     ggml_context * ctx = nullptr;        // the pool's tensors (and the checkpoint copies)
     ggml_context * alias_ctx = nullptr;  // the slots' tensors over them
-    ggml_backend_buffer_t buffer = nullptr;
+    ggml_backend_buffer_t buffer = nullptr;             // one device: every tensor
+    std::vector<ggml_backend_buffer_t> split_buffers;  // a layer split: one per device instead
 
     StatePool() = default;
     StatePool(const StatePool &) = delete;
@@ -66,9 +68,11 @@ struct StatePool {
 };
 
 // format_k / format_v (deltaspec_kv_format, ggml/deltaspec_tq.h): 1 = type_k / type_v holding rotated
-// rows, 3 or 4 = a tq3 / tq4 cache instead of type_k / type_v.
+// rows, 3 or 4 = a tq3 / tq4 cache instead of type_k / type_v. With `split` (active), each layer's
+// tensors go to a buffer of that layer's place (LayerSplit::block), the device of its weights.
 void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t n_seq, ggml_type type_k,
-                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend, int format_k = 0, int format_v = 0);
+                    ggml_type type_v, int64_t n_slots, ggml_backend_t backend, int format_k = 0, int format_v = 0,
+                    const LayerSplit * split = nullptr);
 
 // One tensor of the state as allocated (read from the ggml tensor, not from what was asked for).
 struct StateTensorInfo {

@@ -221,12 +221,12 @@ void Engine::build_step_graph(StepGraph & g) {
         const auto t1 = std::chrono::steady_clock::now();
         graph_stats_.build_seconds += std::chrono::duration<double>(t1 - t0).count();
 
-        ggml_backend_t backends[2] = {backend_, backend_cpu_};
-        const int n_backends = backend_ == backend_cpu_ ? 1 : 2;
+        std::vector<ggml_backend_t> backends = sched_backends();  // a layer split's devices, or the one and the CPU
+        const int n_backends = (int)backends.size();
         if (g.sched) {
             ggml_backend_sched_reset(g.sched);  // an evicted graph's, its buffers reused (grown if need be)
         } else {
-            g.sched = ggml_backend_sched_new(backends, nullptr, n_backends, graph_size_, false, false);
+            g.sched = ggml_backend_sched_new(backends.data(), nullptr, n_backends, graph_size_, false, false);
             if (!g.sched) throw std::runtime_error("cannot create the ggml scheduler");
         }
         if (!ggml_backend_sched_alloc_graph(g.sched, g.gf)) throw std::runtime_error("cannot allocate the compute graph");

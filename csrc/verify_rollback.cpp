@@ -36,7 +36,8 @@ void Engine::advance_verify_state(int64_t n) {
     const bool any_recurrent = std::any_of(hp_.recurrent.begin(), hp_.recurrent.end(), [](bool r) { return r; });
     if (!any_recurrent) return;  // attention layers only: the KV rows past n are dead, nothing to advance
     const bool all = n == verify_T_;  // the graph left the windows after all T tokens
-    const bool on_gpu = backend_ != backend_cpu_;
+    // our CUDA launches take raw pointers of one GPU: a layer split's state spans devices
+    const bool on_gpu = backend_ != backend_cpu_ && !split_.active();
     if (on_gpu) ggml_backend_synchronize(backend_);  // our launches run on a stream of their own
     const bool conv = all || (on_gpu && copy_conv_windows_cuda(n));
     const bool deltanet = on_gpu && (all ? copy_last_states_cuda() : replay_deltanet_cuda(n));
@@ -134,6 +135,11 @@ void Engine::advance_verify_state_graph(int64_t n, bool conv, bool deltanet) {
                 ggml_build_forward_expand(gf, ggml_cpy(ctx, after, ssm));
                 replays = true;
             }
+        }
+        if (split_.active()) {  // the layers' states and outputs live on several devices
+            compute_split_graph(gf, n_tensors, "advancing the recurrent state");
+            ggml_free(ctx);
+            return;
         }
         results = ggml_backend_alloc_ctx_tensors(ctx, backend_);  // the replays' results (none for windows alone)
         if (results == nullptr && replays) throw std::runtime_error("cannot allocate the recurrent state's replay");

@@ -15,6 +15,7 @@ namespace deltaspec {
 
 ModelWeights::~ModelWeights() {
     if (buffer) ggml_backend_buffer_free(buffer);
+    for (ggml_backend_buffer_t b : split_buffers) ggml_backend_buffer_free(b);
     if (ctx) ggml_free(ctx);
 }
 
@@ -235,7 +236,7 @@ std::vector<std::vector<std::string>> weight_stacks(const ModelWeights & w) {
 }
 
 void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend,
-                  bool stack_shared_inputs, const LoadProgress & progress) {
+                  bool stack_shared_inputs, const LoadProgress & progress, const LayerSplit * split) {
     GgufFile file(path);
     const int64_t n_tensors = gguf_get_n_tensors(file.gguf);
     // the file's tensors plus at most three stacks a layer
@@ -250,6 +251,10 @@ void load_weights(ModelWeights & w, const std::string & path, const HParams & hp
     w.token_embd = b.bind("token_embd.weight", {E, V});
     w.output_norm = b.bind("output_norm.weight", {E});
     w.output = b.has("output.weight") ? b.bind("output.weight", {E, V}) : w.token_embd;
+    if (split && split->active() && w.output == w.token_embd && split->output != split->input) {
+        w.output = b.bind("token_embd.weight", {E, V});
+        ggml_set_name(w.output, "output.tied");
+    }
 
     w.layers.resize(hp.n_layer);
     for (int il = 0; il < hp.n_layer; ++il) {
@@ -287,9 +292,15 @@ void load_weights(ModelWeights & w, const std::string & path, const HParams & hp
 
     if (hp.n_layer_nextn > 0) bind_mtp(b, w, hp);
 
-    w.buffer = ggml_backend_alloc_ctx_tensors(w.ctx, backend);
-    if (!w.buffer) throw std::runtime_error(path + ": cannot allocate the weight buffer (out of memory?)");
-    ggml_backend_buffer_set_usage(w.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    if (split && split->active()) {
+        w.split_buffers = alloc_placed(w.ctx, split->backends,
+                                       [&](const ggml_tensor * t) { return split->weight_place(ggml_get_name(t)); },
+                                       GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    } else {
+        w.buffer = ggml_backend_alloc_ctx_tensors(w.ctx, backend);
+        if (!w.buffer) throw std::runtime_error(path + ": cannot allocate the weight buffer (out of memory?)");
+        ggml_backend_buffer_set_usage(w.buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    }
     b.upload(progress);
 }
 

@@ -9,6 +9,7 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "hparams.h"
+#include "layer_split.h"
 
 namespace deltaspec {
 
@@ -64,7 +65,8 @@ struct ModelWeights {
     MtpWeights mtp;                     // present() when the file has an MTP layer
 
     ggml_context * ctx = nullptr;
-    ggml_backend_buffer_t buffer = nullptr;
+    ggml_backend_buffer_t buffer = nullptr;             // one device: every tensor
+    std::vector<ggml_backend_buffer_t> split_buffers;  // a layer split (layer_split.h): one per device instead
 
     ModelWeights() = default;
     ModelWeights(const ModelWeights &) = delete;
@@ -95,7 +97,11 @@ std::vector<std::vector<std::string>> weight_stacks(const ModelWeights & w);
 // to back as one tensor, and their weights are views of its rows. The graph then multiplies a
 // stack once (one launch and one pass over x instead of up to four, with the same result in every
 // row) and reads each projection as a view of the product's rows (graph_qwen35.cpp).
+//
+// With `split` (active), each tensor goes to a buffer of its layer's place instead (LayerSplit::
+// weight_place), and a tied LM head (no output.weight) is a second copy of token_embd on the output
+// layer's device when that is not the input's, as llama.cpp duplicates it.
 void load_weights(ModelWeights & w, const std::string & path, const HParams & hp, ggml_backend_t backend,
-                  bool stack_shared_inputs, const LoadProgress & progress = nullptr);
+                  bool stack_shared_inputs, const LoadProgress & progress = nullptr, const LayerSplit * split = nullptr);
 
 }  // namespace deltaspec

@@ -68,7 +68,7 @@ def test_llama_cpp_spelling_parses(args, attr, value):
     (["run", "-m", "m", "-p", "hi", "--chat-template-kw", "{}"], "unrecognized flag --chat-template-kw"),
     (["run", "-m", "m", "-p", "hi", "-ngl2"], "unrecognized flag -ngl2 (single-dash flags are matched whole"),
     (["run", "-m", "m", "-p", "hi", "-n5"], "unrecognized flag -n5"),
-    (["run", "-m", "m", "-p", "hi", "-sm", "row"], "-sm (--split-mode): llama.cpp's flag is not supported"),
+    (["run", "-m", "m", "-p", "hi", "-mg", "1"], "-mg (--main-gpu): llama.cpp's flag is not supported"),
     (["run", "-m", "m", "-p", "hi", "--mlock"], "--mlock: llama.cpp's flag is not supported"),
     (["run", "-m", "m", "-p", "hi", "--typical", "0.5"], "--typical: llama.cpp's flag is not supported"),
     (["run", "-m", "m", "-p", "hi", "-r", "User:"], "-r (--reverse-prompt): llama.cpp's flag is not supported: "

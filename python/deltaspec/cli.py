@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .devices import device_arg, device_kind
+from .devices import device_arg, device_kind, split_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", type=_positive_int, default=4096,
                    help="context size for the memory estimate, rounded up to a multiple of 256 as Model "
                         "allocates it (default: %(default)s)")
+    p.add_argument("-ts", "--tensor-split", default=None, metavar="N,N,...",
+                   help="also show where a layer split with these shares puts the layers (as run --devices ... -ts)")
     p.set_defaults(run=_run_info)
 
     from .synth import PRESETS, QUANTS  # numpy + gguf only
@@ -79,6 +81,7 @@ over, and Ctrl-C to stop a reply."""
 RUN_FLAGS = {
     "n_ctx": "-c/--ctx-size", "n_threads": "-t/--threads", "n_ubatch": "-ub/--ubatch-size",
     "type_k": "-ctk/--cache-type-k", "type_v": "-ctv/--cache-type-v", "device": "--device",
+    "devices": "--devices", "split": "-sm/--split-mode", "tensor_split": "-ts/--tensor-split",
     "max_tokens": "-n/--n-predict", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p",
     "min_p": "--min-p", "repeat_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty", "penalty_last_n": "--repeat-last-n", "seed": "-s/--seed",
@@ -136,6 +139,13 @@ def _add_run_parser(sub) -> None:
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", metavar="N", default=None,
                    help="the engine runs on one device, whole: 0 = CPU; N >= 1, 'all' = every layer on the GPU "
                         "(--device cuda); 'auto' = --device's choice (default: auto)")
+    p.add_argument("--devices", default=None, type=split_arg, metavar="DEV,DEV,...",
+                   help="one model over several devices (instead of --device), e.g. cuda:0,cpu: whole layers, with "
+                        "their KV cache and recurrent state, per device (llama.cpp's -sm layer)")
+    p.add_argument("-sm", "--split-mode", default=None, choices=["layer"],
+                   help="how --devices share the model: layer (the only mode; default with --devices)")
+    p.add_argument("-ts", "--tensor-split", default=None, metavar="N,N,...",
+                   help="--devices' shares of the layers, e.g. 3,1 (default: by each device's free memory)")
     p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto",
                    help="attention always runs as ggml's flash attention here: on and auto accepted, off refused")
     p.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
@@ -356,11 +366,34 @@ def _device(args: argparse.Namespace) -> str:
     return wanted if args.device is None else args.device  # "cuda:1" stays that GPU
 
 
-def _check_ngl_device(args: argparse.Namespace, device: str) -> None:
+def _placement(args: argparse.Namespace) -> dict:
+    """Model's device=, or with --devices its devices=, split= and tensor_split= (Model checks them)."""
+    if args.devices is None:
+        for flag, value in (("-sm/--split-mode", args.split_mode), ("-ts/--tensor-split", args.tensor_split)):
+            if value is not None:
+                raise RunError(f"{flag} needs --devices DEV,DEV,... (the devices to split the model over)")
+        return {"device": _device(args)}
+    if args.device is not None:
+        raise RunError(f"--device {args.device} and --devices {','.join(args.devices)}: pass one of them")
+    if args.n_gpu_layers not in (None, "auto", "all", "-1"):
+        raise RunError(f"-ngl/--n-gpu-layers {args.n_gpu_layers} with --devices: the split places every layer; "
+                       "leave -ngl out")
+    from .devices import parse_layer_split
+
+    try:
+        devices, shares = parse_layer_split(args.devices, args.split_mode, args.tensor_split)
+    except (TypeError, ValueError) as e:
+        raise RunError(f"--devices / -ts / -sm: {e}") from None
+    return {"devices": devices, "split": args.split_mode or "layer", "tensor_split": shares or None}
+
+
+def _check_ngl_device(args: argparse.Namespace, device: str | None) -> None:
     # a llama.cpp habit (-ngl 99) on a CPU-only build: say which flag asked for the GPU, before the
     # engine's own message (which knows only the device name) would
     from . import _core
 
+    if device is None:  # --devices: Model checks each
+        return
     if args.n_gpu_layers not in (None, "auto", "-1") and device_kind(device) == "cuda" and not _core.has_device("cuda"):
         raise RunError(f"-ngl/--n-gpu-layers {args.n_gpu_layers}: asks for the GPU, but this build of deltaspec "
                        "has no CUDA device; use -ngl 0 (CPU), or build with CUDA (README, Building)")
@@ -395,7 +428,7 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
         n_ctx = read_hparams(read_gguf(args.model)).n_ctx_train
     # llama.cpp caps the physical batch at the logical one; this engine has only the physical one
     return dict(n_ctx=n_ctx, n_threads=args.threads, n_ubatch=min(args.batch_size, args.ubatch_size),
-                device=_device(args), type_k=args.cache_type_k, type_v=args.cache_type_v,
+                **_placement(args), type_k=args.cache_type_k, type_v=args.cache_type_v,
                 # -v: plain progress lines when stderr is not a terminal (a bar on one, as without -v)
                 progress=False if args.log_disable else True if args.verbose else None)
 
@@ -492,7 +525,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from .model import Model
 
-    _check_ngl_device(args, model_kwargs["device"])
+    _check_ngl_device(args, model_kwargs.get("device"))
     with Model(args.model, **model_kwargs) as model:
         log = not args.log_disable
         if args.interactive and "chat_template" not in template_kwargs:  # --chat-template's compiled already
@@ -652,7 +685,16 @@ def _run_convert(args: argparse.Namespace) -> int:
 def _run_info(args: argparse.Namespace) -> int:
     from .info import print_info
 
-    print_info(args.model, n_ctx=args.ctx_size)
+    shares = None
+    if args.tensor_split is not None:
+        from .devices import parse_shares
+
+        try:
+            shares = parse_shares(args.tensor_split)
+        except (TypeError, ValueError) as e:
+            print(f"deltaspec info: error: -ts/--tensor-split: {e}", file=sys.stderr)
+            return 2
+    print_info(args.model, n_ctx=args.ctx_size, tensor_split=shares)
     return 0
 
 

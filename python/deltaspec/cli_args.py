@@ -12,9 +12,9 @@ import argparse
 import re
 
 # llama.cpp (common/arg.cpp) flags with no counterpart in deltaspec: each spelling -> the flag's
-# canonical name, so `-sm` and `--split-mode` get the same message.
+# canonical name, so `-ot` and `--override-tensor` get the same message.
 _REFUSED_GROUPS = [
-    ("-sm", "--split-mode"), ("-ts", "--tensor-split"), ("-mg", "--main-gpu"), ("-dev",), ("--mlock",),
+    ("-mg", "--main-gpu"), ("-dev",), ("--mlock",),
     ("--no-mmap", "--mmap"), ("--numa",), ("-ot", "--override-tensor"), ("-cmoe", "--cpu-moe"),
     ("-ncmoe", "--n-cpu-moe"), ("--lora",), ("--lora-scaled",), ("--control-vector",),
     ("-hf", "-hfr", "--hf-repo"), ("-hff", "--hf-file"), ("-hft", "--hf-token"), ("-mu", "--model-url"),

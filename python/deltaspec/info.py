@@ -14,9 +14,32 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def describe(path: str, n_ctx: int = 4096) -> list[str]:
+def _split_lines(f, hp, used: list[str], shares: list[float]) -> list[str]:
+    """Where a layer split with these shares puts each block and its weights (llama.cpp's rule,
+    deltaspec.devices.layer_devices; the token embeddings stay on the CPU)."""
+    from .devices import layer_devices
+
+    n_blocks = hp.n_layer + hp.n_layer_nextn
+    where = layer_devices(n_blocks, shares)
+    placed = [0] * len(shares)
+    for name in used:
+        if name.startswith("blk."):
+            placed[where[int(name.split(".")[1])]] += f.tensors[name].n_bytes
+        elif name != "token_embd.weight":
+            placed[where[-1]] += f.tensors[name].n_bytes
+    lines = [f"layer split (-ts {','.join(f'{x:g}' for x in shares)}, llama.cpp's -sm layer rule); token embeddings "
+             f"{_mib(f.tensors['token_embd.weight'].n_bytes)} on the CPU:"]
+    for d in range(len(shares)):
+        blocks = [il for il in range(n_blocks) if where[il] == d]
+        span = ("no layers" if not blocks else f"layer {blocks[0]}" if len(blocks) == 1
+                else f"layers {blocks[0]}-{blocks[-1]}")
+        lines.append(f"  device {d}: {span}" + (" + output" if where[-1] == d else "") + f", {_mib(placed[d])}")
+    return lines
+
+
+def describe(path: str, n_ctx: int = 4096, tensor_split: list[float] | None = None) -> list[str]:
     """Report lines; memory is given for the context a Model(path, n_ctx=n_ctx) allocates (n_ctx
-    rounded up to a multiple of 256)."""
+    rounded up to a multiple of 256); with tensor_split, where a layer split puts the layers."""
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1:
         raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
     n_ctx = padded_n_ctx(n_ctx)
@@ -57,8 +80,10 @@ def describe(path: str, n_ctx: int = 4096) -> list[str]:
             per_token = kv_bytes_per_token(hp, name, name)
             lines.append(f"  {name:<7} {per_token:>12,} bytes/token {_mib(per_token * n_ctx):>14}")
     lines += format_slot_table(slot_table(hp))
+    if tensor_split:
+        lines += _split_lines(f, hp, used, tensor_split)
     return lines
 
 
-def print_info(path: str, n_ctx: int = 4096) -> None:
-    print("\n".join(describe(path, n_ctx)))
+def print_info(path: str, n_ctx: int = 4096, tensor_split: list[float] | None = None) -> None:
+    print("\n".join(describe(path, n_ctx, tensor_split)))

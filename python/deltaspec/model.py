@@ -20,7 +20,7 @@ from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation,
 from .gguf_file import read_gguf
 from .grammar import Grammar, grammar_of
 from .qwen35 import check_tensors, read_hparams
-from .devices import device_kind
+from .devices import device_kind, parse_layer_split
 from .kv_cache import allocated_state, engine_cache_args, validate_cache_types
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
@@ -83,7 +83,8 @@ class Model:
                  progress: bool | Callable[[float], None] | None = None, n_seq_max: int = 1, *,
                  model_path: str | os.PathLike[str] | None = None, n_gpu_layers: int | None = None,
                  seed: int | None = None, n_batch: int | None = None, verbose: bool | None = None,
-                 flash_attn: bool | str | None = None):
+                 flash_attn: bool | str | None = None, devices: Sequence[str] | str | None = None,
+                 split: str | None = None, tensor_split: Sequence[float] | None = None):
         """`progress` reports the load: None shows a tqdm bar on stderr when stderr is a terminal
         (and tqdm is installed), True shows it anyway (plain lines when stderr is not a terminal),
         False shows nothing, and a callable receives the fraction of the weights uploaded, 0.0 ..
@@ -91,6 +92,15 @@ class Model:
 
         `device`: "cpu" (the default), "cuda" (= "cuda:0") or "cuda:N", the N-th GPU of ggml's
         registry (deltaspec.devices); the whole model and its state live there.
+
+        `devices` (instead of `device`), `split` and `tensor_split`: one model over several devices,
+        e.g. devices=["cuda:0", "cpu"], split="layer", tensor_split=[3, 1] (llama.cpp's
+        `-sm layer -ts 3,1`): each decoder layer, with its weights, KV cache and recurrent state, on
+        one device by llama.cpp's rule (deltaspec.devices.layer_devices), the token embeddings on the
+        CPU, and ggml's scheduler running each step over the devices. split="layer" is the only mode;
+        tensor_split None splits by each device's free memory. `device_layers()` says what went where.
+        MTP and DFlash drafting need one device; a draft model loaded from a path goes on devices[0]
+        (`self.device`).
 
         `n_seq_max` sequence slots, each with a KV cache of n_ctx rows and a recurrent state, let
         generate_batch / add_request run that many sequences at once (the weights are shared).
@@ -102,6 +112,12 @@ class Model:
         summary line on stderr; False: none) and `flash_attn` (True/None: attention always runs as
         flash attention here; False is refused)."""
         self._engine = None
+        layer_split = parse_layer_split(devices, split, tensor_split, device)
+        if layer_split is not None and n_gpu_layers is not None:
+            raise ValueError(f"n_gpu_layers={n_gpu_layers!r} and devices= both place the model; pass devices= alone")
+        if layer_split is not None:
+            # the first local device speaks for the model (draft models loaded from a path go there)
+            device = next((d for d in layer_split[0] if not d.startswith("rpc:")), "cpu")
         choice = llama_args.resolve(path, model_path, device, n_gpu_layers, n_ubatch, n_batch, seed, flash_attn)
         path, device, n_ubatch, self._default_seed = choice.path, choice.device, choice.n_ubatch, choice.seed
         if verbose is not None and not isinstance(verbose, bool):
@@ -128,7 +144,8 @@ class Model:
         gguf = read_gguf(self.path)
         self.hparams = read_hparams(gguf)
         check_tensors(self.hparams, gguf)
-        validate_cache_types(type_k, type_v, device, self.hparams.head_dim)
+        for d in layer_split[0] if layer_split else [device]:  # an RPC device: held to the CPU's types
+            validate_cache_types(type_k, type_v, "cpu" if d.startswith("rpc:") else d, self.hparams.head_dim)
         # the vocabulary and merges stay with the tokenizer; everything else is kept as read
         self.metadata: dict[str, Any] = {k: v for k, v in gguf.metadata.items()
                                          if not (isinstance(v, list) and len(v) > SMALL_ARRAY)}
@@ -139,11 +156,13 @@ class Model:
             raise TokenizerError(f"{self.path}: {e}") from None
         # before the engine: ggml reads the matmul variable it sets once, at the process's first
         # matmul. The setting is ggml-cpu's: it says nothing of the CUDA backend's kernels.
-        self.batch_invariant = batch_invariance.apply() and device == "cpu"
+        self.batch_invariant = batch_invariance.apply() and all(
+            d == "cpu" for d in (layer_split[0] if layer_split else [device]))
+        split_args = dict(devices=layer_split[0], tensor_split=layer_split[1]) if layer_split else {}
         try:
             self._engine = _core.Engine(self.path, self.hparams, n_ctx=n_ctx, n_ubatch=n_ubatch,
                                         n_threads=n_threads, device=device, **engine_cache_args(type_k, type_v),
-                                        progress=on_bytes, n_seq_max=n_seq_max)
+                                        progress=on_bytes, n_seq_max=n_seq_max, **split_args)
         except RuntimeError as e:  # the file passed validation: device, memory, or the file changed since
             message = str(e)
             raise EngineError(message if message.startswith(self.path) else f"{self.path}: {message}") from None
@@ -161,6 +180,7 @@ class Model:
         # reset) or a generation's worker for its whole run. See generation.engine_of.
         self._busy = threading.Lock()
         self.device = device
+        self.devices = list(layer_split[0]) if layer_split else None  # None: one device (self.device)
         self.n_threads = n_threads
         self.n_seq_max = n_seq_max
         self._batch_running = False  # a generate_batch call runs (cancel() reaches it)
@@ -206,6 +226,20 @@ class Model:
         for the model (a running generation makes it raise RuntimeError)."""
         with engine_of(self) as engine:
             return allocated_state(engine.state_info, engine.n_ctx)
+
+    def device_layers(self) -> list[dict[str, Any]]:
+        """Where the model lives, one dict per device (one entry on one device):
+
+            [{"device": "cuda:0", "backend": "CUDA0", "layers": [0, 1, 2],  # decoder layers there
+              "input": False, "output": False,      # token embeddings; output norm + LM head
+              "weight_bytes": ..., "kv_bytes": ...,  # weights; KV cache (k + v, every slot)
+              "state_bytes": ...}, ...]              # recurrent state (conv + DeltaNet, checkpoint copy)
+
+        read from the buffers the engine allocated (csrc/engine_split.cpp). Under a layer split the
+        devices come in the order given, then "cpu" when it was not listed (it holds the token
+        embeddings, as in llama.cpp)."""
+        with engine_of(self) as engine:
+            return list(engine.device_layers)
 
     # --- tokens --------------------------------------------------------------------------------
     def tokenize(self, text: str | bytes, special: bool = False, add_bos: bool = True) -> list[int]:

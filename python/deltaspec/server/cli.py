@@ -53,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "A CPU replica runs -t threads: give -t cores / replicas (default: one replica, --device)")
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", default=None, metavar="N",
                    help="0 = CPU; N >= 1 or 'all' = the whole model on the GPU (--device cuda)")
+    p.add_argument("--devices", default=None, metavar="DEV,DEV,...",
+                   help="one model over several devices (instead of --device), e.g. cuda:0,cpu: whole layers, with "
+                        "their KV cache and recurrent state, per device (llama.cpp's -sm layer); -md goes on the first")
+    p.add_argument("-sm", "--split-mode", default=None, choices=["layer"],
+                   help="how --devices share the model: layer (the only mode; default with --devices)")
+    p.add_argument("-ts", "--tensor-split", default=None, metavar="N,N,...",
+                   help="--devices' shares of the layers, e.g. 3,1 (default: by each device's free memory)")
     p.add_argument("-md", "--model-draft", default=None, metavar="FNAME", help="draft model (spec-type draft-simple)")
     p.add_argument("--spec-type", default=None, choices=["draft-simple", "ngram-simple"],
                    help="speculative decoding: draft-simple (with -md) or ngram-simple (prompt lookup)")
@@ -166,14 +173,37 @@ def _served(model, args):
                   n_vocab=model.n_vocab, template=template, aliases=(args.model, os.path.abspath(args.model)))
 
 
-def _load(args, device: str, speculation: dict | None):
-    """(Model, backend) on `device`: the target and, with -md, a draft model of its own there."""
+def _layer_split(args) -> tuple[list[str], list[float]] | None:
+    """--devices / -sm / -ts checked (None without --devices)."""
+    if args.devices is None:
+        for flag, value in (("-sm/--split-mode", args.split_mode), ("-ts/--tensor-split", args.tensor_split)):
+            if value is not None:
+                raise ServeError(f"{flag} needs --devices DEV,DEV,... (the devices to split the model over)")
+        return None
+    for flag, value in (("--device", args.device), ("--replicas", args.replicas)):
+        if value is not None:
+            raise ServeError(f"--devices {args.devices} and {flag} {value}: pass one of them")
+    if args.n_gpu_layers not in (None, "auto", "all", "-1"):
+        raise ServeError(f"-ngl {args.n_gpu_layers} with --devices: the split places every layer; leave -ngl out")
+    from ..devices import parse_layer_split
+
+    try:
+        return parse_layer_split(args.devices, args.split_mode, args.tensor_split)
+    except (TypeError, ValueError) as e:
+        raise ServeError(f"--devices / -ts / -sm: {e}") from None
+
+
+def _load(args, device: str, speculation: dict | None, split: tuple[list[str], list[float]] | None = None):
+    """(Model, backend) on `device` (or split over split's devices): the target and, with -md, a draft
+    model of its own there (on the split's first device)."""
     from ..model import Model
     from .backend import make_backend
 
     kwargs = {"n_threads": args.threads} if args.threads is not None else {}
-    model = Model(args.model, n_ctx=args.ctx_size, n_seq_max=args.parallel, device=device, n_ubatch=args.ubatch_size,
-                  type_k=args.cache_type_k, type_v=args.cache_type_v, **kwargs)
+    placement = {"device": device} if split is None else {"devices": split[0], "tensor_split": split[1] or None}
+    model = Model(args.model, n_ctx=args.ctx_size, n_seq_max=args.parallel, n_ubatch=args.ubatch_size,
+                  type_k=args.cache_type_k, type_v=args.cache_type_v, **placement, **kwargs)
+    device = model.device
     if speculation and speculation["draft_model"] is not None:
         # a slot per request: the batch backend drafts for every running request at once
         speculation = {**speculation, "draft_model": Model(speculation["draft_model"], n_ctx=args.ctx_size,
@@ -204,10 +234,11 @@ def serve(args) -> int:
         check_serveable(args.parallel, speculation)
     except ServeConfigError as e:
         raise ServeError(str(e)) from None
+    split = _layer_split(args)
     replica_devices = _replica_devices(args)
     if replica_devices is None:
-        device = _device(args)
-        model, backend = _load(args, device, speculation)
+        device = _device(args) if split is None else ",".join(split[0])
+        model, backend = _load(args, None if split else device, speculation, split)
         metrics = ServerMetrics(backend.slots, args.queue_size, speculation is not None)
         engine = EngineLoop(backend, metrics, args.queue_size)
         slots = backend.slots
