@@ -187,7 +187,7 @@ def test_planted_tile_row_skip_is_caught(monkeypatch):
     """DELTASPEC_TEST_TQ_ATTN_BUG=skip_last_row (read per call by ggml/cuda/deltaspec_tq.cu: the tile
     kernel leaves out the last row of every tile, as an off-by-one in its tile bounds would) turns the
     tile kernel's checks red and leaves the warp kernel's green. Written without a GPU (the kernel's
-    source run on the host went red with it: bench/tq_attn_tile_host.py); on the GPU machine
+    source run on the host went red with it: tests/test_tq_attn_tile_host.py); on the GPU machine
     `DELTASPEC_TEST_TQ_ATTN_BUG=skip_last_row python -m pytest -q -m gpu tests/test_gpu_turboquant.py -k
     "decode_kernels and tile"` must fail, every case."""
     monkeypatch.setenv("DELTASPEC_TEST_TQ_ATTN_BUG", "skip_last_row")
