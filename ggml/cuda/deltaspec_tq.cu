@@ -11,9 +11,9 @@
 // and ggml's own set_rows quantizes them; its attention reads the cache as it is.
 //
 // Attention: Q is rotated when K is rotated (tq or not). A one-token step with both sides tq reads
-// the tq rows in place, split over the cache and then merged (tq_decode_merge): by tiles of rows
+// the tq rows in place, split over the cache and then merged: by tiles of rows
 // (tq_decode_attn_tile, deltaspec_tq_attn_tile.cuh), or with DELTASPEC_TQ_DECODE_KERNEL=warp by the
-// older one-warp-per-row kernel (tq_decode_attn, kept for A/B). Any other
+// older one-warp-per-row kernel (tq_decode_attn and its merge, kept for A/B). Any other
 // step decodes the visible K/V rows of a tq side to F16 in the rotated domain and runs ggml's own
 // flash attention on them (its vector kernel for a token, its tensor-core kernel for batches): a
 // write and a read of F16 K/V per step, ~4.4 bytes per cached value where the in-place kernel reads
@@ -246,8 +246,6 @@ void launch_decode_attn_warp(int format_k, int format_v, const ggml_tensor * dst
 // per SM over all (KV head, stream) pairs (at 64K rows and 4 KV heads on 132 SMs: 4 tiles a block,
 // 128 splits, 512 blocks), and one tile per block where the cache is shorter than that (at 4K:
 // 32 splits): short caches are latency bound, so more blocks with less work each.
-constexpr int64_t kTileBlocksPerSm = 4;  // resident at once: ~47 KB of shared memory each at D=256
-
 int64_t tile_chunk(int64_t n_kv, int64_t n_pairs, int n_sm) {
     const int64_t n_tiles = (n_kv + kTileRows - 1) / kTileRows;
     const int64_t want_splits = std::max<int64_t>(1, (kTileBlocksPerSm * n_sm + n_pairs - 1) / n_pairs);
@@ -271,7 +269,7 @@ void launch_decode_attn_tile(int format_k, int format_v, const ggml_tensor * dst
                                             (const char *)V->data, V->nb[1], V->nb[2], V->nb[3],
                                             (const char *)mask->data, mask->nb[3], mask->ne[3], n_kv, (int)H,
                                             (int)(H / Hkv), scale, chunk, planted_tile_skips_last_row(), part.get());
-    tq_decode_merge<D><<<n_blocks(N * H), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(part.get(), n_split, N * H, out);
+    tq_decode_merge_coords<D><<<(unsigned)(N * H), D, 0, ctx.stream()>>>(part.get(), n_split, out);
 }
 
 template <int D>
