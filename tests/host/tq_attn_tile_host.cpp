@@ -42,7 +42,7 @@ static float g_slot[128];
 #define __forceinline__ inline
 #define __constant__ static const
 #define __shared__ static
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __align__(x) __attribute__((aligned(x)))
 #define threadIdx (t_tid)
 #define blockIdx (g_bid)
