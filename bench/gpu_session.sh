@@ -47,7 +47,9 @@
 #      lines -> tq_cuda_diag.md/.json), then tests/test_gpu_turboquant.py and test_gpu.py's cache pairs
 #      with a tq or rotated side -> gpu_tq_tests.xml / .log
 #   ab: tg128 (f16 KV) of deltaspec alone under each environment of AB_CONFIGS ('|'-separated
-#      lists of VAR=VALUE, e.g. "DELTASPEC_CUDA_KERNELS=1|DELTASPEC_CUDA_KERNELS=0"), one process each
+#      lists of VAR=VALUE, e.g. "DELTASPEC_CUDA_KERNELS=1|DELTASPEC_CUDA_KERNELS=0"), one process each;
+#      AB_TESTS and AB_CACHE_TYPES (space-separated) replace tg128 and f16, e.g. AB_TESTS=tg128@d65536
+#      AB_CACHE_TYPES=tq3 AB_CONFIGS="DELTASPEC_TQ_DECODE_KERNEL=warp|DELTASPEC_TQ_DECODE_KERNEL=tile"
 #   mtp: MTP drafting on a synthetic 27B Q4_K_M with an MTP layer (bench/mtp_bench.py): round cost
 #      and tok/s of chains of N = 1..5 drafts and of trees (depth:budget 3:8, 5:16), interleaved with
 #      llama.cpp's draft-mtp (llama-speculative-simple, compiled against the `build` step's
@@ -201,7 +203,8 @@ if has_step ab; then
     IFS='|' read -ra configs <<< "${AB_CONFIGS:-}"
     for config in "${configs[@]}"; do
         # shellcheck disable=SC2086  # a config is a list of VAR=VALUE words
-        env $config python3 "$REPO/bench/decode_bench.py" ours /tmp/q27.gguf --tests tg128 --cache-types f16 \
+        env $config python3 "$REPO/bench/decode_bench.py" ours /tmp/q27.gguf --tests ${AB_TESTS:-tg128} \
+            --cache-types ${AB_CACHE_TYPES:-f16} \
             --out /tmp/ab.json 2>&1 | grep "tok/s" | sed "s/^ */[$config] /" | tee -a "$OUT/ab.md" \
             || echo "[$config] failed" | tee -a "$OUT/ab.md"
     done

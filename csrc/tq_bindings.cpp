@@ -21,6 +21,9 @@
 
 namespace py = pybind11;
 
+// Defined by ggml/cuda/deltaspec_tq.cu inside ggml-cuda; weak, so that a CPU-only build links too.
+extern "C" int64_t deltaspec_cuda_tq_decode_launches(int kernel) __attribute__((weak));
+
 namespace deltaspec {
 
 namespace {
@@ -161,40 +164,47 @@ U8 set_rows_node(const std::string & device, int bits, const F32 & x, const py::
 // Attention through the caches: k and v (n_kv, H_kv, D) are written into caches of type_k / type_v
 // ("tq3", "tq4" or a ggml type name such as "f16") by the engine's write nodes, then attended by the
 // engine's attention node with q (T, H, D) and mask (T, n_kv) (0 or -inf). Returns (T, H, D).
-// "q4_0+rot" etc.: a rotated cache of that ggml type.
+// "q4_0+rot" etc.: a rotated cache of that ggml type. With a leading stream axis (q (N, T, H, D), k
+// and v (N, n_kv, H_kv, D), mask (N, T, n_kv)): N streams in one node, each over its own cache rows,
+// as the engine's slots; returns (N, T, H, D).
 F32 attention_node(const std::string & device, const F32 & q, const F32 & k, const F32 & v, const F32 & mask,
                    const std::string & type_k, const std::string & type_v, float scale, int n_threads) {
-    if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || mask.ndim() != 2) {
-        throw std::invalid_argument("q (T, H, D), k and v (n_kv, H_kv, D), mask (T, n_kv)");
+    const int s = q.ndim() == 4 ? 1 : 0;  // the stream axis, if any
+    if (q.ndim() != 3 + s || k.ndim() != 3 + s || v.ndim() != 3 + s || mask.ndim() != 2 + s) {
+        throw std::invalid_argument("q (T, H, D), k and v (n_kv, H_kv, D), mask (T, n_kv), each with or without a "
+                                    "leading stream axis N");
     }
-    const int64_t T = q.shape(0), H = q.shape(1), D = head_dim_of(q), n_kv = k.shape(0), Hkv = k.shape(1);
-    if (v.shape(0) != n_kv || v.shape(1) != Hkv || k.shape(2) != D || v.shape(2) != D || H % Hkv != 0 ||
-        mask.shape(0) != T || mask.shape(1) != n_kv || n_kv % 256 != 0) {
-        throw std::invalid_argument("shapes disagree (n_kv must be a multiple of 256, H a multiple of H_kv)");
+    const int64_t N = s ? q.shape(0) : 1;
+    const int64_t T = q.shape(s), H = q.shape(s + 1), D = head_dim_of(q), n_kv = k.shape(s), Hkv = k.shape(s + 1);
+    if (v.shape(s) != n_kv || v.shape(s + 1) != Hkv || k.shape(s + 2) != D || v.shape(s + 2) != D || H % Hkv != 0 ||
+        mask.shape(s) != T || mask.shape(s + 1) != n_kv || n_kv < 1 ||
+        (s && (k.shape(0) != N || v.shape(0) != N || mask.shape(0) != N))) {
+        throw std::invalid_argument("shapes disagree (H must be a multiple of H_kv, N and n_kv the same for all)");
     }
     TqGraph g(device, n_threads);
     ggml_context * ctx = g.ctx();
     auto cache_of = [&](const std::string & type) -> ggml_tensor * {
-        if (type == "tq3" || type == "tq4") return deltaspec_tq_new_cache(ctx, type == "tq3" ? 3 : 4, D, Hkv, n_kv);
+        if (type == "tq3" || type == "tq4") return deltaspec_tq_new_cache(ctx, type == "tq3" ? 3 : 4, D, Hkv, N * n_kv);
         const bool rotated = type.size() > 4 && type.compare(type.size() - 4, 4, "+rot") == 0;
         const std::string name = rotated ? type.substr(0, type.size() - 4) : type;
         for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
             if (ggml_get_type_traits((ggml_type)t)->type_name && name == ggml_type_name((ggml_type)t)) {
-                return rotated ? deltaspec_kv_new_rotated_cache(ctx, (ggml_type)t, D, Hkv, n_kv)
-                               : ggml_new_tensor_2d(ctx, (ggml_type)t, Hkv * D, n_kv);
+                return rotated ? deltaspec_kv_new_rotated_cache(ctx, (ggml_type)t, D, Hkv, N * n_kv)
+                               : ggml_new_tensor_2d(ctx, (ggml_type)t, Hkv * D, N * n_kv);
             }
         }
         throw std::invalid_argument("unknown cache type '" + type + "'");
     };
     ggml_tensor * kc = cache_of(type_k);
     ggml_tensor * vc = cache_of(type_v);
-    ggml_tensor * kx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, Hkv * D, n_kv);
-    ggml_tensor * vx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, Hkv * D, n_kv);
-    ggml_tensor * idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_kv);
-    ggml_tensor * qt = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, D, H, T);
-    ggml_tensor * mt = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, T);
-    std::vector<int64_t> rows(n_kv);
-    for (int64_t i = 0; i < n_kv; ++i) rows[i] = i;
+    // stream n's rows are cache rows n * n_kv .. (n + 1) * n_kv - 1
+    ggml_tensor * kx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, Hkv * D, N * n_kv);
+    ggml_tensor * vx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, Hkv * D, N * n_kv);
+    ggml_tensor * idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, N * n_kv);
+    ggml_tensor * qt = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, H, T, N);
+    ggml_tensor * mt = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, T, 1, N);
+    std::vector<int64_t> rows(N * n_kv);
+    for (int64_t i = 0; i < N * n_kv; ++i) rows[i] = i;
     std::vector<ggml_fp16_t> m16(mask.size());
     for (py::ssize_t i = 0; i < mask.size(); ++i) m16[i] = ggml_fp32_to_fp16(mask.data()[i]);
     for (auto [t, data] : {std::pair<ggml_tensor *, const void *>{kc, nullptr}, {vc, nullptr}, {kx, k.data()},
@@ -204,8 +214,8 @@ F32 attention_node(const std::string & device, const F32 & q, const F32 & k, con
     g.expand(deltaspec_kv_set_rows(ctx, kc, kx, idx));
     g.expand(deltaspec_kv_set_rows(ctx, vc, vx, idx));
     auto heads = [&](ggml_tensor * cache) {
-        ggml_tensor * view = ggml_view_3d(ctx, cache, deltaspec_kv_head_ne0(cache, D), Hkv, n_kv,
-                                          deltaspec_kv_head_bytes(cache, D), cache->nb[1], 0);
+        ggml_tensor * view = ggml_view_4d(ctx, cache, deltaspec_kv_head_ne0(cache, D), Hkv, n_kv, N,
+                                          deltaspec_kv_head_bytes(cache, D), cache->nb[1], n_kv * cache->nb[1], 0);
         return ggml_permute(ctx, view, 0, 2, 1, 3);
     };
     ggml_tensor * out = deltaspec_kv_flash_attn(ctx, ggml_permute(ctx, qt, 0, 2, 1, 3), heads(kc), heads(vc), mt, scale,
@@ -213,7 +223,9 @@ F32 attention_node(const std::string & device, const F32 & q, const F32 & k, con
     ggml_prec_set_acc(out, GGML_PREC_F32);
     g.expand(out);
     g.compute();
-    F32 result({(py::ssize_t)T, (py::ssize_t)H, (py::ssize_t)D});
+    std::vector<py::ssize_t> shape = {(py::ssize_t)T, (py::ssize_t)H, (py::ssize_t)D};
+    if (s) shape.insert(shape.begin(), (py::ssize_t)N);
+    F32 result(shape);
     ggml_backend_tensor_get(out, result.mutable_data(), 0, ggml_nbytes(out));
     return result;
 }
@@ -244,7 +256,18 @@ void bind_tq(py::module_ & m) {
           "The quantize-on-write node on a backend: x (T, H, D) into rows idx; returns the cache's bytes.");
     m.def("tq_attention", &attention_node, py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("mask"), py::arg("type_k"), py::arg("type_v"), py::arg("scale"), py::arg("n_threads") = 1,
-          "k, v written into caches of type_k / type_v by the engine's nodes, then attended: (T, H, D).");
+          "k, v written into caches of type_k / type_v by the engine's nodes, then attended: (T, H, D); with a "
+          "leading stream axis N on q, k, v and mask, N streams in one node: (N, T, H, D).");
+    m.def("tq_cuda_decode_launches", [] {
+        py::dict d;
+        if (deltaspec_cuda_tq_decode_launches == nullptr) return d;
+        d["f16"] = deltaspec_cuda_tq_decode_launches(0);
+        d["tile"] = deltaspec_cuda_tq_decode_launches(1);
+        d["warp"] = deltaspec_cuda_tq_decode_launches(2);
+        return d;
+    }, "CUDA tq attention steps run in this process (host side) by kernel: 'tile' and 'warp' (the in-place "
+       "one-token kernels, DELTASPEC_TQ_DECODE_KERNEL), 'f16' (decoded to F16 for ggml's attention); empty "
+       "without ggml/cuda/deltaspec_tq.cu.");
 }
 
 }  // namespace deltaspec

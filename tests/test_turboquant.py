@@ -195,6 +195,27 @@ def test_attention_node_equals_attention_over_the_cache(type_k, type_v, T):
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max(), f"{type_k}/{type_v}"
 
 
+@pytest.mark.parametrize("type_k,type_v", [("tq3", "tq4"), ("q4_0+rot", "f16")])
+def test_attention_node_streams_are_separate_caches(type_k, type_v):
+    """One node over N streams (a leading axis on q, k, v and mask: the engine's slots, and how
+    tests/test_gpu_turboquant.py drives the in-place CUDA kernels with several streams) gives each
+    stream's attention over its own rows, as N separate nodes do; n_kv = 300, not a multiple of 256.
+    Seen to fail with the binding's stream stride (the view's nb3) set to 0: every stream then reads
+    stream 0's rows."""
+    rng = np.random.default_rng(5)
+    N, H, Hkv, D, n_kv = 3, 6, 2, 64, 300
+    q = rng.standard_normal((N, 1, H, D)).astype(np.float32)
+    k = rng.standard_normal((N, n_kv, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((N, n_kv, Hkv, D)).astype(np.float32)
+    mask = np.where(rng.random((N, 1, n_kv)) < 0.7, 0.0, -np.inf).astype(np.float32)
+    got = _core.tq_attention("cpu", q, k, v, mask, type_k, type_v, 0.125)
+    want = np.stack([_core.tq_attention("cpu", q[n], k[n], v[n], mask[n], type_k, type_v, 0.125) for n in range(N)])
+    assert got.shape == (N, 1, H, D)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        _core.tq_attention("cpu", q, k[:2], v, mask, type_k, type_v, 0.125)
+
+
 def test_bad_head_dim_is_refused():
     with pytest.raises(ValueError, match="head dim.*must be 32, 64, 128 or 256, got 96"):
         _core.tq_quantize(3, np.zeros((2, 96), np.float32))

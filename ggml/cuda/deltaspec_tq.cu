@@ -10,8 +10,10 @@
 // A rotated cache of a ggml type (DELTASPEC_KV_ROTATED): the rows are rotated into a scratch buffer
 // and ggml's own set_rows quantizes them; its attention reads the cache as it is.
 //
-// Attention: Q is rotated when K is rotated (tq or not). A one-token step with both sides tq runs
-// tq_decode_attn, which reads the tq rows in place (split over the cache, then merged). Any other
+// Attention: Q is rotated when K is rotated (tq or not). A one-token step with both sides tq reads
+// the tq rows in place, split over the cache and then merged: by tiles of rows
+// (tq_decode_attn_tile, deltaspec_tq_attn_tile.cuh), or with DELTASPEC_TQ_DECODE_KERNEL=warp by the
+// older one-warp-per-row kernel (tq_decode_attn and its merge, kept for A/B). Any other
 // step decodes the visible K/V rows of a tq side to F16 in the rotated domain and runs ggml's own
 // flash attention on them (its vector kernel for a token, its tensor-core kernel for batches): a
 // write and a read of F16 K/V per step, ~4.4 bytes per cached value where the in-place kernel reads
@@ -23,7 +25,10 @@
 #include "deltaspec_tq.h"
 #include "deltaspec_tq_codebook.h"
 #include "deltaspec_tq_warp.cuh"
+#include "deltaspec_tq_attn_tile.cuh"
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -31,6 +36,7 @@
 namespace {
 
 using namespace deltaspec_tq_warp;
+using namespace deltaspec_tq_attn;
 
 // tq rows [n_kv, Hkv, n_streams] (row (j, hk, n) at src + j*nb1 + hk*nb2 + n*nb3) -> F16 contiguous
 // [D, n_kv, Hkv, n_streams] in the rotated domain; one warp per row
@@ -53,19 +59,12 @@ __global__ void tq_decode(const char * __restrict__ src, size_t nb1, size_t nb2,
     }
 }
 
-// index of value i (of D) in a tq row's packed bits
-template <int BITS, int D> __device__ __forceinline__ int index_at(const uint8_t * qs, int i) {
-    return BITS == 3 ? ((qs[i / 4] >> (2 * (i % 4))) & 3) | ((qs[D / 4 + i / 8] >> (i % 8)) & 1) << 2
-                     : (qs[i / 2] >> (4 * (i % 2))) & 15;
-}
-
 // One-token attention reading tq rows in place (both K and V tq, one query per stream): block
 // (split, kv head, stream) walks rows [split * chunk, +chunk) with 4 warps taking every 4th row,
 // lane l holding values l*D/32 .. of the query heads of that kv head (G of them, rotated) and of
 // their accumulators. Per row: the K row's centroids, G warp-reduced dots, the online softmax, the
 // V row's centroids into the accumulators. The 4 warps merge in shared memory and the block writes
 // its part (accumulator, max, sum per query head) to `part`; tq_decode_merge combines the splits.
-constexpr int kMaxGroup = 8;
 template <int D, int BK, int BV>
 __global__ void tq_decode_attn(const float * __restrict__ qrot, const char * __restrict__ K, size_t k_nb1, size_t k_nb2,
                                size_t k_nb3, const char * __restrict__ V, size_t v_nb1, size_t v_nb2, size_t v_nb3,
@@ -186,12 +185,36 @@ __global__ void tq_decode_merge(const float * __restrict__ part, int64_t n_split
 
 int64_t n_blocks(int64_t n_warps) { return (n_warps + kWarpsPerBlock - 1) / kWarpsPerBlock; }
 
-// The in-place decode path serves one query per stream with both K and V tq and at most kMaxGroup
-// query heads per KV head; DELTASPEC_TQ_DECODE_KERNEL=0 sends those steps through the decode-to-F16
-// path as well (read per call: an A/B switch for the benchmarks and the GPU tests).
-bool decode_kernel_serves(const ggml_tensor * dst, int format_k, int format_v) {
+// Which in-place kernel serves a one-token step with both sides tq: DELTASPEC_TQ_DECODE_KERNEL unset,
+// "1" or "tile": tq_decode_attn_tile; "warp": tq_decode_attn; "0": neither, the step goes through
+// the decode-to-F16 path (read per call: an A/B switch for the benchmarks and the GPU tests).
+enum DecodeKernel { kDecodeF16 = 0, kDecodeTile = 1, kDecodeWarp = 2 };
+
+DecodeKernel decode_kernel_choice() {
     const char * env = std::getenv("DELTASPEC_TQ_DECODE_KERNEL");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    if (env == nullptr || std::strcmp(env, "") == 0 || std::strcmp(env, "1") == 0 || std::strcmp(env, "tile") == 0) {
+        return kDecodeTile;
+    }
+    if (std::strcmp(env, "warp") == 0) return kDecodeWarp;
+    if (std::strcmp(env, "0") == 0) return kDecodeF16;
+    GGML_ABORT("DELTASPEC_TQ_DECODE_KERNEL must be tile (the default), warp or 0 (decode to F16), got '%s'", env);
+}
+
+// Host-side count of the tq attention steps by kernel (DecodeKernel: the F16 path, tile, warp), for
+// the GPU tests to check which one ran (deltaspec_cuda_tq_decode_launches).
+std::atomic<int64_t> g_decode_launches[3];
+
+// Planted bug for tests/test_gpu_turboquant.py (DELTASPEC_TEST_TQ_ATTN_BUG=skip_last_row, read per
+// call): the tile kernel leaves out the last row of every tile.
+bool planted_tile_skips_last_row() {
+    const char * bug = std::getenv("DELTASPEC_TEST_TQ_ATTN_BUG");
+    return bug != nullptr && std::strcmp(bug, "skip_last_row") == 0;
+}
+
+// The in-place kernels serve one query per stream with both K and V tq and at most kMaxGroup query
+// heads per KV head.
+bool decode_kernel_serves(const ggml_tensor * dst, int format_k, int format_v) {
+    if (decode_kernel_choice() == kDecodeF16) return false;
     const ggml_tensor *Q = dst->src[0], *K = dst->src[1];
     const bool tq_k = format_k == DELTASPEC_KV_TQ3 || format_k == DELTASPEC_KV_TQ4;
     const bool tq_v = format_v == DELTASPEC_KV_TQ3 || format_v == DELTASPEC_KV_TQ4;
@@ -201,8 +224,8 @@ bool decode_kernel_serves(const ggml_tensor * dst, int format_k, int format_v) {
 }
 
 template <int D>
-void launch_decode_attn(int format_k, int format_v, const ggml_tensor * dst, const float * qrot, float * out,
-                        ggml_backend_cuda_context & ctx) {
+void launch_decode_attn_warp(int format_k, int format_v, const ggml_tensor * dst, const float * qrot, float * out,
+                             ggml_backend_cuda_context & ctx) {
     const ggml_tensor *Q = dst->src[0], *K = dst->src[1], *V = dst->src[2], *mask = dst->src[3];
     float scale;
     memcpy(&scale, dst->op_params, sizeof(float));
@@ -217,6 +240,48 @@ void launch_decode_attn(int format_k, int format_v, const ggml_tensor * dst, con
                                                       (const char *)mask->data, mask->nb[3], mask->ne[3], n_kv, (int)H,
                                                       (int)(H / Hkv), scale, chunk, part.get());
     tq_decode_merge<D><<<n_blocks(N * H), 32 * kWarpsPerBlock, 0, ctx.stream()>>>(part.get(), n_split, N * H, out);
+}
+
+// The split for the tile kernel: whole tiles per block, as few as make about kTileBlocksPerSm blocks
+// per SM over all (KV head, stream) pairs (at 64K rows and 4 KV heads on 132 SMs: 4 tiles a block,
+// 128 splits, 512 blocks), and one tile per block where the cache is shorter than that (at 4K:
+// 32 splits): short caches are latency bound, so more blocks with less work each.
+int64_t tile_chunk(int64_t n_kv, int64_t n_pairs, int n_sm) {
+    const int64_t n_tiles = (n_kv + kTileRows - 1) / kTileRows;
+    const int64_t want_splits = std::max<int64_t>(1, (kTileBlocksPerSm * n_sm + n_pairs - 1) / n_pairs);
+    return (n_tiles + want_splits - 1) / want_splits * kTileRows;
+}
+
+template <int D>
+void launch_decode_attn_tile(int format_k, int format_v, const ggml_tensor * dst, const float * qrot, float * out,
+                             ggml_backend_cuda_context & ctx) {
+    const ggml_tensor *Q = dst->src[0], *K = dst->src[1], *V = dst->src[2], *mask = dst->src[3];
+    float scale;
+    memcpy(&scale, dst->op_params, sizeof(float));
+    const int64_t n_kv = K->ne[1], Hkv = K->ne[2], N = Q->ne[3], H = Q->ne[2];
+    const int64_t chunk = tile_chunk(n_kv, Hkv * N, ggml_cuda_info().devices[ctx.device].nsm);
+    const int64_t n_split = (n_kv + chunk - 1) / chunk;
+    ggml_cuda_pool_alloc<float> part(ctx.pool(), n_split * N * H * (D + 2));
+    const dim3 grid((unsigned)n_split, (unsigned)Hkv, (unsigned)N);
+    auto * k = format_k == 3 ? (format_v == 3 ? tq_decode_attn_tile<D, 3, 3> : tq_decode_attn_tile<D, 3, 4>)
+                             : (format_v == 3 ? tq_decode_attn_tile<D, 4, 3> : tq_decode_attn_tile<D, 4, 4>);
+    k<<<grid, kTileRows, 0, ctx.stream()>>>(qrot, (const char *)K->data, K->nb[1], K->nb[2], K->nb[3],
+                                            (const char *)V->data, V->nb[1], V->nb[2], V->nb[3],
+                                            (const char *)mask->data, mask->nb[3], mask->ne[3], n_kv, (int)H,
+                                            (int)(H / Hkv), scale, chunk, planted_tile_skips_last_row(), part.get());
+    tq_decode_merge_coords<D><<<(unsigned)(N * H), D, 0, ctx.stream()>>>(part.get(), n_split, out);
+}
+
+template <int D>
+void launch_decode_attn(int format_k, int format_v, const ggml_tensor * dst, const float * qrot, float * out,
+                        ggml_backend_cuda_context & ctx) {
+    const DecodeKernel which = decode_kernel_choice();
+    ++g_decode_launches[which];
+    if (which == kDecodeWarp) {
+        launch_decode_attn_warp<D>(format_k, format_v, dst, qrot, out, ctx);
+    } else {
+        launch_decode_attn_tile<D>(format_k, format_v, dst, qrot, out, ctx);
+    }
 }
 
 template <int D> void launch_quantize(int bits, const ggml_tensor * dst, cudaStream_t stream) {
@@ -320,6 +385,7 @@ void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
                             true, stream);
         return;
     }
+    ++g_decode_launches[kDecodeF16];
     if (is_tq(format_k)) {
         k16.alloc(D * K->ne[1] * K->ne[2] * K->ne[3]);
         DELTASPEC_TQ_BY_DIM(D, launch_decode, format_k, K, k16.get(), stream);
@@ -390,6 +456,12 @@ bool deltaspec_tq_flash_attn_ext_supported(int device, const ggml_tensor * dst) 
     // not in this library: a llama.cpp build of ggml-cuda carries this file without it)
     const int64_t D = dst->src[0]->ne[0];
     return (D == 32 || D == 64 || D == 128 || D == 256) && ggml_cuda_flash_attn_ext_supported(device, &plain.node);
+}
+
+// tq attention steps run so far in this process (host side) by the in-place tile kernel (kernel 1),
+// the warp kernel (2) or the decode-to-F16 path (0); -1 for another kernel number
+extern "C" __attribute__((visibility("default"))) int64_t deltaspec_cuda_tq_decode_launches(int kernel) {
+    return kernel >= 0 && kernel < 3 ? g_decode_launches[kernel].load() : -1;
 }
 
 // our node's output is plain: ggml's scratch goes into a pool buffer of its own (tq_flash_attn)
