@@ -87,7 +87,7 @@ def test_tiny_model_run_uses_each_cache_type_and_counts_acceptance():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, 24).tolist() for _ in range(3)]
     n_new, n_ctx = 40, 128
-    counts, kv = kva.measure(path, path, None, 16, prompts, ["f16", "q4_0"], ["draft4"], 2, n_new, 0.0, [7], n_ctx)
+    counts, kv = kva.measure(path, path, None, 16, prompts, ["f16", "q4_0"], ["draft4"], 1, n_new, 0.0, [7], n_ctx)
     f16, q4 = counts["draft4"]["f16"], counts["draft4"]["q4_0"]
     assert sum(f16["drafted"]) > 0 and f16["accepted"] == f16["drafted"], f16
     assert f16["per_seed"][0] == pytest.approx(1 + sum(f16["drafted"]) / sum(f16["steps"]))
@@ -95,8 +95,8 @@ def test_tiny_model_run_uses_each_cache_type_and_counts_acceptance():
     # q4_0: 18 bytes per 32 values against f16's 64
     assert kv["q4_0"]["kv_bytes"] * 64 == kv["f16"]["kv_bytes"] * 18, kv
     # the accounting is the engine's: one generation per prompt, counted as its stats say
-    with Model(path, n_ctx=n_ctx, n_threads=2, type_k="q4_0", type_v="q4_0", progress=False) as m, \
-            Model(path, n_ctx=n_ctx, n_threads=2, progress=False) as d:
+    with Model(path, n_ctx=n_ctx, n_threads=1, type_k="q4_0", type_v="q4_0", progress=False) as m, \
+            Model(path, n_ctx=n_ctx, n_threads=1, progress=False) as d:
         for i, p in enumerate(prompts):
             r = m.generate(p, max_tokens=n_new, temperature=0, top_k=0, top_p=1.0, min_p=0.0, seed=7 + i,
                            draft_model=d, draft_n_max=4, draft_n_min=4)
