@@ -3,7 +3,7 @@
     python bench/kv_acceptance.py [--dir /work/testbed_files] [--threads 1]     # ~15 min on one core
 
 The defaults aim at ~15 minutes of one CPU core: T = 0 on 32 of the 64 held-out prompts x 128 new
-tokens, T = 1 on 12 prompts x 64 new tokens x 3 seeds, 8 types x 3 drafters each (a greedy
+tokens, T = 1 on 12 prompts x 64 new tokens x 3 seeds, 8 types x 2 drafters each (a greedy
 generation of 128 tokens takes 0.1-0.5 s on an idle core, most of it in the DFlash rows, whose
 acceptance is low: many passes). The .md gives each part's seconds.
     python bench/kv_acceptance.py report [FILE.json]
@@ -13,8 +13,8 @@ quantized KV cache of the target changes how many drafted tokens it accepts. For
 the target (K and V alike; the draft model's own cache stays f16, the DFlash drafter keeps its own)
 and each drafter deltaspec runs on CPU with the testbed's files:
   - draft model chain k=4 (draft.gguf; 4 drafts every round, as bench/results/latest/acceptance.md),
-  - DFlash chain (dflash.gguf; block - 1 = 15 drafts every round or none),
-  - DFlash + DDTree budget 16 (a tree every round),
+  - DFlash + DDTree budget 16 (dflash.gguf; a tree every round),
+  - (with --drafters ... dflash_chain) the DFlash chain: block - 1 = 15 drafts every round or none,
 it generates from the testbed's held-out prompts (manifest.json: fixed at training, held-out files)
 and reports the mean acceptance length (tokens committed per target pass: (accepted + passes) /
 passes over all prompts), its per-prompt bootstrap 95% interval, and the difference to the f16
@@ -244,7 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("result", nargs="?", type=Path, default=DEFAULT_OUT, help="report: the JSON")
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="target.gguf, draft.gguf, dflash.gguf, manifest.json")
     ap.add_argument("--types", nargs="+", default=TYPES, help="target cache types, f16 first (the reference)")
-    ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    # the DFlash chain (15 drafts a round, AL ~1.6) costs as much as the other two together and is
+    # DDTree's first branch: run it with --drafters draft4 dflash_chain ddtree16
+    ap.add_argument("--drafters", nargs="+", default=["draft4", "ddtree16"], choices=list(DRAFTERS))
     ap.add_argument("--n-prompts", type=int, default=32, help="T = 0 prompts (the manifest has 64)")
     ap.add_argument("--n-new", type=int, default=128, help="T = 0 new tokens per prompt")
     ap.add_argument("--check-prompts", type=int, default=3, help="T = 0 prompts run twice (determinism check)")
@@ -295,6 +297,13 @@ def main(argv=None) -> int:
         part["per_prompt"] = {d: {t: {k: c[k] for k in ("steps", "drafted", "accepted")} for t, c in by_t.items()}
                               for d, by_t in counts.items()}
         parts.append(part)
+        # written after each part, so that a long T = 1 part leaves the T = 0 result behind
+        result = write_result(args, files, manifest, parts, t_all)
+    print(markdown(result))
+    return 0
+
+
+def write_result(args, files, manifest, parts, t_all) -> dict:
     commit = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     result = {"what": "acceptance length per target KV cache type (bench/kv_acceptance.py)",
@@ -303,10 +312,8 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit or None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    md = markdown(result)
-    args.out.with_suffix(".md").write_text(md + "\n")
-    print(md)
-    return 0
+    args.out.with_suffix(".md").write_text(markdown(result) + "\n")
+    return result
 
 
 if __name__ == "__main__":
