@@ -212,7 +212,8 @@ def markdown(result: dict) -> str:
         T = part["temperature"]
         head = (f"## T = {T:g}: {part['n_prompts']} held-out prompts x {part['n_new']} new tokens"
                 + (", deterministic (checked: the first "
-                   f"{part['deterministic_check']} generations repeated, identical counts and tokens)" if T == 0 else
+                   f"{part['deterministic_check'] // len(part['rows'])} prompts run again with every type and drafter, "
+                   f"{part['deterministic_check']} generations with identical counts and tokens)" if T == 0 else
                    f", {len(part['seeds'])} seed repetitions (interleaved over types)"))
         out += [head, "",
                 "AL = mean acceptance length (tokens committed per target pass, pooled over prompts); CI: "
