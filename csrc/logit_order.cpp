@@ -17,6 +17,14 @@ uint32_t descending_key(float x) {
     return ~ascending;
 }
 
+float logit_of(uint32_t key) {
+    const uint32_t ascending = ~key;
+    const uint32_t u = (ascending & 0x80000000u) ? (ascending & 0x7fffffffu) : ~ascending;
+    float x;
+    std::memcpy(&x, &u, sizeof(x));
+    return x;
+}
+
 struct Item {
     uint32_t key;
     int32_t id;
@@ -24,7 +32,7 @@ struct Item {
 
 }  // namespace
 
-void order_by_logit(const float * logits, int64_t n, std::vector<int32_t> & ids) {
+void order_by_logit(const float * logits, int64_t n, std::vector<int32_t> & ids, std::vector<float> * sorted) {
     // LSD radix sort, 3 digits of 11 bits: each pass is stable, and the items start in id order,
     // so equal keys keep ascending ids
     constexpr int kBits = 11, kPasses = 3;
@@ -59,6 +67,11 @@ void order_by_logit(const float * logits, int64_t n, std::vector<int32_t> & ids)
     }
     ids.resize(n);
     for (int64_t i = 0; i < n; ++i) ids[i] = src[i].id;
+    if (sorted) {
+        sorted->resize(n);
+        float * out = sorted->data();
+        for (int64_t i = 0; i < n; ++i) out[i] = logit_of(src[i].key);
+    }
 }
 
 }  // namespace deltaspec

@@ -63,15 +63,22 @@ struct DenseDist {
 };
 
 // The target's p as the walk shrinks it: probabilities stored in the order of p's candidates
-// (most probable first), with each id's place. It computes what a DenseDist would, in the same
-// order, so the draws are the same bit for bit; only the memory walk differs. A residual's
-// normalization is left pending (p[i] = max(0, prob[i] - minus[i]) / pending, computed where read)
-// and done in the same pass as the next residual's sum, so a run of rejected siblings costs one
-// pass over the candidates each instead of two scattered ones (248320 ids: ~0.25 instead of ~1 ms).
+// (most probable first). It computes what a DenseDist would, in the same order, so the draws are
+// the same bit for bit; only the memory walk differs. A residual's normalization is left pending
+// (p[i] = max(0, prob[i] - minus[i]) / pending, computed where read) and done in the same pass as
+// the next residual's sum, so a run of rejected siblings costs one pass over the candidates each
+// instead of two scattered ones (248320 ids: ~0.25 instead of ~1 ms).
+//
+// Only a few ids are ever looked up at a node (its children's tokens and their q's support), so
+// set() finds just those ids' places, through a bit per vocabulary id, in the pass that fills prob;
+// a place for every id would cost two scattered writes per candidate (filling, then clearing).
+// Candidates of probability 0 keep their slot with prob 0: their terms add +0.0 to every sum and
+// they are never drawn, as when they were left out.
 struct TargetDist {
-    std::vector<int32_t> ids;    // p's candidates with p > 0, in p's order
-    std::vector<double> prob;    // see `pending`
-    std::vector<int32_t> place;  // place[id]: i with ids[i] == id, or -1 (vocabulary-sized)
+    const int32_t * ids = nullptr;  // p's candidates in p's order (the Distribution given to set())
+    std::vector<double> prob;       // see `pending`
+    std::vector<uint64_t> wanted;   // bit per vocabulary id: the ids set() finds places for
+    std::vector<std::pair<int32_t, int32_t>> places;  // (id, i with ids[i] == id) of the wanted ids found
     // what residuals take from prob[i] (0 but at q's ids): minus[cur] the pending one's, minus[1 -
     // cur] the next one's, both listed in marked[] to be zeroed again
     std::vector<double> minus[2];
@@ -79,21 +86,26 @@ struct TargetDist {
     int cur = 0;
     double pending = 0.0;  // > 0: p[i] = max(0, prob[i] - minus[cur][i]) / pending; else p[i] = prob[i]
 
-    void set(const Distribution & d, int64_t n_vocab) {
+    // `lookups`: the ids at() and mark() will be asked about (the others read as absent)
+    void set(const Distribution & d, int64_t n_vocab, const std::vector<int32_t> & lookups) {
         clear();
-        place.resize(n_vocab, -1);
-        ids.reserve(d.ids.size());
-        prob.reserve(d.ids.size());
+        const size_t n = d.ids.size();
+        ids = d.ids.data();
+        wanted.resize((size_t)(n_vocab + 63) / 64, 0);
+        for (int32_t id : lookups) wanted[(uint32_t)id >> 6] |= 1ull << (id & 63);
         double sum = 0.0;
         for (float x : d.probs) sum += x;
-        for (size_t i = 0; i < d.ids.size(); ++i) {
-            if (d.probs[i] <= 0.0f) continue;
-            place[d.ids[i]] = (int32_t)ids.size();  // the sampler's candidates are distinct ids
-            ids.push_back(d.ids[i]);
-            prob.push_back(d.probs[i] / sum);
+        prob.resize(n);
+        const float * dp = d.probs.data();
+        const uint64_t * bits = wanted.data();
+        for (size_t i = 0; i < n; ++i) {
+            prob[i] = dp[i] <= 0.0f ? 0.0 : dp[i] / sum;  // a NaN stays, as it did
+            const uint32_t id = (uint32_t)ids[i];
+            if ((bits[id >> 6] >> (id & 63)) & 1) places.emplace_back((int32_t)id, (int32_t)i);
         }
+        for (int32_t id : lookups) wanted[(uint32_t)id >> 6] = 0;
         for (auto & m : minus) {
-            if (m.size() < ids.size()) m.resize(ids.size(), 0.0);  // all 0 where not marked
+            if (m.size() < n) m.resize(n, 0.0);  // all 0 where not marked
         }
     }
     void unmark(int k) {
@@ -101,22 +113,27 @@ struct TargetDist {
         marked[k].clear();
     }
     void clear() {
-        for (int32_t id : ids) place[id] = -1;
-        ids.clear();
+        places.clear();
         prob.clear();
         unmark(0);
         unmark(1);
         pending = 0.0;
     }
+    int32_t place(int32_t id) const {
+        for (const auto & [pid, i] : places) {
+            if (pid == id) return i;
+        }
+        return -1;
+    }
     double value(size_t i) const { return pending > 0.0 ? std::max(0.0, prob[i] - minus[cur][i]) / pending : prob[i]; }
     double at(int32_t id) const {
-        const int32_t i = place[id];
+        const int32_t i = place(id);
         return i < 0 ? 0.0 : value(i);
     }
     // the next residual takes q (a token's probability under q) at that token
     void mark(int32_t id, double q) {
-        const int32_t i = place[id];
-        if (i < 0 || q == 0.0) return;
+        const int32_t i = place(id);
+        if (i < 0 || q == 0.0 || prob[i] == 0.0) return;
         minus[1 - cur][i] = q;
         marked[1 - cur].push_back(i);
     }
@@ -145,11 +162,10 @@ struct TargetDist {
         pending = sum > 0.0 ? sum : 0.0;
         if (pending == 0.0) unmark(cur);
     }
+    // The candidates with p > 0 as a Distribution (what draw() draws from without building it).
     Distribution sparse() const {
         Distribution d;
-        d.ids.reserve(ids.size());
-        d.probs.reserve(ids.size());
-        for (size_t i = 0; i < ids.size(); ++i) {
+        for (size_t i = 0; i < prob.size(); ++i) {
             const double v = value(i);
             if (v > 0.0) {
                 d.ids.push_back(ids[i]);
@@ -157,6 +173,34 @@ struct TargetDist {
             }
         }
         return d;
+    }
+    // sampler.draw(sparse()), token for token: the same uniforms, sums and fallback, read in place
+    int32_t draw(Sampler & sampler) const {
+        const size_t n = prob.size();
+        size_t first = n, positives = 0;
+        for (size_t i = 0; i < n && positives < 2; ++i) {  // a single candidate is returned undrawn
+            if (value(i) > 0.0) {
+                if (positives++ == 0) first = i;
+            }
+        }
+        if (positives == 1) return ids[first];
+        const double u = sampler.uniform();
+        double cum = 0.0;
+        size_t last = n;  // the last candidate with p > 0
+        for (size_t i = 0; i < n; ++i) {
+            const double v = value(i);
+            if (v > 0.0) {
+                cum += (float)v;
+                if (u < cum) return ids[i];
+                last = i;
+            }
+        }
+        for (size_t i = n; i-- > 0;) {  // u above the summed mass: as Sampler::draw
+            const double v = value(i);
+            if (v > 0.0 && (float)v > 0.0f) return ids[i];
+        }
+        if (last == n) throw std::logic_error("the tree walk's residual has no candidate");
+        return ids[last];
     }
 };
 
@@ -222,6 +266,7 @@ TreeWalk walk_tree(const DraftTree & tree, const RowDistribution & p_of, int64_t
     // vocabulary-sized, so kept between walks; set() starts by clearing what the last use left
     thread_local TargetDist p;
     thread_local DenseDist q;
+    std::vector<int32_t> lookups;
     for (int32_t node = -1;;) {
         p_of(node + 1, history, target);
         const std::vector<int32_t> children = tree.children(node);
@@ -234,10 +279,19 @@ TreeWalk walk_tree(const DraftTree & tree, const RowDistribution & p_of, int64_t
                 return w;
             }
         } else {
-            p.set(target, n_vocab);
+            // the ids try_children reads p at: the children's tokens and their q's support
+            lookups.clear();
+            for (int32_t c : children) lookups.push_back(tree.token[c]);
+            const int32_t qi = tree.children_q(node);
+            if (qi >= 0 && !children.empty()) {
+                for (int32_t id : tree.dists[qi].ids) {
+                    if (id >= 0 && id < n_vocab) lookups.push_back(id);
+                }
+            }
+            p.set(target, n_vocab, lookups);
             next_node = children.empty() ? -1 : try_children(tree, children, node, p, q, n_vocab, sampler, bug);
             if (next_node < 0) {
-                w.next = sampler.draw(p.sparse());
+                w.next = sampler.reference() == Sampler::Reference::gathering ? sampler.draw(p.sparse()) : p.draw(sampler);
                 p.clear();
                 return w;
             }
