@@ -83,6 +83,7 @@ struct TargetDist {
     // cur] the next one's, both listed in marked[] to be zeroed again
     std::vector<double> minus[2];
     std::vector<int32_t> marked[2];
+    std::vector<int32_t> stops;  // take_marked's scratch
     int cur = 0;
     double pending = 0.0;  // > 0: p[i] = max(0, prob[i] - minus[cur][i]) / pending; else p[i] = prob[i]
 
@@ -138,23 +139,44 @@ struct TargetDist {
         marked[1 - cur].push_back(i);
     }
     // p <- norm(max(0, p - q)) with q the marked values; the sum runs in candidate order, as it
-    // always has (unmarked terms are max(0, p - 0) == p exactly); the division stays pending
+    // always has; the division stays pending. Between marked places minus[] is 0, where the terms
+    // are max(0, p - 0) == max(0, p) exactly: those runs skip reading minus[] (248320 ids: two
+    // fewer 2 MB streams per rejected child).
     void take_marked() {
         const int next = 1 - cur;
         const double * m = minus[next].data();
         double * pr = prob.data();
         const size_t n = prob.size();
+        // the marked places of both residuals, in order, each once
+        stops.assign(marked[0].begin(), marked[0].end());
+        stops.insert(stops.end(), marked[1].begin(), marked[1].end());
+        std::sort(stops.begin(), stops.end());
+        stops.erase(std::unique(stops.begin(), stops.end()), stops.end());
+        stops.push_back((int32_t)n);
         double sum = 0.0;
+        size_t i = 0;
         if (pending > 0.0) {  // the pending division, then this residual's sum, in one pass
             const double * old = minus[cur].data();
             const double div = pending;  // a local: the stores through pr could alias the member
-            for (size_t i = 0; i < n; ++i) {
+            for (int32_t stop : stops) {
+                for (; i < (size_t)stop; ++i) {
+                    const double v = std::max(0.0, pr[i]) / div;
+                    pr[i] = v;
+                    sum += std::max(0.0, v);
+                }
+                if (i == n) break;
                 const double v = std::max(0.0, pr[i] - old[i]) / div;
                 pr[i] = v;
                 sum += std::max(0.0, v - m[i]);
+                ++i;
             }
         } else {
-            for (size_t i = 0; i < n; ++i) sum += std::max(0.0, pr[i] - m[i]);
+            for (int32_t stop : stops) {
+                for (; i < (size_t)stop; ++i) sum += std::max(0.0, pr[i]);
+                if (i == n) break;
+                sum += std::max(0.0, pr[i] - m[i]);
+                ++i;
+            }
         }
         unmark(cur);
         cur = next;
