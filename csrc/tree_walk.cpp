@@ -69,13 +69,19 @@ struct DenseDist {
 // the next residual's sum, so a run of rejected siblings costs one pass over the candidates each
 // instead of two scattered ones (248320 ids: ~0.25 instead of ~1 ms).
 //
-// Only a few ids are ever looked up at a node (its children's tokens and their q's support), so
-// set() finds just those ids' places, through a bit per vocabulary id, in the pass that fills prob;
-// a place for every id would cost two scattered writes per candidate (filling, then clearing).
-// Candidates of probability 0 keep their slot with prob 0: their terms add +0.0 to every sum and
-// they are never drawn, as when they were left out.
+// set() makes one pass over the candidates: the sum that normalizes p, and the places of the few
+// ids ever looked up at a node (its children's tokens and their q's support), found through a bit
+// per vocabulary id; a place for every id would cost two scattered writes per candidate (filling,
+// then clearing). Until the first residual p[i] is read as given[i] / norm where needed, and the
+// first residual's pass writes prob[]: a node whose first child is accepted never fills it.
+// Candidates of probability 0 keep their slot with p 0: their terms add +0.0 to every sum and they
+// are never drawn, as when they were left out.
 struct TargetDist {
     const int32_t * ids = nullptr;  // p's candidates in p's order (the Distribution given to set())
+    const float * given = nullptr;  // their probabilities as given (not normalized)
+    size_t n = 0;
+    double norm = 0.0;              // the sum of given[], in order
+    bool filled = false;            // prob[] holds p's values (else p[i] = given[i] / norm)
     std::vector<double> prob;       // see `pending`
     std::vector<uint64_t> wanted;   // bit per vocabulary id: the ids set() finds places for
     std::vector<std::pair<int32_t, int32_t>> places;  // (id, i with ids[i] == id) of the wanted ids found
@@ -87,23 +93,23 @@ struct TargetDist {
     int cur = 0;
     double pending = 0.0;  // > 0: p[i] = max(0, prob[i] - minus[cur][i]) / pending; else p[i] = prob[i]
 
-    // `lookups`: the ids at() and mark() will be asked about (the others read as absent)
+    // `lookups`: the ids at() and mark() will be asked about (the others read as absent). `d` must
+    // outlive this use (up to clear()).
     void set(const Distribution & d, int64_t n_vocab, const std::vector<int32_t> & lookups) {
         clear();
-        const size_t n = d.ids.size();
+        n = d.ids.size();
         ids = d.ids.data();
+        given = d.probs.data();
         wanted.resize((size_t)(n_vocab + 63) / 64, 0);
         for (int32_t id : lookups) wanted[(uint32_t)id >> 6] |= 1ull << (id & 63);
-        double sum = 0.0;
-        for (float x : d.probs) sum += x;
-        prob.resize(n);
-        const float * dp = d.probs.data();
         const uint64_t * bits = wanted.data();
-        for (size_t i = 0; i < n; ++i) {
-            prob[i] = dp[i] <= 0.0f ? 0.0 : dp[i] / sum;  // a NaN stays, as it did
+        double sum = 0.0;
+        for (size_t i = 0; i < n; ++i) {  // the lookups ride on the sum's dependency chain
+            sum += given[i];
             const uint32_t id = (uint32_t)ids[i];
             if ((bits[id >> 6] >> (id & 63)) & 1) places.emplace_back((int32_t)id, (int32_t)i);
         }
+        norm = sum;
         for (int32_t id : lookups) wanted[(uint32_t)id >> 6] = 0;
         for (auto & m : minus) {
             if (m.size() < n) m.resize(n, 0.0);  // all 0 where not marked
@@ -115,10 +121,11 @@ struct TargetDist {
     }
     void clear() {
         places.clear();
-        prob.clear();
         unmark(0);
         unmark(1);
         pending = 0.0;
+        filled = false;
+        n = 0;
     }
     int32_t place(int32_t id) const {
         for (const auto & [pid, i] : places) {
@@ -126,7 +133,11 @@ struct TargetDist {
         }
         return -1;
     }
-    double value(size_t i) const { return pending > 0.0 ? std::max(0.0, prob[i] - minus[cur][i]) / pending : prob[i]; }
+    double initial(size_t i) const { return given[i] <= 0.0f ? 0.0 : given[i] / norm; }  // a NaN stays, as it did
+    double value(size_t i) const {
+        if (!filled) return initial(i);
+        return pending > 0.0 ? std::max(0.0, prob[i] - minus[cur][i]) / pending : prob[i];
+    }
     double at(int32_t id) const {
         const int32_t i = place(id);
         return i < 0 ? 0.0 : value(i);
@@ -134,7 +145,7 @@ struct TargetDist {
     // the next residual takes q (a token's probability under q) at that token
     void mark(int32_t id, double q) {
         const int32_t i = place(id);
-        if (i < 0 || q == 0.0 || prob[i] == 0.0) return;
+        if (i < 0 || q == 0.0 || given[i] <= 0.0f) return;
         minus[1 - cur][i] = q;
         marked[1 - cur].push_back(i);
     }
@@ -145,8 +156,6 @@ struct TargetDist {
     void take_marked() {
         const int next = 1 - cur;
         const double * m = minus[next].data();
-        double * pr = prob.data();
-        const size_t n = prob.size();
         // the marked places of both residuals, in order, each once
         stops.assign(marked[0].begin(), marked[0].end());
         stops.insert(stops.end(), marked[1].begin(), marked[1].end());
@@ -155,7 +164,24 @@ struct TargetDist {
         stops.push_back((int32_t)n);
         double sum = 0.0;
         size_t i = 0;
-        if (pending > 0.0) {  // the pending division, then this residual's sum, in one pass
+        if (!filled) {  // the first residual: p's values written as its sum reads them
+            prob.resize(n);  // not cleared between uses: every entry is written here
+            double * pr = prob.data();
+            for (int32_t stop : stops) {
+                for (; i < (size_t)stop; ++i) {
+                    const double v = initial(i);
+                    pr[i] = v;
+                    sum += std::max(0.0, v);
+                }
+                if (i == n) break;
+                const double v = initial(i);
+                pr[i] = v;
+                sum += std::max(0.0, v - m[i]);
+                ++i;
+            }
+            filled = true;
+        } else if (pending > 0.0) {  // the pending division, then this residual's sum, in one pass
+            double * pr = prob.data();
             const double * old = minus[cur].data();
             const double div = pending;  // a local: the stores through pr could alias the member
             for (int32_t stop : stops) {
@@ -171,6 +197,7 @@ struct TargetDist {
                 ++i;
             }
         } else {
+            const double * pr = prob.data();
             for (int32_t stop : stops) {
                 for (; i < (size_t)stop; ++i) sum += std::max(0.0, pr[i]);
                 if (i == n) break;
@@ -187,7 +214,7 @@ struct TargetDist {
     // The candidates with p > 0 as a Distribution (what draw() draws from without building it).
     Distribution sparse() const {
         Distribution d;
-        for (size_t i = 0; i < prob.size(); ++i) {
+        for (size_t i = 0; i < n; ++i) {
             const double v = value(i);
             if (v > 0.0) {
                 d.ids.push_back(ids[i]);
@@ -198,7 +225,6 @@ struct TargetDist {
     }
     // sampler.draw(sparse()), token for token: the same uniforms, sums and fallback, read in place
     int32_t draw(Sampler & sampler) const {
-        const size_t n = prob.size();
         size_t first = n, positives = 0;
         for (size_t i = 0; i < n && positives < 2; ++i) {  // a single candidate is returned undrawn
             if (value(i) > 0.0) {
