@@ -14,6 +14,9 @@ namespace deltaspec {
 
 // ids := 0 .. n-1 ordered by logit descending, ties by ascending id (-0.0 equals +0.0, as the
 // comparison does). NaN logits have no place in that order; they end up first or last.
-void order_by_logit(const float * logits, int64_t n, std::vector<int32_t> & ids);
+// `sorted`, when given, receives logits[ids[i]] at i (with -0.0 read as +0.0, the value the order
+// gives it): the sort has those values in hand, and what follows (the softmax) then reads the row
+// in order instead of gathering 248320 scattered logits.
+void order_by_logit(const float * logits, int64_t n, std::vector<int32_t> & ids, std::vector<float> * sorted = nullptr);
 
 }  // namespace deltaspec

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -14,18 +15,20 @@ namespace deltaspec {
 
 namespace {
 
-bool comparison_sort_planted() {
+Sampler::Reference reference_planted() {
     const char * env = std::getenv("DELTASPEC_TEST_SAMPLER_SORT");
     const std::string v = env ? env : "";
-    if (v.empty()) return false;
-    if (v == "comparison") return true;
-    throw std::invalid_argument("DELTASPEC_TEST_SAMPLER_SORT (test only) must be unset or 'comparison', not '" + v + "'");
+    if (v.empty()) return Sampler::Reference::none;
+    if (v == "comparison") return Sampler::Reference::comparison_sort;
+    if (v == "reference") return Sampler::Reference::gathering;
+    throw std::invalid_argument("DELTASPEC_TEST_SAMPLER_SORT (test only) must be unset, 'comparison' or 'reference', not '" +
+                                v + "'");
 }
 
 }  // namespace
 
 Sampler::Sampler(const SamplingParams & params)
-    : params_(params), rng_(params.seed), comparison_sort_(comparison_sort_planted()) {}
+    : params_(params), rng_(params.seed), reference_(reference_planted()) {}
 
 void Sampler::apply_penalties(std::vector<float> & logits, const std::vector<int32_t> & history) const {
     const SamplingParams & p = params_;
@@ -44,16 +47,46 @@ void Sampler::apply_penalties(std::vector<float> & logits, const std::vector<int
 namespace {
 
 // Softmax over the candidates' logits, in place into probs (candidates sorted by logit, descending).
-void softmax(const float * logits, const std::vector<int32_t> & ids, std::vector<float> & probs,
+// `sorted`, when given, holds logits[ids[i]] at i: read in order, it spares a gather per candidate,
+// and a run of equal logits (ties are common in quantized or biased rows) reuses one exp and one
+// division. The arithmetic per candidate is the gathering loop's, so the probabilities are too.
+void softmax(const float * logits, const float * sorted, const std::vector<int32_t> & ids, std::vector<float> & probs,
              float temperature = 1.0f) {
-    probs.resize(ids.size());
-    const float max_l = logits[ids[0]];
+    const size_t n = ids.size();
+    probs.resize(n);
+    float * pr = probs.data();
     double sum = 0.0;
-    for (size_t i = 0; i < ids.size(); ++i) {
-        probs[i] = std::exp((logits[ids[i]] - max_l) / temperature);
-        sum += probs[i];
+    if (sorted) {
+        const float max_l = sorted[0];
+        uint32_t prev_bits = 0;
+        float prev_e = 0.0f;
+        for (size_t i = 0; i < n; ++i) {
+            uint32_t bits;
+            std::memcpy(&bits, &sorted[i], sizeof(bits));
+            if (i == 0 || bits != prev_bits) {
+                prev_e = std::exp((sorted[i] - max_l) / temperature);
+                prev_bits = bits;
+            }
+            pr[i] = prev_e;
+            sum += prev_e;
+        }
+        float prev_x = 0.0f, prev_p = 0.0f;
+        for (size_t i = 0; i < n; ++i) {
+            const float x = pr[i];
+            if (i == 0 || x != prev_x) {
+                prev_p = (float)(x / sum);
+                prev_x = x;
+            }
+            pr[i] = prev_p;
+        }
+        return;
     }
-    for (float & x : probs) x = (float)(x / sum);
+    const float max_l = logits[ids[0]];
+    for (size_t i = 0; i < n; ++i) {
+        pr[i] = std::exp((logits[ids[i]] - max_l) / temperature);
+        sum += pr[i];
+    }
+    for (size_t i = 0; i < n; ++i) pr[i] = (float)(pr[i] / sum);
 }
 
 }  // namespace
@@ -73,17 +106,27 @@ void Sampler::distribution(const float * logits, int64_t n_vocab, const std::vec
         l = scratch_.data();
     }
 
-    out.ids.clear();
-    out.probs.clear();
     if (p.greedy()) {
         // first maximum: ties go to the lowest id, as llama.cpp's greedy sampler
+        out.ids.clear();
+        out.probs.clear();
         out.ids.push_back((int32_t)(std::max_element(l, l + n_vocab) - l));
         out.probs.push_back(1.0f);
         return;
     }
     int64_t k = p.top_k > 0 ? std::min<int64_t>(p.top_k, n_vocab) : n_vocab;
-    if (k > kRadixFrom && !comparison_sort_) {
-        order_by_logit(l, n_vocab, out.ids);  // the comparison's order (logit_order.h), in linear time
+    // out's vectors are not cleared first: every entry is overwritten below, and resizing a cleared
+    // vector would zero 248320 entries of each for nothing
+    const float * sorted = nullptr;  // l[out.ids[i]] at i, where the order came with it
+    if (k > kRadixFrom && reference_ != Reference::comparison_sort) {
+        // the comparison's order (logit_order.h), in linear time
+        if (reference_ == Reference::none) {
+            order_by_logit(l, n_vocab, out.ids, &sorted_);
+            sorted = sorted_.data();
+            sorts_.in_order++;
+        } else {
+            order_by_logit(l, n_vocab, out.ids);
+        }
         sorts_.radix++;
     } else {
         const auto by_logit = [l](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); };
@@ -94,14 +137,14 @@ void Sampler::distribution(const float * logits, int64_t n_vocab, const std::vec
     }
     out.ids.resize(k);
 
-    shape(l, out);
+    shape(l, sorted, out);
 }
 
-void Sampler::shape(const float * l, Distribution & out) const {
+void Sampler::shape(const float * l, const float * sorted, Distribution & out) const {
     const SamplingParams & p = params_;
     // the temperature-1 probabilities only serve the top-p and min-p cuts; without them the
     // final softmax below recomputes every probability from the logits anyway
-    if (p.top_p < 1.0f || p.min_p > 0.0f) softmax(l, out.ids, out.probs);
+    if (p.top_p < 1.0f || p.min_p > 0.0f) softmax(l, sorted, out.ids, out.probs);
     if (p.top_p < 1.0f) {  // smallest prefix whose mass reaches top_p
         double cum = 0.0;
         size_t keep = out.ids.size();
@@ -113,7 +156,7 @@ void Sampler::shape(const float * l, Distribution & out) const {
             }
         }
         out.ids.resize(keep);
-        softmax(l, out.ids, out.probs);
+        softmax(l, sorted, out.ids, out.probs);
     }
     if (p.min_p > 0.0f) {  // drop tokens below min_p times the top probability
         const float floor = p.min_p * out.probs[0];
@@ -121,7 +164,7 @@ void Sampler::shape(const float * l, Distribution & out) const {
         while (keep < out.ids.size() && out.probs[keep] >= floor) ++keep;
         out.ids.resize(keep);
     }
-    softmax(l, out.ids, out.probs, p.temperature);
+    softmax(l, sorted, out.ids, out.probs, p.temperature);
 }
 
 void Sampler::distribution_top(const float * logits, const int32_t * ids, int64_t k, Distribution & out) {
@@ -136,7 +179,7 @@ void Sampler::distribution_top(const float * logits, const int32_t * ids, int64_
     const int64_t n = std::min<int64_t>(params_.top_k, k);
     out.ids.resize(n);
     std::iota(out.ids.begin(), out.ids.end(), 0);
-    shape(logits, out);
+    shape(logits, logits, out);  // candidate i's logit is logits[i]: already in order
     for (int32_t & i : out.ids) i = ids[i];
 }
 

@@ -72,9 +72,12 @@ class Sampler {
     // How distribution() ordered its candidates, counted since construction: whole-row radix
     // orders (logit_order.h) and comparison sorts keeping more than kRadixFrom candidates (the
     // slow path a top_k = 0 sampler must not take: tests/test_sampler_order.py).
+    // in_order: radix-ordered rows whose softmax read the sorted logits the order came with (the
+    // fast path; tests/test_sampler_fast_path.py).
     struct SortCounts {
         int64_t radix = 0;
         int64_t comparison = 0;
+        int64_t in_order = 0;
     };
     const SortCounts & sort_counts() const { return sorts_; }
     // top_k above this: one linear radix order of the row beats a partial sort's heap
@@ -83,16 +86,28 @@ class Sampler {
   private:
     void apply_penalties(std::vector<float> & logits, const std::vector<int32_t> & history) const;
     // top-p, min-p and temperature over out.ids (indices into `logits`, sorted by logit descending)
-    void shape(const float * logits, Distribution & out) const;
+    // sorted: logits[out.ids[i]] at i, or null (then gathered through out.ids)
+    void shape(const float * logits, const float * sorted, Distribution & out) const;
 
     SamplingParams params_;
     std::mt19937_64 rng_;
     std::vector<float> scratch_;
     Distribution dist_;
     SortCounts sorts_;
-    // Test only: DELTASPEC_TEST_SAMPLER_SORT=comparison orders every row with the comparison
-    // sort (the same order, the old cost), so that the sort counter's test can be seen to fail.
-    bool comparison_sort_ = false;
+    std::vector<float> sorted_;  // the row's logits in the radix order (logit_order.h)
+    // Test only, from DELTASPEC_TEST_SAMPLER_SORT: the straightforward paths the fast ones must
+    // match token for token, so that their tests can be seen to fail.
+  public:
+    enum class Reference {
+        none,
+        comparison_sort,  // "comparison": every row ordered by the comparison sort (the same order, the old cost)
+        gathering,        // "reference": the radix order, a softmax gathering logits[ids[i]], and the tree
+                          // walk drawing its residual through a copied Distribution
+    };
+    Reference reference() const { return reference_; }
+
+  private:
+    Reference reference_ = Reference::none;
 };
 
 }  // namespace deltaspec

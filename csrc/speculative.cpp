@@ -48,6 +48,8 @@ Distribution residual(const Distribution & p, const Distribution * q, int32_t dr
         }
     }
     Distribution r;
+    r.ids.reserve(p.ids.size());  // up to the whole vocabulary: no regrowth on the way
+    r.probs.reserve(p.ids.size());
     double sum = 0.0;
     for (size_t i = 0; i < p.ids.size(); ++i) {
         const int32_t id = p.ids[i];

@@ -196,6 +196,7 @@ void bind_trees(py::module_ & m) {
             out["history"] = history;
             out["radix_sorts"] = sampler.sort_counts().radix;  // how the walk ordered its rows (sampler.h)
             out["comparison_sorts"] = sampler.sort_counts().comparison;
+            out["in_order_rows"] = sampler.sort_counts().in_order;
             return out;
         },
         py::arg("tree"), py::arg("rows"), py::arg("sampling"), py::arg("history"), py::arg("rule"),
@@ -220,6 +221,7 @@ void bind_trees(py::module_ & m) {
             out["history"] = history;
             out["radix_sorts"] = sampler.sort_counts().radix;
             out["comparison_sorts"] = sampler.sort_counts().comparison;
+            out["in_order_rows"] = sampler.sort_counts().in_order;
             return out;
         },
         py::arg("rows"), py::arg("tokens"), py::arg("dists"), py::arg("sampling"), py::arg("history"),

@@ -63,37 +63,56 @@ struct DenseDist {
 };
 
 // The target's p as the walk shrinks it: probabilities stored in the order of p's candidates
-// (most probable first), with each id's place. It computes what a DenseDist would, in the same
-// order, so the draws are the same bit for bit; only the memory walk differs. A residual's
-// normalization is left pending (p[i] = max(0, prob[i] - minus[i]) / pending, computed where read)
-// and done in the same pass as the next residual's sum, so a run of rejected siblings costs one
-// pass over the candidates each instead of two scattered ones (248320 ids: ~0.25 instead of ~1 ms).
+// (most probable first). It computes what a DenseDist would, in the same order, so the draws are
+// the same bit for bit; only the memory walk differs. A residual's normalization is left pending
+// (p[i] = max(0, prob[i] - minus[i]) / pending, computed where read) and done in the same pass as
+// the next residual's sum, so a run of rejected siblings costs one pass over the candidates each
+// instead of two scattered ones (248320 ids: ~0.25 instead of ~1 ms).
+//
+// set() makes one pass over the candidates: the sum that normalizes p, and the places of the few
+// ids ever looked up at a node (its children's tokens and their q's support), found through a bit
+// per vocabulary id; a place for every id would cost two scattered writes per candidate (filling,
+// then clearing). Until the first residual p[i] is read as given[i] / norm where needed, and the
+// first residual's pass writes prob[]: a node whose first child is accepted never fills it.
+// Candidates of probability 0 keep their slot with p 0: their terms add +0.0 to every sum and they
+// are never drawn, as when they were left out.
 struct TargetDist {
-    std::vector<int32_t> ids;    // p's candidates with p > 0, in p's order
-    std::vector<double> prob;    // see `pending`
-    std::vector<int32_t> place;  // place[id]: i with ids[i] == id, or -1 (vocabulary-sized)
+    const int32_t * ids = nullptr;  // p's candidates in p's order (the Distribution given to set())
+    const float * given = nullptr;  // their probabilities as given (not normalized)
+    size_t n = 0;
+    double norm = 0.0;              // the sum of given[], in order
+    bool filled = false;            // prob[] holds p's values (else p[i] = given[i] / norm)
+    std::vector<double> prob;       // see `pending`
+    std::vector<uint64_t> wanted;   // bit per vocabulary id: the ids set() finds places for
+    std::vector<std::pair<int32_t, int32_t>> places;  // (id, i with ids[i] == id) of the wanted ids found
     // what residuals take from prob[i] (0 but at q's ids): minus[cur] the pending one's, minus[1 -
     // cur] the next one's, both listed in marked[] to be zeroed again
     std::vector<double> minus[2];
     std::vector<int32_t> marked[2];
+    std::vector<int32_t> stops;  // take_marked's scratch
     int cur = 0;
     double pending = 0.0;  // > 0: p[i] = max(0, prob[i] - minus[cur][i]) / pending; else p[i] = prob[i]
 
-    void set(const Distribution & d, int64_t n_vocab) {
+    // `lookups`: the ids at() and mark() will be asked about (the others read as absent). `d` must
+    // outlive this use (up to clear()).
+    void set(const Distribution & d, int64_t n_vocab, const std::vector<int32_t> & lookups) {
         clear();
-        place.resize(n_vocab, -1);
-        ids.reserve(d.ids.size());
-        prob.reserve(d.ids.size());
+        n = d.ids.size();
+        ids = d.ids.data();
+        given = d.probs.data();
+        wanted.resize((size_t)(n_vocab + 63) / 64, 0);
+        for (int32_t id : lookups) wanted[(uint32_t)id >> 6] |= 1ull << (id & 63);
+        const uint64_t * bits = wanted.data();
         double sum = 0.0;
-        for (float x : d.probs) sum += x;
-        for (size_t i = 0; i < d.ids.size(); ++i) {
-            if (d.probs[i] <= 0.0f) continue;
-            place[d.ids[i]] = (int32_t)ids.size();  // the sampler's candidates are distinct ids
-            ids.push_back(d.ids[i]);
-            prob.push_back(d.probs[i] / sum);
+        for (size_t i = 0; i < n; ++i) {  // the lookups ride on the sum's dependency chain
+            sum += given[i];
+            const uint32_t id = (uint32_t)ids[i];
+            if ((bits[id >> 6] >> (id & 63)) & 1) places.emplace_back((int32_t)id, (int32_t)i);
         }
+        norm = sum;
+        for (int32_t id : lookups) wanted[(uint32_t)id >> 6] = 0;
         for (auto & m : minus) {
-            if (m.size() < ids.size()) m.resize(ids.size(), 0.0);  // all 0 where not marked
+            if (m.size() < n) m.resize(n, 0.0);  // all 0 where not marked
         }
     }
     void unmark(int k) {
@@ -101,43 +120,90 @@ struct TargetDist {
         marked[k].clear();
     }
     void clear() {
-        for (int32_t id : ids) place[id] = -1;
-        ids.clear();
-        prob.clear();
+        places.clear();
         unmark(0);
         unmark(1);
         pending = 0.0;
+        filled = false;
+        n = 0;
     }
-    double value(size_t i) const { return pending > 0.0 ? std::max(0.0, prob[i] - minus[cur][i]) / pending : prob[i]; }
+    int32_t place(int32_t id) const {
+        for (const auto & [pid, i] : places) {
+            if (pid == id) return i;
+        }
+        return -1;
+    }
+    double initial(size_t i) const { return given[i] <= 0.0f ? 0.0 : given[i] / norm; }  // a NaN stays, as it did
+    double value(size_t i) const {
+        if (!filled) return initial(i);
+        return pending > 0.0 ? std::max(0.0, prob[i] - minus[cur][i]) / pending : prob[i];
+    }
     double at(int32_t id) const {
-        const int32_t i = place[id];
+        const int32_t i = place(id);
         return i < 0 ? 0.0 : value(i);
     }
     // the next residual takes q (a token's probability under q) at that token
     void mark(int32_t id, double q) {
-        const int32_t i = place[id];
-        if (i < 0 || q == 0.0) return;
+        const int32_t i = place(id);
+        if (i < 0 || q == 0.0 || given[i] <= 0.0f) return;
         minus[1 - cur][i] = q;
         marked[1 - cur].push_back(i);
     }
     // p <- norm(max(0, p - q)) with q the marked values; the sum runs in candidate order, as it
-    // always has (unmarked terms are max(0, p - 0) == p exactly); the division stays pending
+    // always has; the division stays pending. Between marked places minus[] is 0, where the terms
+    // are max(0, p - 0) == max(0, p) exactly: those runs skip reading minus[] (248320 ids: two
+    // fewer 2 MB streams per rejected child).
     void take_marked() {
         const int next = 1 - cur;
         const double * m = minus[next].data();
-        double * pr = prob.data();
-        const size_t n = prob.size();
+        // the marked places of both residuals, in order, each once
+        stops.assign(marked[0].begin(), marked[0].end());
+        stops.insert(stops.end(), marked[1].begin(), marked[1].end());
+        std::sort(stops.begin(), stops.end());
+        stops.erase(std::unique(stops.begin(), stops.end()), stops.end());
+        stops.push_back((int32_t)n);
         double sum = 0.0;
-        if (pending > 0.0) {  // the pending division, then this residual's sum, in one pass
+        size_t i = 0;
+        if (!filled) {  // the first residual: p's values written as its sum reads them
+            prob.resize(n);  // not cleared between uses: every entry is written here
+            double * pr = prob.data();
+            for (int32_t stop : stops) {
+                for (; i < (size_t)stop; ++i) {
+                    const double v = initial(i);
+                    pr[i] = v;
+                    sum += std::max(0.0, v);
+                }
+                if (i == n) break;
+                const double v = initial(i);
+                pr[i] = v;
+                sum += std::max(0.0, v - m[i]);
+                ++i;
+            }
+            filled = true;
+        } else if (pending > 0.0) {  // the pending division, then this residual's sum, in one pass
+            double * pr = prob.data();
             const double * old = minus[cur].data();
             const double div = pending;  // a local: the stores through pr could alias the member
-            for (size_t i = 0; i < n; ++i) {
+            for (int32_t stop : stops) {
+                for (; i < (size_t)stop; ++i) {
+                    const double v = std::max(0.0, pr[i]) / div;
+                    pr[i] = v;
+                    sum += std::max(0.0, v);
+                }
+                if (i == n) break;
                 const double v = std::max(0.0, pr[i] - old[i]) / div;
                 pr[i] = v;
                 sum += std::max(0.0, v - m[i]);
+                ++i;
             }
         } else {
-            for (size_t i = 0; i < n; ++i) sum += std::max(0.0, pr[i] - m[i]);
+            const double * pr = prob.data();
+            for (int32_t stop : stops) {
+                for (; i < (size_t)stop; ++i) sum += std::max(0.0, pr[i]);
+                if (i == n) break;
+                sum += std::max(0.0, pr[i] - m[i]);
+                ++i;
+            }
         }
         unmark(cur);
         cur = next;
@@ -145,11 +211,10 @@ struct TargetDist {
         pending = sum > 0.0 ? sum : 0.0;
         if (pending == 0.0) unmark(cur);
     }
+    // The candidates with p > 0 as a Distribution (what draw() draws from without building it).
     Distribution sparse() const {
         Distribution d;
-        d.ids.reserve(ids.size());
-        d.probs.reserve(ids.size());
-        for (size_t i = 0; i < ids.size(); ++i) {
+        for (size_t i = 0; i < n; ++i) {
             const double v = value(i);
             if (v > 0.0) {
                 d.ids.push_back(ids[i]);
@@ -157,6 +222,33 @@ struct TargetDist {
             }
         }
         return d;
+    }
+    // sampler.draw(sparse()), token for token: the same uniforms, sums and fallback, read in place
+    int32_t draw(Sampler & sampler) const {
+        size_t first = n, positives = 0;
+        for (size_t i = 0; i < n && positives < 2; ++i) {  // a single candidate is returned undrawn
+            if (value(i) > 0.0) {
+                if (positives++ == 0) first = i;
+            }
+        }
+        if (positives == 1) return ids[first];
+        const double u = sampler.uniform();
+        double cum = 0.0;
+        size_t last = n;  // the last candidate with p > 0
+        for (size_t i = 0; i < n; ++i) {
+            const double v = value(i);
+            if (v > 0.0) {
+                cum += (float)v;
+                if (u < cum) return ids[i];
+                last = i;
+            }
+        }
+        for (size_t i = n; i-- > 0;) {  // u above the summed mass: as Sampler::draw
+            const double v = value(i);
+            if (v > 0.0 && (float)v > 0.0f) return ids[i];
+        }
+        if (last == n) throw std::logic_error("the tree walk's residual has no candidate");
+        return ids[last];
     }
 };
 
@@ -222,6 +314,7 @@ TreeWalk walk_tree(const DraftTree & tree, const RowDistribution & p_of, int64_t
     // vocabulary-sized, so kept between walks; set() starts by clearing what the last use left
     thread_local TargetDist p;
     thread_local DenseDist q;
+    std::vector<int32_t> lookups;
     for (int32_t node = -1;;) {
         p_of(node + 1, history, target);
         const std::vector<int32_t> children = tree.children(node);
@@ -234,10 +327,19 @@ TreeWalk walk_tree(const DraftTree & tree, const RowDistribution & p_of, int64_t
                 return w;
             }
         } else {
-            p.set(target, n_vocab);
+            // the ids try_children reads p at: the children's tokens and their q's support
+            lookups.clear();
+            for (int32_t c : children) lookups.push_back(tree.token[c]);
+            const int32_t qi = tree.children_q(node);
+            if (qi >= 0 && !children.empty()) {
+                for (int32_t id : tree.dists[qi].ids) {
+                    if (id >= 0 && id < n_vocab) lookups.push_back(id);
+                }
+            }
+            p.set(target, n_vocab, lookups);
             next_node = children.empty() ? -1 : try_children(tree, children, node, p, q, n_vocab, sampler, bug);
             if (next_node < 0) {
-                w.next = sampler.draw(p.sparse());
+                w.next = sampler.reference() == Sampler::Reference::gathering ? sampler.draw(p.sparse()) : p.draw(sampler);
                 p.clear();
                 return w;
             }
