@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .devices import device_arg, device_kind, split_arg
+from .devices import add_split_arguments, device_arg, device_kind, split_arg, split_from_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,13 +139,7 @@ def _add_run_parser(sub) -> None:
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", metavar="N", default=None,
                    help="the engine runs on one device, whole: 0 = CPU; N >= 1, 'all' = every layer on the GPU "
                         "(--device cuda); 'auto' = --device's choice (default: auto)")
-    p.add_argument("--devices", default=None, type=split_arg, metavar="DEV,DEV,...",
-                   help="one model over several devices (instead of --device), e.g. cuda:0,cpu: whole layers, with "
-                        "their KV cache and recurrent state, per device (llama.cpp's -sm layer)")
-    p.add_argument("-sm", "--split-mode", default=None, choices=["layer"],
-                   help="how --devices share the model: layer (the only mode; default with --devices)")
-    p.add_argument("-ts", "--tensor-split", default=None, metavar="N,N,...",
-                   help="--devices' shares of the layers, e.g. 3,1 (default: by each device's free memory)")
+    add_split_arguments(p, devices_type=split_arg)
     p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto",
                    help="attention always runs as ggml's flash attention here: on and auto accepted, off refused")
     p.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
@@ -368,22 +362,15 @@ def _device(args: argparse.Namespace) -> str:
 
 def _placement(args: argparse.Namespace) -> dict:
     """Model's device=, or with --devices its devices=, split= and tensor_split= (Model checks them)."""
-    if args.devices is None:
-        for flag, value in (("-sm/--split-mode", args.split_mode), ("-ts/--tensor-split", args.tensor_split)):
-            if value is not None:
-                raise RunError(f"{flag} needs --devices DEV,DEV,... (the devices to split the model over)")
-        return {"device": _device(args)}
-    if args.device is not None:
+    if args.devices is not None and args.device is not None:
         raise RunError(f"--device {args.device} and --devices {','.join(args.devices)}: pass one of them")
-    if args.n_gpu_layers not in (None, "auto", "all", "-1"):
-        raise RunError(f"-ngl/--n-gpu-layers {args.n_gpu_layers} with --devices: the split places every layer; "
-                       "leave -ngl out")
-    from .devices import parse_layer_split
-
     try:
-        devices, shares = parse_layer_split(args.devices, args.split_mode, args.tensor_split)
-    except (TypeError, ValueError) as e:
-        raise RunError(f"--devices / -ts / -sm: {e}") from None
+        split = split_from_flags(args.devices, args.split_mode, args.tensor_split, args.n_gpu_layers)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    if split is None:
+        return {"device": _device(args)}
+    devices, shares = split
     return {"devices": devices, "split": args.split_mode or "layer", "tensor_split": shares or None}
 
 

@@ -157,3 +157,33 @@ def split_arg(value: str) -> list[str]:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).replace("device must be", "each device must be")) from None
     return names
+
+
+def add_split_arguments(p, devices_type=None, devices_note: str = "") -> None:
+    """--devices, -sm and -ts, as `deltaspec run` and `deltaspec serve` take them (llama.cpp's -dev,
+    -sm layer, -ts); devices_note ends --devices' help."""
+    p.add_argument("--devices", default=None, type=devices_type, metavar="DEV,DEV,...",
+                   help="one model over several devices (instead of --device), e.g. cuda:0,cpu: whole layers, with "
+                        "their KV cache and recurrent state, per device (llama.cpp's -sm layer)" + devices_note)
+    p.add_argument("-sm", "--split-mode", default=None, choices=list(SPLIT_MODES),
+                   help="how --devices share the model: layer (the only mode; default with --devices)")
+    p.add_argument("-ts", "--tensor-split", default=None, metavar="N,N,...",
+                   help="--devices' shares of the layers, e.g. 3,1 (default: by each device's free memory)")
+
+
+def split_from_flags(devices, split_mode, tensor_split, n_gpu_layers) -> tuple[list[str], list[float]] | None:
+    """--devices / -sm / -ts / -ngl of the CLIs checked: None without --devices, else parse_layer_split's
+    (devices, shares). ValueError naming the flag otherwise (each CLI raises it as its own error; the
+    flags a CLI alone has, --device or --replicas beside --devices, it checks itself)."""
+    if devices is None:
+        for flag, value in (("-sm/--split-mode", split_mode), ("-ts/--tensor-split", tensor_split)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --devices DEV,DEV,... (the devices to split the model over)")
+        return None
+    if n_gpu_layers not in (None, "auto", "all", "-1"):
+        raise ValueError(f"-ngl/--n-gpu-layers {n_gpu_layers} with --devices: the split places every layer; "
+                         "leave -ngl out")
+    try:
+        return parse_layer_split(devices, split_mode, tensor_split)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--devices / -ts / -sm: {e}") from None

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from ..devices import DEVICE_KINDS, device_arg, device_kind
+from ..devices import DEVICE_KINDS, add_split_arguments, device_arg, device_kind, split_from_flags
 
 DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
 (streamed as server-sent events), /v1/models, /health and /metrics (Prometheus). --parallel N requests decode
@@ -53,13 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "A CPU replica runs -t threads: give -t cores / replicas (default: one replica, --device)")
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", default=None, metavar="N",
                    help="0 = CPU; N >= 1 or 'all' = the whole model on the GPU (--device cuda)")
-    p.add_argument("--devices", default=None, metavar="DEV,DEV,...",
-                   help="one model over several devices (instead of --device), e.g. cuda:0,cpu: whole layers, with "
-                        "their KV cache and recurrent state, per device (llama.cpp's -sm layer); -md goes on the first")
-    p.add_argument("-sm", "--split-mode", default=None, choices=["layer"],
-                   help="how --devices share the model: layer (the only mode; default with --devices)")
-    p.add_argument("-ts", "--tensor-split", default=None, metavar="N,N,...",
-                   help="--devices' shares of the layers, e.g. 3,1 (default: by each device's free memory)")
+    add_split_arguments(p, devices_note="; -md goes on the first")
     p.add_argument("-md", "--model-draft", default=None, metavar="FNAME", help="draft model (spec-type draft-simple)")
     p.add_argument("--spec-type", default=None, choices=["draft-simple", "ngram-simple"],
                    help="speculative decoding: draft-simple (with -md) or ngram-simple (prompt lookup)")
@@ -175,22 +169,14 @@ def _served(model, args):
 
 def _layer_split(args) -> tuple[list[str], list[float]] | None:
     """--devices / -sm / -ts checked (None without --devices)."""
-    if args.devices is None:
-        for flag, value in (("-sm/--split-mode", args.split_mode), ("-ts/--tensor-split", args.tensor_split)):
+    if args.devices is not None:
+        for flag, value in (("--device", args.device), ("--replicas", args.replicas)):
             if value is not None:
-                raise ServeError(f"{flag} needs --devices DEV,DEV,... (the devices to split the model over)")
-        return None
-    for flag, value in (("--device", args.device), ("--replicas", args.replicas)):
-        if value is not None:
-            raise ServeError(f"--devices {args.devices} and {flag} {value}: pass one of them")
-    if args.n_gpu_layers not in (None, "auto", "all", "-1"):
-        raise ServeError(f"-ngl {args.n_gpu_layers} with --devices: the split places every layer; leave -ngl out")
-    from ..devices import parse_layer_split
-
+                raise ServeError(f"--devices {args.devices} and {flag} {value}: pass one of them")
     try:
-        return parse_layer_split(args.devices, args.split_mode, args.tensor_split)
-    except (TypeError, ValueError) as e:
-        raise ServeError(f"--devices / -ts / -sm: {e}") from None
+        return split_from_flags(args.devices, args.split_mode, args.tensor_split, args.n_gpu_layers)
+    except ValueError as e:
+        raise ServeError(str(e)) from None
 
 
 def _load(args, device: str, speculation: dict | None, split: tuple[list[str], list[float]] | None = None):
