@@ -10,21 +10,15 @@
 #include <string>
 
 #include "engine.h"
+#include "env.h"
 
 namespace deltaspec {
 
 namespace {
 
 BatchBug read_batch_bug() {
-    const char * env = std::getenv("DELTASPEC_TEST_BATCH_BUG");
-    const std::string v = env ? env : "";
-    if (v.empty()) return BatchBug::none;
-    if (v == "shared_slot") return BatchBug::shared_slot;
-    if (v == "position") return BatchBug::position;
-    if (v == "no_move") return BatchBug::no_move;
-    if (v == "no_reset") return BatchBug::no_reset;
-    throw std::invalid_argument("DELTASPEC_TEST_BATCH_BUG (test only) must be unset, 'shared_slot', 'position', "
-                                "'no_move' or 'no_reset', not '" + v + "'");
+    return static_cast<BatchBug>(planted_choice("DELTASPEC_TEST_BATCH_BUG",
+                                                {"shared_slot", "position", "no_move", "no_reset"}));
 }
 
 }  // namespace

@@ -3,6 +3,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
 
 namespace deltaspec {
 
@@ -13,6 +16,24 @@ namespace deltaspec {
 inline bool env_on(const char * name) {
     const char * env = std::getenv(name);
     return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+// A test-only switch (a planted bug, DELTASPEC_TEST_*): 0 when `name` is unset or empty, i + 1 when it
+// is values[i]; anything else throws std::invalid_argument naming the variable and its values, so a
+// misspelt plant cannot pass for an unplanted run. The planted enums list `none` first, then the
+// values in this order.
+inline int planted_choice(const char * name, std::initializer_list<const char *> values) {
+    const char * env = std::getenv(name);
+    const std::string v = env ? env : "";
+    if (v.empty()) return 0;
+    int i = 1;
+    std::string allowed = "unset";
+    for (const char * value : values) {
+        if (v == value) return i;
+        allowed += std::string(i == (int)values.size() ? " or '" : ", '") + value + "'";
+        ++i;
+    }
+    throw std::invalid_argument(std::string(name) + " (test only) must be " + allowed + ", not '" + v + "'");
 }
 
 }  // namespace deltaspec

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "deltaspec_rows.h"
+#include "env.h"
 #include "engine.h"
 
 namespace deltaspec {
@@ -30,13 +31,7 @@ std::string str(int64_t v) { return std::to_string(v); }
 // Read once per process (the tests plant it for a whole run).
 PrefillBug prefill_bug() {
     static const PrefillBug bug = [] {
-        const char * env = std::getenv("DELTASPEC_TEST_PREFILL_BUG");
-        const std::string v = env ? env : "";
-        if (v.empty()) return PrefillBug::none;
-        if (v == "position") return PrefillBug::position;
-        if (v == "shared_state") return PrefillBug::shared_state;
-        throw std::invalid_argument("DELTASPEC_TEST_PREFILL_BUG (test only) must be unset, 'position' or 'shared_state', not '" +
-                                    v + "'");
+        return static_cast<PrefillBug>(planted_choice("DELTASPEC_TEST_PREFILL_BUG", {"position", "shared_state"}));
     }();
     return bug;
 }

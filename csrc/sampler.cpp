@@ -1,4 +1,5 @@
 #include "sampler.h"
+#include "env.h"
 
 #include <algorithm>
 #include <cmath>
@@ -16,13 +17,7 @@ namespace deltaspec {
 namespace {
 
 Sampler::Reference reference_planted() {
-    const char * env = std::getenv("DELTASPEC_TEST_SAMPLER_SORT");
-    const std::string v = env ? env : "";
-    if (v.empty()) return Sampler::Reference::none;
-    if (v == "comparison") return Sampler::Reference::comparison_sort;
-    if (v == "reference") return Sampler::Reference::gathering;
-    throw std::invalid_argument("DELTASPEC_TEST_SAMPLER_SORT (test only) must be unset, 'comparison' or 'reference', not '" +
-                                v + "'");
+    return static_cast<Sampler::Reference>(planted_choice("DELTASPEC_TEST_SAMPLER_SORT", {"comparison", "reference"}));
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 #include "slot_history.h"
+#include "env.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -17,14 +18,7 @@ namespace {
 enum class SlotBug { none, length_only, no_copy, no_forget };
 
 SlotBug slot_bug() {
-    const char * env = std::getenv("DELTASPEC_TEST_SLOT_BUG");
-    const std::string v = env ? env : "";
-    if (v.empty()) return SlotBug::none;
-    if (v == "length_only") return SlotBug::length_only;
-    if (v == "no_copy") return SlotBug::no_copy;
-    if (v == "no_forget") return SlotBug::no_forget;
-    throw std::invalid_argument("DELTASPEC_TEST_SLOT_BUG (test only) must be unset, 'length_only', 'no_copy' or "
-                                "'no_forget', not '" + v + "'");
+    return static_cast<SlotBug>(planted_choice("DELTASPEC_TEST_SLOT_BUG", {"length_only", "no_copy", "no_forget"}));
 }
 
 bool is_proper_prefix(const std::vector<int32_t> & head, const std::vector<int32_t> & prompt) {

@@ -1,4 +1,5 @@
 #include "speculative.h"
+#include "env.h"
 
 #include <algorithm>
 #include <chrono>
@@ -74,13 +75,7 @@ Distribution residual(const Distribution & p, const Distribution * q, int32_t dr
 }  // namespace
 
 PlantedBug planted_bug() {
-    const char * env = std::getenv("DELTASPEC_TEST_WRONG_SPEC_RULE");
-    const std::string v = env ? env : "";
-    if (v.empty()) return PlantedBug::none;
-    if (v == "residual") return PlantedBug::residual_is_p;
-    if (v == "accept") return PlantedBug::accept_ignores_q;
-    throw std::invalid_argument("DELTASPEC_TEST_WRONG_SPEC_RULE (test only) must be unset, 'residual' or 'accept', not '" +
-                                v + "'");
+    return static_cast<PlantedBug>(planted_choice("DELTASPEC_TEST_WRONG_SPEC_RULE", {"residual", "accept"}));
 }
 
 int64_t accept_draft(const float * rows, int64_t n_vocab, const Draft & draft, Sampler & sampler,

@@ -52,6 +52,7 @@
 #include <utility>
 
 #include "cuda_kernels.h"
+#include "env.h"
 #include "deltaspec_rows.h"
 #include "deltaspec_top.h"
 #include "engine.h"
@@ -69,13 +70,7 @@ enum class GraphBug { none, never_reuse, slot_key };
 
 GraphBug graph_bug() {
     static const GraphBug bug = [] {
-        const char * env = std::getenv("DELTASPEC_TEST_GRAPH_BUG");
-        const std::string v = env ? env : "";
-        if (v.empty()) return GraphBug::none;
-        if (v == "never_reuse") return GraphBug::never_reuse;
-        if (v == "slot_key") return GraphBug::slot_key;
-        throw std::invalid_argument("DELTASPEC_TEST_GRAPH_BUG (test only) must be unset, 'never_reuse' or 'slot_key', not '" +
-                                    v + "'");
+        return static_cast<GraphBug>(planted_choice("DELTASPEC_TEST_GRAPH_BUG", {"never_reuse", "slot_key"}));
     }();
     return bug;
 }

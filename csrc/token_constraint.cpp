@@ -1,4 +1,5 @@
 #include "token_constraint.h"
+#include "env.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,15 +13,8 @@
 namespace deltaspec {
 
 GrammarBug grammar_bug() {
-    const char * env = std::getenv("DELTASPEC_TEST_GRAMMAR_BUG");
-    const std::string v = env ? env : "";
-    if (v.empty()) return GrammarBug::none;
-    if (v == "verify_unmasked") return GrammarBug::verify_unmasked;
-    if (v == "no_cut") return GrammarBug::no_cut;
-    if (v == "drop_rejected") return GrammarBug::drop_rejected;
-    if (v == "tree_row_unmasked") return GrammarBug::tree_row_unmasked;
-    throw std::invalid_argument("DELTASPEC_TEST_GRAMMAR_BUG (test only) must be unset, 'verify_unmasked', 'no_cut', "
-                                "'drop_rejected' or 'tree_row_unmasked', not '" + v + "'");
+    return static_cast<GrammarBug>(planted_choice("DELTASPEC_TEST_GRAMMAR_BUG",
+                                                  {"verify_unmasked", "no_cut", "drop_rejected", "tree_row_unmasked"}));
 }
 
 namespace {

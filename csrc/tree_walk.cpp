@@ -1,4 +1,5 @@
 #include "tree_walk.h"
+#include "env.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -8,14 +9,8 @@
 namespace deltaspec {
 
 TreeRuleBug tree_rule_bug() {
-    const char * env = std::getenv("DELTASPEC_TEST_WRONG_TREE_RULE");
-    const std::string v = env ? env : "";
-    if (v.empty()) return TreeRuleBug::none;
-    if (v == "fresh_next") return TreeRuleBug::fresh_next;
-    if (v == "no_residual") return TreeRuleBug::no_residual;
-    if (v == "no_q_update") return TreeRuleBug::no_q_update;
-    throw std::invalid_argument("DELTASPEC_TEST_WRONG_TREE_RULE (test only) must be unset, 'fresh_next', "
-                                "'no_residual' or 'no_q_update', not '" + v + "'");
+    return static_cast<TreeRuleBug>(planted_choice("DELTASPEC_TEST_WRONG_TREE_RULE",
+                                                   {"fresh_next", "no_residual", "no_q_update"}));
 }
 
 namespace {

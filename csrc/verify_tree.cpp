@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "deltaspec_rows.h"
+#include "env.h"
 #include "engine.h"
 
 namespace deltaspec {
@@ -41,17 +42,9 @@ namespace {
 enum class TreeBug { none, sibling_visible, row_position, no_compaction, parent_state, taps_uncompacted, stale_keep_graph };
 
 TreeBug read_tree_bug() {
-    const char * env = std::getenv("DELTASPEC_TEST_TREE_BUG");
-    const std::string v = env ? env : "";
-    if (v.empty()) return TreeBug::none;
-    if (v == "sibling_visible") return TreeBug::sibling_visible;
-    if (v == "row_position") return TreeBug::row_position;
-    if (v == "no_compaction") return TreeBug::no_compaction;
-    if (v == "parent_state") return TreeBug::parent_state;
-    if (v == "taps_uncompacted") return TreeBug::taps_uncompacted;
-    if (v == "stale_keep_graph") return TreeBug::stale_keep_graph;
-    throw std::invalid_argument("DELTASPEC_TEST_TREE_BUG (test only) must be unset, 'sibling_visible', 'row_position', "
-                                "'no_compaction', 'parent_state', 'taps_uncompacted' or 'stale_keep_graph', not '" + v + "'");
+    return static_cast<TreeBug>(planted_choice("DELTASPEC_TEST_TREE_BUG",
+                                               {"sibling_visible", "row_position", "no_compaction", "parent_state",
+                                                "taps_uncompacted", "stale_keep_graph"}));
 }
 
 TreeBug tree_bug() {
