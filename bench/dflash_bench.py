@@ -32,6 +32,10 @@ rejection walk).
 on the GPU machine): llama.cpp's draft-dflash chain (block 16: 15 drafts a round) on the same two
 files, greedy, --llama-n tokens; its decode speed and acceptance as it prints them. Its drafts are
 noise too (random drafter): this is llama.cpp's round cost in practice, not a speed-up.
+
+--llama-bench PATH: llama.cpp's plain decoding of the same target (llama-bench tg128 at --depth, f16
+KV, flash attention, one process per repetition, interleaved with the draft-dflash repetitions), the
+baseline of the issue's goal: each deltaspec round's tokens/s at an AL as a multiple of it.
 """
 
 from __future__ import annotations
@@ -211,6 +215,17 @@ def llama_dflash(args, rep: int) -> dict:
     return out
 
 
+def llama_plain(args, rep: int) -> dict:
+    """llama.cpp's plain decoding of the target: one llama-bench process, tg128 after --depth tokens."""
+    cmd = [args.llama_bench, "-m", args.target, "-p", "0", "-n", "128", "-d", str(args.depth), "-fa", "1",
+           "-ngl", "99" if args.device == "cuda" else "0", "-r", "1", "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    tg = [x for x in json.loads(r.stdout) if x["n_gen"] and not x["n_prompt"]]
+    return {"rep": rep, "test": f"tg128@d{args.depth}", "tok_s": float(tg[0]["avg_ts"])}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("target")
@@ -227,6 +242,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tree-sampled", action="store_true", help="tree rounds at T = 1 too")
     ap.add_argument("--llama-bin", default=None)
     ap.add_argument("--build-llama", default=None, metavar="DIR", help="build llama-speculative-simple into DIR first")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH",
+                    help="llama-bench of the same tree: llama.cpp's plain decoding of the target (the goal's baseline)")
     ap.add_argument("--llama-n", type=int, default=256)
     ap.add_argument("--llama-prompt-repeat", type=int, default=8)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -238,8 +255,17 @@ def main(argv=None) -> dict:
     report["deltaspec"] = deltaspec_rounds(args)
     if args.tree_budgets:
         report["deltaspec_tree_rounds"] = tree_rounds(args)
-    if args.llama_bin:
-        report["llama_cpp_draft_dflash"] = [llama_dflash(args, i) for i in range(args.reps)]
+    # llama.cpp's sides interleaved, a fresh process each: draft-dflash, then plain decoding
+    for i in range(args.reps if (args.llama_bin or args.llama_bench) else 0):
+        if args.llama_bin:
+            report.setdefault("llama_cpp_draft_dflash", []).append(llama_dflash(args, i))
+        if args.llama_bench:
+            report.setdefault("llama_cpp_plain", []).append(llama_plain(args, i))
+    if "llama_cpp_plain" in report:
+        plain = statistics.median(r["tok_s"] for r in report["llama_cpp_plain"])
+        report["llama_cpp_plain_median_tok_s"] = plain
+        for r in report["deltaspec"]["rounds"] + report.get("deltaspec_tree_rounds", {}).get("rows", []):
+            r["x_llama_plain_at_al"] = {al: round(v / plain, 2) for al, v in r["tok_s_at_al"].items()}
     print(f"deltaspec DFlash round at depth {args.depth} on {args.device} (median of {args.reps}x{args.inner}, ms):")
     print(f"{'budget':>6} {'rows':>4} {'draft':>8} {'verify':>8} {'commit':>8} {'round':>8} {'plain':>8}  tok/s at AL "
           + " / ".join(str(a) for a in args.al))
@@ -257,6 +283,16 @@ def main(argv=None) -> dict:
             print(f"{r['budget']:>6} {r['temperature']:>3g} {r['verify_rows']:>4} {r['draft_ms']:>8.2f} "
                   f"{r['verify_ms']:>8.2f} {r['commit_ms']:>8.2f} {r['round_ms']:>8.2f} {r['round_spread_ms']:>7.2f} "
                   f"{r['nodes_per_round']:>6} {r['measured_al']:>5}  " + " / ".join(str(v) for v in r["tok_s_at_al"].values()))
+    if "llama_cpp_plain" in report:
+        vals = [r["tok_s"] for r in report["llama_cpp_plain"]]
+        print(f"llama.cpp plain decoding ({report['llama_cpp_plain'][0]['test']}, f16 KV): median "
+              f"{statistics.median(vals):.1f} tok/s [{min(vals):.1f}-{max(vals):.1f}]; deltaspec's rounds as multiples "
+              "of it at AL " + " / ".join(str(a) for a in args.al) + ":")
+        for r in report["deltaspec"]["rounds"]:
+            print(f"  chain budget {r['budget']:>3}: " + " / ".join(f"{v}x" for v in r["x_llama_plain_at_al"].values()))
+        for r in report.get("deltaspec_tree_rounds", {}).get("rows", []):
+            print(f"  DDTree {r['budget']:>3} T={r['temperature']:g}: "
+                  + " / ".join(f"{v}x" for v in r["x_llama_plain_at_al"].values()))
     for r in report.get("llama_cpp_draft_dflash", []):
         print(f"llama.cpp draft-dflash rep {r['rep']}: {r.get('tok_s', '?')} tok/s decode, "
               f"drafted {r.get('n_drafted', '?')} accepted {r.get('n_accept', '?')}")

@@ -41,7 +41,7 @@
 #   tq: the tq KV cache types on the synthetic 27B: allocated KV bytes per type at 32K/128K/256K
 #      (bench/kv_memory.py -> kv_memory.json), then tg128 at depths TQ_DEPTHS (default 16384 65536)
 #      with q4_0, tq3 and q4_0+rot against llama-bench's q4_0 (-> kv_decode_bench.json; depth 131072
-#      alone fits one 10-minute call: TQ_DEPTHS=131072)
+#      alone fits one 10-minute call: TQ_DEPTHS=131072; TQ_CACHE_TYPES replaces the three types)
 #   tq-test: the tq KV cache types' CUDA checks:
 #      bench/tq_cuda_diag.py (how the CUDA quantizer's bytes differ from the CPU's, if they do; VERDICT
 #      lines -> tq_cuda_diag.md/.json), then tests/test_gpu_turboquant.py and test_gpu.py's cache pairs
@@ -58,7 +58,8 @@
 #   dflash: DFlash rounds on the synthetic 27B with a random drafter of the 27B DFlash drafter's
 #      shape (/tmp/d27.gguf, Q8_0): the chain round's parts (budgets 15/16/22/32) and DDTree trees
 #      of 16/22/32 nodes through the speculative loop, greedy and T = 1 (bench/dflash_bench.py),
-#      beside llama.cpp's draft-dflash when llama-speculative-simple was built -> dflash_bench.json
+#      beside llama.cpp's draft-dflash and llama-bench's plain tg128 at the same depth when a `build`
+#      step (this call's or an earlier one's) made llama.cpp's libraries -> dflash_bench.json
 #   server: `deltaspec serve` vs llama-server at 1/4/16/32 concurrent streams (bench/server_bench.py)
 #      -> server_bench.json; llama-server is added to the `build` step's folder first (a call after
 #      `build`); needs the starlette and uvicorn wheels (and their dependencies) in .whl
@@ -233,8 +234,15 @@ if has_step dflash; then
         python3 -m deltaspec.synth_dflash /tmp/d27.gguf.part --quant q8_0 > "$OUT/synth_dflash.log" 2>&1 \
             && mv /tmp/d27.gguf.part /tmp/d27.gguf
     fi
+    # llama.cpp's draft-dflash and its plain decoding of the same target, when a `build` made its
+    # libraries (this call's or an earlier one's): llama-speculative-simple compiles against them in seconds
     peer=()
-    [[ -x $LLAMA_BUILD/bin/llama-speculative-simple ]] && peer=(--llama-bin "$LLAMA_BUILD/bin")
+    if [[ -f $LLAMA_BUILD/bin/libllama-common.so ]]; then
+        ( cd "$REPO" && python3 -c "from bench.peers.llama_speculative import build_speculative_simple as b; b('$LLAMA_BUILD/bin')" ) \
+            || echo "llama-speculative-simple did not compile"
+    fi
+    [[ -x $LLAMA_BUILD/bin/llama-speculative-simple ]] && peer+=(--llama-bin "$LLAMA_BUILD/bin")
+    [[ -x $LLAMA_BUILD/bin/llama-bench ]] && peer+=(--llama-bench "$LLAMA_BUILD/bin/llama-bench")
     python3 "$REPO/bench/dflash_bench.py" /tmp/q27.gguf /tmp/d27.gguf --device cuda --budgets 15 16 22 32 \
         --tree-budgets 16 22 32 --tree-sampled ${peer[@]+"${peer[@]}"} --out "$OUT/dflash_bench.json" \
         | tee "$OUT/dflash_bench.md"
@@ -281,7 +289,7 @@ if has_step tq; then
     tests=()
     for d in ${TQ_DEPTHS:-16384 65536}; do tests+=("tg128@d$d"); done
     python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
-        --tests "${tests[@]}" --cache-types q4_0 tq3 q4_0+rot ${peer[@]+"${peer[@]}"} \
+        --tests "${tests[@]}" --cache-types ${TQ_CACHE_TYPES:-q4_0 tq3 q4_0+rot} ${peer[@]+"${peer[@]}"} \
         --out "$OUT/kv_decode_bench.json" | tee "$OUT/kv_decode_bench.md"
 fi
 if has_step batch; then

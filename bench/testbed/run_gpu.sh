@@ -12,6 +12,10 @@
 #       machine was lost between the calls, pass the folder holding the first call's manifest.json,
 #       hf_target.tar and hf_drafters.tar (carried with the tree): the GGUFs are converted again and
 #       their sha256 checked against the manifest, and deltaspec is built first (about 3 minutes).
+# TESTBED_PEER_BUILD=1: the train call's background build is bench/gpu_session.sh's `build` instead
+# (llama.cpp with its ggml-cuda carrying deltaspec's kernels into /tmp/llama-cuda, then deltaspec
+# against it), from a copy of the tree, in a session of its own that outlives the call; acceptance
+# waits for it, and later gpu_session.sh calls on the same warm machine find llama.cpp's peers built.
 # TESTBED_SMOKE=1: the same two calls on a CPU in about two minutes (tiny shapes, 32 new tokens, no
 # CUDA build: whichever deltaspec python3 imports), to check this script before spending GPU time.
 set -euo pipefail
@@ -31,6 +35,19 @@ build_deltaspec() {  # what bench/gpu_session.sh build-ours does; its log in /tm
         nice -n 19 python3 -m pip install -q --no-build-isolation --no-deps "$REPO"
     echo "deltaspec build: $(( $(date +%s) - t0 )) s"
 }
+PEER_BUILD_DONE=/tmp/testbed_peer_build.done
+start_peer_build() {  # detached: the next call lays the carried tree anew, so it builds from a copy
+    rm -rf /tmp/testbed-src && mkdir /tmp/testbed-src && cp -r "$REPO"/. /tmp/testbed-src/
+    setsid nohup nice -n 19 bash -c 'cd /tmp/testbed-src && t0=$(date +%s) rc=0
+        export DELTASPEC_GGML_SOURCE=$PWD/.deps/gpu-src/llama.cpp
+        python3 bench/peers/llama_cpp.py build --cuda --deltaspec-kernels --build-dir /tmp/llama-cuda \
+            -j $(( $(nproc) - 2 )) || rc=$?
+        [[ $rc == 0 ]] && { CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) - 2 )) \
+            CMAKE_ARGS="-DDELTASPEC_GGML_SOURCE=$DELTASPEC_GGML_SOURCE -DDELTASPEC_GGML_LIB_DIR=/tmp/llama-cuda/bin" \
+            python3 -m pip install -q --no-build-isolation --no-deps . || rc=$?; }
+        echo "llama.cpp + deltaspec build: $(( $(date +%s) - t0 )) s (exit $rc)"; touch "$1"' \
+        _ "$PEER_BUILD_DONE" > /tmp/testbed_build.log 2>&1 < /dev/null &
+}
 smoke=${TESTBED_SMOKE:+1}
 train_args=(${smoke:+--smoke}) acceptance_args=(${smoke:+--n-new 32 --device cpu})
 deltaspec_built() { (cd /tmp && python3 -c "import deltaspec.model" 2>/dev/null); }
@@ -38,7 +55,10 @@ deltaspec_built() { (cd /tmp && python3 -c "import deltaspec.model" 2>/dev/null)
 case $step in
 train)
     # the build leaves two cores to training, which launches many small kernels from one thread
-    if [[ -z $smoke ]]; then
+    if [[ -n ${TESTBED_PEER_BUILD:-} && -z $smoke ]]; then
+        start_peer_build
+        ( echo "llama.cpp + deltaspec build goes on after this call (/tmp/testbed_build.log)" ) &
+    elif [[ -z $smoke ]]; then
         ( build_deltaspec > /tmp/testbed_build.log 2>&1 || echo "deltaspec build FAILED" >> /tmp/testbed_build.log ) &
     else
         ( echo "smoke: no build" > /tmp/testbed_build.log ) &
@@ -60,6 +80,9 @@ acceptance)
         src=${2:?/tmp/testbed is gone: pass the folder with manifest.json and the two tars of the train call}
         PYTHONPATH=/tmp/site:$REPO/python python3 bench/testbed/export.py --out "$TB" --rebuild "$src"
     fi
+    # the train call's detached build, when it started one on this machine
+    while [[ -d /tmp/testbed-src && ! -f $PEER_BUILD_DONE ]]; do sleep 5; done
+    [[ -f $PEER_BUILD_DONE ]] && tail -1 /tmp/testbed_build.log | tee -a "$OUT/acceptance_build.log"
     deltaspec_built || { [[ -z $smoke ]] && build_deltaspec; }
     cd /tmp  # import the installed deltaspec, not the source tree
     python3 "$REPO/bench/testbed/acceptance.py" --dir "$TB" --out "$OUT" "${acceptance_args[@]}" 2>&1 | grep -v "falling back" \
