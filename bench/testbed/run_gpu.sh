@@ -40,6 +40,11 @@ start_peer_build() {  # detached: the next call lays the carried tree anew, so i
     rm -rf /tmp/testbed-src && mkdir /tmp/testbed-src && cp -r "$REPO"/. /tmp/testbed-src/
     setsid nohup nice -n 19 bash -c 'cd /tmp/testbed-src && t0=$(date +%s) rc=0
         export DELTASPEC_GGML_SOURCE=$PWD/.deps/gpu-src/llama.cpp
+        # first a CPU-only deltaspec for training and export (the converter reads hyperparameters
+        # through the native module), a minute or two; then the CUDA builds
+        CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) - 2 )) CMAKE_ARGS="-DDELTASPEC_GGML_SOURCE=$DELTASPEC_GGML_SOURCE" \
+            python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ds-cpu . \
+            && echo "CPU deltaspec: $(( $(date +%s) - t0 )) s"; touch "$1.cpu"
         python3 bench/peers/llama_cpp.py build --cuda --deltaspec-kernels --build-dir /tmp/llama-cuda \
             -j $(( $(nproc) - 2 )) || rc=$?
         [[ $rc == 0 ]] && { CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) - 2 )) \
@@ -66,26 +71,34 @@ train)
     build_pid=$!
     rm -rf "$TB"
     t0=$(date +%s)
-    # the source tree's pure-Python deltaspec (tokenizer regex, converter): no native part needed
-    PYTHONPATH=/tmp/site:$REPO/python python3 bench/testbed/train.py --out "$TB" "${train_args[@]}" \
-        --deadline-seconds "${TRAIN_DEADLINE:-420}" 2>&1 | grep -v "falling back" | tee "$OUT/train.log"
-    PYTHONPATH=/tmp/site:$REPO/python python3 bench/testbed/export.py --out "$TB" --returned "$OUT" \
+    # training and export import deltaspec (tokenizer regex, converter, hyperparameter checks): the
+    # CPU-only build of the detached script, or the source tree once the background build has
+    # installed deltaspec (its Python files import the installed native module)
+    pp=/tmp/site:$REPO/python
+    if [[ -n ${TESTBED_PEER_BUILD:-} && -z $smoke ]]; then
+        while [[ ! -f $PEER_BUILD_DONE.cpu ]]; do sleep 3; done
+        pp=/tmp/site:/tmp/ds-cpu; tail -3 /tmp/testbed_build.log
+    fi
+    PYTHONPATH=$pp python3 bench/testbed/train.py --out "$TB" "${train_args[@]}" \
+        --deadline-seconds "${TRAIN_DEADLINE:-420}" 2>&1 | grep --line-buffered -v "falling back" | tee "$OUT/train.log"
+    PYTHONPATH=$pp python3 bench/testbed/export.py --out "$TB" --returned "$OUT" \
         2>&1 | tee -a "$OUT/train.log"
     echo "train + export: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
     wait "$build_pid" || true
     cat /tmp/testbed_build.log | tee -a "$OUT/train.log"
     ;;
 acceptance)
-    if [[ ! -f $TB/manifest.json || ! -f $TB/mtp.gguf ]]; then
-        src=${2:?/tmp/testbed is gone: pass the folder with manifest.json and the two tars of the train call}
-        PYTHONPATH=/tmp/site:$REPO/python python3 bench/testbed/export.py --out "$TB" --rebuild "$src"
-    fi
     # the train call's detached build, when it started one on this machine
     while [[ -d /tmp/testbed-src && ! -f $PEER_BUILD_DONE ]]; do sleep 5; done
     [[ -f $PEER_BUILD_DONE ]] && tail -1 /tmp/testbed_build.log | tee -a "$OUT/acceptance_build.log"
     deltaspec_built || { [[ -z $smoke ]] && build_deltaspec; }
+    if [[ ! -f $TB/manifest.json || ! -f $TB/mtp.gguf ]]; then
+        src=${2:?/tmp/testbed is gone: pass the folder with manifest.json and the two tars of the train call}
+        # the installed deltaspec converts (its native module checks the hyperparameters)
+        python3 bench/testbed/export.py --out "$TB" --rebuild "$src"
+    fi
     cd /tmp  # import the installed deltaspec, not the source tree
-    python3 "$REPO/bench/testbed/acceptance.py" --dir "$TB" --out "$OUT" "${acceptance_args[@]}" 2>&1 | grep -v "falling back" \
+    python3 "$REPO/bench/testbed/acceptance.py" --dir "$TB" --out "$OUT" "${acceptance_args[@]}" 2>&1 | grep --line-buffered -v "falling back" \
         | tee "$OUT/acceptance.log"
     cp "$TB/manifest.json" "$OUT/manifest.json"
     ;;
