@@ -286,7 +286,7 @@ def main(argv=None) -> dict:
     if "llama_cpp_plain" in report:
         vals = [r["tok_s"] for r in report["llama_cpp_plain"]]
         print(f"llama.cpp plain decoding ({report['llama_cpp_plain'][0]['test']}, f16 KV): median "
-              f"{statistics.median(vals):.1f} tok/s [{min(vals):.1f}-{max(vals):.1f}]; deltaspec's rounds as multiples "
+              f"{report['llama_cpp_plain_median_tok_s']:.1f} tok/s [{min(vals):.1f}-{max(vals):.1f}]; deltaspec's rounds as multiples "
               "of it at AL " + " / ".join(str(a) for a in args.al) + ":")
         for r in report["deltaspec"]["rounds"]:
             print(f"  chain budget {r['budget']:>3}: " + " / ".join(f"{v}x" for v in r["x_llama_plain_at_al"].values()))
