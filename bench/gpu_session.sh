@@ -93,6 +93,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 LLAMA_BUILD=/tmp/llama-cuda
 STOCK_BUILD=/tmp/llama-stock
+# bench/testbed/run_gpu.sh's train call (TESTBED_PEER_BUILD=1) leaves this script's `build` running
+# detached on the machine: every step here needs what it installs, and nothing is timed beside a compile
+# (that build runs this script too, with TESTBED_PEER_BUILD_ITSELF set: it must not wait for itself)
+if [[ -z ${TESTBED_PEER_BUILD_ITSELF:-} && -d /tmp/testbed-src && ! -f /tmp/testbed_peer_build.done ]]; then
+    echo "waiting for the testbed call's llama.cpp + deltaspec build"
+    while [[ ! -f /tmp/testbed_peer_build.done ]]; do sleep 5; done
+fi
+[[ -f /tmp/testbed_peer_build.done ]] && tail -2 /tmp/testbed_build.log || true
 
 if has_step kernels; then  # one more compile beside the builds below
     nvcc -O3 -arch=sm_90a -shared -Xcompiler -fPIC bench/kernels/kernels_capi.cu -o /tmp/libdskernels.so \

@@ -46,7 +46,7 @@ build_cpu_deltaspec() {  # what training and export import: the converter checks
 PEER_BUILD_DONE=/tmp/testbed_peer_build.done
 start_peer_build() {  # gpu_session.sh's `build`, detached; from a copy, since the next call lays the carried tree anew
     rm -rf /tmp/testbed-src && mkdir /tmp/testbed-src && cp -r "$REPO"/. /tmp/testbed-src/
-    setsid nohup nice -n 19 bash -c 'cd /tmp/testbed-src && OUT=/tmp/testbed-peer-build bash bench/gpu_session.sh build
+    setsid nohup nice -n 19 bash -c 'cd /tmp/testbed-src && OUT=/tmp/testbed-peer-build TESTBED_PEER_BUILD_ITSELF=1 bash bench/gpu_session.sh build
         echo "llama.cpp + deltaspec build: exit $?"; touch "$1"' \
         _ "$PEER_BUILD_DONE" > /tmp/testbed_build.log 2>&1 < /dev/null &
 }
@@ -82,9 +82,17 @@ acceptance)
     # the train call's detached build, when it started one on this machine
     while [[ -d /tmp/testbed-src && ! -f $PEER_BUILD_DONE ]]; do sleep 5; done
     [[ -f $PEER_BUILD_DONE ]] && tail -1 /tmp/testbed_build.log | tee -a "$OUT/acceptance_build.log"
-    deltaspec_built || { [[ -z $smoke ]] && build_deltaspec; }
+    # checked before the build: a lost machine must not cost four minutes of building to find out
+    rebuild=
     if [[ ! -f $TB/manifest.json || ! -f $TB/mtp.gguf ]]; then
-        src=${2:?/tmp/testbed is gone: pass the folder with manifest.json and the two tars of the train call}
+        rebuild=${2:-}
+        [[ -n $rebuild && -f $rebuild/manifest.json ]] || {
+            echo "/tmp/testbed is gone (a fresh machine): pass the folder with the train call's manifest.json and two tars" >&2
+            exit 2; }
+    fi
+    deltaspec_built || { [[ -z $smoke ]] && build_deltaspec; }
+    if [[ -n $rebuild ]]; then
+        src=$rebuild
         # the installed deltaspec converts (its native module checks the hyperparameters)
         python3 bench/testbed/export.py --out "$TB" --rebuild "$src"
     fi
