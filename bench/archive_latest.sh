@@ -13,7 +13,7 @@ NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.j
        tree_verify_cost.md server_bench.json server_bench.md dflash_bench.json mtp_bench.json
        kv_quality.json kv_quality.md tree_acceptance.json batch_spec_bench.json batch_spec_bench.md
        top_rows_bench.json top_rows_bench.md mtp_bench.md tq_cuda_diag.json gpu_tq_tests.xml
-       tq_cuda_diag.md dflash_bench.md kv_memory.json kv_decode_bench.json kv_decode_bench.md kv_decode_bench_65536.json kv_decode_bench_65536.md tq_decode_ab.md
+       tq_cuda_diag.md dflash_bench.md kv_memory.json kv_decode_bench.json kv_decode_bench.md kv_decode_bench_65536.json kv_decode_bench_65536.md kv_decode_bench_131072.json kv_decode_bench_131072.md tq_decode_ab.md
        server_spec_bench.json server_spec_bench.md host_sampling.json host_sampling.md
        graph_cache_bench.json graph_cache_bench.md graph_cache_bench_cpu.json graph_cache_bench_cpu.md"
 LATEST=bench/results/latest

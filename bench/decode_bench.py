@@ -132,15 +132,27 @@ def _ours_in_fresh_process(model: str, device: str, tests, cache_types, threads,
         return json.loads(out.read_text())
 
 
-def interleave(sides: list[tuple[str, callable]], reps: int) -> list[dict]:
-    """Run side 1 rep 1, side 2 rep 1, side 1 rep 2, ...; every measurement tagged with its side and rep."""
-    runs = []
+def interleave(sides: list[tuple[str, callable]], reps: int, on_run=None, deadline: float | None = None) -> list[dict]:
+    """Run side 1 rep 1, side 2 rep 1, side 1 rep 2, ...; every measurement tagged with its side and rep.
+
+    on_run(runs) is called after each measurement (the caller saves what it has: a GPU call cut at
+    its time limit keeps its finished repetitions). With deadline (a time.monotonic() value), a
+    measurement that would end after it, judged by the side's previous one, is not started: the
+    repetitions stop there, all sides having the same number where they can."""
+    runs: list[dict] = []
+    last_wall: dict[str, float] = {}
     for r in range(reps):
+        if deadline is not None and r > 0 and time.monotonic() + sum(last_wall.values()) > deadline:
+            print(f"deadline: stopping after {r} of {reps} repetitions", file=sys.stderr, flush=True)
+            break
         for label, measure in sides:
             print(f"{label}, repetition {r + 1} of {reps}", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             rows = measure(r)
-            runs.append({"side": label, "rep": r + 1, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows})
+            last_wall[label] = time.perf_counter() - t0
+            runs.append({"side": label, "rep": r + 1, "wall_s": round(last_wall[label], 1), "rows": rows})
+            if on_run is not None:
+                on_run(runs)
     return runs
 
 
@@ -256,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--llama-bench", help="llama-bench binary (without it: deltaspec alone)")
     r.add_argument("--out", type=Path, default=DEFAULT_OUT)
     r.add_argument("--bandwidth", type=float, help="bytes/s; measured here when omitted")
+    r.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                   help="start no repetition that would end later than this (judged by the previous one)")
     s = sub.add_parser("stock", help="llama-bench with injected (switched-off) dispatchers vs a stock build")
     _common(s, 3)
     s.add_argument("--llama-bench", required=True, help="the build with deltaspec's kernels injected")
@@ -287,8 +301,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.llama_bench:
             sides.append(("llama.cpp", lambda rep: measure_llama_bench(args.llama_bench, args.model, args.tests,
                                                                        args.cache_types, args.threads)))
-        result = {"meta": _meta(args, "deltaspec vs llama.cpp"), "sides": [s[0] for s in sides],
-                  "runs": interleave(sides, args.reps)}
+        result = {"meta": _meta(args, "deltaspec vs llama.cpp"), "sides": [s[0] for s in sides], "runs": []}
+
+        def save_partial(runs):  # what a run cut short leaves: the finished measurements
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({**result, "runs": runs, "partial": True}, indent=1) + "\n")
+
+        deadline = time.monotonic() + args.deadline if args.deadline else None
+        result["runs"] = interleave(sides, args.reps, on_run=save_partial, deadline=deadline)
         bw = args.bandwidth or (device_bandwidth() if args.device == "cuda" else None)
         _finish(result, args.out, args.model, bw)
     elif args.cmd == "stock":

@@ -281,12 +281,12 @@ if has_step profile; then  # one decode step and one 17-row verify, kernel by ke
 fi
 if has_step bench-ours; then
     # shellcheck disable=SC2086  # BENCH_TESTS: a list of test names
-    python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
+    python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" ${BENCH_DEADLINE:+--deadline $BENCH_DEADLINE} \
         ${BENCH_TESTS:+--tests $BENCH_TESTS} --out "$OUT/decode_bench.json" | tee "$OUT/decode_bench.md"
 fi
 if has_step bench; then
     # shellcheck disable=SC2086  # BENCH_TESTS: a list of test names
-    python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
+    python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" ${BENCH_DEADLINE:+--deadline $BENCH_DEADLINE} \
         ${BENCH_TESTS:+--tests $BENCH_TESTS} --llama-bench "$LLAMA_BUILD/bin/llama-bench" \
         --out "$OUT/decode_bench.json" | tee "$OUT/decode_bench.md"
 fi
@@ -296,7 +296,7 @@ if has_step tq; then
     [[ -x $LLAMA_BUILD/bin/llama-bench ]] && peer=(--llama-bench "$LLAMA_BUILD/bin/llama-bench")
     tests=()
     for d in ${TQ_DEPTHS:-16384 65536}; do tests+=("tg128@d$d"); done
-    python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
+    python3 "$REPO/bench/decode_bench.py" run /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" ${BENCH_DEADLINE:+--deadline $BENCH_DEADLINE} \
         --tests "${tests[@]}" --cache-types ${TQ_CACHE_TYPES:-q4_0 tq3 q4_0+rot} ${peer[@]+"${peer[@]}"} \
         --out "$OUT/kv_decode_bench.json" | tee "$OUT/kv_decode_bench.md"
 fi
