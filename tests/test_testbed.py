@@ -391,3 +391,39 @@ def test_reference_ddtree_matches_deltaspec(smoke, tmp_path):
                 assert r.stats.n_tree_nodes == r.stats.n_drafted
             assert drafted > 0 and ref.accepted > 0, budget
             assert (steps, drafted, accepted) == (ref.steps, ref.drafted, ref.accepted), budget
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_reference_mtp_matches_deltaspec(smoke, shape):
+    """The torch reference's MTP drafts (bench/testbed/reference.py: the head's greedy chain, 3
+    deep, or that chain plus the chain nodes' best other candidates, 8 nodes) and deltaspec's
+    spec_type "mtp" (draft_n_min = draft_n_max = 3, tree_budget 8 for the tree) commit the same
+    tokens in the same target passes with the same drafted and accepted counts, greedy. The tree
+    must hold nodes off the chain (a tree that is only its chain would pass as a chain). Seen to
+    fail (tree: 32 vs 30 passes) with the reference ranking a chain node's other candidates by their
+    own log-probability instead of their path's, and (chain: 39 vs 38) with the reference's step 0
+    reading the target hidden state of the committed token itself instead of the one before it.
+    (Ranking over the whole vocabulary instead of deltaspec's renormalised top 32 chose the same
+    siblings here: that detail is not what this test pins.)"""
+    import acceptance
+    import deltaspec
+    target, draft, dflash, mtp = acceptance.load_torch_models(smoke, torch.device("cpu"))
+    prompts = json.loads((smoke / "manifest.json").read_text())["training"]["prompts"][:3]
+    n_new, depth, budget = 24, 3, 8
+    cont = reference.continuation(target, torch.tensor(prompts), n_new, 0.0, 0)
+    n_gen = reference.generated_lengths(cont, len(prompts[0]), 0)
+    drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=1)
+    propose = drafters.mtp_chain(depth) if shape == "chain" else drafters.mtp_tree(budget)
+    ref = reference.simulate(cont, len(prompts[0]), n_gen, propose, depth, depth)
+    kw = dict(spec_type="mtp", draft_n_max=depth, draft_n_min=depth, **({"tree_budget": budget} if shape == "tree" else {}))
+    steps = drafted = accepted = nodes = 0
+    with deltaspec.Model(smoke / "target.gguf", n_ctx=256, progress=False) as model:
+        for i, p in enumerate(prompts):
+            r = model.generate(p, max_tokens=n_new, temperature=0, **kw)
+            assert r.tokens == cont[i, len(p):len(p) + n_gen[i]].tolist()
+            steps, drafted, accepted = steps + r.stats.n_steps, drafted + r.stats.n_drafted, accepted + r.stats.n_accepted
+            nodes += r.stats.n_tree_nodes
+    assert accepted > 0
+    if shape == "tree":
+        assert nodes > 0 and drafted > depth * steps  # more per pass than any 3-deep chain drafts
+    assert (steps, drafted, accepted) == (ref.steps, ref.drafted, ref.accepted)

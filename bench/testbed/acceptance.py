@@ -5,7 +5,7 @@ pass) and acceptance rate of every drafter, on the held-out prompts fixed at tra
     python bench/testbed/acceptance.py --dir /tmp/testbed --out OUT [--device cuda] [--n-new 256]
 
 Measured by deltaspec (on --device) where deltaspec has the drafter: n-gram (prompt lookup), the
-draft model (chain), MTP 1-5, the DFlash chain and DFlash + DDTree budgets. Everything by the torch
+draft model (chain), MTP 1-5 and MTP trees, the DFlash chain and DFlash + DDTree budgets. Everything by the torch
 reference (bench/testbed/reference.py) too, labelled so, so that deltaspec and torch can be compared
 on the same drafter (greedy: the same tokens and, where the rounds are set up alike, the same
 acceptance are expected).
@@ -41,6 +41,7 @@ from heads import MTPHead  # noqa: E402
 
 DDTREE_BUDGETS = (8, 16, 22, 32, 64)
 MTP_STEPS = (1, 2, 3, 4, 5)
+MTP_TREES = ((3, 8), (5, 16))  # (depth, budget): the shapes bench/mtp_bench.py times on the 27B
 DRAFT_CHAIN_K = 4      # the fixed draft length at which deltaspec and torch are compared
 
 
@@ -71,7 +72,7 @@ def row(drafter, shape, by, T, steps, drafted, accepted, seconds, **extra):
             "seconds": round(seconds, 1), **extra}
 
 
-def torch_rows(models, prompts, n_new, T, device, mask_id, block, eos_id, seed):
+def torch_rows(models, prompts, n_new, T, device, mask_id, block, eos_id, seed, only=None):
     target, draft, dflash, mtp = models
     P = prompts.shape[1]
     t0 = time.time()
@@ -85,7 +86,11 @@ def torch_rows(models, prompts, n_new, T, device, mask_id, block, eos_id, seed):
              # every round block - 1 drafts or none (deltaspec's draft_n_min = draft_n_max): its twin row
              (DFLASH_FIXED, "chain", drafters.dflash_chain(), block - 1, block - 1)]
     specs += [(f"DFlash + DDTree budget {b}", "tree", drafters.dflash_tree(b), block - 1, 1) for b in DDTREE_BUDGETS]
-    specs += [(f"MTP k={k}", "chain", drafters.mtp_chain(k), k, 1) for k in MTP_STEPS]
+    # k drafts every round, or a plain step when fewer tokens are left (deltaspec's draft_n_min = k)
+    specs += [(f"MTP k={k}", "chain", drafters.mtp_chain(k), k, k) for k in MTP_STEPS]
+    specs += [(f"MTP tree depth {d} budget {b}", "tree", drafters.mtp_tree(b), d, d) for d, b in MTP_TREES]
+    if only is not None:
+        specs = [spec for spec in specs if spec[0].lower().startswith(only)]
     rows = []
     for name, shape, propose, max_len, min_len in specs:
         t = time.time()
@@ -104,6 +109,9 @@ DELTASPEC_CONFIGS = {
     # the target's own MTP head (target.gguf keeps it: deltaspec's converter exports the MTP layer),
     # k drafts every round, beside the torch reference's "MTP k=" rows
     **{f"mtp{k}": (f"MTP k={k}", "chain") for k in MTP_STEPS},
+    # MTP trees: the top-1 chain d deep plus the chain nodes' best other candidates, b nodes in all;
+    # drafted only when d tokens are left (draft_n_min = d), as the torch reference's rows
+    **{f"mtp_tree{d}x{b}": (f"MTP tree depth {d} budget {b}", "tree") for d, b in MTP_TREES},
     "dflash_fixed": ("DFlash chain, block - 1 drafts or none", "chain"),
     # DDTree as the torch reference runs it: a tree every round (draft_n_min 1), as deep as the room
     # allows up to block - 1 (DFlash trees ignore the adaptive draft length), so both count the
@@ -125,7 +133,9 @@ def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed
     kw = {"plain": {}, "ngram": dict(spec_type="ngram-simple"),
           "draft_fixed": dict(draft_model=draft, draft_n_max=DRAFT_CHAIN_K, draft_n_min=DRAFT_CHAIN_K),
           "draft_adaptive": dict(draft_model=draft, draft_n_max=16),
-          **{f"mtp{k}": dict(spec_type="mtp", draft_n_max=k, draft_n_min=k) for k in MTP_STEPS}}.get(key)
+          **{f"mtp{k}": dict(spec_type="mtp", draft_n_max=k, draft_n_min=k) for k in MTP_STEPS},
+          **{f"mtp_tree{d}x{b}": dict(spec_type="mtp", draft_n_max=d, draft_n_min=d, tree_budget=b)
+             for d, b in MTP_TREES}}.get(key)
     if key.startswith("dflash"):
         block = json.loads((folder / "manifest.json").read_text())["training"]["block_size"]
         kw = dict(draft_model=folder / "dflash.gguf", spec_type="dflash", draft_n_max=block - 1, draft_n_min=block - 1)
@@ -164,7 +174,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    out = [f"# Testbed acceptance ({report['n_prompts']} held-out prompts x {report['n_new']} new tokens)", "",
+    only = f", {report['only']} drafters only" if report.get("only") else ""
+    out = [f"# Testbed acceptance ({report['n_prompts']} held-out prompts x {report['n_new']} new tokens{only})", "",
            "Acceptance length = tokens committed per target pass (accepted drafts + the target's own token). "
            "T = 1 is plain sampling; deltaspec verifies by rejection sampling, the torch reference by exact match "
            "against the target's sample (the DFlash/DDTree rule), so at T = 1 the two are different rules.", "",
@@ -285,6 +296,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--jobs", type=int, default=1, help="--deltaspec-rows: rows run at once")
     ap.add_argument("--temps", default="0,1", help="--deltaspec-rows: temperatures (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="threads of each deltaspec row")
+    ap.add_argument("--only", default=None, choices=["mtp", "dflash", "draft"],
+                    help="a report of one drafter family alone, torch and deltaspec side by side (plain "
+                         "decoding kept for the token comparison), e.g. on a CPU where the whole report is too long")
     args = ap.parse_args(argv)
     manifest = json.loads((args.dir / "manifest.json").read_text())
     training = manifest["training"]
@@ -312,6 +326,8 @@ def main(argv=None) -> dict:
         for key in DELTASPEC_CONFIGS:
             if key == "plain" and T != 0:
                 continue
+            if args.only is not None and key != "plain" and not key.startswith(args.only):
+                continue
             workers[(T, key)] = start_worker(args, work, T, key)
     tdev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models = load_torch_models(args.dir, tdev)
@@ -322,7 +338,8 @@ def main(argv=None) -> dict:
     rows, conts, times = [], {}, {}
     for T in (0.0, 1.0):
         t = time.time()
-        r, cont, n_gen, t_cont = torch_rows(models, prompts, args.n_new, T, tdev, mask_id, block, eos_id, args.seed)
+        r, cont, n_gen, t_cont = torch_rows(models, prompts, args.n_new, T, tdev, mask_id, block, eos_id, args.seed,
+                                            args.only)
         rows += r
         conts[T] = [cont[i, prompts.shape[1]:prompts.shape[1] + n_gen[i]].tolist() for i in range(len(prompts_list))]
         times[f"torch_T{T:g}_s"] = round(time.time() - t, 1)
@@ -336,21 +353,17 @@ def main(argv=None) -> dict:
                 rows.append(got["row"])
             ds_tokens[T][DELTASPEC_CONFIGS[key][0]] = got["tokens"]
     times["deltaspec_wait_after_torch_s"] = round(time.time() - t, 1)
-    ag = {
-        "deltaspec plain vs torch greedy": agreement(ds_tokens[0.0]["plain"], conts[0.0]),
-        f"deltaspec draft model chain k={DRAFT_CHAIN_K} vs torch greedy":
-            agreement(ds_tokens[0.0][f"draft model chain k={DRAFT_CHAIN_K}"], conts[0.0]),
-        f"deltaspec draft model chain k={DRAFT_CHAIN_K} vs deltaspec plain":
-            agreement(ds_tokens[0.0][f"draft model chain k={DRAFT_CHAIN_K}"], ds_tokens[0.0]["plain"]),
-        f"deltaspec {DFLASH_FIXED} vs torch greedy": agreement(ds_tokens[0.0][DFLASH_FIXED], conts[0.0]),
-        **{f"deltaspec DFlash + DDTree budget {b} vs torch greedy":
-           agreement(ds_tokens[0.0][f"DFlash + DDTree budget {b}"], conts[0.0]) for b in DDTREE_BUDGETS},
-    }
+    greedy = ds_tokens[0.0]
+    ag = {"deltaspec plain vs torch greedy": agreement(greedy["plain"], conts[0.0]),
+          **{f"deltaspec {name} vs torch greedy": agreement(toks, conts[0.0])
+             for name, toks in greedy.items() if name != "plain"},
+          **{f"deltaspec {name} vs deltaspec plain": agreement(toks, greedy["plain"])
+             for name, toks in greedy.items() if name != "plain"}}
     import tokenizers
     tk = tokenizers.Tokenizer.from_file(str(args.dir / "hf/target/tokenizer.json"))
     samples = [{"prompt_tail": tk.decode(prompts_list[i])[-300:], "completion": tk.decode(conts[0.0][i][:96])}
                for i in range(min(3, len(prompts_list)))]
-    report = {"n_prompts": len(prompts_list), "n_new": args.n_new, "prompt_tokens": len(prompts_list[0]),
+    report = {"n_prompts": len(prompts_list), "n_new": args.n_new, "prompt_tokens": len(prompts_list[0]), "only": args.only,
               "deltaspec_device": args.device, "torch_device": str(tdev), "rows": rows, "agreement_greedy": ag,
               "samples": samples, "losses": manifest["losses"], "files": manifest["files"], "times": times,
               "total_seconds": round(time.time() - t_start, 1)}

@@ -18,9 +18,11 @@ cache API at the price of recomputation (small models, one GPU: seconds).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
+
 import torch
 
 import ddtree
@@ -162,34 +164,69 @@ class Drafters:
         return propose
 
     @torch.no_grad()
+    def _mtp_steps(self, rows, starts, rooms):
+        """The MTP head's greedy chain after each start, up to rooms[i] steps: (drafts, logits), logits[i]
+        the head's logits before each of row i's drafts. Step 0 reads (committed token, target hidden
+        before it) at the last committed position, with the head's attention over every committed
+        (token, hidden) pair; step j > 0 reads (draft j, the head's own output hidden of step j-1), as
+        llama.cpp drives it."""
+        dev = self.cont.device
+        n = len(rows)
+        # pair p (p = 1 .. start): token at p with the target's hidden at p-1
+        toks = [self.cont_list[b][1:s + 1] for b, s in zip(rows, starts)]
+        hid = [self.hidden[b, :s] for b, s in zip(rows, starts)]
+        drafts, step_logits = [[] for _ in rows], [[] for _ in rows]
+        for step in range(max(rooms)):
+            T = max(len(t) for t in toks)
+            ids = _right_pad(toks, 0, dev)
+            h = torch.zeros(n, T, self.hidden.shape[-1], device=dev, dtype=self.hidden.dtype)
+            for i in range(n):
+                h[i, :hid[i].shape[0]] = hid[i]
+            pos = torch.arange(1, T + 1, device=dev).expand(n, T)
+            logits, out_h = mtp_forward(self.mtp, self.target, ids, h, pos)
+            at = torch.tensor([len(t) - 1 for t in toks], device=dev)
+            last = logits[torch.arange(n, device=dev), at]
+            nxt = last.argmax(-1).tolist()
+            for i, t in enumerate(nxt):
+                if step < rooms[i]:
+                    drafts[i].append(t)
+                    step_logits[i].append(last[i].float())
+                    toks[i] = toks[i] + [t]
+                    hid[i] = torch.cat([hid[i], out_h[i, at[i]][None]], 0)
+        return drafts, step_logits
+
     def mtp_chain(self, k: int):
-        """k MTP steps: step 0 reads (committed token, target hidden before it) at the last committed
-        position, with the head's attention over every committed (token, hidden) pair; step i > 0
-        reads (draft i, the head's own output hidden of step i-1), as llama.cpp drives it."""
+        """k MTP steps (see _mtp_steps): the greedy chain."""
         def propose(rows, starts, rooms):
-            dev = self.cont.device
-            n = len(rows)
-            idx = torch.tensor(rows, device=dev)
-            # pair p (p = 1 .. start): token at p with the target's hidden at p-1
-            toks = [self.cont_list[b][1:s + 1] for b, s in zip(rows, starts)]
-            hid = [self.hidden[b, :s] for b, s in zip(rows, starts)]
-            drafts = [[] for _ in rows]
-            for step in range(max(rooms)):
-                T = max(len(t) for t in toks)
-                ids = _right_pad(toks, 0, dev)
-                h = torch.zeros(n, T, self.hidden.shape[-1], device=dev, dtype=self.hidden.dtype)
-                for i in range(n):
-                    h[i, :hid[i].shape[0]] = hid[i]
-                pos = torch.arange(1, T + 1, device=dev).expand(n, T)
-                logits, out_h = mtp_forward(self.mtp, self.target, ids, h, pos)
-                at = torch.tensor([len(t) - 1 for t in toks], device=dev)
-                sel = torch.arange(n, device=dev)
-                nxt = logits[sel, at].argmax(-1).tolist()
-                for i, t in enumerate(nxt):
-                    if step < rooms[i]:
-                        drafts[i].append(t)
-                        toks[i] = toks[i] + [t]
-                        hid[i] = torch.cat([hid[i], out_h[i, at[i]][None]], 0)
-            del idx
-            return [ddtree.chain(d) for d in drafts]
+            return [ddtree.chain(d) for d in self._mtp_steps(rows, starts, rooms)[0]]
+        return propose
+
+    def mtp_tree(self, budget: int, rank_top_k: int = 32):
+        """An MTP draft tree as deltaspec's MtpDrafter::propose_tree builds it: the head's top-1 chain
+        as deep as the room, then the best of the chain nodes' other candidates as leaves (the head
+        runs only along the chain), best-first by path log-probability. Candidates are ranked as
+        deltaspec's tree ranking does: the top rank_top_k logits at temperature 1, renormalised."""
+        def propose(rows, starts, rooms):
+            trees = []
+            for chain, logits in zip(*self._mtp_steps(rows, starts, rooms)):
+                D = min(len(chain), budget)
+                lps = []
+                for lg in logits[:D]:
+                    v, t = lg.topk(min(rank_top_k, lg.shape[-1]))
+                    lps.append((torch.log_softmax(v, -1).tolist(), t.tolist()))
+                tree = ddtree.chain(chain[:D])
+                prefix = [0.0]  # path score of the chain node at each depth (0: the root)
+                for d in range(D):
+                    prefix.append(prefix[-1] + lps[d][0][0])
+                # siblings of the chain node at depth d + 1: rank r >= 1 of step d's candidates
+                # (their score is non-increasing in r, so a heap over next ranks is best-first)
+                heap = [(-(prefix[d] + lps[d][0][1]), d, 1) for d in range(D) if len(lps[d][0]) > 1]
+                heapq.heapify(heap)
+                while heap and len(tree.tokens) < budget:
+                    neg, d, r = heapq.heappop(heap)
+                    tree.add(int(lps[d][1][r]), d + 1, d - 1, -neg)  # parent: chain node d - 1 (-1: root)
+                    if r + 1 < len(lps[d][0]):
+                        heapq.heappush(heap, (-(prefix[d] + lps[d][0][r + 1]), d, r + 1))
+                trees.append(tree)
+            return trees
         return propose
