@@ -70,6 +70,7 @@ def test_llama_cpp_spelling_parses(args, attr, value):
     (["run", "-m", "m", "-p", "hi", "-n5"], "unrecognized flag -n5"),
     (["run", "-m", "m", "-p", "hi", "-mg", "1"], "-mg (--main-gpu): llama.cpp's flag is not supported"),
     (["run", "-m", "m", "-p", "hi", "--mlock"], "--mlock: llama.cpp's flag is not supported"),
+    (["run", "-m", "m", "-p", "hi", "-dev", "CUDA0"], "-dev: llama.cpp's flag is not supported: use --devices"),
     (["run", "-m", "m", "-p", "hi", "--typical", "0.5"], "--typical: llama.cpp's flag is not supported"),
     (["run", "-m", "m", "-p", "hi", "-r", "User:"], "-r (--reverse-prompt): llama.cpp's flag is not supported: "
                                                     "use --stop STR"),
@@ -131,8 +132,7 @@ def test_batch_caps_ubatch(b, ub, n_ubatch):
     (["-fa", "off"], "-fa/--flash-attn: off is not available"),
     (["-sys", "s"], "-sys/--system-prompt: only used with -i/-cnv"),
     (["-cnv", "-sys", "s"], "-sys/--system-prompt: give the system message once"),
-    (["-cnv", "--chat-template", "chatml"], "--chat-template: 'chatml' is neither Jinja template text nor a "
-                                            "file; deltaspec has no built-in template names"),
+    (["-cnv", "--chat-template", "llama3"], "--chat-template: 'llama3' is neither a built-in template name"),
     (["--chat-template", "{{ x }}"], "--chat-template: only used with -i/-cnv"),
     (["-cnv", "--chat-template", "{% if %}"], "--chat-template: chat template does not compile"),
     (["-cnv", "--chat-template-file", "/nonexistent.jinja"], "--chat-template-file: cannot read"),
@@ -221,6 +221,40 @@ def test_conversation_with_system_prompt_and_template_file(tiny, tmp_path):
     with Model(tiny, n_ctx=256, n_threads=1, progress=False) as m:
         text = m.generate("<system>be\tbrief\n<user>hello\n<assistant>", max_tokens=6, temperature=0).text
     assert r.stdout == text + "\n"
+
+
+@pytest.mark.parametrize("how", ["name", "file"])
+def test_chat_template_by_name_or_file(tiny, tmp_path, how):
+    """--chat-template chatml (a built-in name, as llama.cpp's) or --chat-template FILE: the REPL
+    renders the turn in that format (this tiny model has no template of its own). Seen red with the name
+    branch removed from cli._chat_template ('chatml' refused as neither text nor a file) and, for the
+    file, with the file's path taken as template text (the reply then followed the literal path)."""
+    if how == "name":
+        value, rendered = "chatml", "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n" \
+                                    "<|im_start|>assistant\n"
+    else:
+        value = tmp_path / "t.jinja"
+        value.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]",
+                         encoding="utf-8")
+        rendered = "[system] be brief\n[user] hello\n[assistant]"
+    r = deltaspec("run", "-m", tiny, "-cnv", "-sys", "be brief", "--chat-template", value, "-n", "6",
+                  "--temp", "0", "-t", "1", "-c", "256", stdin="hello\n")
+    assert r.returncode == 0, r.stderr
+    with Model(tiny, n_ctx=256, n_threads=1, progress=False) as m:
+        text = m.generate(rendered, max_tokens=6, temperature=0).text
+    assert r.stdout == text + "\n"
+
+
+def test_verbose_prints_the_settings(tiny):
+    """-v / --verbose prints the settings in use (model and sampling) on stderr, and only then. Seen
+    red with the settings line printed under --log-disable instead of under -v."""
+    base = ["run", "-m", tiny, "-p", "hi", "-n", "2", "--temp", "0", "-t", "1", "-c", "256"]
+    quiet, verbose = deltaspec(*base), deltaspec(*base, "-v")
+    assert quiet.returncode == 0 and verbose.returncode == 0, verbose.stderr
+    settings = [line for line in verbose.stderr.splitlines() if line.startswith("deltaspec: n_ctx=")]
+    assert len(settings) == 1 and "temperature=0.0" in settings[0] and "n_threads=1" in settings[0], verbose.stderr
+    assert "deltaspec: n_ctx=" not in quiet.stderr
+    assert verbose.stdout == quiet.stdout
 
 
 def test_ngl_on_a_build_without_cuda_names_the_flag(monkeypatch, capsys):

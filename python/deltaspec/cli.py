@@ -189,9 +189,9 @@ def _add_run_parser(sub) -> None:
     g.add_argument("-j", "--json-schema", metavar="SCHEMA", default=None,
                    help='JSON schema the output must validate against, e.g. \'{"type": "object"}\'')
     g.add_argument("-jf", "--json-schema-file", metavar="FNAME", default=None, help="read -j from a file")
-    p.add_argument("--chat-template", metavar="JINJA|FILE", default=None,
-                   help="with -i: a Jinja chat template, as text or a file, instead of the GGUF's (no built-in "
-                        "names such as chatml)")
+    p.add_argument("--chat-template", metavar="NAME|JINJA|FILE", default=None,
+                   help="with -i: a chat template instead of the GGUF's: a built-in name (chatml, qwen35), "
+                        "Jinja text or a file")
     p.add_argument("--chat-template-file", metavar="FILE", default=None, help="with -i: a Jinja chat template file")
     p.add_argument("--jinja", action="store_true", help="accepted: templates are always rendered with Jinja")
     p.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
@@ -320,11 +320,15 @@ def _chat_template(args: argparse.Namespace) -> str | None:
     if not args.interactive:
         raise RunError(f"{flag}: only used with -i/-cnv (chat)")
     is_text = flag == "--chat-template" and ("{{" in value or "{%" in value)
+    if flag == "--chat-template" and not is_text and not os.path.isfile(value):
+        from .chat_template_names import BUILTIN_CHAT_TEMPLATES
+
+        if value not in BUILTIN_CHAT_TEMPLATES:
+            raise RunError(f"--chat-template: {value!r} is neither a built-in template name "
+                           f"({', '.join(BUILTIN_CHAT_TEMPLATES)}: the formats Qwen3.5 models speak), Jinja template "
+                           "text nor a file; pass the template's Jinja text or --chat-template-file FILE")
+        value, is_text = BUILTIN_CHAT_TEMPLATES[value], True
     if not is_text:
-        if flag == "--chat-template" and not os.path.isfile(value):
-            raise RunError(f"--chat-template: {value!r} is neither Jinja template text nor a file; deltaspec has "
-                           "no built-in template names (chatml, llama3, ...): pass the template's Jinja text or "
-                           "--chat-template-file FILE")
         try:
             with open(value, encoding="utf-8") as f:
                 value = f.read()

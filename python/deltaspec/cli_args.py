@@ -42,6 +42,8 @@ _REASONS = {
     "--no-jinja": "deltaspec always renders chat templates with Jinja",
     "--reverse-prompt": "use --stop STR",
     "--hf-repo": "download the GGUF first and pass it with -m",
+    # deltaspec names devices as torch does (cuda:0, cpu), llama.cpp as its backends do (CUDA0, CPU)
+    "-dev": "use --devices (e.g. --devices cuda:0,cpu, with -sm layer -ts 3,1)",
 }
 
 # argparse's own test for "looks like a negative number, so it is a value, not a flag"
