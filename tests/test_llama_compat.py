@@ -154,6 +154,50 @@ def test_logprobs_equal_log_softmax_of_the_logits(llm, temperature):
         assert all(top[0][0] == t for top, t in zip(r.top_logprobs, r.tokens))  # greedy = the best token
 
 
+@pytest.mark.parametrize("n_batch, n_ubatch, engine_gets", [(8, None, 8), (8, 4, 4), (None, 16, 16)])
+def test_n_batch_caps_the_engines_ubatch(path, monkeypatch, n_batch, n_ubatch, engine_gets):
+    """Model(n_batch=N) caps the physical batch the engine is built with, as llama.cpp caps n_ubatch
+    by n_batch (read at the engine's constructor). Seen red with llama_args.resolve returning
+    n_ubatch unchanged (the engine got 512)."""
+    import deltaspec.model as model_module
+
+    seen = []
+    real = model_module._core.Engine
+
+    def engine(*args, **kwargs):
+        seen.append(kwargs["n_ubatch"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_module._core, "Engine", engine)
+    kw = {k: v for k, v in (("n_batch", n_batch), ("n_ubatch", n_ubatch)) if v is not None}
+    with Model(path, n_ctx=256, n_threads=THREADS, progress=False, **kw) as m:
+        assert m.generate(PROMPT, max_tokens=2, temperature=0).tokens
+    assert seen == [engine_gets]
+
+
+def test_chat_logprobs(chat_gguf):
+    """create_chat_completion(logprobs=True, top_logprobs=3): OpenAI's content list, one entry per
+    generated token whose pieces concatenate to the message, each logprob equal to generate()'s for
+    the same rendered prompt, the chosen token first in its greedy top list; logprobs=True alone gives
+    empty top lists. Seen red with chat_logprobs taking each entry's top list from the next token."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    with Model(chat_gguf, n_ctx=512, n_threads=THREADS, progress=False) as m:
+        out = m.create_chat_completion(messages, logprobs=True, top_logprobs=3, temperature=0, max_tokens=8,
+                                       enable_thinking=False)
+        choice = out["choices"][0]
+        content = choice["logprobs"]["content"]
+        r = m.generate(m.apply_chat_template(messages, enable_thinking=False), max_tokens=8, temperature=0, logprobs=3)
+        assert len(content) == len(r.tokens) > 0
+        assert "".join(c["token"] for c in content) == choice["message"]["content"]
+        for c, logprob, top in zip(content, r.logprobs, r.top_logprobs):
+            assert c["logprob"] == pytest.approx(logprob, abs=1e-6)
+            assert len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["token"] == c["token"]
+            assert [t["logprob"] for t in c["top_logprobs"]] == pytest.approx([v for _, v in top], abs=1e-6)
+            assert c["bytes"] == list(c["token"].encode("utf-8"))
+        bare = m.create_chat_completion(messages, logprobs=True, temperature=0, max_tokens=4, enable_thinking=False)
+        assert all(c["top_logprobs"] == [] for c in bare["choices"][0]["logprobs"]["content"])
+
+
 def test_completion_logprobs_shape(llm):
     """llama-cpp-python's completion `logprobs`: tokens concatenate to the text, offsets count from
     the prompt's end (or 0 with echo, the first prompt token then null), the chosen token is in its
