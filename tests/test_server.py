@@ -27,6 +27,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 
@@ -320,6 +321,13 @@ BAD_CHAT_REQUESTS = [
     ("role of the wrong type", {"model": "tiny", "messages": [{"role": 3, "content": "x"}]}, 400, "invalid_messages"),
     ("oversize chat", {"model": "tiny", "messages": [{"role": "user", "content": "y" * N_CTX}]}, 400,
      "context_length_exceeded"),
+    ("response_format not an object", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                       "response_format": "json"}, 400, "invalid_type"),
+    ("unknown response_format type", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                      "response_format": {"type": "xml"}}, 400, "invalid_response_format"),
+    ("response_format schema that does not compile", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "objectx"}}}}, 400,
+     "invalid_response_format"),
 ]
 
 
@@ -524,5 +532,42 @@ def test_chat_with_the_gguf_template_tools_and_thinking(chat_gguf):
                 assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == \
                     want.get("reasoning_content", "")
                 assert bool(want.get("reasoning_content")) == thinking  # both paths were exercised
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.parametrize("flags", [("-np", "2"), ("-np", "1", "--spec-type", "ngram-simple")],
+                         ids=["batched", "speculative"])
+def test_chat_response_format(chat_gguf, flags):
+    """response_format json_schema and json_object (with llama-cpp-python's "schema"), streamed and
+    not, through the batched backend and the one-request speculative one: the reply validates against
+    the schema and equals Model.create_chat_completion()'s (greedy). Seen to fail with parse_chat
+    leaving the grammar out of the request's options (free text that is not JSON)."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    formats = [{"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}},
+               {"type": "json_object", "schema": schema}]
+    messages = [{"role": "user", "content": "Answer in JSON."}]
+    s = ServerProcess(chat_gguf, *flags, "-c", "1024", wait=False)
+    try:
+        with Model(chat_gguf, n_ctx=1024, n_threads=1, progress=False) as model:  # loads while the server does
+            s.wait_listening()
+            client = s.client()
+            for fmt in formats:
+                want = model.create_chat_completion(messages, response_format=fmt, max_tokens=200,
+                                                    temperature=0)["choices"][0]["message"]["content"]
+                common = dict(model=Path(chat_gguf).stem, messages=messages, max_tokens=200, temperature=0,
+                              response_format=fmt)
+                got = client.chat.completions.create(**common).choices[0]
+                assert got.finish_reason == "stop" and got.message.content == want, fmt
+                jsonschema.validate(json.loads(got.message.content), schema)
+                streamed = "".join(c.choices[0].delta.content or "" for c in
+                                   client.chat.completions.create(stream=True, **common) if c.choices)
+                assert streamed == want
+            with pytest.raises(openai.BadRequestError, match="enable_thinking"):
+                client.chat.completions.create(model=Path(chat_gguf).stem, messages=messages, max_tokens=4,
+                                               response_format=formats[0],
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     finally:
         assert s.stop() == 0

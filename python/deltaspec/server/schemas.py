@@ -3,8 +3,9 @@
 A body becomes a `GenerationRequest`: prompt token ids, max_tokens, Model.add_request keyword
 arguments (sampler, seed, stop) and how to answer (stream, usage). Unknown fields are ignored, as
 llama-server ignores them (clients send `user`, `metadata`, ...); known fields of the wrong type or
-range, and features the engine cannot serve faithfully (n > 1, logprobs, echo, logit_bias,
-JSON response formats), are refused with 400 naming the field.
+range, and features the engine cannot serve faithfully (n > 1, logprobs, echo, logit_bias), are
+refused with 400 naming the field. A chat `response_format` (json_object / json_schema) becomes the
+request's grammar, enforced while decoding.
 """
 
 from __future__ import annotations
@@ -188,8 +189,22 @@ def parse_completion(body: Any, served: Served) -> GenerationRequest:
                              include_usage, chat=False)
 
 
-def chat_prompt(body: dict, served: Served) -> str:
-    """The prompt text of a chat request: its messages (and tools) through the chat template."""
+def response_format_grammar(body: dict):
+    """The grammar of a chat request's `response_format` (json_object, with llama-cpp-python's optional
+    "schema", or json_schema), or None for text; a format that does not compile is a 400."""
+    from ..errors import GrammarError
+    from ..grammar import response_format_grammar as compile_format
+
+    response_format = _get(body, "response_format", (dict,), "an object", None)
+    try:
+        return compile_format(response_format)
+    except GrammarError as e:
+        raise bad_request(f"'response_format': {e}", "response_format", "invalid_response_format") from None
+
+
+def chat_prompt(body: dict, served: Served, constrained: bool = False) -> str:
+    """The prompt text of a chat request: its messages (and tools) through the chat template. A
+    constrained reply (response_format) starts with its JSON: the template opens no reasoning block."""
     if served.template is None:
         raise bad_request("the model file has no chat template; start the server with --chat-template-file, "
                           "or use /v1/completions", "messages", "no_chat_template")
@@ -198,14 +213,16 @@ def chat_prompt(body: dict, served: Served) -> str:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise bad_request(f"'tools' must be an array, got {_type(tools)}", "tools", "invalid_type")
-    response_format = _get(body, "response_format", (dict,), "an object", {})
-    if response_format.get("type", "text") != "text":
-        raise bad_request(f"'response_format' type {response_format.get('type')!r} is not supported "
-                          "(only 'text')", "response_format", "unsupported")
     kwargs = dict(_get(body, "chat_template_kwargs", (dict,), "an object", {}))  # llama-server's field
     thinking = _get(body, "enable_thinking", (bool,), "true or false")
     if thinking is not None:
         kwargs["enable_thinking"] = thinking
+    if constrained:
+        if kwargs.get("enable_thinking") is True:
+            raise bad_request("'response_format' cannot be combined with enable_thinking: true (the grammar "
+                              "constrains the whole reply, which then has no reasoning block)", "response_format",
+                              "unsupported")
+        kwargs["enable_thinking"] = False
     try:
         return served.template.render(body["messages"], add_generation_prompt=True, tools=tools, **kwargs)
     except ChatTemplateError as e:
@@ -214,10 +231,12 @@ def chat_prompt(body: dict, served: Served) -> str:
 
 def parse_chat(body: Any, served: Served) -> GenerationRequest:
     body = _check_body(body, served)
-    prompt = chat_prompt(body, served)
+    grammar = response_format_grammar(body)
+    prompt = chat_prompt(body, served, constrained=grammar is not None)
     ids = _prompt_ids(prompt, served)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), served, None)
     sampling, seed = _sampling(body, chat=True)
     stream, include_usage = _stream(body)
-    return GenerationRequest(ids, max_tokens, {**sampling, "seed": seed, "stop": _stop(body)}, stream,
-                             include_usage, chat=True, thinking_open=prompt_opens_reasoning(prompt))
+    options = {**sampling, "seed": seed, "stop": _stop(body), **({"grammar": grammar} if grammar is not None else {})}
+    return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=True,
+                             thinking_open=prompt_opens_reasoning(prompt))
