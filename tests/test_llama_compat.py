@@ -8,6 +8,7 @@ greedy choice under a bias). Each test's docstring says how it was seen to fail.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,6 +90,33 @@ def test_progress_shows_before_the_file_is_read(path, capfd, monkeypatch):
         pass
     assert seen and seen[0].startswith("deltaspec: loading "), seen
     assert "deltaspec: loaded " in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_bar_on_a_terminal_only(path, capsys, monkeypatch, tty):
+    """progress=None (the default): on a terminal a tqdm bar, drawn before the GGUF is read and
+    redrawn in place (carriage returns, no plain lines); off a terminal nothing at all. Seen red
+    with start_load_progress choosing plain lines on a terminal too."""
+    from deltaspec import load_progress
+    from deltaspec import model as model_module
+
+    monkeypatch.setattr(load_progress, "stderr_is_tty", lambda: tty)
+    seen = []
+    real = model_module.read_gguf
+
+    def read_gguf(p):
+        seen.append(capsys.readouterr().err)
+        return real(p)
+
+    monkeypatch.setattr(model_module, "read_gguf", read_gguf)
+    with Model(path, n_ctx=256, n_threads=THREADS):
+        pass
+    err = seen[0] + capsys.readouterr().err
+    if tty:
+        assert f"loading {Path(path).name}" in seen[0], seen  # the bar is up before the file is read
+        assert "\r" in err and "deltaspec: loading" not in err, err
+    else:
+        assert err == "", err
 
 
 def test_seeds(path):
