@@ -193,7 +193,8 @@ def test_forced_tokens_are_drafted(models, monkeypatch):
 
 
 def test_seeded_sampling_is_reproducible(models, grammars):
-    """Sampled constrained output with speculation: same seed, same tokens (and valid)."""
+    """Sampled constrained output with speculation: same seed, same tokens (and valid). Seen red with
+    generation.py building no constraint for the request's grammar (the output was free text)."""
     target = models["target"]
     for drafter in ("ngram", "self"):
         kw = dict(max_tokens=MAX_TOKENS, grammar=grammars["lists"], **SAMPLED, **_spec(models, drafter))
@@ -326,7 +327,8 @@ def test_planted_bugs_are_caught(models, grammars, monkeypatch):
 
 def test_grammar_formats(models):
     """GBNF (llama.cpp's format, llama-cpp-python's grammar=), Lark, regex and JSON schema given as
-    text all constrain: outputs match their grammar exactly (checked with Python's re)."""
+    text all constrain: outputs match their grammar exactly (checked with Python's re). Seen red with
+    generation.py building no constraint for the request's grammar (the output was free text)."""
     import re
 
     target = models["target"]
@@ -377,7 +379,8 @@ def test_concurrent_sequences(tmp_path, grammars):
 
 
 def test_completion_and_stream(models):
-    """create_completion(grammar=...) and streaming: the streamed text equals the result's text."""
+    """create_completion(grammar=...) and streaming: the streamed text equals the result's text, and
+    both validate. Seen red with generation.py building no constraint for the request's grammar."""
     target = models["target"]
     out = target.create_completion("Hello", max_tokens=MAX_TOKENS, temperature=0.0,
                                    grammar=Grammar.from_json_schema(SCHEMAS["record"]))
@@ -392,7 +395,8 @@ def test_completion_and_stream(models):
 def test_chat_response_format_real_vocabulary(chat_gguf):
     """create_chat_completion(response_format=...) on the real 248k vocabulary with Qwen3.5's chat
     template: json_schema and json_object, plain, streamed and speculative; the message content
-    validates (thinking is switched off for a constrained reply)."""
+    validates (thinking is switched off for a constrained reply). Seen red with generation.py building
+    no constraint for the request's grammar."""
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["answer", "n"], "additionalProperties": False}
@@ -485,7 +489,8 @@ def test_bad_grammar_input(models, tmp_path):
 
 def test_cli_grammar_flags(tmp_path, capsys):
     """llama.cpp's --grammar, --grammar-file, -j and -jf: output matches; two at once, or a bad
-    grammar, is a one-line error naming the flag."""
+    grammar, is a one-line error naming the flag. Seen red with generation.py building no constraint
+    for the request's grammar (the output was no JSON)."""
     from deltaspec import cli
 
     base = ["run", "-m", str(tiny_vocab_model_path()), "-p", "Hello", "--temp", "0", "-n", "400", "-c", "512",
