@@ -94,7 +94,8 @@ def test_every_parser_refuses_abbreviations():
 
 
 def test_refused_flags_are_not_also_accepted():
-    """A flag cannot be both refused and one of `run`'s own (the refusal would never show)."""
+    """A flag cannot be both refused and one of `run`'s own (the refusal would never show). Seen red
+    with -ngl added to the refused flags."""
     run = cli.build_parser()._subparsers._group_actions[0].choices["run"]
     assert not set(REFUSED_LLAMA_FLAGS) & set(run._option_string_actions)
 
