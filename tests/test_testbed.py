@@ -427,3 +427,32 @@ def test_reference_mtp_matches_deltaspec(smoke, shape):
     if shape == "tree":
         assert nodes > 0 and drafted > depth * steps  # more per pass than any 3-deep chain drafts
     assert (steps, drafted, accepted) == (ref.steps, ref.drafted, ref.accepted)
+
+
+def test_reference_draft_model_tree_matches_deltaspec(smoke):
+    """The torch reference's draft-model tree (bench/testbed/reference.py: best-first with the
+    top-1 chain seeded, every node below the depth limit expanded by the draft model, 8 nodes, 4
+    deep) and deltaspec's (draft_model, draft_n_min = draft_n_max = 4, tree_budget 8) commit the
+    same tokens in the same target passes with the same drafted and accepted counts, greedy; the
+    trees hold more nodes per pass than a 4-deep chain could. Seen to fail (43 vs 40 passes) with
+    the reference's best_first_tree not seeding the chain (pure best-first from the root)."""
+    import acceptance
+    import deltaspec
+    target, draft, dflash, mtp = acceptance.load_torch_models(smoke, torch.device("cpu"))
+    prompts = json.loads((smoke / "manifest.json").read_text())["training"]["prompts"][:3]
+    n_new, depth, budget = 24, 4, 8
+    cont = reference.continuation(target, torch.tensor(prompts), n_new, 0.0, 0)
+    n_gen = reference.generated_lengths(cont, len(prompts[0]), 0)
+    drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=1)
+    ref = reference.simulate(cont, len(prompts[0]), n_gen, drafters.draft_model_tree(budget), depth, depth)
+    steps = drafted = accepted = nodes = 0
+    with deltaspec.Model(smoke / "target.gguf", n_ctx=256, progress=False) as model, \
+            deltaspec.Model(smoke / "draft.gguf", n_ctx=256, progress=False) as dm:
+        for i, p in enumerate(prompts):
+            r = model.generate(p, max_tokens=n_new, temperature=0, draft_model=dm, draft_n_max=depth,
+                               draft_n_min=depth, tree_budget=budget)
+            assert r.tokens == cont[i, len(p):len(p) + n_gen[i]].tolist()
+            steps, drafted, accepted = steps + r.stats.n_steps, drafted + r.stats.n_drafted, accepted + r.stats.n_accepted
+            nodes += r.stats.n_tree_nodes
+    assert accepted > 0 and nodes > 0 and drafted > depth * steps
+    assert (steps, drafted, accepted) == (ref.steps, ref.drafted, ref.accepted)

@@ -42,6 +42,7 @@ from heads import MTPHead  # noqa: E402
 DDTREE_BUDGETS = (8, 16, 22, 32, 64)
 MTP_STEPS = (1, 2, 3, 4, 5)
 MTP_TREES = ((3, 8), (5, 16))  # (depth, budget): the shapes bench/mtp_bench.py times on the 27B
+DRAFT_TREES = ((4, 8), (6, 16))  # (depth, budget) of the draft model's trees
 DRAFT_CHAIN_K = 4      # the fixed draft length at which deltaspec and torch are compared
 
 
@@ -82,6 +83,8 @@ def torch_rows(models, prompts, n_new, T, device, mask_id, block, eos_id, seed, 
     drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=mask_id)
     specs = [(f"draft model chain k={DRAFT_CHAIN_K}", "chain", drafters.draft_model_chain(DRAFT_CHAIN_K),
               DRAFT_CHAIN_K, DRAFT_CHAIN_K),
+             *[(f"draft model tree depth {d} budget {b}", "tree", drafters.draft_model_tree(b), d, d)
+               for d, b in DRAFT_TREES],
              (f"DFlash chain (block {block})", "chain", drafters.dflash_chain(), block - 1, 1),
              # every round block - 1 drafts or none (deltaspec's draft_n_min = draft_n_max): its twin row
              (DFLASH_FIXED, "chain", drafters.dflash_chain(), block - 1, block - 1)]
@@ -106,6 +109,9 @@ DELTASPEC_CONFIGS = {
     "ngram": ("n-gram (prompt lookup)", "chain"),
     "draft_fixed": (f"draft model chain k={DRAFT_CHAIN_K}", "chain"),
     "draft_adaptive": ("draft model chain adaptive (n_max 16)", "chain"),
+    # the draft model's trees: best-first, every node below the depth limit expanded by the draft
+    # model; drafted only when d tokens are left (draft_n_min = d), as the torch reference's rows
+    **{f"draft_tree{d}x{b}": (f"draft model tree depth {d} budget {b}", "tree") for d, b in DRAFT_TREES},
     # the target's own MTP head (target.gguf keeps it: deltaspec's converter exports the MTP layer),
     # k drafts every round, beside the torch reference's "MTP k=" rows
     **{f"mtp{k}": (f"MTP k={k}", "chain") for k in MTP_STEPS},
@@ -133,6 +139,8 @@ def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed
     kw = {"plain": {}, "ngram": dict(spec_type="ngram-simple"),
           "draft_fixed": dict(draft_model=draft, draft_n_max=DRAFT_CHAIN_K, draft_n_min=DRAFT_CHAIN_K),
           "draft_adaptive": dict(draft_model=draft, draft_n_max=16),
+          **{f"draft_tree{d}x{b}": dict(draft_model=draft, draft_n_max=d, draft_n_min=d, tree_budget=b)
+             for d, b in DRAFT_TREES},
           **{f"mtp{k}": dict(spec_type="mtp", draft_n_max=k, draft_n_min=k) for k in MTP_STEPS},
           **{f"mtp_tree{d}x{b}": dict(spec_type="mtp", draft_n_max=d, draft_n_min=d, tree_budget=b)
              for d, b in MTP_TREES}}.get(key)

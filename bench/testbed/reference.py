@@ -112,6 +112,60 @@ def _right_pad(seqs: list[list[int]], pad: int, device) -> torch.Tensor:
     return torch.tensor([s + [pad] * (n - len(s)) for s in seqs], dtype=torch.long, device=device)
 
 
+def best_first_tree(budget: int, max_depth: int):
+    """deltaspec's build_best_first (csrc/draft_tree.cpp) with the top-1 chain seeded, as a generator:
+    it yields the path (tokens below the root) of each node it expands and is sent that node's
+    candidates (ids, log-probabilities), sorted by descending probability; returns the ddtree.Tree.
+    A node is expanded when it is added below max_depth with room left in the budget; a node's
+    children are its candidates best-first by path score (ties: the one offered first)."""
+    tree = ddtree.Tree()
+    if budget <= 0 or max_depth <= 0:
+        return tree
+    cands: dict[int, tuple[list[int], list[float]]] = {}
+    score: dict[int, float] = {-1: 0.0}
+    frontier: list = []
+    seq = 0
+
+    def path(node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.append(tree.tokens[node])
+            node = tree.parents[node]
+        return out[::-1]
+
+    def offer(par: int, rank: int) -> None:
+        nonlocal seq
+        ids, lps = cands.get(par, ([], []))
+        if rank < len(ids):
+            heapq.heappush(frontier, (-(score[par] + lps[rank]), seq, par, rank))
+            seq += 1
+
+    def add(par: int, rank: int):
+        ids, lps = cands[par]
+        depth = 1 if par < 0 else tree.depths[par] + 1
+        n = tree.add(int(ids[rank]), depth, par, score[par] + lps[rank])
+        score[n] = score[par] + lps[rank]
+        if depth < max_depth and len(tree.tokens) < budget:
+            got = yield path(n)
+            cands[n] = (got[0][:budget], got[1][:budget])
+        return n
+
+    got = yield []
+    cands[-1] = (got[0][:budget], got[1][:budget])
+    node = -1
+    while len(tree.tokens) < min(budget, max_depth) and cands.get(node, ([], []))[0]:
+        offer(node, 1)
+        node = yield from add(node, 0)
+    if tree.tokens:
+        offer(len(tree.tokens) - 1, 0)
+    while len(tree.tokens) < budget and frontier:
+        _, _, par, rank = heapq.heappop(frontier)
+        offer(par, rank + 1)
+        n = yield from add(par, rank)
+        offer(n, 0)
+    return tree
+
+
 class Drafters:
     """Draft proposers over one continuation batch: each method returns a `propose` for simulate."""
 
@@ -138,6 +192,40 @@ class Drafters:
                         drafts[i].append(t)
                         seqs[i] = seqs[i] + [t]
             return [ddtree.chain(d) for d in drafts]
+        return propose
+
+    @torch.no_grad()
+    def draft_model_tree(self, budget: int, rank_top_k: int = 32):
+        """The draft model's tree as deltaspec's ModelDrafter::propose_tree builds it: best-first over
+        per-node distributions (every node added below the depth limit is expanded by the draft model
+        reading its path), the top-1 chain seeded first (build_best_first's seed_chain), candidates
+        ranked as deltaspec's tree ranking does (the top rank_top_k logits at temperature 1,
+        renormalised). The rows' builders run in lockstep: one batched draft pass per expansion."""
+        def propose(rows, starts, rooms):
+            builders = [best_first_tree(budget, room) for room in rooms]
+            trees: list = [None] * len(rows)
+            wants = {}
+            for i, b in enumerate(builders):
+                try:
+                    wants[i] = next(b)
+                except StopIteration as done:
+                    trees[i] = done.value
+            while wants:
+                order = list(wants)
+                seqs = [self.cont_list[rows[i]][:starts[i] + 1] + wants[i] for i in order]
+                ids = _right_pad(seqs, 0, self.cont.device)
+                logits = self.draft(input_ids=ids).logits
+                at = torch.tensor([len(q) - 1 for q in seqs], device=ids.device)
+                last = logits[torch.arange(len(order), device=ids.device), at].float()
+                vals, toks = last.topk(min(rank_top_k, last.shape[-1]), -1)
+                lps = torch.log_softmax(vals, -1)
+                for j, i in enumerate(order):
+                    try:
+                        wants[i] = builders[i].send((toks[j].tolist(), lps[j].tolist()))
+                    except StopIteration as done:
+                        trees[i] = done.value
+                        del wants[i]
+            return trees
         return propose
 
     @torch.no_grad()
