@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +44,7 @@ DDTREE_BUDGETS = (8, 16, 22, 32, 64)
 MTP_STEPS = (1, 2, 3, 4, 5)
 MTP_TREES = ((3, 8), (5, 16))  # (depth, budget): the shapes bench/mtp_bench.py times on the 27B
 DRAFT_TREES = ((4, 8), (6, 16))  # (depth, budget) of the draft model's trees
+FAMILIES = ("mtp", "draft", "dflash", "ngram")  # --only: row names and config keys start with these
 DRAFT_CHAIN_K = 4      # the fixed draft length at which deltaspec and torch are compared
 
 
@@ -93,7 +95,7 @@ def torch_rows(models, prompts, n_new, T, device, mask_id, block, eos_id, seed, 
     specs += [(f"MTP k={k}", "chain", drafters.mtp_chain(k), k, k) for k in MTP_STEPS]
     specs += [(f"MTP tree depth {d} budget {b}", "tree", drafters.mtp_tree(b), d, d) for d, b in MTP_TREES]
     if only is not None:
-        specs = [spec for spec in specs if spec[0].lower().startswith(only)]
+        specs = [spec for spec in specs if spec[0].lower().startswith(only)]  # a tuple of prefixes
     rows = []
     for name, shape, propose, max_len, min_len in specs:
         t = time.time()
@@ -182,7 +184,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    only = f", {report['only']} drafters only" if report.get("only") else ""
+    only = f", {' and '.join(report['only'])} drafters only" if report.get("only") else ""
     out = [f"# Testbed acceptance ({report['n_prompts']} held-out prompts x {report['n_new']} new tokens{only})", "",
            "Acceptance length = tokens committed per target pass (accepted drafts + the target's own token). "
            "T = 1 is plain sampling; deltaspec verifies by rejection sampling, the torch reference by exact match "
@@ -302,12 +304,20 @@ def main(argv=None) -> dict:
                     help="only these deltaspec rows (comma-separated keys of DELTASPEC_CONFIGS, or 'dflash' for "
                          "every DFlash row), at T = 0 and 1, merged into the report already in --out")
     ap.add_argument("--jobs", type=int, default=1, help="--deltaspec-rows: rows run at once")
+    ap.add_argument("--jobs-full", type=int, default=0, metavar="N",
+                    help="the whole report: deltaspec rows run at once beside the torch reference (default: all)")
     ap.add_argument("--temps", default="0,1", help="--deltaspec-rows: temperatures (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="threads of each deltaspec row")
-    ap.add_argument("--only", default=None, choices=["mtp", "dflash", "draft"],
-                    help="a report of one drafter family alone, torch and deltaspec side by side (plain "
-                         "decoding kept for the token comparison), e.g. on a CPU where the whole report is too long")
+    ap.add_argument("--only", default=None, metavar="FAMILIES",
+                    help="a report of some drafter families alone (comma-separated: mtp, draft, dflash, ngram), "
+                         "torch and deltaspec side by side (plain decoding kept for the token comparison), e.g. "
+                         "on a CPU where the whole report is too long")
     args = ap.parse_args(argv)
+    if args.only is not None:
+        args.only = tuple(args.only.split(","))
+        unknown = [f for f in args.only if f not in FAMILIES]
+        if unknown:
+            ap.error(f"--only: unknown families {unknown}; known: {', '.join(FAMILIES)}")
     manifest = json.loads((args.dir / "manifest.json").read_text())
     training = manifest["training"]
     prompts_list = training["prompts"][:args.n_prompts]
@@ -326,17 +336,31 @@ def main(argv=None) -> dict:
     # deltaspec's rows run in processes of their own, one per configuration and temperature, beside
     # the torch reference: each decodes token by token (its speed is not what is measured here), so
     # together they take the time of the slowest instead of the sum. Their files stay out of OUT
-    # (the GPU machine hands back few files).
+    # (the GPU machine hands back few files). --jobs bounds how many run at once (a CPU machine's
+    # cores and memory): a thread starts the next as one ends.
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="testbed_acceptance_"))
-    workers = {}
-    for T in (0.0, 1.0):
-        for key in DELTASPEC_CONFIGS:
-            if key == "plain" and T != 0:
-                continue
-            if args.only is not None and key != "plain" and not key.startswith(args.only):
-                continue
-            workers[(T, key)] = start_worker(args, work, T, key)
+    todo = [(T, key) for T in (0.0, 1.0) for key in DELTASPEC_CONFIGS
+            if not (key == "plain" and T != 0)
+            and (args.only is None or key == "plain" or key.startswith(args.only))]
+    jobs = args.jobs_full or len(todo)
+    finished: dict = {}
+    all_logs = open(args.out / "deltaspec.log", "w")
+
+    def run_workers():
+        queue, running = list(todo), {}
+        while queue or running:
+            while queue and len(running) < jobs:
+                T, key = queue.pop(0)
+                running[(T, key)] = start_worker(args, work, T, key)
+            done = next(iter(running))
+            try:
+                finished[done] = finish_worker(*done, running.pop(done), all_logs)
+            except RuntimeError as e:
+                finished[done] = e
+
+    runner = threading.Thread(target=run_workers, daemon=True)
+    runner.start()
     tdev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models = load_torch_models(args.dir, tdev)
     prompts = torch.tensor(prompts_list, device=tdev)
@@ -354,12 +378,15 @@ def main(argv=None) -> dict:
         times[f"torch_continuation_T{T:g}_s"] = round(t_cont, 1)
     ds_tokens: dict[float, dict[str, list]] = {0.0: {}, 1.0: {}}
     t = time.time()
-    with open(args.out / "deltaspec.log", "w") as all_logs:
-        for (T, key), worker in workers.items():
-            got = finish_worker(T, key, worker, all_logs)
-            if got["row"] is not None:
-                rows.append(got["row"])
-            ds_tokens[T][DELTASPEC_CONFIGS[key][0]] = got["tokens"]
+    runner.join()
+    all_logs.close()
+    for T, key in todo:
+        got = finished[(T, key)]
+        if isinstance(got, Exception):
+            raise got
+        if got["row"] is not None:
+            rows.append(got["row"])
+        ds_tokens[T][DELTASPEC_CONFIGS[key][0]] = got["tokens"]
     times["deltaspec_wait_after_torch_s"] = round(time.time() - t, 1)
     greedy = ds_tokens[0.0]
     ag = {"deltaspec plain vs torch greedy": agreement(greedy["plain"], conts[0.0]),
