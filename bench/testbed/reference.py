@@ -11,9 +11,11 @@ positions, which a causal target computes the same in the continuation's forward
 passes. Numerics can differ from an incremental run near ties; that is what the deltaspec
 comparison (same drafter, greedy) measures.
 
-All rows of a batch run in lock-step rounds, each at its own position; models run on the whole
-(right-padded) row each time, without KV caches, which keeps this independent of transformers'
-cache API at the price of recomputation (small models, one GPU: seconds).
+All rows of a batch run in lock-step rounds, each at its own position; the drafters run on the
+whole (right-padded) row each time, without KV caches, which keeps them independent of
+transformers' cache API at the price of recomputation (small models: seconds on a GPU, minutes on
+a CPU). The continuation, which would cost O(n^2) that way, goes through the target's cache and is
+tested against recomputing (`continuation_recomputed`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
-
 import torch
 
 import ddtree
