@@ -5,8 +5,8 @@ pass) and acceptance rate of every drafter, on the held-out prompts fixed at tra
     python bench/testbed/acceptance.py --dir /tmp/testbed --out OUT [--device cuda] [--n-new 256]
 
 Measured by deltaspec (on --device) where deltaspec has the drafter: n-gram (prompt lookup), the
-draft model (chain), MTP 1-5 and MTP trees, the DFlash chain and DFlash + DDTree budgets. Everything by the torch
-reference (bench/testbed/reference.py) too, labelled so, so that deltaspec and torch can be compared
+draft model (chain and trees), MTP 1-5 and MTP trees, the DFlash chain and DFlash + DDTree budgets.
+Everything by the torch reference (bench/testbed/reference.py) too, labelled so, so that deltaspec and torch can be compared
 on the same drafter (greedy: the same tokens and, where the rounds are set up alike, the same
 acceptance are expected).
 
