@@ -69,11 +69,15 @@ def target_features(target, ids: torch.Tensor, layer_ids) -> tuple[torch.Tensor,
 
 
 def mtp_forward(mtp: MTPHead, target, tokens: torch.Tensor, prev_hidden: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MTP over a causal sequence of (token at p, target hidden at p-1) pairs -> (logits, hidden)."""
+                positions: torch.Tensor, at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MTP over a causal sequence of (token at p, target hidden at p-1) pairs -> (logits, hidden).
+    at [B]: the logits of that position of each row only ([B, V]: the head's matrix product over
+    every position is most of the cost when only one is read)."""
     emb = target.model.embed_tokens(tokens)
     pe = target.model.rotary_emb(emb, text_positions(positions))
     h = mtp(emb, prev_hidden, pe, causal_mask(tokens.shape[1], tokens.device))
+    if at is not None:
+        return target.lm_head(h[torch.arange(h.shape[0], device=h.device), at]), h
     return target.lm_head(h), h
 
 

@@ -201,16 +201,22 @@ class Drafters:
             _, self.hidden, self.features = target_features(target, cont, layer_ids)
 
     @torch.no_grad()
+    def _draft_last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
+        """[len(seqs), V]: the draft model's logits after each token list (right-padded into one
+        batch; the output head runs on each row's last real position only)."""
+        ids = _right_pad(seqs, 0, self.cont.device)
+        hidden = self.draft.model(input_ids=ids).last_hidden_state
+        at = torch.tensor([len(q) - 1 for q in seqs], device=ids.device)
+        return self.draft.lm_head(hidden[torch.arange(len(seqs), device=ids.device), at]).float()
+
+    @torch.no_grad()
     def draft_model_chain(self, k: int):
         """The draft model's greedy chain of (up to) k tokens after the committed prefix."""
         def propose(rows, starts, rooms):
             seqs = [self.cont_list[b][:s + 1] for b, s in zip(rows, starts)]
             drafts = [[] for _ in rows]
             for step in range(max(rooms)):
-                ids = _right_pad(seqs, 0, self.cont.device)
-                logits = self.draft(input_ids=ids).logits
-                at = torch.tensor([len(s) - 1 for s in seqs], device=ids.device)
-                nxt = logits[torch.arange(len(rows), device=ids.device), at].argmax(-1).tolist()
+                nxt = self._draft_last_logits(seqs).argmax(-1).tolist()
                 for i, t in enumerate(nxt):
                     if step < rooms[i]:
                         drafts[i].append(t)
@@ -236,11 +242,7 @@ class Drafters:
                     trees[i] = done.value
             while wants:
                 order = list(wants)
-                seqs = [self.cont_list[rows[i]][:starts[i] + 1] + wants[i] for i in order]
-                ids = _right_pad(seqs, 0, self.cont.device)
-                logits = self.draft(input_ids=ids).logits
-                at = torch.tensor([len(q) - 1 for q in seqs], device=ids.device)
-                last = logits[torch.arange(len(order), device=ids.device), at].float()
+                last = self._draft_last_logits([self.cont_list[rows[i]][:starts[i] + 1] + wants[i] for i in order])
                 vals, toks = last.topk(min(rank_top_k, last.shape[-1]), -1)
                 lps = torch.log_softmax(vals, -1)
                 for j, i in enumerate(order):
@@ -295,9 +297,8 @@ class Drafters:
             for i in range(n):
                 h[i, :hid[i].shape[0]] = hid[i]
             pos = torch.arange(1, T + 1, device=dev).expand(n, T)
-            logits, out_h = mtp_forward(self.mtp, self.target, ids, h, pos)
             at = torch.tensor([len(t) - 1 for t in toks], device=dev)
-            last = logits[torch.arange(n, device=dev), at]
+            last, out_h = mtp_forward(self.mtp, self.target, ids, h, pos, at=at)
             nxt = last.argmax(-1).tolist()
             for i, t in enumerate(nxt):
                 if step < rooms[i]:
