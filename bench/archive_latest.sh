@@ -15,7 +15,8 @@ NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.j
        top_rows_bench.json top_rows_bench.md mtp_bench.md tq_cuda_diag.json gpu_tq_tests.xml
        tq_cuda_diag.md dflash_bench.md kv_memory.json kv_decode_bench.json kv_decode_bench.md kv_decode_bench_65536.json kv_decode_bench_65536.md kv_decode_bench_131072.json kv_decode_bench_131072.md tq_decode_ab.md
        server_spec_bench.json server_spec_bench.md host_sampling.json host_sampling.md
-       graph_cache_bench.json graph_cache_bench.md graph_cache_bench_cpu.json graph_cache_bench_cpu.md"
+       graph_cache_bench.json graph_cache_bench.md graph_cache_bench_cpu.json graph_cache_bench_cpu.md
+       recurrent_state_dtype.json recurrent_state_dtype.md acceptance_mtp_draft.json acceptance_mtp_draft.md"
 LATEST=bench/results/latest
 FROM=${1:-}
 if [[ -n $FROM && ! -d $FROM ]]; then
