@@ -195,7 +195,7 @@ def llama_dflash(args, rep: int) -> dict:
            "--spec-draft-n-max", "15", "-n", str(args.llama_n), "--temp", "0", "-c", str(args.depth + args.llama_n + 64),
            "-p", "def fibonacci(n):" * max(1, args.llama_prompt_repeat), "-fa", "on", *ngl]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=900)
     wall = time.perf_counter() - t0
     text = r.stdout + r.stderr
     if r.returncode != 0:
@@ -219,7 +219,7 @@ def llama_plain(args, rep: int) -> dict:
     """llama.cpp's plain decoding of the target: one llama-bench process, tg128 after --depth tokens."""
     cmd = [args.llama_bench, "-m", args.target, "-p", "0", "-n", "128", "-d", str(args.depth), "-fa", "1",
            "-ngl", "99" if args.device == "cuda" else "0", "-r", "1", "-o", "json"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     tg = [x for x in json.loads(r.stdout) if x["n_gen"] and not x["n_prompt"]]

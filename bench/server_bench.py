@@ -51,7 +51,10 @@ Prompts (--prompts):
           first N with a fresh 8-id lead, so no prompt cache reuses the preparation) and tokenized
           again from its text (a token sequence that does not survive detokenizing differs there).
           After the second P, lookup finds the first one and drafts C: accepted as far as the target,
-          with P + C before it now, continues P as it did alone. Prompts are 8 + 2 PROMPT + GEN long.
+          with P + C before it now, continues P as it did alone. A trained model does; a random-weight
+          one (the synthetic GGUFs) mostly does not: its first token after the second P already
+          leaves C, and lookup then finds nothing to extend (on the synthetic 27B 2 of 16-56 drafted
+          tokens accepted, bench/README.md). Prompts are 8 + 2 PROMPT + GEN long.
 
 Weights of a synthetic GGUF are random: the speed is that of the shapes and quant mix, and the
 acceptance is the one stated (say so with every number). llama-server gets `ignore_eos`; deltaspec
