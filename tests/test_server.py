@@ -314,6 +314,14 @@ BAD_REQUESTS = [  # (what, body or raw bytes, headers, status, error code)
     ("n > 1", {"model": "tiny", "prompt": "hi", "n": 2}, {}, 400, "unsupported"),
     ("logprobs", {"model": "tiny", "prompt": "hi", "logprobs": 5}, {}, 400, "unsupported"),
     ("no API key", {"model": "tiny", "prompt": "hi"}, {"Authorization": ""}, 401, "invalid_api_key"),
+    ("prediction a string", {"model": "tiny", "prompt": "hi", "prediction": "abc"}, {}, 400, "invalid_type"),
+    ("prediction of another type", {"model": "tiny", "prompt": "hi", "prediction": {"type": "diff", "content": "a"}},
+     {}, 400, "invalid_value"),
+    ("prediction content a number", {"model": "tiny", "prompt": "hi", "prediction": {"type": "content", "content": 3}},
+     {}, 400, "invalid_type"),
+    ("prediction parts not text", {"model": "tiny", "prompt": "hi",
+                                   "prediction": {"type": "content", "content": [{"type": "image_url"}]}},
+     {}, 400, "invalid_type"),
 ]
 BAD_CHAT_REQUESTS = [
     ("messages not a list", {"model": "tiny", "messages": "hi"}, 400, "invalid_messages"),
@@ -498,6 +506,39 @@ def test_speculation_batched_at_parallel_n(files, reference, drafter):
         m = s.metrics()
         assert m["deltaspec_speculative"] == 1 and m["deltaspec_draft_tokens_total"] > 0
         assert m["deltaspec_acceptance_rate"] > 0
+    finally:
+        assert s.stop() == 0
+
+
+def test_prediction_drafts_from_the_predicted_text(files, reference):
+    """A plain server (no drafter, --parallel 2): requests with OpenAI's `prediction` draft by lookup
+    in it (deltaspec.prediction): answers equal generate() (chat with the prediction as text parts,
+    completion as a string, streamed and not), /metrics counts drafted and accepted tokens, and the
+    same requests without a prediction draft nothing. Seen to fail with the prediction dropped on the
+    way to add_request (schemas._prediction returning {}: drafted 0)."""
+    s = ServerProcess(files[0], "-np", "2", "-c", str(N_CTX), "--chat-template-file", str(files[1]))
+    try:
+        client = s.client()
+        prompt, chat = "one two three four", [{"role": "user", "content": "abc xyz"}]
+        for stream in (False, True):
+            assert ask(client, prompt, 40, stream)[0] == expected(reference, prompt, 40)
+        assert s.metrics()["deltaspec_draft_tokens_total"] == 0
+        want = expected(reference, prompt, 40)
+        common = dict(model="tiny", max_tokens=40, temperature=0)
+        r = client.completions.create(prompt=prompt, extra_body={"prediction": {"type": "content", "content": want}},
+                                      **common)
+        assert r.choices[0].text == want
+        chunks = client.completions.create(prompt=prompt, stream=True, **common,
+                                           extra_body={"prediction": {"type": "content", "content": want}})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        want_chat = expected(reference, chat, 40)
+        raw = reference.generate(apply_chat_template(reference, chat, chat_template=TEMPLATE), temperature=0,
+                                 max_tokens=40).text  # the reply as the model writes it, reasoning block included
+        r = client.chat.completions.create(messages=chat, prediction={"type": "content", "content": [
+            {"type": "text", "text": raw[:len(raw) // 2]}, {"type": "text", "text": raw[len(raw) // 2:]}]}, **common)
+        assert r.choices[0].message.content == want_chat
+        m = s.metrics()
+        assert m["deltaspec_draft_tokens_total"] > 0 and m["deltaspec_draft_tokens_accepted_total"] > 0, m
     finally:
         assert s.stop() == 0
 

@@ -95,6 +95,9 @@ class Speculation:
     tree_budget: int = 0  # > 0: draft trees of up to this many nodes; 0: chains
     mtp: bool = False
     dflash: bool = False  # draft is a deltaspec.dflash.Drafter (spec_type "dflash")
+    # prompt lookup also searches these ids, before the sequence's own text: a request's predicted
+    # output (deltaspec.prediction); only the scheduler (add_request / generate_batch) reads it
+    reference: tuple[int, ...] = ()
 
 
 @dataclass

@@ -22,6 +22,7 @@ from .grammar import Grammar, grammar_of
 from .qwen35 import check_tensors, read_hparams
 from .devices import device_kind, parse_layer_split
 from .kv_cache import allocated_state, engine_cache_args, validate_cache_types
+from .prediction import predicted_speculation
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
 
@@ -403,6 +404,8 @@ class Model:
 
     def _batch_request(self, prompt, options: dict[str, Any], where: str) -> _Request:
         """A request for generate_batch / add_request from generate()'s keyword arguments."""
+        options = dict(options)
+        prediction = options.pop("prediction", None)
         unknown = sorted(set(options) - set(_GENERATE_DEFAULTS))
         if unknown:
             raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
@@ -424,6 +427,9 @@ class Model:
         request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
         request.speculation = self._speculation(o["spec_type"], o["draft_model"], o["draft_n_max"], o["draft_n_min"],
                                                 o["tree_budget"])
+        if prediction is not None:
+            request.speculation = predicted_speculation(self, prediction, request.speculation, o["draft_n_max"],
+                                                        o["draft_n_min"], where)
         request.grammar = grammar_of(o["grammar"])
         if request.grammar is not None and o["tree_budget"]:
             raise ValueError("tree_budget (draft trees) cannot be combined with a grammar yet; use chains "
@@ -435,12 +441,12 @@ class Model:
 
     @staticmethod
     def _native_spec(request: _Request):
-        """The scheduler's speculation of a request: None, or prompt lookup's (n_max, n_min, ngram_max,
-        reference (none), tree_budget)."""
+        """The scheduler's speculation of a request: None, or (n_max, n_min, ngram_max, the lookup's
+        reference ids (a prediction's), tree_budget, whether the draft model drafts)."""
         spec = request.speculation
         if spec is None:
             return None
-        return (spec.n_max, spec.n_min, spec.ngram_max, [], spec.tree_budget, spec.draft is not None)
+        return (spec.n_max, spec.n_min, spec.ngram_max, list(spec.reference), spec.tree_budget, spec.draft is not None)
 
     def _batch_draft(self, requests: Sequence[_Request]):
         """The one draft Model of the requests that draft with one (None if none does)."""
@@ -490,7 +496,9 @@ class Model:
         draft_n_min, tree_budget for n-gram draft trees) speculates: every step verifies the drafts of all running sequences in one target
         pass, and each result equals generate() alone with the same speculation (greedy and seeded
         sampling; a sequence with a grammar decodes plainly in the batch); other drafters raise
-        BatchSpeculationError. stream=True raises ValueError. cancel() stops every sequence."""
+        BatchSpeculationError. stream=True raises ValueError. cancel() stops every sequence.
+        `prediction` (text or ids, here or per prompt): the output the caller expects, which the
+        sequence's prompt lookup drafts from (deltaspec.prediction)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise TypeError(f"prompts must be a non-empty list of prompts (str or token ids), got {prompts!r:.80}")
         if per_prompt is None:
@@ -522,8 +530,8 @@ class Model:
 
     # --- requests stepped by the caller (a server's loop) ----------------------------------------
     def add_request(self, prompt: str | Sequence[int], **generate_kwargs: Any) -> int:
-        """Queue a request (generate()'s keyword arguments, no streaming; speculation as generate_batch's)
-        for step();
+        """Queue a request (generate()'s keyword arguments, no streaming; speculation and `prediction`
+        as generate_batch's) for step();
         returns its id. While requests are unfinished, one-sequence calls (generate, eval, ...)
         raise RuntimeError. A finished request's state stays in its slot while the slot is idle; a
         later request whose prompt begins with that request's prompt and output (a chat's next turn)

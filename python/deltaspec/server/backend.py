@@ -128,7 +128,10 @@ class SpeculativeBackend:
         job = self._job
         r = job.request
         try:
-            stream = self.model.generate(r.prompt, stream=True, max_tokens=r.max_tokens, **r.options,
+            # generate()'s loop drafts with the server's drafter only (MTP, DFlash, ...): a prediction
+            # is a hint for the scheduler's lookup, and dropping it changes no token
+            options = {k: v for k, v in r.options.items() if k != "prediction"}
+            stream = self.model.generate(r.prompt, stream=True, max_tokens=r.max_tokens, **options,
                                          **({} if planted("spec_ignored") else self.speculation))
             shown = []
             for piece in stream:

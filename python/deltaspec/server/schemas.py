@@ -5,7 +5,8 @@ arguments (sampler, seed, stop) and how to answer (stream, usage). Unknown field
 llama-server ignores them (clients send `user`, `metadata`, ...); known fields of the wrong type or
 range, and features the engine cannot serve faithfully (n > 1, logprobs, echo, logit_bias), are
 refused with 400 naming the field. A chat `response_format` (json_object / json_schema) becomes the
-request's grammar, enforced while decoding.
+request's grammar, enforced while decoding; a `prediction` (OpenAI's predicted output) the text the
+request's prompt lookup drafts from.
 """
 
 from __future__ import annotations
@@ -134,6 +135,28 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+def _prediction(body: dict) -> dict[str, Any]:
+    """OpenAI's predicted output, {"type": "content", "content": text or [{"type": "text", "text": ...}]},
+    as add_request's `prediction` (the request then drafts by lookup in it; deltaspec.prediction)."""
+    prediction = _get(body, "prediction", (dict,), "an object", None)
+    if prediction is None or planted("no_validation"):
+        return {} if prediction is None else {"prediction": prediction.get("content")}
+    if prediction.get("type") != "content":
+        raise bad_request(f"'prediction.type' must be \"content\", got {prediction.get('type')!r:.40}",
+                          "prediction", "invalid_value")
+    content = prediction.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise bad_request("'prediction.content' as an array must hold text parts "
+                              "({\"type\": \"text\", \"text\": ...})", "prediction", "invalid_type")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad_request(f"'prediction.content' must be a string or an array of text parts, got {_type(content)}",
+                          "prediction", "invalid_type")
+    return {"prediction": content} if content else {}
+
+
 def _max_tokens(body: dict, names: tuple[str, ...], n_prompt: int, served: Served, default: int | None) -> int:
     room = served.n_ctx - n_prompt + 1  # the last token is sampled from the last row, never evaluated
     if n_prompt >= served.n_ctx:
@@ -185,8 +208,8 @@ def parse_completion(body: Any, served: Served) -> GenerationRequest:
     max_tokens = _max_tokens(body, ("max_tokens",), len(ids), served, COMPLETION_MAX_TOKENS_DEFAULT)
     sampling, seed = _sampling(body, chat=False)
     stream, include_usage = _stream(body)
-    return GenerationRequest(ids, max_tokens, {**sampling, "seed": seed, "stop": _stop(body)}, stream,
-                             include_usage, chat=False)
+    return GenerationRequest(ids, max_tokens, {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body)},
+                             stream, include_usage, chat=False)
 
 
 def response_format_grammar(body: dict):
@@ -237,6 +260,7 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), served, None)
     sampling, seed = _sampling(body, chat=True)
     stream, include_usage = _stream(body)
-    options = {**sampling, "seed": seed, "stop": _stop(body), **({"grammar": grammar} if grammar is not None else {})}
+    options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body),
+               **({"grammar": grammar} if grammar is not None else {})}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=True,
                              thinking_open=prompt_opens_reasoning(prompt))
