@@ -207,10 +207,11 @@ def markdown(report: dict) -> str:
     for k, v in ag.items():
         out.append(f"- {k}: {v['identical']}/{v['prompts']} prompts token-identical"
                    + (f"; first differences at tokens {v['first_divergence'][:12]}" if v["first_divergence"] else ""))
-    out += ["", "## The target's greedy completions (held-out prompts)", ""]
-    for s in report["samples"]:
-        out += ["```python", s["prompt_tail"] + "⟨" + s["completion"] + "⟩", "```", ""]
-    out += [f"Training: {json.dumps(report['losses'])}", ""]
+    if report.get("samples"):  # the torch reference's greedy text: absent from a report of deltaspec rows alone
+        out += ["", "## The target's greedy completions (held-out prompts)", ""]
+        for s in report["samples"]:
+            out += ["```python", s["prompt_tail"] + "⟨" + s["completion"] + "⟩", "```", ""]
+    out += ([] if out[-1] == "" else [""]) + [f"Training: {json.dumps(report['losses'])}", ""]
     return "\n".join(out)
 
 
