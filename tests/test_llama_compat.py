@@ -72,20 +72,27 @@ def test_constructor_names(path, capfd):
         Model()
 
 
-def test_progress_shows_before_the_file_is_read(path, capfd, monkeypatch):
-    """progress=True off a terminal: the first plain line is out before the GGUF is even read (a big
-    file takes seconds to validate), the last says it loaded. Seen red with _load_progress called
-    after read_gguf (nothing on stderr yet when the file was read)."""
+def _stderr_when_the_file_is_read(monkeypatch, capture) -> list[str]:
+    """What stderr held (per `capture`, capfd or capsys) each time Model reads a GGUF: filled in as
+    the model loads."""
     from deltaspec import model as model_module
 
     seen = []
     real = model_module.read_gguf
 
     def read_gguf(p):
-        seen.append(capfd.readouterr().err)
+        seen.append(capture.readouterr().err)
         return real(p)
 
     monkeypatch.setattr(model_module, "read_gguf", read_gguf)
+    return seen
+
+
+def test_progress_shows_before_the_file_is_read(path, capfd, monkeypatch):
+    """progress=True off a terminal: the first plain line is out before the GGUF is even read (a big
+    file takes seconds to validate), the last says it loaded. Seen red with _load_progress called
+    after read_gguf (nothing on stderr yet when the file was read)."""
+    seen = _stderr_when_the_file_is_read(monkeypatch, capfd)
     with Model(path, n_ctx=256, n_threads=THREADS, progress=True):
         pass
     assert seen and seen[0].startswith("deltaspec: loading "), seen
@@ -98,17 +105,9 @@ def test_progress_bar_on_a_terminal_only(path, capsys, monkeypatch, tty):
     redrawn in place (carriage returns, no plain lines); off a terminal nothing at all. Seen red
     with start_load_progress choosing plain lines on a terminal too."""
     from deltaspec import load_progress
-    from deltaspec import model as model_module
 
     monkeypatch.setattr(load_progress, "stderr_is_tty", lambda: tty)
-    seen = []
-    real = model_module.read_gguf
-
-    def read_gguf(p):
-        seen.append(capsys.readouterr().err)
-        return real(p)
-
-    monkeypatch.setattr(model_module, "read_gguf", read_gguf)
+    seen = _stderr_when_the_file_is_read(monkeypatch, capsys)
     with Model(path, n_ctx=256, n_threads=THREADS):
         pass
     err = seen[0] + capsys.readouterr().err

@@ -393,6 +393,32 @@ def test_reference_ddtree_matches_deltaspec(smoke, tmp_path):
             assert (steps, drafted, accepted) == (ref.steps, ref.drafted, ref.accepted), budget
 
 
+N_NEW_COMPARED = 24  # tokens per prompt in the reference-vs-deltaspec tree comparisons below
+
+
+def _greedy_reference(smoke, n_prompts: int = 3):
+    """The smoke testbed's first prompts, the torch target's greedy continuation of them, each
+    prompt's generated length and the torch reference's drafters over that continuation."""
+    import acceptance
+    target, draft, dflash, mtp = acceptance.load_torch_models(smoke, torch.device("cpu"))
+    prompts = json.loads((smoke / "manifest.json").read_text())["training"]["prompts"][:n_prompts]
+    cont = reference.continuation(target, torch.tensor(prompts), N_NEW_COMPARED, 0.0, 0)
+    n_gen = reference.generated_lengths(cont, len(prompts[0]), 0)
+    return prompts, cont, n_gen, reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=1)
+
+
+def _deltaspec_counts(model, prompts, cont, n_gen, **speculation) -> tuple[int, int, int, int]:
+    """deltaspec's greedy speculative runs of the prompts, each asserted to give the reference's
+    tokens: (target passes, drafted, accepted, tree nodes) over all of them."""
+    steps = drafted = accepted = nodes = 0
+    for i, p in enumerate(prompts):
+        r = model.generate(p, max_tokens=N_NEW_COMPARED, temperature=0, **speculation)
+        assert r.tokens == cont[i, len(p):len(p) + n_gen[i]].tolist()
+        steps, drafted, accepted = steps + r.stats.n_steps, drafted + r.stats.n_drafted, accepted + r.stats.n_accepted
+        nodes += r.stats.n_tree_nodes
+    return steps, drafted, accepted, nodes
+
+
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_reference_mtp_matches_deltaspec(smoke, shape):
     """The torch reference's MTP drafts (bench/testbed/reference.py: the head's greedy chain, 3
@@ -405,24 +431,14 @@ def test_reference_mtp_matches_deltaspec(smoke, shape):
     reading the target hidden state of the committed token itself instead of the one before it.
     (Ranking over the whole vocabulary instead of deltaspec's renormalised top 32 chose the same
     siblings here: that detail is not what this test pins.)"""
-    import acceptance
     import deltaspec
-    target, draft, dflash, mtp = acceptance.load_torch_models(smoke, torch.device("cpu"))
-    prompts = json.loads((smoke / "manifest.json").read_text())["training"]["prompts"][:3]
-    n_new, depth, budget = 24, 3, 8
-    cont = reference.continuation(target, torch.tensor(prompts), n_new, 0.0, 0)
-    n_gen = reference.generated_lengths(cont, len(prompts[0]), 0)
-    drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=1)
+    depth, budget = 3, 8
+    prompts, cont, n_gen, drafters = _greedy_reference(smoke)
     propose = drafters.mtp_chain(depth) if shape == "chain" else drafters.mtp_tree(budget)
     ref = reference.simulate(cont, len(prompts[0]), n_gen, propose, depth, depth)
     kw = dict(spec_type="mtp", draft_n_max=depth, draft_n_min=depth, **({"tree_budget": budget} if shape == "tree" else {}))
-    steps = drafted = accepted = nodes = 0
     with deltaspec.Model(smoke / "target.gguf", n_ctx=256, progress=False) as model:
-        for i, p in enumerate(prompts):
-            r = model.generate(p, max_tokens=n_new, temperature=0, **kw)
-            assert r.tokens == cont[i, len(p):len(p) + n_gen[i]].tolist()
-            steps, drafted, accepted = steps + r.stats.n_steps, drafted + r.stats.n_drafted, accepted + r.stats.n_accepted
-            nodes += r.stats.n_tree_nodes
+        steps, drafted, accepted, nodes = _deltaspec_counts(model, prompts, cont, n_gen, **kw)
     assert accepted > 0
     if shape == "tree":
         assert nodes > 0 and drafted > depth * steps  # more per pass than any 3-deep chain drafts
@@ -436,24 +452,14 @@ def test_reference_draft_model_tree_matches_deltaspec(smoke):
     same tokens in the same target passes with the same drafted and accepted counts, greedy; the
     trees hold more nodes per pass than a 4-deep chain could. Seen to fail (43 vs 40 passes) with
     the reference's best_first_tree not seeding the chain (pure best-first from the root)."""
-    import acceptance
     import deltaspec
-    target, draft, dflash, mtp = acceptance.load_torch_models(smoke, torch.device("cpu"))
-    prompts = json.loads((smoke / "manifest.json").read_text())["training"]["prompts"][:3]
-    n_new, depth, budget = 24, 4, 8
-    cont = reference.continuation(target, torch.tensor(prompts), n_new, 0.0, 0)
-    n_gen = reference.generated_lengths(cont, len(prompts[0]), 0)
-    drafters = reference.Drafters(target, cont, draft=draft, dflash=dflash, mtp=mtp, mask_id=1)
+    depth, budget = 4, 8
+    prompts, cont, n_gen, drafters = _greedy_reference(smoke)
     ref = reference.simulate(cont, len(prompts[0]), n_gen, drafters.draft_model_tree(budget), depth, depth)
-    steps = drafted = accepted = nodes = 0
     with deltaspec.Model(smoke / "target.gguf", n_ctx=256, progress=False) as model, \
             deltaspec.Model(smoke / "draft.gguf", n_ctx=256, progress=False) as dm:
-        for i, p in enumerate(prompts):
-            r = model.generate(p, max_tokens=n_new, temperature=0, draft_model=dm, draft_n_max=depth,
-                               draft_n_min=depth, tree_budget=budget)
-            assert r.tokens == cont[i, len(p):len(p) + n_gen[i]].tolist()
-            steps, drafted, accepted = steps + r.stats.n_steps, drafted + r.stats.n_drafted, accepted + r.stats.n_accepted
-            nodes += r.stats.n_tree_nodes
+        steps, drafted, accepted, nodes = _deltaspec_counts(model, prompts, cont, n_gen, draft_model=dm,
+                                                            draft_n_max=depth, draft_n_min=depth, tree_budget=budget)
     assert accepted > 0 and nodes > 0 and drafted > depth * steps
     assert (steps, drafted, accepted) == (ref.steps, ref.drafted, ref.accepted)
 

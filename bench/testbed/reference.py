@@ -43,12 +43,7 @@ def continuation(target, prompts: torch.Tensor, n_new: int, temperature: float, 
     out = target(input_ids=prompts, use_cache=True)
     ids = prompts
     for step in range(n_new):
-        logits = out.logits[:, -1].float()
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits / temperature, -1)
-            nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        nxt = _next_tokens(out.logits[:, -1].float(), temperature, gen)
         ids = torch.cat([ids, nxt[:, None]], 1)
         if step + 1 < n_new:
             out = target(input_ids=nxt[:, None], use_cache=True, **{kw: getattr(out, kw)})
@@ -60,14 +55,16 @@ def continuation_recomputed(target, prompts: torch.Tensor, n_new: int, temperatu
     gen = torch.Generator(device=prompts.device).manual_seed(seed)
     ids = prompts
     for _ in range(n_new):
-        logits = target(input_ids=ids).logits[:, -1].float()
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits / temperature, -1)
-            nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        nxt = _next_tokens(target(input_ids=ids).logits[:, -1].float(), temperature, gen)
         ids = torch.cat([ids, nxt[:, None]], 1)
     return ids
+
+
+def _next_tokens(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
+    """Each row's next token: its argmax at temperature 0, else a draw from softmax(logits / T)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
 
 
 def generated_lengths(cont: torch.Tensor, prompt_len: int, eos_id: int) -> list[int]:
