@@ -1,21 +1,23 @@
-"""What batch-invariant CPU matmuls cost: prefill, decode and speculative decode speed on a
-Q4_K_M model with ggml-cpu's default matmul choice and with each setting that makes a row's
-logits independent of the batch width (see python/deltaspec/batch_invariance.py).
+"""What a batch-invariant CPU model costs: prefill, decode (near the start and deep in the
+context) and speculative decode speed on a Q4_K_M model with ggml-cpu's default kernels and with
+Model(batch_invariant=True) (ggml-cpu's reference kernels; see python/deltaspec/batch_invariance.py).
 
     python bench/batch_invariance_cpu.py --out bench/results/latest/cpu_batch_invariance.json
 
-Settings (each runs in processes of its own: ggml reads its variables once per process):
-  default      K-quant batches of >= 8 rows in the tiled kernel, fewer rows with vec_dot
-  invariant    DELTASPEC_BATCH_INVARIANT=1 (GGML_CPU_TILED_MM=0): vec_dot at every width
-  tiled-force  GGML_CPU_TILED_MM_FORCE=1: the tiled kernel at every width (ggml's test switch)
+Settings, each in processes of its own, selected through the environment:
+  default      ggml-cpu's kernels: K-quant batches of >= 8 rows tiled, attention tiled from 64
+               query rows, one-row attention split over the threads from 512 KV cells
+  invariant    DELTASPEC_BATCH_INVARIANT=1: the reference kernels at every width
 
 Model: `deltaspec synth --preset 0.8b --quant q4_k_m` (RANDOM weights, Qwen3.5-0.8B's shapes and
-llama-quantize's Q4_K_M mix). Per process: prefill of random prompts of each --pp length, greedy decode of --tg
-tokens, and speculative greedy decode of the same with the file loaded again as its own draft
-(draft_n_min 1, draft_n_max 8: every draft accepted, verify batches of 9 rows, the width where the
-default takes the tiled kernel). Each process also checks that the logits of a 12-token batch
-equal those of the same tokens as one-token steps, bitwise. Settings alternate within each of
---reps rounds, so a slow spell of this shared machine hits them alike; the median is reported.
+llama-quantize's Q4_K_M mix). Per process: prefill of random prompts of each --pp length, greedy
+decode of --tg tokens after a 16-token prompt and after a --depth-token one, and speculative greedy
+decode of the first with the file loaded again as its own draft (draft_n_min 1, draft_n_max 8:
+every draft accepted, verify batches of 9 rows, the width where the default tiles K-quant
+matmuls). Each process also checks, bitwise, the logits of a 12-row and a 70-row batch and of a
+2-row batch after 600 tokens against the same tokens as one-token steps. Settings alternate
+within each of --reps rounds, so a slow spell of this shared machine hits them alike; the median
+is reported.
 """
 
 from __future__ import annotations
@@ -32,27 +34,39 @@ import time
 from pathlib import Path
 
 SETTINGS = {
-    "default": {},
+    "default": {"DELTASPEC_BATCH_INVARIANT": "0"},
     "invariant": {"DELTASPEC_BATCH_INVARIANT": "1"},
-    "tiled-force": {"GGML_CPU_TILED_MM_FORCE": "1"},
 }
 GGML_VARS = ("DELTASPEC_BATCH_INVARIANT", "GGML_CPU_TILED_MM", "GGML_CPU_TILED_MM_FORCE")
-SPEED = ("tg_tok_s", "spec_tok_s")
+SPEED = ("tg_tok_s", "tg_deep_tok_s", "spec_tok_s")
+BITWISE_SHAPES = ((12, 0), (70, 0), (2, 600))  # (batch rows, context before them)
 
 
-def worker(path: str, pps: list[int], tg: int, threads: int) -> dict:
+def batch_vs_steps(model, rows: int, context: int, rng) -> float:
     import numpy as np
 
-    from deltaspec import Model, batch_invariant
+    before = rng.integers(0, model.n_vocab, size=context).tolist()
+    ids = rng.integers(0, model.n_vocab, size=rows).tolist()
+    out = []
+    for one_by_one in (False, True):
+        model.reset()
+        if before:
+            model.eval(before)
+        out.append(np.concatenate([model.eval([t]) for t in ids]) if one_by_one else model.eval(ids, logits="all"))
+    return float(np.abs(out[0] - out[1]).max())
+
+
+def worker(path: str, pps: list[int], tg: int, depth: int, threads: int) -> dict:
+    import numpy as np
+
+    from deltaspec import Model
 
     rng = np.random.default_rng(5)
-    n_ctx = max(pps) + tg + 64
+    n_ctx = max(pps + [depth, 600]) + tg + 80
     target = Model(path, n_ctx=n_ctx, n_threads=threads, progress=False)
     draft = Model(path, n_ctx=n_ctx, n_threads=threads, progress=False)
-    ids = rng.integers(0, target.n_vocab, size=12).tolist()
-    batch = target.logits(ids)
+    diffs = {f"{rows}@{context}": batch_vs_steps(target, rows, context, rng) for rows, context in BITWISE_SHAPES}
     target.reset()
-    steps = np.concatenate([target.eval([t]) for t in ids])
     target.eval(rng.integers(0, target.n_vocab, size=8).tolist())  # warm-up at the tiled width
     pp_tok_s = {}
     for pp in pps:
@@ -63,10 +77,11 @@ def worker(path: str, pps: list[int], tg: int, threads: int) -> dict:
         pp_tok_s[f"pp{pp}_tok_s"] = pp / (time.perf_counter() - t0)
     short = prompt[:16]
     plain = target.generate(short, max_tokens=tg, temperature=0)
+    deep = target.generate(rng.integers(0, target.n_vocab, size=depth).tolist(), max_tokens=tg, temperature=0)
     spec = target.generate(short, max_tokens=tg, temperature=0, draft_model=draft, draft_n_max=8, draft_n_min=1)
-    return {"batch_invariant": batch_invariant(), "rows_bitwise_equal": bool(np.array_equal(batch, steps)),
-            "max_row_diff": float(np.abs(batch - steps).max()),
-            **pp_tok_s, "tg_tok_s": plain.stats.tokens_per_second,
+    return {"batch_invariant": target.batch_invariant, "row_diffs": diffs,
+            "rows_bitwise_equal": all(d == 0 for d in diffs.values()), "max_row_diff": max(diffs.values()),
+            **pp_tok_s, "tg_tok_s": plain.stats.tokens_per_second, "tg_deep_tok_s": deep.stats.tokens_per_second,
             "spec_tok_s": spec.stats.tokens_per_second, "spec_identical_to_plain": spec.tokens == plain.tokens,
             "n_drafted": spec.stats.n_drafted, "n_accepted": spec.stats.n_accepted}
 
@@ -75,7 +90,7 @@ def run_one(setting: str, args) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in GGML_VARS}
     env.update(SETTINGS[setting])
     cmd = [sys.executable, __file__, "--worker", str(args.model), "--pp", args.pp, "--tg", str(args.tg),
-           "--threads", str(args.threads)]
+           "--depth", str(args.depth), "--threads", str(args.threads)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -85,13 +100,15 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="a qwen35 GGUF (default: synthesize the 0.8b Q4_K_M one)")
     ap.add_argument("--pp", default="32,128,512", help="prefill lengths in tokens, comma-separated")
     ap.add_argument("--tg", type=int, default=33, help="generated tokens per decode")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--depth", type=int, default=1024, help="prompt length of the deep decode")
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", type=Path, help="JSON results")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, [int(n) for n in args.pp.split(",")], args.tg, args.threads)))
+        print(json.dumps(worker(args.worker, [int(n) for n in args.pp.split(",")], args.tg, args.depth,
+                                args.threads)))
         return
     metrics = tuple(f"pp{n}_tok_s" for n in args.pp.split(",")) + SPEED
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,7 +133,8 @@ def main() -> None:
                       "n_drafted": rows[0]["n_drafted"], "n_accepted": rows[0]["n_accepted"], "runs": rows}
     base = results["default"]
     table = ["| setting | rows bitwise | " + " | ".join(f"pp{n} tok/s" for n in args.pp.split(","))
-             + f" | tg{args.tg} tok/s | spec tok/s (self-draft, n_max 8) |", "|---" * (len(metrics) + 2) + "|"]
+             + f" | tg{args.tg} tok/s | tg{args.tg} @ {args.depth} tok/s | spec tok/s (self-draft, n_max 8) |",
+             "|---" * (len(metrics) + 2) + "|"]
     for s, r in results.items():
         cells = [f"{r[k]:.2f} ({r[k] / base[k]:.2f}x)" for k in metrics]
         table.append(f"| {s} | {'yes' if r['rows_bitwise_equal'] else 'no (max %.2g)' % r['max_row_diff']} | "
@@ -125,7 +143,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": "deltaspec synth --preset 0.8b --quant q4_k_m" if args.model.parent == Path(tmp)
-                else str(args.model), "pp": args.pp, "tg": args.tg, "threads": args.threads, "reps": args.reps,
+                else str(args.model), "pp": args.pp, "tg": args.tg, "depth": args.depth, "threads": args.threads,
+                "reps": args.reps,
                 "statistic": "median over reps; settings alternate within each round", "cpus": os.cpu_count(),
                 "machine": platform.machine(), "processor": platform.processor(),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -571,8 +571,10 @@ PYBIND11_MODULE(_core, m) {
         .def(py::init([](const std::string & path, const HParams & hp, int64_t n_ctx, int64_t n_ubatch, int n_threads,
                          const std::string & device, int type_k, int type_v,
                          py::object progress, int64_t n_seq_max, int kv_format_k, int kv_format_v,
-                         const std::vector<std::string> & devices, const std::vector<float> & tensor_split) {
+                         const std::vector<std::string> & devices, const std::vector<float> & tensor_split,
+                         bool batch_invariant) {
                  EngineOptions o;
+                 o.batch_invariant = batch_invariant;
                  o.devices = devices;
                  o.tensor_split = tensor_split;
                  o.n_ctx = n_ctx;
@@ -604,6 +606,8 @@ PYBIND11_MODULE(_core, m) {
              py::arg("device"), py::arg("type_k"), py::arg("type_v"), py::arg("progress") = py::none(),
              py::arg("n_seq_max") = 1, py::arg("kv_format_k") = 0, py::arg("kv_format_v") = 0,
              py::arg("devices") = std::vector<std::string>(), py::arg("tensor_split") = std::vector<float>(),
+             py::arg("batch_invariant") = false,
+             "batch_invariant: ggml-cpu's reference paths on a CPU model (EngineOptions). "
              "devices / tensor_split: a layer split over these devices (csrc/layer_split.h; `device` then unused). "
              "kv_format_k / kv_format_v (ggml/deltaspec_tq.h): 1 stores rotated rows of type_k / type_v, 3 or 4 "
              "makes that cache tq3 / tq4 (type_k / type_v then unused). "

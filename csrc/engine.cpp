@@ -85,6 +85,7 @@ void Engine::open_backends() {
     if (!opts_.devices.empty()) {
         backend_cpu_ = ggml_backend_cpu_init();
         ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts_.n_threads));
+        ggml_backend_cpu_set_use_ref(backend_cpu_, opts_.batch_invariant);  // the layers split onto the CPU
         // blocks: the trunk's and the MTP layers after it, as the GGUF's block_count counts them
         split_ = make_layer_split(opts_.devices, opts_.tensor_split, hp_.n_layer + hp_.n_layer_nextn, backend_cpu_);
         backend_ = split_.backends[0];
@@ -105,6 +106,7 @@ void Engine::open_backends() {
         fold_inputs_ = enable_cuda_kernels() && env_on("DELTASPEC_FOLD_INPUTS");
     }
     ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts_.n_threads));
+    ggml_backend_cpu_set_use_ref(backend_cpu_, opts_.batch_invariant);
 }
 
 void Engine::close_backends() {

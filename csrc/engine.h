@@ -44,6 +44,12 @@ struct EngineOptions {
     int kv_format_v = 0;          // rotated rows, 3 / 4 tq3 / tq4 (type_k unused); the same for V
     int64_t n_slots = 0;          // the longest verify batch (0: no speculation)
     int64_t n_seq_max = 1;        // sequence slots
+    // ggml-cpu's reference paths for the CPU backend (ggml_backend_cpu_set_use_ref): a row's result
+    // then does not depend on the batch computing it. By default ggml-cpu multiplies K-quant
+    // batches of 8+ rows in its tiled kernel, attends with a tiled kernel from 64 query rows on and
+    // splits a one-row attention over the threads from 512 KV cells on; each sums in another order
+    // than the one-row path, so a verify batch and a one-token step round differently.
+    bool batch_invariant = false;
     LoadProgress progress;        // optional: hears (done_bytes, total_bytes) while weights upload
 };
 

@@ -24,13 +24,13 @@ logits by up to 0.21 (std 2.5). So, on the CPU with a Q4_K model and the default
   NEAR_TIE_NOISE x its rms) and that difference is rounding, not a wrong result (rms <=
   NOISE_BOUND x the logit std; a wrong row or state moves it by the std itself).
 
-With DELTASPEC_BATCH_INVARIANT=1 (python/deltaspec/batch_invariance.py: GGML_CPU_TILED_MM=0, so
-every width takes vec_dot) every weight type's rows are bitwise batch-invariant and the draft-model
-case at draft_n_max 8 is token-identical, asserted in a child process (ggml reads the variable once
-per process) by `test_batch_invariant_option_makes_q4k_speculation_exact`; the same child without
-the option shows the K-quant rows differing and the divergence above
-(`test_batch_invariant_option_off`). GGML_CPU_TILED_MM_FORCE=1 (the tiled kernel at every width) is
-invariant too but decodes ~10x slower (bench/batch_invariance_cpu.py).
+With batch_invariant=True (python/deltaspec/batch_invariance.py: ggml-cpu's reference kernels,
+ggml_backend_cpu_set_use_ref) every weight type's rows are bitwise batch-invariant, including
+the 64+-row batches where ggml-cpu's flash attention tiles and the long contexts where it splits
+a one-row attention over the threads (`test_batch_invariant_rows_for_every_weight_type`), and
+the draft-model case at draft_n_max 8 is token-identical
+(`test_batch_invariant_option_makes_q4k_speculation_exact`), as is an F16 model verifying
+71-row batches over 300 tokens on 2 threads.
 
 Planted bug, seen to fail: `test_planted_divergence_is_caught` replaces one token of a speculative
 result by plain decoding's second choice (what a verifier that accepted a wrong draft would
@@ -40,11 +40,7 @@ and `check_near_ties` reject it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +48,7 @@ import pytest
 
 import deltaspec
 from deltaspec import Model
-from deltaspec.batch_invariance import ENV, GGML_TILED, GGML_TILED_FORCE, BatchInvarianceError
+from deltaspec.batch_invariance import ENV, BatchInvarianceError
 from deltaspec.testing.tiny_vocab import QUANT_TYPES, cycle_prompt, write_tiny_vocab_model
 
 N_PROMPTS, N_TOKENS = 20, 128
@@ -262,102 +258,126 @@ def test_planted_divergence_is_caught(q4k_models):
         check_near_ties(found, NOISE_BOUND)
 
 
-# --- DELTASPEC_BATCH_INVARIANT=1 -------------------------------------------------------------------
+# --- batch_invariant=True ------------------------------------------------------------------------
 K_QUANTS = {"q2_k", "q3_k", "q4_k", "q5_k", "q6_k"}  # the types ggml-cpu's tiled kernel takes
 DIVERGENT_PROMPT = 15  # where the default settings part at draft_n_max 8 (module docstring)
+# (name, batch rows, context before them, threads): each takes another ggml-cpu path by default
+BATCH_SHAPES = [("matmul", 40, 0, 1),          # K-quant batches of 8+ rows: the tiled matmul kernel
+                ("attention", 70, 0, 1),       # 64+ query rows: the tiled flash-attention kernel
+                ("long_context", 2, 300, 2)]   # KV padded to 512 cells: one-row steps split over threads
 
 
-def invariance_child(target: str, draft: str, type_dir: str, prompt_ids: list[int]) -> None:
-    """Runs in a process of its own (ggml reads its matmul variables once per process): for each
-    weight type, the logits of a 40-token batch against the same tokens as one-token steps; then
-    the draft-model case at draft_n_max 8 for the prompts `prompt_ids`. Prints one JSON line."""
-    rows = {}
-    for p in sorted(Path(type_dir).glob("*.gguf")):
-        with Model(p, n_ctx=256, n_threads=1) as m:
-            ids = np.random.default_rng(3).integers(0, m.n_vocab, 40).tolist()
-            batch = m.logits(ids)
-            m.reset()
-            steps = np.concatenate([m.eval([t]) for t in ids])
-            rows[p.stem] = float(np.abs(batch - steps).max()) if not np.array_equal(batch, steps) else 0.0
-    with Model(target, n_ctx=512, n_threads=1) as t, Model(draft, n_ctx=512, n_threads=1) as d:
-        prompts = random_prompts(np.random.default_rng(11), t.n_vocab)
-        found, drafted, accepted = greedy_divergences(t, [prompts[k] for k in prompt_ids], "child", draft_model=d,
-                                                      draft_n_max=8, draft_n_min=1)
-        model_flag = t.batch_invariant
-    print(json.dumps({"batch_invariant": deltaspec.batch_invariant(), "model_flag": model_flag,
-                      "ggml_env": {k: os.environ.get(k) for k in (GGML_TILED, GGML_TILED_FORCE)},
-                      "row_diff": rows, "drafted": drafted, "accepted": accepted,
-                      "divergences": [dict(asdict(x), prompt=prompt_ids[x.prompt]) for x in found]}))
+def batch_vs_steps(m: Model, rows: int, context: int, seed: int = 3) -> float:
+    """max |batch - steps|: the logits of `rows` random tokens computed in one batch against the
+    same tokens as one-token steps, after the same `context` random tokens."""
+    rng = np.random.default_rng(seed)
+    before = rng.integers(0, m.n_vocab, context).tolist()
+    ids = rng.integers(0, m.n_vocab, rows).tolist()
+    results = []
+    for one_by_one in (False, True):
+        m.reset()
+        if before:
+            m.eval(before)
+        results.append(np.concatenate([m.eval([t]) for t in ids]) if one_by_one else m.eval(ids, logits="all"))
+    return float(np.abs(results[0] - results[1]).max())
+
+
+def row_differences(path: Path, invariant: bool | None) -> dict[str, float]:
+    """batch_vs_steps for each of BATCH_SHAPES."""
+    out = {}
+    for name, rows, context, threads in BATCH_SHAPES:
+        with Model(path, n_ctx=512, n_threads=threads, batch_invariant=invariant) as m:
+            out[name] = batch_vs_steps(m, rows, context)
+    return out
 
 
 @pytest.fixture(scope="module")
 def weight_type_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("weight-types")
-    for q in [None, *QUANT_TYPES]:
-        write_tiny_vocab_model(root / f"{q or 'f32'}.gguf", quant=q, **Q4K_SHAPE)
-    return root
+    return {q or "f32": write_tiny_vocab_model(root / f"{q or 'f32'}.gguf", quant=q, **Q4K_SHAPE)
+            for q in [None, *QUANT_TYPES]}
 
 
-def run_child(q4k_models, type_dir: Path, prompt_ids: list[int], invariant: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in (ENV, GGML_TILED, GGML_TILED_FORCE)}
-    if invariant:
-        env[ENV] = "1"
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"from test_speculative_quantized import invariance_child; "
-            f"invariance_child({q4k_models['target'].path!r}, {q4k_models['perturbed'].path!r}, "
-            f"{str(type_dir)!r}, {prompt_ids!r})")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    print(json.dumps({k: result[k] for k in ("batch_invariant", "ggml_env", "row_diff", "drafted", "accepted")}))
-    report([Divergence(**d) for d in result["divergences"]], f"invariant={invariant}", result["drafted"],
-           result["accepted"])
-    assert len(result["row_diff"]) == len(QUANT_TYPES) + 1  # every weight type was compared
-    return result
+def test_batch_invariant_rows_for_every_weight_type(weight_type_models):
+    """With batch_invariant=True every weight type's rows are bitwise the same in a batch and in
+    one-token steps, for each batch shape where ggml-cpu's default takes another kernel.
+
+    The planted bug is the option left out (ggml-cpu's default kernels): the K-quant types then
+    differ in the 40-row batch (tiled matmul), and every type differs in the 70-row batch (tiled
+    flash attention) and in the long-context pair (one-row attention split over 2 threads), so
+    each zero asserted below is seen to fail without the option."""
+    for q, path in weight_type_models.items():
+        on, off = row_differences(path, True), row_differences(path, False)
+        print(q, "invariant", on, "default", off)
+        assert on == {name: 0.0 for name, *_ in BATCH_SHAPES}, f"{q}: rows depend on the batch: {on}"
+        assert (off["matmul"] > 0) == (q in K_QUANTS), f"{q}: default matmul rows {off['matmul']}"
+        assert off["attention"] > 0 and off["long_context"] > 0, f"{q}: default attention rows {off}"
 
 
-def test_batch_invariant_option_makes_q4k_speculation_exact(q4k_models, weight_type_models):
-    """With DELTASPEC_BATCH_INVARIANT=1 (GGML_CPU_TILED_MM=0 for ggml), every weight type's rows are
-    bitwise the same in a 40-token batch and in one-token steps, and the draft-model case at
-    draft_n_max 8 (verify batches of 9 rows) is token-identical to plain greedy on all 20 prompts x
-    128 tokens, including the prompt where the default settings part.
+def test_batch_invariant_option_makes_q4k_speculation_exact(q4k_models):
+    """With batch_invariant=True the draft-model case at draft_n_max 8 (verify batches of 9 rows,
+    the tiled matmul's width) is token-identical to plain greedy on all 20 prompts x 128 tokens,
+    including the prompt where the default settings part.
 
-    The planted bug is the option left out, in the same child: the K-quant types' rows then differ
-    (the tiled kernel ran) and the known divergence appears; `test_batch_invariant_option_off`
-    asserts that, so this test's checks are seen to fail without the option."""
-    r = run_child(q4k_models, weight_type_models, list(range(N_PROMPTS)), invariant=True)
-    assert r["batch_invariant"] and r["model_flag"]
-    assert r["ggml_env"][GGML_TILED] == "0"
-    assert r["row_diff"] == {q: 0.0 for q in r["row_diff"]}
-    assert r["drafted"] > 0 and 0 < r["accepted"] < r["drafted"]  # verify batches kept in part
-    check_identical([Divergence(**d) for d in r["divergences"]])
-
-
-def test_batch_invariant_option_off(q4k_models, weight_type_models):
-    """The same child without the option (the planted bug of the test above): F32, F16, BF16 and
-    the legacy quants are bitwise batch-invariant anyway, the K-quants are not, and speculative
-    greedy parts from plain greedy on the known prompt, so check_identical fails there."""
-    r = run_child(q4k_models, weight_type_models, [DIVERGENT_PROMPT], invariant=False)
-    assert not r["batch_invariant"] and not r["model_flag"]
-    assert {q for q, diff in r["row_diff"].items() if diff > 0} == K_QUANTS
-    assert [d["prompt"] for d in r["divergences"]] == [DIVERGENT_PROMPT]
-    with pytest.raises(AssertionError, match=f"child prompt {DIVERGENT_PROMPT} token"):
-        check_identical([Divergence(**d) for d in r["divergences"]])
+    Planted bug, seen to fail: the same target without the option (q4k_models' target) parts
+    from plain greedy on the known prompt, so check_identical raises there; asserted below."""
+    with Model(q4k_models["target"].path, n_ctx=512, n_threads=1, batch_invariant=True) as target:
+        assert target.batch_invariant
+        prompts = random_prompts(np.random.default_rng(11), target.n_vocab)
+        found, drafted, accepted = greedy_divergences(target, prompts, "invariant", draft_model=q4k_models["perturbed"],
+                                                      draft_n_max=8, draft_n_min=1)
+        report(found, "invariant", drafted, accepted)
+        assert drafted > 0 and 0 < accepted < drafted  # verify batches kept in part
+        check_identical(found)
+    default = q4k_models["target"]
+    assert not default.batch_invariant
+    found, *_ = greedy_divergences(default, [prompts[DIVERGENT_PROMPT]], "default", draft_model=q4k_models["perturbed"],
+                                   draft_n_max=8, draft_n_min=1)
+    with pytest.raises(AssertionError, match="default prompt 0 token"):
+        check_identical(found)
 
 
-def test_batch_invariant_is_fixed_per_process(q4k_models, monkeypatch):
-    """A Model exists in this process, so ggml has fixed its matmul choice: asking for the other
-    choice raises instead of silently not applying, and a malformed value is refused. Planted bug,
-    seen to fail: batch_invariance._in_effect reset to None (apply() forgetting the first Model)
-    made Model() accept DELTASPEC_BATCH_INVARIANT=1 and the first pytest.raises fail."""
-    fixed = q4k_models["target"].batch_invariant
-    assert fixed == deltaspec.batch_invariant()
-    monkeypatch.setenv(ENV, "0" if fixed else "1")
-    with pytest.raises(BatchInvarianceError, match=f"{ENV}=.* after this process's first Model"):
-        Model(q4k_models["target"].path, n_ctx=64, n_threads=1)
+def test_batch_invariant_speculation_with_wide_verify_batches_and_long_context(tmp_path):
+    """An F16 model (whose matmuls are batch-invariant anyway), 2 threads, drafts of 70 (verify
+    batches of 71 rows: ggml-cpu's tiled attention) and 300 generated tokens (the KV cache padded
+    past 512 cells: the one-row steps' attention split over the threads): with batch_invariant=True
+    speculative greedy is token-identical to plain greedy, and the model's 71-row batches after
+    300 tokens give the one-token steps' rows bitwise. Planted bug, seen to fail: the option left
+    out, the tokens happened to agree on these 4 prompts, but the rows differed (by 0.003) and
+    the last assertion failed."""
+    target = write_tiny_vocab_model(tmp_path / "t.gguf", quant="f16", **Q4K_SHAPE)
+    draft = write_tiny_vocab_model(tmp_path / "d.gguf", quant="f16", weight_map=triple_ffn, **Q4K_SHAPE)
+    with Model(target, n_ctx=512, n_threads=2, batch_invariant=True) as t, Model(draft, n_ctx=512, n_threads=2) as d:
+        prompts = random_prompts(np.random.default_rng(5), t.n_vocab)[:4]
+        found, drafted, accepted = greedy_divergences(t, prompts, "wide", n_tokens=300, draft_model=d,
+                                                      draft_n_max=70, draft_n_min=70)
+        report(found, "wide", drafted, accepted)
+        assert drafted >= 70 * 4 and accepted > 0
+        check_identical(found)
+        assert batch_vs_steps(t, 71, 300) == 0.0  # the kernels the option chose ran
+
+
+def test_batch_invariant_argument_and_environment(q4k_models, monkeypatch):
+    """The argument wins; without it DELTASPEC_BATCH_INVARIANT decides (off when unset); a malformed
+    value of either is refused, and so is the option on a GPU model, before anything is loaded.
+    Planted bug, seen to fail: resolve() ignoring the environment made the first assertion fail."""
+    path = q4k_models["target"].path
+    monkeypatch.setenv(ENV, "1")
+    assert deltaspec.batch_invariant()
+    with Model(path, n_ctx=64, n_threads=1) as m:
+        assert m.batch_invariant and batch_vs_steps(m, 12, 0) == 0.0
+    with Model(path, n_ctx=64, n_threads=1, batch_invariant=False) as m:
+        assert not m.batch_invariant and batch_vs_steps(m, 12, 0) > 0
+    monkeypatch.delenv(ENV)
+    assert not deltaspec.batch_invariant()
+    with Model(path, n_ctx=64, n_threads=1) as m:
+        assert not m.batch_invariant
     monkeypatch.setenv(ENV, "yes")
     with pytest.raises(BatchInvarianceError, match=f"{ENV} must be 0 or 1, got 'yes'"):
-        Model(q4k_models["target"].path, n_ctx=64, n_threads=1)
-    monkeypatch.setenv(ENV, "1" if fixed else "0")
-    with Model(q4k_models["target"].path, n_ctx=64, n_threads=1) as m:
-        assert m.batch_invariant == fixed
+        Model(path, n_ctx=64, n_threads=1)
+    monkeypatch.delenv(ENV)
+    with pytest.raises(BatchInvarianceError, match="batch_invariant must be True, False or None, got 'yes'"):
+        Model(path, n_ctx=64, n_threads=1, batch_invariant="yes")
+    with pytest.raises(BatchInvarianceError, match="only a CPU model has a batch-invariant mode, and this one runs "
+                                                   "on cuda"):
+        Model(path, n_ctx=64, n_threads=1, device="cuda", batch_invariant=True)

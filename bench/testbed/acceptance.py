@@ -15,6 +15,12 @@ other rows are kept; rows of the same drafter, T and device replaced):
 
     python bench/testbed/acceptance.py --dir D --out bench/results/latest --device cpu --deltaspec-rows dflash
 
+The torch reference's rows alone on one machine (e.g. the GPU machine, with no deltaspec build),
+merged into a report deltaspec measured on another:
+
+    python bench/testbed/acceptance.py --dir D --out OUT --torch-rows            # OUT/acceptance_torch.json
+    python bench/testbed/acceptance.py --dir D --out REPORT_DIR --device cpu --merge-torch OUT/acceptance_torch.json
+
 Verification rules, which decide acceptance at T = 1: deltaspec verifies by rejection sampling;
 the torch reference by exact match against the target's sample (the DFlash / DDTree reference
 rule, algorithms_brief.md §5.2), which accepts less. At T = 0 both are "draft == target argmax".
@@ -290,6 +296,58 @@ def merge_deltaspec_rows(args, keys: list[str]) -> dict:
     return report
 
 
+def torch_only(args, prompts_list: list[list[int]], training: dict) -> dict:
+    """The torch reference's rows alone (--torch-rows), e.g. on a GPU machine without a deltaspec
+    build: OUT/acceptance_torch.json with the rows and the greedy continuation, which --merge-torch
+    merges into a report measured by deltaspec elsewhere."""
+    tdev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    models = load_torch_models(args.dir, tdev)
+    prompts = torch.tensor(prompts_list, device=tdev)
+    rows, times, greedy = [], {}, None
+    for T in (0.0, 1.0):
+        t = time.time()
+        r, cont, n_gen, t_cont = torch_rows(models, prompts, args.n_new, T, tdev, training["mask_token_id"],
+                                            training["block_size"], 0, args.seed, args.only)
+        rows += r
+        if T == 0.0:
+            greedy = [cont[i, prompts.shape[1]:prompts.shape[1] + n_gen[i]].tolist() for i in range(len(prompts_list))]
+        times[f"torch_T{T:g}_s"] = round(time.time() - t, 1)
+    out = {"n_prompts": len(prompts_list), "n_new": args.n_new, "torch_device": str(tdev), "only": args.only,
+           "rows": rows, "greedy_tokens": greedy, "times": times}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "acceptance_torch.json").write_text(json.dumps(out))
+    return out
+
+
+def merge_torch_rows(args, torch_file: Path) -> dict:
+    """Merges a --torch-rows result into the report in --out: torch rows of the same drafter and T
+    replaced, the others kept; deltaspec's plain greedy (run here, on --device) compared with the
+    torch reference's greedy continuation token by token."""
+    report_path = args.out / "acceptance.json"
+    report = json.loads(report_path.read_text())
+    got = json.loads(torch_file.read_text())
+    if (got["n_prompts"], got["n_new"]) != (report["n_prompts"], report["n_new"]):
+        raise ValueError(f"{torch_file}: {got['n_prompts']} prompts x {got['n_new']} tokens, the report in {args.out} "
+                         f"{report['n_prompts']} x {report['n_new']}")
+    replaced = {(r["drafter"], r["temperature"]) for r in got["rows"]}
+    report["rows"] = [r for r in report["rows"] if r["measured_by"] != "torch reference"
+                      or (r["drafter"], r["temperature"]) not in replaced] + got["rows"]
+    work = Path(tempfile.mkdtemp(prefix="testbed_acceptance_"))
+    with open(work / "deltaspec.log", "w") as log:
+        plain = finish_worker(0.0, "plain", start_worker(args, work, 0.0, "plain"), log)
+    report["agreement_greedy"][f"deltaspec ({args.device}) plain vs torch greedy"] = \
+        agreement(plain["tokens"], got["greedy_tokens"])
+    report.pop("torch_reference_al", None)  # the rows of an unfinished run, now measured in full
+    report.setdefault("merged_runs", []).append({"torch_rows": str(torch_file), "torch_device": got["torch_device"],
+                                                 "only": got["only"], "times": got["times"]})
+    report["same_drafter_greedy"] = same_rows(report)
+    report_path.write_text(json.dumps(report, indent=1))
+    md = markdown(report)
+    (args.out / "acceptance.md").write_text(md)
+    print(md)
+    return report
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", required=True, type=Path, help="what train.py + export.py wrote")
@@ -313,6 +371,10 @@ def main(argv=None) -> dict:
                     help="a report of some drafter families alone (comma-separated: mtp, draft, dflash, ngram), "
                          "torch and deltaspec side by side (plain decoding kept for the token comparison), e.g. "
                          "on a CPU where the whole report is too long")
+    ap.add_argument("--torch-rows", action="store_true",
+                    help="the torch reference's rows alone -> OUT/acceptance_torch.json (no deltaspec needed)")
+    ap.add_argument("--merge-torch", type=Path, default=None, metavar="FILE",
+                    help="merge a --torch-rows result into the report in --out (deltaspec's plain greedy run here)")
     args = ap.parse_args(argv)
     if args.only is not None:
         args.only = tuple(args.only.split(","))
@@ -322,6 +384,10 @@ def main(argv=None) -> dict:
     manifest = json.loads((args.dir / "manifest.json").read_text())
     training = manifest["training"]
     prompts_list = training["prompts"][:args.n_prompts]
+    if args.torch_rows:
+        return torch_only(args, prompts_list, training)
+    if args.merge_torch is not None:
+        return merge_torch_rows(args, args.merge_torch)
     if args.deltaspec_only is not None:
         T, key = args.deltaspec_only.split(":")
         r, toks = deltaspec_row(args.dir, prompts_list, args.n_new, float(T), args.device, args.seed, key, args.threads)

@@ -1,44 +1,31 @@
-"""Batch-invariant CPU matmuls: DELTASPEC_BATCH_INVARIANT=1.
+"""Batch-invariant CPU models: Model(batch_invariant=True) or DELTASPEC_BATCH_INVARIANT=1.
 
-The pinned ggml-cpu multiplies K-quant weights (Q2_K..Q6_K, IQ*) by batches of 8 or more rows in
-its tiled kernel and by fewer rows with the per-row vec_dot; the two sum in another order, so a
-row's logits depend on the width of the batch that computed it (a one-token step, a verify batch,
-a prefill), and speculative greedy decoding can part from plain greedy at a near-tie. With
-GGML_CPU_TILED_MM=0 every width takes vec_dot and each row is bitwise the same whatever batch
-computes it (F32, F16, BF16 and the legacy quants are already: they have no tiled kernel, and
-this build leaves llamafile's sgemm, which would take only batches of 2+ rows, out).
+By default the pinned ggml-cpu computes a row in another order depending on the batch around it:
+it multiplies K-quant weights (Q2_K..Q6_K, IQ*) by batches of 8 or more rows in its tiled kernel
+and by fewer rows with the per-row vec_dot; it attends with a tiled kernel from 64 query rows on;
+and it splits a one-row attention over the threads once the KV cache holds 512 cells (with 2+
+threads). Each sums in another order than the path a one-token step takes, so a row's logits
+depend on the width of the batch that computed it (a one-token step, a verify batch, a prefill),
+and speculative greedy decoding can part from plain greedy at a near-tie.
 
-ggml reads GGML_CPU_TILED_MM once per process, at its first matmul, so this cannot be a Model
-argument: DELTASPEC_BATCH_INVARIANT=1 in the environment (or os.environ before the first Model)
-is translated into it when the process's first Model is built, and that choice then holds for
-the process. A later Model that asks for another one gets BatchInvarianceError rather than
-a setting that silently does not apply. Only the CPU backend is concerned.
+A batch-invariant model runs its CPU backend on ggml-cpu's reference paths
+(ggml_backend_cpu_set_use_ref): vec_dot at every width, one attention kernel whatever the rows
+and cells, no fused ops. Each row is then bitwise the same whatever batch computes it. The choice
+is the backend's, so it is made per Model; models on a GPU have no such mode (their verify
+batches run tensor-core kernels, one-token steps mat-vecs).
 """
 
 from __future__ import annotations
 
 import os
-import re
 
 from .errors import DeltaspecError
 
 ENV = "DELTASPEC_BATCH_INVARIANT"
-GGML_TILED = "GGML_CPU_TILED_MM"          # 0: no tiled kernel at any width (ggml's master switch)
-GGML_TILED_FORCE = "GGML_CPU_TILED_MM_FORCE"  # 1: tiled kernel at every width (also invariant)
-
-_in_effect: bool | None = None  # fixed by the process's first Model: ggml has read its variables by then
 
 
 class BatchInvarianceError(DeltaspecError, ValueError):
-    """DELTASPEC_BATCH_INVARIANT is malformed, or asks for what this process can no longer do."""
-
-
-def _atoi(text: str | None) -> int | None:
-    # ggml parses its variables with atoi: leading digits count, anything else reads as 0
-    if text is None:
-        return None
-    m = re.match(r"\s*[+-]?\d+", text)
-    return int(m.group()) if m else 0
+    """DELTASPEC_BATCH_INVARIANT or the batch_invariant argument is malformed or cannot apply."""
 
 
 def requested() -> bool | None:
@@ -51,36 +38,23 @@ def requested() -> bool | None:
     return value == "1"
 
 
-def _ggml_invariant() -> bool:
-    """Whether ggml's own variables, as set now, give batch-invariant CPU matmuls."""
-    tiled = _atoi(os.environ.get(GGML_TILED))
-    return tiled == 0 or _atoi(os.environ.get(GGML_TILED_FORCE)) == 1
-
-
-def apply() -> bool:
-    """Before a Model's engine is built: on the process's first call, translate the request into
-    ggml's variable; afterwards, refuse a request the fixed choice does not meet. Returns whether
-    the CPU matmuls are batch-invariant in this process."""
-    global _in_effect
-    want = requested()
-    if _in_effect is None:
-        if want:
-            os.environ[GGML_TILED] = "0"
-        elif want is False and _ggml_invariant():
-            raise BatchInvarianceError(f"{ENV}=0 but {GGML_TILED}={os.environ.get(GGML_TILED)!r} / "
-                                       f"{GGML_TILED_FORCE}={os.environ.get(GGML_TILED_FORCE)!r} make the CPU "
-                                       f"matmuls batch-invariant; unset one or the other")
-        _in_effect = _ggml_invariant()
-    elif want is not None and want != _in_effect:
-        raise BatchInvarianceError(
-            f"{ENV}={int(want)} asked after this process's first Model, which fixed it at {int(_in_effect)}: "
-            f"ggml reads {GGML_TILED} once per process; set {ENV} before the first Model is built")
-    return _in_effect
+def resolve(argument: bool | None, devices: list[str]) -> bool:
+    """A Model's choice: the argument when given, else the environment's (off when unset). Asked
+    for explicitly on a model with a GPU, it raises; the environment's request, which may be meant
+    for the CPU models of the process, leaves such a model as it is."""
+    if argument is not None and not isinstance(argument, bool):
+        raise BatchInvarianceError(f"batch_invariant must be True, False or None, got {argument!r}")
+    on_cpu = all(d == "cpu" for d in devices)
+    if argument is not None:
+        if argument and not on_cpu:
+            raise BatchInvarianceError(
+                f"batch_invariant=True: only a CPU model has a batch-invariant mode, and this one runs on "
+                f"{', '.join(d for d in devices if d != 'cpu')}")
+        return argument
+    return bool(requested()) and on_cpu
 
 
 def batch_invariant() -> bool:
-    """Whether a row's logits on the CPU are bitwise the same whatever batch width computes them:
-    the choice in effect once a Model has been built, else the one the environment would make."""
-    if _in_effect is not None:
-        return _in_effect
-    return bool(requested()) or _ggml_invariant()
+    """What a CPU Model built now without a batch_invariant argument takes: DELTASPEC_BATCH_INVARIANT
+    from the environment (off when unset)."""
+    return bool(requested())

@@ -76,7 +76,7 @@ class Model:
     engine reads it; problems raise subclasses of `deltaspec.errors.DeltaspecError`.
 
     `batch_invariant` says whether a row's logits are bitwise the same whatever batch width computes
-    them: True for a CPU model under DELTASPEC_BATCH_INVARIANT=1 (see `deltaspec.batch_invariance`).
+    them (see the argument and `deltaspec.batch_invariance`).
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, n_ctx: int = 4096, n_threads: int | None = None,
@@ -85,7 +85,8 @@ class Model:
                  model_path: str | os.PathLike[str] | None = None, n_gpu_layers: int | None = None,
                  seed: int | None = None, n_batch: int | None = None, verbose: bool | None = None,
                  flash_attn: bool | str | None = None, devices: Sequence[str] | str | None = None,
-                 split: str | None = None, tensor_split: Sequence[float] | None = None):
+                 split: str | None = None, tensor_split: Sequence[float] | None = None,
+                 batch_invariant: bool | None = None):
         """`progress` reports the load: None shows a tqdm bar on stderr when stderr is a terminal
         (and tqdm is installed), True shows it anyway (plain lines when stderr is not a terminal),
         False shows nothing, and a callable receives the fraction of the weights uploaded, 0.0 ..
@@ -102,6 +103,12 @@ class Model:
         tensor_split None splits by each device's free memory. `device_layers()` says what went where.
         MTP and DFlash drafting need one device; a draft model loaded from a path goes on devices[0]
         (`self.device`).
+
+        `batch_invariant` (CPU models): True runs ggml-cpu's reference kernels, whose result for a
+        row does not depend on the batch computing it, so that greedy speculation (a verify batch)
+        gives plain greedy's tokens for every weight type, batch width and context length; it costs
+        prefill speed (bench/batch_invariance_cpu.py). None takes DELTASPEC_BATCH_INVARIANT (0 or 1)
+        from the environment, off when unset. A GPU model has no such mode: True raises there.
 
         `n_seq_max` sequence slots, each with a KV cache of n_ctx rows and a recurrent state, let
         generate_batch / add_request run that many sequences at once (the weights are shared).
@@ -136,6 +143,7 @@ class Model:
             n_threads = min(default_threads(), MAX_THREADS)
         _check_count("n_threads", n_threads, MAX_THREADS, " or None")
         device_kind(device)  # "cpu", "cuda" or "cuda:N"; ValueError naming it otherwise
+        self.batch_invariant = batch_invariance.resolve(batch_invariant, layer_split[0] if layer_split else [device])
         if not (progress is None or isinstance(progress, bool) or callable(progress)):
             raise TypeError(f"progress must be None, a bool or a callable taking a float, got {progress!r}")
 
@@ -155,15 +163,12 @@ class Model:
             self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
         except TokenizerError as e:  # its messages name the key; the file is named here
             raise TokenizerError(f"{self.path}: {e}") from None
-        # before the engine: ggml reads the matmul variable it sets once, at the process's first
-        # matmul. The setting is ggml-cpu's: it says nothing of the CUDA backend's kernels.
-        self.batch_invariant = batch_invariance.apply() and all(
-            d == "cpu" for d in (layer_split[0] if layer_split else [device]))
         split_args = dict(devices=layer_split[0], tensor_split=layer_split[1]) if layer_split else {}
         try:
             self._engine = _core.Engine(self.path, self.hparams, n_ctx=n_ctx, n_ubatch=n_ubatch,
                                         n_threads=n_threads, device=device, **engine_cache_args(type_k, type_v),
-                                        progress=on_bytes, n_seq_max=n_seq_max, **split_args)
+                                        progress=on_bytes, n_seq_max=n_seq_max,
+                                        batch_invariant=self.batch_invariant, **split_args)
         except RuntimeError as e:  # the file passed validation: device, memory, or the file changed since
             message = str(e)
             raise EngineError(message if message.startswith(self.path) else f"{self.path}: {message}") from None
