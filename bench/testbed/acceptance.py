@@ -106,7 +106,8 @@ def torch_rows(models, prompts, n_new, T, device, mask_id, block, eos_id, seed, 
     for name, shape, propose, max_len, min_len in specs:
         t = time.time()
         acc = reference.simulate(cont, P, n_gen, propose, max_len, min_len)
-        rows.append(row(name, shape, "torch reference", T, acc.steps, acc.drafted, acc.accepted, time.time() - t))
+        rows.append(row(name, shape, "torch reference", T, acc.steps, acc.drafted, acc.accepted, time.time() - t,
+                        per_prompt_steps=acc.per_row_steps))
         print(f"  T={T} {name:32s} AL {rows[-1]['mean_acceptance_length']:.3f} ({rows[-1]['seconds']} s)", flush=True)
     return rows, cont, n_gen, t_cont
 
@@ -159,10 +160,11 @@ def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed
             kw.update(draft_n_min=1, tree_budget=int(key[len("dflash_tree"):]))
     t = time.time()
     steps = drafted = accepted = nodes = 0
-    outs = []
+    outs, per_prompt_steps = [], []
     for i, p in enumerate(prompts):
         r = model.generate(p, max_tokens=n_new, seed=seed + i, temperature=T, top_k=0, top_p=1.0, min_p=0.0, **kw)
         outs.append(r.tokens)
+        per_prompt_steps.append(r.stats.n_steps)
         steps += r.stats.n_steps
         drafted += r.stats.n_drafted
         accepted += r.stats.n_accepted
@@ -173,7 +175,7 @@ def deltaspec_row(folder: Path, prompts: list[list[int]], n_new, T, device, seed
     if key == "plain":
         return None, outs
     r = row(name, shape, f"deltaspec ({device})", T, steps, drafted, accepted, time.time() - t,
-            **({"tree_nodes": nodes} if nodes else {}))
+            per_prompt_steps=per_prompt_steps, **({"tree_nodes": nodes} if nodes else {}))
     print(f"  T={T:g} {name:32s} AL {r['mean_acceptance_length']:.3f} ({r['seconds']} s)", flush=True)
     return r, outs
 
@@ -201,6 +203,16 @@ def markdown(report: dict) -> str:
         out.append(f"| {r['drafter']} | {r['shape']} | {r['measured_by']} | {r['temperature']:g} | "
                    f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.3f} | {r['drafted_per_step']} | {r['steps']} |")
     same = report.get("same_drafter_greedy", [])
+    per_prompt = any("same_steps_where_text_agrees" in r for r in same)
+    if per_prompt:
+        n = len(report["greedy_same_text_prompts"])
+        out += ["", f"## The same drafter measured by torch and by deltaspec, T = 0, on the {n} prompts whose "
+                "plain greedy texts agree", "",
+                "Prompts on which each side's steps (target passes) equal the other's, per drafter; elsewhere each "
+                "side's rounds follow its own text.", "",
+                "| drafter | deltaspec | prompts with the same steps |", "|---|---|---|"]
+        out += [f"| {r['drafter']} | {r['deltaspec']} | {r['same_steps_where_text_agrees']} |"
+                for r in same if "same_steps_where_text_agrees" in r]
     if same:
         out += ["", "## The same drafter measured by torch and by deltaspec, T = 0", "",
                 "Where deltaspec's rounds are set up as the torch reference's (the rows' names say how), the "
@@ -254,6 +266,12 @@ def same_rows(report: dict) -> list[dict]:
             out.append({"drafter": r["drafter"], "deltaspec": r["measured_by"],
                         "torch_al": ref["mean_acceptance_length"], "deltaspec_al": r["mean_acceptance_length"],
                         "same_counts": all(r[k] == ref[k] for k in ("steps", "drafted", "accepted"))})
+            # where the two plain greedy texts differ (near-ties of two implementations), each side's
+            # rounds follow its own text: compare the steps on the prompts whose texts are the same
+            same_text = report.get("greedy_same_text_prompts")
+            if same_text is not None and "per_prompt_steps" in r and "per_prompt_steps" in ref:
+                differ = [i for i in same_text if r["per_prompt_steps"][i] != ref["per_prompt_steps"][i]]
+                out[-1]["same_steps_where_text_agrees"] = f"{len(same_text) - len(differ)}/{len(same_text)}"
     return out
 
 
@@ -304,7 +322,7 @@ def torch_only(args, prompts_list: list[list[int]], training: dict) -> dict:
     models = load_torch_models(args.dir, tdev)
     prompts = torch.tensor(prompts_list, device=tdev)
     rows, times, greedy = [], {}, None
-    for T in (0.0, 1.0):
+    for T in [float(x) for x in args.temps.split(",")]:
         t = time.time()
         r, cont, n_gen, t_cont = torch_rows(models, prompts, args.n_new, T, tdev, training["mask_token_id"],
                                             training["block_size"], 0, args.seed, args.only)
@@ -337,6 +355,8 @@ def merge_torch_rows(args, torch_file: Path) -> dict:
         plain = finish_worker(0.0, "plain", start_worker(args, work, 0.0, "plain"), log)
     report["agreement_greedy"][f"deltaspec ({args.device}) plain vs torch greedy"] = \
         agreement(plain["tokens"], got["greedy_tokens"])
+    report["greedy_same_text_prompts"] = [i for i, (a, b) in enumerate(zip(plain["tokens"], got["greedy_tokens"]))
+                                          if a == b]
     report.pop("torch_reference_al", None)  # the rows of an unfinished run, now measured in full
     report.setdefault("merged_runs", []).append({"torch_rows": str(torch_file), "torch_device": got["torch_device"],
                                                  "only": got["only"], "times": got["times"]})
@@ -365,7 +385,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--jobs", type=int, default=1, help="--deltaspec-rows: rows run at once")
     ap.add_argument("--jobs-full", type=int, default=0, metavar="N",
                     help="the whole report: deltaspec rows run at once beside the torch reference (default: all)")
-    ap.add_argument("--temps", default="0,1", help="--deltaspec-rows: temperatures (default: %(default)s)")
+    ap.add_argument("--temps", default="0,1", help="--deltaspec-rows, --torch-rows: temperatures (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="threads of each deltaspec row")
     ap.add_argument("--only", default=None, metavar="FAMILIES",
                     help="a report of some drafter families alone (comma-separated: mtp, draft, dflash, ngram), "
