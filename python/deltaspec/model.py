@@ -493,7 +493,9 @@ class Model:
         """Generate continuations of several prompts concurrently, up to n_seq_max at a time (the
         rest wait for a slot): each prompt is prefilled, then every running sequence decodes in
         one batch per step. Each result equals generate(prompt, **generate_kwargs) alone (same
-        tokens for greedy and for seeded sampling); sequences finish independently.
+        tokens for greedy and for seeded sampling, on the CPU on one thread or with
+        batch_invariant=True; see the README for where other kernels part at near-ties); sequences
+        finish independently.
 
         generate_kwargs are generate()'s (max_tokens, temperature, ..., seed, stop), for every
         prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
