@@ -116,7 +116,7 @@ def greedy_divergences(target: Model, prompts: list[list[int]], label: str, n_to
     gaps, and the drafted / accepted totals. `spec_tokens(k, tokens)`, for the planted-bug test
     only, replaces the speculative tokens of prompt k."""
     found, drafted, accepted = [], 0, 0
-    width = spec.get("draft_n_max", 16) + 1  # the longest verify batch: the last token and the drafts
+    width = max(spec.get("draft_n_max", 16), spec.get("tree_budget", 0)) + 1  # the longest verify batch
     for k, prompt in enumerate(prompts):
         plain = target.generate(prompt, max_tokens=n_tokens, temperature=0).tokens
         fast = target.generate(prompt, max_tokens=n_tokens, temperature=0, **spec)
@@ -338,8 +338,9 @@ def test_batch_invariant_option_makes_q4k_speculation_exact(q4k_models):
 
 
 def test_batch_invariant_speculation_with_wide_verify_batches_and_long_context(tmp_path):
-    """An F16 model (whose matmuls are batch-invariant anyway), 2 threads, drafts of 70 (verify
-    batches of 71 rows: ggml-cpu's tiled attention) and 300 generated tokens (the KV cache padded
+    """An F16 model (whose matmuls are batch-invariant anyway), 2 threads, drafts of 70 and draft
+    trees of 64 nodes (verify batches of 71 and 65 rows: ggml-cpu's tiled attention) and 300
+    generated tokens (the KV cache padded
     past 512 cells: the one-row steps' attention split over the threads): with batch_invariant=True
     speculative greedy is token-identical to plain greedy, and the model's 71-row batches after
     300 tokens give the one-token steps' rows bitwise. Planted bug, seen to fail: the option left
@@ -353,6 +354,12 @@ def test_batch_invariant_speculation_with_wide_verify_batches_and_long_context(t
                                                       draft_n_max=70, draft_n_min=70)
         report(found, "wide", drafted, accepted)
         assert drafted >= 70 * 4 and accepted > 0
+        check_identical(found)
+        # a draft tree of 64 nodes: verify batches of 65 rows under per-row tree masks
+        found, drafted, accepted = greedy_divergences(t, prompts[:2], "tree64", n_tokens=300, draft_model=d,
+                                                      draft_n_max=8, draft_n_min=8, tree_budget=64)
+        report(found, "tree64", drafted, accepted)
+        assert drafted >= 64 * 2 and accepted > 0
         check_identical(found)
         assert batch_vs_steps(t, 71, 300) == 0.0  # the kernels the option chose ran
 
