@@ -42,24 +42,11 @@ SPEED = ("tg_tok_s", "tg_deep_tok_s", "spec_tok_s")
 BITWISE_SHAPES = ((12, 0), (70, 0), (2, 600))  # (batch rows, context before them)
 
 
-def batch_vs_steps(model, rows: int, context: int, rng) -> float:
-    import numpy as np
-
-    before = rng.integers(0, model.n_vocab, size=context).tolist()
-    ids = rng.integers(0, model.n_vocab, size=rows).tolist()
-    out = []
-    for one_by_one in (False, True):
-        model.reset()
-        if before:
-            model.eval(before)
-        out.append(np.concatenate([model.eval([t]) for t in ids]) if one_by_one else model.eval(ids, logits="all"))
-    return float(np.abs(out[0] - out[1]).max())
-
-
 def worker(path: str, pps: list[int], tg: int, depth: int, threads: int) -> dict:
     import numpy as np
 
     from deltaspec import Model
+    from deltaspec.testing.batch_rows import batch_vs_steps
 
     rng = np.random.default_rng(5)
     n_ctx = max(pps + [depth, 600]) + tg + 80

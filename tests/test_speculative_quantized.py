@@ -49,6 +49,7 @@ import pytest
 import deltaspec
 from deltaspec import Model
 from deltaspec.batch_invariance import ENV, BatchInvarianceError
+from deltaspec.testing.batch_rows import batch_vs_steps
 from deltaspec.testing.tiny_vocab import QUANT_TYPES, cycle_prompt, write_tiny_vocab_model
 
 N_PROMPTS, N_TOKENS = 20, 128
@@ -267,27 +268,12 @@ BATCH_SHAPES = [("matmul", 40, 0, 1),          # K-quant batches of 8+ rows: the
                 ("long_context", 2, 300, 2)]   # KV padded to 512 cells: one-row steps split over threads
 
 
-def batch_vs_steps(m: Model, rows: int, context: int, seed: int = 3) -> float:
-    """max |batch - steps|: the logits of `rows` random tokens computed in one batch against the
-    same tokens as one-token steps, after the same `context` random tokens."""
-    rng = np.random.default_rng(seed)
-    before = rng.integers(0, m.n_vocab, context).tolist()
-    ids = rng.integers(0, m.n_vocab, rows).tolist()
-    results = []
-    for one_by_one in (False, True):
-        m.reset()
-        if before:
-            m.eval(before)
-        results.append(np.concatenate([m.eval([t]) for t in ids]) if one_by_one else m.eval(ids, logits="all"))
-    return float(np.abs(results[0] - results[1]).max())
-
-
 def row_differences(path: Path, invariant: bool | None) -> dict[str, float]:
     """batch_vs_steps for each of BATCH_SHAPES."""
     out = {}
     for name, rows, context, threads in BATCH_SHAPES:
         with Model(path, n_ctx=512, n_threads=threads, batch_invariant=invariant) as m:
-            out[name] = batch_vs_steps(m, rows, context)
+            out[name] = batch_vs_steps(m, rows, context, np.random.default_rng(3))
     return out
 
 
@@ -340,10 +326,9 @@ def test_batch_invariant_option_makes_q4k_speculation_exact(q4k_models):
 def test_batch_invariant_speculation_with_wide_verify_batches_and_long_context(tmp_path):
     """An F16 model (whose matmuls are batch-invariant anyway), 2 threads, drafts of 70 and draft
     trees of 64 nodes (verify batches of 71 and 65 rows: ggml-cpu's tiled attention) and 300
-    generated tokens (the KV cache padded
-    past 512 cells: the one-row steps' attention split over the threads): with batch_invariant=True
-    speculative greedy is token-identical to plain greedy, and the model's 71-row batches after
-    300 tokens give the one-token steps' rows bitwise. Planted bug, seen to fail: the option left
+    generated tokens (the KV cache padded past 512 cells: the one-row steps' attention split over
+    the threads): with batch_invariant=True speculative greedy is token-identical to plain greedy,
+    and the model's 71-row batches after 300 tokens give the one-token steps' rows bitwise. Planted bug, seen to fail: the option left
     out, the tokens happened to agree on these 4 prompts, but the rows differed (by 0.003) and
     the last assertion failed."""
     target = write_tiny_vocab_model(tmp_path / "t.gguf", quant="f16", **Q4K_SHAPE)
@@ -361,7 +346,7 @@ def test_batch_invariant_speculation_with_wide_verify_batches_and_long_context(t
         report(found, "tree64", drafted, accepted)
         assert drafted >= 64 * 2 and accepted > 0
         check_identical(found)
-        assert batch_vs_steps(t, 71, 300) == 0.0  # the kernels the option chose ran
+        assert batch_vs_steps(t, 71, 300, np.random.default_rng(3)) == 0.0  # the kernels the option chose ran
 
 
 def test_batch_invariant_argument_and_environment(q4k_models, monkeypatch):
@@ -372,9 +357,9 @@ def test_batch_invariant_argument_and_environment(q4k_models, monkeypatch):
     monkeypatch.setenv(ENV, "1")
     assert deltaspec.batch_invariant()
     with Model(path, n_ctx=64, n_threads=1) as m:
-        assert m.batch_invariant and batch_vs_steps(m, 12, 0) == 0.0
+        assert m.batch_invariant and batch_vs_steps(m, 12, 0, np.random.default_rng(2)) == 0.0
     with Model(path, n_ctx=64, n_threads=1, batch_invariant=False) as m:
-        assert not m.batch_invariant and batch_vs_steps(m, 12, 0) > 0
+        assert not m.batch_invariant and batch_vs_steps(m, 12, 0, np.random.default_rng(2)) > 0
     monkeypatch.delenv(ENV)
     assert not deltaspec.batch_invariant()
     with Model(path, n_ctx=64, n_threads=1) as m:
