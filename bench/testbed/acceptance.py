@@ -275,12 +275,27 @@ def same_rows(report: dict) -> list[dict]:
     return out
 
 
+def write_report(out: Path, report: dict) -> dict:
+    """The report's same-drafter comparison brought up to date, then OUT/acceptance.json and .md."""
+    report["same_drafter_greedy"] = same_rows(report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "acceptance.json").write_text(json.dumps(report, indent=1))
+    md = markdown(report)
+    (out / "acceptance.md").write_text(md)
+    print(md)
+    return report
+
+
+def generated(cont: torch.Tensor, prompt_len: int, n_gen: list[int]) -> list[list[int]]:
+    """Each row's generated tokens (after the prompt, up to its length)."""
+    return [cont[i, prompt_len:prompt_len + n].tolist() for i, n in enumerate(n_gen)]
+
+
 def merge_deltaspec_rows(args, keys: list[str]) -> dict:
     """Runs deltaspec's rows `keys` (T = 0 and 1; plain at T = 0 for the token comparison) at most
     --jobs at a time, and merges them into the report in --out: rows of the same drafter, T and
     measured_by are replaced, the others kept."""
-    report_path = args.out / "acceptance.json"
-    report = json.loads(report_path.read_text())
+    report = json.loads((args.out / "acceptance.json").read_text())
     work = Path(tempfile.mkdtemp(prefix="testbed_acceptance_"))
     temps = [float(t) for t in args.temps.split(",")]
     todo = ([(0.0, "plain")] if 0.0 in temps else []) + [(T, k) for T in temps for k in keys]
@@ -306,12 +321,7 @@ def merge_deltaspec_rows(args, keys: list[str]) -> dict:
         raise ValueError(f"--n-prompts {args.n_prompts}: the report in {args.out} has {report['n_prompts']} prompts")
     report.setdefault("merged_runs", []).append({"device": args.device, "keys": keys, "temps": temps, "jobs": args.jobs,
                                                  "threads": args.threads, "seconds": round(time.time() - t0, 1)})
-    report["same_drafter_greedy"] = same_rows(report)
-    report_path.write_text(json.dumps(report, indent=1))
-    md = markdown(report)
-    (args.out / "acceptance.md").write_text(md)
-    print(md)
-    return report
+    return write_report(args.out, report)
 
 
 def torch_only(args, prompts_list: list[list[int]], training: dict) -> dict:
@@ -328,7 +338,7 @@ def torch_only(args, prompts_list: list[list[int]], training: dict) -> dict:
                                             training["block_size"], 0, args.seed, args.only)
         rows += r
         if T == 0.0:
-            greedy = [cont[i, prompts.shape[1]:prompts.shape[1] + n_gen[i]].tolist() for i in range(len(prompts_list))]
+            greedy = generated(cont, prompts.shape[1], n_gen)
         times[f"torch_T{T:g}_s"] = round(time.time() - t, 1)
     out = {"n_prompts": len(prompts_list), "n_new": args.n_new, "torch_device": str(tdev), "only": args.only,
            "rows": rows, "greedy_tokens": greedy, "times": times}
@@ -341,8 +351,7 @@ def merge_torch_rows(args, torch_file: Path) -> dict:
     """Merges a --torch-rows result into the report in --out: torch rows of the same drafter and T
     replaced, the others kept; deltaspec's plain greedy (run here, on --device) compared with the
     torch reference's greedy continuation token by token."""
-    report_path = args.out / "acceptance.json"
-    report = json.loads(report_path.read_text())
+    report = json.loads((args.out / "acceptance.json").read_text())
     got = json.loads(torch_file.read_text())
     if (got["n_prompts"], got["n_new"]) != (report["n_prompts"], report["n_new"]):
         raise ValueError(f"{torch_file}: {got['n_prompts']} prompts x {got['n_new']} tokens, the report in {args.out} "
@@ -360,12 +369,7 @@ def merge_torch_rows(args, torch_file: Path) -> dict:
     report.pop("torch_reference_al", None)  # the rows of an unfinished run, now measured in full
     report.setdefault("merged_runs", []).append({"torch_rows": str(torch_file), "torch_device": got["torch_device"],
                                                  "only": got["only"], "times": got["times"]})
-    report["same_drafter_greedy"] = same_rows(report)
-    report_path.write_text(json.dumps(report, indent=1))
-    md = markdown(report)
-    (args.out / "acceptance.md").write_text(md)
-    print(md)
-    return report
+    return write_report(args.out, report)
 
 
 def main(argv=None) -> dict:
@@ -460,7 +464,7 @@ def main(argv=None) -> dict:
         r, cont, n_gen, t_cont = torch_rows(models, prompts, args.n_new, T, tdev, mask_id, block, eos_id, args.seed,
                                             args.only)
         rows += r
-        conts[T] = [cont[i, prompts.shape[1]:prompts.shape[1] + n_gen[i]].tolist() for i in range(len(prompts_list))]
+        conts[T] = generated(cont, prompts.shape[1], n_gen)
         times[f"torch_T{T:g}_s"] = round(time.time() - t, 1)
         times[f"torch_continuation_T{T:g}_s"] = round(t_cont, 1)
     ds_tokens: dict[float, dict[str, list]] = {0.0: {}, 1.0: {}}
@@ -489,13 +493,7 @@ def main(argv=None) -> dict:
               "deltaspec_device": args.device, "torch_device": str(tdev), "rows": rows, "agreement_greedy": ag,
               "samples": samples, "losses": manifest["losses"], "files": manifest["files"], "times": times,
               "total_seconds": round(time.time() - t_start, 1)}
-    report["same_drafter_greedy"] = same_rows(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "acceptance.json").write_text(json.dumps(report, indent=1))
-    md = markdown(report)
-    (args.out / "acceptance.md").write_text(md)
-    print(md)
-    return report
+    return write_report(args.out, report)
 
 
 if __name__ == "__main__":

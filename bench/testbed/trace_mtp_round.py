@@ -46,7 +46,7 @@ def torch_rounds(folder: Path, prompt: list[int], n_new: int, k: int, mask_id: i
     rounds = []
     for s, d, tops in proposed:
         truth = text[s + 1:s + 1 + len(d)]
-        n = next((i for i, (a, b) in enumerate(zip(d, truth)) if a != b), len(d))
+        n = ddtree.walk(ddtree.chain(d), truth)
         rounds.append((s - len(prompt) + 1, n, d, truth, tops))
     return text[len(prompt):len(prompt) + n_gen[0]], rounds
 

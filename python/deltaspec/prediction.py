@@ -48,8 +48,6 @@ def predicted_speculation(model, prediction, speculation: Speculation | None, n_
     ids = prediction_ids(model, prediction, where)
     if not ids:
         return speculation
-    if speculation is None or speculation.draft is not None:
-        if speculation is None:  # no drafter asked for: check the draft bounds as a drafter's would be
-            model._speculation("ngram-simple", None, n_max, n_min)
-        return Speculation(None, n_max, n_min, reference=tuple(ids))
+    if speculation is None or speculation.draft is not None:  # lookup, with the draft bounds checked
+        speculation = model._speculation("ngram-simple", None, n_max, n_min)
     return dataclasses.replace(speculation, reference=tuple(ids))
