@@ -21,7 +21,8 @@
 #      width and llama.cpp's batch of that width (llama-bench pp, when `build` made it), interleaved
 #      -> tree_verify_cost.json
 #   profile: GPU time per kernel group of one decode step and one 17-row verify (Nsight Compute)
-#      -> profile.md
+#      -> profile.md; PROFILE_WHAT replaces "decode verify" (kernel_profile.py's --what: also tree,
+#      keep-path, batch), PROFILE_CHAIN the verify's rows
 #   kernels: deltaspec's CUDA kernels alone (bench/kernels/kernels_bench.py): compiled while the
 #      builds run, timed before anything else uses the machine (timed during a 16-job build, its
 #      small launches came out host-bound: 30 us for an 11 us mat-vec) -> kernels_bench.json
@@ -269,15 +270,16 @@ if has_step tree; then
     python3 "$REPO/bench/tree_verify_cost.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
         --out "$OUT/tree_verify_cost.json" | tee "$OUT/tree_verify_cost.md"
 fi
-if has_step profile; then  # one decode step and one 17-row verify, kernel by kernel
+if has_step profile; then  # one decode step and one 17-row verify (PROFILE_WHAT, PROFILE_CHAIN), kernel by kernel
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    for what in decode verify; do
+    csvs=()
+    for what in ${PROFILE_WHAT:-decode verify}; do
         "$NCU" --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
-            python3 "$REPO/bench/kernel_profile.py" run /tmp/q27.gguf --what $what > "$OUT/kernels_$what.csv" \
-            2> "$OUT/kernels_$what.log" || tail -5 "$OUT/kernels_$what.log"
+            python3 "$REPO/bench/kernel_profile.py" run /tmp/q27.gguf --what "$what" --chain "${PROFILE_CHAIN:-17}" \
+            > "$OUT/kernels_$what.csv" 2> "$OUT/kernels_$what.log" || tail -5 "$OUT/kernels_$what.log"
+        csvs+=("$OUT/kernels_$what.csv")
     done
-    python3 "$REPO/bench/kernel_profile.py" report "$OUT/kernels_decode.csv" "$OUT/kernels_verify.csv" \
-        | tee "$OUT/profile.md"
+    python3 "$REPO/bench/kernel_profile.py" report "${csvs[@]}" | tee "$OUT/profile.md"
 fi
 if has_step bench-ours; then
     # shellcheck disable=SC2086  # BENCH_TESTS: a list of test names

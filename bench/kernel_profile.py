@@ -6,7 +6,10 @@
 
 `run` loads the model on CUDA, prefills --depth tokens, warms the step up (graphs built, CUDA graphs
 captured), then brackets exactly one step with cudaProfilerStart/Stop: a greedy decode step
-(`--what decode`) or a verify pass of --chain tokens (`--what verify`). `report` groups the
+(`--what decode`), a verify pass of --chain tokens (`--what verify`), a tree verify pass of 1 +
+(--chain - 1) DDTree-shaped rows (`--what tree`, verify_tree alone) or the commit of its top-1
+chain's first 9 rows after it (`--what keep-path`), or one scheduler step of --n-seqs sequences
+decoding one row each (`--what batch`, add_request / step). `report` groups the
 kernels ncu measured into matmul / DeltaNet / attention / other and prints a markdown table.
 Kernel times exclude launch gaps, so their sum is below the step's wall time.
 """
@@ -42,26 +45,70 @@ def run(args) -> int:
     from deltaspec import Model
 
     cudart = _cudart()
+    if args.what == "batch":
+        return run_batch(args, cudart)
+    from tree_verify_cost import ddtree_parents
+
     m = Model(args.model, n_ctx=args.depth + 1024, device="cuda", progress=False)
     e = m._live()
     e.reserve_slots(args.chain)
     rng = np.random.default_rng(0)
     e.eval(rng.integers(0, m.n_vocab, size=args.depth).astype(np.int32), logits="none")
     chain = rng.integers(0, m.n_vocab, size=args.chain).astype(np.int32)
+    parents = np.array([-1] + [p + 1 for p in ddtree_parents(args.chain - 1)], dtype=np.int32)
     one = np.array([7], dtype=np.int32)
+    root, chain_path = np.array([0], dtype=np.int32), np.arange(min(9, args.chain), dtype=np.int32)
 
-    def step():
+    def before():  # what runs unprofiled ahead of the profiled part
+        if args.what == "keep-path":
+            e.verify_tree(chain, parents, argmax=True)
+
+    def profiled():
         if args.what == "decode":
             e.eval_argmax(one)
-        else:
+        elif args.what == "verify":
             e.eval_verify_argmax(chain)
             e.keep(1)
+        elif args.what == "tree":
+            e.verify_tree(chain, parents, argmax=True)
+        else:
+            e.keep_path(chain_path)
+
+    def after():  # a tree verify is committed before the next (its root: the sequence grows by one)
+        if args.what == "tree":
+            e.keep_path(root)
 
     for _ in range(4):
-        step()
+        before()
+        profiled()
+        after()
+    before()
     cudart.cudaDeviceSynchronize()
     cudart.cudaProfilerStart()
-    step()
+    profiled()
+    cudart.cudaDeviceSynchronize()
+    cudart.cudaProfilerStop()
+    m.close()
+    return 0
+
+
+def run_batch(args, cudart) -> int:
+    """One step of --n-seqs sequences (one greedy row each) through add_request / step."""
+    from deltaspec import Model
+    from deltaspec.sampling import SamplingOptions
+
+    m = Model(args.model, n_ctx=args.depth + 64, device="cuda", n_seq_max=args.n_seqs, progress=False)
+    engine = m._engine
+    greedy = SamplingOptions(temperature=0.0).native()
+    rng = np.random.default_rng(0)
+    for _ in range(args.n_seqs):
+        engine.add_request(rng.integers(0, m.n_vocab, size=args.depth).tolist(), 32, greedy, [], [])
+    engine.step()  # admits and prefills every request
+    for _ in range(4):
+        engine.step()
+    cudart.cudaDeviceSynchronize()
+    cudart.cudaProfilerStart()
+    engine.step()
     cudart.cudaDeviceSynchronize()
     cudart.cudaProfilerStop()
     m.close()
@@ -106,9 +153,10 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("model")
-    r.add_argument("--what", choices=["decode", "verify"], default="decode")
+    r.add_argument("--what", choices=["decode", "verify", "tree", "keep-path", "batch"], default="decode")
     r.add_argument("--chain", type=int, default=17,
                    help="T, rows of the verify pass (default 17: generate()'s default draft_n_max 16 + 1)")
+    r.add_argument("--n-seqs", type=int, default=16, help="sequences of --what batch")
     r.add_argument("--depth", type=int, default=256)
     p = sub.add_parser("report")
     p.add_argument("csv", nargs="+")

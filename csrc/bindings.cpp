@@ -776,6 +776,7 @@ PYBIND11_MODULE(_core, m) {
                  d["branched_calls"] = s.branched_calls;
                  d["kv_rows_moved"] = s.kv_rows_moved;
                  d["keep_graph_builds"] = s.keep_graph_builds;
+                 d["kernel_commits"] = s.kernel_commits;
                  return d;
              }, "What verify_rows (rows of several slots in one verify pass) has run.")
         .def("set_prefill_budget", [](Runner & r, int64_t n) {
@@ -954,10 +955,12 @@ PYBIND11_MODULE(_core, m) {
                  d["kept_rows"] = s.kept_rows;
                  d["kv_rows_moved"] = s.kv_rows_moved;
                  d["keep_graph_builds"] = s.keep_graph_builds;
+                 d["kernel_commits"] = s.kernel_commits;
                  return d;
              }, "What tree verification has run: verify calls, rows, the most rows of one call, calls with "
                 "a branch, rows-op graph nodes run, keep_path calls, rows kept, KV rows moved, keep_path "
-                "calls that built their commit graph.")
+                "calls that built their commit graph, keep_path calls whose recurrent states our CUDA kernels "
+                "committed.")
         .def("cancel_request", [](Runner & r, int64_t id) {
                  if (r.scheduler) r.scheduler->cancel(id);
              }, py::arg("id"), "Cancel a request added with add_request (finishes at the next step).")

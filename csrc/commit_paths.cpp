@@ -3,18 +3,24 @@
 // slot). Both verify passes leave the same pending batch (Engine::RowsPending: slot i's rows at
 // i * tq .., their parents and indices within their slot) and nothing committed.
 //
-// The commit does not re-run the target. One small graph
-// * runs the rows ops (ggml/deltaspec_rows.h) once more over the verify pass's inputs (its graph
-//   outputs, VerifyStates) with every row off the paths skipped and each path's leaf writing its
-//   slot's DeltaNet state and conv window back into the pool: the cost of a chain of the path's
-//   length, nothing stored per row during the verify;
+// The commit does not re-run the target. The recurrent states after each path come from the verify
+// pass's inputs (its graph outputs, VerifyStates): on one GPU with our kernels two launches for all
+// layers (commit_states_cuda.cpp) roll each slot's DeltaNet state along its path and gather its conv
+// window; the cost of a chain of the path's length, nothing stored per row during the verify.
+// One small graph does the rest:
+// * elsewhere (the CPU, a layer split, our kernels off) the recurrent states: the rows ops
+//   (ggml/deltaspec_rows.h) run once more over those inputs with every row off the paths skipped
+//   and each path's leaf writing its slot's DeltaNet state and conv window back into the pool (as
+//   a graph, three launches a layer on a GPU: about 0.9 ms of a 27B's round on the H200, which is
+//   why the kernels do it there);
 // * moves each slot's kept KV rows to consecutive positions where a path skipped rows (same-type row
 //   copies: exact for quantized caches too; a chain's accepted prefix is already in place);
 // * gathers the path's tapped hidden states (one slot's tree with taps set: what a DFlash or MTP
 //   drafter reads) in path order into one output, read back in one copy.
 // The graph stays built and allocated (keep_alloc_) for the next commit of the same shape (the same
 // KV moves, path length and verify outputs: every accepted chain of one length), which then only
-// sets the rows ops' plan and the gather's rows and computes.
+// sets the rows ops' plan and the gather's rows and computes. A commit with nothing left for it
+// (states by the kernels, no KV moves, no taps) runs no graph.
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
@@ -53,8 +59,8 @@ void Engine::KeepGraph::drop() {
     key.clear();
 }
 
-int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, const CommitBugs & bugs,
-                             const std::vector<int32_t> & tap_rows, float * taps, bool & built) {
+Engine::Committed Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, const CommitBugs & bugs,
+                                       const std::vector<int32_t> & tap_rows, float * taps) {
     RowsPending & pend = rows_pending_;
     const int64_t N = pend.n_slots, T = N * pend.tq;
     if (!pend.active || (int64_t)paths.size() != N) throw std::logic_error("commit_paths: no pending batch of these slots");
@@ -103,13 +109,29 @@ int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, co
         throw std::logic_error("commit_paths: taps are gathered for one slot's 1 to " + std::to_string(T) + " rows");
     }
 
+    // the recurrent states by our kernels where they serve (the plan's leaves, as the rows ops would)
+    Committed done;
+    done.kv_rows_moved = n_moved;
+    std::vector<std::vector<int32_t>> state_paths = paths;
+    for (std::vector<int32_t> & path : state_paths) {
+        if (bugs.parent_state && path.size() > 1) path.pop_back();
+    }
+    done.states_by_kernels = commit_states_cuda(state_paths);
+    const bool rows_ops = !done.states_by_kernels &&
+                          std::any_of(vs.q.begin(), vs.q.end(), [](const ggml_tensor * q) { return q != nullptr; });
+    if (!rows_ops && moves.empty() && n_taps == 0) {
+        for (int64_t i = 0; i < N; ++i) pool_.slots[pend.first_slot + i].n_past += (int64_t)paths[i].size();
+        pend.active = false;
+        return done;
+    }
+
     // the graph of this shape, the one kept when the last commit had it
-    std::vector<int64_t> key = {T, N, pend.first_slot, n_saved, n_taps, n_tap_rows, pool_.n_seq, pool_.n_ctx};
+    std::vector<int64_t> key = {T, N, pend.first_slot, n_saved, n_taps, n_tap_rows, pool_.n_seq, pool_.n_ctx, rows_ops};
     if (!bugs.stale_graph) {  // (planted: a graph reused for other moves)
         for (const Move & m : moves) key.insert(key.end(), {m.slot, m.from, m.to, m.n});
     }
     for (int il = 0; il < hp_.n_layer; ++il) {
-        if (vs.q[il]) {
+        if (vs.q[il] && rows_ops) {
             for (const ggml_tensor * t : {vs.conv_x[il], vs.q[il], vs.k[il], vs.v[il], vs.g[il], vs.beta[il], pool_.conv[il], pool_.ssm[il]}) {
                 push_signature(key, t);
             }
@@ -121,8 +143,8 @@ int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, co
     for (int64_t i = 0; i < n_taps; ++i) push_signature(key, taps_.out[i]);
 
     KeepGraph & kg = keep_graph_;
-    built = kg.ctx == nullptr || kg.key != key;
-    if (built) {
+    done.graph_built = kg.ctx == nullptr || kg.key != key;
+    if (done.graph_built) {
         kg.drop();
         // per recurrent layer 6 aliases (each a view of its base), 2 reshapes and the 2 ops, the views
         // and reshapes being graph nodes too; per attention layer 2 views and a copy for K and for V
@@ -141,7 +163,7 @@ int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, co
             ggml_set_input(kg.input);
             ggml_tensor * rows_t = ggml_view_2d(ctx, kg.input, DELTASPEC_ROWS_N_COLS, T, DELTASPEC_ROWS_N_COLS * sizeof(int32_t), 0);
             for (int il = 0; il < hp_.n_layer; ++il) {
-                if (vs.q[il]) {
+                if (vs.q[il] && rows_ops) {
                     const LayerWeights & l = weights_.layers[il];
                     ggml_tensor * windows = ggml_reshape_3d(ctx, pool_.conv[il], hp_.ssm_conv_kernel - 1, hp_.conv_channels(), pool_.n_seq);
                     ggml_build_forward_expand(kg.gf, deltaspec_rows_ssm_conv(ctx, windows, output_alias(ctx, vs.conv_x[il]), l.conv1d, rows_t));
@@ -209,7 +231,7 @@ int64_t Engine::commit_paths(const std::vector<std::vector<int32_t>> & paths, co
     if (kg.taps) ggml_backend_tensor_get(kg.taps, taps, 0, ggml_nbytes(kg.taps));
     for (int64_t i = 0; i < N; ++i) pool_.slots[pend.first_slot + i].n_past += (int64_t)paths[i].size();
     pend.active = false;
-    return n_moved;
+    return done;
 }
 
 }  // namespace deltaspec

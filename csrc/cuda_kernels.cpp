@@ -22,6 +22,12 @@ extern "C" int64_t deltaspec_cuda_deltanet_launches() __attribute__((weak));
 extern "C" int deltaspec_cuda_deltanet_replay(const deltaspec_deltanet_replay * shape,
                                               const deltaspec_deltanet_layer * layers,
                                               int n_layers) __attribute__((weak));
+extern "C" int deltaspec_cuda_deltanet_replay_paths(const deltaspec_deltanet_replay * shape,
+                                                    const deltaspec_deltanet_path * paths, int n_paths,
+                                                    const deltaspec_deltanet_layer * layers,
+                                                    int n_layers) __attribute__((weak));
+extern "C" int deltaspec_cuda_commit_windows(const deltaspec_window_path * paths, int n_paths,
+                                             const deltaspec_window_layer * layers, int n_layers) __attribute__((weak));
 
 namespace deltaspec {
 
@@ -77,6 +83,25 @@ bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape,
     if (deltaspec_cuda_deltanet_replay == nullptr) return false;
     const int done = deltaspec_cuda_deltanet_replay(&shape, layers.data(), (int)layers.size());
     if (done < 0) throw std::runtime_error("replaying the DeltaNet states on the GPU failed (a CUDA error)");
+    return done == 1;
+}
+
+bool cuda_deltanet_replay_paths(const deltaspec_deltanet_replay & shape,
+                                const std::vector<deltaspec_deltanet_path> & paths,
+                                const std::vector<deltaspec_deltanet_layer> & layers) {
+    if (deltaspec_cuda_deltanet_replay_paths == nullptr || paths.empty()) return false;
+    const int n_layers = (int)(layers.size() / paths.size());
+    const int done = deltaspec_cuda_deltanet_replay_paths(&shape, paths.data(), (int)paths.size(), layers.data(), n_layers);
+    if (done < 0) throw std::runtime_error("replaying the accepted paths' DeltaNet states on the GPU failed (a CUDA error)");
+    return done == 1;
+}
+
+bool cuda_commit_windows(const std::vector<deltaspec_window_path> & paths,
+                         const std::vector<deltaspec_window_layer> & layers) {
+    if (deltaspec_cuda_commit_windows == nullptr || paths.empty()) return false;
+    const int n_layers = (int)(layers.size() / paths.size());
+    const int done = deltaspec_cuda_commit_windows(paths.data(), (int)paths.size(), layers.data(), n_layers);
+    if (done < 0) throw std::runtime_error("committing the accepted paths' conv windows on the GPU failed (a CUDA error)");
     return done == 1;
 }
 

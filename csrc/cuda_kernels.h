@@ -43,6 +43,18 @@ bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *>
 bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape,
                           const std::vector<deltaspec_deltanet_layer> & layers);
 
+// The same for the rows of accepted paths (deltaspec_cuda_deltanet_replay_paths): paths[p] over
+// layers[p * n_layers ..], n_layers = layers.size() / paths.size().
+bool cuda_deltanet_replay_paths(const deltaspec_deltanet_replay & shape,
+                                const std::vector<deltaspec_deltanet_path> & paths,
+                                const std::vector<deltaspec_deltanet_layer> & layers);
+
+// Each path's conv windows gathered from its rows (deltaspec_cuda_commit_windows), paths[p] over
+// layers[p * n_layers ..]; false when nothing ran (this ggml-cuda lacks it, or the windows are not
+// served); throws std::runtime_error on a CUDA error after launching.
+bool cuda_commit_windows(const std::vector<deltaspec_window_path> & paths,
+                         const std::vector<deltaspec_window_layer> & layers);
+
 // Device copies of f32 rows, all in one launch, waited for (ggml/cuda/deltaspec_copies.h); false
 // when this ggml-cuda lacks them or the copy failed (then the caller copies another way).
 bool cuda_copy_rows(const std::vector<deltaspec_copy> & jobs);

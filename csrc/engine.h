@@ -148,6 +148,7 @@ class Engine {
         int64_t rows_op_nodes = 0;   // rows-op nodes (deltaspec_rows.h) in the graphs those calls ran
         int64_t keep_calls = 0, kept_rows = 0, kv_rows_moved = 0;
         int64_t keep_graph_builds = 0;  // keep_path calls that built their commit graph (the others reused it)
+        int64_t kernel_commits = 0;     // keep_path calls whose states our CUDA kernels committed
     };
     const TreeStats & tree_stats() const { return tree_stats_; }
 
@@ -169,6 +170,7 @@ class Engine {
         int64_t max_slots = 0, keep_calls = 0, kept_rows = 0;
         int64_t branched_calls = 0, kv_rows_moved = 0;  // passes with a branching slot; KV rows compacted
         int64_t keep_graph_builds = 0;  // keep_paths calls that built their commit graph (the others reused it)
+        int64_t kernel_commits = 0;     // keep_paths calls whose states our CUDA kernels committed
     };
     const RowsStats & rows_stats() const { return rows_stats_; }
 
@@ -249,11 +251,19 @@ class Engine {
     void settle_verify();
     // commit_paths.cpp: keep_path's and keep_paths' commit of rows_pending_'s paths (paths[i]: slot
     // first_slot + i's rows in the padded batch, root first), the planted bugs their callers pass,
-    // `tap_rows`' taps (one slot) gathered to `taps`. Returns the KV rows that move; `built`: whether
-    // the commit graph was built (not reused).
+    // `tap_rows`' taps (one slot) gathered to `taps`.
     struct CommitBugs { bool no_compaction = false, parent_state = false, stale_graph = false; };
-    int64_t commit_paths(const std::vector<std::vector<int32_t>> & paths, const CommitBugs & bugs,
-                         const std::vector<int32_t> & tap_rows, float * taps, bool & built);
+    struct Committed {
+        int64_t kv_rows_moved = 0;
+        bool graph_built = false;        // a commit graph was built (none ran, or the kept one was reused)
+        bool states_by_kernels = false;  // the recurrent states went through commit_states_cuda
+    };
+    Committed commit_paths(const std::vector<std::vector<int32_t>> & paths, const CommitBugs & bugs,
+                           const std::vector<int32_t> & tap_rows, float * taps);
+    // commit_states_cuda.cpp: the DeltaNet states and conv windows after each slot's path (paths[i]:
+    // slot first_slot + i's rows, empty: nothing) by our CUDA kernels, two launches for all layers;
+    // false when nothing was done (not one GPU, kernels off or absent, a path too long).
+    bool commit_states_cuda(const std::vector<std::vector<int32_t>> & paths);
     void append_taps(int64_t n_rows);  // the step's tapped rows -> tapped_
 
     // What a step graph's structure depends on: a kept graph serves the steps of its key.

@@ -237,11 +237,12 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
 
     CommitBugs bugs;
     bugs.no_compaction = rows_bug() == RowsBug::no_compaction;
-    bool built = false;
-    rows_stats_.kv_rows_moved += commit_paths(padded, bugs, {}, nullptr, built);
+    const Committed done = commit_paths(padded, bugs, {}, nullptr);
+    rows_stats_.kv_rows_moved += done.kv_rows_moved;
     for (const std::vector<int32_t> & path : padded) rows_stats_.kept_rows += (int64_t)path.size();
     rows_stats_.keep_calls += 1;
-    rows_stats_.keep_graph_builds += built;
+    rows_stats_.keep_graph_builds += done.graph_built;
+    rows_stats_.kernel_commits += done.states_by_kernels;
 }
 
 }  // namespace deltaspec

@@ -197,18 +197,18 @@ void Engine::keep_path(const int32_t * path, int64_t n) {
     bugs.no_compaction = bug == TreeBug::no_compaction;
     bugs.parent_state = bug == TreeBug::parent_state;
     bugs.stale_graph = bug == TreeBug::stale_keep_graph;
-    bool built = false;
-    int64_t moved = 0;
+    Committed done;
     try {
-        moved = commit_paths({kept}, bugs, tap_rows, taps, built);
+        done = commit_paths({kept}, bugs, tap_rows, taps);
     } catch (...) {
         tapped_.resize(first_tap);
         throw;
     }
     tree_stats_.keep_calls += 1;
     tree_stats_.kept_rows += n;
-    tree_stats_.kv_rows_moved += moved;
-    tree_stats_.keep_graph_builds += built;
+    tree_stats_.kv_rows_moved += done.kv_rows_moved;
+    tree_stats_.keep_graph_builds += done.graph_built;
+    tree_stats_.kernel_commits += done.states_by_kernels;
 }
 
 }  // namespace deltaspec

@@ -7,13 +7,14 @@ Run on the GPU machine with: python -m pytest -q -m gpu tests/test_gpu_batch_spe
 A verify pass runs other kernels than a one-token step, so greedy tokens may part only at near-ties
 of the (biased) logits. Seen to fail with DELTASPEC_TEST_ROWS_BUG=wrong_parent and =swap_keep
 (csrc/rows.h) in a copy of this file run with device="cpu" for the "cuda" model (no GPU where it
-was written).
+was written). Run on DeltaNet states of 32 (keep_paths' commit by the rows ops in a graph) and of 128,
+where our CUDA kernels commit every slot's path (rows_stats["kernel_commits"]).
 """
 
 import numpy as np
 import pytest
 
-from deltaspec import Model
+from deltaspec import Model, _core
 from test_gpu import NEAR_TIE, _cuda_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason="no CUDA device in this build "
@@ -22,11 +23,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason=
 BIAS = {10: 10.0, 11: 10.0, 12: 10.0}  # the text wanders between 3 tokens: prompt lookup drafts and hits
 
 
-@pytest.fixture(scope="module")
-def gpu(tmp_path_factory):
+@pytest.fixture(scope="module", params=[32, 128], ids=["state32", "state128"])
+def gpu(tmp_path_factory, request):
     from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
 
-    path = write_tiny_vocab_model(tmp_path_factory.mktemp("gpu-batchspec") / "tiny.gguf", seed=0)
+    path = write_tiny_vocab_model(tmp_path_factory.mktemp("gpu-batchspec") / "tiny.gguf", seed=0,
+                                  ssm_state=request.param)
     with Model(path, device="cuda", n_ctx=512, n_seq_max=4) as m:
         yield m
 
@@ -53,6 +55,8 @@ def test_cuda_speculative_batch_greedy_equals_plain_alone(gpu):
     spec = gpu.batch_spec_stats
     assert spec["multi_draft_passes"] > 0 and spec["mixed_passes"] > 0, spec
     assert gpu._engine.rows_stats["multi_slot_calls"] > 0
+    kernels = _core.cuda_kernels_available() and gpu.hparams.ssm_state_size == 128
+    assert (gpu._engine.rows_stats["kernel_commits"] > 0) == kernels
     assert sum(r.stats.n_accepted for r in batch) > 0
     for k, (p, b) in enumerate(zip(prompts, batch)):
         alone = gpu.generate(p, max_tokens=64, temperature=0, logit_bias=BIAS).tokens

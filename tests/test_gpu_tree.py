@@ -9,12 +9,17 @@ on the CPU (test_tree_verify.py); greedy tree speculation may part from plain gr
 near-ties. The tests were seen to fail with DELTASPEC_TEST_TREE_BUG=sibling_visible (the first) and
 =no_compaction and =parent_state (the second and third) in a copy of this file run with
 device="cpu" for the "cuda" model (no GPU where they were written).
+
+Each runs on two tiny models: DeltaNet states of 32 (keep_path's commit then runs the rows ops in a
+graph) and of 128, the real models' size, where our CUDA kernels commit the path's states and conv
+windows (Engine::commit_states_cuda, tree_stats["kernel_commits"]); the keep_path test on the
+latter was seen to fail on the H200 with DELTASPEC_TEST_TREE_BUG=parent_state.
 """
 
 import numpy as np
 import pytest
 
-from deltaspec import Model
+from deltaspec import Model, _core
 from test_gpu import _cuda_available, assert_parts_only_at_near_tie
 
 TOL = 1e-2  # of the largest |logit|: TF32 products on CUDA (test_gpu.py)
@@ -27,14 +32,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason=
                                                    "of deltaspec (CPU-only build or no GPU)")]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+@pytest.fixture(scope="module", params=[32, 128], ids=["state32", "state128"])
+def models(tmp_path_factory, request):
     from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
 
-    path = write_tiny_vocab_model(tmp_path_factory.mktemp("gpu-tree") / "tiny.gguf", seed=0)
+    path = write_tiny_vocab_model(tmp_path_factory.mktemp("gpu-tree") / "tiny.gguf", seed=0, ssm_state=request.param)
     with Model(path, device="cuda", n_ctx=512) as gpu, Model(path, device="cpu", n_ctx=512, n_threads=4) as cpu:
         gpu._live().reserve_slots(16)
         yield gpu, cpu
+
+
+def _kernels_commit(model) -> bool:
+    """Whether our CUDA kernels commit this model's paths: they serve DeltaNet states of 128."""
+    return _core.cuda_kernels_available() and model.hparams.ssm_state_size == 128
 
 
 def _rel_err(a, b):
@@ -79,9 +89,13 @@ def test_cuda_tree_paths_match_chains_and_cpu(models, record_property):
 
 
 def test_cuda_keep_path_matches_plain_evaluation(models):
-    """After keep_path(an off-chain path) on CUDA the next logits equal plain evaluation's to TOL."""
+    """After keep_path(a path) on CUDA the next logits equal plain evaluation's to TOL: off the chain
+    (KV rows move), along it, and paths shorter than the conv window (3), whose window keeps part
+    of the committed one. With states of 128 our kernels committed every path."""
     gpu, _ = models
-    for path in (OFF_CHAIN, [0, 1, 2, 3, 4]):
+    paths = (OFF_CHAIN, [0, 1, 2, 3, 4], [0], [0, 5], [0, 1])
+    before = gpu._live().tree_stats["kernel_commits"]
+    for path in paths:
         _tree_logits(gpu)
         gpu._live().keep_path(np.array(path, np.int32))
         got = gpu.eval([99, 100], logits="all")
@@ -89,6 +103,7 @@ def test_cuda_keep_path_matches_plain_evaluation(models):
         want = gpu.logits(PREFIX + [TOKENS[i] for i in path] + [99, 100])[-2:]
         assert _rel_err(got, want) < TOL, f"path {path}"
     assert gpu._live().tree_stats["kv_rows_moved"] > 0
+    assert gpu._live().tree_stats["kernel_commits"] - before == (len(paths) if _kernels_commit(gpu) else 0)
 
 
 def test_cuda_tree_speculation_greedy(models, tmp_path):

@@ -21,6 +21,30 @@ struct deltaspec_copy {
 // jobs[0].dst is not device memory (nothing copied then); jobs must not overlap.
 bool deltaspec_cuda_copy_rows(const struct deltaspec_copy * jobs, int n_jobs);
 
+#define DELTASPEC_WINDOW_MAX 16  // the conv's window width (its kernel size - 1) served
+
+// One DeltaNet layer's conv windows of one slot (channel c's `width` inputs at windows + c * width,
+// oldest first) and the verify batch's conv inputs (row r's channel c at x[r * x_row + c]).
+struct deltaspec_window_layer {
+    const float * x;
+    float * windows;
+};
+
+// A slot's accepted path of n_rows rows, of which `last` holds the final min(n_rows, width), oldest
+// first: the window after it is the last `width` of (the window before it, then those rows' inputs).
+struct deltaspec_window_path {
+    int64_t channels, x_row;
+    int32_t width, n_rows;
+    int32_t last[DELTASPEC_WINDOW_MAX];
+};
+
+// Commits every path's windows: paths[p] rewrites layers[p * n_layers .. (p + 1) * n_layers - 1]
+// in place, on the device holding layers[0].windows, and waits; the caller must have synchronized
+// whatever wrote the inputs. Returns 1 when done; 0 when nothing was launched (a width outside 1 ..
+// DELTASPEC_WINDOW_MAX, host memory); -1 on a CUDA error after launching (windows partly rewritten).
+int deltaspec_cuda_commit_windows(const struct deltaspec_window_path * paths, int n_paths,
+                                   const struct deltaspec_window_layer * layers, int n_layers);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,6 +1,7 @@
 // The Gated DeltaNet recurrence of a verify batch (ggml_gated_delta_net over T > 1 tokens), and
 // the replay that rolls the live state forward by the first n of those tokens when the engine
-// keeps them (deltaspec_cuda_deltanet_replay, Engine::keep): the verify op itself does not
+// keeps them (deltaspec_cuda_deltanet_replay, Engine::keep), or by the rows of accepted tree paths
+// (deltaspec_cuda_deltanet_replay_paths, Engine::commit_paths): the verify op itself does not
 // write a state per token.
 //
 // ggml's kernel (gated_delta_net.cu) gives each warp one column of one head's state (a 128 x 128
@@ -88,25 +89,29 @@ struct ChunkShare {
 static_assert(kBlockThreads == kStateDim && kChunkTokens * kColumnsPerBlock == 2 * kBlockThreads,
               "ChunkShare's split of a chunk");
 
-__device__ __forceinline__ void fetch_chunk(ChunkShare & c, const Inputs & x, int64_t t0, int n, int first_block_col) {
+// GATHER: token t's inputs are those of row rows[t] (a path's rows, in shared memory).
+template <bool GATHER>
+__device__ __forceinline__ void fetch_chunk(ChunkShare & c, const Inputs & x, int64_t t0, int n, int first_block_col,
+                                            const int32_t * rows) {
     const int tid = threadIdx.y * 32 + threadIdx.x;
+    auto token = [&](int64_t t) -> int64_t { return GATHER ? (int64_t)rows[t] : t; };
 #pragma unroll
     for (int j = 0; j < kChunkTokens; ++j) {
         if (j < n) {
-            c.q[j] = x.q[(t0 + j) * x.qk_token + tid];
-            c.k[j] = x.k[(t0 + j) * x.qk_token + tid];
+            c.q[j] = x.q[token(t0 + j) * x.qk_token + tid];
+            c.k[j] = x.k[token(t0 + j) * x.qk_token + tid];
         }
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         const int i = tid + kBlockThreads * j;
         if (i < n * kColumnsPerBlock) {
-            c.v[j] = x.v[(t0 + i / kColumnsPerBlock) * x.v_token + first_block_col + i % kColumnsPerBlock];
+            c.v[j] = x.v[token(t0 + i / kColumnsPerBlock) * x.v_token + first_block_col + i % kColumnsPerBlock];
         }
     }
     if (tid < n) {
-        c.g = x.g[(t0 + tid) * x.gate_token];
-        c.beta = x.beta[(t0 + tid) * x.gate_token];
+        c.g = x.g[token(t0 + tid) * x.gate_token];
+        c.beta = x.beta[token(t0 + tid) * x.gate_token];
     }
 }
 
@@ -145,16 +150,17 @@ __device__ __forceinline__ void load_columns(float (&s)[kColumnsPerWarp][kRowsPe
 // of the block's staged columns) over n_tokens tokens, staged kChunkTokens at a time by the
 // whole block (every warp of it must call this). OUTPUT: also o[col] = (S^T q) * scale after
 // each token (token t's at o + t * o_token), and the state after the last K tokens (slot 0 =
-// after the last token, slot i = i tokens back; slot_stride floats apart).
-template <bool OUTPUT>
+// after the last token, slot i = i tokens back; slot_stride floats apart). GATHER: token t is
+// row rows[t] of the inputs.
+template <bool OUTPUT, bool GATHER = false>
 __device__ __forceinline__ void walk_tokens(float (&s)[kColumnsPerWarp][kRowsPerLane], const float * state,
                                             const Inputs & x, int64_t n_tokens, int first_block_col, int first_col,
                                             int lane, float * o, int64_t o_token, float scale, float * slots,
-                                            int64_t slot_stride, int K) {
+                                            int64_t slot_stride, int K, const int32_t * rows = nullptr) {
     __shared__ Staged st;
     const int my_col = first_col + reduced_column(lane), my_staged = my_col - first_block_col;
     ChunkShare next;
-    fetch_chunk(next, x, 0, (int)min((int64_t)kChunkTokens, n_tokens), first_block_col);
+    fetch_chunk<GATHER>(next, x, 0, (int)min((int64_t)kChunkTokens, n_tokens), first_block_col, rows);
     load_columns(s, state, first_col, lane);
     for (int64_t t0 = 0; t0 < n_tokens; t0 += kChunkTokens) {
         const int n = (int)min((int64_t)kChunkTokens, n_tokens - t0);
@@ -162,8 +168,8 @@ __device__ __forceinline__ void walk_tokens(float (&s)[kColumnsPerWarp][kRowsPer
         store_chunk(st, next, n);
         __syncthreads();
         if (t0 + kChunkTokens < n_tokens) {  // in flight during this chunk's tokens
-            fetch_chunk(next, x, t0 + kChunkTokens, (int)min((int64_t)kChunkTokens, n_tokens - t0 - kChunkTokens),
-                        first_block_col);
+            fetch_chunk<GATHER>(next, x, t0 + kChunkTokens,
+                                (int)min((int64_t)kChunkTokens, n_tokens - t0 - kChunkTokens), first_block_col, rows);
         }
         for (int i = 0; i < n; i++) {
             // every expression below is ggml's, in its order: the same bits (deltanet_columns.cuh's
@@ -237,15 +243,24 @@ deltanet_verify(const float * q, const float * k, const float * v, const float *
                       slots + (seq * H + head) * kStateSize, slot_stride, K);
 }
 
-// The replay: grid (H, layers, S_v / 16), block (32, 4); each layer's state rolled forward in place.
+// The replay: grid (H, layers, S_v / 16), block (32, 4); each layer's state rolled forward in place
+// over the first shape.n_tokens tokens or (PATH) over the rows of a path.
 constexpr int kReplayLayersPerLaunch = 64;  // by value in the kernel's parameters (64 x 48 bytes)
 
 struct ReplayLayers {
     deltaspec_deltanet_layer layer[kReplayLayersPerLaunch];
 };
 
+template <bool PATH>
 __global__ void __launch_bounds__(kBlockThreads)
-deltanet_replay(const ReplayLayers layers, const deltaspec_deltanet_replay shape) {
+deltanet_replay(const ReplayLayers layers, const deltaspec_deltanet_replay shape, const deltaspec_deltanet_path path) {
+    __shared__ int32_t rows[PATH ? DELTASPEC_DELTANET_PATH_MAX : 1];
+    int64_t n_tokens = shape.n_tokens;
+    if constexpr (PATH) {
+        for (int i = threadIdx.y * 32 + threadIdx.x; i < path.n_rows; i += kBlockThreads) rows[i] = path.rows[i];
+        __syncthreads();
+        n_tokens = path.n_rows;
+    }
     const deltaspec_deltanet_layer & l = layers.layer[blockIdx.y];
     const int64_t head = blockIdx.x;
     const int lane = threadIdx.x, first_block_col = blockIdx.z * kColumnsPerBlock;
@@ -255,13 +270,48 @@ deltanet_replay(const ReplayLayers layers, const deltaspec_deltanet_replay shape
                    shape.qk_token, shape.v_token, shape.gate_token};
     float * state = l.state + head * kStateDim * kStateDim;
     float s[kColumnsPerWarp][kRowsPerLane];
-    walk_tokens<false>(s, state, x, shape.n_tokens, first_block_col, first_col, lane, nullptr, 0, 0.0f, nullptr, 0,
-                       0);
+    walk_tokens<false, PATH>(s, state, x, n_tokens, first_block_col, first_col, lane, nullptr, 0, 0.0f, nullptr, 0, 0,
+                             rows);
 #pragma unroll
     for (int c = 0; c < kColumnsPerWarp; c++) {
 #pragma unroll
         for (int r = 0; r < kRowsPerLane; r++) state[(first_col + c) * kStateDim + r * 32 + lane] = s[c][r];
     }
+}
+
+// Launches the replay of each path (PATH) or of the first shape.n_tokens tokens (one "path", paths
+// null) over its n_layers layers, on our stream, and waits; the convention of
+// deltaspec_cuda_deltanet_replay's result.
+template <bool PATH>
+int replay(const deltaspec_deltanet_replay & shape, const deltaspec_deltanet_path * paths, int n_paths,
+           const deltaspec_deltanet_layer * layers, int n_layers) {
+    if (!g_on || shape.state_dim != kStateDim || shape.n_qk_heads < 1) return 0;
+    if (!PATH && shape.n_tokens < 1) return 0;
+    for (int p = 0; PATH && p < n_paths; ++p) {
+        if (paths[p].n_rows < 0 || paths[p].n_rows > DELTASPEC_DELTANET_PATH_MAX) return 0;
+    }
+    if (n_layers <= 0 || n_paths <= 0) return 1;
+    const int device = device_of(layers[0].state);
+    if (device < 0) return 0;
+    // the caller has synchronized the backend that wrote the inputs
+    return run_on_side_stream(device, [&](cudaStream_t stream) {
+        const deltaspec_deltanet_path none = {};
+        for (int p = 0; p < n_paths; ++p) {
+            const deltaspec_deltanet_path & path = PATH ? paths[p] : none;
+            if (PATH && path.n_rows == 0) continue;
+            const deltaspec_deltanet_layer * mine = layers + (int64_t)p * n_layers;
+            for (int first = 0; first < n_layers; first += kReplayLayersPerLaunch) {
+                const int n = std::min(kReplayLayersPerLaunch, n_layers - first);
+                ReplayLayers batch;
+                std::copy(mine + first, mine + first + n, batch.layer);
+                const dim3 grid((unsigned)shape.n_v_heads, (unsigned)n, kStateDim / kColumnsPerBlock);
+                deltanet_replay<PATH><<<grid, dim3(32, kWarpsPerBlock), 0, stream>>>(batch, shape, path);
+                ++g_launches;
+                if (cudaGetLastError() != cudaSuccess) return false;
+            }
+        }
+        return true;
+    }) ? 1 : -1;
 }
 
 bool serves(const ggml_tensor * dst) {
@@ -284,23 +334,13 @@ extern "C" __attribute__((visibility("default"))) int64_t deltaspec_cuda_deltane
 
 extern "C" __attribute__((visibility("default"))) int deltaspec_cuda_deltanet_replay(
     const deltaspec_deltanet_replay * shape, const deltaspec_deltanet_layer * layers, int n_layers) {
-    if (!g_on || shape->state_dim != kStateDim || shape->n_tokens < 1 || shape->n_qk_heads < 1) return 0;
-    if (n_layers <= 0) return 1;
-    const int device = device_of(layers[0].state);
-    if (device < 0) return 0;
-    // the caller has synchronized the backend that wrote the inputs
-    return run_on_side_stream(device, [&](cudaStream_t stream) {
-        for (int first = 0; first < n_layers; first += kReplayLayersPerLaunch) {
-            const int n = std::min(kReplayLayersPerLaunch, n_layers - first);
-            ReplayLayers batch;
-            std::copy(layers + first, layers + first + n, batch.layer);
-            const dim3 grid((unsigned)shape->n_v_heads, (unsigned)n, kStateDim / kColumnsPerBlock);
-            deltanet_replay<<<grid, dim3(32, kWarpsPerBlock), 0, stream>>>(batch, *shape);
-            ++g_launches;
-            if (cudaGetLastError() != cudaSuccess) return false;
-        }
-        return true;
-    }) ? 1 : -1;
+    return replay<false>(*shape, nullptr, 1, layers, n_layers);
+}
+
+extern "C" __attribute__((visibility("default"))) int deltaspec_cuda_deltanet_replay_paths(
+    const deltaspec_deltanet_replay * shape, const deltaspec_deltanet_path * paths, int n_paths,
+    const deltaspec_deltanet_layer * layers, int n_layers) {
+    return replay<true>(*shape, paths, n_paths, layers, n_layers);
 }
 
 void deltaspec_rows_cuda_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_tensor * dst);  // deltaspec_rows.cu

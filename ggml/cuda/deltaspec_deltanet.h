@@ -38,6 +38,25 @@ struct deltaspec_deltanet_replay {
 int deltaspec_cuda_deltanet_replay(const struct deltaspec_deltanet_replay * shape,
                                    const struct deltaspec_deltanet_layer * layers, int n_layers);
 
+// The longest accepted path deltaspec_cuda_deltanet_replay_paths takes (its rows travel in the
+// launch's parameters, beside the layers).
+#define DELTASPEC_DELTANET_PATH_MAX 128
+
+// The rows of one slot's accepted path in a verify batch of rows (a tree's root-to-leaf path, or a
+// chain's kept prefix), root first: row r's inputs are at r times the shape's token strides.
+struct deltaspec_deltanet_path {
+    int32_t n_rows;
+    int32_t rows[DELTASPEC_DELTANET_PATH_MAX];
+};
+
+// As deltaspec_cuda_deltanet_replay, for the rows of paths instead of the first n tokens:
+// paths[p] rolls layers[p * n_layers .. (p + 1) * n_layers - 1] forward (each path its slot's
+// states), all in one wait. shape->n_tokens is not read. Returns 0 without launching anything
+// when a path is longer than DELTASPEC_DELTANET_PATH_MAX (or as the other does).
+int deltaspec_cuda_deltanet_replay_paths(const struct deltaspec_deltanet_replay * shape,
+                                         const struct deltaspec_deltanet_path * paths, int n_paths,
+                                         const struct deltaspec_deltanet_layer * layers, int n_layers);
+
 #ifdef __cplusplus
 }
 #endif
