@@ -68,18 +68,17 @@ bool Engine::commit_states_cuda(const std::vector<std::vector<int32_t>> & paths)
         const int64_t slot = pend.first_slot + (int64_t)i;
         deltaspec_window_path wp = {};
         wp.channels = C;
-        wp.x_row = vs.conv_x[layers[0]]->nb[1] / f;
         wp.width = (int32_t)W;
         wp.n_rows = (int32_t)n;
         const int64_t kept = std::min(n, W);
         std::copy(path.end() - kept, path.end(), wp.last);
         window_paths.push_back(wp);
         for (int il : layers) {
-            if (vs.conv_x[il]->nb[1] / f != wp.x_row) return false;
             state_layers.push_back({(const float *)vs.q[il]->data, (const float *)vs.k[il]->data,
                                     (const float *)vs.v[il]->data, (const float *)vs.g[il]->data,
                                     (const float *)vs.beta[il]->data, (float *)pool_.ssm[il]->data + slot * S * S * H});
-            window_layers.push_back({(const float *)vs.conv_x[il]->data, (float *)pool_.conv[il]->data + slot * C * W});
+            window_layers.push_back({(const float *)vs.conv_x[il]->data, (float *)pool_.conv[il]->data + slot * C * W,
+                                     (int64_t)(vs.conv_x[il]->nb[1] / f)});
         }
     }
     if (state_paths.empty()) return true;  // no slot keeps a row: nothing changes

@@ -69,7 +69,7 @@ extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_copy_rows(
 
 namespace {
 
-constexpr int kWindowLayersPerLaunch = 64;  // by value in the kernel's parameters (64 x 16 bytes)
+constexpr int kWindowLayersPerLaunch = 64;  // by value in the kernel's parameters (64 x 24 bytes)
 
 struct WindowLayers {
     deltaspec_window_layer layer[kWindowLayersPerLaunch];
@@ -86,7 +86,7 @@ __global__ void commit_windows(const WindowLayers layers, const deltaspec_window
     float next[DELTASPEC_WINDOW_MAX];
     for (int j = 0; j < W; ++j) {
         const int i = n + j;  // position in (old window, path inputs)
-        next[j] = i < W ? window[i] : l.x[(int64_t)path.last[j - W + kept] * path.x_row + ch];
+        next[j] = i < W ? window[i] : l.x[(int64_t)path.last[j - W + kept] * l.x_row + ch];
     }
     for (int j = 0; j < W; ++j) window[j] = next[j];
 }

@@ -24,16 +24,18 @@ bool deltaspec_cuda_copy_rows(const struct deltaspec_copy * jobs, int n_jobs);
 #define DELTASPEC_WINDOW_MAX 16  // the conv's window width (its kernel size - 1) served
 
 // One DeltaNet layer's conv windows of one slot (channel c's `width` inputs at windows + c * width,
-// oldest first) and the verify batch's conv inputs (row r's channel c at x[r * x_row + c]).
+// oldest first) and the verify batch's conv inputs (row r's channel c at x[r * x_row + c]; a layer
+// whose input projection is stacked with others reads a view of wider rows).
 struct deltaspec_window_layer {
     const float * x;
     float * windows;
+    int64_t x_row;
 };
 
 // A slot's accepted path of n_rows rows, of which `last` holds the final min(n_rows, width), oldest
 // first: the window after it is the last `width` of (the window before it, then those rows' inputs).
 struct deltaspec_window_path {
-    int64_t channels, x_row;
+    int64_t channels;
     int32_t width, n_rows;
     int32_t last[DELTASPEC_WINDOW_MAX];
 };
