@@ -22,7 +22,7 @@ from .grammar import Grammar, grammar_of
 from .qwen35 import check_tensors, read_hparams
 from .devices import device_kind, parse_layer_split
 from .kv_cache import allocated_state, engine_cache_args, validate_cache_types
-from .prediction import predicted_speculation
+from .prediction import predicted_speculation, prediction_ids
 from .sampling import SamplingOptions
 from .tokenizer import Tokenizer
 
@@ -415,8 +415,10 @@ class Model:
         if unknown:
             raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
         o = {**_GENERATE_DEFAULTS, **options}
-        if o["spec_type"] not in (None, "ngram-simple", "draft-simple") or \
-                (o["draft_model"] is not None and o["tree_budget"] != 0):
+        # a (non-empty) prediction drafts by lookup in place of any other drafter (deltaspec.prediction)
+        predicted = prediction_ids(self, prediction, where) if prediction is not None else []
+        if not predicted and (o["spec_type"] not in (None, "ngram-simple", "draft-simple") or
+                              (o["draft_model"] is not None and o["tree_budget"] != 0)):
             raise BatchSpeculationError(f"{where}(): of the speculative decoders prompt lookup (spec_type "
                                         "'ngram-simple', chains or trees) and a draft model (chains) run for concurrent "
                                         "sequences yet; call generate() per prompt to speculate with the MTP head, "
@@ -430,11 +432,12 @@ class Model:
                                    seed=self._default_seed if o["seed"] is None else o["seed"],
                                    logit_bias=self._logit_bias(o["logit_bias"], o["ignore_eos"]))
         request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
+        # the drafter's arguments are checked even where a prediction replaces it
         request.speculation = self._speculation(o["spec_type"], o["draft_model"], o["draft_n_max"], o["draft_n_min"],
                                                 o["tree_budget"])
-        if prediction is not None:
-            request.speculation = predicted_speculation(self, prediction, request.speculation, o["draft_n_max"],
-                                                        o["draft_n_min"], where)
+        if predicted:
+            request.speculation = predicted_speculation(self, predicted, request.speculation, o["draft_n_max"],
+                                                        o["draft_n_min"])
         request.grammar = grammar_of(o["grammar"])
         if request.grammar is not None and o["tree_budget"]:
             raise ValueError("tree_budget (draft trees) cannot be combined with a grammar yet; use chains "

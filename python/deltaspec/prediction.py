@@ -8,8 +8,10 @@ pass verifies them. Drafts never change the output (greedy: the same tokens; sam
 distribution), so a wrong prediction costs verify rows, never quality.
 
 A request with a prediction drafts by lookup whatever drafter it was given otherwise (a draft
-model's guesses are worth less than text the caller knows), with its draft_n_max / draft_n_min;
-an n-gram request keeps its tree_budget. Only the scheduler reads the reference: generate() has no
+model's, the MTP head's or a DFlash drafter's guesses are worth less than text the caller knows),
+with its draft_n_max / draft_n_min; an n-gram request keeps its tree_budget. So spec_type "mtp" or
+"dflash", which concurrent sequences do not run yet, is accepted beside a prediction (an empty
+prediction is none: the request then speculates as it says, or is refused). Only the scheduler reads the reference: generate() has no
 `prediction`.
 """
 
@@ -41,13 +43,12 @@ def prediction_ids(model, prediction: str | Sequence[int], where: str) -> list[i
     return ids
 
 
-def predicted_speculation(model, prediction, speculation: Speculation | None, n_max: int, n_min: int,
-                          where: str) -> Speculation | None:
-    """The request's speculation once its prediction is known: prompt lookup that also searches the
-    prediction (unchanged when the prediction is empty)."""
-    ids = prediction_ids(model, prediction, where)
+def predicted_speculation(model, ids: Sequence[int], speculation: Speculation | None, n_max: int,
+                          n_min: int) -> Speculation | None:
+    """The request's speculation given its prediction's ids (prediction_ids): prompt lookup that
+    also searches them (unchanged when there are none)."""
     if not ids:
         return speculation
-    if speculation is None or speculation.draft is not None:  # lookup, with the draft bounds checked
+    if speculation is None or speculation.draft is not None or speculation.mtp:  # lookup instead
         speculation = model._speculation("ngram-simple", None, n_max, n_min)
     return dataclasses.replace(speculation, reference=tuple(ids))
