@@ -116,9 +116,10 @@ Engine::Committed Engine::commit_paths(const std::vector<std::vector<int32_t>> &
     for (std::vector<int32_t> & path : state_paths) {
         if (bugs.parent_state && path.size() > 1) path.pop_back();
     }
-    done.states_by_kernels = commit_states_cuda(state_paths);
-    const bool rows_ops = !done.states_by_kernels &&
-                          std::any_of(vs.q.begin(), vs.q.end(), [](const ggml_tensor * q) { return q != nullptr; });
+    const bool states_change = std::any_of(vs.q.begin(), vs.q.end(), [](const ggml_tensor * q) { return q != nullptr; }) &&
+                               std::any_of(paths.begin(), paths.end(), [](const std::vector<int32_t> & p) { return !p.empty(); });
+    done.states_by_kernels = states_change && commit_states_cuda(state_paths);
+    const bool rows_ops = states_change && !done.states_by_kernels;
     if (!rows_ops && moves.empty() && n_taps == 0) {
         for (int64_t i = 0; i < N; ++i) pool_.slots[pend.first_slot + i].n_past += (int64_t)paths[i].size();
         pend.active = false;

@@ -81,7 +81,7 @@ bool Engine::commit_states_cuda(const std::vector<std::vector<int32_t>> & paths)
                                      (int64_t)(vs.conv_x[il]->nb[1] / f)});
         }
     }
-    if (state_paths.empty()) return true;  // no slot keeps a row: nothing changes
+    if (state_paths.empty()) return false;  // no slot keeps a row: nothing for the kernels
 
     ggml_backend_synchronize(backend_);  // the verify pass wrote the inputs; ours run on a stream of their own
     // the states first: their launch declines before touching anything (kernels off, a state size it
