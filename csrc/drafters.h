@@ -39,8 +39,6 @@ class Drafter {
     // then asks for trees as deep as the room allows (draft_n_max), the budget alone bounding the
     // verify, as DDTree does; otherwise no deeper than the adaptive draft length.
     virtual bool tree_depth_is_free() const { return false; }
-    // The target accepted the first n_accepted drafted tokens and appended `bonus`.
-    virtual void accept(const std::vector<int32_t> & committed_after) {}
 };
 
 // Prompt lookup: the longest suffix (up to max_ngram tokens) of the committed text that occurred

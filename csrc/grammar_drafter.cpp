@@ -25,8 +25,4 @@ DraftTree GrammarDrafter::propose_tree(const std::vector<int32_t> & committed, i
     return chain_tree(forced);  // deterministic and free, as propose()'s
 }
 
-void GrammarDrafter::accept(const std::vector<int32_t> & committed_after) {
-    if (inner_) inner_->accept(committed_after);
-}
-
 }  // namespace deltaspec

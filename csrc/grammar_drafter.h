@@ -22,7 +22,6 @@ class GrammarDrafter : public Drafter {
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
     // forced tokens as a chain; otherwise the inner drafter's tree
     DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
-    void accept(const std::vector<int32_t> & committed_after) override;
 
   private:
     TokenConstraint & constraint_;
