@@ -65,26 +65,6 @@ Engine::Committed Engine::commit_paths(const std::vector<std::vector<int32_t>> &
     const int64_t N = pend.n_slots, T = N * pend.tq;
     if (!pend.active || (int64_t)paths.size() != N) throw std::logic_error("commit_paths: no pending batch of these slots");
 
-    // the rows ops' plan: the paths' rows in their slots, every other row skipped, each leaf written back
-    std::vector<int32_t> slot(T, -1), flags(T, 0);
-    for (int64_t i = 0; i < N; ++i) {
-        const std::vector<int32_t> & path = paths[i];
-        const int64_t n = (int64_t)path.size();
-        for (int32_t t : path) slot[t] = (int32_t)(pend.first_slot + i);
-        if (n == 0) continue;
-        int64_t leaf = n - 1;
-        if (bugs.parent_state && n > 1) {  // the state after the leaf's parent
-            slot[path[n - 1]] = -1;
-            leaf = n - 2;
-        }
-        flags[path[leaf]] = DELTASPEC_ROW_WRITE_BACK;
-    }
-    std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS);
-    char err[256];
-    const int64_t n_saved = deltaspec_rows_plan(T, pend.parent.data(), slot.data(), flags.data(), pool_.n_seq, plan.data(),
-                                                err, sizeof(err));
-    if (n_saved < 0) throw std::logic_error(std::string("commit_paths: ") + err);
-
     // KV moves: slot i's row p0 + local(path[d]) -> p0 + d, in runs that move by the same distance
     struct Move { int64_t slot, from, to, n; };
     std::vector<Move> moves;
@@ -109,7 +89,8 @@ Engine::Committed Engine::commit_paths(const std::vector<std::vector<int32_t>> &
         throw std::logic_error("commit_paths: taps are gathered for one slot's 1 to " + std::to_string(T) + " rows");
     }
 
-    // the recurrent states by our kernels where they serve (the plan's leaves, as the rows ops would)
+    // each slot's recurrent state after its path's leaf (planted: after the leaf's parent), by our
+    // kernels where they serve, else by the rows ops in the graph below
     Committed done;
     done.kv_rows_moved = n_moved;
     std::vector<std::vector<int32_t>> state_paths = paths;
@@ -120,6 +101,22 @@ Engine::Committed Engine::commit_paths(const std::vector<std::vector<int32_t>> &
                                std::any_of(paths.begin(), paths.end(), [](const std::vector<int32_t> & p) { return !p.empty(); });
     done.states_by_kernels = states_change && commit_states_cuda(state_paths);
     const bool rows_ops = states_change && !done.states_by_kernels;
+
+    // the rows ops' plan: the state paths' rows in their slots, every other row skipped, each leaf
+    // written back (zeros when no rows op reads it: the input keeps its layout for the taps' rows)
+    std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS, 0);
+    int64_t n_saved = 0;
+    if (rows_ops) {
+        std::vector<int32_t> slot(T, -1), flags(T, 0);
+        for (int64_t i = 0; i < N; ++i) {
+            for (int32_t t : state_paths[i]) slot[t] = (int32_t)(pend.first_slot + i);
+            if (!state_paths[i].empty()) flags[state_paths[i].back()] = DELTASPEC_ROW_WRITE_BACK;
+        }
+        char err[256];
+        n_saved = deltaspec_rows_plan(T, pend.parent.data(), slot.data(), flags.data(), pool_.n_seq, plan.data(), err,
+                                      sizeof(err));
+        if (n_saved < 0) throw std::logic_error(std::string("commit_paths: ") + err);
+    }
     if (!rows_ops && moves.empty() && n_taps == 0) {
         for (int64_t i = 0; i < N; ++i) pool_.slots[pend.first_slot + i].n_past += (int64_t)paths[i].size();
         pend.active = false;

@@ -9,7 +9,6 @@
 // The arithmetic is the rows ops' (both run deltanet_columns.cuh's token step in ggml's order), so
 // the state is the one the verify pass's rows went through.
 #include <algorithm>
-#include <cstring>
 #include <stdexcept>
 #include <vector>
 
@@ -27,26 +26,19 @@ bool Engine::commit_states_cuda(const std::vector<std::vector<int32_t>> & paths)
     const int64_t C = hp_.conv_channels(), W = hp_.ssm_conv_kernel - 1;
     if (W < 1 || W > DELTASPEC_WINDOW_MAX) return false;
 
-    // every recurrent layer's inputs as the verify graph left them, checked once
+    // every recurrent layer's pools and conv inputs, checked once (the recurrence's inputs are
+    // checked as they are added below, before anything is launched)
     std::vector<int> layers;
-    deltaspec_deltanet_replay shape = {};
     for (int il = 0; il < hp_.n_layer; ++il) {
         if (!vs.q[il]) continue;
-        const ggml_tensor *q = vs.q[il], *k = vs.k[il], *v = vs.v[il], *g = vs.g[il], *beta = vs.beta[il];
         const ggml_tensor *x = vs.conv_x[il], *ssm = pool_.ssm[il], *conv = pool_.conv[il];
-        for (const ggml_tensor * t : {q, k, v, g, beta, x, ssm, conv}) {
+        for (const ggml_tensor * t : {x, ssm, conv}) {
             if (t == nullptr || t->type != GGML_TYPE_F32 || t->nb[0] != f || t->data == nullptr) return false;
         }
-        if (!ggml_are_same_stride(q, k) || !ggml_are_same_stride(g, beta) || !ggml_is_contiguous(ssm) ||
-            !ggml_is_contiguous(conv) || ggml_nelements(ssm) != S * S * H * pool_.n_seq ||
+        if (!ggml_is_contiguous(ssm) || !ggml_is_contiguous(conv) || ggml_nelements(ssm) != S * S * H * pool_.n_seq ||
             ggml_nelements(conv) != W * C * pool_.n_seq || x->ne[0] != C) {
             return false;
         }
-        const deltaspec_deltanet_replay here = {H, q->ne[1], S, 0, q->nb[1] / f, q->nb[2] / f, v->nb[1] / f,
-                                                v->nb[2] / f, g->nb[1] / f, g->nb[2] / f};
-        // one set of strides for all layers (the kernel takes one): the graph gives every layer the same
-        if (!layers.empty() && std::memcmp(&here, &shape, sizeof(shape)) != 0) return false;
-        shape = here;
         layers.push_back(il);
     }
     if (layers.empty()) return false;  // no recurrent layer: nothing for the kernels
@@ -54,6 +46,7 @@ bool Engine::commit_states_cuda(const std::vector<std::vector<int32_t>> & paths)
     // per slot with a path: its rows, its states' and windows' places in the pools
     std::vector<deltaspec_deltanet_path> state_paths;
     std::vector<deltaspec_window_path> window_paths;
+    deltaspec_deltanet_replay shape = {};
     std::vector<deltaspec_deltanet_layer> state_layers;
     std::vector<deltaspec_window_layer> window_layers;
     for (size_t i = 0; i < paths.size(); ++i) {
@@ -74,9 +67,10 @@ bool Engine::commit_states_cuda(const std::vector<std::vector<int32_t>> & paths)
         std::copy(path.end() - kept, path.end(), wp.last);
         window_paths.push_back(wp);
         for (int il : layers) {
-            state_layers.push_back({(const float *)vs.q[il]->data, (const float *)vs.k[il]->data,
-                                    (const float *)vs.v[il]->data, (const float *)vs.g[il]->data,
-                                    (const float *)vs.beta[il]->data, (float *)pool_.ssm[il]->data + slot * S * S * H});
+            if (!add_deltanet_replay_layer(vs.q[il], vs.k[il], vs.v[il], vs.g[il], vs.beta[il],
+                                           (float *)pool_.ssm[il]->data + slot * S * S * H, shape, state_layers)) {
+                return false;
+            }
             window_layers.push_back({(const float *)vs.conv_x[il]->data, (float *)pool_.conv[il]->data + slot * C * W,
                                      (int64_t)(vs.conv_x[il]->nb[1] / f)});
         }

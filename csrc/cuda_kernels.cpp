@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
@@ -84,6 +85,24 @@ bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape,
     const int done = deltaspec_cuda_deltanet_replay(&shape, layers.data(), (int)layers.size());
     if (done < 0) throw std::runtime_error("replaying the DeltaNet states on the GPU failed (a CUDA error)");
     return done == 1;
+}
+
+bool add_deltanet_replay_layer(const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v,
+                               const ggml_tensor * g, const ggml_tensor * beta, float * state,
+                               deltaspec_deltanet_replay & shape, std::vector<deltaspec_deltanet_layer> & layers) {
+    const int64_t f = sizeof(float);
+    for (const ggml_tensor * t : {q, k, v, g, beta}) {
+        if (t->type != GGML_TYPE_F32 || t->nb[0] != f) return false;
+    }
+    if (!ggml_are_same_stride(q, k) || !ggml_are_same_stride(g, beta)) return false;
+    const deltaspec_deltanet_replay here = {v->ne[1], q->ne[1], v->ne[0], shape.n_tokens, (int64_t)(q->nb[1] / f),
+                                            (int64_t)(q->nb[2] / f), (int64_t)(v->nb[1] / f), (int64_t)(v->nb[2] / f),
+                                            (int64_t)(g->nb[1] / f), (int64_t)(g->nb[2] / f)};
+    if (!layers.empty() && std::memcmp(&here, &shape, sizeof(shape)) != 0) return false;
+    shape = here;
+    layers.push_back({(const float *)q->data, (const float *)k->data, (const float *)v->data, (const float *)g->data,
+                      (const float *)beta->data, state});
+    return true;
 }
 
 bool cuda_deltanet_replay_paths(const deltaspec_deltanet_replay & shape,

@@ -43,6 +43,14 @@ bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *>
 bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape,
                           const std::vector<deltaspec_deltanet_layer> & layers);
 
+// Appends one DeltaNet layer's replay inputs (the verify graph's q, k, v, g, beta, and the state the
+// replay rolls forward) to `layers`, its strides to `shape` (n_tokens untouched); false when the
+// kernels do not take them: not f32 rows, q/k or g/beta strides apart, or strides other than
+// those of the layers already there (one launch takes one set).
+bool add_deltanet_replay_layer(const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v,
+                               const ggml_tensor * g, const ggml_tensor * beta, float * state,
+                               deltaspec_deltanet_replay & shape, std::vector<deltaspec_deltanet_layer> & layers);
+
 // The same for the rows of accepted paths (deltaspec_cuda_deltanet_replay_paths): paths[p] over
 // layers[p * n_layers ..], n_layers = layers.size() / paths.size().
 bool cuda_deltanet_replay_paths(const deltaspec_deltanet_replay & shape,

@@ -77,22 +77,17 @@ bool Engine::copy_last_states_cuda() {
 
 bool Engine::replay_deltanet_cuda(int64_t n) {
     const VerifyStates & vs = step_.verify;
-    const int64_t f = sizeof(float);
     std::vector<deltaspec_deltanet_layer> layers;
     deltaspec_deltanet_replay shape = {};
+    shape.n_tokens = n;
     for (int il = 0; il < hp_.n_layer; ++il) {
         if (!vs.q[il]) continue;
-        const ggml_tensor *q = vs.q[il], *k = vs.k[il], *v = vs.v[il], *g = vs.g[il], *beta = vs.beta[il];
-        const ggml_tensor * ssm = seq().ssm[il];
-        for (const ggml_tensor * t : {q, k, v, g, beta, ssm}) {
-            if (t->type != GGML_TYPE_F32 || t->nb[0] != f) return false;
+        ggml_tensor * ssm = seq().ssm[il];
+        if (ssm->type != GGML_TYPE_F32 || !ggml_is_contiguous(ssm) ||
+            !add_deltanet_replay_layer(vs.q[il], vs.k[il], vs.v[il], vs.g[il], vs.beta[il], (float *)ssm->data, shape,
+                                       layers)) {
+            return false;
         }
-        if (!ggml_are_same_stride(q, k) || !ggml_are_same_stride(g, beta) || !ggml_is_contiguous(ssm)) return false;
-        // the strides are the graph's, the same in every layer (the kernel takes one set)
-        shape = {v->ne[1], q->ne[1], v->ne[0], n, q->nb[1] / f, q->nb[2] / f, v->nb[1] / f, v->nb[2] / f,
-                 g->nb[1] / f, g->nb[2] / f};
-        layers.push_back({(const float *)q->data, (const float *)k->data, (const float *)v->data,
-                          (const float *)g->data, (const float *)beta->data, (float *)ssm->data});
     }
     return cuda_deltanet_replay(shape, layers);
 }

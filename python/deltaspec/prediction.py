@@ -45,10 +45,8 @@ def prediction_ids(model, prediction: str | Sequence[int], where: str) -> list[i
 
 def predicted_speculation(model, ids: Sequence[int], speculation: Speculation | None, n_max: int,
                           n_min: int) -> Speculation | None:
-    """The request's speculation given its prediction's ids (prediction_ids): prompt lookup that
-    also searches them (unchanged when there are none)."""
-    if not ids:
-        return speculation
+    """The request's speculation given its prediction's ids (prediction_ids, not empty): prompt
+    lookup that also searches them."""
     if speculation is None or speculation.draft is not None or speculation.mtp:  # lookup instead
         speculation = model._speculation("ngram-simple", None, n_max, n_min)
     return dataclasses.replace(speculation, reference=tuple(ids))
