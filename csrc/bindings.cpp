@@ -128,6 +128,11 @@ py::dict generate_py(Runner & r, std::vector<int32_t> prompt, int32_t max_tokens
     return result_dict(res);
 }
 
+// One DFlash block pass in target decode steps: it reads the drafter's weights and the target's LM head.
+double dflash_pass_cost(const DFlashModel & dm, const Engine & target) {
+    return (double)(dm.weight_bytes() + ggml_nbytes(target.weights().output)) / (double)target.step_weight_bytes();
+}
+
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
                           std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
@@ -154,12 +159,9 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
         MtpDrafter * mtp_drafter = nullptr;  // owned by `drafter` (maybe inside a GrammarDrafter)
         if (dm) {
             if (&dm->target() != r.engine.get()) throw std::invalid_argument("the DFlash drafter belongs to another target");
-            // a pass reads the drafter's weights and the target's LM head
-            const double pass_cost = (double)(dm->weight_bytes() + ggml_nbytes(r.engine->weights().output)) /
-                                     (double)r.engine->step_weight_bytes();
             SamplingParams ds = sampling;
             ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the tree's draws must not mirror the target's
-            drafter = std::make_unique<DFlashDrafter>(*dm, *r.engine, pass_cost, ds);
+            drafter = std::make_unique<DFlashDrafter>(*dm, *r.engine, dflash_pass_cost(*dm, *r.engine), ds);
         } else if (mtp) {
             SamplingParams ds = sampling;
             ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
@@ -200,9 +202,9 @@ SeqSpec seq_spec_of(const py::object & spec) {
     SeqSpec out;
     if (spec.is_none()) return out;
     auto t = spec.cast<py::tuple>();
-    if (t.size() < 3 || t.size() > 6) {
+    if (t.size() < 3 || t.size() > 7) {
         throw std::invalid_argument("speculation: (draft_n_max, draft_n_min, ngram_max[, reference[, tree_budget[, "
-                                    "draft_model]]])");
+                                    "draft_model[, dflash]]]])");
     }
     out.n_max = t[0].cast<int64_t>();
     out.n_min = t[1].cast<int64_t>();
@@ -210,6 +212,7 @@ SeqSpec seq_spec_of(const py::object & spec) {
     if (t.size() > 3) out.reference = t[3].cast<std::vector<int32_t>>();
     if (t.size() > 4) out.tree_budget = t[4].cast<int64_t>();
     if (t.size() > 5) out.draft_model = t[5].cast<bool>();
+    if (t.size() > 6) out.dflash = t[6].cast<bool>();
     if (out.n_max < 1) throw std::invalid_argument("speculation: draft_n_max must be >= 1");
     return out;
 }
@@ -245,7 +248,16 @@ void set_draft(Scheduler & scheduler, Runner & r, Runner * draft) {
     scheduler.set_draft_model(*draft->engine, step_cost);
 }
 
-py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids, Runner * draft) {
+// The DFlash drafter a Python argument names (None: none).
+DFlashModel * dflash_of(const py::object & dflash) { return dflash.is_none() ? nullptr : &dflash.cast<DFlashModel &>(); }
+
+// The scheduler's DFlash drafter (requests with SeqSpec::dflash), if any.
+void set_dflash(Scheduler & scheduler, Runner & r, DFlashModel * dm) {
+    if (dm) scheduler.set_dflash(*dm, dflash_pass_cost(*dm, *r.engine));
+}
+
+py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids, Runner * draft,
+                           py::object dflash) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate_batch()");
     std::vector<GenerateRequest> reqs;
     std::vector<SeqSpec> specs;
@@ -257,6 +269,7 @@ py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> e
         specs.push_back(t.size() > 5 ? seq_spec_of(t[5]) : SeqSpec{});
     }
     r.single();  // no step()-driven requests in the slots
+    DFlashModel * dm = dflash_of(dflash);
     std::vector<GenerateResult> results;
     std::vector<SpecStats> stats;
     {
@@ -265,6 +278,7 @@ py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> e
         scheduler.set_prefill_rows(r.prefill_rows);
         if (draft) draft->single();  // its slots are the scheduler's now
         set_draft(scheduler, r, draft);
+        set_dflash(scheduler, r, dm);
         results = scheduler.run(reqs, r.cancel, specs, &stats);
         r.batch_spec = scheduler.spec_stats();
     }
@@ -734,10 +748,11 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_past", [](const Runner & r) { return r.engine->slot_n_past(0); })
         .def_property_readonly("n_seq_max", [](const Runner & r) { return r.engine->n_seq_max(); })
         .def("generate_batch", &generate_batch_py, py::arg("requests"), py::arg("eog_ids"), py::arg("draft") = nullptr,
+             py::arg("dflash") = py::none(),
              "Run (prompt, max_tokens, sampling, stop) requests concurrently to the end; result dicts in order.")
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
                                std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint,
-                               py::object speculation, Runner * draft) {
+                               py::object speculation, Runner * draft, py::object dflash) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
                  if (!r.scheduler) {
                      r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces, /*keep_histories=*/true);
@@ -748,6 +763,8 @@ PYBIND11_MODULE(_core, m) {
                      draft->single();
                      set_draft(*r.scheduler, r, draft);
                  }
+                 DFlashModel * dm = dflash_of(dflash);
+                 if (dm && r.scheduler->dflash_model() != dm) set_dflash(*r.scheduler, r, dm);
                  GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
                  req.constraint = constraint_of(constraint);
                  const int64_t id = r.scheduler->add_request(req, {}, seq_spec_of(speculation));
@@ -755,8 +772,9 @@ PYBIND11_MODULE(_core, m) {
                  return id;
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
              py::arg("constraint") = py::none(), py::arg("speculation") = py::none(), py::arg("draft") = nullptr,
+             py::arg("dflash") = py::none(),
              "Queue a request for step(); returns its id. speculation: None or (draft_n_max, draft_n_min, "
-             "ngram_max[, reference token ids[, tree_budget]]): prompt lookup drafts (trees of up to tree_budget nodes when > 0) (searching the reference text, then the "
+             "ngram_max[, reference token ids[, tree_budget[, draft_model[, dflash]]]]): prompt lookup drafts (trees of up to tree_budget nodes when > 0) (searching the reference text, then the "
              "request's own) verified with the other requests' rows in one pass.")
         .def_property_readonly("batch_spec_stats", [](const Runner & r) {
                  return batch_spec_dict(r.scheduler ? r.scheduler->spec_stats() : r.batch_spec);

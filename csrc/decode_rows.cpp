@@ -96,6 +96,9 @@ void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
     set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
 
     compute(g);
+    std::vector<TapRun> taps(N);  // row i is slot first + i's next position
+    for (int64_t i = 0; i < N; ++i) taps[i] = {rows.slot[i], rows.pos[i], i, 1};
+    append_tap_runs(taps);
     for (int64_t i = 0; i < N; ++i) pool_.slots[rows.slot[i]].n_past += 1;
     decode_stats_.calls += 1;
     decode_stats_.rows += N;

@@ -30,14 +30,17 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
 
     using F32 = py::array_t<float, py::array::c_style | py::array::forcecast>;
     py::class_<DFlashModel>(m, "DFlash")
-        .def(py::init([engine_of](const std::string & path, const DFlashHParams & hp, py::object target, int64_t n_ctx) {
+        .def(py::init([engine_of](const std::string & path, const DFlashHParams & hp, py::object target, int64_t n_ctx,
+                                  int64_t n_slots) {
                  Engine & e = engine_of(target);
                  py::gil_scoped_release release;
-                 return std::make_unique<DFlashModel>(path, hp, e, n_ctx);
+                 return std::make_unique<DFlashModel>(path, hp, e, n_ctx, n_slots);
              }),
-             py::arg("path"), py::arg("hparams"), py::arg("target"), py::arg("n_ctx"),
+             py::arg("path"), py::arg("hparams"), py::arg("target"), py::arg("n_ctx"), py::arg("n_slots") = 1,
              py::keep_alive<1, 4>(),  // the target's weights and device serve the drafter
-             "A DFlash drafter on the target engine's device, borrowing its embedding and LM head.")
+             "A DFlash drafter on the target engine's device, borrowing its embedding and LM head; its "
+             "context in n_slots sequence slots (the methods here use slot 0, generate()'s; the others are "
+             "generate_batch's and add_request's sequences', allocated when first used).")
         .def("inject", [](DFlashModel & d, F32 features, int64_t pos0) {
                  if (features.ndim() != 2 || features.shape(1) != d.n_feat()) {
                      throw std::invalid_argument("features must have shape (rows, " + std::to_string(d.n_feat()) + ")");
@@ -45,6 +48,7 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                  const float * p = features.data();
                  const int64_t n = features.shape(0);
                  py::gil_scoped_release release;
+                 d.use_slot(0);
                  d.inject(p, n, pos0);
              }, py::arg("features"), py::arg("pos0"),
              "Target features (rows, len(target_layers) * n_embd) of positions pos0.. become context rows.")
@@ -53,6 +57,7 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                  float * p = out.mutable_data();
                  {
                      py::gil_scoped_release release;
+                     d.use_slot(0);
                      d.block(anchor, p, nullptr);
                  }
                  return out;
@@ -61,6 +66,7 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                  std::vector<int32_t> out(d.hparams().block_size - 1);
                  {
                      py::gil_scoped_release release;
+                     d.use_slot(0);
                      d.block(anchor, nullptr, out.data());
                  }
                  return out;
@@ -70,6 +76,7 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                  const int64_t n = ids.shape(0);
                  py::gil_scoped_release release;
                  Engine & t = d.target();
+                 d.use_slot(0);
                  t.reset();
                  t.set_taps(dflash_taps(d.hparams()));
                  try {
@@ -114,8 +121,12 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
              py::arg("seed") = 0,
              "The DDTree tree the speculative loop would verify after ids (the target reads all but the "
              "last, the anchor): DFlashDrafter::propose_tree, greedy (temperature <= 0) or sampled.")
-        .def("truncate", &DFlashModel::truncate, py::arg("n"), "Forget context rows at positions >= n.")
-        .def_property_readonly("n_cached", &DFlashModel::n_cached)
+        .def("truncate", [](DFlashModel & d, int64_t n) {
+                 d.use_slot(0);
+                 d.truncate(n);
+             }, py::arg("n"), "Forget context rows at positions >= n.")
+        .def_property_readonly("n_cached", [](const DFlashModel & d) { return d.n_cached_of(0); })
+        .def_property_readonly("n_slots", &DFlashModel::n_slots)
         .def_property_readonly("n_feat", &DFlashModel::n_feat)
         .def_property_readonly("weight_bytes", &DFlashModel::weight_bytes);
 }

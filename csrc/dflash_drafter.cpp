@@ -15,12 +15,15 @@ std::vector<int> dflash_taps(const DFlashHParams & hp) {
     return taps;
 }
 
-DFlashDrafter::DFlashDrafter(DFlashModel & model, Engine & target, double pass_cost, const SamplingParams & sampling)
-    : model_(model), target_(target), pass_cost_(pass_cost), sampler_(sampling), top1_(model.hparams().block_size - 1) {
-    target_.set_taps(dflash_taps(model.hparams()));
+DFlashDrafter::DFlashDrafter(DFlashModel & model, Engine & target, double pass_cost, const SamplingParams & sampling,
+                             int64_t slot)
+    : model_(model), target_(target), pass_cost_(pass_cost), slot_(slot), sampler_(sampling),
+      top1_(model.hparams().block_size - 1) {
+    if (slot_ < 0) target_.set_taps(dflash_taps(model.hparams()));
 }
 
 DFlashDrafter::~DFlashDrafter() {
+    if (slot_ >= 0) return;  // the scheduler's taps
     try {
         target_.set_taps({});  // plain steps stop paying for the copies
     } catch (...) {
@@ -28,14 +31,24 @@ DFlashDrafter::~DFlashDrafter() {
 }
 
 void DFlashDrafter::inject_tapped() {
-    const int64_t n = target_.n_tapped_rows();
-    if (n > 0) model_.inject(target_.tapped().data(), n, target_.tapped_pos());
-    target_.clear_tapped();
+    const int64_t ts = target_slot();
+    model_.use_slot(slot_ < 0 ? 0 : slot_);
+    const int64_t n = target_.n_tapped_rows(ts);
+    if (n > 0) model_.inject(target_.tapped(ts).data(), n, target_.tapped_pos(ts));
+    target_.clear_tapped(ts);
 }
 
 void DFlashDrafter::begin(const std::vector<int32_t> & prompt) {
-    model_.truncate(0);
-    inject_tapped();  // the prompt's rows: the target has just read it
+    model_.use_slot(slot_ < 0 ? 0 : slot_);
+    // the target has just read the prompt, or (a sequence resuming a kept slot) its part after
+    // what the slot held, whose context the model's slot still holds
+    const int64_t from = slot_ < 0 ? 0 : target_.tapped_pos(slot_);
+    if (from > model_.n_cached()) {
+        throw std::logic_error("DFlash drafter: slot " + std::to_string(slot_) + "'s tapped rows start at position " +
+                               std::to_string(from) + " but its context holds " + std::to_string(model_.n_cached()) + " rows");
+    }
+    model_.truncate(from);
+    inject_tapped();
 }
 
 bool DFlashDrafter::ready(const std::vector<int32_t> & committed) {

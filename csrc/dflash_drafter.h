@@ -23,7 +23,12 @@ class DFlashDrafter : public Drafter {
     // Sets the target's taps; `pass_cost` is one block pass in target decode steps (an estimate
     // from weight bytes, which keeps the loop's drafting schedule independent of timing).
     // `sampling`: the request's (its temperature and a seed of the drafter's own) for trees.
-    DFlashDrafter(DFlashModel & model, Engine & target, double pass_cost, const SamplingParams & sampling = {});
+    // slot -1: the one sequence of generate_speculative (the target's current slot, the model's
+    // slot 0), the target's taps set while the drafter lives. slot >= 0: one of the scheduler's
+    // sequences, drafting in that model slot from that target slot's taps (the scheduler sets the
+    // target's taps and calls set_slot when it moves the sequence).
+    DFlashDrafter(DFlashModel & model, Engine & target, double pass_cost, const SamplingParams & sampling = {},
+                  int64_t slot = -1);
     ~DFlashDrafter() override;
     void begin(const std::vector<int32_t> & prompt) override;
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
@@ -38,16 +43,19 @@ class DFlashDrafter : public Drafter {
     // back instead of B-1 argmax ids, then a heap of O(budget) items on the host.
     DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
     bool tree_depth_is_free() const override { return true; }
+    void set_slot(int64_t slot) { slot_ = slot; }
 
     int64_t n_passes() const { return n_passes_; }
 
   private:
     void inject_tapped();  // the target's new rows -> the drafter's context
+    int64_t target_slot() const { return slot_ < 0 ? target_.current_slot() : slot_; }
     bool ready(const std::vector<int32_t> & committed);  // the context ends before the anchor; room for a block
 
     DFlashModel & model_;
     Engine & target_;
     double pass_cost_;
+    int64_t slot_;
     Sampler sampler_;  // uniforms of the Gumbel draws (sampled trees)
     int64_t n_passes_ = 0;
     std::vector<int32_t> top1_;

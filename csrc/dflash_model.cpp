@@ -69,7 +69,8 @@ class DFlashFile {
 
 }  // namespace
 
-DFlashModel::DFlashModel(const std::string & path, const DFlashHParams & hp, Engine & target, int64_t n_ctx)
+DFlashModel::DFlashModel(const std::string & path, const DFlashHParams & hp, Engine & target, int64_t n_ctx,
+                         int64_t n_slots)
     : hp_(hp), target_(target), n_ctx_(n_ctx) {
     const int64_t E = hp.n_embd, D = hp.head_dim, H = hp.n_head, Hkv = hp.n_head_kv;
     if (target.layer_split().active()) {  // its weights, cache and scheduler are made for one device
@@ -79,6 +80,8 @@ DFlashModel::DFlashModel(const std::string & path, const DFlashHParams & hp, Eng
     if (hp.n_rot < 2 || hp.n_rot > D || H % Hkv != 0 || hp.block_size < 2 || n_ctx < hp.block_size) {
         throw std::invalid_argument("DFlash hyper-parameters out of range");
     }
+    if (n_slots < 1) throw std::invalid_argument("a DFlash drafter needs at least one slot");
+    slots_.resize(n_slots);
     try {
         const size_t n_w = 3 + 11 * (size_t)hp.n_layer;
         wctx_ = ggml_init({ggml_tensor_overhead() * (n_w + 8), nullptr, /*no_alloc =*/true});
@@ -106,15 +109,7 @@ DFlashModel::DFlashModel(const std::string & path, const DFlashHParams & hp, Eng
         ggml_backend_buffer_set_usage(wbuf_, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         file.upload();
 
-        // F32 cache: the context rows are few per round and the block is short; exactness first
-        cctx_ = ggml_init({ggml_tensor_overhead() * (2 * (size_t)hp.n_layer + 2), nullptr, /*no_alloc =*/true});
-        for (int il = 0; il < hp.n_layer; ++il) {
-            k_cache_.push_back(ggml_new_tensor_2d(cctx_, GGML_TYPE_F32, Hkv * D, n_ctx));
-            v_cache_.push_back(ggml_new_tensor_2d(cctx_, GGML_TYPE_F32, Hkv * D, n_ctx));
-        }
-        cbuf_ = ggml_backend_alloc_ctx_tensors(cctx_, target.backend());
-        if (!cbuf_) throw std::runtime_error("cannot allocate the DFlash cache (out of memory?)");
-        ggml_backend_buffer_clear(cbuf_, 0);
+        allocate_slot(slots_[0]);
 
         graph_size_ = 64 * (size_t)hp.n_layer + 256;
         meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
@@ -123,8 +118,10 @@ DFlashModel::DFlashModel(const std::string & path, const DFlashHParams & hp, Eng
         sched_ = ggml_backend_sched_new(backends, nullptr, n_backends, graph_size_, false, false);
         if (!sched_) throw std::runtime_error("cannot create the ggml scheduler");
     } catch (...) {
-        if (cbuf_) ggml_backend_buffer_free(cbuf_);
-        if (cctx_) ggml_free(cctx_);
+        for (Slot & sl : slots_) {
+            if (sl.buf) ggml_backend_buffer_free(sl.buf);
+            if (sl.ctx) ggml_free(sl.ctx);
+        }
         if (wbuf_) ggml_backend_buffer_free(wbuf_);
         if (wctx_) ggml_free(wctx_);
         throw;
@@ -133,13 +130,69 @@ DFlashModel::DFlashModel(const std::string & path, const DFlashHParams & hp, Eng
 
 DFlashModel::~DFlashModel() {
     ggml_backend_sched_free(sched_);
-    ggml_backend_buffer_free(cbuf_);
-    ggml_free(cctx_);
+    for (Slot & sl : slots_) {
+        if (sl.buf) ggml_backend_buffer_free(sl.buf);
+        if (sl.ctx) ggml_free(sl.ctx);
+    }
     ggml_backend_buffer_free(wbuf_);
     ggml_free(wctx_);
 }
 
 size_t DFlashModel::weight_bytes() const { return ggml_backend_buffer_get_size(wbuf_); }
+
+void DFlashModel::allocate_slot(Slot & slot) {
+    if (slot.buf) return;
+    // F32 cache: the context rows are few per round and the block is short; exactness first
+    const int64_t kv = hp_.n_head_kv * hp_.head_dim;
+    slot.ctx = ggml_init({ggml_tensor_overhead() * (2 * (size_t)hp_.n_layer + 2), nullptr, /*no_alloc =*/true});
+    if (!slot.ctx) throw std::runtime_error("cannot create the DFlash cache's context");
+    for (int il = 0; il < hp_.n_layer; ++il) {
+        slot.k.push_back(ggml_new_tensor_2d(slot.ctx, GGML_TYPE_F32, kv, n_ctx_));
+        slot.v.push_back(ggml_new_tensor_2d(slot.ctx, GGML_TYPE_F32, kv, n_ctx_));
+    }
+    slot.buf = ggml_backend_alloc_ctx_tensors(slot.ctx, target_.backend());
+    if (!slot.buf) {
+        ggml_free(slot.ctx);
+        slot = Slot{};
+        throw std::runtime_error("cannot allocate the DFlash cache (out of memory?)");
+    }
+    ggml_backend_buffer_clear(slot.buf, 0);
+    slot.n_cached = 0;
+}
+
+void DFlashModel::use_slot(int64_t slot) {
+    if (slot < 0 || slot >= n_slots()) {
+        throw std::out_of_range("DFlash slot " + std::to_string(slot) + " outside [0, " + std::to_string(n_slots()) + ")");
+    }
+    allocate_slot(slots_[slot]);
+    cur_ = slot;
+}
+
+int64_t DFlashModel::n_cached_of(int64_t slot) const {
+    if (slot < 0 || slot >= n_slots()) {
+        throw std::out_of_range("DFlash slot " + std::to_string(slot) + " outside [0, " + std::to_string(n_slots()) + ")");
+    }
+    return slots_[slot].n_cached;
+}
+
+void DFlashModel::move_slot(int64_t from, int64_t to) {
+    if (from < 0 || from >= n_slots() || to < 0 || to >= n_slots()) {
+        throw std::out_of_range("DFlash move_slot: slot outside [0, " + std::to_string(n_slots()) + ")");
+    }
+    if (from == to) return;
+    Slot & src = slots_[from];
+    Slot & dst = slots_[to];
+    if (!src.buf) {  // never used: nothing to copy
+        dst.n_cached = 0;
+        return;
+    }
+    allocate_slot(dst);
+    for (size_t il = 0; il < src.k.size(); ++il) {
+        ggml_backend_tensor_copy(src.k[il], dst.k[il]);
+        ggml_backend_tensor_copy(src.v[il], dst.v[il]);
+    }
+    dst.n_cached = src.n_cached;
+}
 
 void DFlashModel::run(ggml_cgraph * gf) {
     ggml_backend_sched_reset(sched_);
@@ -148,15 +201,15 @@ void DFlashModel::run(ggml_cgraph * gf) {
 
 void DFlashModel::inject(const float * features, int64_t n, int64_t pos0) {
     if (n < 1) return;
-    if (pos0 < 0 || pos0 > n_cached_ || pos0 + n > n_ctx_) {
+    if (pos0 < 0 || pos0 > n_cached() || pos0 + n > n_ctx_) {
         throw std::out_of_range("DFlash inject: rows " + std::to_string(pos0) + ".." + std::to_string(pos0 + n) +
-                                " do not continue the cache of " + std::to_string(n_cached_) + " rows within " +
+                                " do not continue the cache of " + std::to_string(n_cached()) + " rows within " +
                                 std::to_string(n_ctx_));
     }
     ggml_context * ctx = ggml_init({meta_.size(), meta_.data(), /*no_alloc =*/true});
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size_, false);
     const DFlashGraphWeights w{hp_, fc_, hidden_norm_, output_norm_, layers_, target_.weights().token_embd,
-                               target_.weights().output, k_cache_, v_cache_};
+                               target_.weights().output, slots_[cur_].k, slots_[cur_].v};
     DFlashInputs in;
     build_dflash_inject(ctx, gf, w, in, n);
     try {
@@ -175,12 +228,12 @@ void DFlashModel::inject(const float * features, int64_t n, int64_t pos0) {
         throw;
     }
     ggml_free(ctx);
-    n_cached_ = pos0 + n;
+    slots_[cur_].n_cached = pos0 + n;
 }
 
 void DFlashModel::block(int32_t anchor, float * logits, int32_t * top1, int64_t top_k, float temperature,
                         int32_t * top_ids, float * top_probs) {
-    const int64_t B = hp_.block_size, p0 = n_cached_, n_kv = p0 + B;
+    const int64_t B = hp_.block_size, p0 = n_cached(), n_kv = p0 + B;
     if (n_kv > n_ctx_) throw std::length_error("DFlash block past the drafter's context of " + std::to_string(n_ctx_));
     if (anchor < 0 || anchor >= n_vocab()) throw std::out_of_range("DFlash block: anchor token outside the vocabulary");
     if (top_k < 0 || top_k > n_vocab() || !(temperature > 0.0f)) {
@@ -189,7 +242,7 @@ void DFlashModel::block(int32_t anchor, float * logits, int32_t * top1, int64_t 
     ggml_context * ctx = ggml_init({meta_.size(), meta_.data(), /*no_alloc =*/true});
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size_, false);
     const DFlashGraphWeights w{hp_, fc_, hidden_norm_, output_norm_, layers_, target_.weights().token_embd,
-                               target_.weights().output, k_cache_, v_cache_};
+                               target_.weights().output, slots_[cur_].k, slots_[cur_].v};
     DFlashInputs in;
     ggml_tensor * out = build_dflash_block(ctx, gf, w, in, B, n_kv);
     ggml_tensor * best = nullptr;

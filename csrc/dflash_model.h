@@ -2,7 +2,8 @@
 // writes it): a few Qwen3-style layers that predict a whole block of tokens in one pass from the
 // target's hidden features. It runs on the target engine's backend and borrows the target's token
 // embedding and LM head (not copied). Its own state is a KV cache of projected target features,
-// one row per committed position.
+// one row per committed position, per sequence slot: the scheduler's sequences draft each in the
+// slot of the same index as its target slot (use_slot), allocated when first used.
 #pragma once
 
 #include <cstdint>
@@ -38,8 +39,9 @@ struct DFlashLayer {
 
 class DFlashModel {
   public:
-    // `target` must outlive this object; its backend holds our weights and cache too.
-    DFlashModel(const std::string & path, const DFlashHParams & hp, Engine & target, int64_t n_ctx);
+    // `target` must outlive this object; its backend holds our weights and cache too. Slots 0 ..
+    // n_slots - 1 (slot 0 allocated now, the others by their first use_slot or move_slot).
+    DFlashModel(const std::string & path, const DFlashHParams & hp, Engine & target, int64_t n_ctx, int64_t n_slots = 1);
     ~DFlashModel();
     DFlashModel(const DFlashModel &) = delete;
     DFlashModel & operator=(const DFlashModel &) = delete;
@@ -57,11 +59,19 @@ class DFlashModel {
     // as it was.
     void block(int32_t anchor, float * logits, int32_t * top1, int64_t top_k = 0, float temperature = 1.0f,
                int32_t * top_ids = nullptr, float * top_probs = nullptr);
-    void truncate(int64_t n) { n_cached_ = std::min(n_cached_, n); }  // forget context rows >= n
+    void truncate(int64_t n) { slots_[cur_].n_cached = std::min(slots_[cur_].n_cached, n); }  // forget context rows >= n
+
+    // The slot inject, block, truncate and n_cached act on (0 unless changed).
+    void use_slot(int64_t slot);
+    int64_t current_slot() const { return cur_; }
+    int64_t n_slots() const { return (int64_t)slots_.size(); }
+    int64_t n_cached_of(int64_t slot) const;  // 0 for a slot never used
+    // slot `to` <- slot `from`'s context (the target's Engine::move_slot, for the drafter's slots)
+    void move_slot(int64_t from, int64_t to);
 
     const DFlashHParams & hparams() const { return hp_; }
     Engine & target() { return target_; }
-    int64_t n_cached() const { return n_cached_; }
+    int64_t n_cached() const { return slots_[cur_].n_cached; }
     int64_t n_ctx() const { return n_ctx_; }
     int64_t n_feat() const { return (int64_t)hp_.target_layers.size() * hp_.n_embd; }
     int64_t n_vocab() const { return target_.hparams().n_vocab; }
@@ -69,18 +79,23 @@ class DFlashModel {
 
   private:
     void run(ggml_cgraph * gf);
+    struct Slot {
+        std::vector<ggml_tensor *> k, v;  // per layer {Hkv*D, n_ctx} F32
+        ggml_context * ctx = nullptr;
+        ggml_backend_buffer_t buf = nullptr;
+        int64_t n_cached = 0;
+    };
+    void allocate_slot(Slot & slot);
 
     DFlashHParams hp_;
     Engine & target_;
     int64_t n_ctx_;
-    int64_t n_cached_ = 0;
     ggml_tensor *fc_ = nullptr, *hidden_norm_ = nullptr, *output_norm_ = nullptr;
     std::vector<DFlashLayer> layers_;
-    std::vector<ggml_tensor *> k_cache_, v_cache_;  // per layer {Hkv*D, n_ctx} F32
+    std::vector<Slot> slots_;  // the unused ones unallocated
+    int64_t cur_ = 0;
     ggml_context * wctx_ = nullptr;
     ggml_backend_buffer_t wbuf_ = nullptr;
-    ggml_context * cctx_ = nullptr;
-    ggml_backend_buffer_t cbuf_ = nullptr;
     ggml_backend_sched_t sched_ = nullptr;
     std::vector<uint8_t> meta_;
     size_t graph_size_ = 0;

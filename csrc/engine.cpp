@@ -74,6 +74,7 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
         load_weights(weights_, path, hp_, backend_, env_on("DELTASPEC_STACK_PROJECTIONS"), opts.progress, split);
         allocate_state(pool_, hp_, opts.n_ctx, opts.n_seq_max, opts.type_k, opts.type_v, opts.n_slots, backend_,
                        opts.kv_format_k, opts.kv_format_v, split);
+        slot_taps_.resize(opts.n_seq_max);
         init_step_graphs();
     } catch (...) {
         close_backends();
@@ -160,13 +161,13 @@ void Engine::use_slot(int64_t slot) {
     if (slot == cur_) return;
     settle_verify();
     cur_ = slot;
-    clear_tapped();  // taps follow one slot's positions
     checkpoint_n_past_ = -1;  // a checkpoint belongs to the slot it was taken in
 }
 
 void Engine::move_slot(int64_t from, int64_t to) {
     settle_verify();
     pool_.copy_slot(from, to);
+    if (from != to) slot_taps_.at(to) = slot_taps_.at(from);
 }
 
 void Engine::eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits) {
@@ -220,16 +221,18 @@ void Engine::set_taps(const std::vector<int> & layers) {
     settle_verify();
     drop_step_graph();
     taps_.layers = layers;
-    clear_tapped();
+    for (int64_t s = 0; s < pool_.n_seq; ++s) clear_tapped(s);
 }
 
-int64_t Engine::n_tapped_rows() const {
-    return taps_.layers.empty() ? 0 : (int64_t)(tapped_.size() / (taps_.layers.size() * hp_.n_embd));
+int64_t Engine::n_tapped_rows(int64_t slot) const {
+    const SlotTaps & st = slot_taps_.at(slot);
+    return taps_.layers.empty() ? 0 : (int64_t)(st.rows.size() / (taps_.layers.size() * hp_.n_embd));
 }
 
-void Engine::clear_tapped() {
-    tapped_.clear();
-    tapped_pos_ = seq().n_past;
+void Engine::clear_tapped(int64_t slot) {
+    SlotTaps & st = slot_taps_.at(slot);
+    st.rows.clear();
+    st.pos = pool_.slots.at(slot).n_past;
 }
 
 void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out) {
@@ -278,7 +281,8 @@ void Engine::keep(int64_t n_keep) {
     advance_verify_state(n_keep);
     seq().n_past = verify_p0_ + n_keep;
     // the tapped rows of the dropped tokens go too
-    tapped_.resize(std::min<size_t>(tapped_.size(), (seq().n_past - tapped_pos_) * taps_.layers.size() * hp_.n_embd));
+    SlotTaps & st = slot_taps_[cur_];
+    st.rows.resize(std::min<size_t>(st.rows.size(), (seq().n_past - st.pos) * taps_.layers.size() * hp_.n_embd));
     verify_T_ = 0;
 }
 
@@ -294,7 +298,7 @@ void Engine::ensure_slots(int64_t n) {
     pool_.release();
     allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_, opts_.kv_format_k, opts_.kv_format_v,
                    split_.active() ? &split_ : nullptr);
-    clear_tapped();
+    for (int64_t s = 0; s < pool_.n_seq; ++s) clear_tapped(s);
     verify_T_ = 0;
     rows_pending_.active = false;
     keep_graph_.drop();  // it names the released state tensors
@@ -311,8 +315,9 @@ void Engine::restore_checkpoint() {
     if (checkpoint_n_past_ < 0) throw std::logic_error("restore_checkpoint() without checkpoint()");
     copy_recurrent_state(seq(), /*to_saved =*/false);
     seq().n_past = checkpoint_n_past_;
-    if (tapped_pos_ > seq().n_past) clear_tapped();
-    tapped_.resize(std::min<size_t>(tapped_.size(), (seq().n_past - tapped_pos_) * taps_.layers.size() * hp_.n_embd));
+    SlotTaps & st = slot_taps_[cur_];
+    if (st.pos > seq().n_past) clear_tapped();
+    st.rows.resize(std::min<size_t>(st.rows.size(), (seq().n_past - st.pos) * taps_.layers.size() * hp_.n_embd));
     verify_T_ = 0;
     rows_pending_.active = false;
 }
@@ -332,26 +337,42 @@ void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted,
     append_taps(T);
 }
 
-void Engine::append_taps(int64_t T) {
-    const int64_t E = hp_.n_embd, n = (int64_t)taps_.layers.size();
-    if (n == 0) return;
-    const int64_t p0 = seq().n_past - T;
-    if (tapped_pos_ + n_tapped_rows() != p0) {  // positions ran on without taps (decode of several slots)
-        tapped_.clear();
-        tapped_pos_ = p0;
+void Engine::append_taps(int64_t T) { append_tap_runs({{cur_, seq().n_past - T, 0, T}}); }
+
+size_t Engine::extend_taps(int64_t slot, int64_t pos, int64_t n) {
+    SlotTaps & st = slot_taps_.at(slot);
+    if (st.pos + n_tapped_rows(slot) != pos) {  // positions ran on without taps
+        st.rows.clear();
+        st.pos = pos;
     }
-    const size_t first = tapped_.size();
-    tapped_.resize(first + T * n * E);
-    if (n == 1) {  // {E, T} contiguous: the rows as they are
-        ggml_backend_tensor_get(taps_.out[0], tapped_.data() + first, 0, T * E * sizeof(float));
-        return;
-    }
-    std::vector<float> rows(T * E);
-    for (int64_t i = 0; i < n; ++i) {  // tap i of row t goes to [t][i]: each row's taps side by side
-        ggml_backend_tensor_get(taps_.out[i], rows.data(), 0, rows.size() * sizeof(float));
-        for (int64_t t = 0; t < T; ++t) {
-            std::copy_n(rows.data() + t * E, E, tapped_.data() + first + (t * n + i) * E);
+    const size_t first = st.rows.size();
+    st.rows.resize(first + n * taps_.layers.size() * hp_.n_embd);
+    return first;
+}
+
+void Engine::append_tap_runs(const std::vector<TapRun> & runs) {
+    const int64_t E = hp_.n_embd, n_taps = (int64_t)taps_.layers.size();
+    if (n_taps == 0 || runs.empty()) return;
+    std::vector<size_t> first(runs.size());
+    for (size_t k = 0; k < runs.size(); ++k) first[k] = extend_taps(runs[k].slot, runs[k].pos, runs[k].n);
+    // one read per tap and span of adjacent graph rows (a decode's or prefill's rows are one span;
+    // the accepted paths of a verify, one per slot), then each row to its slot, its taps side by side
+    std::vector<float> buf;
+    for (size_t k0 = 0; k0 < runs.size();) {
+        size_t k1 = k0 + 1;
+        while (k1 < runs.size() && runs[k1].row == runs[k1 - 1].row + runs[k1 - 1].n) ++k1;
+        const int64_t row0 = runs[k0].row, n_rows = runs[k1 - 1].row + runs[k1 - 1].n - row0;
+        buf.resize(n_rows * E);
+        for (int64_t i = 0; i < n_taps; ++i) {
+            ggml_backend_tensor_get(taps_.out[i], buf.data(), row0 * E * sizeof(float), buf.size() * sizeof(float));
+            for (size_t k = k0; k < k1; ++k) {
+                float * dst = slot_taps_[runs[k].slot].rows.data() + first[k];
+                for (int64_t t = 0; t < runs[k].n; ++t) {
+                    std::copy_n(buf.data() + (runs[k].row - row0 + t) * E, E, dst + (t * n_taps + i) * E);
+                }
+            }
         }
+        k0 = k1;
     }
 }
 

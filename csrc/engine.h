@@ -193,19 +193,27 @@ class Engine {
     // Allow verify batches of at least n tokens (re-allocates the state, which empties the sequence).
     void ensure_slots(int64_t n);
 
-    // Hidden states returned for the rows of the one-sequence steps (eval, eval_verify): Taps'
-    // layer ids (graph_qwen35.h; n_layer = the final normed hidden). tapped() holds them for the
-    // committed positions tapped_pos() .. tapped_pos() + n_tapped_rows() - 1, each row's taps side
-    // by side (layers.size() * n_embd floats a row): rows accumulate over calls until the reader
-    // calls clear_tapped(); keep(n) drops a verify batch's rows past its first n; a tree verify
-    // (verify_tree) adds rows only at keep_path(path), the path's rows in path order (none when the
-    // tree is dropped); reset() and set_taps() clear them. Empty layers: no taps (the default).
+    // Hidden states returned for the rows of every step, kept per slot: Taps' layer ids
+    // (graph_qwen35.h; n_layer = the final normed hidden). tapped(slot) holds them for the slot's
+    // committed positions tapped_pos(slot) .. + n_tapped_rows(slot) - 1, each row's taps side by
+    // side (layers.size() * n_embd floats a row): rows accumulate over steps until the reader calls
+    // clear_tapped(slot). The one-sequence steps (eval, eval_verify, verify_tree) tap the current
+    // slot: keep(n) drops a verify batch's rows past its first n, and a tree verify adds rows only
+    // at keep_path(path), the path's rows in path order (none when the tree is dropped). The steps
+    // of several slots tap each of theirs: decode() and prefill_rows() every row, verify_rows() the
+    // rows of each slot's path at keep_paths(). Positions that ran on untapped (taps set later)
+    // restart a slot's rows; reset() clears the current slot's, set_taps() every slot's, and
+    // move_slot() moves them with the slot. Empty layers: no taps (the default).
     void set_taps(const std::vector<int> & layers);
     const std::vector<int> & taps() const { return taps_.layers; }
-    const std::vector<float> & tapped() const { return tapped_; }
-    int64_t tapped_pos() const { return tapped_pos_; }
-    int64_t n_tapped_rows() const;
-    void clear_tapped();  // the rows read: the next ones start at n_past()
+    const std::vector<float> & tapped() const { return tapped(cur_); }
+    int64_t tapped_pos() const { return tapped_pos(cur_); }
+    int64_t n_tapped_rows() const { return n_tapped_rows(cur_); }
+    void clear_tapped() { clear_tapped(cur_); }  // the rows read: the next ones start at n_past()
+    const std::vector<float> & tapped(int64_t slot) const { return slot_taps_.at(slot).rows; }
+    int64_t tapped_pos(int64_t slot) const { return slot_taps_.at(slot).pos; }
+    int64_t n_tapped_rows(int64_t slot) const;
+    void clear_tapped(int64_t slot);
 
     // What another graph over this model's weights needs (the MTP head, mtp_head.h).
     const ModelWeights & weights() const { return weights_; }
@@ -264,7 +272,15 @@ class Engine {
     // slot first_slot + i's rows, empty: nothing) by our CUDA kernels, two launches for all layers;
     // false when nothing was done (not one GPU, kernels off or absent, a path too long).
     bool commit_states_cuda(const std::vector<std::vector<int32_t>> & paths);
-    void append_taps(int64_t n_rows);  // the step's tapped rows -> tapped_
+    void append_taps(int64_t n_rows);  // the one-sequence step's tapped rows -> the current slot's
+    // n graph rows from `row` of the step just run are slot `slot`'s positions pos .. pos + n - 1
+    struct TapRun {
+        int64_t slot, pos, row, n;
+    };
+    void append_tap_runs(const std::vector<TapRun> & runs);  // each slot at most once
+    // room for n more rows of `slot` starting at position `pos` (a gap: the old rows go first);
+    // returns the offset in its rows where they go
+    size_t extend_taps(int64_t slot, int64_t pos, int64_t n);
 
     // What a step graph's structure depends on: a kept graph serves the steps of its key.
     struct StepKey {
@@ -364,8 +380,11 @@ class Engine {
     KeepGraph keep_graph_;
     int64_t checkpoint_n_past_ = -1;
     Taps taps_;                  // the layers asked for; their graph outputs in the step graph
-    std::vector<float> tapped_;  // rows of positions tapped_pos_ .. (set_taps)
-    int64_t tapped_pos_ = 0;
+    struct SlotTaps {
+        std::vector<float> rows;  // of positions pos .. (set_taps)
+        int64_t pos = 0;
+    };
+    std::vector<SlotTaps> slot_taps_;  // per slot
     bool top_rows_enabled_ = true;
 };
 

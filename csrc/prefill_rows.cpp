@@ -127,6 +127,9 @@ void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out
     set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
 
     compute(g);
+    std::vector<TapRun> taps(N);  // slot first + i's chunk: rows i * Tq ..
+    for (int64_t i = 0; i < N; ++i) taps[i] = {first + i, pool_.slots[first + i].n_past, i * Tq, Tq};
+    append_tap_runs(taps);
     for (int64_t i = 0; i < N; ++i) pool_.slots[first + i].n_past += Tq;
     prefill_stats_.passes += 1;
     prefill_stats_.multi_slot_passes += N > 1;

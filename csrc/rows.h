@@ -47,9 +47,11 @@ BatchBug batch_bug();
 // slot the accepted length of the next slot that drafted a chain (cut to the slot's own rows),
 // "no_compaction" makes Engine::keep_paths leave a kept tree path's KV rows where the verify wrote
 // them, "draft_slot_swap" makes the batched draft model (batch_draft.cpp) run each sequence's
-// drafting in the next drafting sequence's draft slot. Read once per process; unset or empty in every
-// real use, anything else throws std::invalid_argument.
-enum class RowsBug { none, wrong_parent, swap_keep, no_compaction, draft_slot_swap };
+// drafting in the next drafting sequence's draft slot, "taps_slot_swap" makes keep_paths tap the
+// first two slots' paths each at the other slot's rows (what a DFlash drafter then reads,
+// tests/test_batch_dflash.py). Read once per process; unset or empty in every real use, anything
+// else throws std::invalid_argument.
+enum class RowsBug { none, wrong_parent, swap_keep, no_compaction, draft_slot_swap, taps_slot_swap };
 RowsBug rows_bug();
 
 // DELTASPEC_TEST_PREFILL_BUG (test only) plants a bug so that the tests of prompt chunks of several

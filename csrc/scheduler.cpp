@@ -81,13 +81,16 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
                                     std::to_string(i) + " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
         }
     }
-    waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
-    waiting_.back()->on_token = std::move(on_token);
     if (spec.draft_model && (!model_drafter_ || spec.tree_budget > 0)) {
-        waiting_.pop_back();
         throw std::invalid_argument(model_drafter_ ? "a draft model drafts chains across sequences (tree_budget must be 0)"
                                                    : "speculation with a draft model: the scheduler has none (set_draft_model)");
     }
+    if (spec.dflash && (!dflash_ || spec.draft_model)) {
+        throw std::invalid_argument(dflash_ ? "a request drafts with a draft model or DFlash, not both"
+                                            : "speculation with DFlash: the scheduler has no DFlash drafter (set_dflash)");
+    }
+    waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
+    waiting_.back()->on_token = std::move(on_token);
     // a grammar or logprobs: plain steps (their rows go through the verify pass undrafted)
     if (spec.n_max > 0 && !req.constraint && req.n_logprobs < 0) {
         Sequence & s = *waiting_.back();
@@ -96,6 +99,12 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
             SamplingParams ds = req.sampling;
             ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
             s.draft_state = std::make_unique<DraftSlotState>(ds);
+        } else if (spec.dflash) {
+            SamplingParams ds = req.sampling;
+            ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
+            auto d = std::make_unique<DFlashDrafter>(*dflash_, engine_, dflash_cost_, ds, /*slot =*/0);  // slot: at admission
+            s.dflash = d.get();
+            s.drafter = std::move(d);
         } else {
             s.drafter = std::make_unique<NgramDrafter>(spec.ngram_max);
         }
@@ -148,6 +157,10 @@ bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev, bool check_c
 }
 
 void Scheduler::begin_draft(Sequence & s) {
+    if (s.dflash) {  // the drafter's slot reads the target's taps of the prompt (or of its part not kept)
+        s.dflash->set_slot(s.slot);
+        s.dflash->begin(s.req.prompt);
+    }
     if (!model_drafter_) return;
     // the draft slot reads the whole prompt (or is emptied for a sequence without it)
     if (s.draft_state) {
@@ -217,6 +230,10 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
         // caller said (checked by add_request)
         s->n_fed = histories_ ? histories_->take(s->slot, s->req.prompt) : s->req.n_cached;
         engine_.use_slot(s->slot);
+        if (s->dflash) {
+            ensure_dflash_taps();
+            if (s->n_fed > 0 && !dflash_context_covers(s->slot)) s->n_fed = 0;  // read it all again, tapped
+        }
         if (s->n_fed == 0 && batch_bug() != BatchBug::no_reset) engine_.reset();
         Sequence & seq = *s;
         running_.push_back(std::move(s));
@@ -383,8 +400,10 @@ void Scheduler::release_finished() {
         const auto move_to = [&](int64_t from, int64_t to) {
             if (batch_bug() != BatchBug::no_move) engine_.move_slot(from, to);
             if (model_drafter_) model_drafter_->engine().move_slot(from, to);
+            if (dflash_) dflash_->move_slot(from, to);
             running_[to] = std::move(running_[from]);
             running_[to]->slot = to;
+            if (running_[to]->dflash) running_[to]->dflash->set_slot(to);
         };
         if (i != last) {
             // the highest decoding sequence fills the hole; a split prompt stays on top, one slot down
@@ -410,6 +429,41 @@ void Scheduler::set_draft_model(Engine & draft, double step_cost) {
     model_drafter_ = std::make_unique<BatchModelDrafter>(draft, step_cost);
 }
 
+Scheduler::~Scheduler() {
+    if (!dflash_) return;
+    try {
+        engine_.set_taps({});  // plain steps stop paying for the copies
+    } catch (...) {
+    }
+}
+
+void Scheduler::set_dflash(DFlashModel & model, double pass_cost) {
+    if (dflash_ == &model) return;
+    if (dflash_ || !idle()) throw std::logic_error("set_dflash: the scheduler has a DFlash drafter or requests already");
+    if (&model.target() != &engine_) throw std::invalid_argument("the DFlash drafter belongs to another target");
+    if (model.n_slots() < engine_.n_seq_max()) {
+        throw std::invalid_argument("the DFlash drafter has " + std::to_string(model.n_slots()) + " slots; drafting for " +
+                                    std::to_string(engine_.n_seq_max()) + " sequences (n_seq_max) needs one per sequence");
+    }
+    dflash_ = &model;
+    dflash_cost_ = pass_cost;
+    ensure_dflash_taps();
+}
+
+void Scheduler::ensure_dflash_taps() {
+    // a one-sequence call between requests (a DFlash generate()) may have changed them
+    const std::vector<int> want = dflash_taps(dflash_->hparams());
+    if (engine_.taps() != want) {
+        engine_.set_taps(want);
+        if (histories_) histories_->forget();  // what the idle slots hold has no taps now
+    }
+}
+
+bool Scheduler::dflash_context_covers(int64_t slot) const {
+    const int64_t from = engine_.tapped_pos(slot);
+    return dflash_->n_cached_of(slot) >= from && from + engine_.n_tapped_rows(slot) == engine_.slot_n_past(slot);
+}
+
 std::vector<StepEvent> Scheduler::step() {
     std::vector<StepEvent> events;
     for (auto & s : running_) {
@@ -419,6 +473,11 @@ std::vector<StepEvent> Scheduler::step() {
     admit(events);
     release_finished();
     if (!decode_speculative(events)) decode_running(events);
+    if (dflash_) {  // only DFlash sequences read their slot's taps: the others' would pile up
+        for (const auto & s : running_) {
+            if (!s->dflash) engine_.clear_tapped(s->slot);
+        }
+    }
     release_finished();
     return events;
 }

@@ -12,6 +12,7 @@
 #include <memory>
 #include <vector>
 
+#include "dflash_drafter.h"
 #include "engine.h"
 #include "generate.h"
 #include "sampler.h"
@@ -38,6 +39,9 @@ struct SeqSpec {
     // drafts with the scheduler's draft model (Scheduler::set_draft_model) instead of prompt lookup,
     // as generate_speculative's ModelDrafter (chains)
     bool draft_model = false;
+    // drafts with the scheduler's DFlash drafter (Scheduler::set_dflash), as generate_speculative's
+    // DFlashDrafter: a block pass per round, chains or DDTree trees (tree_budget)
+    bool dflash = false;
 };
 
 // The first maximum, as ggml's argmax picks it: a greedy sequence in a batch that also samples
@@ -67,6 +71,7 @@ struct Sequence {
     // speculation (spec.n_max > 0): generate_speculative's per-sequence state, the same schedule
     SeqSpec spec;
     std::unique_ptr<Drafter> drafter;
+    DFlashDrafter * dflash = nullptr;  // `drafter` when it is the scheduler's DFlash drafter's
     int64_t n_draft = 0, pause = 0, backoff = 1;
     Draft draft;        // this step's (chains)
     DraftTree tree;     // this step's (tree_budget > 0)
@@ -102,8 +107,16 @@ class Scheduler {
     // requests (a server's). Without it every admitted request starts from an empty slot.
     Scheduler(Engine & engine, const PieceTable & pieces, bool keep_histories = false)
         : engine_(engine), pieces_(pieces) {
-        if (keep_histories) histories_ = std::make_unique<SlotHistories>(engine);
+        if (keep_histories) {
+            histories_ = std::make_unique<SlotHistories>(engine);
+            histories_->set_on_move([this](int64_t from, int64_t to) {
+                if (dflash_) dflash_->move_slot(from, to);  // a kept history's drafter context goes with it
+            });
+        }
     }
+    ~Scheduler();
+    Scheduler(const Scheduler &) = delete;
+    Scheduler & operator=(const Scheduler &) = delete;
 
     // Queues a request (validated now); returns its id. `on_token` hears each of its tokens as it
     // is committed; returning false cancels it (streaming).
@@ -142,6 +155,13 @@ class Scheduler {
     void set_draft_model(Engine & draft, double step_cost);
     bool has_draft_model() const { return model_drafter_ != nullptr; }
     const Engine * draft_engine() const { return model_drafter_ ? &model_drafter_->engine() : nullptr; }
+    // The DFlash drafter of requests with SeqSpec::dflash: its model (on this engine, with at least
+    // its slots), one block pass costing pass_cost target decode steps (as for DFlashDrafter). Sets
+    // the engine's taps to the drafter's layers for as long as the scheduler lives: every step then
+    // taps every slot's rows, and each DFlash sequence's context follows its slot (slot moves and
+    // kept histories included). Set once, before such requests.
+    void set_dflash(DFlashModel & model, double pass_cost);
+    const DFlashModel * dflash_model() const { return dflash_; }
 
     // Off: each sequence's prompt chunk is evaluated alone, one after another, instead of several
     // in one Engine::prefill_rows pass (the benches' before/after).
@@ -160,6 +180,10 @@ class Scheduler {
     // is then complete chooses and commits its first token
     void feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::vector<StepEvent> & events);
     void begin_draft(Sequence & s);  // s's prompt is complete: its draft slot (the draft model's) follows
+    // a sequence resuming a kept history drafts with DFlash: whether the drafter's slot holds the
+    // context of what the target's slot holds (else the prompt is read again)
+    bool dflash_context_covers(int64_t slot) const;
+    void ensure_dflash_taps();  // the engine taps what the DFlash drafter reads
     // evaluates up to `budget` more of s's prompt in its slot; once the prompt is complete, chooses
     // and commits its first token. Returns the prompt tokens evaluated.
     int64_t feed(Sequence & s, int64_t budget, std::vector<StepEvent> & events);
@@ -194,6 +218,8 @@ class Scheduler {
     RowBatch rows_;
     BatchSpecStats spec_stats_;
     std::unique_ptr<BatchModelDrafter> model_drafter_;
+    DFlashModel * dflash_ = nullptr;
+    double dflash_cost_ = 0.0;
     std::unique_ptr<SlotHistories> histories_;  // keep_histories only
     int64_t prefill_budget_ = 0;
     bool disable_prefill_rows_ = false;

@@ -1,5 +1,6 @@
 // Speculation for several sequences at once: one scheduler step drafts for every running sequence
-// that speculates (prompt lookup chains or trees, or the draft model's chains: batch_draft.h),
+// that speculates (prompt lookup chains or trees, the draft model's chains: batch_draft.h, or
+// DFlash chains or DDTree trees: one block pass per sequence in its own drafter slot),
 // verifies every running sequence's rows in ONE target pass (Engine::verify_rows: a drafting
 // sequence's chain [pending token, drafts...] or tree [pending token, nodes...], any other sequence's
 // pending token alone), then per sequence applies generate_speculative's accept rule (accept_argmax /
@@ -70,8 +71,10 @@ int64_t Scheduler::draft_all() {
             if (s.spec.tree_budget > 0) {
                 // every node takes a KV row and a row of the pass: the tree fits the context and the pass
                 const int64_t budget = std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap});
-                s.tree = s.drafter->propose_tree(*text, budget, std::min(s.n_draft, room));
-                if (s.tree.max_depth() < s.spec.n_min) s.tree = DraftTree{};
+                const int64_t depth = s.drafter->tree_depth_is_free() ? room : std::min(s.n_draft, room);
+                s.tree = s.drafter->propose_tree(*text, budget, depth);
+                // as generate_speculative: n_min counts verified nodes
+                if (s.tree.size() < std::min(s.spec.n_min, budget)) s.tree = DraftTree{};
             } else {
                 s.draft = s.drafter->propose(*text, std::min(s.n_draft, room));
                 if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};

@@ -42,8 +42,13 @@ int64_t SlotHistories::place_for(int64_t first, int64_t spare, uint64_t stamp) c
     return best;
 }
 
-void SlotHistories::copy(int64_t from, int64_t to) {
+void SlotHistories::move_state(int64_t from, int64_t to) {
     engine_.move_slot(from, to);
+    if (on_move_) on_move_(from, to);
+}
+
+void SlotHistories::copy(int64_t from, int64_t to) {
+    move_state(from, to);
     held_[to] = held_[from];
 }
 
@@ -65,7 +70,7 @@ int64_t SlotHistories::take(int64_t slot, const std::vector<int32_t> & prompt) {
     if (match >= 0) {
         n = (int64_t)held_[match].tokens.size();
         // the match keeps its copy: another request may branch from the same history
-        if (match != slot && slot_bug() != SlotBug::no_copy) engine_.move_slot(match, slot);
+        if (match != slot && slot_bug() != SlotBug::no_copy) move_state(match, slot);
         ++n_resumed_;
         n_resumed_tokens_ += n;
     }
@@ -79,7 +84,7 @@ void SlotHistories::finished(int64_t slot, int64_t last, std::vector<int32_t> to
     Held h{std::move(tokens), ++clock_};
     const int64_t keep = slot == last ? slot : place_for(last + 1, -1, h.stamp);
     if (keep < 0) return;
-    if (keep != slot) engine_.move_slot(slot, keep);
+    if (keep != slot) move_state(slot, keep);
     held_[keep] = std::move(h);
 }
 

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "engine.h"
@@ -37,6 +38,9 @@ class SlotHistories {
     // does not hold exactly `tokens` is not kept.
     void finished(int64_t slot, int64_t last, std::vector<int32_t> tokens);
 
+    // Also hears every move of a slot's state (what else follows the slot: a drafter's context).
+    void set_on_move(std::function<void(int64_t, int64_t)> on_move) { on_move_ = std::move(on_move); }
+
     // The slots' states were changed by something else (a one-sequence call, a failed step):
     // nothing they hold is known any more.
     void forget();
@@ -50,12 +54,14 @@ class SlotHistories {
     // an empty one, else the one with the oldest history if that is older than `stamp`; -1: none.
     int64_t place_for(int64_t first, int64_t spare, uint64_t stamp) const;
     void copy(int64_t from, int64_t to);  // the state and its record
+    void move_state(int64_t from, int64_t to);  // the state (Engine::move_slot, on_move_)
 
     struct Held {
         std::vector<int32_t> tokens;  // what the slot's state holds (empty: nothing known)
         uint64_t stamp = 0;           // when it was kept (larger: newer)
     };
     Engine & engine_;
+    std::function<void(int64_t, int64_t)> on_move_;
     std::vector<Held> held_;  // by slot; meaningful for idle slots only
     uint64_t clock_ = 0;
     int64_t n_resumed_ = 0, n_resumed_tokens_ = 0;

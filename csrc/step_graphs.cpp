@@ -189,7 +189,7 @@ void Engine::build_step_graph(StepGraph & g) {
         const bool every_row = wanted == LogitsWanted::all || wanted == LogitsWanted::argmax_all ||
                                wanted == LogitsWanted::top_all || hidden;
         const int64_t n_rows = wanted == LogitsWanted::none ? 0 : prefill ? n_seqs : every_row ? T : 1;
-        const bool taps = n_seqs == 0 && !taps_.layers.empty();
+        const bool taps = !taps_.layers.empty();
         // hidden states: no folding, so that the head's input stays the output norm's own result
         g.out = build_qwen35(g.ctx, g.gf, hp_, weights_, pool_, n_seqs > 0 ? pool_.slots[k.first_slot] : pool_.slots[k.slot],
                              g.in, n_rows, fold_inputs_ && !hidden ? FoldInput(cuda_fold_input) : FoldInput(), &g.verify,

@@ -43,8 +43,9 @@ RowsBug rows_bug() {
         if (v == "wrong_parent") return RowsBug::wrong_parent;
         if (v == "no_compaction") return RowsBug::no_compaction;
         if (v == "draft_slot_swap") return RowsBug::draft_slot_swap;
+        if (v == "taps_slot_swap") return RowsBug::taps_slot_swap;
         throw std::invalid_argument("DELTASPEC_TEST_ROWS_BUG (test only) must be unset, 'swap_keep', 'wrong_parent', "
-                                    "'no_compaction' or 'draft_slot_swap', not '" +
+                                    "'no_compaction', 'draft_slot_swap' or 'taps_slot_swap', not '" +
                                     v + "'");
     }();
     return bug;
@@ -234,6 +235,26 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
             padded[i].push_back(t);
         }
     }
+
+    // each path's tapped rows (runs of consecutive padded rows: a chain's path is one), read
+    // before the commit runs anything
+    std::vector<TapRun> taps;
+    for (int64_t i = 0; i < N; ++i) {
+        const int64_t s = pend.first_slot + i;
+        for (size_t d = 0; d < padded[i].size(); ++d) {
+            if (d > 0 && padded[i][d] == padded[i][d - 1] + 1) {
+                taps.back().n += 1;
+            } else {
+                taps.push_back({s, pend.p0[i] + (int64_t)d, padded[i][d], 1});
+            }
+        }
+    }
+    if (rows_bug() == RowsBug::taps_slot_swap && N > 1) {  // the planted bug: slot 0 and 1 trade their tapped rows
+        for (TapRun & t : taps) {
+            if (t.slot - pend.first_slot < 2) t.row = (t.row + Tq) % (2 * Tq);
+        }
+    }
+    append_tap_runs(taps);
 
     CommitBugs bugs;
     bugs.no_compaction = rows_bug() == RowsBug::no_compaction;

@@ -175,23 +175,19 @@ void Engine::keep_path(const int32_t * path, int64_t n) {
     const TreeBug bug = tree_bug();
     const std::vector<int32_t> kept(path, path + n);  // the batch is unpadded: its rows are the padded rows
 
-    // the path's tapped rows, in path order, appended to tapped_ (the commit gathers them)
-    const int64_t E = hp_.n_embd, n_taps = (int64_t)taps_.layers.size(), p0 = seq().n_past;
+    // the path's tapped rows, in path order, appended to the slot's (the commit gathers them)
+    const int64_t n_taps = (int64_t)taps_.layers.size(), p0 = seq().n_past;
     std::vector<int32_t> tap_rows;
     float * taps = nullptr;
-    size_t first_tap = tapped_.size();
+    std::vector<float> & tapped = slot_taps_[cur_].rows;
+    size_t first_tap = tapped.size();
     if (n_taps > 0) {
-        if (tapped_pos_ + n_tapped_rows() != p0) {  // positions ran on without taps (as append_taps)
-            tapped_.clear();
-            tapped_pos_ = p0;
-        }
         tap_rows = kept;
         if (bug == TreeBug::taps_uncompacted) {
             for (int64_t d = 0; d < n; ++d) tap_rows[d] = (int32_t)d;
         }
-        first_tap = tapped_.size();
-        tapped_.resize(first_tap + n * n_taps * E);
-        taps = tapped_.data() + first_tap;
+        first_tap = extend_taps(cur_, p0, n);
+        taps = tapped.data() + first_tap;
     }
     CommitBugs bugs;
     bugs.no_compaction = bug == TreeBug::no_compaction;
@@ -201,7 +197,7 @@ void Engine::keep_path(const int32_t * path, int64_t n) {
     try {
         done = commit_paths({kept}, bugs, tap_rows, taps);
     } catch (...) {
-        tapped_.resize(first_tap);
+        tapped.resize(first_tap);
         throw;
     }
     tree_stats_.keep_calls += 1;

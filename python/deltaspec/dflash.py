@@ -161,11 +161,18 @@ class Drafter:
         f = read_gguf(self.path)
         self.hparams = read_dflash_hparams(f, target.hparams, target.n_vocab)
         n_ctx = target.n_ctx if n_ctx is None else int(n_ctx)
-        self._core = _core.DFlash(self.path, self.hparams, target._live(), n_ctx)
+        # a context per sequence slot of the target (generate_batch / add_request draft for each),
+        # allocated when a slot is first used: generate() alone allocates one
+        self._core = _core.DFlash(self.path, self.hparams, target._live(), n_ctx, target.n_seq_max)
 
     @property
     def block_size(self) -> int:
         return self.hparams.block_size
+
+    @property
+    def n_slots(self) -> int:
+        """Sequence slots the drafter keeps a context for: the target's n_seq_max when loaded."""
+        return self._core.n_slots
 
     @property
     def n_cached(self) -> int:

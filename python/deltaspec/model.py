@@ -38,7 +38,7 @@ SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of 
 
 class BatchSpeculationError(DeltaspecError, NotImplementedError):
     """A speculative decoder asked of generate_batch / add_request that they do not run for several
-    sequences yet (all but prompt lookup: a draft model, the MTP head, DFlash)."""
+    sequences yet (the MTP head, draft-model trees)."""
 
 
 @dataclass
@@ -417,12 +417,13 @@ class Model:
         o = {**_GENERATE_DEFAULTS, **options}
         # a (non-empty) prediction drafts by lookup in place of any other drafter (deltaspec.prediction)
         predicted = prediction_ids(self, prediction, where) if prediction is not None else []
-        if not predicted and (o["spec_type"] not in (None, "ngram-simple", "draft-simple") or
-                              (o["draft_model"] is not None and o["tree_budget"] != 0)):
+        dflash = o["spec_type"] in ("dflash", "draft-dflash")
+        if not predicted and (o["spec_type"] not in (None, "ngram-simple", "draft-simple", "dflash", "draft-dflash") or
+                              (o["draft_model"] is not None and not dflash and o["tree_budget"] != 0)):
             raise BatchSpeculationError(f"{where}(): of the speculative decoders prompt lookup (spec_type "
-                                        "'ngram-simple', chains or trees) and a draft model (chains) run for concurrent "
-                                        "sequences yet; call generate() per prompt to speculate with the MTP head, "
-                                        "DFlash or draft-model trees")
+                                        "'ngram-simple', chains or trees), DFlash (chains or DDTree trees) and a draft "
+                                        "model (chains) run for concurrent sequences yet; call generate() per prompt "
+                                        "to speculate with the MTP head or draft-model trees")
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
         if o["logprobs"] is not None:
@@ -450,19 +451,34 @@ class Model:
     @staticmethod
     def _native_spec(request: _Request):
         """The scheduler's speculation of a request: None, or (n_max, n_min, ngram_max, the lookup's
-        reference ids (a prediction's), tree_budget, whether the draft model drafts)."""
+        reference ids (a prediction's), tree_budget, whether the draft model drafts, whether the
+        DFlash drafter drafts)."""
         spec = request.speculation
         if spec is None:
             return None
-        return (spec.n_max, spec.n_min, spec.ngram_max, list(spec.reference), spec.tree_budget, spec.draft is not None)
+        return (spec.n_max, spec.n_min, spec.ngram_max, list(spec.reference), spec.tree_budget,
+                spec.draft is not None and not spec.dflash, spec.dflash)
+
+    @staticmethod
+    def _one_drafter(requests: Sequence[_Request], dflash: bool, what: str):
+        """The one drafter (draft Model, or DFlash Drafter) of the requests that draft with one."""
+        drafts = {id(r.speculation.draft): r.speculation.draft for r in requests
+                  if r.speculation is not None and r.speculation.draft is not None and r.speculation.dflash == dflash}
+        if len(drafts) > 1:
+            raise ValueError(f"the requests of a batch draft with one {what} (got several draft_model values)")
+        return next(iter(drafts.values()), None)
+
+    def _batch_dflash(self, requests: Sequence[_Request]):
+        """The native DFlash drafter of the requests that draft with DFlash (None if none does)."""
+        drafter = self._one_drafter(requests, True, "DFlash drafter")
+        if drafter is not None and drafter.n_slots < self.n_seq_max:
+            raise ValueError(f"the DFlash drafter {drafter.path} has {drafter.n_slots} slots: drafting for concurrent "
+                             f"sequences needs one per sequence (n_seq_max = {self.n_seq_max})")
+        return None if drafter is None else drafter._core
 
     def _batch_draft(self, requests: Sequence[_Request]):
         """The one draft Model of the requests that draft with one (None if none does)."""
-        drafts = {id(r.speculation.draft): r.speculation.draft for r in requests
-                  if r.speculation is not None and r.speculation.draft is not None}
-        if len(drafts) > 1:
-            raise ValueError("the requests of a batch draft with one draft model (got several draft_model values)")
-        draft = next(iter(drafts.values()), None)
+        draft = self._one_drafter(requests, False, "draft model")
         if draft is not None and draft.n_seq_max < self.n_seq_max:
             raise ValueError(f"draft model {draft.path} has n_seq_max = {draft.n_seq_max}: drafting for concurrent "
                              f"sequences needs one slot per sequence (load it with n_seq_max={self.n_seq_max})")
@@ -503,9 +519,11 @@ class Model:
         generate_kwargs are generate()'s (max_tokens, temperature, ..., seed, stop), for every
         prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
         max_tokens, seed, stop or grammar). spec_type="ngram-simple" (prompt lookup, draft_n_max,
-        draft_n_min, tree_budget for n-gram draft trees) speculates: every step verifies the drafts of all running sequences in one target
-        pass, and each result equals generate() alone with the same speculation (greedy and seeded
-        sampling; a sequence with a grammar decodes plainly in the batch); other drafters raise
+        draft_n_min, tree_budget for n-gram draft trees), draft_model (a Model with n_seq_max slots;
+        chains) or spec_type="dflash" (a DFlash drafter; chains or DDTree trees) speculates: every step
+        verifies the drafts of all running sequences in one target pass, and each result equals
+        generate() alone with the same speculation (greedy and seeded sampling; a sequence with a
+        grammar decodes plainly in the batch); the MTP head and draft-model trees raise
         BatchSpeculationError. stream=True raises ValueError. cancel() stops every sequence.
         `prediction` (text or ids, here or per prompt): the output the caller expects, which the
         sequence's prompt lookup drafts from (deltaspec.prediction)."""
@@ -524,6 +542,7 @@ class Model:
         native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c, self._native_spec(r))
                   for r, c in zip(requests, constraints)]
         draft_model = self._batch_draft(requests)
+        dflash = self._batch_dflash(requests)
         with engine_of(self) as engine, contextlib.ExitStack() as held:
             draft = None if draft_model is None else held.enter_context(engine_of(draft_model))
             self._cached_tokens = None  # the slots' states are the batch's now
@@ -531,7 +550,7 @@ class Model:
                 engine.clear_cancel()
                 self._batch_running = True
             try:
-                outs = engine.generate_batch(native, eog, draft)
+                outs = engine.generate_batch(native, eog, draft, dflash)
             finally:
                 with self._control:
                     self._batch_running = False
@@ -550,13 +569,15 @@ class Model:
         req = self._batch_request(prompt, generate_kwargs, "add_request")
         constraint = self._constraint(req)
         draft_model = self._batch_draft([req])
+        dflash = self._batch_dflash([req])
         with engine_of(self) as engine:
             self._cached_tokens = None
             # the scheduler keeps the draft model's engine for its requests (the caller keeps the Model)
             request_id = engine.add_request(req.prompt, req.max_tokens, req.sampling.native(),
                                             sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop],
                                             constraint=constraint, speculation=self._native_spec(req),
-                                            draft=None if draft_model is None else draft_model._live())
+                                            draft=None if draft_model is None else draft_model._live(),
+                                            dflash=dflash)
         self._request_prompts[request_id] = (len(req.prompt), constraint)
         return request_id
 

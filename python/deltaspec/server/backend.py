@@ -3,7 +3,8 @@
 Two backends, chosen by `make_backend`:
 - `BatchBackend`: Model.add_request / step / cancel_request. Every step admits the requests given
   slots and decodes one token for every running one in one batch (continuous batching); with a
-  drafter (--spec-type ngram-simple, or -md: a draft model loaded with --parallel slots) each request
+  drafter (--spec-type ngram-simple, -md: a draft model loaded with --parallel slots, or
+  --spec-type draft-dflash: a DFlash drafter with a context slot per request) each request
   drafts and every step verifies all running requests' drafts in one target pass (speculation
   batched across requests).
 - `SpeculativeBackend`: one request at a time through Model.generate(stream=True, draft_model /
@@ -41,14 +42,14 @@ class ServeConfigError(ValueError):
 
 
 # what the batch scheduler speculates with (Model.add_request); other drafters run one request at a time
-BATCHED_SPEC_TYPES = ("ngram-simple", "draft-simple")
+BATCHED_SPEC_TYPES = ("ngram-simple", "draft-simple", "draft-dflash", "dflash")
 
 
 class BatchBackend:
     def __init__(self, model, speculation: dict | None = None):
         self.model = model
         self.slots = model.n_seq_max
-        # add_request's speculation keywords (spec_type, draft_model, draft_n_max, draft_n_min), or none
+        # add_request's speculation keywords (spec_type, draft_model, draft_n_max, draft_n_min, tree_budget), or none
         self.speculation = {} if speculation is None else dict(speculation)
         self._running: dict[int, tuple[object, TextAssembler]] = {}  # engine request id -> (job, text)
 

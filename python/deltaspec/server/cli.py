@@ -15,8 +15,9 @@ from ..devices import DEVICE_KINDS, add_split_arguments, device_arg, device_kind
 DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
 (streamed as server-sent events), /v1/models, /health and /metrics (Prometheus). --parallel N requests decode
 together in one batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each
-slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type) at any -np:
-every step verifies the drafts of all running requests in one target pass. --replicas DEV,DEV,...: one copy
+slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type: a draft model,
+prompt lookup or a DFlash drafter) at any -np: every step verifies the drafts of all running requests in one
+target pass. --replicas DEV,DEV,...: one copy
 of the model per device (and of the draft model), each with its own -np slots, behind one queue."""
 
 
@@ -54,11 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", default=None, metavar="N",
                    help="0 = CPU; N >= 1 or 'all' = the whole model on the GPU (--device cuda)")
     add_split_arguments(p, devices_note="; -md goes on the first")
-    p.add_argument("-md", "--model-draft", default=None, metavar="FNAME", help="draft model (spec-type draft-simple)")
-    p.add_argument("--spec-type", default=None, choices=["draft-simple", "ngram-simple"],
-                   help="speculative decoding: draft-simple (with -md) or ngram-simple (prompt lookup)")
+    p.add_argument("-md", "--model-draft", default=None, metavar="FNAME",
+                   help="draft model (spec-type draft-simple) or DFlash block drafter (spec-type draft-dflash)")
+    p.add_argument("--spec-type", default=None, choices=["draft-simple", "ngram-simple", "draft-dflash", "dflash"],
+                   help="speculative decoding: draft-simple (with -md), ngram-simple (prompt lookup) or "
+                        "draft-dflash (alias dflash; with -md a DFlash drafter: one pass drafts a block, each "
+                        "request in its own drafter slot)")
     p.add_argument("--spec-draft-n-max", type=int, default=16, metavar="N", help="longest draft (default: %(default)s)")
     p.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N", help="shortest draft (default: %(default)s)")
+    p.add_argument("--spec-tree-budget", type=int, default=0, metavar="N",
+                   help="draft trees of up to N nodes verified in one pass (ngram-simple: where the text went on "
+                        "differently; draft-dflash: DDTree over one block); 0: chains (default: %(default)s)")
     p.add_argument("--chat-template-file", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the GGUF's")
     p.add_argument("--timeout-graceful", type=float, default=30.0, metavar="S",
@@ -137,12 +144,15 @@ def _speculation(args) -> dict | None:
     if args.model_draft is None and args.spec_type is None:
         return None
     spec_type = args.spec_type or "draft-simple"
-    if spec_type == "draft-simple" and args.model_draft is None:
-        raise ServeError("--spec-type draft-simple needs -md/--model-draft")
+    if spec_type in ("draft-simple", "draft-dflash", "dflash") and args.model_draft is None:
+        raise ServeError(f"--spec-type {spec_type} needs -md/--model-draft")
     if spec_type == "ngram-simple" and args.model_draft is not None:
         raise ServeError("--spec-type ngram-simple drafts from the text itself; leave out -md")
+    if spec_type == "draft-simple" and args.spec_tree_budget:
+        raise ServeError("--spec-tree-budget: a draft model drafts chains for concurrent requests; "
+                         "trees come with ngram-simple or draft-dflash")
     return {"spec_type": spec_type, "draft_model": args.model_draft, "draft_n_max": args.spec_draft_n_max,
-            "draft_n_min": args.spec_draft_n_min}
+            "draft_n_min": args.spec_draft_n_min, "tree_budget": args.spec_tree_budget}
 
 
 def _served(model, args):
@@ -190,7 +200,11 @@ def _load(args, device: str, speculation: dict | None, split: tuple[list[str], l
     model = Model(args.model, n_ctx=args.ctx_size, n_seq_max=args.parallel, n_ubatch=args.ubatch_size,
                   type_k=args.cache_type_k, type_v=args.cache_type_v, **placement, **kwargs)
     device = model.device
-    if speculation and speculation["draft_model"] is not None:
+    if speculation and speculation["spec_type"] in ("draft-dflash", "dflash"):
+        from ..dflash import Drafter  # on the target's device, a context slot per request
+
+        speculation = {**speculation, "draft_model": Drafter(speculation["draft_model"], target=model)}
+    elif speculation and speculation["draft_model"] is not None:
         # a slot per request: the batch backend drafts for every running request at once
         speculation = {**speculation, "draft_model": Model(speculation["draft_model"], n_ctx=args.ctx_size,
                                                             device=device, n_seq_max=args.parallel, **kwargs)}
