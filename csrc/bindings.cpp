@@ -202,9 +202,9 @@ SeqSpec seq_spec_of(const py::object & spec) {
     SeqSpec out;
     if (spec.is_none()) return out;
     auto t = spec.cast<py::tuple>();
-    if (t.size() < 3 || t.size() > 7) {
+    if (t.size() < 3 || t.size() > 8) {
         throw std::invalid_argument("speculation: (draft_n_max, draft_n_min, ngram_max[, reference[, tree_budget[, "
-                                    "draft_model[, dflash]]]])");
+                                    "draft_model[, dflash[, mtp]]]]])");
     }
     out.n_max = t[0].cast<int64_t>();
     out.n_min = t[1].cast<int64_t>();
@@ -213,6 +213,7 @@ SeqSpec seq_spec_of(const py::object & spec) {
     if (t.size() > 4) out.tree_budget = t[4].cast<int64_t>();
     if (t.size() > 5) out.draft_model = t[5].cast<bool>();
     if (t.size() > 6) out.dflash = t[6].cast<bool>();
+    if (t.size() > 7) out.mtp = t[7].cast<bool>();
     if (out.n_max < 1) throw std::invalid_argument("speculation: draft_n_max must be >= 1");
     return out;
 }
@@ -774,7 +775,7 @@ PYBIND11_MODULE(_core, m) {
              py::arg("constraint") = py::none(), py::arg("speculation") = py::none(), py::arg("draft") = nullptr,
              py::arg("dflash") = py::none(),
              "Queue a request for step(); returns its id. speculation: None or (draft_n_max, draft_n_min, "
-             "ngram_max[, reference token ids[, tree_budget[, draft_model[, dflash]]]]): prompt lookup drafts (trees of up to tree_budget nodes when > 0) (searching the reference text, then the "
+             "ngram_max[, reference token ids[, tree_budget[, draft_model[, dflash[, mtp]]]]]): prompt lookup drafts (trees of up to tree_budget nodes when > 0) (searching the reference text, then the "
              "request's own) verified with the other requests' rows in one pass.")
         .def_property_readonly("batch_spec_stats", [](const Runner & r) {
                  return batch_spec_dict(r.scheduler ? r.scheduler->spec_stats() : r.batch_spec);

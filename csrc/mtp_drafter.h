@@ -24,8 +24,11 @@ namespace deltaspec {
 
 class MtpDrafter : public Drafter {
   public:
-    // Sets the target's taps to its final hidden state for as long as the drafter lives.
-    MtpDrafter(Engine & target, const SamplingParams & sampling);
+    // slot -1: the one sequence of generate_speculative (the target's current slot); sets the
+    // target's taps to its final hidden state for as long as the drafter lives. slot >= 0: one of
+    // the scheduler's sequences, reading that target slot's taps (the scheduler sets the taps and
+    // calls set_slot when it moves the sequence). Each drafter has a head (and its KV cache) of its own.
+    MtpDrafter(Engine & target, const SamplingParams & sampling, int64_t slot = -1);
     ~MtpDrafter() override;
     void begin(const std::vector<int32_t> & prompt) override;
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
@@ -35,6 +38,7 @@ class MtpDrafter : public Drafter {
     DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
 
     int64_t n_head_steps() const { return n_head_steps_; }  // head graphs run (tests assert drafting ran)
+    void set_slot(int64_t slot) { slot_ = slot; }
 
   private:
     // The head reads the committed positions it has not seen (each with the target's hidden state
@@ -43,8 +47,10 @@ class MtpDrafter : public Drafter {
     bool catch_up(const std::vector<int32_t> & committed, bool want_draft, LogitsWanted wanted, int32_t * argmax);
     // The target's hidden state at position p (p >= 0): a tapped row, or the one kept from before.
     const float * target_hidden(int64_t p) const;
+    int64_t target_slot() const { return slot_ < 0 ? target_.current_slot() : slot_; }
 
     Engine & target_;
+    int64_t slot_;
     std::vector<int> old_taps_;
     MtpHead head_;
     Sampler sampler_;

@@ -85,30 +85,47 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
         throw std::invalid_argument(model_drafter_ ? "a draft model drafts chains across sequences (tree_budget must be 0)"
                                                    : "speculation with a draft model: the scheduler has none (set_draft_model)");
     }
-    if (spec.dflash && (!dflash_ || spec.draft_model)) {
-        throw std::invalid_argument(dflash_ ? "a request drafts with a draft model or DFlash, not both"
+    if (spec.dflash && (!dflash_ || spec.draft_model || spec.mtp)) {
+        throw std::invalid_argument(dflash_ ? "a request drafts with one of a draft model, DFlash or the MTP head"
                                             : "speculation with DFlash: the scheduler has no DFlash drafter (set_dflash)");
+    }
+    if (spec.mtp && (spec.draft_model || dflash_)) {
+        throw std::invalid_argument(spec.draft_model ? "a request drafts with one of a draft model, DFlash or the MTP head"
+                                                     : "MTP and DFlash requests do not share a scheduler (the target taps "
+                                                       "the layers of one of them)");
     }
     waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
     waiting_.back()->on_token = std::move(on_token);
     // a grammar or logprobs: plain steps (their rows go through the verify pass undrafted)
     if (spec.n_max > 0 && !req.constraint && req.n_logprobs < 0) {
-        Sequence & s = *waiting_.back();
-        s.spec = spec;
-        if (spec.draft_model) {
-            SamplingParams ds = req.sampling;
-            ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
-            s.draft_state = std::make_unique<DraftSlotState>(ds);
-        } else if (spec.dflash) {
-            SamplingParams ds = req.sampling;
-            ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
-            auto d = std::make_unique<DFlashDrafter>(*dflash_, engine_, dflash_cost_, ds, /*slot =*/0);  // slot: at admission
-            s.dflash = d.get();
-            s.drafter = std::move(d);
-        } else {
-            s.drafter = std::make_unique<NgramDrafter>(spec.ngram_max);
+        try {
+            Sequence & s = *waiting_.back();
+            s.spec = spec;
+            if (spec.draft_model) {
+                SamplingParams ds = req.sampling;
+                ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
+                s.draft_state = std::make_unique<DraftSlotState>(ds);
+            } else if (spec.dflash) {
+                SamplingParams ds = req.sampling;
+                ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
+                auto d = std::make_unique<DFlashDrafter>(*dflash_, engine_, dflash_cost_, ds, /*slot =*/0);  // slot: at admission
+                s.dflash = d.get();
+                s.drafter = std::move(d);
+            } else if (spec.mtp) {
+                SamplingParams ds = req.sampling;
+                ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
+                auto d = std::make_unique<MtpDrafter>(engine_, ds, /*slot =*/0);  // throws without an MTP layer
+                s.mtp = d.get();
+                s.drafter = std::move(d);
+                mtp_ = true;
+            } else {
+                s.drafter = std::make_unique<NgramDrafter>(spec.ngram_max);
+            }
+            s.n_draft = std::max<int64_t>(spec.n_min, std::min<int64_t>(spec.n_max, 4));
+        } catch (...) {  // a drafter that cannot be made (no MTP layer): the request is not queued
+            waiting_.pop_back();
+            throw;
         }
-        s.n_draft = std::max<int64_t>(spec.n_min, std::min<int64_t>(spec.n_max, 4));
     }
     return next_id_++;
 }
@@ -160,6 +177,10 @@ void Scheduler::begin_draft(Sequence & s) {
     if (s.dflash) {  // the drafter's slot reads the target's taps of the prompt (or of its part not kept)
         s.dflash->set_slot(s.slot);
         s.dflash->begin(s.req.prompt);
+    }
+    if (s.mtp) {  // the head reads the prompt with the target's hidden states of it
+        s.mtp->set_slot(s.slot);
+        s.mtp->begin(s.req.prompt);
     }
     if (!model_drafter_) return;
     // the draft slot reads the whole prompt (or is emptied for a sequence without it)
@@ -230,10 +251,10 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
         // caller said (checked by add_request)
         s->n_fed = histories_ ? histories_->take(s->slot, s->req.prompt) : s->req.n_cached;
         engine_.use_slot(s->slot);
-        if (s->dflash) {
-            ensure_dflash_taps();
-            if (s->n_fed > 0 && !dflash_context_covers(s->slot)) s->n_fed = 0;  // read it all again, tapped
-        }
+        if (s->reads_taps()) ensure_taps();
+        // read it all again, tapped: a DFlash context that was not kept with the history, or an MTP
+        // head, which is the sequence's own and starts empty
+        if (s->n_fed > 0 && (s->mtp || (s->dflash && !dflash_context_covers(s->slot)))) s->n_fed = 0;
         if (s->n_fed == 0 && batch_bug() != BatchBug::no_reset) engine_.reset();
         Sequence & seq = *s;
         running_.push_back(std::move(s));
@@ -404,6 +425,7 @@ void Scheduler::release_finished() {
             running_[to] = std::move(running_[from]);
             running_[to]->slot = to;
             if (running_[to]->dflash) running_[to]->dflash->set_slot(to);
+            if (running_[to]->mtp) running_[to]->mtp->set_slot(to);
         };
         if (i != last) {
             // the highest decoding sequence fills the hole; a split prompt stays on top, one slot down
@@ -430,7 +452,7 @@ void Scheduler::set_draft_model(Engine & draft, double step_cost) {
 }
 
 Scheduler::~Scheduler() {
-    if (!dflash_) return;
+    if (!dflash_ && !mtp_) return;
     try {
         engine_.set_taps({});  // plain steps stop paying for the copies
     } catch (...) {
@@ -440,6 +462,7 @@ Scheduler::~Scheduler() {
 void Scheduler::set_dflash(DFlashModel & model, double pass_cost) {
     if (dflash_ == &model) return;
     if (dflash_ || !idle()) throw std::logic_error("set_dflash: the scheduler has a DFlash drafter or requests already");
+    if (mtp_) throw std::invalid_argument("MTP and DFlash requests do not share a scheduler (the target taps the layers of one of them)");
     if (&model.target() != &engine_) throw std::invalid_argument("the DFlash drafter belongs to another target");
     if (model.n_slots() < engine_.n_seq_max()) {
         throw std::invalid_argument("the DFlash drafter has " + std::to_string(model.n_slots()) + " slots; drafting for " +
@@ -447,12 +470,14 @@ void Scheduler::set_dflash(DFlashModel & model, double pass_cost) {
     }
     dflash_ = &model;
     dflash_cost_ = pass_cost;
-    ensure_dflash_taps();
+    ensure_taps();
 }
 
-void Scheduler::ensure_dflash_taps() {
-    // a one-sequence call between requests (a DFlash generate()) may have changed them
-    const std::vector<int> want = dflash_taps(dflash_->hparams());
+void Scheduler::ensure_taps() {
+    // a one-sequence call between requests (a DFlash or MTP generate()) may have changed them
+    const std::vector<int> want = dflash_ ? dflash_taps(dflash_->hparams())
+                                  : mtp_  ? std::vector<int>{(int)engine_.hparams().n_layer}
+                                          : std::vector<int>{};
     if (engine_.taps() != want) {
         engine_.set_taps(want);
         if (histories_) histories_->forget();  // what the idle slots hold has no taps now
@@ -473,9 +498,9 @@ std::vector<StepEvent> Scheduler::step() {
     admit(events);
     release_finished();
     if (!decode_speculative(events)) decode_running(events);
-    if (dflash_) {  // only DFlash sequences read their slot's taps: the others' would pile up
+    if (dflash_ || mtp_) {  // only DFlash and MTP sequences read their slot's taps: the others' would pile up
         for (const auto & s : running_) {
-            if (!s->dflash) engine_.clear_tapped(s->slot);
+            if (!s->reads_taps()) engine_.clear_tapped(s->slot);
         }
     }
     release_finished();

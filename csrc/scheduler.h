@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dflash_drafter.h"
+#include "mtp_drafter.h"
 #include "engine.h"
 #include "generate.h"
 #include "sampler.h"
@@ -42,6 +43,9 @@ struct SeqSpec {
     // drafts with the scheduler's DFlash drafter (Scheduler::set_dflash), as generate_speculative's
     // DFlashDrafter: a block pass per round, chains or DDTree trees (tree_budget)
     bool dflash = false;
+    // drafts with the target's own MTP head, as generate_speculative's MtpDrafter (chains or trees),
+    // a head and KV cache of its own per sequence
+    bool mtp = false;
 };
 
 // The first maximum, as ggml's argmax picks it: a greedy sequence in a batch that also samples
@@ -72,6 +76,8 @@ struct Sequence {
     SeqSpec spec;
     std::unique_ptr<Drafter> drafter;
     DFlashDrafter * dflash = nullptr;  // `drafter` when it is the scheduler's DFlash drafter's
+    MtpDrafter * mtp = nullptr;        // `drafter` when it drafts with the MTP head
+    bool reads_taps() const { return dflash != nullptr || mtp != nullptr; }
     int64_t n_draft = 0, pause = 0, backoff = 1;
     Draft draft;        // this step's (chains)
     DraftTree tree;     // this step's (tree_budget > 0)
@@ -183,7 +189,7 @@ class Scheduler {
     // a sequence resuming a kept history drafts with DFlash: whether the drafter's slot holds the
     // context of what the target's slot holds (else the prompt is read again)
     bool dflash_context_covers(int64_t slot) const;
-    void ensure_dflash_taps();  // the engine taps what the DFlash drafter reads
+    void ensure_taps();  // the engine taps what the DFlash drafter or the MTP head reads
     // evaluates up to `budget` more of s's prompt in its slot; once the prompt is complete, chooses
     // and commits its first token. Returns the prompt tokens evaluated.
     int64_t feed(Sequence & s, int64_t budget, std::vector<StepEvent> & events);
@@ -220,6 +226,7 @@ class Scheduler {
     std::unique_ptr<BatchModelDrafter> model_drafter_;
     DFlashModel * dflash_ = nullptr;
     double dflash_cost_ = 0.0;
+    bool mtp_ = false;  // an MTP request came: the engine taps its final hidden state
     std::unique_ptr<SlotHistories> histories_;  // keep_histories only
     int64_t prefill_budget_ = 0;
     bool disable_prefill_rows_ = false;

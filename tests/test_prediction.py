@@ -101,21 +101,25 @@ def test_generate_has_no_prediction(model):
 
 
 def test_a_prediction_replaces_a_drafter_concurrent_sequences_do_not_run(tmp_path):
-    """spec_type "mtp", which generate_batch refuses on its own, beside a prediction: the requests
-    draft by lookup in the prediction (as a draft model's would), nearly all of it accepted, plain
-    greedy's tokens; an empty prediction is none, and the request is refused as without one. Red
-    before the prediction lifted the refusal (BatchSpeculationError on the first call)."""
+    """Draft-model trees, which generate_batch refuses on their own, beside a prediction: the
+    requests draft by lookup in the prediction (as a draft model's would), nearly all of it
+    accepted, plain greedy's tokens; an empty prediction is none, and the request is refused as
+    without one. Red before the prediction lifted the refusal (BatchSpeculationError on the first
+    call)."""
     from deltaspec.model import BatchSpeculationError
 
-    path = write_tiny_vocab_model(tmp_path / "mtp.gguf", seed=0, mtp=True)
-    with Model(path, n_ctx=N_CTX, n_threads=1, n_seq_max=2) as m:
+    path = write_tiny_vocab_model(tmp_path / "t.gguf", seed=0)
+    draft_path = write_tiny_vocab_model(tmp_path / "d.gguf", seed=1)
+    with Model(path, n_ctx=N_CTX, n_threads=1, n_seq_max=2) as m, \
+            Model(draft_path, n_ctx=N_CTX, n_threads=1, n_seq_max=2) as d:
         prompts = _prompts(2)
+        trees = dict(draft_model=d, tree_budget=8)
         plain = m.generate_batch(prompts, **GREEDY)
-        got = m.generate_batch(prompts, per_prompt=[{"prediction": r.tokens} for r in plain], spec_type="mtp",
-                               draft_n_max=8, **GREEDY)
+        got = m.generate_batch(prompts, per_prompt=[{"prediction": r.tokens} for r in plain], draft_n_max=8,
+                               **trees, **GREEDY)
         for k, (p, g) in enumerate(zip(plain, got)):
             assert g.tokens == p.tokens, f"prompt {k}: a prediction changed the greedy output"
             assert g.stats.n_drafted > 0 and g.stats.n_accepted >= 0.8 * len(p.tokens), (k, g.stats)
         for prediction in ({}, {"prediction": ""}):
-            with pytest.raises(BatchSpeculationError, match="MTP"):
-                m.generate_batch(prompts, spec_type="mtp", **prediction, **GREEDY)
+            with pytest.raises(BatchSpeculationError, match="draft model drafts chains"):
+                m.generate_batch(prompts, **trees, **prediction, **GREEDY)

@@ -38,7 +38,7 @@ SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of 
 
 class BatchSpeculationError(DeltaspecError, NotImplementedError):
     """A speculative decoder asked of generate_batch / add_request that they do not run for several
-    sequences yet (the MTP head, draft-model trees)."""
+    sequences yet (draft-model trees)."""
 
 
 @dataclass
@@ -417,13 +417,11 @@ class Model:
         o = {**_GENERATE_DEFAULTS, **options}
         # a (non-empty) prediction drafts by lookup in place of any other drafter (deltaspec.prediction)
         predicted = prediction_ids(self, prediction, where) if prediction is not None else []
-        dflash = o["spec_type"] in ("dflash", "draft-dflash")
-        if not predicted and (o["spec_type"] not in (None, "ngram-simple", "draft-simple", "dflash", "draft-dflash") or
-                              (o["draft_model"] is not None and not dflash and o["tree_budget"] != 0)):
-            raise BatchSpeculationError(f"{where}(): of the speculative decoders prompt lookup (spec_type "
-                                        "'ngram-simple', chains or trees), DFlash (chains or DDTree trees) and a draft "
-                                        "model (chains) run for concurrent sequences yet; call generate() per prompt "
-                                        "to speculate with the MTP head or draft-model trees")
+        model_drafts = o["draft_model"] is not None and o["spec_type"] in (None, "draft-simple")
+        if not predicted and model_drafts and o["tree_budget"] != 0:
+            raise BatchSpeculationError(f"{where}(): a draft model drafts chains for concurrent sequences (prompt "
+                                        "lookup, DFlash and the MTP head draft trees too); pass tree_budget=0, or call "
+                                        "generate() per prompt for draft-model trees")
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
         if o["logprobs"] is not None:
@@ -452,12 +450,12 @@ class Model:
     def _native_spec(request: _Request):
         """The scheduler's speculation of a request: None, or (n_max, n_min, ngram_max, the lookup's
         reference ids (a prediction's), tree_budget, whether the draft model drafts, whether the
-        DFlash drafter drafts)."""
+        DFlash drafter drafts, whether the MTP head drafts)."""
         spec = request.speculation
         if spec is None:
             return None
         return (spec.n_max, spec.n_min, spec.ngram_max, list(spec.reference), spec.tree_budget,
-                spec.draft is not None and not spec.dflash, spec.dflash)
+                spec.draft is not None and not spec.dflash, spec.dflash, spec.mtp)
 
     @staticmethod
     def _one_drafter(requests: Sequence[_Request], dflash: bool, what: str):
@@ -520,10 +518,11 @@ class Model:
         prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
         max_tokens, seed, stop or grammar). spec_type="ngram-simple" (prompt lookup, draft_n_max,
         draft_n_min, tree_budget for n-gram draft trees), draft_model (a Model with n_seq_max slots;
-        chains) or spec_type="dflash" (a DFlash drafter; chains or DDTree trees) speculates: every step
-        verifies the drafts of all running sequences in one target pass, and each result equals
-        generate() alone with the same speculation (greedy and seeded sampling; a sequence with a
-        grammar decodes plainly in the batch); the MTP head and draft-model trees raise
+        chains), spec_type="dflash" (a DFlash drafter; chains or DDTree trees) or spec_type="mtp" (the
+        model's MTP head, a head per sequence; chains or trees; not with DFlash in the same batch)
+        speculates: every step verifies the drafts of all running sequences in one target pass, and
+        each result equals generate() alone with the same speculation (greedy and seeded sampling; a
+        sequence with a grammar decodes plainly in the batch); draft-model trees raise
         BatchSpeculationError. stream=True raises ValueError. cancel() stops every sequence.
         `prediction` (text or ids, here or per prompt): the output the caller expects, which the
         sequence's prompt lookup drafts from (deltaspec.prediction)."""

@@ -4,7 +4,8 @@ Two backends, chosen by `make_backend`:
 - `BatchBackend`: Model.add_request / step / cancel_request. Every step admits the requests given
   slots and decodes one token for every running one in one batch (continuous batching); with a
   drafter (--spec-type ngram-simple, -md: a draft model loaded with --parallel slots, or
-  --spec-type draft-dflash: a DFlash drafter with a context slot per request) each request
+  --spec-type draft-dflash: a DFlash drafter with a context slot per request, or draft-mtp: the
+  model's MTP layer, a head per request) each request
   drafts and every step verifies all running requests' drafts in one target pass (speculation
   batched across requests).
 - `SpeculativeBackend`: one request at a time through Model.generate(stream=True, draft_model /
@@ -42,7 +43,7 @@ class ServeConfigError(ValueError):
 
 
 # what the batch scheduler speculates with (Model.add_request); other drafters run one request at a time
-BATCHED_SPEC_TYPES = ("ngram-simple", "draft-simple", "draft-dflash", "dflash")
+BATCHED_SPEC_TYPES = ("ngram-simple", "draft-simple", "draft-dflash", "dflash", "draft-mtp", "mtp")
 
 
 class BatchBackend:

@@ -16,7 +16,7 @@ DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/cha
 (streamed as server-sent events), /v1/models, /health and /metrics (Prometheus). --parallel N requests decode
 together in one batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each
 slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type: a draft model,
-prompt lookup or a DFlash drafter) at any -np: every step verifies the drafts of all running requests in one
+prompt lookup, a DFlash drafter or the model's MTP layer) at any -np: every step verifies the drafts of all running requests in one
 target pass. --replicas DEV,DEV,...: one copy
 of the model per device (and of the draft model), each with its own -np slots, behind one queue."""
 
@@ -57,15 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_split_arguments(p, devices_note="; -md goes on the first")
     p.add_argument("-md", "--model-draft", default=None, metavar="FNAME",
                    help="draft model (spec-type draft-simple) or DFlash block drafter (spec-type draft-dflash)")
-    p.add_argument("--spec-type", default=None, choices=["draft-simple", "ngram-simple", "draft-dflash", "dflash"],
-                   help="speculative decoding: draft-simple (with -md), ngram-simple (prompt lookup) or "
+    p.add_argument("--spec-type", default=None,
+                   choices=["draft-simple", "ngram-simple", "draft-dflash", "dflash", "draft-mtp", "mtp"],
+                   help="speculative decoding: draft-simple (with -md), ngram-simple (prompt lookup), "
                         "draft-dflash (alias dflash; with -md a DFlash drafter: one pass drafts a block, each "
-                        "request in its own drafter slot)")
+                        "request in its own drafter slot) or draft-mtp (alias mtp: the model's own MTP layer, "
+                        "a head per request)")
     p.add_argument("--spec-draft-n-max", type=int, default=16, metavar="N", help="longest draft (default: %(default)s)")
     p.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N", help="shortest draft (default: %(default)s)")
     p.add_argument("--spec-tree-budget", type=int, default=0, metavar="N",
                    help="draft trees of up to N nodes verified in one pass (ngram-simple: where the text went on "
-                        "differently; draft-dflash: DDTree over one block); 0: chains (default: %(default)s)")
+                        "differently; draft-dflash: DDTree over one block; draft-mtp: the head's alternatives "
+                        "along its chain); 0: chains (default: %(default)s)")
     p.add_argument("--chat-template-file", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the GGUF's")
     p.add_argument("--timeout-graceful", type=float, default=30.0, metavar="S",
@@ -148,9 +151,11 @@ def _speculation(args) -> dict | None:
         raise ServeError(f"--spec-type {spec_type} needs -md/--model-draft")
     if spec_type == "ngram-simple" and args.model_draft is not None:
         raise ServeError("--spec-type ngram-simple drafts from the text itself; leave out -md")
+    if spec_type in ("draft-mtp", "mtp") and args.model_draft is not None:
+        raise ServeError(f"--spec-type {spec_type} drafts with the model's own MTP layer; leave out -md")
     if spec_type == "draft-simple" and args.spec_tree_budget:
         raise ServeError("--spec-tree-budget: a draft model drafts chains for concurrent requests; "
-                         "trees come with ngram-simple or draft-dflash")
+                         "trees come with ngram-simple, draft-dflash or draft-mtp")
     return {"spec_type": spec_type, "draft_model": args.model_draft, "draft_n_max": args.spec_draft_n_max,
             "draft_n_min": args.spec_draft_n_min, "tree_budget": args.spec_tree_budget}
 
