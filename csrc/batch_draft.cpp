@@ -104,6 +104,13 @@ void BatchModelDrafter::propose(std::vector<DraftJob> & all) {
     }
     run(jobs, chains, /*commit =*/true);
 
+    // trees, one job after another (ModelDrafter::propose_tree); the chains below
+    std::vector<std::vector<float>> roots = last_;
+    for (size_t k = 0; k < jobs.size(); ++k) {
+        if (jobs[k]->tree_budget > 0) n_forward[k] += grow_tree(*jobs[k], roots[k]);
+    }
+    last_ = std::move(roots);
+
     // the drafts, token by token (ModelDrafter::propose's loop), each pass over every chain still growing
     std::vector<std::vector<int32_t>> history(jobs.size());
     std::vector<int64_t> base(jobs.size());
@@ -119,7 +126,9 @@ void BatchModelDrafter::propose(std::vector<DraftJob> & all) {
         std::vector<size_t> grow_index;
         for (size_t k = 0; k < jobs.size(); ++k) {
             DraftJob & j = *jobs[k];
-            if (i >= j.n_max || base[k] + i >= draft_.n_ctx() || (int64_t)j.draft.tokens.size() < i) continue;
+            if (j.tree_budget > 0 || i >= j.n_max || base[k] + i >= draft_.n_ctx() || (int64_t)j.draft.tokens.size() < i) {
+                continue;
+            }
             const bool greedy = j.state->sampler.params().greedy();
             j.state->sampler.distribution(logits[k].data(), n_vocab, history[k], q);
             const int32_t token = j.state->sampler.draw(q);
@@ -138,9 +147,37 @@ void BatchModelDrafter::propose(std::vector<DraftJob> & all) {
         for (size_t m = 0; m < growing.size(); ++m) logits[grow_index[m]] = std::move(last_[m]);
     }
     for (size_t k = 0; k < jobs.size(); ++k) {
-        jobs[k]->state->last_drafted = (int64_t)jobs[k]->draft.tokens.size();
-        jobs[k]->draft.cost = step_cost_ * (double)n_forward[k];
+        DraftJob & j = *jobs[k];
+        j.state->last_drafted = j.tree_budget > 0 ? j.tree.max_depth() : (int64_t)j.draft.tokens.size();
+        (j.tree_budget > 0 ? j.tree.cost : j.draft.cost) = step_cost_ * (double)n_forward[k];
     }
+}
+
+int64_t BatchModelDrafter::grow_tree(DraftJob & job, const std::vector<float> & root) {
+    const int64_t n_vocab = draft_.hparams().n_vocab, base = draft_.slot_n_past(job.slot);
+    DraftSlotState & st = *job.state;
+    const bool greedy = st.sampler.params().greedy();
+    int64_t n_forward = 0;
+    std::vector<int32_t> history;
+    std::vector<float> logits;
+    auto dist = [&](const DraftTree & t, int32_t node, Distribution & out) {
+        const std::vector<int32_t> path = t.path_tokens(node);
+        if (node >= 0) {
+            if (base + (int64_t)path.size() > draft_.n_ctx()) return;  // no room: a leaf
+            run({&job}, {path}, /*commit =*/false);
+            logits = std::move(last_[0]);
+            n_forward += 1;
+        }
+        history = *job.committed;
+        history.insert(history.end(), path.begin(), path.end());
+        (greedy ? st.ranker : st.sampler).distribution(node < 0 ? root.data() : logits.data(), n_vocab, history, out);
+    };
+    BestFirstOptions opts;
+    opts.budget = job.tree_budget;
+    opts.max_depth = job.n_max;
+    if (!greedy) opts.uniform = [&st] { return st.sampler.uniform(); };
+    job.tree = build_best_first(dist, opts);
+    return n_forward;
 }
 
 }  // namespace deltaspec

@@ -10,6 +10,9 @@
 // of drafts d_1 .. d_j from the slot's committed state without committing it, its last row giving
 // d_{j+1}. The drafts are never committed, so nothing needs a checkpoint to roll back; a pass of a
 // small draft model reads its weights once whatever its rows, so the re-evaluated chains cost little.
+// A job that asks for a tree (tree_budget > 0) then grows it as ModelDrafter::propose_tree does,
+// best-first from the draft's distribution after each node's path, each node's path evaluated
+// from the slot's committed state in a pass of its own (same nodes, draws and cost as alone).
 #pragma once
 
 #include <cstdint>
@@ -23,8 +26,9 @@ namespace deltaspec {
 
 // One sequence's draft-model state.
 struct DraftSlotState {
-    explicit DraftSlotState(const SamplingParams & sampling) : sampler(sampling) {}
+    explicit DraftSlotState(const SamplingParams & sampling) : sampler(sampling), ranker(tree_ranking(sampling)) {}
     Sampler sampler;            // the draft's draws (ModelDrafter's seed rule: the caller's)
+    Sampler ranker;             // greedy trees: the candidates' ranking distribution
     int64_t n_synced = 0;       // the slot holds committed[start .. n_synced) for some start
     int64_t last_drafted = 0;   // tokens the previous round drafted
 };
@@ -34,8 +38,10 @@ struct DraftJob {
     int64_t slot = -1;
     DraftSlotState * state = nullptr;
     const std::vector<int32_t> * committed = nullptr;  // prompt + committed tokens
-    int64_t n_max = 0;
+    int64_t n_max = 0;          // a chain's length, or a tree's depth
+    int64_t tree_budget = 0;    // > 0: a tree of at most this many nodes instead of a chain
     Draft draft;
+    DraftTree tree;
 };
 
 class BatchModelDrafter {
@@ -54,6 +60,9 @@ class BatchModelDrafter {
     // consecutive slots that fit n_ubatch (a slot between them without a chain gets a dummy row,
     // never kept); the logits of each chain's last row land in last_[k]; `commit` keeps the chains.
     void run(const std::vector<DraftJob *> & jobs, const std::vector<std::vector<int32_t>> & chains, bool commit);
+    // a tree job's tree after its catch-up (root: the logits after the committed tokens); returns
+    // the draft forwards it took
+    int64_t grow_tree(DraftJob & job, const std::vector<float> & root);
 
     Engine & draft_;
     double step_cost_;

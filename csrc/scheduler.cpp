@@ -81,9 +81,8 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
                                     std::to_string(i) + " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
         }
     }
-    if (spec.draft_model && (!model_drafter_ || spec.tree_budget > 0)) {
-        throw std::invalid_argument(model_drafter_ ? "a draft model drafts chains across sequences (tree_budget must be 0)"
-                                                   : "speculation with a draft model: the scheduler has none (set_draft_model)");
+    if (spec.draft_model && !model_drafter_) {
+        throw std::invalid_argument("speculation with a draft model: the scheduler has none (set_draft_model)");
     }
     if (spec.dflash && (!dflash_ || spec.draft_model || spec.mtp)) {
         throw std::invalid_argument(dflash_ ? "a request drafts with one of a draft model, DFlash or the MTP head"

@@ -57,7 +57,8 @@ int64_t Scheduler::draft_all() {
             job.slot = s.slot;
             job.state = s.draft_state.get();
             job.committed = &s.history;
-            job.n_max = std::min(s.n_draft, room);
+            job.n_max = std::min(s.n_draft, room);  // a tree's depth too (a draft model's depth is not free)
+            if (s.spec.tree_budget > 0) job.tree_budget = std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap});
             jobs.push_back(std::move(job));
             job_seq.push_back(&s);
         } else if (room >= std::max<int64_t>(s.spec.n_min, 1)) {
@@ -90,10 +91,15 @@ int64_t Scheduler::draft_all() {
         const double seconds = seconds_since(td);
         for (size_t k = 0; k < jobs.size(); ++k) {
             Sequence & s = *job_seq[k];
-            s.draft = std::move(jobs[k].draft);
-            if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+            if (jobs[k].tree_budget > 0) {
+                s.tree = std::move(jobs[k].tree);
+                if (s.tree.size() < std::min(s.spec.n_min, jobs[k].tree_budget)) s.tree = DraftTree{};
+            } else {
+                s.draft = std::move(jobs[k].draft);
+                if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+            }
             s.stats.draft_seconds += seconds;  // the passes were shared
-            n_drafting += !s.draft.tokens.empty();
+            n_drafting += !s.draft.tokens.empty() || !s.tree.empty();
         }
     }
     return n_drafting;

@@ -1,5 +1,5 @@
 """Speculation for several sequences at once: generate_batch / add_request with spec_type
-"ngram-simple" (chains and trees) or a draft model. Every scheduler step drafts per sequence (prompt lookup), verifies all running
+"ngram-simple" (chains and trees) or a draft model (chains and trees). Every scheduler step drafts per sequence (prompt lookup), verifies all running
 sequences' rows in ONE target pass (Engine::verify_rows: each slot's chain [pending token, drafts...]
 as rows of its slot) and commits each slot's accepted prefix (Engine::keep_paths).
 
@@ -154,6 +154,36 @@ def test_speculative_batch_draft_model_equals_alone(models, tmp_path):
             for b, a in zip(batch, alone):
                 assert (b.stats.n_drafted, b.stats.n_accepted, b.stats.accepted_lengths) == \
                        (a.stats.n_drafted, a.stats.n_accepted, a.stats.accepted_lengths), "other drafts than alone"
+            if temperature == 0.0:
+                plain = [one.generate(p, logit_bias=BIAS, ignore_eos=True, temperature=0, **o)
+                         for p, o in zip(prompts, per_prompt)]
+                _assert_same(batch, plain, "plain greedy generate()")
+
+
+def test_speculative_batch_draft_model_trees_equal_alone(models, tmp_path):
+    """Draft-model trees (tree_budget 6, best-first from the draft's distributions, each node's path
+    evaluated from its draft slot's committed state) for 5 sequences on 4 slots, greedy and seeded
+    sampling: each gives the tokens, trees and acceptance of generate() alone with the same draft
+    model, greedy also plain decoding's tokens. Seen to fail with DELTASPEC_TEST_ROWS_BUG=
+    draft_slot_swap (each sequence's catch-up and tree in another's draft slot) and with the
+    greedy trees ranked by the sampler instead of the ranking distribution (one-hot: no branches)."""
+    one, four = models
+    path = write_tiny_vocab_model(tmp_path / "draft.gguf", seed=1)
+    with Model(path, n_ctx=N_CTX, n_threads=1) as d_one, Model(path, n_ctx=N_CTX, n_threads=1, n_seq_max=4) as d_four:
+        prompts = _prompts(5, seed=23)
+        for temperature in (0.0, 0.8):
+            options = dict(logit_bias=BIAS, ignore_eos=True, temperature=temperature, seed=9, draft_n_min=1,
+                           draft_n_max=4, tree_budget=6)
+            per_prompt = [dict(max_tokens=25 + 5 * k) for k in range(5)]
+            batch = four.generate_batch(prompts, per_prompt=per_prompt, draft_model=d_four, **options)
+            _assert_drafting_ran(four, batch)
+            assert four._engine.rows_stats["branched_calls"] > 0
+            alone = [one.generate(p, draft_model=d_one, **options, **o) for p, o in zip(prompts, per_prompt)]
+            _assert_same(batch, alone, f"generate() alone with draft-model trees (temperature {temperature})")
+            for b, a in zip(batch, alone):
+                assert b.stats.n_tree_nodes > 0
+                assert (b.stats.n_drafted, b.stats.n_accepted, b.stats.accepted_lengths, b.stats.n_tree_nodes) == \
+                       (a.stats.n_drafted, a.stats.n_accepted, a.stats.accepted_lengths, a.stats.n_tree_nodes)
             if temperature == 0.0:
                 plain = [one.generate(p, logit_bias=BIAS, ignore_eos=True, temperature=0, **o)
                          for p, o in zip(prompts, per_prompt)]

@@ -48,9 +48,10 @@ def test_speculative_servers_get_every_stream_count_and_parsable_flags():
 
     serve = build_parser()
     expected = {"deltaspec": None,
-                "deltaspec-ngram": {"spec_type": "ngram-simple", "draft_model": None, "draft_n_max": 6, "draft_n_min": 0},
+                "deltaspec-ngram": {"spec_type": "ngram-simple", "draft_model": None, "draft_n_max": 6, "draft_n_min": 0,
+                                    "tree_budget": 0},
                 "deltaspec-draft": {"spec_type": "draft-simple", "draft_model": "d.gguf", "draft_n_max": 6,
-                                    "draft_n_min": 0}}
+                                    "draft_n_min": 0, "tree_budget": 0}}
     for name, want in expected.items():
         cmd = cmds[name]
         assert cmd[1:3] == ["-m", "deltaspec.server"]

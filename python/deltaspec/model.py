@@ -36,11 +36,6 @@ SPEC_TYPES = ("draft-simple", "ngram-simple", "mtp", "draft-mtp", "dflash", "dra
 SMALL_ARRAY = 64  # longer metadata arrays (vocabulary, merges) are left out of Model.metadata
 
 
-class BatchSpeculationError(DeltaspecError, NotImplementedError):
-    """A speculative decoder asked of generate_batch / add_request that they do not run for several
-    sequences yet (draft-model trees)."""
-
-
 @dataclass
 class RequestOutput:
     """What one `Model.step()` did to one request added with `Model.add_request`."""
@@ -417,11 +412,6 @@ class Model:
         o = {**_GENERATE_DEFAULTS, **options}
         # a (non-empty) prediction drafts by lookup in place of any other drafter (deltaspec.prediction)
         predicted = prediction_ids(self, prediction, where) if prediction is not None else []
-        model_drafts = o["draft_model"] is not None and o["spec_type"] in (None, "draft-simple")
-        if not predicted and model_drafts and o["tree_budget"] != 0:
-            raise BatchSpeculationError(f"{where}(): a draft model drafts chains for concurrent sequences (prompt "
-                                        "lookup, DFlash and the MTP head draft trees too); pass tree_budget=0, or call "
-                                        "generate() per prompt for draft-model trees")
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
         if o["logprobs"] is not None:
@@ -518,12 +508,11 @@ class Model:
         prompt; `per_prompt`, one dict per prompt, overrides them for that prompt (another
         max_tokens, seed, stop or grammar). spec_type="ngram-simple" (prompt lookup, draft_n_max,
         draft_n_min, tree_budget for n-gram draft trees), draft_model (a Model with n_seq_max slots;
-        chains), spec_type="dflash" (a DFlash drafter; chains or DDTree trees) or spec_type="mtp" (the
+        chains or trees), spec_type="dflash" (a DFlash drafter; chains or DDTree trees) or spec_type="mtp" (the
         model's MTP head, a head per sequence; chains or trees; not with DFlash in the same batch)
         speculates: every step verifies the drafts of all running sequences in one target pass, and
         each result equals generate() alone with the same speculation (greedy and seeded sampling; a
-        sequence with a grammar decodes plainly in the batch); draft-model trees raise
-        BatchSpeculationError. stream=True raises ValueError. cancel() stops every sequence.
+        sequence with a grammar decodes plainly in the batch). stream=True raises ValueError. cancel() stops every sequence.
         `prediction` (text or ids, here or per prompt): the output the caller expects, which the
         sequence's prompt lookup drafts from (deltaspec.prediction)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:

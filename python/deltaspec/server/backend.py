@@ -3,11 +3,10 @@
 Two backends, chosen by `make_backend`:
 - `BatchBackend`: Model.add_request / step / cancel_request. Every step admits the requests given
   slots and decodes one token for every running one in one batch (continuous batching); with a
-  drafter (--spec-type ngram-simple, -md: a draft model loaded with --parallel slots, or
-  --spec-type draft-dflash: a DFlash drafter with a context slot per request, or draft-mtp: the
-  model's MTP layer, a head per request) each request
-  drafts and every step verifies all running requests' drafts in one target pass (speculation
-  batched across requests).
+  drafter (--spec-type ngram-simple; -md: a draft model loaded with --parallel slots; --spec-type
+  draft-dflash: a DFlash drafter with a context slot per request; draft-mtp: the model's MTP layer,
+  a head per request) each request drafts and every step verifies all running requests' drafts in
+  one target pass (speculation batched across requests).
 - `SpeculativeBackend`: one request at a time through Model.generate(stream=True, draft_model /
   spec_type), the engine's one-sequence speculative loop, at --parallel 1 with a drafter.
 
@@ -36,14 +35,6 @@ class Progress:
 
 
 Report = Callable[[Progress], None]
-
-
-class ServeConfigError(ValueError):
-    """The server's options ask for something the engine cannot serve."""
-
-
-# what the batch scheduler speculates with (Model.add_request); other drafters run one request at a time
-BATCHED_SPEC_TYPES = ("ngram-simple", "draft-simple", "draft-dflash", "dflash", "draft-mtp", "mtp")
 
 
 class BatchBackend:
@@ -155,23 +146,9 @@ class SpeculativeBackend:
         return [] if job is None else [job]
 
 
-def _batched(speculation: dict | None) -> bool:
-    return speculation is None or speculation["spec_type"] in BATCHED_SPEC_TYPES
-
-
-def check_serveable(parallel: int, speculation: dict | None) -> None:
-    """ServeConfigError when no backend serves `parallel` slots with `speculation` (before any load)."""
-    if parallel != 1 and not _batched(speculation):
-        raise ServeConfigError(
-            f"speculative decoding with --spec-type {speculation['spec_type']} is served one request at a "
-            f"time (--parallel 1): the engine's batch scheduler speculates with {', '.join(BATCHED_SPEC_TYPES)} "
-            f"only yet; got --parallel {parallel}")
-
-
 def make_backend(model, parallel: int, speculation: dict | None):
     """The backend for `model` (loaded with n_seq_max=parallel) and the speculation options asked for
-    (generate()'s draft_model / spec_type / draft_n_max / draft_n_min, or None)."""
-    check_serveable(parallel, speculation)
+    (generate()'s draft_model / spec_type / draft_n_max / draft_n_min / tree_budget, or None)."""
     if parallel != 1 and speculation is not None:
         return BatchBackend(model, speculation)
     return BatchBackend(model) if speculation is None else SpeculativeBackend(model, speculation)

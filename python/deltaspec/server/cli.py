@@ -66,9 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-draft-n-max", type=int, default=16, metavar="N", help="longest draft (default: %(default)s)")
     p.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N", help="shortest draft (default: %(default)s)")
     p.add_argument("--spec-tree-budget", type=int, default=0, metavar="N",
-                   help="draft trees of up to N nodes verified in one pass (ngram-simple: where the text went on "
-                        "differently; draft-dflash: DDTree over one block; draft-mtp: the head's alternatives "
-                        "along its chain); 0: chains (default: %(default)s)")
+                   help="draft trees of up to N nodes verified in one pass (draft-simple: best-first from the "
+                        "draft model; ngram-simple: where the text went on differently; draft-dflash: DDTree over "
+                        "one block; draft-mtp: the head's alternatives along its chain); 0: chains "
+                        "(default: %(default)s)")
     p.add_argument("--chat-template-file", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the GGUF's")
     p.add_argument("--timeout-graceful", type=float, default=30.0, metavar="S",
@@ -153,9 +154,6 @@ def _speculation(args) -> dict | None:
         raise ServeError("--spec-type ngram-simple drafts from the text itself; leave out -md")
     if spec_type in ("draft-mtp", "mtp") and args.model_draft is not None:
         raise ServeError(f"--spec-type {spec_type} drafts with the model's own MTP layer; leave out -md")
-    if spec_type == "draft-simple" and args.spec_tree_budget:
-        raise ServeError("--spec-tree-budget: a draft model drafts chains for concurrent requests; "
-                         "trees come with ngram-simple, draft-dflash or draft-mtp")
     return {"spec_type": spec_type, "draft_model": args.model_draft, "draft_n_max": args.spec_draft_n_max,
             "draft_n_min": args.spec_draft_n_min, "tree_budget": args.spec_tree_budget}
 
@@ -221,7 +219,6 @@ def serve(args) -> int:
     import uvicorn
 
     from .app import Server, ServerState, create_app
-    from .backend import ServeConfigError, check_serveable
     from .engine_loop import EngineLoop
     from .metrics import ServerMetrics
     from .replicas import ReplicaSet
@@ -235,10 +232,6 @@ def serve(args) -> int:
         raise ServeError(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     speculation = _speculation(args)
-    try:
-        check_serveable(args.parallel, speculation)
-    except ServeConfigError as e:
-        raise ServeError(str(e)) from None
     split = _layer_split(args)
     replica_devices = _replica_devices(args)
     if replica_devices is None:
