@@ -1,8 +1,10 @@
-"""Aggregate decode throughput with speculation across several sequences (prompt lookup), beside plain
-batched decoding, at 1/4/16 sequences.
+"""Aggregate decode throughput with speculation across several sequences (prompt lookup, DFlash, the
+MTP head), beside plain batched decoding, at 1/4/16 sequences.
 
     python bench/batch_spec_bench.py MODEL.gguf [--device cuda] [--n-seqs 1,4,16] [--prompt 128] [--gen 128]
                                      [--draft-n-max 8] [--reps 3] [--batched-bench BIN] [--out FILE.json]
+                                     [--modes plain,ngram,ref,ref/4] [--dflash DRAFTER.gguf]
+                                     [--tree-budget 16] [--prompts-json MANIFEST.json]
 
 Each count N runs N greedy requests (distinct random prompts of --prompt tokens, exactly --gen tokens
 each: no end-of-generation ids) through add_request / step, in these modes:
@@ -13,7 +15,14 @@ each: no end-of-generation ids) through add_request / step, in these modes:
             same prompt: drafts are the target's own greedy continuation, so nearly all are accepted
             (a GPU batch may part from the plain run at near-ties; the table states the acceptance);
   ref/4     the same reference with every 4th token replaced: drafts break off at the replaced
-            tokens (and lookups miss near them), a lower acceptance, stated in the table.
+            tokens (and lookups miss near them), a lower acceptance, stated in the table;
+  dflash    (with --dflash) the DFlash drafter's chains, one block pass per sequence and round;
+  ddtree    the same drafter's DDTree trees of --tree-budget nodes;
+  mtp       the model's own MTP head (a head per sequence), chains; mtp-tree: its trees of
+            --tree-budget nodes.
+--prompts-json takes the prompts (token ids, cut to --prompt) from a JSON file's "prompts" (or
+"training" -> "prompts", as the testbed's manifest.json holds its held-out prompts) instead of
+random ids: a trained model (the testbed) then drafts what it would on real text.
 Every step after the first (which admits and prefills all N) is timed; the rate is the tokens those
 steps committed over their time, summed over the sequences (aggregate tok/s, as batch_bench.py).
 The speculative modes verify every running sequence's rows in ONE target pass per step
@@ -43,12 +52,24 @@ from batch_bench import measure_peer  # noqa: E402  (llama-batched-bench's plain
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "batch_spec_bench.json"
 MODES = ("plain", "ngram", "ref", "ref/4")
+ALL_MODES = MODES + ("dflash", "ddtree", "mtp", "mtp-tree")
+
+
+def load_prompts(path: str, n: int, n_prompt: int) -> list[list[int]]:
+    """n prompts of n_prompt token ids from a JSON file's "prompts" (or "training" -> "prompts"),
+    repeated in turn when it holds fewer."""
+    data = json.loads(Path(path).read_text())
+    prompts = data.get("prompts") or data.get("training", {}).get("prompts")
+    if not prompts:
+        raise SystemExit(f"{path}: no 'prompts' (or 'training' -> 'prompts') list of token id lists")
+    return [list(prompts[k % len(prompts)][:n_prompt]) for k in range(n)]
 
 
 class Ours:
     def __init__(self, model_path: str, device: str, n_seqs: list[int], n_prompt: int, n_gen: int, n_draft: int,
-                 threads: int | None = None):
-        from deltaspec import Model
+                 threads: int | None = None, modes=MODES, dflash: str | None = None, tree_budget: int = 16,
+                 prompts: list[list[int]] | None = None):
+        from deltaspec import Drafter, Model
         from deltaspec.sampling import SamplingOptions
 
         kw = dict(n_threads=threads) if threads else {}
@@ -56,8 +77,11 @@ class Ours:
                            progress=False, **kw)
         self.greedy = SamplingOptions(temperature=0.0).native()
         self.n_seqs, self.n_prompt, self.n_gen, self.n_draft = n_seqs, n_prompt, n_gen, n_draft
+        self.modes, self.tree_budget = tuple(modes), tree_budget
+        self.drafter = Drafter(dflash, target=self.model) if dflash else None
         rng = np.random.default_rng(0)
-        self.prompts = [rng.integers(0, self.model.n_vocab, size=n_prompt).tolist() for _ in range(max(n_seqs))]
+        self.prompts = prompts or [rng.integers(0, self.model.n_vocab, size=n_prompt).tolist()
+                                   for _ in range(max(n_seqs))]
         self.plain_out: dict[int, list[list[int]]] = {}  # N -> the plain run's greedy tokens per prompt
         self.run(warm=True)
 
@@ -66,6 +90,10 @@ class Ours:
             return None
         if mode == "ngram":
             return (self.n_draft, 0, 3)
+        if mode in ("dflash", "ddtree", "mtp", "mtp-tree"):
+            tree = self.tree_budget if mode in ("ddtree", "mtp-tree") else 0
+            n_max = min(self.n_draft, self.drafter.block_size - 1) if self.drafter and "mtp" not in mode else self.n_draft
+            return (n_max, 0, 3, [], tree, False, mode in ("dflash", "ddtree"), mode.startswith("mtp"))
         ref = list(self.prompts[k]) + list(self.plain_out[n][k])
         if mode == "ref/4":
             ref = [(t + 1) % self.model.n_vocab if i % 4 == 3 else t for i, t in enumerate(ref)]
@@ -74,7 +102,9 @@ class Ours:
     def _one(self, n: int, mode: str, gen: int) -> dict:
         engine = self.model._engine
         before = dict(engine.rows_stats)
-        ids = [engine.add_request(self.prompts[k], gen, self.greedy, [], [], speculation=self._speculation(mode, n, k))
+        dflash = self.drafter._core if mode in ("dflash", "ddtree") else None
+        ids = [engine.add_request(self.prompts[k], gen, self.greedy, [], [], speculation=self._speculation(mode, n, k),
+                                  dflash=dflash)
                for k in range(n)]
         tokens = {i: [] for i in ids}
         results = {}
@@ -115,7 +145,7 @@ class Ours:
     def run(self, warm: bool = False) -> list[dict]:
         out = []
         for n in self.n_seqs:
-            for mode in MODES:
+            for mode in self.modes:
                 r = self._one(n, mode, 8 if warm else self.n_gen)
                 if warm:
                     continue
@@ -144,19 +174,22 @@ def summarize(reps: list[list[dict]]) -> list[dict]:
 
 
 def table(ours: list[dict], peer: list[dict] | None) -> str:
-    head = "| sequences | " + " | ".join(f"{m} tok/s (min-max) [acc]" for m in MODES) + \
-           " | ref / plain | llama.cpp plain tok/s |"
-    rows = [head, "|" + "---:|" * (len(MODES) + 3)]
+    modes = list(dict.fromkeys(r["mode"] for r in ours))
+    best = [m for m in modes if m != "plain"]
+    head = "| sequences | " + " | ".join(f"{m} tok/s (min-max) [acc]" for m in modes) + \
+           " | best / plain | llama.cpp plain tok/s |"
+    rows = [head, "|" + "---:|" * (len(modes) + 3)]
     peer_by_n = {r["n_seqs"]: r for r in (peer or [])}
     for n in dict.fromkeys(r["n_seqs"] for r in ours):
         cells = {r["mode"]: r for r in ours if r["n_seqs"] == n}
         text = []
-        for m in MODES:
+        for m in modes:
             c = cells[m]
             acc = "" if m == "plain" else f" [{c['acceptance_rate']:.2f}, {c['mean_accepted_per_round']:.1f}/round]"
             text.append(f"{c['tok_s']:.1f} ({c['tok_s_min']:.1f}-{c['tok_s_max']:.1f}){acc}")
         p = peer_by_n.get(n)
-        rows.append(f"| {n} | " + " | ".join(text) + f" | {cells['ref']['tok_s'] / cells['plain']['tok_s']:.2f}x | " +
+        ratio = max((cells[m]["tok_s"] for m in best), default=0.0) / cells["plain"]["tok_s"] if "plain" in cells else 0
+        rows.append(f"| {n} | " + " | ".join(text) + f" | {ratio:.2f}x | " +
                     (f"{np.median(p['reps']):.1f}" if p else "-") + " |")
     return "\n".join(rows)
 
@@ -173,12 +206,23 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batched-bench", help="llama-batched-bench binary (plain batched decode of the same file)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(ALL_MODES)} (plain first)")
+    ap.add_argument("--dflash", default=None, metavar="DRAFTER.gguf", help="the DFlash drafter of modes dflash, ddtree")
+    ap.add_argument("--tree-budget", type=int, default=16, help="nodes of the ddtree and mtp-tree modes' trees")
+    ap.add_argument("--prompts-json", default=None, metavar="FILE", help="prompts (token ids) instead of random ids")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if modes[0] != "plain" or any(m not in ALL_MODES for m in modes):
+        ap.error(f"--modes: a comma list of {', '.join(ALL_MODES)}, plain first (the reference of ref, ref/4)")
+    if any(m in ("dflash", "ddtree") for m in modes) and not args.dflash:
+        ap.error("--modes dflash / ddtree need --dflash DRAFTER.gguf")
     n_seqs = [int(x) for x in args.n_seqs.split(",")]
     if args.gen < 8 or args.prompt < 1 or not n_seqs or min(n_seqs) < 1 or args.reps < 1 or args.draft_n_max < 1:
         ap.error("need --gen >= 8, --prompt >= 1, --reps >= 1, --draft-n-max >= 1 and sequence counts >= 1")
     ours_reps, peer_reps = [], []
-    runner = Ours(args.model, args.device, n_seqs, args.prompt, args.gen, args.draft_n_max, args.threads)
+    prompts = load_prompts(args.prompts_json, max(n_seqs), args.prompt) if args.prompts_json else None
+    runner = Ours(args.model, args.device, n_seqs, args.prompt, args.gen, args.draft_n_max, args.threads, modes,
+                  args.dflash, args.tree_budget, prompts)
     try:
         for rep in range(args.reps):
             print(f"repetition {rep + 1}/{args.reps}", flush=True)
@@ -194,6 +238,8 @@ def main(argv=None) -> int:
     print(table(ours, peer))
     result = {"model": os.path.abspath(args.model), "device": args.device, "host": platform.node(),
               "n_prompt": args.prompt, "n_gen": args.gen, "draft_n_max": args.draft_n_max, "reps": args.reps,
+              "modes": modes, "dflash": args.dflash and os.path.abspath(args.dflash), "tree_budget": args.tree_budget,
+              "prompts": args.prompts_json and os.path.abspath(args.prompts_json),
               "deltaspec": ours, "deltaspec_runs": ours_reps, "llama_cpp_plain": peer,
               "note": "aggregate decode tok/s after the prefill step; ngram: prompt lookup in the own text; ref: "
                       "lookup also in a reference holding the plain run's output (stated ~full acceptance); ref/4: "

@@ -127,6 +127,13 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
              }, py::arg("n"), "Forget context rows at positions >= n.")
         .def_property_readonly("n_cached", [](const DFlashModel & d) { return d.n_cached_of(0); })
         .def_property_readonly("n_slots", &DFlashModel::n_slots)
+        .def_property_readonly("block_stats", [](const DFlashModel & d) {
+                 py::dict out;
+                 out["passes"] = d.block_stats().passes;
+                 out["blocks"] = d.block_stats().blocks;
+                 out["max_blocks"] = d.block_stats().max_blocks;
+                 return out;
+             }, "Block passes run, blocks in them, the most blocks in one pass (several sequences' blocks share a pass).")
         .def_property_readonly("n_feat", &DFlashModel::n_feat)
         .def_property_readonly("weight_bytes", &DFlashModel::weight_bytes);
 }

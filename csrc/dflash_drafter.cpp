@@ -62,29 +62,42 @@ bool DFlashDrafter::ready(const std::vector<int32_t> & committed) {
     return anchor_pos + model_.hparams().block_size <= model_.n_ctx();  // else no room for a block
 }
 
-Draft DFlashDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
-    Draft d;
-    if (!ready(committed)) return d;
-    model_.block(committed.back(), nullptr, top1_.data());
+bool DFlashDrafter::plan(const std::vector<int32_t> & committed, int64_t budget, DFlashModel::BlockJob & job) {
+    if (!ready(committed)) return false;
+    job = DFlashModel::BlockJob{};
+    job.slot = model_.current_slot();
+    job.anchor = committed.back();
+    if (budget <= 0) {
+        job.top1 = top1_.data();
+        return true;
+    }
+    // a tree: every slot's top-K tokens, K = min(budget, n_vocab), the most ranks a budget-node tree
+    // can use at one depth
+    const int64_t n_slots = model_.hparams().block_size - 1;
+    const bool sampled = !sampler_.params().greedy();
+    job.top_k = std::min<int64_t>(budget, model_.n_vocab());
+    job.temperature = sampled ? sampler_.params().temperature : 1.0f;
+    top_ids_.resize(n_slots * job.top_k);
+    top_probs_.resize(n_slots * job.top_k);
+    job.top_ids = top_ids_.data();
+    job.top_probs = top_probs_.data();
+    planned_k_ = job.top_k;
+    return true;
+}
+
+Draft DFlashDrafter::chain(int64_t n_max) {
     n_passes_++;
+    Draft d;
     const int64_t n = std::min<int64_t>(n_max, (int64_t)top1_.size());
     d.tokens.assign(top1_.begin(), top1_.begin() + n);
     d.cost = pass_cost_;
     return d;
 }
 
-DraftTree DFlashDrafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {
-    const int64_t n_slots = model_.hparams().block_size - 1;
-    const int64_t depth = std::min(max_depth, n_slots);
-    if (budget < 1 || depth < 1 || !ready(committed)) return DraftTree{};
-    const bool sampled = !sampler_.params().greedy();
-    const int64_t k = std::min<int64_t>(budget, model_.n_vocab());
-    top_ids_.resize(n_slots * k);
-    top_probs_.resize(n_slots * k);
-    model_.block(committed.back(), nullptr, nullptr, k, sampled ? sampler_.params().temperature : 1.0f, top_ids_.data(),
-                 top_probs_.data());
+DraftTree DFlashDrafter::tree(int64_t budget, int64_t max_depth) {
     n_passes_++;
-
+    const int64_t depth = std::min(max_depth, model_.hparams().block_size - 1), k = planned_k_;
+    const bool sampled = !sampler_.params().greedy();
     std::vector<Distribution> marginals(depth);
     for (int64_t d = 0; d < depth; ++d) {
         Distribution & m = marginals[d];
@@ -101,9 +114,25 @@ DraftTree DFlashDrafter::propose_tree(const std::vector<int32_t> & committed, in
     o.max_depth = depth;
     o.seed_chain = false;
     if (sampled) o.uniform = [this] { return sampler_.uniform(); };
-    DraftTree tree = build_from_marginals(marginals, o);
-    tree.cost = pass_cost_;
-    return tree;
+    DraftTree t = build_from_marginals(marginals, o);
+    t.cost = pass_cost_;
+    return t;
+}
+
+Draft DFlashDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
+    DFlashModel::BlockJob job;
+    if (!plan(committed, 0, job)) return Draft{};
+    model_.blocks({job});
+    return chain(n_max);
+}
+
+DraftTree DFlashDrafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {
+    const int64_t depth = std::min(max_depth, model_.hparams().block_size - 1);
+    if (budget < 1 || depth < 1) return DraftTree{};
+    DFlashModel::BlockJob job;
+    if (!plan(committed, budget, job)) return DraftTree{};
+    model_.blocks({job});
+    return tree(budget, depth);
 }
 
 }  // namespace deltaspec

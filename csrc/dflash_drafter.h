@@ -45,6 +45,15 @@ class DFlashDrafter : public Drafter {
     bool tree_depth_is_free() const override { return true; }
     void set_slot(int64_t slot) { slot_ = slot; }
 
+    // propose() / propose_tree() in two halves, so that a scheduler runs the blocks of all its
+    // sequences in one DFlashModel::blocks pass: plan() injects the new context rows and fills
+    // `job` with this sequence's block (false: none can run, the drafter proposes nothing); after
+    // the pass, chain() / tree() build what propose() / propose_tree() would from its outputs.
+    // budget 0: a chain.
+    bool plan(const std::vector<int32_t> & committed, int64_t budget, DFlashModel::BlockJob & job);
+    Draft chain(int64_t n_max);
+    DraftTree tree(int64_t budget, int64_t max_depth);
+
     int64_t n_passes() const { return n_passes_; }
 
   private:
@@ -61,6 +70,7 @@ class DFlashDrafter : public Drafter {
     std::vector<int32_t> top1_;
     std::vector<int32_t> top_ids_;
     std::vector<float> top_probs_;
+    int64_t planned_k_ = 0;  // the planned tree block's candidates per slot
 };
 
 }  // namespace deltaspec

@@ -111,7 +111,8 @@ DFlashModel::DFlashModel(const std::string & path, const DFlashHParams & hp, Eng
 
         allocate_slot(slots_[0]);
 
-        graph_size_ = 64 * (size_t)hp.n_layer + 256;
+        // a pass of one block per slot at most: per block its attention, cache writes and outputs
+        graph_size_ = 64 * (size_t)hp.n_layer + 256 + (size_t)n_slots * (24 * (size_t)hp.n_layer + 16);
         meta_.resize(ggml_tensor_overhead() * graph_size_ + ggml_graph_overhead_custom(graph_size_, false));
         ggml_backend_t backends[2] = {target.backend(), target.cpu_backend()};
         const int n_backends = target.backend() == target.cpu_backend() ? 1 : 2;
@@ -233,60 +234,106 @@ void DFlashModel::inject(const float * features, int64_t n, int64_t pos0) {
 
 void DFlashModel::block(int32_t anchor, float * logits, int32_t * top1, int64_t top_k, float temperature,
                         int32_t * top_ids, float * top_probs) {
-    const int64_t B = hp_.block_size, p0 = n_cached(), n_kv = p0 + B;
-    if (n_kv > n_ctx_) throw std::length_error("DFlash block past the drafter's context of " + std::to_string(n_ctx_));
-    if (anchor < 0 || anchor >= n_vocab()) throw std::out_of_range("DFlash block: anchor token outside the vocabulary");
-    if (top_k < 0 || top_k > n_vocab() || !(temperature > 0.0f)) {
-        throw std::invalid_argument("DFlash block: top_k must be in [0, n_vocab] and the temperature > 0");
+    BlockJob job;
+    job.slot = cur_;
+    job.anchor = anchor;
+    job.logits = logits;
+    job.top1 = top1;
+    job.top_k = top_k;
+    job.temperature = temperature;
+    job.top_ids = top_ids;
+    job.top_probs = top_probs;
+    blocks({job});
+}
+
+void DFlashModel::blocks(const std::vector<BlockJob> & jobs) {
+    const int64_t B = hp_.block_size, N = (int64_t)jobs.size();
+    if (N == 0) return;
+    std::vector<int64_t> n_kv(N);
+    std::vector<DFlashSlotCache> caches;
+    for (int64_t j = 0; j < N; ++j) {
+        const BlockJob & b = jobs[j];
+        if (b.slot < 0 || b.slot >= n_slots() || !slots_[b.slot].buf) {
+            throw std::out_of_range("DFlash block: slot " + std::to_string(b.slot) + " holds no context");
+        }
+        for (int64_t i = 0; i < j; ++i) {
+            if (jobs[i].slot == b.slot) throw std::invalid_argument("DFlash blocks: two blocks in slot " + std::to_string(b.slot));
+        }
+        n_kv[j] = slots_[b.slot].n_cached + B;
+        if (n_kv[j] > n_ctx_) throw std::length_error("DFlash block past the drafter's context of " + std::to_string(n_ctx_));
+        if (b.anchor < 0 || b.anchor >= n_vocab()) throw std::out_of_range("DFlash block: anchor token outside the vocabulary");
+        if (b.top_k < 0 || b.top_k > n_vocab() || !(b.temperature > 0.0f)) {
+            throw std::invalid_argument("DFlash block: top_k must be in [0, n_vocab] and the temperature > 0");
+        }
+        caches.push_back({slots_[b.slot].k, slots_[b.slot].v});
     }
     ggml_context * ctx = ggml_init({meta_.size(), meta_.data(), /*no_alloc =*/true});
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size_, false);
     const DFlashGraphWeights w{hp_, fc_, hidden_norm_, output_norm_, layers_, target_.weights().token_embd,
                                target_.weights().output, slots_[cur_].k, slots_[cur_].v};
     DFlashInputs in;
-    ggml_tensor * out = build_dflash_block(ctx, gf, w, in, B, n_kv);
-    ggml_tensor * best = nullptr;
-    if (top1) {
-        best = ggml_argmax(ctx, out);
-        ggml_set_output(best);
-        ggml_build_forward_expand(gf, best);
-    }
-    // a tree's candidates: (B-1) x top_k ids and probabilities cross over instead of (B-1) x n_vocab
-    // logits (15 x 248k floats, 15 MB, for the 27B's vocabulary)
-    ggml_tensor *cand_ids = nullptr, *cand_probs = nullptr;
-    if (top_k > 0) {
-        ggml_tensor * probs = ggml_soft_max_ext(ctx, out, nullptr, 1.0f / temperature, 0.0f);  // {V, B-1}
-        cand_ids = ggml_top_k(ctx, out, (int)top_k);                                          // {k, B-1}
-        // per slot: row ids[., s] of the slot's probabilities seen as V rows of one value
-        cand_probs = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, probs->ne[0], probs->ne[1]), cand_ids);
-        for (ggml_tensor * t : {cand_ids, cand_probs}) {
-            ggml_set_output(t);
-            ggml_build_forward_expand(gf, t);
+    std::vector<ggml_tensor *> masks;
+    ggml_tensor * out = build_dflash_blocks(ctx, gf, w, caches, in, masks, B, n_kv);  // {V, (B-1) * N}
+    struct Outs {
+        ggml_tensor *logits = nullptr, *best = nullptr, *ids = nullptr, *probs = nullptr;
+    };
+    std::vector<Outs> outs(N);
+    for (int64_t j = 0; j < N; ++j) {
+        const BlockJob & b = jobs[j];
+        Outs & o = outs[j];
+        o.logits = ggml_view_2d(ctx, out, out->ne[0], B - 1, out->nb[1], j * (B - 1) * out->nb[1]);
+        if (b.top1) {
+            o.best = ggml_argmax(ctx, o.logits);
+            ggml_set_output(o.best);
+            ggml_build_forward_expand(gf, o.best);
+        }
+        // a tree's candidates: (B-1) x top_k ids and probabilities cross over instead of (B-1) x n_vocab
+        // logits (15 x 248k floats, 15 MB, for the 27B's vocabulary)
+        if (b.top_k > 0) {
+            ggml_tensor * lj = ggml_cont(ctx, o.logits);
+            ggml_tensor * probs = ggml_soft_max_ext(ctx, lj, nullptr, 1.0f / b.temperature, 0.0f);  // {V, B-1}
+            o.ids = ggml_top_k(ctx, lj, (int)b.top_k);                                              // {k, B-1}
+            // per slot: row ids[., s] of the slot's probabilities seen as V rows of one value
+            o.probs = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, probs->ne[0], probs->ne[1]), o.ids);
+            for (ggml_tensor * t : {o.ids, o.probs}) {
+                ggml_set_output(t);
+                ggml_build_forward_expand(gf, t);
+            }
         }
     }
     try {
         run(gf);
-        std::vector<int32_t> tokens(B, hp_.mask_token), pos(B);
-        std::vector<int64_t> rows(B);
-        tokens[0] = anchor;
-        for (int64_t i = 0; i < B; ++i) rows[i] = pos[i] = (int32_t)(p0 + i);
-        set_input(in.tokens, tokens.data(), B * sizeof(int32_t));
-        set_input(in.pos, pos.data(), B * sizeof(int32_t));
-        set_input(in.rows, rows.data(), B * sizeof(int64_t));
-        if (in.mask) {  // causal inside the block: slot i sees the context and slots 0..i
-            std::vector<float> mask(n_kv * B);
-            for (int64_t i = 0; i < B; ++i) {
-                for (int64_t j = 0; j < n_kv; ++j) mask[i * n_kv + j] = j <= p0 + i ? 0.0f : -INFINITY;
+        std::vector<int32_t> tokens(N * B, hp_.mask_token), pos(N * B);
+        std::vector<int64_t> rows(N * B);
+        for (int64_t j = 0; j < N; ++j) {
+            const int64_t p0 = n_kv[j] - B;
+            tokens[j * B] = jobs[j].anchor;
+            for (int64_t i = 0; i < B; ++i) rows[j * B + i] = pos[j * B + i] = (int32_t)(p0 + i);
+            if (masks[j]) {  // causal inside the block: slot i sees the context and slots 0..i
+                std::vector<float> mask(n_kv[j] * B);
+                for (int64_t i = 0; i < B; ++i) {
+                    for (int64_t c = 0; c < n_kv[j]; ++c) mask[i * n_kv[j] + c] = c <= p0 + i ? 0.0f : -INFINITY;
+                }
+                set_input(masks[j], mask.data(), mask.size() * sizeof(float));
             }
-            set_input(in.mask, mask.data(), mask.size() * sizeof(float));
         }
+        set_input(in.tokens, tokens.data(), tokens.size() * sizeof(int32_t));
+        set_input(in.pos, pos.data(), pos.size() * sizeof(int32_t));
+        set_input(in.rows, rows.data(), rows.size() * sizeof(int64_t));
         if (ggml_backend_sched_graph_compute(sched_, gf) != GGML_STATUS_SUCCESS) {
             throw std::runtime_error("DFlash block: graph computation failed");
         }
-        if (logits) ggml_backend_tensor_get(out, logits, 0, ggml_nbytes(out));
-        if (top1) ggml_backend_tensor_get(best, top1, 0, ggml_nbytes(best));
-        if (top_k > 0 && top_ids) ggml_backend_tensor_get(cand_ids, top_ids, 0, ggml_nbytes(cand_ids));
-        if (top_k > 0 && top_probs) ggml_backend_tensor_get(cand_probs, top_probs, 0, ggml_nbytes(cand_probs));
+        for (int64_t j = 0; j < N; ++j) {
+            const BlockJob & b = jobs[j];
+            const Outs & o = outs[j];
+            if (b.logits) ggml_backend_tensor_get(out, b.logits, j * (B - 1) * out->nb[1], (B - 1) * out->nb[1]);
+            if (b.top1) ggml_backend_tensor_get(o.best, b.top1, 0, ggml_nbytes(o.best));
+            if (b.top_k > 0 && b.top_ids) ggml_backend_tensor_get(o.ids, b.top_ids, 0, ggml_nbytes(o.ids));
+            if (b.top_k > 0 && b.top_probs) ggml_backend_tensor_get(o.probs, b.top_probs, 0, ggml_nbytes(o.probs));
+        }
+        block_stats_.passes += 1;
+        block_stats_.blocks += N;
+        block_stats_.max_blocks = std::max(block_stats_.max_blocks, N);
     } catch (...) {
         ggml_free(ctx);
         throw;

@@ -59,6 +59,25 @@ class DFlashModel {
     // as it was.
     void block(int32_t anchor, float * logits, int32_t * top1, int64_t top_k = 0, float temperature = 1.0f,
                int32_t * top_ids = nullptr, float * top_probs = nullptr);
+    // One block per job in ONE pass (graph_dflash.h build_dflash_blocks): job j's block after the
+    // context of its slot, outputs as block()'s (any may be null; top_k and temperature per job).
+    // Leaves every cache as it was. Slots distinct.
+    struct BlockJob {
+        int64_t slot = 0;
+        int32_t anchor = 0;
+        float * logits = nullptr;
+        int32_t * top1 = nullptr;
+        int64_t top_k = 0;
+        float temperature = 1.0f;
+        int32_t * top_ids = nullptr;
+        float * top_probs = nullptr;
+    };
+    void blocks(const std::vector<BlockJob> & jobs);
+    // What blocks() has run (tests assert that passes of several sequences' blocks happened).
+    struct BlockStats {
+        int64_t passes = 0, blocks = 0, max_blocks = 0;
+    };
+    const BlockStats & block_stats() const { return block_stats_; }
     void truncate(int64_t n) { slots_[cur_].n_cached = std::min(slots_[cur_].n_cached, n); }  // forget context rows >= n
 
     // The slot inject, block, truncate and n_cached act on (0 unless changed).
@@ -94,6 +113,7 @@ class DFlashModel {
     std::vector<DFlashLayer> layers_;
     std::vector<Slot> slots_;  // the unused ones unallocated
     int64_t cur_ = 0;
+    BlockStats block_stats_;
     ggml_context * wctx_ = nullptr;
     ggml_backend_buffer_t wbuf_ = nullptr;
     ggml_backend_sched_t sched_ = nullptr;

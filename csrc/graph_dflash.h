@@ -28,7 +28,6 @@ struct DFlashInputs {
     ggml_tensor * tokens = nullptr;    // I32 {n} (block only)
     ggml_tensor * pos = nullptr;       // I32 {n}: RoPE positions
     ggml_tensor * rows = nullptr;      // I64 {n}: cache rows written (= positions)
-    ggml_tensor * mask = nullptr;      // F32 {n_kv, n}: 0 / -inf; only for a causal block
 };
 
 // Context injection: g = RMSNorm(fc . features) * hidden_norm; per layer K = RoPE(k_norm(wk . g)),
@@ -36,10 +35,19 @@ struct DFlashInputs {
 void build_dflash_inject(ggml_context * ctx, ggml_cgraph * gf, const DFlashGraphWeights & w, DFlashInputs & in,
                          int64_t n);
 
-// The block pass over n = block_size tokens whose K/V go to cache rows n_kv-n .. n_kv-1: every
-// block query attends to all n_kv rows (the context and the whole block, non-causal unless
-// hp.causal). Returns the logits {n_vocab, n-1} of the predicted slots 1 .. n-1.
-ggml_tensor * build_dflash_block(ggml_context * ctx, ggml_cgraph * gf, const DFlashGraphWeights & w,
-                                 DFlashInputs & in, int64_t n, int64_t n_kv);
+// The block pass: block j of N (n = block_size tokens: the anchor, then mask tokens; rows j*n ..
+// j*n + n-1 of the inputs) writes its K/V to caches[j] (its sequence's slot: w's k_cache / v_cache
+// are not read) at cache rows n_kv[j]-n .. n_kv[j]-1, and every block query attends to all n_kv[j]
+// rows of its cache (the context and the whole block, non-causal unless hp.causal); the
+// projections, FFNs and LM head run over every block's rows at once (each weight read once for
+// all). `masks` (hp.causal): one {n_kv[j], n} input per block. Returns the logits
+// {n_vocab, (n-1) * N} of the predicted slots 1 .. n-1, block j's at columns j*(n-1) ..
+struct DFlashSlotCache {
+    const std::vector<ggml_tensor *> & k;  // per layer {Hkv*D, n_ctx} F32
+    const std::vector<ggml_tensor *> & v;
+};
+ggml_tensor * build_dflash_blocks(ggml_context * ctx, ggml_cgraph * gf, const DFlashGraphWeights & w,
+                                  const std::vector<DFlashSlotCache> & caches, DFlashInputs & in,
+                                  std::vector<ggml_tensor *> & masks, int64_t n, const std::vector<int64_t> & n_kv);
 
 }  // namespace deltaspec

@@ -41,6 +41,12 @@ int64_t Scheduler::draft_all() {
     int64_t n_drafting = 0;
     std::vector<DraftJob> jobs;  // the draft model's, drafted together below
     std::vector<Sequence *> job_seq;
+    struct BlockPlan {  // a DFlash sequence's block, run with the others' in one pass below
+        Sequence * seq;
+        int64_t budget, depth;  // budget 0: a chain of `depth`
+    };
+    std::vector<DFlashModel::BlockJob> blocks;
+    std::vector<BlockPlan> block_plans;
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
         s.draft = Draft{};
@@ -69,10 +75,19 @@ int64_t Scheduler::draft_all() {
                 s.lookup.insert(s.lookup.end(), s.history.begin(), s.history.end());
                 text = &s.lookup;
             }
-            if (s.spec.tree_budget > 0) {
-                // every node takes a KV row and a row of the pass: the tree fits the context and the pass
-                const int64_t budget = std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap});
-                const int64_t depth = s.drafter->tree_depth_is_free() ? room : std::min(s.n_draft, room);
+            // every node takes a KV row and a row of the pass: the tree fits the context and the pass
+            const int64_t budget = s.spec.tree_budget > 0
+                                       ? std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap}) : 0;
+            const int64_t depth = s.spec.tree_budget > 0 && s.drafter->tree_depth_is_free() ? room : std::min(s.n_draft, room);
+            if (s.dflash) {
+                // as DFlashDrafter::propose_tree / propose, its block run with the others' below
+                const int64_t block_depth = std::min(depth, dflash_->hparams().block_size - 1);
+                DFlashModel::BlockJob job;
+                if ((s.spec.tree_budget == 0 || (budget >= 1 && block_depth >= 1)) && s.dflash->plan(*text, budget, job)) {
+                    blocks.push_back(job);
+                    block_plans.push_back({&s, budget, s.spec.tree_budget > 0 ? block_depth : depth});
+                }
+            } else if (s.spec.tree_budget > 0) {
                 s.tree = s.drafter->propose_tree(*text, budget, depth);
                 // as generate_speculative: n_min counts verified nodes
                 if (s.tree.size() < std::min(s.spec.n_min, budget)) s.tree = DraftTree{};
@@ -84,6 +99,23 @@ int64_t Scheduler::draft_all() {
         }
         s.stats.n_steps++;
         n_drafting += !s.draft.tokens.empty() || !s.tree.empty();
+    }
+    if (!blocks.empty()) {
+        const auto td = Clock::now();
+        dflash_->blocks(blocks);  // every DFlash sequence's block in one pass
+        for (const BlockPlan & b : block_plans) {
+            Sequence & s = *b.seq;
+            if (b.budget > 0) {
+                s.tree = s.dflash->tree(b.budget, b.depth);
+                if (s.tree.size() < std::min(s.spec.n_min, b.budget)) s.tree = DraftTree{};
+            } else {
+                s.draft = s.dflash->chain(b.depth);
+                if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+            }
+            n_drafting += !s.draft.tokens.empty() || !s.tree.empty();
+        }
+        const double seconds = seconds_since(td);
+        for (const BlockPlan & b : block_plans) b.seq->stats.draft_seconds += seconds;  // the pass was shared
     }
     if (!jobs.empty()) {
         const auto td = Clock::now();

@@ -72,7 +72,9 @@ def test_batch_dflash_equals_alone(models, tree_budget):
     scheduler moves the survivors down into the freed slots, waiting ones are admitted), greedy and
     seeded sampling: every sequence gives the tokens, drafts and acceptance of generate() alone with
     the same drafter, greedy also plain decoding's tokens; DFlash drafts of 2+ sequences went
-    through the same passes, some accepted and some rejected. Seen to fail with
+    through the same verify passes, some accepted and some rejected, their blocks through the same
+    block passes (DFlashModel::blocks). Seen to fail with every block of a pass attending to the
+    first block's slot (graph_dflash.cpp), with
     DELTASPEC_TEST_ROWS_BUG=taps_slot_swap (two slots' kept paths tapped at each other's rows:
     DDTree's drafts and the sampled tokens differ) and, erroring, with the drafter's context not
     moved with its sequence in Scheduler::release_finished (a block after an anchor its context
@@ -85,6 +87,7 @@ def test_batch_dflash_equals_alone(models, tree_budget):
         batch = four.generate_batch(prompts, per_prompt=per_prompt, draft_model=d_four, **options)
         spec = four.batch_spec_stats
         assert spec["multi_draft_passes"] > 0 and spec["max_drafting"] >= 2 and spec["mixed_passes"] > 0, spec
+        assert d_four.block_stats["max_blocks"] >= 3, "no block pass held several sequences' blocks"
         assert sum(r.stats.n_accepted > 0 for r in batch) >= 3
         alone = [one.generate(p, draft_model=d_one, **options, **o) for p, o in zip(prompts, per_prompt)]
         for k, (b, a) in enumerate(zip(batch, alone)):

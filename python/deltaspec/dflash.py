@@ -175,6 +175,12 @@ class Drafter:
         return self._core.n_slots
 
     @property
+    def block_stats(self) -> dict[str, int]:
+        """Block passes run, the blocks in them and the most in one pass: generate_batch /
+        add_request run every drafting sequence's block in one pass."""
+        return dict(self._core.block_stats)
+
+    @property
     def n_cached(self) -> int:
         """Context rows held (target positions 0 .. n_cached - 1)."""
         return self._core.n_cached
