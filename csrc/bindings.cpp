@@ -782,6 +782,13 @@ PYBIND11_MODULE(_core, m) {
              }, "Speculation across sequences (add_request's scheduler, else the last generate_batch): verify "
                 "passes, those with drafts of 2+ sequences, those that also accepted and rejected drafts, the most "
                 "sequences drafting in one pass.")
+        .def_property_readonly("mtp_group_stats", [](const Runner &) {
+                 const MtpHead::GroupStats g = MtpHead::group_stats();
+                 py::dict d;
+                 d["calls"] = g.calls;
+                 d["max_heads"] = g.max_heads;
+                 return d;
+             }, "MTP head graphs over several sequences' heads (in this process): graphs run, the most heads in one.")
         .def_property_readonly("rows_stats", [](const Runner & r) {
                  const auto & s = r.engine->rows_stats();
                  py::dict d;

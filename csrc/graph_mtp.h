@@ -23,4 +23,18 @@ MtpGraphOutputs build_mtp(ggml_context * ctx, ggml_cgraph * gf, const HParams & 
                           ggml_tensor * k_cache, ggml_tensor * v_cache, int64_t n_ctx, const StepInputs & in,
                           ggml_tensor * hidden, int64_t n_logit_rows);
 
+// Rows of several heads in one graph (several sequences' MTP heads drafting in lockstep): group j
+// is rows[j] .. rows[j] + in[j].n_tokens - 1 of tokens / hidden ({T} / {E, T}), at its head's
+// positions (in[j], a one-sequence StepInputs whose tokens are not read) with its head's KV cache
+// (caches[j]: K, V, n_ctx). eh_proj, the FFN and the LM head run over every group's rows at once;
+// attention per group. Logits for the rows `logit_rows` ({n_logit}, I32) picks.
+struct MtpHeadCache {
+    ggml_tensor * k;
+    ggml_tensor * v;
+    int64_t n_ctx;
+};
+MtpGraphOutputs build_mtp_groups(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const MtpWeights & w,
+                                 const std::vector<MtpHeadCache> & caches, const std::vector<StepInputs> & in,
+                                 ggml_tensor * tokens, ggml_tensor * hidden, ggml_tensor * logit_rows);
+
 }  // namespace deltaspec

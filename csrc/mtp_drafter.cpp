@@ -38,15 +38,14 @@ void MtpDrafter::begin(const std::vector<int32_t> & prompt) {
     propose(prompt, 0);
 }
 
-bool MtpDrafter::catch_up(const std::vector<int32_t> & committed, bool want_draft, LogitsWanted wanted,
-                          int32_t * argmax) {
-    const int64_t E = target_.hparams().n_embd, V = target_.hparams().n_vocab;
+bool MtpDrafter::catch_up_rows(const std::vector<int32_t> & committed, bool want_draft, int64_t & last) {
+    const int64_t E = target_.hparams().n_embd;
     const int64_t n_past = target_.slot_n_past(target_slot());  // committed[n_past] (if any) is the target's next input
     if ((int64_t)committed.size() < n_past || n_past < synced_) {
         throw std::logic_error("MtpDrafter: committed tokens and the target's state disagree");
     }
     // Catch up: a row for every position from synced_ up to the newest one (draft 1's input).
-    const int64_t last = std::min<int64_t>(n_past, (int64_t)committed.size() - 1);
+    last = std::min<int64_t>(n_past, (int64_t)committed.size() - 1);
     const bool drafting = want_draft && last == n_past;
     batch_tokens_.clear();
     batch_hidden_.clear();
@@ -62,9 +61,16 @@ bool MtpDrafter::catch_up(const std::vector<int32_t> & committed, bool want_draf
         h_last_pos_ = n_past - 1;
     }
     target_.clear_tapped(target_slot());
+    if (!batch_tokens_.empty()) head_.set_n_past(synced_);
+    return drafting;
+}
 
+bool MtpDrafter::catch_up(const std::vector<int32_t> & committed, bool want_draft, LogitsWanted wanted,
+                          int32_t * argmax) {
+    const int64_t E = target_.hparams().n_embd, V = target_.hparams().n_vocab;
+    int64_t last = 0;
+    const bool drafting = catch_up_rows(committed, want_draft, last);
     if (batch_tokens_.empty()) return false;
-    head_.set_n_past(synced_);
     h_.resize(E);
     logits_.resize(V);
     if (!drafting) wanted = LogitsWanted::none;
@@ -73,6 +79,63 @@ bool MtpDrafter::catch_up(const std::vector<int32_t> & committed, bool want_draf
     n_head_steps_++;
     synced_ = last + 1;  // every row so far paired a committed token with the target's hidden state
     return drafting;
+}
+
+void MtpDrafter::chain_row(MtpHead::RowsJob & job, const int32_t * tokens, int64_t n, const float * hidden, bool drafting) {
+    const int64_t E = target_.hparams().n_embd;
+    const bool device_argmax = sampler_.params().argmax_only();
+    job.head = &head_;
+    job.tokens.assign(tokens, tokens + n);
+    job.hidden.assign(hidden, hidden + n * E);
+    job.wanted = !drafting ? LogitsWanted::none : device_argmax ? LogitsWanted::argmax : LogitsWanted::last;
+    job.out = device_argmax ? (void *)&chain_argmax_ : (void *)logits_.data();
+    job.hidden_out = h_.data();
+}
+
+bool MtpDrafter::begin_chain(const std::vector<int32_t> & committed, int64_t n_max, MtpHead::RowsJob & job) {
+    chain_ = Draft{};
+    chain_history_ = committed;
+    chain_n_max_ = n_max;
+    h_.resize(target_.hparams().n_embd);
+    logits_.resize(target_.hparams().n_vocab);
+    int64_t last = 0;
+    chain_drafting_ = catch_up_rows(committed, n_max > 0, last);
+    if (batch_tokens_.empty()) return false;  // as propose(): nothing caught up, no draft
+    chain_synced_ = last + 1;
+    chain_caught_up_ = false;
+    chain_row(job, batch_tokens_.data(), (int64_t)batch_tokens_.size(), batch_hidden_.data(), chain_drafting_);
+    return true;
+}
+
+bool MtpDrafter::next_chain(MtpHead::RowsJob & job) {
+    n_head_steps_++;
+    if (!chain_caught_up_) {
+        chain_caught_up_ = true;
+        synced_ = chain_synced_;
+        if (!chain_drafting_) return false;
+    }
+    const int64_t V = target_.hparams().n_vocab;
+    const bool device_argmax = sampler_.params().argmax_only();
+    int32_t token = chain_argmax_;
+    if (!device_argmax) {
+        Distribution q;
+        sampler_.distribution(logits_.data(), V, chain_history_, q);
+        token = sampler_.draw(q);
+        if (!sampler_.params().greedy()) chain_.dists.push_back(q);
+    }
+    chain_.tokens.push_back(token);
+    chain_history_.push_back(token);
+    const int64_t i = (int64_t)chain_.tokens.size() - 1;
+    if (i + 1 == chain_n_max_ || head_.n_past() >= head_.n_ctx()) {
+        // the drafted rows are not the pairs the head is trained on: they are rewritten next round
+        head_.set_n_past(synced_);
+        chain_.cost = step_cost_ * (double)chain_.tokens.size();
+        return false;
+    }
+    // the next draft: this token with the head's own hidden state for it
+    const std::vector<float> h = h_;
+    chain_row(job, &token, 1, h.data(), true);
+    return true;
 }
 
 Draft MtpDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {

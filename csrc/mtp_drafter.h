@@ -40,11 +40,23 @@ class MtpDrafter : public Drafter {
     int64_t n_head_steps() const { return n_head_steps_; }  // head graphs run (tests assert drafting ran)
     void set_slot(int64_t slot) { slot_ = slot; }
 
+    // propose() a head step at a time, so that a scheduler runs several sequences' head steps in one
+    // graph (MtpHead::eval_groups): begin_chain() readies the catch-up rows of propose(committed,
+    // n_max) as `job` (false: nothing to run, no draft); after each evaluation of the jobs,
+    // next_chain() draws the next draft token and readies the row that continues the chain (false:
+    // the chain is complete). take_chain() returns it: propose()'s rows, draws, draft and cost.
+    bool begin_chain(const std::vector<int32_t> & committed, int64_t n_max, MtpHead::RowsJob & job);
+    bool next_chain(MtpHead::RowsJob & job);
+    Draft take_chain() { return std::move(chain_); }
+
   private:
     // The head reads the committed positions it has not seen (each with the target's hidden state
     // before it). Returns whether a draft can follow: the newest committed token is the target's
     // next input. Then, with `wanted`, logits_ (or argmax) and h_ hold the head's output for it.
     bool catch_up(const std::vector<int32_t> & committed, bool want_draft, LogitsWanted wanted, int32_t * argmax);
+    // catch_up's rows (batch_tokens_, batch_hidden_) without evaluating them; whether a draft can
+    // follow; `last` the newest position they cover
+    bool catch_up_rows(const std::vector<int32_t> & committed, bool want_draft, int64_t & last);
     // The target's hidden state at position p (p >= 0): a tapped row, or the one kept from before.
     const float * target_hidden(int64_t p) const;
     int64_t target_slot() const { return slot_ < 0 ? target_.current_slot() : slot_; }
@@ -63,6 +75,13 @@ class MtpDrafter : public Drafter {
     std::vector<int32_t> batch_tokens_;
     std::vector<float> batch_hidden_, logits_, h_;
     int64_t n_head_steps_ = 0;
+    // begin_chain / next_chain's chain in progress
+    Draft chain_;
+    std::vector<int32_t> chain_history_;
+    int64_t chain_n_max_ = 0, chain_synced_ = 0;
+    bool chain_caught_up_ = false, chain_drafting_ = false;
+    int32_t chain_argmax_ = -1;
+    void chain_row(MtpHead::RowsJob & job, const int32_t * tokens, int64_t n, const float * hidden, bool drafting);
 };
 
 }  // namespace deltaspec

@@ -168,4 +168,107 @@ void MtpHead::eval_ubatch(const int32_t * tokens, const float * hidden, int64_t 
     }
 }
 
+namespace {
+
+MtpHead::GroupStats g_group_stats;
+
+}  // namespace
+
+MtpHead::GroupStats MtpHead::group_stats() { return g_group_stats; }
+
+void MtpHead::eval_groups(std::vector<RowsJob> & jobs) {
+    if (jobs.empty()) return;
+    const MtpHead & first = *jobs[0].head;
+    const HParams & hp = first.hp_;
+    const int64_t E = hp.n_embd, N = (int64_t)jobs.size();
+    int64_t T = 0;
+    for (int64_t j = 0; j < N; ++j) {
+        const RowsJob & job = jobs[j];
+        const int64_t n = (int64_t)job.tokens.size();
+        if (job.head == nullptr || &job.head->target_ != &first.target_) {
+            throw std::invalid_argument("MtpHead::eval_groups: every job needs a head of the same target");
+        }
+        for (int64_t i = 0; i < j; ++i) {
+            if (jobs[i].head == job.head) throw std::invalid_argument("MtpHead::eval_groups: two jobs of one head");
+        }
+        if (n < 1 || (int64_t)job.hidden.size() != n * E) {
+            throw std::invalid_argument("MtpHead::eval_groups: a job needs rows, with n_embd hidden values each");
+        }
+        if (job.wanted != LogitsWanted::none && job.wanted != LogitsWanted::last && job.wanted != LogitsWanted::argmax) {
+            throw std::invalid_argument("MtpHead::eval_groups: a job's last row's logits or argmax, or nothing");
+        }
+        if (job.head->n_past_ + n > job.head->n_ctx_) {
+            throw std::length_error("the MTP head's context of " + std::to_string(job.head->n_ctx_) + " rows is full");
+        }
+        for (int32_t t : job.tokens) {
+            if (t < 0 || t >= hp.n_vocab) throw std::out_of_range("token id " + std::to_string(t) + " is outside the vocabulary");
+        }
+        T += n;
+    }
+    // per head: its inputs, attention and cache writes; the rest once
+    const size_t graph_size = 256 + (size_t)N * 96;
+    std::vector<uint8_t> meta(ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false));
+    ggml_context * ctx = ggml_init({meta.size(), meta.data(), /*no_alloc =*/true});
+    ggml_backend_sched_t sched = nullptr;
+    try {
+        ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size, false);
+        ggml_tensor * tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
+        ggml_tensor * hidden = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, E, T);
+        ggml_tensor * logit_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, N);  // each job's last row
+        for (ggml_tensor * t : {tokens, hidden, logit_rows}) ggml_set_input(t);
+        std::vector<MtpHeadCache> caches;
+        std::vector<StepInputs> in;
+        std::vector<int64_t> n_kv(N);
+        for (int64_t j = 0; j < N; ++j) {
+            const MtpHead & h = *jobs[j].head;
+            const int64_t n = (int64_t)jobs[j].tokens.size();
+            const int64_t padded = (h.n_past_ + n + SequenceState::kv_pad - 1) / SequenceState::kv_pad * SequenceState::kv_pad;
+            n_kv[j] = std::min(h.n_ctx_, padded);
+            caches.push_back({h.k_, h.v_, h.n_ctx_});
+            in.push_back(make_step_inputs(ctx, n, n_kv[j]));
+        }
+        const MtpGraphOutputs out = build_mtp_groups(ctx, gf, hp, first.target_.weights().mtp, caches, in, tokens, hidden,
+                                                     logit_rows);
+        ggml_tensor * argmax = ggml_argmax(ctx, out.logits);  // {N}
+        ggml_set_output(argmax);
+        ggml_build_forward_expand(gf, argmax);
+
+        ggml_backend_t backends[2] = {first.target_.backend(), first.target_.cpu_backend()};
+        const int n_backends = backends[0] == backends[1] ? 1 : 2;
+        sched = ggml_backend_sched_new(backends, nullptr, n_backends, graph_size, false, false);
+        if (!sched || !ggml_backend_sched_alloc_graph(sched, gf)) throw std::runtime_error("cannot allocate the MTP heads' graph");
+
+        std::vector<int32_t> all_tokens, last(N);
+        std::vector<float> all_hidden;
+        for (int64_t j = 0; j < N; ++j) {
+            all_tokens.insert(all_tokens.end(), jobs[j].tokens.begin(), jobs[j].tokens.end());
+            all_hidden.insert(all_hidden.end(), jobs[j].hidden.begin(), jobs[j].hidden.end());
+            last[j] = (int32_t)all_tokens.size() - 1;
+            set_chain_inputs(in[j], jobs[j].head->n_past_, (int64_t)jobs[j].tokens.size(), n_kv[j]);
+        }
+        set_input(tokens, all_tokens.data(), all_tokens.size() * sizeof(int32_t));
+        set_input(hidden, all_hidden.data(), all_hidden.size() * sizeof(float));
+        set_input(logit_rows, last.data(), last.size() * sizeof(int32_t));
+        if (ggml_backend_sched_graph_compute(sched, gf) != GGML_STATUS_SUCCESS) {
+            throw std::runtime_error("the MTP heads' graph computation failed");
+        }
+        const size_t row = E * sizeof(float), logits_row = hp.n_vocab * sizeof(float);
+        for (int64_t j = 0; j < N; ++j) {
+            RowsJob & job = jobs[j];
+            job.head->n_past_ += (int64_t)job.tokens.size();
+            if (job.wanted == LogitsWanted::last) ggml_backend_tensor_get(out.logits, job.out, j * logits_row, logits_row);
+            if (job.wanted == LogitsWanted::argmax) ggml_backend_tensor_get(argmax, job.out, j * sizeof(int32_t), sizeof(int32_t));
+            if (job.hidden_out) ggml_backend_tensor_get(out.hidden, job.hidden_out, last[j] * row, row);
+        }
+    } catch (...) {
+        if (sched) ggml_backend_sched_free(sched);
+        ggml_free(ctx);
+        throw;
+    }
+    ggml_backend_sched_free(sched);
+    ggml_free(ctx);
+    g_group_stats.calls += 1;
+    g_group_stats.max_heads = std::max(g_group_stats.max_heads, N);
+}
+
 }  // namespace deltaspec

@@ -32,6 +32,26 @@ class MtpHead {
     // Weight bytes one one-row step reads (the block, eh_proj, the head; one embedding row).
     size_t step_weight_bytes() const;
 
+    // Several heads' rows in one graph (eh_proj, FFN and LM head read once for all; attention per
+    // head in its own cache): job j's rows continue job j's head as eval() would, each job's last
+    // row's logits (LogitsWanted::last) or argmax (::argmax) to `out` (or nothing: ::none) and its
+    // output hidden state to hidden_out (optional). The heads are distinct and of one target; the
+    // graph and its scheduler are built per call (the heads' own graphs serve eval()).
+    struct RowsJob {
+        MtpHead * head = nullptr;
+        std::vector<int32_t> tokens;
+        std::vector<float> hidden;  // tokens.size() * n_embd
+        LogitsWanted wanted = LogitsWanted::none;
+        void * out = nullptr;
+        float * hidden_out = nullptr;
+    };
+    static void eval_groups(std::vector<RowsJob> & jobs);
+    // What eval_groups has run (tests assert that several heads shared a graph).
+    struct GroupStats {
+        int64_t calls = 0, max_heads = 0;
+    };
+    static GroupStats group_stats();
+
   private:
     void eval_ubatch(const int32_t * tokens, const float * hidden, int64_t T, LogitsWanted wanted, void * out,
                      float * hidden_out);

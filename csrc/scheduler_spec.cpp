@@ -47,6 +47,8 @@ int64_t Scheduler::draft_all() {
     };
     std::vector<DFlashModel::BlockJob> blocks;
     std::vector<BlockPlan> block_plans;
+    std::vector<MtpHead::RowsJob> head_jobs;  // MTP chains: every sequence's head steps in one graph, below
+    std::vector<Sequence *> head_seqs;
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
         s.draft = Draft{};
@@ -87,6 +89,13 @@ int64_t Scheduler::draft_all() {
                     blocks.push_back(job);
                     block_plans.push_back({&s, budget, s.spec.tree_budget > 0 ? block_depth : depth});
                 }
+            } else if (s.mtp && s.spec.tree_budget == 0) {
+                // as MtpDrafter::propose, a head step at a time with the other sequences' below
+                MtpHead::RowsJob job;
+                if (s.mtp->begin_chain(*text, depth, job)) {
+                    head_jobs.push_back(std::move(job));
+                    head_seqs.push_back(&s);
+                }
             } else if (s.spec.tree_budget > 0) {
                 s.tree = s.drafter->propose_tree(*text, budget, depth);
                 // as generate_speculative: n_min counts verified nodes
@@ -99,6 +108,31 @@ int64_t Scheduler::draft_all() {
         }
         s.stats.n_steps++;
         n_drafting += !s.draft.tokens.empty() || !s.tree.empty();
+    }
+    if (!head_jobs.empty()) {
+        const auto td = Clock::now();
+        const std::vector<Sequence *> all = head_seqs;
+        while (!head_jobs.empty()) {  // one graph per draft position, over the chains still growing
+            MtpHead::eval_groups(head_jobs);
+            std::vector<MtpHead::RowsJob> next;
+            std::vector<Sequence *> next_seqs;
+            for (size_t k = 0; k < head_jobs.size(); ++k) {
+                Sequence & s = *head_seqs[k];
+                MtpHead::RowsJob job;
+                if (s.mtp->next_chain(job)) {
+                    next.push_back(std::move(job));
+                    next_seqs.push_back(&s);
+                    continue;
+                }
+                s.draft = s.mtp->take_chain();
+                if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+                n_drafting += !s.draft.tokens.empty();
+            }
+            head_jobs = std::move(next);
+            head_seqs = std::move(next_seqs);
+        }
+        const double seconds = seconds_since(td);
+        for (Sequence * s : all) s->stats.draft_seconds += seconds;  // the graphs were shared
     }
     if (!blocks.empty()) {
         const auto td = Clock::now();

@@ -53,7 +53,8 @@ def test_batch_mtp_equals_alone(models, tree_budget):
     survivors move down into the freed slots), greedy and seeded sampling: every sequence gives the
     tokens, drafts and acceptance of generate() alone with the MTP head, greedy also plain
     decoding's tokens; MTP drafts of 2+ sequences went through the same passes, some accepted and
-    some rejected. Seen to fail with DELTASPEC_TEST_ROWS_BUG=taps_slot_swap (two slots' kept paths
+    some rejected, and (chains) their head steps through the same head graphs. Seen to fail with
+    every head of a graph attending to the first head's cache (MtpHead::eval_groups), with DELTASPEC_TEST_ROWS_BUG=taps_slot_swap (two slots' kept paths
     tapped at each other's rows: other drafts) and, erroring, with the drafter's slot not updated
     when the scheduler moves its sequence (release_finished: "the target's hidden state at
     position ... was not tapped")."""
@@ -66,6 +67,8 @@ def test_batch_mtp_equals_alone(models, tree_budget):
         batch = four.generate_batch(prompts, per_prompt=per_prompt, **options)
         spec = four.batch_spec_stats
         assert spec["multi_draft_passes"] > 0 and spec["max_drafting"] >= 2 and spec["mixed_passes"] > 0, spec
+        if not tree_budget:  # chains: the heads' steps of several sequences in one graph (MtpHead::eval_groups)
+            assert four._engine.mtp_group_stats["max_heads"] >= 3
         assert sum(r.stats.n_accepted > 0 for r in batch) >= 3
         alone = [one.generate(p, **options, **o) for p, o in zip(prompts, per_prompt)]
         for k, (b, a) in enumerate(zip(batch, alone)):
