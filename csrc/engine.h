@@ -277,7 +277,7 @@ class Engine {
     struct TapRun {
         int64_t slot, pos, row, n;
     };
-    void append_tap_runs(const std::vector<TapRun> & runs);  // each slot at most once
+    void append_tap_runs(const std::vector<TapRun> & runs);  // a slot's runs in position order
     // room for n more rows of `slot` starting at position `pos` (a gap: the old rows go first);
     // returns the offset in its rows where they go
     size_t extend_taps(int64_t slot, int64_t pos, int64_t n);
