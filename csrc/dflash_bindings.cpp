@@ -57,8 +57,10 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                  float * p = out.mutable_data();
                  {
                      py::gil_scoped_release release;
-                     d.use_slot(0);
-                     d.block(anchor, p, nullptr);
+                     DFlashModel::BlockJob job;  // slot 0: generate()'s
+                     job.anchor = anchor;
+                     job.logits = p;
+                     d.blocks({job});
                  }
                  return out;
              }, py::arg("anchor"), "Logits (block_size - 1, n_vocab) of the block [anchor, mask...] after the context.")
@@ -66,8 +68,10 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                  std::vector<int32_t> out(d.hparams().block_size - 1);
                  {
                      py::gil_scoped_release release;
-                     d.use_slot(0);
-                     d.block(anchor, nullptr, out.data());
+                     DFlashModel::BlockJob job;
+                     job.anchor = anchor;
+                     job.top1 = out.data();
+                     d.blocks({job});
                  }
                  return out;
              }, py::arg("anchor"), "The argmax of every predicted slot (computed on the device).")

@@ -232,20 +232,6 @@ void DFlashModel::inject(const float * features, int64_t n, int64_t pos0) {
     slots_[cur_].n_cached = pos0 + n;
 }
 
-void DFlashModel::block(int32_t anchor, float * logits, int32_t * top1, int64_t top_k, float temperature,
-                        int32_t * top_ids, float * top_probs) {
-    BlockJob job;
-    job.slot = cur_;
-    job.anchor = anchor;
-    job.logits = logits;
-    job.top1 = top1;
-    job.top_k = top_k;
-    job.temperature = temperature;
-    job.top_ids = top_ids;
-    job.top_probs = top_probs;
-    blocks({job});
-}
-
 void DFlashModel::blocks(const std::vector<BlockJob> & jobs) {
     const int64_t B = hp_.block_size, N = (int64_t)jobs.size();
     if (N == 0) return;

@@ -50,18 +50,14 @@ class DFlashModel {
     // target positions pos0 .. pos0+n_rows-1 become every layer's K/V rows there. pos0 must not be
     // past n_cached(); rows at or after pos0 are replaced and the cache then ends at pos0+n_rows.
     void inject(const float * features, int64_t n_rows, int64_t pos0);
-    // One block [anchor, mask x (block_size-1)] at positions n_cached() .. : the non-causal pass
-    // over every cached context row and the block. Writes the logits of the block_size-1 predicted
-    // slots ({block_size-1, n_vocab} row-major) to `logits`, their argmax to `top1`, and / or (when
-    // top_k > 0) each slot's top_k tokens to `top_ids` with their probabilities under
-    // softmax(logits / temperature) to `top_probs` ({block_size-1, top_k} each, a slot's tokens in
-    // no particular order), all computed on the device; any output may be null. Leaves the cache
-    // as it was.
-    void block(int32_t anchor, float * logits, int32_t * top1, int64_t top_k = 0, float temperature = 1.0f,
-               int32_t * top_ids = nullptr, float * top_probs = nullptr);
-    // One block per job in ONE pass (graph_dflash.h build_dflash_blocks): job j's block after the
-    // context of its slot, outputs as block()'s (any may be null; top_k and temperature per job).
-    // Leaves every cache as it was. Slots distinct.
+    // One block per job in ONE pass (graph_dflash.h build_dflash_blocks): job j's block
+    // [anchor, mask x (block_size-1)] at positions n_cached() .. of its slot, the non-causal pass
+    // over every cached context row of that slot and the block. Writes the logits of the
+    // block_size-1 predicted slots ({block_size-1, n_vocab} row-major) to `logits`, their argmax
+    // to `top1`, and / or (when top_k > 0) each slot's top_k tokens to `top_ids` with their
+    // probabilities under softmax(logits / temperature) to `top_probs` ({block_size-1, top_k}
+    // each, a slot's tokens in no particular order), all computed on the device; any output may
+    // be null. Leaves every cache as it was. Slots distinct.
     struct BlockJob {
         int64_t slot = 0;
         int32_t anchor = 0;

@@ -139,34 +139,13 @@ bool MtpDrafter::next_chain(MtpHead::RowsJob & job) {
 }
 
 Draft MtpDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
-    const int64_t V = target_.hparams().n_vocab;
-    const bool device_argmax = sampler_.params().argmax_only();
-    const bool greedy = sampler_.params().greedy();
-    int32_t argmax = -1;
-    Draft d;
-    if (!catch_up(committed, n_max > 0, device_argmax ? LogitsWanted::argmax : LogitsWanted::last, &argmax)) return d;
-
-    std::vector<int32_t> history = committed;
-    Distribution q;
-    for (int64_t i = 0; i < n_max; ++i) {
-        int32_t token = argmax;
-        if (!device_argmax) {
-            sampler_.distribution(logits_.data(), V, history, q);
-            token = sampler_.draw(q);
-            if (!greedy) d.dists.push_back(q);
-        }
-        d.tokens.push_back(token);
-        history.push_back(token);
-        if (i + 1 == n_max || head_.n_past() >= head_.n_ctx()) break;
-        // the next draft: this token with the head's own hidden state for it
-        head_.eval(&token, h_.data(), 1, device_argmax ? LogitsWanted::argmax : LogitsWanted::last,
-                   device_argmax ? (void *)&argmax : (void *)logits_.data(), h_.data());
-        n_head_steps_++;
-    }
-    // the drafted rows are not the pairs the head is trained on: they are rewritten next round
-    head_.set_n_past(synced_);
-    d.cost = step_cost_ * (double)d.tokens.size();
-    return d;
+    // the scheduler's lockstep chain, each step on this head's own graphs
+    MtpHead::RowsJob job;
+    if (!begin_chain(committed, n_max, job)) return Draft{};
+    do {
+        head_.eval(job.tokens.data(), job.hidden.data(), (int64_t)job.tokens.size(), job.wanted, job.out, job.hidden_out);
+    } while (next_chain(job));
+    return take_chain();
 }
 
 DraftTree MtpDrafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {

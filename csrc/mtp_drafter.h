@@ -41,10 +41,10 @@ class MtpDrafter : public Drafter {
     void set_slot(int64_t slot) { slot_ = slot; }
 
     // propose() a head step at a time, so that a scheduler runs several sequences' head steps in one
-    // graph (MtpHead::eval_groups): begin_chain() readies the catch-up rows of propose(committed,
-    // n_max) as `job` (false: nothing to run, no draft); after each evaluation of the jobs,
-    // next_chain() draws the next draft token and readies the row that continues the chain (false:
-    // the chain is complete). take_chain() returns it: propose()'s rows, draws, draft and cost.
+    // graph (MtpHead::eval_groups; propose() runs each on the head's own graphs): begin_chain()
+    // readies the catch-up rows as `job` (false: nothing to run, no draft); after each evaluation
+    // of the job, next_chain() draws the next draft token and readies the row that continues the
+    // chain (false: the chain is complete). take_chain() returns the draft with its cost.
     bool begin_chain(const std::vector<int32_t> & committed, int64_t n_max, MtpHead::RowsJob & job);
     bool next_chain(MtpHead::RowsJob & job);
     Draft take_chain() { return std::move(chain_); }

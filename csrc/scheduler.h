@@ -208,6 +208,14 @@ class Scheduler {
     // running sequence's rows, accept and keep per sequence; false (nothing done) when none drafts
     bool decode_speculative(std::vector<StepEvent> & events);
     int64_t draft_all();  // this step's drafts; how many sequences drafted
+    // draft_all's batched drafters, each returning how many sequences drafted: MTP chains, a
+    // graph per draft position over every drafting sequence's head; DFlash, one block pass
+    struct BlockPlan {  // a DFlash sequence's block in the pass
+        Sequence * seq;
+        int64_t budget, depth;  // budget 0: a chain of `depth`
+    };
+    int64_t draft_mtp_chains(std::vector<MtpHead::RowsJob> & jobs, std::vector<Sequence *> & seqs);
+    int64_t draft_dflash_blocks(const std::vector<DFlashModel::BlockJob> & blocks, const std::vector<BlockPlan> & plans);
     void finish(Sequence & s, FinishReason why, StepEvent & ev);
     void release_finished();
     StepEvent & event_of(std::vector<StepEvent> & events, const Sequence & s);

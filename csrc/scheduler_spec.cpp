@@ -32,6 +32,19 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 }  // namespace
 
+namespace {
+
+// generate_speculative's floor: a chain shorter than n_min, or a tree of fewer nodes than
+// min(n_min, budget), is not verified (a best-first tree fills its budget but may stay shallow)
+void drop_short_draft(Sequence & s, int64_t budget) {
+    if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+    if (!s.tree.empty() && s.tree.size() < std::min(s.spec.n_min, budget)) s.tree = DraftTree{};
+}
+
+bool drafted(const Sequence & s) { return !s.draft.tokens.empty() || !s.tree.empty(); }
+
+}  // namespace
+
 int64_t Scheduler::draft_all() {
     const int64_t n_ctx = engine_.n_ctx();
     // the pass holds every running sequence's rows, each slot padded to the longest: Tq <= n_ubatch / N
@@ -39,135 +52,138 @@ int64_t Scheduler::draft_all() {
     const int64_t N = n_decoding();
     const int64_t cap = engine_.n_ubatch() / std::max<int64_t>(1, N) - 1;
     int64_t n_drafting = 0;
-    std::vector<DraftJob> jobs;  // the draft model's, drafted together below
+    // the drafters whose work for several sequences runs together, after this loop
+    std::vector<DraftJob> jobs;  // the draft model's
     std::vector<Sequence *> job_seq;
-    struct BlockPlan {  // a DFlash sequence's block, run with the others' in one pass below
-        Sequence * seq;
-        int64_t budget, depth;  // budget 0: a chain of `depth`
-    };
-    std::vector<DFlashModel::BlockJob> blocks;
+    std::vector<DFlashModel::BlockJob> blocks;  // DFlash: every sequence's block in one pass
     std::vector<BlockPlan> block_plans;
-    std::vector<MtpHead::RowsJob> head_jobs;  // MTP chains: every sequence's head steps in one graph, below
+    std::vector<MtpHead::RowsJob> head_jobs;  // MTP chains: every sequence's head steps in one graph
     std::vector<Sequence *> head_seqs;
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
         s.draft = Draft{};
         s.tree = DraftTree{};
         if (!s.speculates()) continue;
+        s.stats.n_steps++;
         // as generate_speculative: the batch [pending, drafts...] must fit the context, and drafts
         // past max_tokens would be thrown away (the target adds one token itself)
         const int64_t left = s.req.max_tokens - (int64_t)s.res.tokens.size();
         const int64_t room = std::min({n_ctx - engine_.slot_n_past(s.slot) - 1, s.spec.n_max, left - 1, cap});
         if (s.pause > 0) {
             --s.pause;
-        } else if (room >= std::max<int64_t>(s.spec.n_min, 1) && s.draft_state) {
+            continue;
+        }
+        if (room < std::max<int64_t>(s.spec.n_min, 1)) continue;
+        // every node takes a KV row and a row of the pass: the tree fits the context and the pass
+        const int64_t budget = s.spec.tree_budget > 0
+                                   ? std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap}) : 0;
+        if (s.draft_state) {
             DraftJob job;
             job.slot = s.slot;
             job.state = s.draft_state.get();
             job.committed = &s.history;
             job.n_max = std::min(s.n_draft, room);  // a tree's depth too (a draft model's depth is not free)
-            if (s.spec.tree_budget > 0) job.tree_budget = std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap});
+            job.tree_budget = budget;
             jobs.push_back(std::move(job));
             job_seq.push_back(&s);
-        } else if (room >= std::max<int64_t>(s.spec.n_min, 1)) {
-            const auto td = Clock::now();
-            const std::vector<int32_t> * text = &s.history;
-            if (!s.spec.reference.empty()) {
-                s.lookup.assign(s.spec.reference.begin(), s.spec.reference.end());
-                s.lookup.insert(s.lookup.end(), s.history.begin(), s.history.end());
-                text = &s.lookup;
-            }
-            // every node takes a KV row and a row of the pass: the tree fits the context and the pass
-            const int64_t budget = s.spec.tree_budget > 0
-                                       ? std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap}) : 0;
-            const int64_t depth = s.spec.tree_budget > 0 && s.drafter->tree_depth_is_free() ? room : std::min(s.n_draft, room);
-            if (s.dflash) {
-                // as DFlashDrafter::propose_tree / propose, its block run with the others' below
-                const int64_t block_depth = std::min(depth, dflash_->hparams().block_size - 1);
-                DFlashModel::BlockJob job;
-                if ((s.spec.tree_budget == 0 || (budget >= 1 && block_depth >= 1)) && s.dflash->plan(*text, budget, job)) {
-                    blocks.push_back(job);
-                    block_plans.push_back({&s, budget, s.spec.tree_budget > 0 ? block_depth : depth});
-                }
-            } else if (s.mtp && s.spec.tree_budget == 0) {
-                // as MtpDrafter::propose, a head step at a time with the other sequences' below
-                MtpHead::RowsJob job;
-                if (s.mtp->begin_chain(*text, depth, job)) {
-                    head_jobs.push_back(std::move(job));
-                    head_seqs.push_back(&s);
-                }
-            } else if (s.spec.tree_budget > 0) {
-                s.tree = s.drafter->propose_tree(*text, budget, depth);
-                // as generate_speculative: n_min counts verified nodes
-                if (s.tree.size() < std::min(s.spec.n_min, budget)) s.tree = DraftTree{};
-            } else {
-                s.draft = s.drafter->propose(*text, std::min(s.n_draft, room));
-                if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
-            }
-            s.stats.draft_seconds += seconds_since(td);
+            continue;
         }
-        s.stats.n_steps++;
-        n_drafting += !s.draft.tokens.empty() || !s.tree.empty();
-    }
-    if (!head_jobs.empty()) {
         const auto td = Clock::now();
-        const std::vector<Sequence *> all = head_seqs;
-        while (!head_jobs.empty()) {  // one graph per draft position, over the chains still growing
-            MtpHead::eval_groups(head_jobs);
-            std::vector<MtpHead::RowsJob> next;
-            std::vector<Sequence *> next_seqs;
-            for (size_t k = 0; k < head_jobs.size(); ++k) {
-                Sequence & s = *head_seqs[k];
-                MtpHead::RowsJob job;
-                if (s.mtp->next_chain(job)) {
-                    next.push_back(std::move(job));
-                    next_seqs.push_back(&s);
-                    continue;
-                }
-                s.draft = s.mtp->take_chain();
-                if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
-                n_drafting += !s.draft.tokens.empty();
-            }
-            head_jobs = std::move(next);
-            head_seqs = std::move(next_seqs);
+        const std::vector<int32_t> * text = &s.history;
+        if (!s.spec.reference.empty()) {
+            s.lookup.assign(s.spec.reference.begin(), s.spec.reference.end());
+            s.lookup.insert(s.lookup.end(), s.history.begin(), s.history.end());
+            text = &s.lookup;
         }
-        const double seconds = seconds_since(td);
-        for (Sequence * s : all) s->stats.draft_seconds += seconds;  // the graphs were shared
-    }
-    if (!blocks.empty()) {
-        const auto td = Clock::now();
-        dflash_->blocks(blocks);  // every DFlash sequence's block in one pass
-        for (const BlockPlan & b : block_plans) {
-            Sequence & s = *b.seq;
-            if (b.budget > 0) {
-                s.tree = s.dflash->tree(b.budget, b.depth);
-                if (s.tree.size() < std::min(s.spec.n_min, b.budget)) s.tree = DraftTree{};
-            } else {
-                s.draft = s.dflash->chain(b.depth);
-                if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
+        const int64_t depth = budget > 0 && s.drafter->tree_depth_is_free() ? room : std::min(s.n_draft, room);
+        if (s.dflash) {
+            // as DFlashDrafter::propose_tree / propose, its block run with the others' below
+            const int64_t block_depth = std::min(depth, dflash_->hparams().block_size - 1);
+            DFlashModel::BlockJob job;
+            if ((budget == 0 || block_depth >= 1) && s.dflash->plan(*text, budget, job)) {
+                blocks.push_back(job);
+                block_plans.push_back({&s, budget, budget > 0 ? block_depth : depth});
             }
-            n_drafting += !s.draft.tokens.empty() || !s.tree.empty();
+        } else if (s.mtp && budget == 0) {
+            // as MtpDrafter::propose, a head step at a time with the other sequences' below
+            MtpHead::RowsJob job;
+            if (s.mtp->begin_chain(*text, depth, job)) {
+                head_jobs.push_back(std::move(job));
+                head_seqs.push_back(&s);
+            }
+        } else if (budget > 0) {
+            s.tree = s.drafter->propose_tree(*text, budget, depth);
+        } else {
+            s.draft = s.drafter->propose(*text, depth);
         }
-        const double seconds = seconds_since(td);
-        for (const BlockPlan & b : block_plans) b.seq->stats.draft_seconds += seconds;  // the pass was shared
+        drop_short_draft(s, budget);
+        s.stats.draft_seconds += seconds_since(td);
+        n_drafting += drafted(s);
     }
+    n_drafting += draft_mtp_chains(head_jobs, head_seqs) + draft_dflash_blocks(blocks, block_plans);
     if (!jobs.empty()) {
         const auto td = Clock::now();
         model_drafter_->propose(jobs);
         const double seconds = seconds_since(td);
         for (size_t k = 0; k < jobs.size(); ++k) {
             Sequence & s = *job_seq[k];
-            if (jobs[k].tree_budget > 0) {
-                s.tree = std::move(jobs[k].tree);
-                if (s.tree.size() < std::min(s.spec.n_min, jobs[k].tree_budget)) s.tree = DraftTree{};
-            } else {
-                s.draft = std::move(jobs[k].draft);
-                if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
-            }
+            s.draft = std::move(jobs[k].draft);
+            s.tree = std::move(jobs[k].tree);
+            drop_short_draft(s, jobs[k].tree_budget);
             s.stats.draft_seconds += seconds;  // the passes were shared
-            n_drafting += !s.draft.tokens.empty() || !s.tree.empty();
+            n_drafting += drafted(s);
         }
     }
+    return n_drafting;
+}
+
+int64_t Scheduler::draft_mtp_chains(std::vector<MtpHead::RowsJob> & jobs, std::vector<Sequence *> & seqs) {
+    if (jobs.empty()) return 0;
+    const auto td = Clock::now();
+    const std::vector<Sequence *> all = seqs;
+    int64_t n_drafting = 0;
+    while (!jobs.empty()) {  // one graph per draft position, over the chains still growing
+        MtpHead::eval_groups(jobs);
+        std::vector<MtpHead::RowsJob> next;
+        std::vector<Sequence *> next_seqs;
+        for (size_t k = 0; k < jobs.size(); ++k) {
+            Sequence & s = *seqs[k];
+            MtpHead::RowsJob job;
+            if (s.mtp->next_chain(job)) {
+                next.push_back(std::move(job));
+                next_seqs.push_back(&s);
+                continue;
+            }
+            s.draft = s.mtp->take_chain();
+            drop_short_draft(s, 0);
+            n_drafting += drafted(s);
+        }
+        jobs = std::move(next);
+        seqs = std::move(next_seqs);
+    }
+    const double seconds = seconds_since(td);
+    for (Sequence * s : all) s->stats.draft_seconds += seconds;  // the graphs were shared
+    return n_drafting;
+}
+
+int64_t Scheduler::draft_dflash_blocks(const std::vector<DFlashModel::BlockJob> & blocks,
+                                       const std::vector<BlockPlan> & plans) {
+    if (blocks.empty()) return 0;
+    const auto td = Clock::now();
+    dflash_->blocks(blocks);
+    int64_t n_drafting = 0;
+    for (const BlockPlan & b : plans) {
+        Sequence & s = *b.seq;
+        if (b.budget > 0) {
+            s.tree = s.dflash->tree(b.budget, b.depth);
+        } else {
+            s.draft = s.dflash->chain(b.depth);
+        }
+        drop_short_draft(s, b.budget);
+        n_drafting += drafted(s);
+    }
+    const double seconds = seconds_since(td);
+    for (const BlockPlan & b : plans) b.seq->stats.draft_seconds += seconds;  // the pass was shared
     return n_drafting;
 }
 
