@@ -18,9 +18,6 @@ and rejected in part, in several sequences of the same pass. Tests need torch to
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -30,7 +27,8 @@ pytest.importorskip("dflash")
 from deltaspec import Drafter, Model  # noqa: E402
 from deltaspec.testing import tiny_dflash as TD  # noqa: E402
 from deltaspec.testing.tiny_vocab import tiny_vocab_model_path  # noqa: E402
-from test_server import ServerProcess, ask, expected, files, reference  # noqa: E402,F401 (fixtures)
+from batch_drafting import assert_each_as_alone, drafting, random_prompts, run_request  # noqa: E402
+from test_server import ServerProcess, ask_concurrently, expected, files, reference  # noqa: E402,F401 (fixtures)
 
 N_CTX = 512
 BIAS = {82: 10.0, 225: 10.0, 19: 10.0}  # the tokens the seed-3 drafter below proposes most
@@ -57,15 +55,6 @@ def models(tmp_path_factory):
         yield one, Drafter(file, target=one), four, Drafter(file, target=four)
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=int(rng.integers(2, 30))).tolist() for _ in range(n)]
-
-
-def _stats(r):
-    return r.stats.n_drafted, r.stats.n_accepted, r.stats.accepted_lengths, r.stats.n_tree_nodes
-
-
 @pytest.mark.parametrize("tree_budget", [0, 8], ids=["chains", "ddtree8"])
 def test_batch_dflash_equals_alone(models, tree_budget):
     """7 prompts on 4 slots, each its own max_tokens (sequences finish at different steps, the
@@ -80,7 +69,7 @@ def test_batch_dflash_equals_alone(models, tree_budget):
     moved with its sequence in Scheduler::release_finished (a block after an anchor its context
     does not end before: "DFlash inject: rows ... do not continue the cache")."""
     one, d_one, four, d_four = models
-    prompts = _prompts(7, seed=3)
+    prompts = random_prompts(7, seed=3, max_len=30)
     per_prompt = [dict(max_tokens=n) for n in (40, 12, 55, 25, 33, 48, 20)]
     for temperature in (0.0, 0.8):
         options = dict(SPEC, tree_budget=tree_budget, temperature=temperature, seed=5)
@@ -90,9 +79,7 @@ def test_batch_dflash_equals_alone(models, tree_budget):
         assert d_four.block_stats["max_blocks"] >= 3, "no block pass held several sequences' blocks"
         assert sum(r.stats.n_accepted > 0 for r in batch) >= 3
         alone = [one.generate(p, draft_model=d_one, **options, **o) for p, o in zip(prompts, per_prompt)]
-        for k, (b, a) in enumerate(zip(batch, alone)):
-            assert b.tokens == a.tokens, f"prompt {k}, temperature {temperature}: other tokens than alone"
-            assert _stats(b) == _stats(a), f"prompt {k}, temperature {temperature}: other drafts than alone"
+        assert_each_as_alone(batch, alone, f"temperature {temperature}")
         if tree_budget:
             assert all(r.stats.n_tree_nodes > 0 for r in batch)
         if temperature == 0.0:
@@ -110,28 +97,18 @@ def test_dflash_requests_resume_their_kept_context(models):
     (SlotHistories' on_move: other drafts than alone) and, erroring, with the whole-prompt rule off
     (admit's dflash_context_covers taken as true)."""
     one, d_one, four, d_four = models
-    first, other = _prompts(2, seed=11)
+    first, other = random_prompts(2, seed=11, max_len=30)
     options = dict(SPEC, tree_budget=8, temperature=0, max_tokens=30)
-
-    def run(prompt, **kw):
-        rid = four.add_request(prompt, **kw)
-        done = {}
-        while four.has_unfinished_requests:
-            for out in four.step():
-                if out.finished:
-                    done[out.request_id] = out.result
-        return done[rid]
-
-    a = run(first, draft_model=d_four, **options)
-    b = run(other, logit_bias=BIAS, ignore_eos=True, temperature=0, max_tokens=30)  # no drafter
-    a2 = run(first + a.tokens + [7, 8], draft_model=d_four, **options)
-    b2 = run(other + b.tokens + [9], draft_model=d_four, **options)
+    a = run_request(four, first, draft_model=d_four, **options)
+    b = run_request(four, other, logit_bias=BIAS, ignore_eos=True, temperature=0, max_tokens=30)  # no drafter
+    a2 = run_request(four, first + a.tokens + [7, 8], draft_model=d_four, **options)
+    b2 = run_request(four, other + b.tokens + [9], draft_model=d_four, **options)
     assert a2.stats.cached_tokens == len(first) + len(a.tokens) - 1, "the DFlash history was not resumed"
     assert b2.stats.cached_tokens == 0, "resumed a slot whose drafter context was never kept"
     for got, prompt in ((a, first), (a2, first + a.tokens + [7, 8]), (b2, other + b.tokens + [9])):
         solo = one.generate(prompt, draft_model=d_one, **options)
         assert got.tokens == solo.tokens
-        assert got.stats.n_drafted > 0 and _stats(got) == _stats(solo)
+        assert got.stats.n_drafted > 0 and drafting(got) == drafting(solo)
 
 
 def test_server_batches_dflash_requests(files, reference, tmp_path):
@@ -147,8 +124,7 @@ def test_server_batches_dflash_requests(files, reference, tmp_path):
     try:
         client = s.client()
         prompts = [f"{w} {w} {w}" for w in ("abc", "xyz", "the", "one two")]
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(lambda k: ask(client, prompts[k], 24 + 4 * k, k % 2 == 1), range(len(prompts))))
+        answers = ask_concurrently(client, prompts, [24 + 4 * k for k in range(len(prompts))])
         for k, (text, finish, _) in enumerate(answers):
             assert text == expected(reference, prompts[k], 24 + 4 * k), f"request {k}"
             assert finish == "length"

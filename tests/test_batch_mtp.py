@@ -14,14 +14,12 @@ to fail with.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
-import numpy as np
 import pytest
 
 from deltaspec import Model
 from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
-from test_server import ServerProcess, ask  # noqa: E402
+from batch_drafting import assert_each_as_alone, drafting, random_prompts, run_request
+from test_server import ServerProcess, ask_concurrently
 
 N_CTX = 256
 
@@ -38,15 +36,6 @@ def models():
         yield one, four
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=int(rng.integers(2, 20))).tolist() for _ in range(n)]
-
-
-def _stats(r):
-    return r.stats.n_drafted, r.stats.n_accepted, r.stats.accepted_lengths, r.stats.n_tree_nodes
-
-
 @pytest.mark.parametrize("tree_budget", [0, 6], ids=["chains", "trees6"])
 def test_batch_mtp_equals_alone(models, tree_budget):
     """7 prompts on 4 slots, each its own max_tokens (sequences finish at different steps and the
@@ -59,7 +48,7 @@ def test_batch_mtp_equals_alone(models, tree_budget):
     when the scheduler moves its sequence (release_finished: "the target's hidden state at
     position ... was not tapped")."""
     one, four = models
-    prompts = _prompts(7, seed=5)
+    prompts = random_prompts(7, seed=5, max_len=20)
     per_prompt = [dict(max_tokens=n) for n in (40, 12, 55, 25, 33, 48, 20)]
     for temperature in (0.0, 0.8):
         options = dict(spec_type="mtp", draft_n_max=3, draft_n_min=1, tree_budget=tree_budget,
@@ -71,9 +60,7 @@ def test_batch_mtp_equals_alone(models, tree_budget):
             assert four._engine.mtp_group_stats["max_heads"] >= 3
         assert sum(r.stats.n_accepted > 0 for r in batch) >= 3
         alone = [one.generate(p, **options, **o) for p, o in zip(prompts, per_prompt)]
-        for k, (b, a) in enumerate(zip(batch, alone)):
-            assert b.tokens == a.tokens, f"prompt {k}, temperature {temperature}: other tokens than alone"
-            assert _stats(b) == _stats(a), f"prompt {k}, temperature {temperature}: other drafts than alone"
+        assert_each_as_alone(batch, alone, f"temperature {temperature}")
         if tree_budget:
             assert all(r.stats.n_tree_nodes > 0 for r in batch)
         if temperature == 0.0:
@@ -88,24 +75,14 @@ def test_mtp_requests_read_their_whole_prompt(models):
     refuses spec_type "mtp" with a ValueError naming the layer, and the refused request is not left
     queued. Seen to fail, erroring, with MTP sequences allowed to resume (admit)."""
     one, four = models
-    first = _prompts(1, seed=9)[0]
+    first = random_prompts(1, seed=9, max_len=20)[0]
     options = dict(spec_type="mtp", draft_n_max=3, draft_n_min=1, temperature=0, max_tokens=30)
-
-    def run(prompt):
-        rid = four.add_request(prompt, **options)
-        done = {}
-        while four.has_unfinished_requests:
-            for out in four.step():
-                if out.finished:
-                    done[out.request_id] = out.result
-        return done[rid]
-
-    a = run(first)
+    a = run_request(four, first, **options)
     longer = first + a.tokens + [7]
-    a2 = run(longer)
+    a2 = run_request(four, longer, **options)
     assert a2.stats.cached_tokens == 0
     solo = one.generate(longer, **options)
-    assert a2.tokens == solo.tokens and a2.stats.n_drafted > 0 and _stats(a2) == _stats(solo)
+    assert a2.tokens == solo.tokens and a2.stats.n_drafted > 0 and drafting(a2) == drafting(solo)
 
     with Model(tiny_vocab_model_path(), n_ctx=N_CTX, n_threads=1, n_seq_max=2) as plain:
         with pytest.raises(ValueError, match="MTP layer"):
@@ -124,8 +101,7 @@ def test_server_batches_mtp_requests(models):
     try:
         client = s.client()
         prompts = ["abc abc", "xyz", "the one", "two two two"]
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(lambda k: ask(client, prompts[k], 20 + 4 * k, k % 2 == 1), range(len(prompts))))
+        answers = ask_concurrently(client, prompts, [20 + 4 * k for k in range(len(prompts))])
         for k, (text, finish, _) in enumerate(answers):
             assert text == one.generate(prompts[k], temperature=0, max_tokens=20 + 4 * k).text, f"request {k}"
         m = s.metrics()

@@ -169,6 +169,12 @@ def ask(client: openai.OpenAI, prompt: str | list[dict], max_tokens: int, stream
     return text, chunks[-1].choices[0].finish_reason, None
 
 
+def ask_concurrently(client: openai.OpenAI, prompts: list[str], max_tokens: list[int]):
+    """ask() every prompt at once, one thread each, every other one streamed."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda k: ask(client, prompts[k], max_tokens[k], k % 2 == 1), range(len(prompts))))
+
+
 def test_stream_text_never_splits_a_character_or_shows_a_stop_beginning(reference, monkeypatch):
     """The text deltas of a stream (deltaspec.server.text, byte tokens of the tiny vocabulary: id ==
     byte): a UTF-8 character split over two tokens comes out whole, a possible beginning of a stop
@@ -498,8 +504,7 @@ def test_speculation_batched_at_parallel_n(files, reference, drafter):
     try:
         client = s.client()
         prompts = [f"{w} {w} {w} {w} {w} {w}" for w in ("abc", "xyz", "the", "one two", "in an", "ab")]
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(lambda k: ask(client, prompts[k], 40 + 4 * k, k % 2 == 1), range(len(prompts))))
+        answers = ask_concurrently(client, prompts, [40 + 4 * k for k in range(len(prompts))])
         for k, (text, finish, _) in enumerate(answers):
             assert text == expected(reference, prompts[k], 40 + 4 * k), f"request {k}"
             assert finish == "length"
