@@ -136,13 +136,14 @@ double dflash_pass_cost(const DFlashModel & dm, const Engine & target) {
 py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
                           int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
                           std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
-                          int64_t tree_budget, py::object constraint, bool mtp, py::object dflash) {
+                          int64_t tree_budget, py::object constraint, bool mtp, py::object dflash, int32_t n_logprobs) {
     if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
     if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
     if (tree_budget < 0) throw std::invalid_argument("tree_budget must be >= 0 (0: chains)");
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
     GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
     req.constraint = constraint_of(constraint);
+    req.n_logprobs = n_logprobs;
     const TokenCallback on_token = make_callback(callback);
     SpecOptions spec;
     spec.n_max = n_max;
@@ -268,6 +269,7 @@ py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> e
                                     t[2].cast<SamplingParams>(), eog_ids, t[3].cast<std::vector<std::string>>()));
         if (t.size() > 4) reqs.back().constraint = constraint_of(t[4]);  // `requests` keeps it alive
         specs.push_back(t.size() > 5 ? seq_spec_of(t[5]) : SeqSpec{});
+        if (t.size() > 6) reqs.back().n_logprobs = t[6].cast<int32_t>();
     }
     r.single();  // no step()-driven requests in the slots
     DFlashModel * dm = dflash_of(dflash);
@@ -304,6 +306,11 @@ py::list step_py(Runner & r) {
         py::dict d;
         d["id"] = ev.id;
         d["tokens"] = ev.tokens;
+        if (!ev.logprobs.empty()) {
+            d["logprobs"] = ev.logprobs;
+            d["top_ids"] = ev.top_ids;
+            d["top_logprobs"] = ev.top_logprobs;
+        }
         d["finished"] = ev.finished;
         if (ev.finished) {
             py::dict res = result_dict(ev.result);
@@ -678,9 +685,11 @@ PYBIND11_MODULE(_core, m) {
              py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"), py::arg("n_max"),
              py::arg("n_min"), py::arg("callback") = py::none(), py::arg("tree_budget") = 0,
              py::arg("constraint") = py::none(), py::arg("mtp") = false, py::arg("dflash") = py::none(),
+             py::arg("n_logprobs") = -1,
              "Draft-verify generation with a draft model (draft), the model's MTP head (mtp=True), a DFlash "
              "drafter (dflash) or prompt lookup (draft=None); draft trees of up to tree_budget nodes when > 0, "
-             "chains otherwise.")
+             "chains otherwise. n_logprobs >= 0 adds logprobs / top_ids / top_logprobs (those of the target's "
+             "rows that predicted the committed tokens) to the result.")
         .def("set_taps", [](Runner & r, std::vector<int> layers) { r.single().set_taps(layers); }, py::arg("layers"),
              "Hidden states to return per row (layer ids; n_layer = the final normed hidden): see tapped.")
         .def_property_readonly("tapped", [](Runner & r) {
@@ -750,10 +759,11 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_seq_max", [](const Runner & r) { return r.engine->n_seq_max(); })
         .def("generate_batch", &generate_batch_py, py::arg("requests"), py::arg("eog_ids"), py::arg("draft") = nullptr,
              py::arg("dflash") = py::none(),
-             "Run (prompt, max_tokens, sampling, stop) requests concurrently to the end; result dicts in order.")
+             "Run (prompt, max_tokens, sampling, stop[, constraint[, speculation[, n_logprobs]]]) requests "
+             "concurrently to the end; result dicts in order.")
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
                                std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint,
-                               py::object speculation, Runner * draft, py::object dflash) {
+                               py::object speculation, Runner * draft, py::object dflash, int32_t n_logprobs) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
                  if (!r.scheduler) {
                      r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces, /*keep_histories=*/true);
@@ -768,13 +778,14 @@ PYBIND11_MODULE(_core, m) {
                  if (dm && r.scheduler->dflash_model() != dm) set_dflash(*r.scheduler, r, dm);
                  GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
                  req.constraint = constraint_of(constraint);
+                 req.n_logprobs = n_logprobs;
                  const int64_t id = r.scheduler->add_request(req, {}, seq_spec_of(speculation));
                  if (!constraint.is_none()) r.constraints[id] = constraint;
                  return id;
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
              py::arg("constraint") = py::none(), py::arg("speculation") = py::none(), py::arg("draft") = nullptr,
-             py::arg("dflash") = py::none(),
-             "Queue a request for step(); returns its id. speculation: None or (draft_n_max, draft_n_min, "
+             py::arg("dflash") = py::none(), py::arg("n_logprobs") = -1,
+             "Queue a request for step(); returns its id. n_logprobs >= 0: its result has logprobs as generate()'s. speculation: None or (draft_n_max, draft_n_min, "
              "ngram_max[, reference token ids[, tree_budget[, draft_model[, dflash[, mtp]]]]]): prompt lookup drafts (trees of up to tree_budget nodes when > 0) (searching the reference text, then the "
              "request's own) verified with the other requests' rows in one pass.")
         .def_property_readonly("batch_spec_stats", [](const Runner & r) {

@@ -1,4 +1,5 @@
 #include "scheduler.h"
+#include "logprobs.h"
 
 #include <algorithm>
 #include <cmath>
@@ -14,27 +15,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-// The generated token's log-probability under `row` (log_softmax of the raw logits, in double)
-// and the n_logprobs most probable tokens' ones, appended to the result.
-void record_logprobs(const GenerateRequest & req, const float * row, int64_t n_vocab, int32_t token,
-                     GenerateResult & res) {
-    if (req.n_logprobs < 0) return;
-    const float max_l = *std::max_element(row, row + n_vocab);
-    double sum = 0.0;
-    for (int64_t i = 0; i < n_vocab; ++i) sum += std::exp((double)row[i] - max_l);
-    const double log_z = max_l + std::log(sum);
-    res.logprobs.push_back((float)(row[token] - log_z));
-    const int64_t k = std::min<int64_t>(req.n_logprobs, n_vocab);
-    std::vector<int32_t> ids(n_vocab);
-    for (int64_t i = 0; i < n_vocab; ++i) ids[i] = (int32_t)i;
-    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
-                      [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
-    for (int64_t i = 0; i < k; ++i) {
-        res.top_ids.push_back(ids[i]);
-        res.top_logprobs.push_back((float)(row[ids[i]] - log_z));
-    }
-}
 
 }  // namespace
 
@@ -95,8 +75,8 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
     }
     waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
     waiting_.back()->on_token = std::move(on_token);
-    // a grammar or logprobs: plain steps (their rows go through the verify pass undrafted)
-    if (spec.n_max > 0 && !req.constraint && req.n_logprobs < 0) {
+    // a grammar: plain steps (its rows go through the verify pass undrafted)
+    if (spec.n_max > 0 && !req.constraint) {
         try {
             Sequence & s = *waiting_.back();
             s.spec = spec;
@@ -160,6 +140,15 @@ void Scheduler::finish(Sequence & s, FinishReason why, StepEvent & ev) {
 bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx) {
     s.history.push_back(token);
     ev.tokens.push_back(token);
+    if (s.req.n_logprobs >= 0) {  // recorded for this token just before (logprobs.h)
+        if (s.res.logprobs.size() != s.res.tokens.size() + 1) {
+            throw std::logic_error("request " + std::to_string(s.id) + ": a token was committed without its logprobs");
+        }
+        const size_t k = s.res.top_ids.size() / s.res.logprobs.size();
+        ev.logprobs.push_back(s.res.logprobs.back());
+        ev.top_ids.insert(ev.top_ids.end(), s.res.top_ids.end() - k, s.res.top_ids.end());
+        ev.top_logprobs.insert(ev.top_logprobs.end(), s.res.top_logprobs.end() - k, s.res.top_logprobs.end());
+    }
     if (!s.out.emit(token)) {  // the Emitter set res.finish
         finish(s, s.res.finish, ev);
         return false;

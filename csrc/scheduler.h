@@ -91,6 +91,10 @@ struct Sequence {
 struct StepEvent {
     int64_t id = -1;
     std::vector<int32_t> tokens;   // the tokens this step committed (the first comes from the prefill)
+    // a request with n_logprobs >= 0: those tokens' log-probabilities, and n_logprobs top ones each
+    std::vector<float> logprobs;
+    std::vector<int32_t> top_ids;
+    std::vector<float> top_logprobs;
     bool finished = false;
     GenerateResult result;         // when finished
     bool speculative = false;      // the request speculated: `spec` holds its stats (when finished)

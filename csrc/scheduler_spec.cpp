@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "logprobs.h"
 #include "scheduler.h"
 #include "tree_walk.h"
 
@@ -229,6 +230,9 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     std::vector<int64_t> n_acc(N, 0);
     std::vector<int32_t> next(N, -1), row_argmax;
     std::vector<std::vector<int32_t>> kept(N);  // rows of each slot kept after its root, relative to it
+    // the rows (relative to the slot's first) that predicted each token a drafting sequence commits:
+    // the root's, then each accepted node's (the last predicted `next`); logprobs.h reads them
+    std::vector<std::vector<int32_t>> parent_rows(N);
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
         const int64_t r0 = first_row[i];
@@ -260,6 +264,8 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
                                                     : accept_draft(logits, n_vocab, s.draft, s.sampler, s.history, next[i], bug);
             for (int64_t d = 1; d <= n_acc[i]; ++d) kept[i].push_back((int32_t)d);
         }
+        parent_rows[i] = {0};
+        parent_rows[i].insert(parent_rows[i].end(), kept[i].begin(), kept[i].end());
         s.history.resize(before);
     }
 
@@ -287,13 +293,25 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
 
     // emit, then adapt each drafting sequence's schedule as generate_speculative does
     int64_t n_accepting = 0, n_rejecting = 0;
+    const int64_t row_shift = logprob_bug() == LogprobBug::next_row ? 1 : 0;  // the planted bug: own row
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
         StepEvent & ev = event_of(events, s);
         const Draft & draft = s.draft;
+        // the log-probabilities of a committed token (choose() recorded those of an undrafted step)
+        const auto record = [&](int64_t d, int32_t token) {
+            if (parent_rows[i].empty() || s.req.n_logprobs < 0) return;
+            record_logprobs(s.req, logits_.data() + (first_row[i] + parent_rows[i][d]) * n_vocab, n_vocab, token, s.res);
+        };
         bool running = true;
-        for (int64_t d = 0; d < n_acc[i] && running; ++d) running = commit(s, draft.tokens[d], ev, /*check_ctx =*/false);
-        if (running) commit(s, next[i], ev);
+        for (int64_t d = 0; d < n_acc[i] && running; ++d) {
+            record(d + row_shift, draft.tokens[d]);
+            running = commit(s, draft.tokens[d], ev, /*check_ctx =*/false);
+        }
+        if (running) {
+            record(n_acc[i], next[i]);
+            commit(s, next[i], ev);
+        }
         if (draft.tokens.empty() && s.tree.empty()) continue;
 
         // the most a round could have accepted: the chain, or the tree's depth

@@ -10,6 +10,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "logprobs.h"
 #include "top_rows.h"
 #include "tree_round.h"
 
@@ -131,12 +132,27 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     std::vector<int32_t> history = req.prompt;  // prompt + every committed token
     std::vector<float> rows;
     std::vector<int32_t> argmax;
-    // greedy without penalties: the device returns argmax ids, no logits cross over
-    const bool device_argmax = req.sampling.argmax_only() && !req.constraint;  // a grammar masks logits
+    // greedy without penalties: the device returns argmax ids, no logits cross over (a grammar
+    // masks logits; log-probabilities read them)
+    const bool want_logprobs = req.n_logprobs >= 0;
+    const bool device_argmax = req.sampling.argmax_only() && !req.constraint && !want_logprobs;
     // a sampler that the rows' top candidates decide: those cross over instead of whole rows (top_rows.h)
     const bool top = !device_argmax && target.top_rows_enabled() && top_rows_serve(req, target.top_k());
+    const VerifyRead read = device_argmax ? VerifyRead::argmax : top ? VerifyRead::top : VerifyRead::logits;
     const int64_t W = target.top_row_words();
     std::vector<int32_t> top_words;
+    // the rows before a grammar masked them: log-probabilities are those of the raw logits
+    std::vector<float> unmasked;
+    const bool keep_unmasked = want_logprobs && req.constraint;
+    // the log-probabilities of `token`, predicted by row r of the last pass (logprobs.h)
+    auto record_row = [&](int64_t r, int32_t token) {
+        if (!want_logprobs) return;
+        if (top) {
+            record_top_logprobs(req, top_row(top_words.data() + r * W, target.top_k()), token, res);
+        } else {
+            record_logprobs(req, (keep_unmasked ? unmasked : rows).data() + r * n_vocab, n_vocab, token, res);
+        }
+    };
     const RowDistribution top_p = [&](int64_t i, const std::vector<int32_t> &, Distribution & p) {
         const TopRow r = top_row(top_words.data() + i * W, target.top_k());
         sampler.distribution_top(r.logit, r.id, r.k, p);
@@ -148,12 +164,17 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             top_words.resize(W);
             target.eval_top(tokens, n, top_words.data());
             const TopRow r = top_row(top_words.data(), target.top_k());
-            return sampler.sample_top(r.logit, r.id, r.k);
+            const int32_t token = sampler.sample_top(r.logit, r.id, r.k);
+            record_row(0, token);
+            return token;
         }
         rows.resize(n_vocab);
         target.eval(tokens, n, LogitsWanted::last, rows.data());
+        if (keep_unmasked) unmasked = rows;
         if (req.constraint) req.constraint->mask_row(rows.data(), n_vocab);
-        return sampler.sample(rows.data(), n_vocab, history);
+        const int32_t token = sampler.sample(rows.data(), n_vocab, history);
+        record_row(0, token);
+        return token;
     };
 
     auto t0 = Clock::now();
@@ -221,19 +242,25 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             continue;
         }
 
-        // verify, accept, keep: the accepted drafts end up in draft.tokens[0 .. n_acc)
+        // verify, accept, keep: the accepted drafts end up in draft.tokens[0 .. n_acc), and
+        // parent_row[i] is the verify row that predicted the i-th committed token (the last: `next`)
         int64_t n_acc = 0, n_full = 0;  // n_full: the most a round could have accepted
+        std::vector<int64_t> parent_row = {0};
         if (!tree.empty()) {
             auto tv = Clock::now();
-            const TreeWalk walk = verify_and_walk_tree(target, tree, next, device_argmax, sampler, history,
-                                                       spec.tree_rule, tree_bug, rows, argmax, req.constraint);
+            const TreeWalk walk = verify_and_walk_tree(target, tree, next, read, sampler, history, spec.tree_rule,
+                                                       tree_bug, rows, top ? top_words : argmax, req.constraint,
+                                                       keep_unmasked ? &unmasked : nullptr);
             stats.verify_seconds += seconds_since(tv);
             auto tr = Clock::now();
             keep_walk(target, tree, walk);  // `next` (the old one) and the accepted path stay
             stats.rollback_seconds += seconds_since(tr);
             stats.n_drafted += tree.size();
             stats.n_tree_nodes += tree.size();
-            for (int32_t node : walk.path) draft.tokens.push_back(tree.token[node]);
+            for (int32_t node : walk.path) {
+                draft.tokens.push_back(tree.token[node]);
+                parent_row.push_back(1 + node);
+            }
             draft.cost = tree.cost;
             next = walk.next;
             n_acc = (int64_t)walk.path.size();
@@ -252,6 +279,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             } else {
                 rows.resize(T * n_vocab);
                 target.eval_verify(batch.data(), T, rows.data());
+                if (keep_unmasked) unmasked = rows;
                 if (req.constraint) req.constraint->mask_verify_rows(draft, rows.data(), n_vocab);
             }
             stats.verify_seconds += seconds_since(tv);
@@ -264,12 +292,19 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             target.keep(1 + n_acc);  // `next` (the old one) and the accepted drafts stay
             stats.rollback_seconds += seconds_since(tr);
             n_full = (int64_t)draft.tokens.size();
+            for (int64_t i = 1; i <= n_acc; ++i) parent_row.push_back(i);
         }
         stats.n_accepted += n_acc;
         stats.accepted_lengths.push_back((int32_t)n_acc);
 
-        for (int64_t i = 0; i < n_acc && running; ++i) running = out.emit(draft.tokens[i]);
+        // the planted bug reads each token's log-probabilities from its own row, not its parent's
+        const int64_t row_shift = logprob_bug() == LogprobBug::next_row ? 1 : 0;
+        for (int64_t i = 0; i < n_acc && running; ++i) {
+            record_row(parent_row[i + row_shift], draft.tokens[i]);
+            running = out.emit(draft.tokens[i]);
+        }
         if (!running) break;
+        record_row(parent_row[n_acc], next);
         history.push_back(next);
         running = out.emit(next);
 

@@ -14,34 +14,32 @@ RowBatch tree_rows(const Engine & target, const DraftTree & tree, int32_t root) 
     return rows;
 }
 
-TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t root, bool device_argmax,
+TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t root, VerifyRead read,
                               Sampler & sampler, std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug,
-                              std::vector<float> & logits, std::vector<int32_t> & argmax,
-                              TokenConstraint * constraint) {
+                              std::vector<float> & logits, std::vector<int32_t> & words,
+                              TokenConstraint * constraint, std::vector<float> * unmasked) {
     const RowBatch rows = tree_rows(target, tree, root);
     const int64_t T = rows.size(), n_vocab = target.hparams().n_vocab;
     // the rows in the same order either way: row 0 the root, row 1 + i node i
-    if (device_argmax) {
-        argmax.resize(T);
+    if (read == VerifyRead::argmax) {
+        words.resize(T);
         if (is_chain(tree)) {
-            target.eval_verify_argmax(rows.token.data(), T, argmax.data());
+            target.eval_verify_argmax(rows.token.data(), T, words.data());
         } else {
-            target.verify_tree(rows, LogitsWanted::argmax_all, argmax.data());
+            target.verify_tree(rows, LogitsWanted::argmax_all, words.data());
         }
-        return walk_tree_argmax(tree, argmax.data(), history);
+        return walk_tree_argmax(tree, words.data(), history);
     }
-    // a sampler that the rows' top candidates decide (and no grammar, whose mask needs whole rows):
-    // top rows cross over instead (top_rows.h), into the argmax scratch
-    if (!constraint && target.top_rows_enabled() && sampler.params().top_serves(target.top_k())) {
+    if (read == VerifyRead::top) {
         const int64_t W = target.top_row_words();
-        argmax.resize(T * W);
+        words.resize(T * W);
         if (is_chain(tree)) {
-            target.eval_verify_top(rows.token.data(), T, argmax.data());
+            target.eval_verify_top(rows.token.data(), T, words.data());
         } else {
-            target.verify_tree(rows, LogitsWanted::top_all, argmax.data());
+            target.verify_tree(rows, LogitsWanted::top_all, words.data());
         }
         const RowDistribution p_of = [&](int64_t r, const std::vector<int32_t> &, Distribution & p) {
-            const TopRow top = top_row(argmax.data() + r * W, target.top_k());
+            const TopRow top = top_row(words.data() + r * W, target.top_k());
             sampler.distribution_top(top.logit, top.id, top.k, p);
         };
         return walk_tree(tree, p_of, n_vocab, sampler, history, rule, bug);
@@ -52,7 +50,10 @@ TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t r
     } else {
         target.verify_tree(rows, LogitsWanted::all, logits.data());
     }
-    if (constraint) constraint->mask_tree_rows(tree, logits.data(), n_vocab);
+    if (constraint) {
+        if (unmasked) unmasked->assign(logits.begin(), logits.end());
+        constraint->mask_tree_rows(tree, logits.data(), n_vocab);
+    }
     return walk_tree(tree, logits.data(), n_vocab, sampler, history, rule, bug);
 }
 

@@ -21,18 +21,22 @@ namespace deltaspec {
 // target's state), row 1 + i the tree's node i, its parent row 1 + parent (0 for the root's children).
 RowBatch tree_rows(const Engine & target, const DraftTree & tree, int32_t root);
 
-// Verifies `tree` after `root` in one target pass and walks it. device_argmax: greedy without
-// penalties from the device's argmax of every row; otherwise every row's logits (or, where
-// the sampler allows and no grammar masks them, every row's top candidates: top_rows.h) through the
-// sampler and `rule`. `history` (prompt + committed tokens, root last) gets the accepted tokens;
-// the walk's `next` is the target's token after them. `logits` and `argmax` are scratch. The
-// target then holds the verify batch: keep_walk commits root + the accepted path. A grammar
-// (`constraint`, optional; not with device_argmax) masks each row with its state after the row's
-// path (TokenConstraint::mask_tree_rows) before the walk.
-TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t root, bool device_argmax,
+// What a verify pass hands to the host per row: the argmax id (greedy without penalties), the top
+// candidates (a sampler that they decide, no grammar: top_rows.h), or the whole row of logits.
+enum class VerifyRead { argmax, top, logits };
+
+// Verifies `tree` after `root` in one target pass and walks it, each row read as `read` says (the
+// argmax ids into `words`, top rows into `words` at Engine::top_row_words() per row, logits into
+// `logits`: row 0 the root, row 1 + i node i), through the sampler and `rule` unless greedy.
+// `history` (prompt + committed tokens, root last) gets the accepted tokens; the walk's `next` is
+// the target's token after them. The target then holds the verify batch: keep_walk commits root +
+// the accepted path. A grammar (`constraint`, optional; read = logits) masks each row with its state
+// after the row's path (TokenConstraint::mask_tree_rows) before the walk; `unmasked`, when given,
+// gets the rows as they were before (the raw logits that log-probabilities report).
+TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t root, VerifyRead read,
                               Sampler & sampler, std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug,
-                              std::vector<float> & logits, std::vector<int32_t> & argmax,
-                              TokenConstraint * constraint = nullptr);
+                              std::vector<float> & logits, std::vector<int32_t> & words,
+                              TokenConstraint * constraint = nullptr, std::vector<float> * unmasked = nullptr);
 void keep_walk(Engine & target, const DraftTree & tree, const TreeWalk & walk);
 
 // Whether node i of the tree is the child of node i - 1 for every i (the chain verify serves it).

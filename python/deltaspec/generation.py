@@ -256,15 +256,16 @@ class Generator:
         if spec.draft is None:
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
                                                eog, stop, spec.n_max, spec.n_min, callback, spec.tree_budget,
-                                               constraint=constraint, mtp=spec.mtp)
+                                               constraint=constraint, mtp=spec.mtp, n_logprobs=req.n_logprobs)
         if spec.dflash:  # a deltaspec.dflash.Drafter on this model's engine
             return engine.generate_speculative(None, spec.ngram_max, req.prompt, req.max_tokens, req.sampling.native(),
                                                eog, stop, spec.n_max, spec.n_min, callback, spec.tree_budget,
-                                               constraint=constraint, dflash=spec.draft._core)
+                                               constraint=constraint, dflash=spec.draft._core,
+                                               n_logprobs=req.n_logprobs)
         with engine_of(spec.draft) as draft:  # the draft model's engine is ours for the whole run too
             return engine.generate_speculative(draft, spec.ngram_max, req.prompt, req.max_tokens,
                                                req.sampling.native(), eog, stop, spec.n_max, spec.n_min, callback,
-                                               spec.tree_budget, constraint=constraint)
+                                               spec.tree_budget, constraint=constraint, n_logprobs=req.n_logprobs)
 
     def _hand_off(self, token: int) -> bool:
         """The decode loop's callback when streaming: queue the token for the reader, waiting while
@@ -386,14 +387,26 @@ def result_of(tokenizer, n_prompt: int, out: dict) -> tuple[GenerationResult, by
     stats = GenerationStats(prompt_tokens=n_prompt, generated_tokens=len(tokens),
                             prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"],
                             cached_tokens=cached, **spec)
-    logprobs = top = None
-    if "logprobs" in out:
-        logprobs = list(out["logprobs"])
-        k = len(out["top_ids"]) // max(1, len(logprobs))
-        ids, lps = list(out["top_ids"]), list(out["top_logprobs"])
-        top = [list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k])) for i in range(len(logprobs))]
+    logprobs, top = _logprobs_of(out) if "logprobs" in out else (None, None)
     return GenerationResult(tokens, data.decode("utf-8", errors="replace"), out["finish_reason"], stats,
                             logprobs, top), data
+
+
+def _logprobs_of(out: dict) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """An engine dict's logprobs (one per token) and top lists ((token, logprob) pairs, k per token)."""
+    logprobs = list(out["logprobs"])
+    k = len(out["top_ids"]) // max(1, len(logprobs))
+    ids, lps = list(out["top_ids"]), list(out["top_logprobs"])
+    return logprobs, [list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k])) for i in range(len(logprobs))]
+
+
+def step_logprobs(event: dict) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
+    """(token, logprob, top list) of each token a scheduler step committed for a request that asked
+    for logprobs; None for one that did not."""
+    if "logprobs" not in event:
+        return None
+    logprobs, top = _logprobs_of(event)
+    return list(zip(event["tokens"], logprobs, top))
 
 
 class TextStream:

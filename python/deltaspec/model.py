@@ -16,7 +16,7 @@ from . import _core, batch_invariance, completions, embeddings, llama_args, sess
 from .cpu import default_threads
 from .errors import DeltaspecError, EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
-                         result_of, validate_flag, validate_stop)
+                         result_of, step_logprobs, validate_flag, validate_stop)
 from .gguf_file import read_gguf
 from .grammar import Grammar, grammar_of
 from .qwen35 import check_tensors, read_hparams
@@ -43,6 +43,8 @@ class RequestOutput:
     tokens: list[int]                   # the tokens committed in this step
     finished: bool
     result: GenerationResult | None     # once finished
+    # a request with logprobs=k: (token, logprob, top [(token, logprob)] * k) of each of those tokens
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 def _load_progress(progress, path: str):
@@ -347,8 +349,9 @@ class Model:
         seed None uses the Model's seed (random when it has none); -1 is random. ignore_eos bans the
         end-of-generation tokens (logit -inf), so only max_tokens, a stop string or the context
         ends the text; logit_bias ({token id: value}, as OpenAI's) is added to the logits after the
-        penalties. logprobs=k (not with speculation) fills result.logprobs / top_logprobs from the
-        raw logits. A prompt that extends the tokens this model's sequence holds (the last
+        penalties. logprobs=k fills result.logprobs / top_logprobs from the raw logits (with
+        speculation, those of the verify rows that predicted the committed tokens: the values plain
+        decoding reports for the same tokens). A prompt that extends the tokens this model's sequence holds (the last
         generate's prompt and output, or load_state) continues from that state instead of
         re-reading them: result.stats.cached_tokens counts them."""
         validate_flag("stream", stream)
@@ -358,7 +361,7 @@ class Model:
             seed=self._default_seed if seed is None else seed, logit_bias=self._logit_bias(logit_bias, ignore_eos)),
             stop)
         request.speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min, tree_budget)
-        request.n_logprobs = self._n_logprobs(logprobs, request.speculation is not None)
+        request.n_logprobs = self._n_logprobs(logprobs)
         request.grammar = grammar_of(grammar)
         if request.grammar is not None and ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
@@ -383,14 +386,12 @@ class Model:
         return tuple(pairs)
 
     @staticmethod
-    def _n_logprobs(logprobs, speculative: bool) -> int:
+    def _n_logprobs(logprobs) -> int:
         if logprobs is None:
             return -1
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 1000:
             raise ValueError(f"logprobs must be None or an integer in [0, 1000] (top tokens per position), "
                              f"got {logprobs!r}")
-        if speculative:
-            raise ValueError("logprobs is not available with speculative decoding yet (draft_model / spec_type)")
         return logprobs
 
     def _request(self, prompt, max_tokens, sampling: SamplingOptions, stop) -> _Request:
@@ -414,13 +415,12 @@ class Model:
         predicted = prediction_ids(self, prediction, where) if prediction is not None else []
         if validate_flag("stream", o["stream"]):
             raise ValueError(f"{where}() does not stream (stream=True); stream one prompt with generate()")
-        if o["logprobs"] is not None:
-            raise ValueError(f"{where}() does not return logprobs; ask generate() for them")
         sampling = SamplingOptions(**{k: o[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                                           "presence_penalty", "frequency_penalty", "penalty_last_n")},
                                    seed=self._default_seed if o["seed"] is None else o["seed"],
                                    logit_bias=self._logit_bias(o["logit_bias"], o["ignore_eos"]))
         request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
+        request.n_logprobs = self._n_logprobs(o["logprobs"])
         # the drafter's arguments are checked even where a prediction replaces it
         request.speculation = self._speculation(o["spec_type"], o["draft_model"], o["draft_n_max"], o["draft_n_min"],
                                                 o["tree_budget"])
@@ -512,7 +512,8 @@ class Model:
         model's MTP head, a head per sequence; chains or trees; not with DFlash in the same batch)
         speculates: every step verifies the drafts of all running sequences in one target pass, and
         each result equals generate() alone with the same speculation (greedy and seeded sampling; a
-        sequence with a grammar decodes plainly in the batch). stream=True raises ValueError. cancel() stops every sequence.
+        sequence with a grammar decodes plainly in the batch). logprobs=k fills each result's logprobs
+        and top_logprobs as generate()'s. stream=True raises ValueError. cancel() stops every sequence.
         `prediction` (text or ids, here or per prompt): the output the caller expects, which the
         sequence's prompt lookup drafts from (deltaspec.prediction)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -527,8 +528,8 @@ class Model:
                     for p, extra in zip(prompts, per_prompt)]
         eog = sorted(self.tokenizer.eog_ids)
         constraints = [self._constraint(r) for r in requests]
-        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c, self._native_spec(r))
-                  for r, c in zip(requests, constraints)]
+        native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c, self._native_spec(r),
+                   r.n_logprobs) for r, c in zip(requests, constraints)]
         draft_model = self._batch_draft(requests)
         dflash = self._batch_dflash(requests)
         with engine_of(self) as engine, contextlib.ExitStack() as held:
@@ -548,8 +549,8 @@ class Model:
     # --- requests stepped by the caller (a server's loop) ----------------------------------------
     def add_request(self, prompt: str | Sequence[int], **generate_kwargs: Any) -> int:
         """Queue a request (generate()'s keyword arguments, no streaming; speculation and `prediction`
-        as generate_batch's) for step();
-        returns its id. While requests are unfinished, one-sequence calls (generate, eval, ...)
+        as generate_batch's) for step(); returns its id. With logprobs=k each step's RequestOutput
+        carries the log-probabilities of the tokens it committed, and the result all of them. While requests are unfinished, one-sequence calls (generate, eval, ...)
         raise RuntimeError. A finished request's state stays in its slot while the slot is idle; a
         later request whose prompt begins with that request's prompt and output (a chat's next turn)
         resumes from it and prefills only the rest (result.stats.cached_tokens counts the tokens it
@@ -565,7 +566,7 @@ class Model:
                                             sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop],
                                             constraint=constraint, speculation=self._native_spec(req),
                                             draft=None if draft_model is None else draft_model._live(),
-                                            dflash=dflash)
+                                            dflash=dflash, n_logprobs=req.n_logprobs)
         self._request_prompts[request_id] = (len(req.prompt), constraint)
         return request_id
 
@@ -580,7 +581,7 @@ class Model:
             if ev["finished"]:
                 n_prompt, constraint = self._request_prompts.pop(ev["id"])
                 result = result_of(self.tokenizer, n_prompt, self._add_grammar_stats(ev["result"], constraint))[0]
-            out.append(RequestOutput(ev["id"], list(ev["tokens"]), ev["finished"], result))
+            out.append(RequestOutput(ev["id"], list(ev["tokens"]), ev["finished"], result, step_logprobs(ev)))
         return out
 
     def cancel_request(self, request_id: int) -> None:
