@@ -37,11 +37,12 @@ def create_completion(model, prompt: str | Sequence[int], *, stream: bool = Fals
         out = oai.completion(prompt_text + r.text if echo else r.text, r.finish_reason, name,
                              r.stats.prompt_tokens, r.stats.generated_tokens)
         if logprobs is not None:
-            entries = lp.generated_logprobs(model, r)
+            entries = lp.generated_logprobs(model.tokenizer, r)
             if echo:
                 ids = model._prompt_ids(prompt)
                 entries = lp.prompt_logprobs(model, ids, logprobs) + entries
-            out["choices"][0]["logprobs"] = lp.completion_logprobs(model, entries, 0 if echo else len(prompt_text))
+            out["choices"][0]["logprobs"] = lp.completion_logprobs(model.tokenizer, entries,
+                                                                   0 if echo else len(prompt_text))
         return out
     if logprobs is not None:
         raise ValueError("create_completion(): logprobs with stream=True is not available yet; "
@@ -118,7 +119,7 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     out = oai.chat_completion(content, r.finish_reason, name, r.stats.prompt_tokens, r.stats.generated_tokens,
                               reasoning_content=reasoning)
     if n_logprobs is not None:
-        out["choices"][0]["logprobs"] = lp.chat_logprobs(model, lp.generated_logprobs(model, r))
+        out["choices"][0]["logprobs"] = lp.chat_logprobs(model.tokenizer, lp.generated_logprobs(model.tokenizer, r))
     return out
 
 

@@ -12,20 +12,21 @@ from typing import Any
 import numpy as np
 
 
-def _piece(model, token: int) -> str:
-    return model.tokenizer.token_to_piece(token, special=False).decode("utf-8", errors="replace")
+def _piece(tokenizer, token: int) -> str:
+    return tokenizer.token_to_piece(token, special=False).decode("utf-8", errors="replace")
 
 
-def generated_logprobs(model, result) -> list[tuple[int, float, list[tuple[int, float]]]]:
+def generated_logprobs(tokenizer, result) -> list[tuple[int, float, list[tuple[int, float]]]]:
     """(token, logprob, top [(token, logprob)]) of the tokens whose text the result returned: no
-    final end-of-generation token, nothing past a stop string."""
+    final end-of-generation token, nothing past a stop string (a token that the stop string's cut
+    splits is one of them)."""
     out, text_len = [], 0
     limit = len(result.text.encode("utf-8"))
     for token, lp, top in zip(result.tokens, result.logprobs, result.top_logprobs):
-        if model.tokenizer.is_eog(token) or text_len >= limit:  # the text ended before this token
+        if tokenizer.is_eog(token) or text_len >= limit:  # the text ended before this token
             break
         out.append((token, lp, top))
-        text_len += len(model.tokenizer.token_to_piece(token, special=False))
+        text_len += len(tokenizer.token_to_piece(token, special=False))
     return out
 
 
@@ -43,12 +44,12 @@ def prompt_logprobs(model, ids: list[int], k: int) -> list[tuple[int, float | No
     return out
 
 
-def completion_logprobs(model, entries, text_offset: int) -> dict[str, Any]:
+def completion_logprobs(tokenizer, entries, text_offset: int) -> dict[str, Any]:
     """A completion choice's `logprobs`; `text_offset` is where the first entry's text starts."""
     tokens, offsets, token_lps, tops = [], [], [], []
     at = text_offset
     for token, lp, top in entries:
-        s = _piece(model, token)
+        s = _piece(tokenizer, token)
         tokens.append(s)
         offsets.append(at)
         at += len(s)
@@ -56,16 +57,16 @@ def completion_logprobs(model, entries, text_offset: int) -> dict[str, Any]:
         if top is None:
             tops.append(None)
         else:
-            d = {_piece(model, t): v for t, v in top}
+            d = {_piece(tokenizer, t): v for t, v in top}
             d[s] = lp  # the chosen token is always listed, as llama-cpp-python does
             tops.append(d)
     return {"tokens": tokens, "text_offset": offsets, "token_logprobs": token_lps, "top_logprobs": tops}
 
 
-def chat_logprobs(model, entries) -> dict[str, Any]:
+def chat_logprobs(tokenizer, entries) -> dict[str, Any]:
     """A chat choice's `logprobs` (OpenAI's content list)."""
     def item(t: int, v: float) -> dict[str, Any]:
-        s = _piece(model, t)
+        s = _piece(tokenizer, t)
         return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
 
     return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries],

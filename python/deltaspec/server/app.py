@@ -144,7 +144,9 @@ def create_app(state: ServerState) -> Starlette:
             return _error(first.error)
         if req.stream:
             disconnected.cancel()  # the stream watches for itself
-            chunks = ChatChunks(served.name, req.thinking_open) if chat else CompletionChunks(served.name)
+            tokenizer = served.tokenizer if req.logprobs is not None else None
+            chunks = (ChatChunks(served.name, req.thinking_open, tokenizer) if chat
+                      else CompletionChunks(served.name, tokenizer))
             return EventStream(_stream(job, first, chunks, req.include_usage), lambda: cancel(job))
         try:
             event = first
@@ -160,8 +162,9 @@ def create_app(state: ServerState) -> Starlette:
             disconnected.cancel()
         if isinstance(event, Failure):
             return _error(event.error)
-        body = (chat_body(event.result, served.name, req.thinking_open) if chat
-                else completion_body(event.result, served.name))
+        tokenizer = served.tokenizer if req.logprobs is not None else None
+        body = (chat_body(event.result, served.name, req.thinking_open, tokenizer) if chat
+                else completion_body(event.result, served.name, tokenizer))
         return JSONResponse(body)
 
     async def _stream(job: Job, first: Progress, chunks, include_usage: bool):
@@ -172,7 +175,7 @@ def create_app(state: ServerState) -> Starlette:
             if isinstance(event, Failure):  # the stream has started: the error goes in the stream
                 yield sse(event.error.body())
                 return
-            for chunk in chunks.delta(event.text):
+            for chunk in chunks.delta(event.text, event.logprobs):
                 yield sse(chunk)
             if event.result is not None:
                 for chunk in chunks.finish(event.result, include_usage):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..generation import GenerationResult
+from ..logprobs import generated_logprobs
 from .planted import planted
 from .text import TextAssembler
 
@@ -32,6 +33,9 @@ class Progress:
     text: str
     n_tokens: int                            # tokens committed since the last report
     result: GenerationResult | None = None   # set when the request finished
+    # a request with logprobs: the (token, logprob, top list) entries of the tokens whose text `text`
+    # completes (server.text); the last report has the rest. None: none asked for, or none known yet
+    logprobs: list | None = None
 
 
 Report = Callable[[Progress], None]
@@ -70,10 +74,11 @@ class BatchBackend:
             job, text = entry
             if out.finished:  # its last token may complete a stop string: the final text says where to cut
                 del self._running[out.request_id]
-                delta = text.finish(out.result.text)
+                delta, entries = text.finish(out.result.text), text.finish_logprobs(out.result)
             else:
-                delta = text.push(out.tokens)
-            report(Progress(job, delta, len(out.tokens), out.result if out.finished else None))
+                delta = text.push(out.tokens, out.logprobs)
+                entries = None if out.logprobs is None else text.take_logprobs()
+            report(Progress(job, delta, len(out.tokens), out.result if out.finished else None, entries))
 
     def abandon(self) -> list[object]:
         """After a failed step: cancel what ran (best effort) and forget it; the jobs it held."""
@@ -135,10 +140,15 @@ class SpeculativeBackend:
                     break
             result = stream.result
             rest = result.text[len("".join(shown)):] if result.text.startswith("".join(shown)) else ""
-            report(Progress(job, rest, result.stats.generated_tokens, result))
-        finally:
-            with self._lock:
-                self._job = None
+            # generate()'s stream gives text only: a stream's log-probabilities all come at its end
+            entries = None if result.logprobs is None else generated_logprobs(self.model.tokenizer, result)
+            report(Progress(job, rest, result.stats.generated_tokens, result, entries))
+        except BaseException:
+            # the job stays ours until abandon() hands it to the engine loop, which answers it with
+            # the error; forgetting it here would leave its client waiting and the loop never idle
+            raise
+        with self._lock:
+            self._job = None
 
     def abandon(self) -> list[object]:
         with self._lock:

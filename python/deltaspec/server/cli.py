@@ -177,7 +177,8 @@ def _served(model, args):
             template = None
     name = args.alias or os.path.basename(args.model).removesuffix(".gguf")
     return Served(name=name, n_ctx=model.n_ctx, tokenize=lambda text: model.tokenize(text, special=True),
-                  n_vocab=model.n_vocab, template=template, aliases=(args.model, os.path.abspath(args.model)))
+                  n_vocab=model.n_vocab, template=template, aliases=(args.model, os.path.abspath(args.model)),
+                  tokenizer=model.tokenizer)
 
 
 def _layer_split(args) -> tuple[list[str], list[float]] | None:

@@ -3,8 +3,9 @@
 A body becomes a `GenerationRequest`: prompt token ids, max_tokens, Model.add_request keyword
 arguments (sampler, seed, stop) and how to answer (stream, usage). Unknown fields are ignored, as
 llama-server ignores them (clients send `user`, `metadata`, ...); known fields of the wrong type or
-range, and features the engine cannot serve faithfully (n > 1, logprobs, echo, logit_bias), are
-refused with 400 naming the field. A chat `response_format` (json_object / json_schema) becomes the
+range, and features the engine cannot serve faithfully (n > 1, echo, suffix), are refused with 400
+naming the field. `logprobs` (completions: the number of top alternatives; chat: true, with
+`top_logprobs` alternatives) and `logit_bias` ({token id: bias in [-100, 100]}) go to the engine. A chat `response_format` (json_object / json_schema) becomes the
 request's grammar, enforced while decoding; a `prediction` (OpenAI's predicted output) the text the
 request's prompt lookup drafts from.
 """
@@ -36,6 +37,7 @@ class Served:
     n_vocab: int
     template: ChatTemplate | None
     aliases: tuple[str, ...] = ()            # other names accepted in `model` (the GGUF path)
+    tokenizer: Any = None                    # the model's (log-probabilities name their tokens' text)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class GenerationRequest:
     include_usage: bool
     chat: bool
     thinking_open: bool = False               # the chat prompt opened a <think> block
+    logprobs: int | None = None               # top alternatives per token when it asked for logprobs
 
 
 def _type(x: Any) -> str:
@@ -78,17 +81,56 @@ def _check_body(body: Any, served: Served) -> dict:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {served.name!r}",
                        param="model", code="model_not_found")
     for name, allowed, why in (("n", (1,), "one choice per request"), ("best_of", (1,), "one choice per request"),
-                               ("echo", (False,), "the prompt is not echoed"),
-                               ("logprobs", (False, 0), "log-probabilities are not returned by this server"),
-                               ("top_logprobs", (0,), "log-probabilities are not returned by this server")):
+                               ("echo", (False,), "the prompt is not echoed")):
         v = body.get(name)
         if v is not None and not (v in allowed and type(v) is type(allowed[0])):
             raise bad_request(f"'{name}' = {v!r} is not supported ({why}); leave it out", name, "unsupported")
     if body.get("suffix"):
         raise bad_request("'suffix' (fill-in-the-middle) is not supported; leave it out", "suffix", "unsupported")
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported; leave it out", "logit_bias", "unsupported")
     return body
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (the engine's top rows hold 64)
+
+
+def _top_count(body: dict, name: str) -> int | None:
+    k = _get(body, name, (int,), "an integer")
+    if k is not None and not planted("no_validation") and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'{name}' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k}", name, "invalid_value")
+    return k
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """/v1/completions' `logprobs`: how many top alternatives each token lists (None: no logprobs)."""
+    return _top_count(body, "logprobs")
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """/v1/chat/completions' `logprobs` (true or false) and `top_logprobs` (alternatives per token,
+    which needs logprobs: true): the alternatives per token, or None for no logprobs."""
+    wanted = _get(body, "logprobs", (bool,), "true or false", False)
+    k = _top_count(body, "top_logprobs")
+    if k and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    return (k or 0) if wanted else None
+
+
+def _logit_bias(body: dict, served: Served) -> dict[str, Any]:
+    """OpenAI's `logit_bias`, {token id (a string of digits, as JSON keys are): bias in [-100, 100]},
+    as generate()'s logit_bias (added to the logits after the penalties)."""
+    bias = _get(body, "logit_bias", (dict,), "an object mapping token ids to numbers", None)
+    if not bias or planted("no_validation"):
+        return {"logit_bias": bias} if bias else {}
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit() or not 0 <= int(key) < served.n_vocab:
+            raise bad_request(f"'logit_bias' key {key!r:.40} is not a token id in [0, {served.n_vocab})",
+                              "logit_bias", "invalid_value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"'logit_bias' value of token {key} must be a number in [-100, 100], got {value!r:.40}",
+                              "logit_bias", "invalid_value")
+        out[int(key)] = float(value)
+    return {} if planted("bias_ignored") else {"logit_bias": out}
 
 
 def _sampling(body: dict, chat: bool) -> tuple[dict[str, Any], int | None]:
@@ -208,8 +250,10 @@ def parse_completion(body: Any, served: Served) -> GenerationRequest:
     max_tokens = _max_tokens(body, ("max_tokens",), len(ids), served, COMPLETION_MAX_TOKENS_DEFAULT)
     sampling, seed = _sampling(body, chat=False)
     stream, include_usage = _stream(body)
-    return GenerationRequest(ids, max_tokens, {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body)},
-                             stream, include_usage, chat=False)
+    logprobs = _completion_logprobs(body)
+    options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
+               **({"logprobs": logprobs} if logprobs is not None else {})}
+    return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=False, logprobs=logprobs)
 
 
 def response_format_grammar(body: dict):
@@ -260,7 +304,9 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), served, None)
     sampling, seed = _sampling(body, chat=True)
     stream, include_usage = _stream(body)
-    options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body),
-               **({"grammar": grammar} if grammar is not None else {})}
+    logprobs = _chat_logprobs(body)
+    options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
+               **({"grammar": grammar} if grammar is not None else {}),
+               **({"logprobs": logprobs} if logprobs is not None else {})}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=True,
-                             thinking_open=prompt_opens_reasoning(prompt))
+                             thinking_open=prompt_opens_reasoning(prompt), logprobs=logprobs)
