@@ -75,8 +75,7 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
     }
     waiting_.push_back(std::make_unique<Sequence>(next_id_, req, pieces_));
     waiting_.back()->on_token = std::move(on_token);
-    // a grammar: plain steps (its rows go through the verify pass undrafted)
-    if (spec.n_max > 0 && !req.constraint) {
+    if (spec.n_max > 0) {
         try {
             Sequence & s = *waiting_.back();
             s.spec = spec;

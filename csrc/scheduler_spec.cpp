@@ -8,7 +8,9 @@
 // order) and keeps the accepted path of each slot (Engine::keep_paths). The drafting schedule (room,
 // adaptive draft length, pause and backoff) is generate_speculative's, per sequence, and depends on
 // its tokens only: each sequence gives the tokens it gives alone with generate_speculative and the
-// same drafter, greedy or sampled.
+// same drafter, greedy or sampled. A sequence with a grammar drafts as generate_speculative's
+// GrammarDrafter does (the tokens the grammar forces, else its drafter's proposal cut or pruned by the
+// grammar) and its verify rows are masked as generate_speculative masks them.
 // One difference: a pass holds at most n_ubatch rows, so with N sequences a draft is at most
 // n_ubatch / N - 1 tokens long (a sampled sequence whose draft that cuts takes other random draws
 // than alone; it is no less exact).
@@ -35,11 +37,39 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 namespace {
 
-// generate_speculative's floor: a chain shorter than n_min, or a tree of fewer nodes than
-// min(n_min, budget), is not verified (a best-first tree fills its budget but may stay shallow)
-void drop_short_draft(Sequence & s, int64_t budget) {
+// generate_speculative's steps after a proposal: what the sequence's grammar forbids is not verified
+// (TokenConstraint::cut_draft / prune_tree), then the floor: a chain shorter than n_min, or a tree of
+// fewer nodes than min(n_min, budget), is not verified (a best-first tree fills its budget but may
+// stay shallow)
+void settle_draft(Sequence & s, int64_t budget) {
+    if (TokenConstraint * grammar = s.req.constraint) {
+        if (budget > 0) {
+            grammar->prune_tree(s.tree);
+        } else {
+            grammar->cut_draft(s.draft);
+        }
+    }
     if ((int64_t)s.draft.tokens.size() < s.spec.n_min) s.draft = Draft{};
     if (!s.tree.empty() && s.tree.size() < std::min(s.spec.n_min, budget)) s.tree = DraftTree{};
+}
+
+// GrammarDrafter's rule, which generate_speculative wraps every drafter of a constrained request in:
+// where the grammar leaves one way on, the tokens it forces are the draft (at most n_max; with a
+// tree budget, a chain of at most min(budget, n_max) nodes), and the drafter is not asked. False
+// when the grammar forces nothing.
+bool draft_forced(Sequence & s, int64_t budget, int64_t n_max) {
+    std::vector<int32_t> forced = s.req.constraint->forced_tokens();
+    if (forced.empty()) return false;
+    const int64_t n = budget > 0 ? std::min(budget, n_max) : n_max;
+    if ((int64_t)forced.size() > n) forced.resize(n);
+    s.req.constraint->n_forced_tokens += (int64_t)forced.size();
+    if (budget > 0) {
+        s.tree = chain_tree(forced);
+    } else {
+        s.draft.tokens = std::move(forced);  // deterministic (no q) and free to propose (cost 0)
+    }
+    settle_draft(s, budget);
+    return true;
 }
 
 bool drafted(const Sequence & s) { return !s.draft.tokens.empty() || !s.tree.empty(); }
@@ -78,6 +108,10 @@ int64_t Scheduler::draft_all() {
         // every node takes a KV row and a row of the pass: the tree fits the context and the pass
         const int64_t budget = s.spec.tree_budget > 0
                                    ? std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap}) : 0;
+        if (s.req.constraint && draft_forced(s, budget, std::min(s.n_draft, room))) {
+            n_drafting += drafted(s);
+            continue;
+        }
         if (s.draft_state) {
             DraftJob job;
             job.slot = s.slot;
@@ -96,7 +130,9 @@ int64_t Scheduler::draft_all() {
             s.lookup.insert(s.lookup.end(), s.history.begin(), s.history.end());
             text = &s.lookup;
         }
-        const int64_t depth = budget > 0 && s.drafter->tree_depth_is_free() ? room : std::min(s.n_draft, room);
+        // (a grammar's GrammarDrafter, around the drafter in generate_speculative, has no free depth)
+        const bool free_depth = s.drafter->tree_depth_is_free() && !s.req.constraint;
+        const int64_t depth = budget > 0 && free_depth ? room : std::min(s.n_draft, room);
         if (s.dflash) {
             // as DFlashDrafter::propose_tree / propose, its block run with the others' below
             const int64_t block_depth = std::min(depth, dflash_->hparams().block_size - 1);
@@ -117,7 +153,7 @@ int64_t Scheduler::draft_all() {
         } else {
             s.draft = s.drafter->propose(*text, depth);
         }
-        drop_short_draft(s, budget);
+        settle_draft(s, budget);
         s.stats.draft_seconds += seconds_since(td);
         n_drafting += drafted(s);
     }
@@ -130,7 +166,7 @@ int64_t Scheduler::draft_all() {
             Sequence & s = *job_seq[k];
             s.draft = std::move(jobs[k].draft);
             s.tree = std::move(jobs[k].tree);
-            drop_short_draft(s, jobs[k].tree_budget);
+            settle_draft(s, jobs[k].tree_budget);
             s.stats.draft_seconds += seconds;  // the passes were shared
             n_drafting += drafted(s);
         }
@@ -156,7 +192,7 @@ int64_t Scheduler::draft_mtp_chains(std::vector<MtpHead::RowsJob> & jobs, std::v
                 continue;
             }
             s.draft = s.mtp->take_chain();
-            drop_short_draft(s, 0);
+            settle_draft(s, 0);
             n_drafting += drafted(s);
         }
         jobs = std::move(next);
@@ -180,7 +216,7 @@ int64_t Scheduler::draft_dflash_blocks(const std::vector<DFlashModel::BlockJob> 
         } else {
             s.draft = s.dflash->chain(b.depth);
         }
-        drop_short_draft(s, b.budget);
+        settle_draft(s, b.budget);
         n_drafting += drafted(s);
     }
     const double seconds = seconds_since(td);
@@ -233,6 +269,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     // the rows (relative to the slot's first) that predicted each token a drafting sequence commits:
     // the root's, then each accepted node's (the last predicted `next`); logprobs.h reads them
     std::vector<std::vector<int32_t>> parent_rows(N);
+    std::vector<std::vector<float>> unmasked(N);  // a drafting sequence's rows before its grammar's mask
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
         const int64_t r0 = first_row[i];
@@ -243,6 +280,16 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         }
         const size_t before = s.history.size();  // the accept rules append the accepted drafts; commit() does
         const int64_t T = first_row[i + 1] - r0;
+        if (TokenConstraint * grammar = s.req.constraint) {
+            // each row masked with the grammar's state after its path, as generate_speculative masks
+            // them; logprobs are those of the raw rows
+            if (s.req.n_logprobs >= 0) unmasked[i].assign(logits, logits + T * n_vocab);
+            if (!s.tree.empty()) {
+                grammar->mask_tree_rows(s.tree, logits, n_vocab);
+            } else {
+                grammar->mask_verify_rows(s.draft, logits, n_vocab);
+            }
+        }
         if (s.req.sampling.argmax_only()) {
             row_argmax.resize(T);
             for (int64_t t = 0; t < T; ++t) row_argmax[t] = all_argmax ? argmax_[r0 + t] : first_argmax(logits + t * n_vocab, n_vocab);
@@ -301,7 +348,8 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         // the log-probabilities of a committed token (choose() recorded those of an undrafted step)
         const auto record = [&](int64_t d, int32_t token) {
             if (parent_rows[i].empty() || s.req.n_logprobs < 0) return;
-            record_logprobs(s.req, logits_.data() + (first_row[i] + parent_rows[i][d]) * n_vocab, n_vocab, token, s.res);
+            const float * rows = unmasked[i].empty() ? logits_.data() + first_row[i] * n_vocab : unmasked[i].data();
+            record_logprobs(s.req, rows + parent_rows[i][d] * n_vocab, n_vocab, token, s.res);
         };
         bool running = true;
         for (int64_t d = 0; d < n_acc[i] && running; ++d) {

@@ -615,11 +615,13 @@ def test_chat_with_the_gguf_template_tools_and_thinking(chat_gguf):
         assert s.stop() == 0
 
 
-@pytest.mark.parametrize("flags", [("-np", "2"), ("-np", "1", "--spec-type", "ngram-simple")],
-                         ids=["batched", "speculative"])
+@pytest.mark.parametrize("flags", [("-np", "2"), ("-np", "2", "--spec-type", "ngram-simple"),
+                                   ("-np", "1", "--spec-type", "ngram-simple")],
+                         ids=["batched", "batched-speculative", "speculative"])
 def test_chat_response_format(chat_gguf, flags):
     """response_format json_schema and json_object (with llama-cpp-python's "schema"), streamed and
-    not, through the batched backend and the one-request speculative one: the reply validates against
+    not, through the batched backend (with and without speculation) and the one-request speculative
+    one: the reply validates against
     the schema and equals Model.create_chat_completion()'s (greedy). Seen to fail with parse_chat
     leaving the grammar out of the request's options (free text that is not JSON)."""
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12},

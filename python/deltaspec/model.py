@@ -428,9 +428,6 @@ class Model:
             request.speculation = predicted_speculation(self, predicted, request.speculation, o["draft_n_max"],
                                                         o["draft_n_min"])
         request.grammar = grammar_of(o["grammar"])
-        if request.grammar is not None and o["tree_budget"]:
-            raise ValueError("tree_budget (draft trees) cannot be combined with a grammar yet; use chains "
-                             "(tree_budget=0)")
         if request.grammar is not None and o["ignore_eos"]:
             raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
                              "end-of-generation token is allowed")
@@ -493,6 +490,7 @@ class Model:
         if constraint is not None:
             out["grammar_masked_rows"] = constraint.n_masked_rows
             out["grammar_cut_tokens"] = constraint.n_cut_tokens
+            out["grammar_forced_tokens"] = constraint.n_forced_tokens
         return out
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], per_prompt: Sequence[dict] | None = None,
@@ -512,7 +510,8 @@ class Model:
         model's MTP head, a head per sequence; chains or trees; not with DFlash in the same batch)
         speculates: every step verifies the drafts of all running sequences in one target pass, and
         each result equals generate() alone with the same speculation (greedy and seeded sampling; a
-        sequence with a grammar decodes plainly in the batch). logprobs=k fills each result's logprobs
+        sequence with a grammar drafts what it forces, its drafts cut or pruned by it, its verify rows
+        masked, as alone). logprobs=k fills each result's logprobs
         and top_logprobs as generate()'s. stream=True raises ValueError. cancel() stops every sequence.
         `prediction` (text or ids, here or per prompt): the output the caller expects, which the
         sequence's prompt lookup drafts from (deltaspec.prediction)."""
