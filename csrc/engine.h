@@ -156,7 +156,8 @@ class Engine {
     // sequences. `rows` are grouped by slot, slots consecutive from rows.slot[0], every slot's rows a
     // chain or tree of its own (parent -1: the slot's committed state; else an earlier row of the
     // same slot), position = the slot's length + depth. `out` receives every row's logits
-    // (LogitsWanted::all) or argmax (::argmax_all), in row order (only the rows whose wants_logits
+    // (LogitsWanted::all), argmax (::argmax_all) or top candidates (::top_all, top_row_words() each:
+    // top_rows.h), in row order (only the rows whose wants_logits
     // is set, when some are not). Nothing is committed: keep_paths then keeps one root-to-leaf path
     // per slot (row indices of `rows`, in slot order; empty: the slot keeps nothing), as keep_path
     // does for one slot. Anything else that reads or extends a sequence first

@@ -250,15 +250,23 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     first_row[N] = rows_.size();
     const int64_t R = rows_.size();
 
+    // where every sequence's sampler and logprobs are decided by its rows' top candidates, those
+    // cross over instead of whole rows (top_rows.h), as generate_speculative's verify takes them
+    const bool all_top = !all_argmax && top_rows_serve_all();
+    const int64_t W = engine_.top_row_words();
     const auto tv = Clock::now();
     if (all_argmax) {
         argmax_.resize(R);
         engine_.verify_rows(rows_, LogitsWanted::argmax_all, argmax_.data());
+    } else if (all_top) {
+        top_.resize(R * W);
+        engine_.verify_rows(rows_, LogitsWanted::top_all, top_.data());
     } else {
         logits_.resize(R * n_vocab);
         engine_.verify_rows(rows_, LogitsWanted::all, logits_.data());
     }
     const double verify_seconds = seconds_since(tv);
+    const auto top_of = [&](int64_t r) { return top_row(top_.data() + r * W, engine_.top_k()); };
 
     // accept per sequence: n_acc drafts, then `next` (the correction or the bonus token). A tree's
     // walk turns into the chain it accepted (draft.tokens) and its rows (kept).
@@ -273,9 +281,11 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     for (int64_t i = 0; i < N; ++i) {
         Sequence & s = *running_[i];
         const int64_t r0 = first_row[i];
-        float * logits = all_argmax ? nullptr : logits_.data() + r0 * n_vocab;
+        float * logits = all_argmax || all_top ? nullptr : logits_.data() + r0 * n_vocab;
         if (s.draft.tokens.empty() && s.tree.empty()) {  // generate_speculative's plain step, or no speculation
-            next[i] = all_argmax ? argmax_[r0] : choose(s, logits, n_vocab);
+            next[i] = all_argmax ? argmax_[r0]
+                      : all_top  ? choose_from_top(s.req, s.sampler, top_of(r0), s.res)
+                                 : choose(s, logits, n_vocab);
             continue;
         }
         const size_t before = s.history.size();  // the accept rules append the accepted drafts; commit() does
@@ -292,13 +302,24 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         }
         if (s.req.sampling.argmax_only()) {
             row_argmax.resize(T);
-            for (int64_t t = 0; t < T; ++t) row_argmax[t] = all_argmax ? argmax_[r0 + t] : first_argmax(logits + t * n_vocab, n_vocab);
+            for (int64_t t = 0; t < T; ++t) {
+                row_argmax[t] = all_argmax ? argmax_[r0 + t]
+                                : all_top  ? top_of(r0 + t).id[0]  // the first maximum, as first_argmax's
+                                           : first_argmax(logits + t * n_vocab, n_vocab);
+            }
         }
+        // the target's distribution at row r of the slot, from its top candidates (as
+        // generate_speculative's top rows; Sampler::distribution_top equals distribution there)
+        const RowDistribution top_p = [&](int64_t r, const std::vector<int32_t> &, Distribution & p) {
+            const TopRow top = top_of(r0 + r);
+            s.sampler.distribution_top(top.logit, top.id, top.k, p);
+        };
         if (!s.tree.empty()) {
-            const TreeWalk walk = s.req.sampling.argmax_only()
-                                      ? walk_tree_argmax(s.tree, row_argmax.data(), s.history)
-                                      : walk_tree(s.tree, logits, n_vocab, s.sampler, s.history, TreeRule::rejection,
-                                                  tree_rule_bug());
+            const TreeWalk walk = s.req.sampling.argmax_only() ? walk_tree_argmax(s.tree, row_argmax.data(), s.history)
+                                  : all_top ? walk_tree(s.tree, top_p, n_vocab, s.sampler, s.history, TreeRule::rejection,
+                                                        tree_rule_bug())
+                                            : walk_tree(s.tree, logits, n_vocab, s.sampler, s.history, TreeRule::rejection,
+                                                        tree_rule_bug());
             for (int32_t node : walk.path) {
                 s.draft.tokens.push_back(s.tree.token[node]);
                 kept[i].push_back(node + 1);
@@ -308,7 +329,8 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
             next[i] = walk.next;
         } else {
             n_acc[i] = s.req.sampling.argmax_only() ? accept_argmax(row_argmax.data(), s.draft, s.history, next[i])
-                                                    : accept_draft(logits, n_vocab, s.draft, s.sampler, s.history, next[i], bug);
+                       : all_top ? accept_draft(top_p, s.draft, s.sampler, s.history, next[i], bug)
+                                 : accept_draft(logits, n_vocab, s.draft, s.sampler, s.history, next[i], bug);
             for (int64_t d = 1; d <= n_acc[i]; ++d) kept[i].push_back((int32_t)d);
         }
         parent_rows[i] = {0};
@@ -348,8 +370,13 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         // the log-probabilities of a committed token (choose() recorded those of an undrafted step)
         const auto record = [&](int64_t d, int32_t token) {
             if (parent_rows[i].empty() || s.req.n_logprobs < 0) return;
+            const int64_t r = parent_rows[i][d];
+            if (all_top) {
+                record_top_logprobs(s.req, top_of(first_row[i] + r), token, s.res);
+                return;
+            }
             const float * rows = unmasked[i].empty() ? logits_.data() + first_row[i] * n_vocab : unmasked[i].data();
-            record_logprobs(s.req, rows + parent_rows[i][d] * n_vocab, n_vocab, token, s.res);
+            record_logprobs(s.req, rows + r * n_vocab, n_vocab, token, s.res);
         };
         bool running = true;
         for (int64_t d = 0; d < n_acc[i] && running; ++d) {

@@ -53,8 +53,8 @@ RowsBug rows_bug() {
 
 void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out) {
     const int64_t R = rows.size();
-    if (wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all) {
-        throw std::invalid_argument("verify_rows returns the logits or the argmax of every row");
+    if (wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all && wanted != LogitsWanted::top_all) {
+        throw std::invalid_argument("verify_rows returns the logits, the argmax or the top candidates of every row");
     }
     for (const auto * column : {&rows.pos, &rows.slot, &rows.parent}) {
         if ((int64_t)column->size() != R) throw std::invalid_argument("verify_rows: the row batch's columns differ in length");
@@ -190,7 +190,10 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
     rows_stats_.padded_rows += T - R;
     rows_stats_.max_slots = std::max(rows_stats_.max_slots, N);
 
-    const size_t row_bytes = wanted == LogitsWanted::all ? hp_.n_vocab * sizeof(float) : sizeof(int32_t);
+    const size_t row_bytes = wanted == LogitsWanted::all       ? hp_.n_vocab * sizeof(float)
+                             : wanted == LogitsWanted::top_all ? top_row_words() * sizeof(int32_t)
+                                                               : sizeof(int32_t);
+    if (wanted == LogitsWanted::top_all) decode_stats_.top_rows += R;
     const bool every_row = std::all_of(rows.wants_logits.begin(), rows.wants_logits.end(), [](uint8_t w) { return w != 0; });
     if (!every_row) {  // the rows asked for, in row order (a drafter reads each slot's last row)
         char * dst = static_cast<char *>(out);

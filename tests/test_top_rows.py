@@ -107,7 +107,7 @@ def draft(tmp_path_factory):
     scale = {"blk.1.ffn_down.weight": 1.5}
     path = write_tiny_vocab_model(tmp_path_factory.mktemp("top_rows") / "draft.gguf", seed=0,
                                   weight_map=lambda name, x: x * scale.get(name, 1.0))
-    with Model(path, n_ctx=256, n_threads=1) as m:
+    with Model(path, n_ctx=256, n_threads=1, n_seq_max=4) as m:  # slots: drafting for a batch too
         yield m
 
 
@@ -130,3 +130,30 @@ def test_speculative_sampling_equals_the_whole_rows(model, draft, tree_budget):
     assert n_top > len(reduced.tokens), "the verify batches did not return top rows"
     if tree_budget:
         assert engine.tree_stats["branched_calls"] > branched
+
+
+@pytest.mark.parametrize("tree_budget", [0, 8])
+def test_batch_speculation_takes_top_rows(model, draft, tree_budget):
+    """generate_batch, sampled with a draft model (chains and trees) and logprobs: every shared
+    verify pass returns top rows (Engine::verify_rows with top_all), and each sequence's tokens,
+    drafts and logprobs are those of the whole-row path (logprobs to float rounding of the
+    log-sum-exp) and its tokens and drafts those of generate() alone. Seen red with the scheduler's
+    top-row distributions read from the pass's first slot (top_of(r) for top_of(r0 + r): a token
+    missing from its row's candidates) and with DELTASPEC_TEST_TOP_BUG=k_minus_1."""
+    prompts = _prompts(4, seed=23)
+    per_prompt = [dict(seed=k) for k in range(len(prompts))]
+    kw = dict(max_tokens=30, temperature=1.5, top_k=K, top_p=1.0, min_p=0.0, draft_model=draft, draft_n_min=1,
+              draft_n_max=4, tree_budget=tree_budget, logprobs=3)
+
+    def run():
+        return model.generate_batch(prompts, per_prompt=per_prompt, **kw)
+
+    reduced, whole, n_top = _both_paths(model, run)
+    assert model.batch_spec_stats["multi_draft_passes"] > 0
+    assert sum(r.stats.n_accepted for r in reduced) > 0
+    assert n_top > sum(r.stats.n_drafted for r in reduced), "the verify passes did not return top rows"
+    for k, (r, w) in enumerate(zip(reduced, whole)):
+        assert r.tokens == w.tokens and r.stats.accepted_lengths == w.stats.accepted_lengths, f"prompt {k}"
+        assert r.logprobs == pytest.approx(w.logprobs, abs=1e-5), f"prompt {k}"
+        alone = model.generate(prompts[k], **per_prompt[k], **kw)
+        assert r.tokens == alone.tokens and r.stats.accepted_lengths == alone.stats.accepted_lengths, f"prompt {k}"
