@@ -32,6 +32,10 @@
 #      (bench/batch_spec_bench.py: plain, own-text lookup, a reference holding the plain output, the
 #      same with every 4th token wrong), llama-batched-bench's plain rows beside them when `build`
 #      made it -> batch_spec_bench.json
+#   batchspect: sampled (T 0.8) DFlash chains and DDTree 16 across 1/4/16 sequences, drafting every
+#      round (--draft-n-min 1: every step a verify pass), each decode and verify row reduced to its
+#      top 64 on the device against whole rows to the host (--whole-rows), interleaved
+#      -> batch_spec_sampled_bench.json
 #   batchdflash: the same with DFlash across 1/4/16 sequences (a random drafter of the 27B DFlash
 #      drafter's shape, as `dflash`: the cost side; its drafts are noise): plain, chains, DDTree 16,
 #      every drafting sequence's block in one block pass -> batch_dflash_bench.json
@@ -82,7 +86,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchdflash ab verify tree mtp
+# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp
 #   dflash profile server server-spec tq tq-test toprows graphcache hostsample layersplit
 # (default: build test bench)
 set -euo pipefail
@@ -173,7 +177,7 @@ REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step batchspec || has_step stock || has_step ab || has_step verify ||
         has_step tree || has_step profile || has_step server || has_step server-spec || has_step tq || has_step toprows ||
-        has_step dflash || has_step graphcache || has_step batchdflash
+        has_step dflash || has_step graphcache || has_step batchdflash || has_step batchspect
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
@@ -317,11 +321,20 @@ if has_step batchspec; then
     python3 "$REPO/bench/batch_spec_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
         --out "$OUT/batch_spec_bench.json" | tee "$OUT/batch_spec_bench.md"
 fi
-if has_step batchdflash; then
+synth_d27() {  # the random drafter of the 27B DFlash drafter's shape, once
     if [[ ! -f /tmp/d27.gguf ]]; then
         python3 -m deltaspec.synth_dflash /tmp/d27.gguf.part --quant q8_0 > "$OUT/synth_dflash.log" 2>&1 \
             && mv /tmp/d27.gguf.part /tmp/d27.gguf
     fi
+}
+if has_step batchspect; then
+    synth_d27
+    python3 "$REPO/bench/batch_spec_bench.py" /tmp/q27.gguf --device cuda --modes plain,dflash,ddtree \
+        --dflash /tmp/d27.gguf --tree-budget 16 --draft-n-max 15 --draft-n-min 1 --temperature 0.8 --whole-rows \
+        --out "$OUT/batch_spec_sampled_bench.json" | tee "$OUT/batch_spec_sampled_bench.md"
+fi
+if has_step batchdflash; then
+    synth_d27
     python3 "$REPO/bench/batch_spec_bench.py" /tmp/q27.gguf --device cuda --modes plain,dflash,ddtree \
         --dflash /tmp/d27.gguf --tree-budget 16 --draft-n-max 15 --out "$OUT/batch_dflash_bench.json" \
         | tee "$OUT/batch_dflash_bench.md"
