@@ -84,9 +84,18 @@ GenerateRequest make_request(std::vector<int32_t> prompt, int32_t max_tokens, co
 // A Python callable -> the loop's token callback (which runs without the GIL, so it takes it).
 TokenCallback make_callback(const py::object & callback) {
     if (callback.is_none()) return {};
-    return [&callback](int32_t token) {
+    // callback(token, entry): entry (logprob, [(token, logprob)] * n_logprobs) of that token, or None
+    // for a request without logprobs
+    return [&callback](int32_t token, const GenerateResult & res) {
         py::gil_scoped_acquire gil;
-        return callback(token).cast<bool>();
+        py::object entry = py::none();
+        if (!res.logprobs.empty() && res.logprobs.size() == res.tokens.size()) {
+            const size_t at = res.logprobs.size() - 1, k = res.top_ids.size() / res.logprobs.size();
+            py::list top;
+            for (size_t i = at * k; i < (at + 1) * k; ++i) top.append(py::make_tuple(res.top_ids[i], res.top_logprobs[i]));
+            entry = py::make_tuple(res.logprobs.back(), top);
+        }
+        return callback(token, entry).cast<bool>();
     };
 }
 

@@ -29,7 +29,7 @@ bool Emitter::emit(int32_t token) {
     text_ += piece;
     const bool eog = std::find(req_.eog_ids.begin(), req_.eog_ids.end(), token) != req_.eog_ids.end();
     if (!req_.stop.empty() && !eog) res_.stop_offset = find_stop(text_, piece.size(), req_.stop);
-    if (on_token_ && !on_token_(token)) {
+    if (on_token_ && !on_token_(token, res_)) {
         res_.finish = FinishReason::cancelled;
         return false;
     }

@@ -44,8 +44,10 @@ struct GenerateResult {
     std::vector<float> top_logprobs;      // their log-probabilities
 };
 
-// Called after each sampled token; returning false cancels generation.
-using TokenCallback = std::function<bool(int32_t)>;
+// Called after each sampled token with the result so far (its tokens end with it; with
+// n_logprobs >= 0 so do its logprobs, and its top lists by n_logprobs); returning false cancels
+// generation.
+using TokenCallback = std::function<bool(int32_t token, const GenerateResult & res)>;
 
 // Token id -> the bytes it adds to the text (the detokenizer's piece table), for stop strings.
 using PieceTable = std::vector<std::string>;

@@ -246,6 +246,57 @@ def test_completion_logprobs_shape(llm):
                                                               abs=1e-4)
 
 
+def _joined_completion_logprobs(chunks) -> dict:
+    joined = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
+    for c in chunks:
+        for key in joined:
+            joined[key] += (c["choices"][0]["logprobs"] or {}).get(key, [])
+    return joined
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_completion_logprobs_equal_the_answers(llm, echo):
+    """create_completion(stream=True, logprobs=k): the chunks' logprobs, joined, are the non-streamed
+    answer's (tokens, offsets, values, top dicts; with echo the prompt's first), and they come spread
+    over the stream, each chunk with those of the tokens its text completes (its tokens' text is a
+    prefix of the text streamed so far), also where text is held back (the stop string below, which
+    never completes, holds back the answer's first ASCII pair until the next byte is known). Seen red
+    with TextStream handing every entry out at the end (the chunk-by-chunk assertion)."""
+    kw = dict(max_tokens=24, temperature=0, logprobs=3, ignore_eos=True, echo=echo)
+    plain = llm.create_completion(PROMPT, **kw)["choices"][0]["text"]
+    at = next(i for i in range(len(PROMPT) if echo else 0, len(plain) - 1) if plain[i:i + 2].isascii()
+              and plain[i:i + 2].isprintable())
+    kw["stop"] = [plain[at:at + 2] + "\x01"]
+    want = llm.create_completion(PROMPT, **kw)["choices"][0]
+    assert want["text"] == plain
+    chunks = list(llm.create_completion(PROMPT, stream=True, **kw))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want["text"]
+    assert _joined_completion_logprobs(chunks) == want["logprobs"]
+    text = tokens = ""
+    spread = 0
+    for c in chunks:
+        text += c["choices"][0]["text"]
+        tokens += "".join((c["choices"][0]["logprobs"] or {}).get("tokens", []))
+        assert text.startswith(tokens), "a chunk's logprobs ran ahead of its text"
+        spread += bool((c["choices"][0]["logprobs"] or {}).get("tokens"))
+    assert spread > 3
+    assert chunks[-1]["choices"][0]["finish_reason"] == want["finish_reason"]
+
+
+def test_streamed_chat_logprobs_equal_the_answers(chat_gguf):
+    """create_chat_completion(stream=True, logprobs=True, top_logprobs=3): the chunks' content lists,
+    joined, are the non-streamed answer's; with speculation (prompt lookup) too."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    with Model(chat_gguf, n_ctx=512, n_threads=THREADS, progress=False) as m:
+        for spec in ({}, {"spec_type": "ngram-simple", "draft_n_min": 1}):
+            kw = dict(logprobs=True, top_logprobs=3, temperature=0, max_tokens=16, enable_thinking=False, **spec)
+            want = m.create_chat_completion(messages, **kw)["choices"][0]["logprobs"]["content"]
+            joined = []
+            for c in m.create_chat_completion(messages, stream=True, **kw):
+                joined += (c["choices"][0].get("logprobs") or {}).get("content", [])
+            assert joined == want and len(want) > 0, spec
+
+
 # --- ignore_eos and logit_bias ------------------------------------------------------------------------
 
 def test_ignore_eos_and_logit_bias(llm):

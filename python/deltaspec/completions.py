@@ -7,9 +7,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from . import logprobs as lp
 from . import openai_format as oai
-from .chat import ReasoningSplitter, chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
+from .chat import chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
 from .generation import validate_flag
 from .grammar import response_format_grammar
+from .openai_stream import ChatChunks, CompletionChunks
 
 
 def _check_kwargs(model, caller: str, kwargs: Mapping[str, Any]) -> None:
@@ -25,9 +26,9 @@ def create_completion(model, prompt: str | Sequence[int], *, stream: bool = Fals
                       logprobs: int | None = None, **kwargs: Any):
     """An OpenAI `text_completion` dict, or an iterator of chunk dicts when stream=True.
 
-    echo=True puts the prompt's text before the completion's; logprobs=k (not with stream) gives
-    each token's log-probability and the k most probable tokens' (llama-cpp-python's shape; with
-    echo, the prompt's tokens too, the first one's null)."""
+    echo=True puts the prompt's text before the completion's; logprobs=k gives each token's
+    log-probability and the k most probable tokens' (llama-cpp-python's shape; with echo, the
+    prompt's tokens too, the first one's null); streamed, each chunk has those of its text."""
     _check_kwargs(model, "create_completion", kwargs)
     name = model.path
     validate_flag("echo", echo)
@@ -44,23 +45,30 @@ def create_completion(model, prompt: str | Sequence[int], *, stream: bool = Fals
             out["choices"][0]["logprobs"] = lp.completion_logprobs(model.tokenizer, entries,
                                                                    0 if echo else len(prompt_text))
         return out
-    if logprobs is not None:
-        raise ValueError("create_completion(): logprobs with stream=True is not available yet; "
-                         "call it without stream for log-probabilities")
-    pieces = model.generate(prompt, stream=True, **kwargs)
-    return _completion_chunks(pieces, name, prompt_text if echo else "")
+    # a stream checks its arguments here, not at its first chunk
+    pieces = model.generate(prompt, stream=True, logprobs=logprobs, **kwargs)
+    chunks = CompletionChunks(name, model.tokenizer if logprobs is not None else None, 0 if echo else len(prompt_text))
+    echoed = None
+    if echo:
+        echoed = (prompt_text, lp.prompt_logprobs(model, model._prompt_ids(prompt), logprobs) if logprobs is not None
+                  else None)
+    return _stream_chunks(pieces, chunks, echoed)
 
 
-def _completion_chunks(pieces, name: str, echoed: str = "") -> Iterator[oai.Completion]:
-    cid, created = oai.completion_id(), oai.now()
-    if echoed:
-        yield oai.completion_chunk(echoed, None, name, cid, created)
+def _stream_chunks(pieces, chunks, first: tuple[str, list | None] | None = None) -> Iterator[dict]:
+    """The chunks of a streamed generation (deltaspec.openai_stream): its opening, the `first` text
+    (echo: the prompt, with its entries), a chunk per text piece with the log-probabilities of the
+    tokens it completes, the rest of them, then finish_reason."""
+    yield from chunks.start()
+    if first is not None:
+        yield from chunks.delta(*first)
     try:
         for text in pieces:
-            yield oai.completion_chunk(text, None, name, cid, created)
+            yield from chunks.delta(text, pieces.take_logprobs())
     finally:
         pieces.close()  # a consumer that stops early cancels the generation
-    yield oai.completion_chunk("", pieces.result.finish_reason, name, cid, created)
+    yield from chunks.delta("", pieces.take_logprobs())
+    yield from chunks.finish(pieces.result, include_usage=False)
 
 
 def apply_chat_template(model, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
@@ -83,8 +91,8 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     """An OpenAI `chat.completion` dict (reasoning in `reasoning_content`), or chunk dicts when streaming
     (reasoning in `reasoning_content` deltas, as llama-server streams it).
     Defaults follow llama-cpp-python's chat path: temperature 0.2, max_tokens None (until n_ctx).
-    logprobs=True (with top_logprobs=k alternatives per token; not with stream) fills the choice's
-    `logprobs` as OpenAI's `{"content": [...]}`.
+    logprobs=True (with top_logprobs=k alternatives per token) fills the choice's `logprobs` as
+    OpenAI's `{"content": [...]}` (streamed: each chunk's tokens', in the last chunk of its delta).
 
     Structured output: `response_format` {"type": "json_object"} (optionally with "schema"), or
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, or `grammar` (GBNF /
@@ -97,8 +105,6 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     if top_logprobs is not None and not logprobs:
         raise ValueError("top_logprobs needs logprobs=True")
     n_logprobs = (top_logprobs or 0) if logprobs else None
-    if stream and n_logprobs is not None:
-        raise ValueError("create_chat_completion(): logprobs with stream=True is not available yet")
     constrained = _constrain(kwargs, response_format)
     if constrained:
         if enable_thinking:
@@ -112,8 +118,9 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     thinking_open = prompt_opens_reasoning(prompt) and not constrained
     name = model.path
     if stream:
-        pieces = model.generate(prompt, stream=True, temperature=temperature, max_tokens=max_tokens, **kwargs)
-        return _chat_chunks(pieces, name, thinking_open)
+        pieces = model.generate(prompt, stream=True, temperature=temperature, max_tokens=max_tokens,
+                                logprobs=n_logprobs, **kwargs)
+        return _stream_chunks(pieces, ChatChunks(name, thinking_open, model.tokenizer if n_logprobs is not None else None))
     r = model.generate(prompt, temperature=temperature, max_tokens=max_tokens, logprobs=n_logprobs, **kwargs)
     reasoning, content = split_reasoning(r.text, thinking_open=thinking_open)
     out = oai.chat_completion(content, r.finish_reason, name, r.stats.prompt_tokens, r.stats.generated_tokens,
@@ -131,26 +138,3 @@ def _constrain(kwargs: dict[str, Any], response_format: Mapping[str, Any] | None
             raise ValueError("pass either response_format or grammar, not both")
         kwargs["grammar"] = grammar
     return kwargs.get("grammar") is not None
-
-
-def _chat_chunks(pieces, name: str, thinking_open: bool) -> Iterator[oai.ChatCompletionChunk]:
-    """A role chunk, then `reasoning_content` / `content` deltas that concatenate to the non-streamed
-    message's fields, then an empty delta with finish_reason (llama-cpp-python's shape)."""
-    cid, created = oai.chat_completion_id(), oai.now()
-    splitter = ReasoningSplitter(thinking_open)
-    yield oai.chat_chunk_role(name, cid, created)
-    try:
-        for text in pieces:
-            yield from _chat_deltas(splitter.push(text), name, cid, created)
-    finally:
-        pieces.close()  # a consumer that stops early cancels the generation
-    yield from _chat_deltas(splitter.finish(), name, cid, created)
-    yield oai.chat_chunk_finish(pieces.result.finish_reason, name, cid, created)
-
-
-def _chat_deltas(split: tuple[str, str], name: str, cid: str, created: int) -> Iterator[oai.ChatCompletionChunk]:
-    reasoning, content = split
-    if reasoning:
-        yield oai.chat_chunk_delta(name, cid, created, reasoning_content=reasoning)
-    if content:
-        yield oai.chat_chunk_delta(name, cid, created, content=content)

@@ -217,6 +217,11 @@ class Generator:
         self._done = threading.Event()
         self._final_bytes = b""
         self.final: GenerationResult | None = None  # set once a stream is exhausted or closed
+        # logprobs while streaming: (token, logprob, top list, first byte, end byte) of the tokens whose
+        # text is not out yet; the entries of those whose text is, until take_logprobs() hands them out
+        self._waiting_entries: list = []
+        self._ready_entries: list = []
+        self._n_entries_out = 0
 
     def _run(self, streaming: bool) -> None:
         callback = self._hand_off if streaming else None
@@ -267,13 +272,14 @@ class Generator:
                                                req.sampling.native(), eog, stop, spec.n_max, spec.n_min, callback,
                                                spec.tree_budget, constraint=constraint, n_logprobs=req.n_logprobs)
 
-    def _hand_off(self, token: int) -> bool:
-        """The decode loop's callback when streaming: queue the token for the reader, waiting while
-        the reader is STREAM_AHEAD tokens behind. False (stop the loop) once cancelled."""
+    def _hand_off(self, token: int, entry=None) -> bool:
+        """The decode loop's callback when streaming: queue the token (and, with logprobs, its entry
+        (logprob, top list)) for the reader, waiting while the reader is STREAM_AHEAD tokens behind.
+        False (stop the loop) once cancelled."""
         self._room.acquire()
         if self._cancelled.is_set():
             return False
-        self._tokens.put(token)
+        self._tokens.put((token, entry))
         return True
 
     def _claim(self) -> None:
@@ -339,11 +345,14 @@ class Generator:
         data = bytearray()
         emitted = 0
         try:
-            while (token := self._tokens.get()) is not None:
+            while (item := self._tokens.get()) is not None:
+                token, entry = item
                 self._room.release()
                 if tok.is_eog(token):
                     continue
                 piece = tok.token_to_piece(token, special=TEXT_SPECIAL)
+                if entry is not None:
+                    self._waiting_entries.append((token, *entry, len(data), len(data) + len(piece)))
                 data += piece
                 end = len(data) - _held_back(data, stops)
                 # the token completing a stop string reaches us before the loop reports the stop;
@@ -352,6 +361,7 @@ class Generator:
                         if at >= 0]
                 end = min([end, *cuts])
                 if end > emitted:
+                    self._release_entries(end)
                     self._suspended = True
                     yield data[emitted:end].decode("utf-8", errors="replace")
                     self._suspended = False
@@ -363,9 +373,27 @@ class Generator:
             raise
         self._wait()
         self.final = self._finish()
+        if self.final.logprobs is not None:  # the rest of the answer's entries (logprobs.generated_logprobs)
+            from .logprobs import generated_logprobs
+
+            self._ready_entries += generated_logprobs(tok, self.final)[self._n_entries_out:]
+            self._waiting_entries = []
         rest = self._final_bytes[emitted:]
         if rest:
             yield rest.decode("utf-8", errors="replace")
+
+    def _release_entries(self, shown: int) -> None:
+        """The entries of the tokens whose text the first `shown` bytes hold whole (a token without
+        bytes: once text after it is shown) become ready."""
+        while self._waiting_entries and self._waiting_entries[0][4] <= shown and self._waiting_entries[0][3] < shown:
+            token, lp, top, _, _ = self._waiting_entries.pop(0)
+            self._ready_entries.append((token, lp, top))
+            self._n_entries_out += 1
+
+    def take_logprobs(self) -> list:
+        """The (token, logprob, top list) entries of the text pieces yielded since the last call."""
+        out, self._ready_entries = self._ready_entries, []
+        return out
 
     def _finish(self) -> GenerationResult:
         result, self._final_bytes = result_of(self._model.tokenizer, len(self._req.prompt), self._outcome)
@@ -430,6 +458,13 @@ class TextStream:
 
     def close(self) -> None:
         self._pieces.close()
+
+    def take_logprobs(self) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """With generate(logprobs=k, stream=True): the (token, logprob, top list) entries of the
+        tokens whose text the pieces yielded since the last call complete, in order (after the last
+        piece, the rest of the answer's). Joined, they are the result's
+        (deltaspec.logprobs.generated_logprobs: no end-of-generation token, nothing past a stop)."""
+        return self._generator.take_logprobs()
 
     @property
     def result(self) -> GenerationResult | None:

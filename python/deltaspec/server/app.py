@@ -27,7 +27,8 @@ from .errors import APIError
 from .metrics import ServerMetrics
 from .planted import planted
 from .replicas import ReplicaSet
-from .responses import DONE, ChatChunks, CompletionChunks, chat_body, completion_body, sse
+from ..openai_stream import ChatChunks, CompletionChunks
+from .responses import DONE, chat_body, completion_body, sse
 from .schemas import GenerationRequest, Served, parse_chat, parse_completion
 
 log = logging.getLogger("deltaspec.server")

@@ -6,12 +6,12 @@ tokens (generated_logprobs), or in a stream each chunk's tokens (server.text say
 from __future__ import annotations
 
 import json
-from typing import Iterator
 
 from .. import logprobs as lp
 from .. import openai_format as oai
-from ..chat import ReasoningSplitter, split_reasoning
+from ..chat import split_reasoning
 from ..generation import GenerationResult
+from ..openai_stream import usage_with_cache
 
 
 def sse(data: dict | str) -> bytes:
@@ -27,7 +27,7 @@ def completion_body(result: GenerationResult, model: str, tokenizer=None) -> dic
     """The answer; with `tokenizer` (the request asked for logprobs) its log-probabilities too."""
     s = result.stats
     body = {**oai.completion(result.text, result.finish_reason, model, s.prompt_tokens, s.generated_tokens),
-            "usage": _usage(result)}
+            "usage": usage_with_cache(result)}
     if tokenizer is not None:
         body["choices"][0]["logprobs"] = lp.completion_logprobs(tokenizer, lp.generated_logprobs(tokenizer, result), 0)
     return body
@@ -39,89 +39,7 @@ def chat_body(result: GenerationResult, model: str, thinking_open: bool, tokeniz
     s = result.stats
     reasoning, content = split_reasoning(result.text, thinking_open=thinking_open)
     body = {**oai.chat_completion(content, result.finish_reason, model, s.prompt_tokens, s.generated_tokens,
-                                  reasoning_content=reasoning), "usage": _usage(result)}
+                                  reasoning_content=reasoning), "usage": usage_with_cache(result)}
     if tokenizer is not None:
         body["choices"][0]["logprobs"] = lp.chat_logprobs(tokenizer, lp.generated_logprobs(tokenizer, result))
     return body
-
-
-class CompletionChunks:
-    """The chunks of one streamed text completion, delta by delta; with `tokenizer` (the request
-    asked for logprobs) each chunk carries its tokens' log-probabilities, text offsets counted
-    from the completion's start."""
-
-    def __init__(self, model: str, tokenizer=None):
-        self.model, self.id, self.created = model, oai.completion_id(), oai.now()
-        self._tokenizer = tokenizer
-        self._offset = 0  # where the next entry's text starts
-
-    def start(self) -> Iterator[dict]:
-        return iter(())
-
-    def delta(self, text: str, entries: list | None = None) -> Iterator[dict]:
-        if text or entries:
-            chunk = oai.completion_chunk(text, None, self.model, self.id, self.created)
-            if self._tokenizer is not None and entries is not None:
-                logprobs = lp.completion_logprobs(self._tokenizer, entries, self._offset)
-                if logprobs["tokens"]:
-                    self._offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-                chunk["choices"][0]["logprobs"] = logprobs
-            yield chunk
-
-    def finish(self, result: GenerationResult, include_usage: bool) -> Iterator[dict]:
-        yield oai.completion_chunk("", result.finish_reason, self.model, self.id, self.created)
-        if include_usage:
-            yield {**oai.completion_chunk("", None, self.model, self.id, self.created), "choices": [],
-                   "usage": _usage(result)}
-
-
-class ChatChunks:
-    """The chunks of one streamed chat completion: the role, `reasoning_content` / `content` deltas
-    (a <think> block split off as llama-server streams it), then finish_reason. With `tokenizer`
-    (the request asked for logprobs) the last chunk made from a delta carries its tokens'
-    log-probabilities (the splitter may hold text back: they wait for the next chunk, at the latest
-    an empty delta before finish_reason)."""
-
-    def __init__(self, model: str, thinking_open: bool, tokenizer=None):
-        self.model, self.id, self.created = model, oai.chat_completion_id(), oai.now()
-        self._splitter = ReasoningSplitter(thinking_open)
-        self._tokenizer = tokenizer
-        self._pending: list = []  # entries not sent yet
-
-    def start(self) -> Iterator[dict]:
-        yield oai.chat_chunk_role(self.model, self.id, self.created)
-
-    def delta(self, text: str, entries: list | None = None) -> Iterator[dict]:
-        self._pending += entries or []
-        if text:
-            yield from self._with_logprobs(list(self._deltas(*self._splitter.push(text))))
-
-    def finish(self, result: GenerationResult, include_usage: bool) -> Iterator[dict]:
-        chunks = list(self._deltas(*self._splitter.finish()))
-        if not chunks and self._pending and self._tokenizer is not None:
-            chunks = [oai.chat_chunk_delta(self.model, self.id, self.created)]
-        yield from self._with_logprobs(chunks)
-        yield oai.chat_chunk_finish(result.finish_reason, self.model, self.id, self.created)
-        if include_usage:
-            yield {**oai.chat_chunk_finish(result.finish_reason, self.model, self.id, self.created), "choices": [],
-                   "usage": _usage(result)}
-
-    def _with_logprobs(self, chunks: list[dict]) -> Iterator[dict]:
-        if chunks and self._tokenizer is not None and self._pending:
-            chunks[-1]["choices"][0]["logprobs"] = lp.chat_logprobs(self._tokenizer, self._pending)
-            self._pending = []
-        yield from chunks
-
-    def _deltas(self, reasoning: str, content: str) -> Iterator[dict]:
-        if reasoning:
-            yield oai.chat_chunk_delta(self.model, self.id, self.created, reasoning_content=reasoning)
-        if content:
-            yield oai.chat_chunk_delta(self.model, self.id, self.created, content=content)
-
-
-def _usage(result: GenerationResult) -> dict:
-    """OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens a kept history
-    held, which were not prefilled (a chat's earlier turns: csrc/slot_history.h)."""
-    s = result.stats
-    return {**oai.usage(s.prompt_tokens, s.generated_tokens),
-            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
