@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..generation import GenerationResult
-from ..logprobs import generated_logprobs
 from .planted import planted
 from .text import TextAssembler
 
@@ -131,18 +130,19 @@ class SpeculativeBackend:
             options = {k: v for k, v in r.options.items() if k != "prediction"}
             stream = self.model.generate(r.prompt, stream=True, max_tokens=r.max_tokens, **options,
                                          **({} if planted("spec_ignored") else self.speculation))
+            wants_logprobs = r.options.get("logprobs") is not None
             shown = []
             for piece in stream:
                 shown.append(piece)
-                report(Progress(job, piece, 0))
+                report(Progress(job, piece, 0, None, stream.take_logprobs() if wants_logprobs else None))
                 if job.cancel_requested:  # a cancel that came before the loop started, or between pieces
                     stream.close()  # result: the tokens so far, "cancelled"
                     break
             result = stream.result
             rest = result.text[len("".join(shown)):] if result.text.startswith("".join(shown)) else ""
-            # generate()'s stream gives text only: a stream's log-probabilities all come at its end
-            entries = None if result.logprobs is None else generated_logprobs(self.model.tokenizer, result)
-            report(Progress(job, rest, result.stats.generated_tokens, result, entries))
+            # the entries not handed out with a piece (TextStream.take_logprobs: after the last piece, the rest)
+            report(Progress(job, rest, result.stats.generated_tokens, result,
+                            stream.take_logprobs() if wants_logprobs else None))
         except BaseException:
             # the job stays ours until abandon() hands it to the engine loop, which answers it with
             # the error; forgetting it here would leave its client waiting and the loop never idle
