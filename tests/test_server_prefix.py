@@ -99,10 +99,12 @@ def test_concurrent_conversations_resume_only_their_own(server, reference):
     and whichever other conversation ran beside it, and the server's cached-token counter grew by
     what the answers say they skipped. Which concurrent turns resume depends on timing (a history
     finishing while every slot runs is lost), so that a turn does resume is asserted after the
-    concurrent phase, where it does not: one more turn per client, one at a time, the client whose
-    answer came last first. The last sequences to finish ran beside fewer than four others, so their
-    histories are kept and that first turn resumes. Seen to fail with length_only (turns resumed
-    from other clients' histories)."""
+    concurrent phase, where it does not: one more turn per client, one at a time. The conversation
+    the engine finished last had no request waiting for its slot, so its history is kept and its
+    next turn resumes; which conversation that was the clients cannot tell (under load the answers
+    arrive in another order than the engine finished them), so at least one of these turns must
+    resume from its whole kept state. Seen to fail with length_only (turns resumed from other
+    clients' histories)."""
     n_clients, n_turns = 6, 3
     prompts = {}
     for c in range(n_clients):  # every turn's prompt and answer, worked out beforehand (one reference Model)
@@ -136,8 +138,9 @@ def test_concurrent_conversations_resume_only_their_own(server, reference):
         answers[c, n_turns] = complete(client, prompts[c, n_turns][0])
     wrong = [k for k in prompts if answers[k][:2] != (prompts[k][1], N_GEN)]
     assert not wrong, f"{len(wrong)} of {len(prompts)} turns differ from a fresh sequence, e.g. {wrong[0]}"
-    # its kept state: the previous prompt and every reply token but the last (sampled, never fed)
-    assert answers[finished[-1], n_turns][2] == len(prompts[finished[-1], n_turns - 1][0]) + N_GEN - 1
+    # a kept state: the previous prompt and every reply token but the last (sampled, never fed)
+    resumed = [c for c in finished if answers[c, n_turns][2] == len(prompts[c, n_turns - 1][0]) + N_GEN - 1]
+    assert resumed, [answers[c, n_turns][2] for c in finished]
     cached = sum(answers[k][2] for k in answers)
     assert server.metrics()["deltaspec_prompt_tokens_cached_total"] - before == cached
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from .logprobs import generated_logprobs
 from .sampling import SamplingOptions
 
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -373,9 +374,7 @@ class Generator:
             raise
         self._wait()
         self.final = self._finish()
-        if self.final.logprobs is not None:  # the rest of the answer's entries (logprobs.generated_logprobs)
-            from .logprobs import generated_logprobs
-
+        if self.final.logprobs is not None:  # the rest of the answer's entries
             self._ready_entries += generated_logprobs(tok, self.final)[self._n_entries_out:]
             self._waiting_entries = []
         rest = self._final_bytes[emitted:]
