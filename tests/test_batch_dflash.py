@@ -88,6 +88,38 @@ def test_batch_dflash_equals_alone(models, tree_budget):
             assert [r.tokens for r in batch] == [r.tokens for r in plain]
 
 
+@pytest.mark.parametrize("tree_budget", [0, 8], ids=["chains", "ddtree8"])
+def test_batch_dflash_with_a_grammar_equals_alone(models, tree_budget):
+    """A grammar per request (printable text with "xyz" twice, which it forces; the target pushed
+    towards the drafter's favourite token 82, "R"),
+    DFlash chains or DDTree trees, 4 prompts on 4 slots: each sequence drafts what the grammar forces,
+    its blocks' drafts cut or pruned by it, as generate() alone (which wraps the drafter in a
+    GrammarDrafter, whose tree depth is not free), and gives its tokens, drafts and grammar counts;
+    greedy, plain constrained decoding's tokens. Seen to fail with the scheduler giving constrained
+    DFlash trees the free depth (other drafts than alone)."""
+    from deltaspec import Grammar
+
+    one, d_one, four, d_four = models
+    prompts = random_prompts(4, seed=7, max_len=20)
+    grammar = Grammar.from_regex(r"R[ -~]{2}xyz[ -~]{2}xyz[ -~]{0,24}")
+    options = dict(spec_type="dflash", draft_n_min=1, tree_budget=tree_budget, temperature=0.0, max_tokens=40,
+                   logit_bias={82: 6.0})
+    per_prompt = [dict(grammar=grammar) for _ in prompts]
+    batch = four.generate_batch(prompts, per_prompt=per_prompt, draft_model=d_four, **options)
+    assert four.batch_spec_stats["multi_draft_passes"] > 0
+    assert sum(r.stats.grammar_forced_tokens for r in batch) > 0
+    assert sum(r.stats.n_accepted for r in batch) > sum(r.stats.grammar_forced_tokens for r in batch), \
+        "no drafted token but the forced ones was accepted"
+    for k, (prompt, r) in enumerate(zip(prompts, batch)):
+        alone = one.generate(prompt, draft_model=d_one, grammar=grammar, **options)
+        assert r.tokens == alone.tokens, f"prompt {k}: other tokens than alone"
+        assert drafting(r) == drafting(alone), f"prompt {k}: other drafts than alone"
+        assert (r.stats.grammar_cut_tokens, r.stats.grammar_forced_tokens) == \
+            (alone.stats.grammar_cut_tokens, alone.stats.grammar_forced_tokens), f"prompt {k}"
+        plain = one.generate(prompt, grammar=grammar, temperature=0.0, max_tokens=40, logit_bias={82: 6.0})
+        assert r.tokens == plain.tokens, f"prompt {k}: other tokens than plain decoding"
+
+
 def test_dflash_requests_resume_their_kept_context(models):
     """add_request with DFlash trees: a request that extends a finished DFlash request's prompt and
     output resumes its kept slot (cached tokens) with the drafter context kept with it, and drafts
