@@ -24,8 +24,7 @@ openai = pytest.importorskip("openai")  # CI installs it with the test extra: ne
 from deltaspec import Model
 from deltaspec import logprobs as lp
 from deltaspec.completions import apply_chat_template
-from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
-from test_server import TEMPLATE, ServerProcess, _never_ends
+from test_server import TEMPLATE, ServerProcess, files  # noqa: F401 (fixture)
 
 N_CTX = 1024
 K = 3
@@ -39,14 +38,6 @@ SERVERS = {  # how each server decodes: the batch scheduler, with or without a d
     "batch speculative": ("-md", "SELF"),
     "speculative loop": ("-md", "SELF"),
 }
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("server_logprobs")
-    template = folder / "chatml.jinja"
-    template.write_text(TEMPLATE)
-    return write_tiny_vocab_model(folder / "tiny.gguf", seed=0, weight_map=_never_ends), template
 
 
 @pytest.fixture(scope="module")

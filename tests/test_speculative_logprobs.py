@@ -24,22 +24,14 @@ import numpy as np
 import pytest
 
 from deltaspec import Grammar, Model
-from deltaspec.gguf_file import read_gguf
-from deltaspec.testing.tiny_vocab import cycle_prompt, write_tiny_vocab_model
+from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+from test_llama_compat import _log_softmax
+from test_speculative_tree import _ngram_prompts  # the repeating model's cycle, with a decoy: lookup branches
+from test_structured_tree import _scaled_copy
 
 K = 3            # top logprobs per token
 WHOLE_K = 70     # more than Engine::top_k() (64): whole rows cross over
 N_TOKENS = 24
-
-
-def _scaled_copy(src, dst, name, factor):
-    dst.write_bytes(src.read_bytes())
-    info = read_gguf(dst).tensors[name]
-    with open(dst, "r+b") as f:
-        f.seek(info.offset)
-        w = np.frombuffer(f.read(info.n_bytes), dtype=np.float32) * factor
-        f.seek(info.offset)
-        f.write(w.tobytes())
 
 
 @pytest.fixture(scope="module")
@@ -60,23 +52,6 @@ def models(tmp_path_factory):
 def _prompts(n: int, seed: int = 5) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size=int(rng.integers(3, 16))).tolist() for _ in range(n)]
-
-
-def _cycle_prompts(model) -> list[list[int]]:
-    """The repeating model's cycle twice, then its first three tokens, a decoy, those three again:
-    prompt lookup drafts the decoy first and the cycle from older matches (a branch)."""
-    out = []
-    for start in (44, 56):
-        cycle = cycle_prompt(model, start)
-        cycle = cycle[:len(cycle) // 2]
-        out.append(cycle * 2 + cycle[:3] + [7, 8, 9] + cycle[:3])
-    return out
-
-
-def _log_softmax(rows: np.ndarray) -> np.ndarray:
-    rows = rows.astype(np.float64)
-    m = rows.max(axis=-1, keepdims=True)
-    return rows - (m + np.log(np.exp(rows - m).sum(axis=-1, keepdims=True)))
 
 
 def _reference(model, prompt, tokens) -> np.ndarray:
@@ -123,7 +98,7 @@ def test_speculative_logprobs_are_the_targets(models, drafter, temperature, rows
     spec = spec_of(models)
     drafted = accepted = 0
     top_before, branched_before = engine.decode_stats["top_rows"], engine.tree_stats["branched_calls"]
-    for n, prompt in enumerate(_cycle_prompts(target) if name == "repeating" else _prompts(3)):
+    for n, prompt in enumerate(_ngram_prompts(target) if name == "repeating" else _prompts(3)):
         r = target.generate(prompt, max_tokens=N_TOKENS, temperature=temperature, seed=11 + n, logprobs=k,
                             draft_n_max=6, draft_n_min=1, **spec)  # no ignore_eos: its bias rules out top rows
         _assert_logprobs_of_target(target, prompt, r, k, f"{drafter}, prompt {n}")
@@ -185,7 +160,7 @@ def test_add_request_reports_logprobs_per_step(models):
     tokens it committed (several per step when drafts are accepted); joined, they are the result's;
     a request without logprobs gets none."""
     target = models["repeating"]
-    prompts = _cycle_prompts(target)
+    prompts = _ngram_prompts(target)
     ids = [target.add_request(p, max_tokens=N_TOKENS, temperature=0.0, logprobs=K, spec_type="ngram-simple",
                               draft_n_min=1, ignore_eos=True) for p in prompts]
     other = target.add_request(prompts[0], max_tokens=8, temperature=0.0)

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from .logprobs import generated_logprobs
+from .logprobs import StreamedLogprobs
 from .sampling import SamplingOptions
 
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -218,11 +218,10 @@ class Generator:
         self._done = threading.Event()
         self._final_bytes = b""
         self.final: GenerationResult | None = None  # set once a stream is exhausted or closed
-        # logprobs while streaming: (token, logprob, top list, first byte, end byte) of the tokens whose
-        # text is not out yet; the entries of those whose text is, until take_logprobs() hands them out
-        self._waiting_entries: list = []
+        # logprobs while streaming: the tokens' (token, logprob, top list) entries, and those whose
+        # text is out until take_logprobs() hands them over
+        self._logprobs = StreamedLogprobs()
         self._ready_entries: list = []
-        self._n_entries_out = 0
 
     def _run(self, streaming: bool) -> None:
         callback = self._hand_off if streaming else None
@@ -353,7 +352,7 @@ class Generator:
                     continue
                 piece = tok.token_to_piece(token, special=TEXT_SPECIAL)
                 if entry is not None:
-                    self._waiting_entries.append((token, *entry, len(data), len(data) + len(piece)))
+                    self._logprobs.add((token, *entry), len(data), len(data) + len(piece))
                 data += piece
                 end = len(data) - _held_back(data, stops)
                 # the token completing a stop string reaches us before the loop reports the stop;
@@ -362,7 +361,7 @@ class Generator:
                         if at >= 0]
                 end = min([end, *cuts])
                 if end > emitted:
-                    self._release_entries(end)
+                    self._ready_entries += self._logprobs.release(end)
                     self._suspended = True
                     yield data[emitted:end].decode("utf-8", errors="replace")
                     self._suspended = False
@@ -375,19 +374,10 @@ class Generator:
         self._wait()
         self.final = self._finish()
         if self.final.logprobs is not None:  # the rest of the answer's entries
-            self._ready_entries += generated_logprobs(tok, self.final)[self._n_entries_out:]
-            self._waiting_entries = []
+            self._ready_entries += self._logprobs.rest(tok, self.final)
         rest = self._final_bytes[emitted:]
         if rest:
             yield rest.decode("utf-8", errors="replace")
-
-    def _release_entries(self, shown: int) -> None:
-        """The entries of the tokens whose text the first `shown` bytes hold whole (a token without
-        bytes: once text after it is shown) become ready."""
-        while self._waiting_entries and self._waiting_entries[0][4] <= shown and self._waiting_entries[0][3] < shown:
-            token, lp, top, _, _ = self._waiting_entries.pop(0)
-            self._ready_entries.append((token, lp, top))
-            self._n_entries_out += 1
 
     def take_logprobs(self) -> list:
         """The (token, logprob, top list) entries of the text pieces yielded since the last call."""

@@ -30,6 +30,34 @@ def generated_logprobs(tokenizer, result) -> list[tuple[int, float, list[tuple[i
     return out
 
 
+class StreamedLogprobs:
+    """Which generated tokens' entries a stream hands out with its text: a token's once all its
+    bytes have been shown (one without bytes: once text after it has), and at the end the rest of
+    the answer's (generated_logprobs), so that the stream's entries join to the non-streamed
+    answer's, each with the piece that completes its text."""
+
+    def __init__(self):
+        self._waiting: list = []  # (entry, first byte, end byte) of tokens whose text is not all out
+        self._n_out = 0
+
+    def add(self, entry, start: int, end: int) -> None:
+        self._waiting.append((entry, start, end))
+
+    def release(self, shown: int, count: bool = True) -> list:
+        """The entries of the waiting tokens whose text the first `shown` bytes hold. `count`
+        False leaves them out of what rest() knows was handed out (a planted bug of the server)."""
+        out = []
+        while self._waiting and self._waiting[0][2] <= shown and self._waiting[0][1] < shown:
+            out.append(self._waiting.pop(0)[0])
+        self._n_out += len(out) if count else 0
+        return out
+
+    def rest(self, tokenizer, result) -> list:
+        """The finished answer's entries not handed out yet."""
+        self._waiting = []
+        return generated_logprobs(tokenizer, result)[self._n_out:]
+
+
 def prompt_logprobs(model, ids: list[int], k: int) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
     """Each prompt token's logprob given the tokens before it (None for the first, which has no
     context), from one evaluation of the prompt's logits."""

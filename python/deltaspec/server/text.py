@@ -11,7 +11,7 @@ the final delta, so the entries of a stream are those of the non-streamed answer
 from __future__ import annotations
 
 from ..generation import TEXT_SPECIAL, _held_back
-from ..logprobs import generated_logprobs
+from ..logprobs import StreamedLogprobs
 from .planted import planted
 
 
@@ -22,8 +22,7 @@ class TextAssembler:
         self._data = bytearray()
         self._emitted = 0          # bytes of _data already handed out
         self._text = []            # the text handed out
-        self._entries = []         # (entry, first byte, end byte) of tokens whose entry is not handed out
-        self._n_entries_out = 0
+        self._logprobs = StreamedLogprobs()
 
     def push(self, tokens: list[int], logprobs: list | None = None) -> str:
         """The text that the committed `tokens` of a request still running make safe to show (often
@@ -37,7 +36,7 @@ class TextAssembler:
             start = len(self._data)
             self._data += self._tokenizer.token_to_piece(t, special=TEXT_SPECIAL)
             if logprobs is not None:
-                self._entries.append((logprobs[k], start, len(self._data)))
+                self._logprobs.add(logprobs[k], start, len(self._data))
         end = len(self._data) - (0 if planted("no_holdback") else _held_back(self._data, self._stops))
         if end <= self._emitted:
             return ""
@@ -48,12 +47,8 @@ class TextAssembler:
 
     def take_logprobs(self) -> list:
         """The entries of the tokens whose text push() has handed out since the last call."""
-        out = []
-        while self._entries and self._entries[0][2] <= self._emitted and self._entries[0][1] < self._emitted:
-            out.append(self._entries.pop(0)[0])
-        if not planted("logprobs_twice"):  # the planted bug: finish_logprobs sends them again
-            self._n_entries_out += len(out)
-        return out
+        # the planted bug: finish_logprobs sends them again
+        return self._logprobs.release(self._emitted, count=not planted("logprobs_twice"))
 
     def finish(self, final_text: str) -> str:
         """The rest of the request's final text (the engine's, cut before a stop string)."""
@@ -68,4 +63,4 @@ class TextAssembler:
         """The entries of the finished request not handed out yet (None: it has no logprobs)."""
         if result.logprobs is None:
             return None
-        return generated_logprobs(self._tokenizer, result)[self._n_entries_out:]
+        return self._logprobs.rest(self._tokenizer, result)
