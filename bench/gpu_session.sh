@@ -5,7 +5,8 @@
 #      whose ggml-cuda also carries deltaspec's kernels, switched off (llama.cpp runs ggml's own);
 #      then deltaspec against that ggml (one ggml-cuda compile serves both), which switches ours on
 #   build-ours: deltaspec alone (its own ggml-cuda, no llama.cpp; about 4 minutes less)
-#   test: every gpu-marked test under tests/ (CUDA vs CPU on the tiny models) -> gpu_tests.xml
+#   test: every gpu-marked test under tests/ (CUDA vs CPU on the tiny models) -> gpu_tests.xml;
+#      GPU_TESTS (paths under the repo root, space-separated) replaces tests/
 #   bench: deltaspec and llama-bench on a shape-faithful synthetic 27B Q4_K_M, interleaved
 #      repetitions (BENCH_REPS, default 3; BENCH_TESTS: a subset of the tests) -> decode_bench.json
 #   bench-ours: the same for deltaspec alone (after build-ours: no llama-bench)
@@ -28,6 +29,9 @@
 #      small launches came out host-bound: 30 us for an 11 us mat-vec) -> kernels_bench.json
 #   batch: aggregate decode tok/s with 1/4/16/32 sequences at once (bench/batch_bench.py),
 #      against llama-batched-bench when the `build` step made one -> batch_bench.json
+#   invariant: what Model(batch_invariant=True) costs on the synthetic 27B (prefill, decode at 16 and
+#      2048 tokens, prompt-lookup speculation) and whether its rows are bitwise the steps'
+#      (bench/batch_invariance.py --device cuda) -> cuda_batch_invariance.json
 #   batchspec: aggregate decode tok/s with prompt-lookup speculation across 1/4/16 sequences
 #      (bench/batch_spec_bench.py: plain, own-text lookup, a reference holding the plain output, the
 #      same with every 4th token wrong), llama-batched-bench's plain rows beside them when `build`
@@ -86,7 +90,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp
+# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant
 #   dflash profile server server-spec tq tq-test toprows graphcache hostsample layersplit
 # (default: build test bench)
 set -euo pipefail
@@ -177,7 +181,7 @@ REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step batchspec || has_step stock || has_step ab || has_step verify ||
         has_step tree || has_step profile || has_step server || has_step server-spec || has_step tq || has_step toprows ||
-        has_step dflash || has_step graphcache || has_step batchdflash || has_step batchspect
+        has_step dflash || has_step graphcache || has_step batchdflash || has_step batchspect || has_step invariant
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
@@ -207,7 +211,9 @@ if has_step test; then
     # every gpu-marked test of the suite; a module that cannot be imported here (a CPU-only test's
     # dependency missing) must not hide the others; a failing test is reported, not fatal: the
     # benchmarks below still run
-    python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors "$REPO/tests" -rA \
+    test_paths=()
+    for t in ${GPU_TESTS:-tests}; do test_paths+=("$REPO/$t"); done
+    python3 -m pytest -q -s -m gpu -p no:cacheprovider --continue-on-collection-errors "${test_paths[@]}" -rA \
         --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || echo "GPU tests failed (see gpu_tests.log)"
     tail -25 "$OUT/gpu_tests.log"
 fi
@@ -314,6 +320,10 @@ if has_step batch; then
     [[ -x $LLAMA_BUILD/bin/llama-batched-bench ]] && peer=(--batched-bench "$LLAMA_BUILD/bin/llama-batched-bench")
     python3 "$REPO/bench/batch_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
         --out "$OUT/batch_bench.json" | tee "$OUT/batch_bench.md"
+fi
+if has_step invariant; then
+    python3 "$REPO/bench/batch_invariance.py" --device cuda --model /tmp/q27.gguf --drafter ngram --reps "${BENCH_REPS:-3}" \
+        --pp 512 --tg 32 --depth 2048 --out "$OUT/cuda_batch_invariance.json" | tee "$OUT/cuda_batch_invariance.md"
 fi
 if has_step batchspec; then
     peer=()

@@ -506,6 +506,10 @@ PYBIND11_MODULE(_core, m) {
 
     m.def("cuda_deltanet_launches", &cuda_deltanet_launches,
           "Host-side launches of deltaspec's DeltaNet kernel for verify batches so far (-1: not in this build).");
+    m.def("cuda_invariant_count", &cuda_invariant_count, py::arg("which"),
+          "How many times batch-invariant CUDA models ran each route so far: 0 products on deltaspec's tensor-core "
+          "kernels, 1 products column by column, 2 attention nodes, 3 misses (nodes that went to ggml's "
+          "batch-shaped kernels); -1 without the mode (a CPU build).");
 
     m.def("cpu_extra_buffer_types", &cpu_extra_buffer_types,
           "ggml's extra CPU buffer types available here (AMX, repacking): weights placed in one select its matmuls.");
@@ -638,7 +642,8 @@ PYBIND11_MODULE(_core, m) {
              py::arg("n_seq_max") = 1, py::arg("kv_format_k") = 0, py::arg("kv_format_v") = 0,
              py::arg("devices") = std::vector<std::string>(), py::arg("tensor_split") = std::vector<float>(),
              py::arg("batch_invariant") = false,
-             "batch_invariant: ggml-cpu's reference paths on a CPU model (EngineOptions). "
+             "batch_invariant: each row computed as in any batch (EngineOptions): ggml-cpu's reference paths on the "
+             "CPU, deltaspec's invariant routes on CUDA. "
              "devices / tensor_split: a layer split over these devices (csrc/layer_split.h; `device` then unused). "
              "kv_format_k / kv_format_v (ggml/deltaspec_tq.h): 1 stores rotated rows of type_k / type_v, 3 or 4 "
              "makes that cache tq3 / tq4 (type_k / type_v then unused). "

@@ -14,6 +14,8 @@
 extern "C" void deltaspec_cuda_set_kernels(bool on) __attribute__((weak));
 extern "C" bool deltaspec_cuda_fold_input(ggml_tensor * input, const ggml_tensor * const * weights,
                                           int n_weights) __attribute__((weak));
+extern "C" bool deltaspec_cuda_set_batch_invariant(ggml_backend_t backend, bool on) __attribute__((weak));
+extern "C" int64_t deltaspec_cuda_invariant_count(int which) __attribute__((weak));
 extern "C" bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs, int n_jobs) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_mma_row_tiles(int row_tiles) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_mma_k_split(int k_split) __attribute__((weak));
@@ -72,6 +74,14 @@ bool enable_cuda_kernels() {
 
 int64_t cuda_deltanet_launches() {
     return deltaspec_cuda_deltanet_launches != nullptr ? deltaspec_cuda_deltanet_launches() : -1;
+}
+
+bool cuda_set_batch_invariant(ggml_backend_t backend, bool on) {
+    return deltaspec_cuda_set_batch_invariant != nullptr && deltaspec_cuda_set_batch_invariant(backend, on);
+}
+
+int64_t cuda_invariant_count(int which) {
+    return deltaspec_cuda_invariant_count != nullptr ? deltaspec_cuda_invariant_count(which) : -1;
 }
 
 bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights) {

@@ -8,6 +8,7 @@
 
 #include "deltaspec_copies.h"
 #include "deltaspec_deltanet.h"
+#include "ggml-backend.h"
 #include "ggml.h"
 
 namespace deltaspec {
@@ -27,6 +28,16 @@ bool enable_cuda_kernels();
 // keep()'s replay) were launched from the host in this process (a replayed CUDA graph launches
 // the op without the host); -1 without them.
 int64_t cuda_deltanet_launches();
+
+// Registers (on) or releases (off) a CUDA backend as batch-invariant (ggml/cuda/deltaspec_invariant.h:
+// each row of its steps computed as in any other batch); false if this ggml lacks the mode or the
+// backend is not a CUDA one. A registered backend must be released before it is freed.
+bool cuda_set_batch_invariant(ggml_backend_t backend, bool on);
+
+// How many times the batch-invariant routes ran in this process: which = 0 products on our
+// tensor-core kernels, 1 products column by column, 2 attention nodes, 3 nodes of an invariant
+// backend that went to ggml's batch-shaped kernels instead (misses); -1 without the mode.
+int64_t cuda_invariant_count(int which);
 
 // Offers an op output, MUL(RMS_NORM(x), w) or (2..32 columns) a SWIGLU, to our CUDA kernels:
 // when they are on and serve every one of `weights` (the products that read it) for its column

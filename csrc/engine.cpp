@@ -96,6 +96,7 @@ void Engine::open_backends() {
         // our kernels serve the nodes ggml-cuda runs, as on one GPU (folding stays off: it would skip
         // an op whose readers may sit on another device)
         if (split_.backends.size() > 1) enable_cuda_kernels();
+        register_batch_invariant();
         return;
     }
     backend_ = init_backend(opts_.device);
@@ -108,9 +109,34 @@ void Engine::open_backends() {
     }
     ggml_backend_cpu_set_n_threads(backend_cpu_, std::max(1, opts_.n_threads));
     ggml_backend_cpu_set_use_ref(backend_cpu_, opts_.batch_invariant);
+    register_batch_invariant();
+}
+
+void Engine::register_batch_invariant() {
+    if (!opts_.batch_invariant) return;
+    std::vector<ggml_backend_t> devices;
+    if (split_.active()) {
+        devices = split_.backends;
+    } else {
+        devices = {backend_};
+    }
+    for (ggml_backend_t b : devices) {
+        if (ggml_backend_is_cpu(b)) continue;  // ggml_backend_cpu_set_use_ref above
+        if (!cuda_set_batch_invariant(b, true)) {
+            throw std::invalid_argument(std::string("batch_invariant: the ") + ggml_backend_name(b) +
+                                        " backend has no batch-invariant mode (a CUDA build of deltaspec with its "
+                                        "kernels in ggml-cuda has one)");
+        }
+        invariant_backends_.push_back(b);
+    }
+    // a folded norm or SwiGLU would round as part of its product's input, ggml's op as itself: the
+    // same for every width only if never folded
+    fold_inputs_ = false;
 }
 
 void Engine::close_backends() {
+    for (ggml_backend_t b : invariant_backends_) cuda_set_batch_invariant(b, false);
+    invariant_backends_.clear();
     if (split_.active()) {
         free_layer_split(split_);  // the devices' backends but the CPU's
     } else if (backend_ && backend_ != backend_cpu_) {

@@ -44,11 +44,12 @@ struct EngineOptions {
     int kv_format_v = 0;          // rotated rows, 3 / 4 tq3 / tq4 (type_k unused); the same for V
     int64_t n_slots = 0;          // the longest verify batch (0: no speculation)
     int64_t n_seq_max = 1;        // sequence slots
-    // ggml-cpu's reference paths for the CPU backend (ggml_backend_cpu_set_use_ref): a row's result
-    // then does not depend on the batch computing it. By default ggml-cpu multiplies K-quant
+    // A row's result does not depend on the batch computing it. The CPU backend runs ggml-cpu's
+    // reference paths (ggml_backend_cpu_set_use_ref): by default ggml-cpu multiplies K-quant
     // batches of 8+ rows in its tiled kernel, attends with a tiled kernel from 64 query rows on and
     // splits a one-row attention over the threads from 512 KV cells on; each sums in another order
-    // than the one-row path, so a verify batch and a one-token step round differently.
+    // than the one-row path, so a verify batch and a one-token step round differently. A CUDA
+    // backend is registered with our kernels' invariant routes (ggml/cuda/deltaspec_invariant.h).
     bool batch_invariant = false;
     LoadProgress progress;        // optional: hears (done_bytes, total_bytes) while weights upload
 };
@@ -331,6 +332,9 @@ class Engine {
     std::vector<ggml_backend_t> sched_backends() const;
     void compute_split_graph(ggml_cgraph * gf, size_t graph_size, const char * what);
     void open_backends();
+    // opts_.batch_invariant on a GPU: its backends registered (ggml/cuda/deltaspec_invariant.h),
+    // folding off; throws std::invalid_argument where a backend has no such mode
+    void register_batch_invariant();
     void close_backends();
 
     HParams hp_;
@@ -339,6 +343,7 @@ class Engine {
     ggml_backend_t backend_cpu_ = nullptr;  // the scheduler's mandatory CPU fallback
     LayerSplit split_;                      // active: backend_ is the first listed device's
     std::string backend_name_;
+    std::vector<ggml_backend_t> invariant_backends_;  // registered batch-invariant, released on close
     bool fold_inputs_ = false;  // norms and SwiGLUs offered to our CUDA kernels (cuda_kernels.h)
     ModelWeights weights_;
     StatePool pool_;

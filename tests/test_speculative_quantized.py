@@ -351,7 +351,8 @@ def test_batch_invariant_speculation_with_wide_verify_batches_and_long_context(t
 
 def test_batch_invariant_argument_and_environment(q4k_models, monkeypatch):
     """The argument wins; without it DELTASPEC_BATCH_INVARIANT decides (off when unset); a malformed
-    value of either is refused, and so is the option on a GPU model, before anything is loaded.
+    value of either is refused, and so is the option (asked for or from the environment) on a GPU
+    model with a cache its invariant attention does not read, before anything is loaded.
     Planted bug, seen to fail: resolve() ignoring the environment made the first assertion fail."""
     path = q4k_models["target"].path
     monkeypatch.setenv(ENV, "1")
@@ -370,6 +371,13 @@ def test_batch_invariant_argument_and_environment(q4k_models, monkeypatch):
     monkeypatch.delenv(ENV)
     with pytest.raises(BatchInvarianceError, match="batch_invariant must be True, False or None, got 'yes'"):
         Model(path, n_ctx=64, n_threads=1, batch_invariant="yes")
-    with pytest.raises(BatchInvarianceError, match="only a CPU model has a batch-invariant mode, and this one runs "
-                                                   "on cuda"):
-        Model(path, n_ctx=64, n_threads=1, device="cuda", batch_invariant=True)
+    refused = "on cuda the KV cache must be f16, bf16, f32, tq3 or tq4 on both sides"
+    with pytest.raises(BatchInvarianceError, match=f"batch_invariant=True: {refused}.*type_k='q8_0'"):
+        Model(path, n_ctx=64, n_threads=1, device="cuda", batch_invariant=True, type_k="q8_0", type_v="q8_0")
+    with pytest.raises(BatchInvarianceError, match=f"batch_invariant=True: {refused}.*type_v='bf16'"):
+        Model(path, n_ctx=64, n_threads=1, device="cuda", batch_invariant=True, type_v="bf16")
+    monkeypatch.setenv(ENV, "1")
+    with pytest.raises(BatchInvarianceError, match=f"{ENV}=1: {refused}.*type_k='q4_0'"):
+        Model(path, n_ctx=64, n_threads=1, device="cuda", type_k="q4_0", type_v="q4_0")
+    with Model(path, n_ctx=64, n_threads=1, device="cpu", type_k="q8_0", type_v="q8_0") as m:
+        assert m.batch_invariant  # any cache type on the CPU

@@ -25,6 +25,8 @@
 // product that is not ours after all runs ggml's kernel and then the ADD.
 #include "binbcast.cuh"
 #include "common.cuh"
+#include "deltaspec_invariant.h"
+#include "mmvf.cuh"
 #include "mmvq.cuh"
 #include "norm.cuh"
 #include "q4k_gemv.cuh"
@@ -33,6 +35,7 @@
 #include "q6k_mma.cuh"
 #include "unary.cuh"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -307,6 +310,95 @@ bool fuse_add(ggml_tensor * add, const ggml_tensor * const * weights, int n_weig
     return true;
 }
 
+// ---- batch-invariant products (deltaspec_invariant.h) -------------------------------------------
+
+// Columns [c0, c0 + n) of t (dimension 1), as a tensor ggml's functions and ours take.
+ggml_tensor column_view(const ggml_tensor * t, int64_t c0, int64_t n) {
+    ggml_tensor v = *t;
+    v.ne[1] = n;
+    v.data = (char *)t->data + c0 * t->nb[1];
+    return v;
+}
+
+// dst = src0 x src1 with every column computed as it would be alone: on our tensor-core kernels
+// (up to 32 columns a launch; each column's sums are its own, whatever the launch's width) where
+// they serve the matrix, else one column at a time through ggml's mat-vec. False: neither takes it.
+bool invariant_product(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+                       ggml_tensor * dst) {
+    const int64_t n = src1->ne[1];
+    if (serves_columns(src0) && plain_columns(src1) && plain_columns(dst) && src1->ne[0] == src0->ne[0]) {
+        const Kernel k = src0->type == GGML_TYPE_Q4_K ? Kernel::q4k_mma : Kernel::q6k_mma;
+        for (int64_t c0 = 0; c0 < n; c0 += kMaxColumns) {
+            const int64_t m = std::min(kMaxColumns, n - c0);
+            const ggml_tensor x = column_view(src1, c0, m);
+            ggml_tensor y = column_view(dst, c0, m);
+            run(k, ctx, src0, &x, &y, nullptr, (const float *)x.data, x.nb[1] / sizeof(float));
+        }
+        deltaspec_invariant_count(kInvariantMmaProducts);
+        return true;
+    }
+    const bool quantized = ggml_is_quantized(src0->type);
+    const bool plain_float = src0->type == GGML_TYPE_F32 || src0->type == GGML_TYPE_F16 || src0->type == GGML_TYPE_BF16;
+    if (!(quantized || plain_float) || src1->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32) return false;
+    if (plain_float) {
+        const int cc = ggml_cuda_info().devices[ctx.device].cc;
+        if (!ggml_cuda_should_use_mmvf(src0->type, cc, src0->ne, src0->nb, 1)) return false;
+    }
+    for (int64_t c = 0; c < n; ++c) {
+        const ggml_tensor x = column_view(src1, c, 1);
+        ggml_tensor y = column_view(dst, c, 1);
+        if (quantized) {
+            ggml_cuda_mul_mat_vec_q(ctx, src0, &x, nullptr, &y, nullptr);
+        } else {
+            ggml_cuda_mul_mat_vec_f(ctx, src0, &x, nullptr, &y, nullptr);
+        }
+    }
+    deltaspec_invariant_count(kInvariantColumnProducts);
+    return true;
+}
+
+// A product ggml hands over (fused or not) on a batch-invariant context. What ggml fuses into a
+// one-column product (ffn up / gate with their SwiGLU; a following ADD) runs as its separate
+// nodes would: the products into their own nodes, then ggml's SwiGLU or add kernel, so that one
+// column ends with the bits many columns get. False: not a case this route takes.
+bool invariant_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+                       const ggml_tensor * ids, ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
+    if (ids != nullptr) return false;
+    if (fusion == nullptr) return invariant_product(ctx, src0, src1, dst);
+    if (fusion->x_scale != nullptr || fusion->gate_scale != nullptr || fusion->gate_bias != nullptr) return false;
+    if (fusion->gate != nullptr) {
+        if (fusion->x_bias != nullptr || dst->op != GGML_OP_GLU || ggml_get_glu_op(dst) != GGML_GLU_OP_SWIGLU) {
+            return false;
+        }
+        for (ggml_tensor * product : {dst->src[0], dst->src[1]}) {
+            if (product == nullptr || product->op != GGML_OP_MUL_MAT ||
+                !invariant_product(ctx, product->src[0], product->src[1], product)) {
+                return false;  // ggml's fused kernel then writes dst itself
+            }
+        }
+        ggml_cuda_op_swiglu(ctx, dst);
+        return true;
+    }
+    if (fusion->x_bias == nullptr || dst->op != GGML_OP_ADD) return false;
+    ggml_tensor * product = dst->src[0] != fusion->x_bias ? dst->src[0] : dst->src[1];
+    if (product->op != GGML_OP_MUL_MAT || product->src[0] != src0 || product->src[1] != src1 ||
+        !invariant_product(ctx, src0, src1, product)) {
+        return false;
+    }
+    ggml_cuda_op_add(ctx, dst);
+    return true;
+}
+
+// On a batch-invariant context: true if the invariant route computed the product; a product it
+// cannot take is counted (kInvariantMisses) and left to ggml.
+bool ran_invariant(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+                   const ggml_tensor * ids, ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
+    if (!deltaspec_cuda_invariant(ctx)) return false;
+    if (invariant_mul_mat(ctx, src0, src1, ids, dst, fusion)) return true;
+    deltaspec_invariant_count(kInvariantMisses);
+    return false;
+}
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_fold_input(ggml_tensor * input,
@@ -347,6 +439,7 @@ void deltaspec_op_add(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
 void deltaspec_mul_mat_vec_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                              const ggml_tensor * ids, ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
+    if (ran_invariant(ctx, src0, src1, ids, dst, fusion)) return;
     ggml_tensor * add = add_of(dst);  // (a product ggml fuses itself has the fused op as dst: none)
     if (run_ours(pick(src0, src1, ids, dst, fusion), ctx, src0, src1, dst, fusion, add)) return;
     ggml_cuda_mul_mat_vec_q(ctx, src0, src1, ids, dst, fusion);
@@ -355,8 +448,33 @@ void deltaspec_mul_mat_vec_q(ggml_backend_cuda_context & ctx, const ggml_tensor 
 
 void deltaspec_mul_mat_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                          const ggml_tensor * ids, ggml_tensor * dst) {
+    if (ran_invariant(ctx, src0, src1, ids, dst, nullptr)) return;
     ggml_tensor * add = add_of(dst);
     if (run_ours(pick(src0, src1, ids, dst, nullptr), ctx, src0, src1, dst, nullptr, add)) return;
     ggml_cuda_mul_mat_q(ctx, src0, src1, ids, dst);
     if (add != nullptr) ggml_cuda_op_add(ctx, add);
+}
+
+// ggml-cuda.cu's choice of its mat-vec for F32 / F16 / BF16 weights (renamed to this, inject.cmake).
+// While a backend is batch-invariant it is asked for every width the matrix takes (the choice is
+// made without the context, so for every backend of the process), and deltaspec_mul_mat_vec_f
+// then computes a registered backend's columns one at a time and another's 8 at a time.
+bool deltaspec_should_use_mmvf(enum ggml_type type, int cc, const int64_t * src0_ne, const size_t * src0_nb,
+                               int64_t ne11) {
+    return ggml_cuda_should_use_mmvf(type, cc, src0_ne, src0_nb, deltaspec_cuda_any_invariant() ? 1 : ne11);
+}
+
+void deltaspec_mul_mat_vec_f(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+                             const ggml_tensor * ids, ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
+    if (ran_invariant(ctx, src0, src1, ids, dst, fusion)) return;
+    if (ids == nullptr && fusion == nullptr && src1->ne[1] > MMVF_MAX_BATCH_SIZE) {
+        for (int64_t c0 = 0; c0 < src1->ne[1]; c0 += MMVF_MAX_BATCH_SIZE) {
+            const int64_t m = std::min<int64_t>(MMVF_MAX_BATCH_SIZE, src1->ne[1] - c0);
+            const ggml_tensor x = column_view(src1, c0, m);
+            ggml_tensor y = column_view(dst, c0, m);
+            ggml_cuda_mul_mat_vec_f(ctx, src0, &x, nullptr, &y, nullptr);
+        }
+        return;
+    }
+    ggml_cuda_mul_mat_vec_f(ctx, src0, src1, ids, dst, fusion);
 }

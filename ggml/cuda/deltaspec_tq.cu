@@ -22,6 +22,7 @@
 #include "fattn.cuh"
 #include "set-rows.cuh"
 
+#include "deltaspec_invariant.h"
 #include "deltaspec_tq.h"
 #include "deltaspec_tq_codebook.h"
 #include "deltaspec_tq_warp.cuh"
@@ -372,7 +373,8 @@ void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
                                               Q->ne[3], q_rot.get(), planted_q_rotated_back(), stream);
         plain.q.data = q_rot.get();
     }
-    if (decode_kernel_serves(dst, format_k, format_v)) {  // one token: the tq rows read in place
+    const bool invariant = deltaspec_cuda_invariant(ctx);  // every step: the F16 rows, one kernel for all
+    if (!invariant && decode_kernel_serves(dst, format_k, format_v)) {  // one token: the tq rows read in place
         ggml_cuda_pool_alloc<float> out(ctx.pool(), ggml_nelements(dst));
         if (D == 128) {
             launch_decode_attn<128>(format_k, format_v, dst, q_rot.get(), out.get(), ctx);
@@ -402,7 +404,12 @@ void tq_flash_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const size_t out_bytes = ggml_cuda_flash_attn_ext_get_alloc_size(ctx.device, &plain.node) + 256;
     ggml_cuda_pool_alloc<char> out(ctx.pool(), out_bytes);
     plain.node.data = (void *)GGML_PAD((uintptr_t)out.get(), 128);
-    ggml_cuda_flash_attn_ext(ctx, &plain.node);
+    if (invariant && deltaspec_invariant_attn_serves(&plain.node)) {
+        deltaspec_invariant_attn(ctx, &plain.node, (float *)plain.node.data);
+    } else {
+        if (invariant) deltaspec_invariant_count(kInvariantMisses);
+        ggml_cuda_flash_attn_ext(ctx, &plain.node);
+    }
     if (format_v != DELTASPEC_KV_PLAIN) {
         const size_t f = sizeof(float);
         DELTASPEC_TQ_BY_DIM(D, launch_rotate, (const char *)plain.node.data, D * f, D * f * dst->ne[1],
@@ -444,7 +451,10 @@ void deltaspec_tq_op_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst
 void deltaspec_tq_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     if (deltaspec_tq_is_flash_attn(dst)) {
         tq_flash_attn(ctx, dst);
+    } else if (deltaspec_cuda_invariant(ctx) && deltaspec_invariant_attn_serves(dst)) {
+        deltaspec_invariant_attn(ctx, dst, (float *)dst->data);
     } else {
+        if (deltaspec_cuda_invariant(ctx)) deltaspec_invariant_count(kInvariantMisses);
         ggml_cuda_flash_attn_ext(ctx, dst);
     }
 }

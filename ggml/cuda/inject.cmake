@@ -2,8 +2,10 @@
 # batched state copies, deltaspec_copies.cu, and the verify batches' DeltaNet recurrence,
 # deltaspec_deltanet.cu, and short-row concatenation, deltaspec_concat.cu, and the rows ops of
 # ggml/deltaspec_rows.h, deltaspec_rows.cu, and the tq KV cache nodes of ggml/deltaspec_tq.h,
-# deltaspec_tq.cu, and the logits rows' top candidates of ggml/deltaspec_top.h, deltaspec_top.cu)
-# and compiles ggml-cuda.cu with its quantized mat-vec
+# deltaspec_tq.cu, and the logits rows' top candidates of ggml/deltaspec_top.h, deltaspec_top.cu,
+# and the batch-invariant backends' registry and attention, deltaspec_invariant.cu)
+# and compiles ggml-cuda.cu with its quantized mat-vec (and its F32/F16 mat-vec and that one's
+# choice, for batch-invariant backends)
 # and tile-kernel entries (and its fused rms_norm, swiglu and add, for the norms, SwiGLUs and
 # residual adds folded into our kernels, and its gated_delta_net, ssm_conv and concat entries, and
 # its set_rows and flash-attention entries with FA's support and allocation-size queries, and its
@@ -28,11 +30,14 @@ function(deltaspec_add_cuda_kernels)
                                      "${DELTASPEC_CUDA_DIR}/deltaspec_concat.cu"
                                      "${DELTASPEC_CUDA_DIR}/deltaspec_rows.cu"
                                      "${DELTASPEC_CUDA_DIR}/deltaspec_tq.cu"
-                                     "${DELTASPEC_CUDA_DIR}/deltaspec_top.cu")
+                                     "${DELTASPEC_CUDA_DIR}/deltaspec_top.cu"
+                                     "${DELTASPEC_CUDA_DIR}/deltaspec_invariant.cu")
     target_include_directories(ggml-cuda PRIVATE "${cuda_src_dir}" "${DELTASPEC_CUDA_DIR}" "${DELTASPEC_CUDA_DIR}/..")
     set(renamed
         ggml_cuda_mul_mat_vec_q=deltaspec_mul_mat_vec_q
         ggml_cuda_mul_mat_q=deltaspec_mul_mat_q
+        ggml_cuda_mul_mat_vec_f=deltaspec_mul_mat_vec_f
+        ggml_cuda_should_use_mmvf=deltaspec_should_use_mmvf
         ggml_cuda_op_rms_norm_fused=deltaspec_rms_norm_fused
         ggml_cuda_op_swiglu=deltaspec_op_swiglu
         ggml_cuda_op_add=deltaspec_op_add

@@ -101,11 +101,13 @@ class Model:
         MTP and DFlash drafting need one device; a draft model loaded from a path goes on devices[0]
         (`self.device`).
 
-        `batch_invariant` (CPU models): True runs ggml-cpu's reference kernels, whose result for a
-        row does not depend on the batch computing it, so that greedy speculation (a verify batch)
-        gives plain greedy's tokens for every weight type, batch width and context length; it costs
-        prefill speed (bench/batch_invariance_cpu.py). None takes DELTASPEC_BATCH_INVARIANT (0 or 1)
-        from the environment, off when unset. A GPU model has no such mode: True raises there.
+        `batch_invariant`: True computes every row as it would be computed in any other batch, so
+        that greedy speculation (verify chains and trees) and batches of sequences give plain
+        greedy's tokens for every weight type, batch width and context length. On the CPU it runs
+        ggml-cpu's reference kernels (prefill at 0.55-0.6x, bench/batch_invariance.py); on CUDA
+        deltaspec's invariant products and attention (ggml/cuda/deltaspec_invariant.h; the KV cache
+        f16, bf16, f32, tq3 or tq4; its cost: bench/batch_invariance_cuda.py). None takes
+        DELTASPEC_BATCH_INVARIANT (0 or 1) from the environment, off when unset.
 
         `n_seq_max` sequence slots, each with a KV cache of n_ctx rows and a recurrent state, let
         generate_batch / add_request run that many sequences at once (the weights are shared).
@@ -140,7 +142,8 @@ class Model:
             n_threads = min(default_threads(), MAX_THREADS)
         _check_count("n_threads", n_threads, MAX_THREADS, " or None")
         device_kind(device)  # "cpu", "cuda" or "cuda:N"; ValueError naming it otherwise
-        self.batch_invariant = batch_invariance.resolve(batch_invariant, layer_split[0] if layer_split else [device])
+        self.batch_invariant = batch_invariance.resolve(batch_invariant, layer_split[0] if layer_split else [device],
+                                                        type_k, type_v)
         if not (progress is None or isinstance(progress, bool) or callable(progress)):
             raise TypeError(f"progress must be None, a bool or a callable taking a float, got {progress!r}")
 

@@ -1,22 +1,29 @@
-"""What a batch-invariant CPU model costs: prefill, decode (near the start and deep in the
-context) and speculative decode speed on a Q4_K_M model with ggml-cpu's default kernels and with
-Model(batch_invariant=True) (ggml-cpu's reference kernels; see python/deltaspec/batch_invariance.py).
+"""What a batch-invariant model costs: prefill, decode (near the start and deep in the context)
+and speculative decode speed with the device's default kernels and with Model(batch_invariant=True)
+(see python/deltaspec/batch_invariance.py), on the CPU or on CUDA.
 
-    python bench/batch_invariance_cpu.py --out bench/results/latest/cpu_batch_invariance.json
+    python bench/batch_invariance.py --out bench/results/latest/cpu_batch_invariance.json
+    python bench/batch_invariance.py --device cuda --model 27b-q4_k_m.gguf --drafter ngram \
+        --out bench/results/latest/cuda_batch_invariance.json
 
 Settings, each in processes of its own, selected through the environment:
-  default      ggml-cpu's kernels: K-quant batches of >= 8 rows tiled, attention tiled from 64
-               query rows, one-row attention split over the threads from 512 KV cells
-  invariant    DELTASPEC_BATCH_INVARIANT=1: the reference kernels at every width
+  default      the device's kernels by batch shape (CPU: K-quant batches of >= 8 rows tiled,
+               attention tiled from 64 query rows, one-row attention split over the threads from
+               512 KV cells; CUDA: mat-vecs for a token, tensor-core / tile kernels for batches,
+               flash attention's vector kernel for a token)
+  invariant    DELTASPEC_BATCH_INVARIANT=1 (CPU: ggml-cpu's reference kernels at every width;
+               CUDA: deltaspec's invariant products and attention, ggml/cuda/deltaspec_invariant.h)
 
-Model: `deltaspec synth --preset 0.8b --quant q4_k_m` (RANDOM weights, Qwen3.5-0.8B's shapes and
-llama-quantize's Q4_K_M mix). Per process: prefill of random prompts of each --pp length, greedy
-decode of --tg tokens after a 16-token prompt and after a --depth-token one, and speculative greedy
-decode of the first with the file loaded again as its own draft (draft_n_min 1, draft_n_max 8:
-every draft accepted, verify batches of 9 rows, the width where the default tiles K-quant
-matmuls). Each process also checks, bitwise, the logits of a 12-row and a 70-row batch and of a
+Model: --model, or `deltaspec synth --preset 0.8b --quant q4_k_m` (RANDOM weights, Qwen3.5-0.8B's
+shapes and llama-quantize's Q4_K_M mix). Per process: prefill of random prompts of each --pp
+length, greedy decode of --tg tokens after a 16-token prompt and after a --depth-token one, and
+speculative greedy decode of the first: --drafter self loads the file again as its own draft
+(draft_n_min 1, draft_n_max 8: every draft accepted, verify batches of 9 rows, the width where
+ggml-cpu tiles K-quant matmuls); --drafter ngram drafts by prompt lookup (draft_n_max 8; a random
+model's greedy text soon repeats, so most drafts are accepted) without a second copy of a large
+model. Each process also checks, bitwise, the logits of a 12-row and a 70-row batch and of a
 2-row batch after 600 tokens against the same tokens as one-token steps. Settings alternate
-within each of --reps rounds, so a slow spell of this shared machine hits them alike; the median
+within each of --reps rounds, so a slow spell of a shared machine hits them alike; the median
 is reported.
 """
 
@@ -42,7 +49,7 @@ SPEED = ("tg_tok_s", "tg_deep_tok_s", "spec_tok_s")
 BITWISE_SHAPES = ((12, 0), (70, 0), (2, 600))  # (batch rows, context before them)
 
 
-def worker(path: str, pps: list[int], tg: int, depth: int, threads: int) -> dict:
+def worker(path: str, pps: list[int], tg: int, depth: int, threads: int, device: str, drafter: str) -> dict:
     import numpy as np
 
     from deltaspec import Model
@@ -50,8 +57,11 @@ def worker(path: str, pps: list[int], tg: int, depth: int, threads: int) -> dict
 
     rng = np.random.default_rng(5)
     n_ctx = max(pps + [depth, 600]) + tg + 80
-    target = Model(path, n_ctx=n_ctx, n_threads=threads, progress=False)
-    draft = Model(path, n_ctx=n_ctx, n_threads=threads, progress=False)
+    target = Model(path, n_ctx=n_ctx, n_threads=threads, device=device, progress=False)
+    spec_args = dict(spec_type="ngram-simple", draft_n_max=8)
+    if drafter == "self":
+        spec_args = dict(draft_model=Model(path, n_ctx=n_ctx, n_threads=threads, device=device, progress=False),
+                         draft_n_max=8, draft_n_min=1)
     diffs = {f"{rows}@{context}": batch_vs_steps(target, rows, context, rng) for rows, context in BITWISE_SHAPES}
     target.reset()
     target.eval(rng.integers(0, target.n_vocab, size=8).tolist())  # warm-up at the tiled width
@@ -65,7 +75,7 @@ def worker(path: str, pps: list[int], tg: int, depth: int, threads: int) -> dict
     short = prompt[:16]
     plain = target.generate(short, max_tokens=tg, temperature=0)
     deep = target.generate(rng.integers(0, target.n_vocab, size=depth).tolist(), max_tokens=tg, temperature=0)
-    spec = target.generate(short, max_tokens=tg, temperature=0, draft_model=draft, draft_n_max=8, draft_n_min=1)
+    spec = target.generate(short, max_tokens=tg, temperature=0, **spec_args)
     return {"batch_invariant": target.batch_invariant, "row_diffs": diffs,
             "rows_bitwise_equal": all(d == 0 for d in diffs.values()), "max_row_diff": max(diffs.values()),
             **pp_tok_s, "tg_tok_s": plain.stats.tokens_per_second, "tg_deep_tok_s": deep.stats.tokens_per_second,
@@ -77,7 +87,8 @@ def run_one(setting: str, args) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in GGML_VARS}
     env.update(SETTINGS[setting])
     cmd = [sys.executable, __file__, "--worker", str(args.model), "--pp", args.pp, "--tg", str(args.tg),
-           "--depth", str(args.depth), "--threads", str(args.threads)]
+           "--depth", str(args.depth), "--threads", str(args.threads), "--device", args.device,
+           "--drafter", args.drafter]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -90,12 +101,15 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1024, help="prompt length of the deep decode")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--drafter", choices=("self", "ngram"), default="self",
+                    help="speculation: the file as its own draft model, or prompt lookup")
     ap.add_argument("--out", type=Path, help="JSON results")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, [int(n) for n in args.pp.split(",")], args.tg, args.depth,
-                                args.threads)))
+                                args.threads, args.device, args.drafter)))
         return
     metrics = tuple(f"pp{n}_tok_s" for n in args.pp.split(",")) + SPEED
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,7 +134,7 @@ def main() -> None:
                       "n_drafted": rows[0]["n_drafted"], "n_accepted": rows[0]["n_accepted"], "runs": rows}
     base = results["default"]
     table = ["| setting | rows bitwise | " + " | ".join(f"pp{n} tok/s" for n in args.pp.split(","))
-             + f" | tg{args.tg} tok/s | tg{args.tg} @ {args.depth} tok/s | spec tok/s (self-draft, n_max 8) |",
+             + f" | tg{args.tg} tok/s | tg{args.tg} @ {args.depth} tok/s | spec tok/s ({args.drafter}, n_max 8) |",
              "|---" * (len(metrics) + 2) + "|"]
     for s, r in results.items():
         cells = [f"{r[k]:.2f} ({r[k] / base[k]:.2f}x)" for k in metrics]
@@ -130,14 +144,16 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": "deltaspec synth --preset 0.8b --quant q4_k_m" if args.model.parent == Path(tmp)
-                else str(args.model), "pp": args.pp, "tg": args.tg, "depth": args.depth, "threads": args.threads,
+                else str(args.model), "device": args.device, "drafter": args.drafter, "pp": args.pp, "tg": args.tg,
+                "depth": args.depth, "threads": args.threads,
                 "reps": args.reps,
                 "statistic": "median over reps; settings alternate within each round", "cpus": os.cpu_count(),
                 "machine": platform.machine(), "processor": platform.processor(),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-        note = (f"Median of {args.reps} rounds, {args.threads} thread(s), {meta['model']}; (x): against default. "
-                f"See bench/batch_invariance_cpu.py.")
+        where = f"{args.threads} thread(s)" if args.device == "cpu" else args.device
+        note = (f"Median of {args.reps} rounds, {where}, {meta['model']}; (x): against default. "
+                f"See bench/batch_invariance.py.")
         args.out.with_suffix(".md").write_text("\n".join(table) + "\n\n" + note + "\n")
 
 
