@@ -13,6 +13,11 @@
 
 namespace deltaspec {
 
+// The tokens the grammar forces next (where it leaves one way on), at most n_max, counted as
+// forced: the draft of a constrained request, deterministic (no q) and free to propose. Empty when
+// it forces nothing (nothing counted). GrammarDrafter's rule, which the scheduler applies too.
+std::vector<int32_t> take_forced(TokenConstraint & constraint, int64_t n_max);
+
 class GrammarDrafter : public Drafter {
   public:
     // inner: the drafter for unforced text, or null (forced tokens only)

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "grammar_drafter.h"
 #include "logprobs.h"
 #include "scheduler.h"
 #include "tree_walk.h"
@@ -53,16 +54,13 @@ void settle_draft(Sequence & s, int64_t budget) {
     if (!s.tree.empty() && s.tree.size() < std::min(s.spec.n_min, budget)) s.tree = DraftTree{};
 }
 
-// GrammarDrafter's rule, which generate_speculative wraps every drafter of a constrained request in:
-// where the grammar leaves one way on, the tokens it forces are the draft (at most n_max; with a
-// tree budget, a chain of at most min(budget, n_max) nodes), and the drafter is not asked. False
-// when the grammar forces nothing.
+// GrammarDrafter's rule (take_forced), which generate_speculative wraps every drafter of a
+// constrained request in: where the grammar leaves one way on, the tokens it forces are the draft
+// (at most n_max; with a tree budget, a chain of at most min(budget, n_max) nodes), and the drafter
+// is not asked. False when the grammar forces nothing.
 bool draft_forced(Sequence & s, int64_t budget, int64_t n_max) {
-    std::vector<int32_t> forced = s.req.constraint->forced_tokens();
+    std::vector<int32_t> forced = take_forced(*s.req.constraint, budget > 0 ? std::min(budget, n_max) : n_max);
     if (forced.empty()) return false;
-    const int64_t n = budget > 0 ? std::min(budget, n_max) : n_max;
-    if ((int64_t)forced.size() > n) forced.resize(n);
-    s.req.constraint->n_forced_tokens += (int64_t)forced.size();
     if (budget > 0) {
         s.tree = chain_tree(forced);
     } else {
