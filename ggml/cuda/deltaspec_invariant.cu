@@ -18,6 +18,7 @@
 
 #include "ggml-backend-impl.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -40,6 +41,7 @@ constexpr int kCellsPerBlock = 256;
 constexpr int kWarps = 4;
 constexpr int kMaxHeads = 8;  // query heads per block (more per KV head: several blocks)
 constexpr int kScanThreads = 1024;
+constexpr int64_t kScratchBytes = 64ll << 20;  // per launch group of query rows
 
 __device__ __forceinline__ float load_value(const half * p) { return __half2float(*p); }
 __device__ __forceinline__ float load_value(const nv_bfloat16 * p) { return __bfloat162float(*p); }
@@ -51,11 +53,11 @@ __device__ __forceinline__ float warp_total(float v) {
     return v;
 }
 
-// cells[row * n_kv + r] = the r-th cell of query row `row` (= i + T * n) whose mask is not -inf,
-// count[row] = how many; one block per row.
+// cells[row * n_kv + r] = the r-th cell of query row row0 + `row` (= i + T * n) whose mask is not
+// -inf, count[row] = how many; one block per row.
 __global__ void visible_cells(const char * __restrict__ mask, size_t m_nb1, size_t m_nb3, int64_t m_ne3, int64_t n_kv,
-                              int T, int * __restrict__ cells, int * __restrict__ count) {
-    const int row = blockIdx.x, i = row % T, n = row / T;
+                              int T, int row0, int * __restrict__ cells, int * __restrict__ count) {
+    const int row = blockIdx.x, i = (row0 + row) % T, n = (row0 + row) / T;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const half * m = (const half *)(mask + i * m_nb1 + (n % m_ne3) * m_nb3);
     int * out = cells + (int64_t)row * n_kv;
@@ -90,6 +92,7 @@ struct AttnArgs {
     size_t m_nb1, m_nb3;
     int64_t m_ne3, n_kv;
     int T, H, G, head_groups, n_split;
+    int row0;  // the first query row of this launch (rows go in groups that bound the scratch)
     float scale;
     bool by_index;  // the planted bug (planted_cell_order)
 };
@@ -111,7 +114,7 @@ __global__ void __launch_bounds__(32 * kWarps) invariant_attn(const AttnArgs a, 
     constexpr int NE = D / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int split = blockIdx.x, hk = blockIdx.y / a.head_groups, g0 = blockIdx.y % a.head_groups * kMaxHeads;
-    const int row = blockIdx.z, i = row % a.T, n = row / a.T;
+    const int row = blockIdx.z, i = (a.row0 + row) % a.T, n = (a.row0 + row) / a.T;  // row: of this launch
     const int n_heads = min(kMaxHeads, a.G - g0);
     float qv[kMaxHeads][NE], acc[kMaxHeads][NE], m[kMaxHeads], s[kMaxHeads];
 #pragma unroll
@@ -319,20 +322,29 @@ void deltaspec_invariant_attn(ggml_backend_cuda_context & ctx, const ggml_tensor
     std::memcpy(&a.scale, node->op_params, sizeof(float));
     a.by_index = planted_cell_order();
 
-    ggml_cuda_pool_alloc<int> cells(ctx.pool(), std::max<int64_t>(1, n_rows * n_kv)), count(ctx.pool(), n_rows);
-    ggml_cuda_pool_alloc<float> part(ctx.pool(), n_rows * H * a.n_split * (D + 2));
-    visible_cells<<<(unsigned)n_rows, kScanThreads, 0, stream>>>(a.mask, a.m_nb1, a.m_nb3, a.m_ne3, n_kv, a.T,
-                                                                 cells.get(), count.get());
-    switch (K->type) {
-        case GGML_TYPE_F16:
-            launch_attn_by_dim<half>(D, a, n_rows, Hkv, cells.get(), count.get(), part.get(), out, stream);
-            break;
-        case GGML_TYPE_BF16:
-            launch_attn_by_dim<nv_bfloat16>(D, a, n_rows, Hkv, cells.get(), count.get(), part.get(), out, stream);
-            break;
-        default:
-            launch_attn_by_dim<float>(D, a, n_rows, Hkv, cells.get(), count.get(), part.get(), out, stream);
-            break;
+    // query rows in groups whose scratch (cell lists and partial results) stays under
+    // kScratchBytes: a long prompt's prefill attends in several launches, a step in one
+    const int64_t row_bytes = (n_kv + 1) * (int64_t)sizeof(int) + H * a.n_split * (D + 2) * (int64_t)sizeof(float);
+    const int64_t group = std::min(n_rows, std::max<int64_t>(1, kScratchBytes / row_bytes));
+    ggml_cuda_pool_alloc<int> cells(ctx.pool(), group * n_kv), count(ctx.pool(), group);
+    ggml_cuda_pool_alloc<float> part(ctx.pool(), group * H * a.n_split * (D + 2));
+    for (int64_t r0 = 0; r0 < n_rows; r0 += group) {
+        const int64_t rows = std::min(group, n_rows - r0);
+        a.row0 = (int)r0;
+        float * o = out + r0 * H * D;
+        visible_cells<<<(unsigned)rows, kScanThreads, 0, stream>>>(a.mask, a.m_nb1, a.m_nb3, a.m_ne3, n_kv, a.T, a.row0,
+                                                                   cells.get(), count.get());
+        switch (K->type) {
+            case GGML_TYPE_F16:
+                launch_attn_by_dim<half>(D, a, rows, Hkv, cells.get(), count.get(), part.get(), o, stream);
+                break;
+            case GGML_TYPE_BF16:
+                launch_attn_by_dim<nv_bfloat16>(D, a, rows, Hkv, cells.get(), count.get(), part.get(), o, stream);
+                break;
+            default:
+                launch_attn_by_dim<float>(D, a, rows, Hkv, cells.get(), count.get(), part.get(), o, stream);
+                break;
+        }
     }
     CUDA_CHECK(cudaGetLastError());
     deltaspec_invariant_count(kInvariantAttention);
