@@ -39,8 +39,11 @@ class CompletionChunks:
     def finish(self, result: GenerationResult, include_usage: bool) -> Iterator[dict]:
         yield oai.completion_chunk("", result.finish_reason, self.model, self.id, self.created)
         if include_usage:
-            yield {**oai.completion_chunk("", None, self.model, self.id, self.created), "choices": [],
-                   "usage": usage_with_cache(result)}
+            yield self.usage_chunk(usage_with_cache(result))
+
+    def usage_chunk(self, usage: dict) -> dict:
+        """The chunk after the last choice's that carries the usage (stream_options.include_usage)."""
+        return {**oai.completion_chunk("", None, self.model, self.id, self.created), "choices": [], "usage": usage}
 
 
 class ChatChunks:
@@ -71,8 +74,11 @@ class ChatChunks:
         yield from self._with_logprobs(chunks)
         yield oai.chat_chunk_finish(result.finish_reason, self.model, self.id, self.created)
         if include_usage:
-            yield {**oai.chat_chunk_finish(result.finish_reason, self.model, self.id, self.created), "choices": [],
-                   "usage": usage_with_cache(result)}
+            yield self.usage_chunk(usage_with_cache(result))
+
+    def usage_chunk(self, usage: dict) -> dict:
+        """The chunk after the last choice's that carries the usage (stream_options.include_usage)."""
+        return {**oai.chat_chunk_delta(self.model, self.id, self.created), "choices": [], "usage": usage}
 
     def _with_logprobs(self, chunks: list[dict]) -> Iterator[dict]:
         if chunks and self._tokenizer is not None and self._pending:

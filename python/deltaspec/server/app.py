@@ -28,7 +28,7 @@ from .metrics import ServerMetrics
 from .planted import planted
 from .replicas import ReplicaSet
 from ..openai_stream import ChatChunks, CompletionChunks
-from .responses import DONE, chat_body, completion_body, sse
+from .responses import DONE, chat_body, completion_body, sse, usage_of
 from .schemas import GenerationRequest, Served, parse_chat, parse_completion
 
 log = logging.getLogger("deltaspec.server")
@@ -121,69 +121,115 @@ def create_app(state: ServerState) -> Starlette:
         if not planted("no_cancel_on_disconnect"):
             engine.cancel(job)
 
+    def cancel_all(jobs: list[Job]) -> None:
+        for job in jobs:
+            cancel(job)
+
+    def submit(req: GenerationRequest) -> list[Job]:
+        """A job per choice, all queued or none (a full queue refuses the request as a whole)."""
+        loop, jobs = asyncio.get_running_loop(), []
+        try:
+            for choice in req.choices():
+                jobs.append(Job(choice, loop))
+                engine.submit(jobs[-1])
+        except APIError:
+            cancel_all(jobs[:-1])
+            raise
+        return jobs
+
     async def generate(request: Request, parse: Callable[[object, Served], GenerationRequest], chat: bool):
         try:
             _check_key(request, state.api_key)
             body = await _body(request)
             req = await run_in_threadpool(parse, body, served)  # tokenizing a long prompt off the event loop
-            job = Job(req, asyncio.get_running_loop())
-            engine.submit(job)
+            jobs = submit(req)
         except APIError as e:
             return _error(e)
         disconnected = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
-            first = await _next_event(job, disconnected)
-        except ClientGone:  # nobody reads an answer: free the queue place or slot
-            cancel(job)
+            firsts = [await _next_event(job, disconnected) for job in jobs]
+        except ClientGone:  # nobody reads an answer: free the queue places or slots
+            cancel_all(jobs)
             return Response(status_code=499)
         except asyncio.CancelledError:  # the server is going down
             disconnected.cancel()
-            cancel(job)
+            cancel_all(jobs)
             raise
-        if isinstance(first, Failure):
+        failed = next((e for e in firsts if isinstance(e, Failure)), None)
+        if failed is not None:
             disconnected.cancel()
-            return _error(first.error)
+            cancel_all(jobs)
+            return _error(failed.error)
+        tokenizer = served.tokenizer if req.logprobs is not None else None
         if req.stream:
             disconnected.cancel()  # the stream watches for itself
-            tokenizer = served.tokenizer if req.logprobs is not None else None
-            chunks = (ChatChunks(served.name, req.thinking_open, tokenizer) if chat
-                      else CompletionChunks(served.name, tokenizer))
-            return EventStream(_stream(job, first, chunks, req.include_usage), lambda: cancel(job))
+            builders = [ChatChunks(served.name, req.thinking_open, tokenizer) if chat
+                        else CompletionChunks(served.name, tokenizer) for _ in jobs]
+            for b in builders[1:]:  # one id for the answer's chunks, whichever choice they carry
+                b.id, b.created = builders[0].id, builders[0].created
+            return EventStream(_stream(jobs, firsts, builders, req.include_usage), lambda: cancel_all(jobs))
+        results = []
         try:
-            event = first
-            while isinstance(event, Progress) and event.result is None:
-                event = await _next_event(job, disconnected)
+            for job, event in zip(jobs, firsts):
+                while isinstance(event, Progress) and event.result is None:
+                    event = await _next_event(job, disconnected)
+                if isinstance(event, Failure):
+                    cancel_all(jobs)
+                    return _error(event.error)
+                results.append(event.result)
         except ClientGone:
-            cancel(job)
+            cancel_all(jobs)
             return Response(status_code=499)
         except asyncio.CancelledError:
-            cancel(job)
+            cancel_all(jobs)
             raise
         finally:
             disconnected.cancel()
-        if isinstance(event, Failure):
-            return _error(event.error)
-        tokenizer = served.tokenizer if req.logprobs is not None else None
-        body = (chat_body(event.result, served.name, req.thinking_open, tokenizer) if chat
-                else completion_body(event.result, served.name, tokenizer))
+        body = (chat_body(results, served.name, req.thinking_open, tokenizer) if chat
+                else completion_body(results, served.name, tokenizer))
         return JSONResponse(body)
 
-    async def _stream(job: Job, first: Progress, chunks, include_usage: bool):
-        for chunk in chunks.start():
-            yield sse(chunk)
-        event: Progress | Failure = first
-        while True:
-            if isinstance(event, Failure):  # the stream has started: the error goes in the stream
-                yield sse(event.error.body())
-                return
-            for chunk in chunks.delta(event.text, event.logprobs):
+    async def _stream(jobs: list[Job], firsts: list[Progress], builders: list, include_usage: bool):
+        """The choices' chunks as their text comes (each chunk names its choice's index), the usage of
+        all after the last choice finished, then [DONE]."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def relay(i: int, job: Job, event: Progress | Failure) -> None:
+            while True:
+                await merged.put((i, event))
+                if isinstance(event, Failure) or event.result is not None:
+                    return
+                event = await job.events.get()
+
+        def indexed(i: int, chunks):
+            for chunk in chunks:
+                for choice in chunk["choices"]:
+                    choice["index"] = i
                 yield sse(chunk)
-            if event.result is not None:
-                for chunk in chunks.finish(event.result, include_usage):
-                    yield sse(chunk)
-                yield DONE
-                return
-            event = await job.events.get()
+
+        relays = [asyncio.ensure_future(relay(i, job, first)) for i, (job, first) in enumerate(zip(jobs, firsts))]
+        try:
+            for i, b in enumerate(builders):
+                for chunk in indexed(i, b.start()):
+                    yield chunk
+            results: list = [None] * len(jobs)
+            while any(r is None for r in results):
+                i, event = await merged.get()
+                if isinstance(event, Failure):  # the stream has started: the error goes in the stream
+                    yield sse(event.error.body())
+                    return
+                for chunk in indexed(i, builders[i].delta(event.text, event.logprobs)):
+                    yield chunk
+                if event.result is not None:
+                    results[i] = event.result
+                    for chunk in indexed(i, builders[i].finish(event.result, include_usage=False)):
+                        yield chunk
+            if include_usage:
+                yield sse(builders[0].usage_chunk(usage_of(results)))
+            yield DONE
+        finally:
+            for r in relays:
+                r.cancel()
 
     async def completions(request: Request):
         return await generate(request, parse_completion, chat=False)

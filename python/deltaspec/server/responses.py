@@ -1,7 +1,8 @@
 """OpenAI response bodies and stream chunks for a finished or running request (the dict shapes are
 deltaspec.openai_format's, which follow llama-cpp-python's). A request that asked for
 log-probabilities gets them in the choice's `logprobs` (deltaspec.logprobs' shapes): the answer's
-tokens (generated_logprobs), or in a stream each chunk's tokens (server.text says which)."""
+tokens (generated_logprobs), or in a stream each chunk's tokens (server.text says which). A request
+for n choices is answered with n choices, their usage together."""
 
 from __future__ import annotations
 
@@ -23,23 +24,49 @@ def sse(data: dict | str) -> bytes:
 DONE = sse("[DONE]")
 
 
-def completion_body(result: GenerationResult, model: str, tokenizer=None) -> dict:
-    """The answer; with `tokenizer` (the request asked for logprobs) its log-probabilities too."""
-    s = result.stats
-    body = {**oai.completion(result.text, result.finish_reason, model, s.prompt_tokens, s.generated_tokens),
-            "usage": usage_with_cache(result)}
-    if tokenizer is not None:
-        body["choices"][0]["logprobs"] = lp.completion_logprobs(tokenizer, lp.generated_logprobs(tokenizer, result), 0)
+def usage_of(results: list[GenerationResult]) -> dict:
+    """The usage of a request's choices: the prompt once (every choice read the same one), the
+    completion tokens of all; one choice's is usage_with_cache's."""
+    usage = usage_with_cache(results[0])
+    if len(results) > 1:
+        completion = sum(r.stats.generated_tokens for r in results)
+        usage.update(completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
+    return usage
+
+
+def _with_choices(bodies: list[dict], results: list[GenerationResult]) -> dict:
+    """The first body with every body's choice, indexed in order, and the usage of all."""
+    body = bodies[0]
+    body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+    body["usage"] = usage_of(results)
     return body
 
 
-def chat_body(result: GenerationResult, model: str, thinking_open: bool, tokenizer=None) -> dict:
-    """The answer; with `tokenizer` (the request asked for logprobs) its log-probabilities too (of
-    every generated token, reasoning included, as create_chat_completion's)."""
-    s = result.stats
-    reasoning, content = split_reasoning(result.text, thinking_open=thinking_open)
-    body = {**oai.chat_completion(content, result.finish_reason, model, s.prompt_tokens, s.generated_tokens,
-                                  reasoning_content=reasoning), "usage": usage_with_cache(result)}
-    if tokenizer is not None:
-        body["choices"][0]["logprobs"] = lp.chat_logprobs(tokenizer, lp.generated_logprobs(tokenizer, result))
-    return body
+def completion_body(results: list[GenerationResult], model: str, tokenizer=None) -> dict:
+    """The answer, a choice per result; with `tokenizer` (the request asked for logprobs) their
+    log-probabilities too."""
+    bodies = []
+    for result in results:
+        s = result.stats
+        body = oai.completion(result.text, result.finish_reason, model, s.prompt_tokens, s.generated_tokens)
+        if tokenizer is not None:
+            body["choices"][0]["logprobs"] = lp.completion_logprobs(tokenizer, lp.generated_logprobs(tokenizer, result),
+                                                                    0)
+        bodies.append(body)
+    return _with_choices(bodies, results)
+
+
+def chat_body(results: list[GenerationResult], model: str, thinking_open: bool, tokenizer=None) -> dict:
+    """The answer, a choice per result; with `tokenizer` (the request asked for logprobs) their
+    log-probabilities too (of every generated token, reasoning included, as
+    create_chat_completion's)."""
+    bodies = []
+    for result in results:
+        s = result.stats
+        reasoning, content = split_reasoning(result.text, thinking_open=thinking_open)
+        body = oai.chat_completion(content, result.finish_reason, model, s.prompt_tokens, s.generated_tokens,
+                                   reasoning_content=reasoning)
+        if tokenizer is not None:
+            body["choices"][0]["logprobs"] = lp.chat_logprobs(tokenizer, lp.generated_logprobs(tokenizer, result))
+        bodies.append(body)
+    return _with_choices(bodies, results)

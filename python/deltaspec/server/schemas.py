@@ -3,8 +3,9 @@
 A body becomes a `GenerationRequest`: prompt token ids, max_tokens, Model.add_request keyword
 arguments (sampler, seed, stop) and how to answer (stream, usage). Unknown fields are ignored, as
 llama-server ignores them (clients send `user`, `metadata`, ...); known fields of the wrong type or
-range, and features the engine cannot serve faithfully (n > 1, echo, suffix), are refused with 400
-naming the field. `logprobs` (completions: the number of top alternatives; chat: true, with
+range, and features the engine cannot serve faithfully (best_of > 1, echo, suffix), are refused
+with 400 naming the field. `n` choices (1..MAX_CHOICES) run as n requests of the engine, choice i
+sampling with seed + i when the request gives a seed. `logprobs` (completions: the number of top alternatives; chat: true, with
 `top_logprobs` alternatives) and `logit_bias` ({token id: bias in [-100, 100]}) go to the engine. A chat `response_format` (json_object / json_schema) becomes the
 request's grammar, enforced while decoding; a `prediction` (OpenAI's predicted output) the text the
 request's prompt lookup drafts from.
@@ -12,7 +13,7 @@ request's prompt lookup drafts from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..chat import ChatTemplate, prompt_opens_reasoning
@@ -50,6 +51,16 @@ class GenerationRequest:
     chat: bool
     thinking_open: bool = False               # the chat prompt opened a <think> block
     logprobs: int | None = None               # top alternatives per token when it asked for logprobs
+    n: int = 1                                # choices
+
+    def choices(self) -> list[GenerationRequest]:
+        """One request per choice: choice i samples with seed + i (mod 2**64) when a seed was given,
+        so that the choices differ and the answer is reproducible (a random seed: each its own)."""
+        seed = self.options.get("seed")
+        if planted("choices_same_seed"):
+            return [self if i == 0 else replace(self, n=1) for i in range(self.n)]
+        return [self if i == 0 else replace(self, n=1, options={
+            **self.options, "seed": None if seed is None else (seed + i) % 2**64}) for i in range(self.n)]
 
 
 def _type(x: Any) -> str:
@@ -80,7 +91,7 @@ def _check_body(body: Any, served: Served) -> dict:
     if model != served.name and model not in served.aliases:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {served.name!r}",
                        param="model", code="model_not_found")
-    for name, allowed, why in (("n", (1,), "one choice per request"), ("best_of", (1,), "one choice per request"),
+    for name, allowed, why in (("best_of", (1,), "choices are not ranked; ask for n of them"),
                                ("echo", (False,), "the prompt is not echoed")):
         v = body.get(name)
         if v is not None and not (v in allowed and type(v) is type(allowed[0])):
@@ -91,6 +102,14 @@ def _check_body(body: Any, served: Served) -> dict:
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (the engine's top rows hold 64)
+MAX_CHOICES = 16       # `n`: each choice is a request of its own, in the queue and in a slot
+
+
+def _choices(body: dict) -> int:
+    n = _get(body, "n", (int,), "an integer", 1)
+    if not planted("no_validation") and not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"'n' must be an integer in [1, {MAX_CHOICES}], got {n}", "n", "invalid_value")
+    return n
 
 
 def _top_count(body: dict, name: str) -> int | None:
@@ -253,7 +272,8 @@ def parse_completion(body: Any, served: Served) -> GenerationRequest:
     logprobs = _completion_logprobs(body)
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
                **({"logprobs": logprobs} if logprobs is not None else {})}
-    return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=False, logprobs=logprobs)
+    return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=False, logprobs=logprobs,
+                             n=_choices(body))
 
 
 def response_format_grammar(body: dict):
@@ -309,4 +329,4 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
                **({"grammar": grammar} if grammar is not None else {}),
                **({"logprobs": logprobs} if logprobs is not None else {})}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=True,
-                             thinking_open=prompt_opens_reasoning(prompt), logprobs=logprobs)
+                             thinking_open=prompt_opens_reasoning(prompt), logprobs=logprobs, n=_choices(body))
