@@ -1,4 +1,4 @@
-"""The server's `n`: several choices for one request, driven with the official `openai` client
+"""The server's `n` (several choices for one request) and a completion's `echo`, driven with the official `openai` client
 against a server started here on loopback (as tests/test_server.py does), on the tiny-vocabulary
 model whose greedy text never ends by itself.
 
@@ -7,10 +7,11 @@ the choices differ and an answer can be reproduced), streamed or not, in complet
 choice has its index and finish reason; the usage counts the prompt once and every choice's tokens;
 a stream's chunks share one id, carry their choice's index, and end with one usage chunk and
 [DONE]; with a server of one slot the choices run one after another and still all come back;
-`n` out of [1, 16] is a 400 naming it.
+`n` out of [1, 16] is a 400 naming it. `echo` puts the prompt (as sent, or its token ids' text) before
+each choice's text, streamed or not; echo with logprobs, and echo in a chat, are 400s.
 
-Seen red with the bug planted in the server (DELTASPEC_TEST_SERVER_BUG=choices_same_seed: every
-choice samples with the request's seed, so they are all choice 0).
+Seen red with bugs planted in the server (DELTASPEC_TEST_SERVER_BUG): choices_same_seed (every
+choice samples with the request's seed, so they are all choice 0) and echo_dropped (echo ignored).
 """
 
 from __future__ import annotations
@@ -101,3 +102,24 @@ def test_n_out_of_range_is_a_400(server):
         status, body = post(f"{server.url}/v1/completions", f'{{"model": "tiny", "prompt": "hi", "n": {n!r}}}'
                             .replace("'", '"').encode())
         assert status == 400 and body["error"]["param"] == "n", (n, body)
+
+
+def test_completion_echo(server, reference):
+    client = server.client()
+    want = reference.generate(PROMPT, max_tokens=10, temperature=0).text
+    ids = reference.tokenize(PROMPT)
+    for prompt, shown in ((PROMPT, PROMPT), (ids, reference.detokenize(ids))):
+        common = dict(model="tiny", prompt=prompt, max_tokens=10, temperature=0, echo=True, n=2)
+        r = client.completions.create(**common)
+        assert [c.text for c in r.choices] == [shown + want] * 2
+        texts = ["", ""]
+        for c in client.completions.create(stream=True, **common):
+            for choice in c.choices:
+                texts[choice.index] += choice.text
+        assert texts == [shown + want] * 2
+    status, body = post(f"{server.url}/v1/completions",
+                        b'{"model": "tiny", "prompt": "hi", "echo": true, "logprobs": 2}')
+    assert status == 400 and body["error"]["param"] == "echo"
+    status, body = post(f"{server.url}/v1/chat/completions",
+                        b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": true}')
+    assert status == 400 and body["error"]["param"] == "echo"

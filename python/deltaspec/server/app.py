@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import json
 import logging
 import sys
@@ -167,7 +168,7 @@ def create_app(state: ServerState) -> Starlette:
                         else CompletionChunks(served.name, tokenizer) for _ in jobs]
             for b in builders[1:]:  # one id for the answer's chunks, whichever choice they carry
                 b.id, b.created = builders[0].id, builders[0].created
-            return EventStream(_stream(jobs, firsts, builders, req.include_usage), lambda: cancel_all(jobs))
+            return EventStream(_stream(jobs, firsts, builders, req.include_usage, req.echo), lambda: cancel_all(jobs))
         results = []
         try:
             for job, event in zip(jobs, firsts):
@@ -186,12 +187,12 @@ def create_app(state: ServerState) -> Starlette:
         finally:
             disconnected.cancel()
         body = (chat_body(results, served.name, req.thinking_open, tokenizer) if chat
-                else completion_body(results, served.name, tokenizer))
+                else completion_body(results, served.name, tokenizer, req.echo))
         return JSONResponse(body)
 
-    async def _stream(jobs: list[Job], firsts: list[Progress], builders: list, include_usage: bool):
-        """The choices' chunks as their text comes (each chunk names its choice's index), the usage of
-        all after the last choice finished, then [DONE]."""
+    async def _stream(jobs: list[Job], firsts: list[Progress], builders: list, include_usage: bool, echo: str):
+        """The choices' chunks as their text comes (each chunk names its choice's index; `echo`, the
+        prompt, first), the usage of all after the last choice finished, then [DONE]."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def relay(i: int, job: Job, event: Progress | Failure) -> None:
@@ -210,7 +211,7 @@ def create_app(state: ServerState) -> Starlette:
         relays = [asyncio.ensure_future(relay(i, job, first)) for i, (job, first) in enumerate(zip(jobs, firsts))]
         try:
             for i, b in enumerate(builders):
-                for chunk in indexed(i, b.start()):
+                for chunk in indexed(i, itertools.chain(b.start(), b.delta(echo))):
                     yield chunk
             results: list = [None] * len(jobs)
             while any(r is None for r in results):

@@ -6,7 +6,8 @@ import os
 BUGS = ("prompt_tail", "drop_finish", "no_cancel_on_disconnect", "no_validation", "leak_jobs",
         "unbounded_queue", "cancel_on_shutdown", "cross_talk", "spec_ignored",
         "no_holdback", "replica_zero_only", "no_affinity", "cancel_wrong_replica", "logprobs_twice",
-        "bias_ignored", "choices_same_seed")
+        "bias_ignored", "choices_same_seed",
+        "echo_dropped")
 
 
 def planted(name: str) -> bool:

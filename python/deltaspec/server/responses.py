@@ -42,13 +42,13 @@ def _with_choices(bodies: list[dict], results: list[GenerationResult]) -> dict:
     return body
 
 
-def completion_body(results: list[GenerationResult], model: str, tokenizer=None) -> dict:
-    """The answer, a choice per result; with `tokenizer` (the request asked for logprobs) their
-    log-probabilities too."""
+def completion_body(results: list[GenerationResult], model: str, tokenizer=None, echo: str = "") -> dict:
+    """The answer, a choice per result, each after `echo`; with `tokenizer` (the request asked for
+    logprobs) their log-probabilities too."""
     bodies = []
     for result in results:
         s = result.stats
-        body = oai.completion(result.text, result.finish_reason, model, s.prompt_tokens, s.generated_tokens)
+        body = oai.completion(echo + result.text, result.finish_reason, model, s.prompt_tokens, s.generated_tokens)
         if tokenizer is not None:
             body["choices"][0]["logprobs"] = lp.completion_logprobs(tokenizer, lp.generated_logprobs(tokenizer, result),
                                                                     0)

@@ -3,8 +3,9 @@
 A body becomes a `GenerationRequest`: prompt token ids, max_tokens, Model.add_request keyword
 arguments (sampler, seed, stop) and how to answer (stream, usage). Unknown fields are ignored, as
 llama-server ignores them (clients send `user`, `metadata`, ...); known fields of the wrong type or
-range, and features the engine cannot serve faithfully (best_of > 1, echo, suffix), are refused
-with 400 naming the field. `n` choices (1..MAX_CHOICES) run as n requests of the engine, choice i
+range, and features the engine cannot serve faithfully (best_of > 1, suffix, echo with logprobs,
+which would need the prompt's log-probabilities), are refused with 400 naming the field. A
+completion's `echo` puts the prompt's text before each choice's. `n` choices (1..MAX_CHOICES) run as n requests of the engine, choice i
 sampling with seed + i when the request gives a seed. `logprobs` (completions: the number of top alternatives; chat: true, with
 `top_logprobs` alternatives) and `logit_bias` ({token id: bias in [-100, 100]}) go to the engine. A chat `response_format` (json_object / json_schema) becomes the
 request's grammar, enforced while decoding; a `prediction` (OpenAI's predicted output) the text the
@@ -52,6 +53,7 @@ class GenerationRequest:
     thinking_open: bool = False               # the chat prompt opened a <think> block
     logprobs: int | None = None               # top alternatives per token when it asked for logprobs
     n: int = 1                                # choices
+    echo: str = ""                            # text put before each choice's (a completion's `echo`)
 
     def choices(self) -> list[GenerationRequest]:
         """One request per choice: choice i samples with seed + i (mod 2**64) when a seed was given,
@@ -91,11 +93,10 @@ def _check_body(body: Any, served: Served) -> dict:
     if model != served.name and model not in served.aliases:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {served.name!r}",
                        param="model", code="model_not_found")
-    for name, allowed, why in (("best_of", (1,), "choices are not ranked; ask for n of them"),
-                               ("echo", (False,), "the prompt is not echoed")):
-        v = body.get(name)
-        if v is not None and not (v in allowed and type(v) is type(allowed[0])):
-            raise bad_request(f"'{name}' = {v!r} is not supported ({why}); leave it out", name, "unsupported")
+    best_of = body.get("best_of")
+    if best_of is not None and not (type(best_of) is int and best_of == 1):
+        raise bad_request(f"'best_of' = {best_of!r} is not supported (choices are not ranked; ask for n of them); "
+                          "leave it out", "best_of", "unsupported")
     if body.get("suffix"):
         raise bad_request("'suffix' (fill-in-the-middle) is not supported; leave it out", "suffix", "unsupported")
     return body
@@ -261,6 +262,21 @@ def _prompt_ids(prompt: Any, served: Served) -> list[int]:
     return ids
 
 
+def _echo(body: dict, ids: list[int], logprobs: int | None, served: Served) -> str:
+    """What a completion's `echo` puts before its text: the prompt as sent (token ids decoded)."""
+    if not _get(body, "echo", (bool,), "true or false", False):
+        return ""
+    if logprobs is not None:
+        raise bad_request("'echo' with 'logprobs' is not supported (the prompt's log-probabilities); leave one out",
+                          "echo", "unsupported")
+    if planted("echo_dropped"):
+        return ""
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else served.tokenizer.decode(ids)
+
+
 def parse_completion(body: Any, served: Served) -> GenerationRequest:
     body = _check_body(body, served)
     if "prompt" not in body:
@@ -273,7 +289,7 @@ def parse_completion(body: Any, served: Served) -> GenerationRequest:
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
                **({"logprobs": logprobs} if logprobs is not None else {})}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=False, logprobs=logprobs,
-                             n=_choices(body))
+                             n=_choices(body), echo=_echo(body, ids, logprobs, served))
 
 
 def response_format_grammar(body: dict):
@@ -318,6 +334,8 @@ def chat_prompt(body: dict, served: Served, constrained: bool = False) -> str:
 
 def parse_chat(body: Any, served: Served) -> GenerationRequest:
     body = _check_body(body, served)
+    if body.get("echo") not in (None, False):
+        raise bad_request("'echo' is a completion's field; a chat completion does not echo", "echo", "unsupported")
     grammar = response_format_grammar(body)
     prompt = chat_prompt(body, served, constrained=grammar is not None)
     ids = _prompt_ids(prompt, served)
