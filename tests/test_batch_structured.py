@@ -1,5 +1,6 @@
 """Structured output with speculation for several sequences at once: generate_batch / add_request
-with a grammar per request and a drafter (prompt lookup or a draft model; chains or trees). A
+with a grammar per request and a drafter (prompt lookup, a draft model or the model's MTP head;
+chains or trees). A
 constrained sequence drafts as generate() alone does (generate_speculative's GrammarDrafter: the
 tokens the grammar forces, else its drafter's proposal cut or pruned by the grammar), and its rows of
 the shared verify pass are masked with the grammar's state after their path.
@@ -15,7 +16,8 @@ Seen red with the scheduler's verify rows left unmasked (decode_speculative with
 mask_verify_rows / mask_tree_rows: the greedy outputs part from plain decoding, and GrammarError),
 with its forced-token drafting left out (draft_forced: other drafts than alone) and with
 settle_draft not cutting (other drafts than alone); DELTASPEC_TEST_GRAMMAR_BUG=verify_unmasked
-(csrc/token_constraint.h) turns test_planted_unmasked_rows_are_caught's run red.
+(csrc/token_constraint.h) turns test_planted_unmasked_rows_are_caught's run red, and the MTP test's
+(its greedy outputs part from plain constrained decoding).
 """
 
 from __future__ import annotations
@@ -88,6 +90,38 @@ def test_constrained_batch_speculation_equals_alone(models, grammars, drafter, t
         assert sum(r.stats.n_accepted for r in batch) > 0, "no draft accepted"
         if drafter == "draft-model":
             assert sum(r.stats.grammar_cut_tokens for r in batch) > 0, "no forbidden draft cut"
+
+
+@pytest.fixture(scope="module")
+def mtp_target():
+    """A target with an MTP layer whose drafts agree in part (tests/test_batch_mtp.py's), 3 slots."""
+    path = tiny_vocab_model_path(mtp=True, mtp_hidden_scale=0.5)
+    with Model(path, n_ctx=768, n_threads=1, n_seq_max=3, progress=False) as m:
+        yield m
+
+
+@pytest.mark.parametrize("tree_budget", [0, 6], ids=["chains", "trees"])
+def test_constrained_batch_mtp_equals_alone(mtp_target, grammars, tree_budget):
+    """The same with the MTP head drafting (a head per sequence): each result equals generate()
+    alone (tokens, drafting, the grammar's counts), greedy also plain constrained decoding; forced
+    tokens drafted, drafts accepted, several sequences' drafts verified in one pass."""
+    spec = dict(spec_type="mtp", draft_n_max=3, draft_n_min=1, tree_budget=tree_budget)
+    per_prompt = [dict(grammar=grammars[name], seed=k) for k, name in enumerate(NAMES)]
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, top_k=40)):
+        batch = mtp_target.generate_batch(PROMPTS, per_prompt=per_prompt, max_tokens=MAX_TOKENS, **spec, **sampling)
+        assert mtp_target.batch_spec_stats["multi_draft_passes"] > 0
+        for k, (prompt, extra, r) in enumerate(zip(PROMPTS, per_prompt, batch)):
+            alone = mtp_target.generate(prompt, max_tokens=MAX_TOKENS, **spec, **sampling, **extra)
+            assert r.tokens == alone.tokens, f"prompt {k}: other tokens than alone"
+            assert drafting(r) == drafting(alone), f"prompt {k}: other drafts than alone"
+            assert _grammar_stats(r) == _grammar_stats(alone), f"prompt {k}: other grammar counts than alone"
+            if r.finish_reason == "stop":
+                jsonschema.validate(json.loads(r.text), SCHEMAS[NAMES[k]])
+            if sampling["temperature"] == 0.0:
+                plain = mtp_target.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, grammar=extra["grammar"])
+                assert r.tokens == plain.tokens, f"prompt {k}: other tokens than plain decoding"
+        assert sum(r.stats.grammar_forced_tokens for r in batch) > 0, "no forced tokens drafted"
+        assert sum(r.stats.n_accepted for r in batch) > 0, "no draft accepted"
 
 
 def test_add_request_with_grammar_speculates(models, grammars):
