@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.json gpu_tests.xml
-       profile.md spec_bench.json cpu_batch_invariance.json cuda_batch_invariance.json acceptance.json acceptance.md
+       profile.md spec_bench.json cpu_batch_invariance.json cuda_batch_invariance.json cuda_batch_invariance.md acceptance.json acceptance.md
        testbed_manifest.json rows_op_bench.json batch_bench.json slot_memory.json tree_verify_cost.json
        tree_verify_cost.md server_bench.json server_bench.md dflash_bench.json mtp_bench.json
        kv_quality.json kv_quality.md tree_acceptance.json batch_spec_bench.json batch_spec_bench.md
