@@ -31,6 +31,7 @@ import pytest
 from deltaspec import Model, _core
 from deltaspec.testing.batch_rows import batch_vs_steps
 from test_gpu import _cuda_available
+from test_gpu_tree import PARENTS, PREFIX, TOKENS, _paths as tree_paths
 from test_speculative_quantized import (Q4K_SHAPE, check_identical, cycle_prompts, greedy_divergences,
                                         random_prompts, report, triple_ffn)
 
@@ -103,24 +104,8 @@ def test_rows_equal_one_token_steps(files, name, record_property):
     assert max(default) > 0, f"{name}: the default kernels' rows equal the steps too: the check has no power here"
 
 
-# A DDTree-like tree after PREFIX (test_gpu_tree.py's): the chain 0-4, then siblings. Paths
-# through nodes 7 and 8 put a row at a cell whose index differs from its rank by 1 or 2 mod 4.
-PREFIX = [5, 77, 120, 33, 9, 201, 14]
-TOKENS = [40, 41, 42, 43, 44, 50, 51, 52, 60, 61, 70]
-PARENTS = [-1, 0, 1, 2, 3, 0, 5, 1, 2, 8, 5]
-
-
-def tree_paths() -> list[list[int]]:
-    paths = []
-    for leaf in (r for r in range(len(PARENTS)) if r not in PARENTS):
-        path, r = [], leaf
-        while r >= 0:
-            path.insert(0, r)
-            r = PARENTS[r]
-        paths.append(path)
-    return paths
-
-
+# test_gpu_tree.py's DDTree-like tree after PREFIX: its paths through nodes 7 and 8 put a row at a
+# cell whose index differs from its rank by 1 or 2 mod 4 (what the planted cell_order bug changes).
 def path_steps(m: Model, path: list[int]) -> np.ndarray:
     m.reset()
     m.eval(PREFIX)

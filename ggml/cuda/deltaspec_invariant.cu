@@ -8,13 +8,16 @@
 // p - depth .. p, but in every case the visible cells in cache order hold the same keys and values
 // in the same order. Per cell a warp computes the G query heads' dot products (lane l holds values
 // l * D/32 .. of each), updates an online softmax and accumulates V; the 4 warps merge in shared
-// memory, then a merge kernel combines the blocks in order. Blocks past a row's last visible cell
+// memory, then merge_attention_splits (attn_split_merge.cuh) combines the blocks in order. Blocks
+// past a row's last visible cell
 // contribute an exact zero (their max is -inf and they are skipped), so the cache length a step
 // happens to attend over (padded to 256 cells) changes nothing either.
 //
 // Speed is secondary here: a block reads each visible K and V row once for G query heads, with no
 // tensor cores (bench/batch_invariance_cuda.py measures the cost).
 #include "deltaspec_invariant.h"
+
+#include "attn_split_merge.cuh"
 
 #include "ggml-backend-impl.h"
 
@@ -201,31 +204,12 @@ __global__ void __launch_bounds__(32 * kWarps) invariant_attn(const AttnArgs a, 
     }
 }
 
-// out[(row * H + h) * D + e] <- the blocks of (row, h) merged in order; one thread per value.
-template <int D>
-__global__ void invariant_attn_merge(const float * __restrict__ part, int n_split, float * __restrict__ out) {
-    const int64_t rh = blockIdx.x;
-    const int e = threadIdx.x;
-    const float * p = part + rh * n_split * (D + 2);
-    float M = -INFINITY;
-    for (int sp = 0; sp < n_split; ++sp) M = fmaxf(M, p[sp * (D + 2) + D]);
-    float S = 0.0f, x = 0.0f;
-    for (int sp = 0; sp < n_split; ++sp) {
-        const float ms = p[sp * (D + 2) + D];
-        if (ms == -INFINITY) continue;
-        const float f = __expf(ms - M);
-        S = __fmaf_rn(p[sp * (D + 2) + D + 1], f, S);
-        x = __fmaf_rn(p[sp * (D + 2) + e], f, x);
-    }
-    out[rh * D + e] = S > 0.0f ? __fdiv_rn(x, S) : 0.0f;
-}
-
 template <int D, typename KV>
 void launch_attn(const AttnArgs & a, int64_t n_rows, int64_t Hkv, const int * cells, const int * count, float * part,
                  float * out, cudaStream_t stream) {
     const dim3 grid((unsigned)a.n_split, (unsigned)(Hkv * a.head_groups), (unsigned)n_rows);
     invariant_attn<D, KV><<<grid, 32 * kWarps, 0, stream>>>(a, cells, count, part);
-    invariant_attn_merge<D><<<(unsigned)(n_rows * a.H), D, 0, stream>>>(part, a.n_split, out);
+    deltaspec_attn::merge_attention_splits<D><<<(unsigned)(n_rows * a.H), D, 0, stream>>>(part, a.n_split, out);
 }
 
 template <typename KV>

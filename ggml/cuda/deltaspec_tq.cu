@@ -270,7 +270,7 @@ void launch_decode_attn_tile(int format_k, int format_v, const ggml_tensor * dst
                                             (const char *)V->data, V->nb[1], V->nb[2], V->nb[3],
                                             (const char *)mask->data, mask->nb[3], mask->ne[3], n_kv, (int)H,
                                             (int)(H / Hkv), scale, chunk, planted_tile_skips_last_row(), part.get());
-    tq_decode_merge_coords<D><<<(unsigned)(N * H), D, 0, ctx.stream()>>>(part.get(), n_split, out);
+    deltaspec_attn::merge_attention_splits<D><<<(unsigned)(N * H), D, 0, ctx.stream()>>>(part.get(), n_split, out);
 }
 
 template <int D>

@@ -17,12 +17,13 @@
 //   3. values: thread t owns D/kTileRows output coordinates of every head; per row it decodes its
 //      coordinates of the V row and adds weight * centroid (no exp in this loop).
 // A block walks `chunk` rows (whole tiles) with a running max/sum per head and writes its partial
-// state (accumulator, max, sum) as the warp kernel does; tq_decode_merge_coords combines the splits
+// state (accumulator, max, sum) as the warp kernel does; merge_attention_splits (attn_split_merge.cuh) combines the splits
 // with a thread per output coordinate (the warp kernel's merge loops over the splits D/32 times per lane).
 // Same math as the warp kernel and the CPU node, up to float rounding (summation order, and the
 // V scale multiplied into the weight rather than into the centroid).
 #pragma once
 
+#include "attn_split_merge.cuh"
 #include "deltaspec_tq_warp.cuh"
 
 namespace deltaspec_tq_attn {
@@ -110,7 +111,7 @@ __device__ __forceinline__ float half_at(const char * p) {
 }
 
 // Block (split, kv head, stream) over rows [split * chunk, min(n_kv, +chunk)); chunk a multiple of
-// kTileRows. qrot: the rotated queries [D, H, 1, N] contiguous; part: as tq_decode_merge_coords reads it.
+// kTileRows. qrot: the rotated queries [D, H, 1, N] contiguous; part: as merge_attention_splits reads it.
 // skip_last_row: the planted bug of tests/test_gpu_turboquant.py (each tile's last row left out).
 constexpr int kTileBlocksPerSm = 4;  // resident at once (~47 KB of shared memory each at D=256), at most 128 registers
 
@@ -251,28 +252,6 @@ __global__ void __launch_bounds__(kTileRows, kTileBlocksPerSm)
             out[D + 1] = s_run[e];
         }
     }
-}
-
-// out (contiguous [D, H, 1, N], rotated domain) <- the splits of tq_decode_attn_tile merged: block hn
-// (= query head + H * stream), thread i the output's coordinate i
-template <int D>
-__global__ void __launch_bounds__(D) tq_decode_merge_coords(const float * __restrict__ part, int64_t n_split,
-                                                            float * __restrict__ out) {
-    const int64_t hn = blockIdx.x;
-    const int i = threadIdx.x;
-    const float * p = part + hn * n_split * (D + 2);
-    float M = -INFINITY;
-    for (int64_t sp = 0; sp < n_split; ++sp) M = fmaxf(M, p[sp * (D + 2) + D]);
-    float S = 0.0f, a = 0.0f;
-    for (int64_t sp = 0; sp < n_split; ++sp) {
-        const float ms = p[sp * (D + 2) + D];
-        if (ms != -INFINITY) {  // a split whose rows are all masked holds no state
-            const float f = expf(ms - M);
-            S += p[sp * (D + 2) + D + 1] * f;
-            a += p[sp * (D + 2) + i] * f;
-        }
-    }
-    out[hn * D + i] = S > 0.0f ? a * (1.0f / S) : 0.0f;
 }
 
 }  // namespace deltaspec_tq_attn

@@ -182,13 +182,13 @@ void run(int64_t n_kv, int Hkv, int G, int N, int64_t chunk, bool bug, uint32_t 
             }
         }
     }
-    // the splits merged by tq_decode_merge_coords (no barriers: its threads run one after another)
+    // the splits merged by merge_attention_splits (no barriers: its threads run one after another)
     std::vector<float> merged((size_t)N * H * D, 12345.0f);
     for (int64_t hn = 0; hn < (int64_t)N * H; ++hn) {
         g_block = {(unsigned)hn, 0, 0};
         for (int i = 0; i < D; ++i) {
             t_thread = {(unsigned)i, 0, 0};
-            tq_decode_merge_coords<D>(part.data(), n_split, merged.data());
+            deltaspec_attn::merge_attention_splits<D>(part.data(), n_split, merged.data());
         }
     }
 
