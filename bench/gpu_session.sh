@@ -32,6 +32,9 @@
 #   invariant: what Model(batch_invariant=True) costs on the synthetic 27B (prefill, decode at 16 and
 #      2048 tokens, prompt-lookup speculation) and whether its rows are bitwise the steps'
 #      (bench/batch_invariance.py --device cuda) -> cuda_batch_invariance.json
+#   shapes: where batch-invariant rows part from steps, bisected by shape: 4-layer synthetic models
+#      of the 27B's widths with one width at a time from the 0.8B, under the kernel switches
+#      (bench/invariance_probe.py --shapes; about 6 GB of models in /tmp/shapes) -> invariance_shapes.json
 #   batchspec: aggregate decode tok/s with prompt-lookup speculation across 1/4/16 sequences
 #      (bench/batch_spec_bench.py: plain, own-text lookup, a reference holding the plain output, the
 #      same with every 4th token wrong), llama-batched-bench's plain rows beside them when `build`
@@ -90,7 +93,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant
+# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant shapes
 #   dflash profile server server-spec tq tq-test toprows graphcache hostsample layersplit
 # (default: build test bench)
 set -euo pipefail
@@ -324,6 +327,10 @@ fi
 if has_step invariant; then
     python3 "$REPO/bench/batch_invariance.py" --device cuda --model /tmp/q27.gguf --drafter ngram --reps "${BENCH_REPS:-3}" \
         --pp 512 --tg 32 --depth 2048 --out "$OUT/cuda_batch_invariance.json" | tee "$OUT/cuda_batch_invariance.md"
+fi
+if has_step shapes; then
+    python3 "$REPO/bench/invariance_probe.py" --shapes /tmp/shapes --base 27b --small 0.8b --context 0 600 \
+        --variants "" "DELTASPEC_MMA_K_SPLIT=1" "DELTASPEC_CUDA_DELTANET=0" --out "$OUT/invariance_shapes.json"
 fi
 if has_step batchspec; then
     peer=()

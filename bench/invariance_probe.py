@@ -1,55 +1,106 @@
-"""Where a batch-invariant CUDA model's rows still part from its one-token steps, if they do: the
-largest |batch - steps| logit difference (tests' batch_vs_steps: 12 rows after no context) of each
-model under each environment variant, one process each (the variables are read when a model is
-built), printed as a table and written as JSON.
+"""Where a batch-invariant model's rows still part from its one-token steps, if they do: the
+largest |batch - steps| logit difference (tests' batch_vs_steps: `--rows` rows after `--context`
+tokens) of each model under each environment variant, one process each (the variables are read
+when a model is built), printed as JSON lines and written as JSON.
 
     python bench/invariance_probe.py A.gguf B.gguf --variants "" "DELTASPEC_CUDA_DELTANET=0" --out probe.json
+
+`--shapes DIR` bisects by shape instead of taking models: it writes small synthetic models (4
+layers: 3 DeltaNet + 1 attention, Q4_K_M) of a base preset's widths, each with one width taken
+from a smaller preset (DeltaNet value heads, FFN width, embedding width, a tied head), and probes
+each. A model that parts while its neighbour with one width changed does not names the width
+whose kernels are not invariant; the variants then name the kernel (k-split, DeltaNet).
+
+    python bench/invariance_probe.py --shapes /tmp/shapes --base 27b --variants "" "DELTASPEC_MMA_K_SPLIT=1"
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 
-def worker(path: str, rows: int, context: int) -> dict:
+def worker(path: str, rows: int, context: int, device: str) -> dict:
     import numpy as np
 
     from deltaspec import Model, _core
     from deltaspec.testing.batch_rows import batch_vs_steps
 
-    before = [_core.cuda_invariant_count(w) for w in range(4)]
-    with Model(path, device="cuda", n_ctx=1024, batch_invariant=True, progress=False) as m:
+    cuda = device.startswith("cuda")
+    routes = lambda: [_core.cuda_invariant_count(w) for w in range(4)] if cuda else []  # noqa: E731
+    before = routes()
+    with Model(path, device=device, n_ctx=max(1024, 2 * (rows + context)), batch_invariant=True, progress=False) as m:
         diff = batch_vs_steps(m, rows, context, np.random.default_rng(rows))
-    return {"max_diff": diff, "routes": [a - b for a, b in zip((_core.cuda_invariant_count(w) for w in range(4)), before)]}
+    # routes: products on our tensor cores, column by column, invariant attention calls, misses
+    return {"max_diff": diff, "routes": [a - b for a, b in zip(routes(), before)]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("models", nargs="+")
-    ap.add_argument("--variants", nargs="+", default=[""], help="space-separated VAR=VALUE lists ('' = none)")
-    ap.add_argument("--rows", type=int, default=12)
-    ap.add_argument("--context", type=int, default=0)
-    ap.add_argument("--out")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.rows, args.context)))
-        return
+def shape_models(folder: str, base: str, small: str) -> list[tuple[str, str]]:
+    """(label, path) of the bisection models, written once into `folder`."""
+    from deltaspec.synth import PRESETS, write_synthetic_gguf
+
+    b, s = PRESETS[base], PRESETS[small]
+    four = dict(n_layer=4)
+    shapes = {
+        f"{base}": dataclasses.replace(b, **four),
+        f"{base} Hv={s.ssm_n_v_heads}": dataclasses.replace(b, **four, ssm_n_v_heads=s.ssm_n_v_heads),
+        f"{base} n_ff={s.n_ff}": dataclasses.replace(b, **four, n_ff=s.n_ff),
+        f"{base} n_embd={s.n_embd}": dataclasses.replace(b, **four, n_embd=s.n_embd),
+        f"{base} heads={s.n_head}/{s.n_head_kv}": dataclasses.replace(b, **four, n_head=s.n_head, n_head_kv=s.n_head_kv),
+        f"{base} tied={s.tied}": dataclasses.replace(b, **four, tied=s.tied),
+        f"{small}": dataclasses.replace(s, **four),
+    }
+    os.makedirs(folder, exist_ok=True)
+    out = []
+    for label, preset in shapes.items():
+        if label != base and preset == shapes[base]:
+            continue  # the small preset has the base's value there: nothing to bisect
+        path = os.path.join(folder, label.replace(" ", "_").replace("/", "-").replace("=", "") + ".gguf")
+        if not os.path.exists(path):
+            write_synthetic_gguf(path, dataclasses.replace(preset, name=label), "q4_k_m", seed=0)
+        out.append((label, path))
+    return out
+
+
+def probe(models: list[tuple[str, str]], variants: list[str], rows: int, context: int, device: str) -> list[dict]:
     results = []
-    for path in args.models:
-        for variant in args.variants:
+    for label, path in models:
+        for variant in variants:
             env = {**os.environ, **dict(kv.split("=", 1) for kv in variant.split())}
-            out = subprocess.run([sys.executable, __file__, "--worker", path, "--rows", str(args.rows),
-                                  "--context", str(args.context)], env=env, capture_output=True, text=True)
-            row = {"model": os.path.basename(path), "variant": variant or "(none)"}
+            out = subprocess.run([sys.executable, __file__, "--worker", path, "--rows", str(rows),
+                                  "--context", str(context), "--device", device], env=env, capture_output=True, text=True)
+            row = {"model": label, "variant": variant or "(none)", "rows": rows, "context": context}
             row.update(json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0
                        else {"error": out.stderr.strip().splitlines()[-1:]})
             results.append(row)
             print(json.dumps(row), flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="*")
+    ap.add_argument("--shapes", metavar="DIR", help="bisect by shape: write the models into DIR (kept between runs)")
+    ap.add_argument("--base", default="27b", help="--shapes: the preset whose widths part (default 27b)")
+    ap.add_argument("--small", default="0.8b", help="--shapes: the preset whose widths do not (default 0.8b)")
+    ap.add_argument("--variants", nargs="+", default=[""], help="space-separated VAR=VALUE lists ('' = none)")
+    ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--context", type=int, nargs="+", default=[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.rows, args.context[0], args.device)))
+        return
+    if bool(args.models) == bool(args.shapes):
+        ap.error("give models or --shapes DIR (one of them)")
+    models = shape_models(args.shapes, args.base, args.small) if args.shapes else [(os.path.basename(p), p) for p in args.models]
+    results = [r for c in args.context for r in probe(models, args.variants, args.rows, c, args.device)]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
