@@ -117,6 +117,11 @@ py::dict result_dict(const GenerateResult & res) {
         out["top_ids"] = res.top_ids;
         out["top_logprobs"] = res.top_logprobs;
     }
+    if (res.prompt_scored) {
+        out["prompt_logprobs"] = res.prompt_logprobs;
+        out["prompt_top_ids"] = res.prompt_top_ids;
+        out["prompt_top_logprobs"] = res.prompt_top_logprobs;
+    }
     return out;
 }
 
@@ -319,6 +324,11 @@ py::list step_py(Runner & r) {
             d["logprobs"] = ev.logprobs;
             d["top_ids"] = ev.top_ids;
             d["top_logprobs"] = ev.top_logprobs;
+        }
+        if (ev.prompt_scored) {
+            d["prompt_logprobs"] = ev.prompt_logprobs;
+            d["prompt_top_ids"] = ev.prompt_top_ids;
+            d["prompt_top_logprobs"] = ev.prompt_top_logprobs;
         }
         d["finished"] = ev.finished;
         if (ev.finished) {
@@ -777,7 +787,8 @@ PYBIND11_MODULE(_core, m) {
              "concurrently to the end; result dicts in order.")
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
                                std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint,
-                               py::object speculation, Runner * draft, py::object dflash, int32_t n_logprobs) {
+                               py::object speculation, Runner * draft, py::object dflash, int32_t n_logprobs,
+                               bool prompt_logprobs) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
                  if (!r.scheduler) {
                      r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces, /*keep_histories=*/true);
@@ -793,13 +804,16 @@ PYBIND11_MODULE(_core, m) {
                  GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
                  req.constraint = constraint_of(constraint);
                  req.n_logprobs = n_logprobs;
+                 req.prompt_logprobs = prompt_logprobs;
                  const int64_t id = r.scheduler->add_request(req, {}, seq_spec_of(speculation));
                  if (!constraint.is_none()) r.constraints[id] = constraint;
                  return id;
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
              py::arg("constraint") = py::none(), py::arg("speculation") = py::none(), py::arg("draft") = nullptr,
-             py::arg("dflash") = py::none(), py::arg("n_logprobs") = -1,
-             "Queue a request for step(); returns its id. n_logprobs >= 0: its result has logprobs as generate()'s. speculation: None or (draft_n_max, draft_n_min, "
+             py::arg("dflash") = py::none(), py::arg("n_logprobs") = -1, py::arg("prompt_logprobs") = false,
+             "Queue a request for step(); returns its id. n_logprobs >= 0: its result has logprobs as generate()'s "
+             "(prompt_logprobs: the prompt's too, as prompt_logprobs / prompt_top_ids / prompt_top_logprobs of the "
+             "result and of the step that completes the prompt). speculation: None or (draft_n_max, draft_n_min, "
              "ngram_max[, reference token ids[, tree_budget[, draft_model[, dflash[, mtp]]]]]): prompt lookup drafts (trees of up to tree_budget nodes when > 0) (searching the reference text, then the "
              "request's own) verified with the other requests' rows in one pass.")
         .def_property_readonly("batch_spec_stats", [](const Runner & r) {

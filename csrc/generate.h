@@ -28,6 +28,10 @@ struct GenerateRequest {
     // -1: none; k >= 0: the log-probability of each generated token under the model's raw logits
     // (log_softmax, before penalties and temperature) and the k most probable tokens' ones.
     int32_t n_logprobs = -1;
+    // With n_logprobs >= 0 (the scheduler's requests): also each prompt token's log-probability given
+    // the tokens before it, and the k most probable tokens' there (a completion's echo with logprobs;
+    // the whole prompt is evaluated, none of it resumed from a kept state).
+    bool prompt_logprobs = false;
 };
 
 enum class FinishReason { stop, length, cancelled };
@@ -42,6 +46,12 @@ struct GenerateResult {
     std::vector<float> logprobs;          // n_logprobs >= 0: one per generated token
     std::vector<int32_t> top_ids;         // n_logprobs per generated token, most probable first
     std::vector<float> top_logprobs;      // their log-probabilities
+    // prompt_logprobs: the same for prompt tokens 1 .. n-1 (the first has no context), once
+    // prompt_scored says the whole prompt was evaluated (a request cancelled before has none)
+    bool prompt_scored = false;
+    std::vector<float> prompt_logprobs;
+    std::vector<int32_t> prompt_top_ids;
+    std::vector<float> prompt_top_logprobs;
 };
 
 // Called after each sampled token with the result so far (its tokens end with it; with

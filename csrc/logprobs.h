@@ -17,6 +17,10 @@ namespace deltaspec {
 // From a whole row of n_vocab logits.
 void record_logprobs(const GenerateRequest & req, const float * row, int64_t n_vocab, int32_t token, GenerateResult & res);
 
+// prompt_logprobs: the entry of prompt token `token` from the row of the token before it.
+void record_prompt_logprobs(const GenerateRequest & req, const float * row, int64_t n_vocab, int32_t token,
+                            GenerateResult & res);
+
 // From a row's top candidates (top_rows.h); `token` must be one of them (a sampler that the top
 // rows serve only draws those).
 void record_top_logprobs(const GenerateRequest & req, const TopRow & row, int32_t token, GenerateResult & res);
@@ -24,7 +28,8 @@ void record_top_logprobs(const GenerateRequest & req, const TopRow & row, int32_
 // A planted bug for the tests (DELTASPEC_TEST_WRONG_LOGPROB_ROW=next_row): a speculative round
 // records each committed token from the row after its parent's (its own row), so the reported
 // log-probabilities are those of the token after it.
-enum class LogprobBug { none, next_row };
+// prompt_own_row: a prompt token's entry is that of the token before it (its own row's token).
+enum class LogprobBug { none, next_row, prompt_own_row };
 LogprobBug logprob_bug();
 
 }  // namespace deltaspec

@@ -44,6 +44,10 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
         }
     }
     if (req.max_tokens < 1) throw std::invalid_argument("max_tokens must be >= 1");
+    if (req.prompt_logprobs && (req.n_logprobs < 0 || req.n_cached != 0)) {
+        throw std::invalid_argument(req.n_logprobs < 0 ? "prompt_logprobs needs n_logprobs >= 0 (how many top tokens each entry lists)"
+                                                       : "prompt_logprobs evaluates the whole prompt: n_cached must be 0");
+    }
     if (req.n_cached != 0 && (req.n_cached < 0 || req.n_cached >= (int64_t)req.prompt.size() || !idle() ||
                               engine_.slot_n_past(0) != req.n_cached)) {
         throw std::invalid_argument("n_cached = " + std::to_string(req.n_cached) + " prompt tokens in the state, but "
@@ -189,7 +193,9 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
     const int64_t left = (int64_t)s.req.prompt.size() - s.n_fed;
     const int64_t n = std::min(left, budget);
     int32_t token = -1;
-    if (n < left) {
+    if (s.req.prompt_logprobs) {
+        token = feed_scored(s, n);
+    } else if (n < left) {
         engine_.eval(chunk, n, LogitsWanted::none, nullptr);
     } else if (!needs_logits(s.req)) {
         token = engine_.eval_argmax(chunk, n);
@@ -209,9 +215,42 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
     s.res.prefill_seconds += seconds_since(t0);
     if (n == left) {
         s.decode_start = Clock::now();
-        commit(s, token, event_of(events, s));
+        StepEvent & ev = event_of(events, s);
+        if (s.req.prompt_logprobs) {
+            s.res.prompt_scored = ev.prompt_scored = true;
+            ev.prompt_logprobs = s.res.prompt_logprobs;
+            ev.prompt_top_ids = s.res.prompt_top_ids;
+            ev.prompt_top_logprobs = s.res.prompt_top_logprobs;
+        }
+        commit(s, token, ev);
     }
     return n;
+}
+
+int32_t Scheduler::feed_scored(Sequence & s, int64_t n) {
+    // Micro-batches of n_ubatch from the chunk's start, where Engine::eval cuts a plain prefill too:
+    // the layers see the rows they see there (only the head computes every row), and the host holds
+    // one micro-batch's logits at a time.
+    const int64_t n_vocab = engine_.hparams().n_vocab, size = (int64_t)s.req.prompt.size();
+    const bool bug = logprob_bug() == LogprobBug::prompt_own_row;
+    std::vector<float> rows;
+    int32_t token = -1;
+    for (int64_t done = 0; done < n;) {
+        const int64_t m = std::min(engine_.n_ubatch(), n - done);
+        rows.resize(m * n_vocab);
+        engine_.eval(s.req.prompt.data() + s.n_fed + done, m, LogitsWanted::all, rows.data());
+        for (int64_t r = 0; r < m; ++r) {
+            float * row = rows.data() + r * n_vocab;
+            const int64_t next = s.n_fed + done + r + 1;  // the prompt token this row predicts
+            if (next < size) {
+                record_prompt_logprobs(s.req, row, n_vocab, s.req.prompt[bug ? next - 1 : next], s.res);
+            } else {
+                token = choose(s, row, n_vocab);
+            }
+        }
+        done += m;
+    }
+    return token;
 }
 
 void Scheduler::admit(std::vector<StepEvent> & events) {
@@ -240,8 +279,10 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
         engine_.use_slot(s->slot);
         if (s->reads_taps()) ensure_taps();
         // read it all again, tapped: a DFlash context that was not kept with the history, or an MTP
-        // head, which is the sequence's own and starts empty
-        if (s->n_fed > 0 && (s->mtp || (s->dflash && !dflash_context_covers(s->slot)))) s->n_fed = 0;
+        // head, which is the sequence's own and starts empty; or a prompt whose every row is scored
+        if (s->n_fed > 0 && (s->mtp || s->req.prompt_logprobs || (s->dflash && !dflash_context_covers(s->slot)))) {
+            s->n_fed = 0;
+        }
         if (s->n_fed == 0 && batch_bug() != BatchBug::no_reset) engine_.reset();
         Sequence & seq = *s;
         running_.push_back(std::move(s));
@@ -265,8 +306,10 @@ void Scheduler::feed_together(const std::vector<PromptChunk> & chunks, std::vect
                 ++a;
                 continue;
             }
+            // a prompt whose rows are all scored goes alone (feed_scored)
+            const auto scored = [&](int64_t i) { return chunks[i].seq->req.prompt_logprobs; };
             int64_t b = a + 1;
-            while (b < K && left[b] > 0 && b - a < engine_.n_ubatch()) ++b;
+            while (!scored(a) && b < K && left[b] > 0 && !scored(b) && b - a < engine_.n_ubatch()) ++b;
             fed = true;
             if (b - a == 1 || disable_prefill_rows_) {
                 for (int64_t i = a; i < b; ++i) left[i] -= feed(*chunks[i].seq, left[i], events);

@@ -95,6 +95,12 @@ struct StepEvent {
     std::vector<float> logprobs;
     std::vector<int32_t> top_ids;
     std::vector<float> top_logprobs;
+    // a request with prompt_logprobs, in the step that completes its prompt: the prompt's entries
+    // (GenerateResult's prompt_logprobs / prompt_top_ids / prompt_top_logprobs)
+    std::vector<float> prompt_logprobs;
+    std::vector<int32_t> prompt_top_ids;
+    std::vector<float> prompt_top_logprobs;
+    bool prompt_scored = false;
     bool finished = false;
     GenerateResult result;         // when finished
     bool speculative = false;      // the request speculated: `spec` holds its stats (when finished)
@@ -197,6 +203,9 @@ class Scheduler {
     // evaluates up to `budget` more of s's prompt in its slot; once the prompt is complete, chooses
     // and commits its first token. Returns the prompt tokens evaluated.
     int64_t feed(Sequence & s, int64_t budget, std::vector<StepEvent> & events);
+    // feed's n prompt tokens for a request with prompt_logprobs: every row's logits to the host, a
+    // micro-batch at a time; returns the first token when they complete the prompt (else -1)
+    int32_t feed_scored(Sequence & s, int64_t n);
     bool split_on_top() const;  // the top running sequence's prompt is not complete yet
     // the running sequences that decode this step: all but a split prompt on top
     int64_t n_decoding() const { return (int64_t)running_.size() - (split_on_top() ? 1 : 0); }

@@ -7,16 +7,22 @@ top_logprobs: k`) are what Model.generate(logprobs=k) gives for the same prompt 
 alternatives; values to 1e-5, as a batched verify row may round differently from a decode row), in the
 shapes create_completion / create_chat_completion return; a stream's chunks carry the same entries in the
 same order, spread over the chunks as their text comes; with speculation the requests still draft.
-`logit_bias` changes the answer as generate(logit_bias=...) does.
+`logit_bias` changes the answer as generate(logit_bias=...) does. A completion with `echo` and
+`logprobs` lists the prompt's tokens first (the first one's null, the others' from a log-softmax
+of Model.logits of the prompt written here), then the answer's, streamed or not.
 
 Seen red with bugs planted in the server (DELTASPEC_TEST_SERVER_BUG, which the server inherits):
 "logprobs_twice" (a stream's entries sent again at its end) and "bias_ignored" (logit_bias dropped);
 and with DELTASPEC_TEST_WRONG_LOGPROB_ROW=next_row (the engine's, csrc/logprobs.h), which fails the
-speculating servers' answers.
+speculating servers' answers; the echo test with prompt_own_row (the engine's prompt entries each
+taken for the token before it), which fails the batch servers' (the speculative loop scores the
+prompt with deltaspec.logprobs), and with the server's echo_logprobs_dropped (the answer's entries
+without the prompt's), which fails all three.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")  # CI installs it with the test extra: never skipped there
@@ -103,6 +109,37 @@ def test_completion_logprobs_equal_generate(server, reference):
     assert with_entries > 1
     if server.kind != "batch":
         assert server.metrics()["deltaspec_draft_tokens_accepted_total"] > 0, "the server did not speculate"
+
+
+def _prompt_entries(reference, prompt: str, k: int) -> list:
+    """The prompt's (token, logprob, top k) entries, from a log-softmax of its logits written here."""
+    ids = reference.tokenize(prompt)
+    logits = reference.logits(ids).astype(np.float64)
+    logp = logits - (np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1))[:, None]
+    return [(ids[0], None, None)] + [
+        (ids[i], float(logp[i - 1, ids[i]]), [(t, float(logp[i - 1, t])) for t in np.argsort(-logp[i - 1], kind="stable")[:k]])
+        for i in range(1, len(ids))]
+
+
+def test_completion_echo_with_logprobs(server, reference):
+    """echo and logprobs: the prompt's entries, then the answer's, offsets counted from the prompt's
+    start; the stream's first chunk is the prompt with its entries."""
+    r, entries = _expected(reference, PROMPT, K)
+    want = lp.completion_logprobs(reference.tokenizer, _prompt_entries(reference, PROMPT, K) + entries, 0)
+    assert want["token_logprobs"][0] is None and len(want["tokens"]) > len(entries) + 5
+    client = server.client()
+    common = dict(model="tiny", prompt=PROMPT, max_tokens=N_GEN, temperature=0, logprobs=K, echo=True)
+    got = client.completions.create(**common)
+    assert got.choices[0].text == PROMPT + r.text
+    assert _near(_completion_fields(got.choices[0].logprobs.model_dump()), want)
+    chunks = list(client.completions.create(stream=True, **common))
+    assert chunks[0].choices[0].text == PROMPT
+    joined = {key: [] for key in want}
+    for c in chunks:
+        if c.choices[0].logprobs is not None:
+            for key in want:
+                joined[key] += _completion_fields(c.choices[0].logprobs.model_dump())[key]
+    assert _near(joined, want)
 
 
 def test_chat_logprobs_equal_generate(server, reference):

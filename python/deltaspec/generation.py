@@ -82,6 +82,9 @@ class GenerationResult:
     # penalties and temperature) and the k most probable (token, log-probability), best first
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # add_request(prompt_logprobs=True): (token, log-probability, top k) of each prompt token given
+    # the ones before it; the first token's are None (no context)
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
 
 
 @dataclass
@@ -415,6 +418,19 @@ def _logprobs_of(out: dict) -> tuple[list[float], list[list[tuple[int, float]]]]
     k = len(out["top_ids"]) // max(1, len(logprobs))
     ids, lps = list(out["top_ids"]), list(out["top_logprobs"])
     return logprobs, [list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k])) for i in range(len(logprobs))]
+
+
+def prompt_entries(prompt: Sequence[int], out: dict) -> list[tuple[int, float | None, list[tuple[int, float]] | None]] | None:
+    """A prompt's (token, logprob, top list) entries from an engine dict of a request with
+    prompt_logprobs (the first token's are None: it has no context); None where the dict has none
+    (the request did not ask, or finished before its prompt was evaluated)."""
+    if "prompt_logprobs" not in out:
+        return None
+    logprobs = list(out["prompt_logprobs"])
+    k = len(out["prompt_top_ids"]) // max(1, len(logprobs))
+    ids, lps = list(out["prompt_top_ids"]), list(out["prompt_top_logprobs"])
+    return [(prompt[0], None, None)] + [(prompt[i + 1], logprobs[i], list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k])))
+                                        for i in range(len(logprobs))]
 
 
 def step_logprobs(event: dict) -> list[tuple[int, float, list[tuple[int, float]]]] | None:

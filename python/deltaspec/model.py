@@ -16,7 +16,7 @@ from . import _core, batch_invariance, completions, embeddings, llama_args, sess
 from .cpu import default_threads
 from .errors import DeltaspecError, EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
-                         result_of, step_logprobs, validate_flag, validate_stop)
+                         prompt_entries, result_of, step_logprobs, validate_flag, validate_stop)
 from .gguf_file import read_gguf
 from .grammar import Grammar, grammar_of
 from .qwen35 import check_tensors, read_hparams
@@ -45,6 +45,8 @@ class RequestOutput:
     result: GenerationResult | None     # once finished
     # a request with logprobs=k: (token, logprob, top [(token, logprob)] * k) of each of those tokens
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # prompt_logprobs=True, in the step that completed the prompt: its entries (GenerationResult's)
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
 
 
 def _load_progress(progress, path: str):
@@ -190,7 +192,7 @@ class Model:
         self.n_threads = n_threads
         self.n_seq_max = n_seq_max
         self._batch_running = False  # a generate_batch call runs (cancel() reaches it)
-        self._request_prompts: dict[int, tuple] = {}  # add_request id -> (prompt length, grammar constraint)
+        self._request_prompts: dict[int, tuple] = {}  # add_request id -> (prompt ids, grammar constraint)
         # The tokens slot 0's state holds, in order (None: unknown, e.g. after a batch): a prompt
         # that extends them continues from that state (save_state / load_state, resumed chats).
         self._cached_tokens: list[int] | None = []
@@ -549,15 +551,24 @@ class Model:
                 for r, out, c in zip(requests, outs, constraints)]
 
     # --- requests stepped by the caller (a server's loop) ----------------------------------------
-    def add_request(self, prompt: str | Sequence[int], **generate_kwargs: Any) -> int:
+    def add_request(self, prompt: str | Sequence[int], *, prompt_logprobs: bool = False, **generate_kwargs: Any) -> int:
         """Queue a request (generate()'s keyword arguments, no streaming; speculation and `prediction`
         as generate_batch's) for step(); returns its id. With logprobs=k each step's RequestOutput
-        carries the log-probabilities of the tokens it committed, and the result all of them. While requests are unfinished, one-sequence calls (generate, eval, ...)
+        carries the log-probabilities of the tokens it committed, and the result all of them.
+        prompt_logprobs=True (with logprobs=k) scores the prompt too (a completion's echo with
+        logprobs): each prompt token's log-probability given the ones before it and the top k there,
+        in the RequestOutput of the step that completes the prompt and in the result. Such a prompt
+        is evaluated whole (never resumed from a kept state), a micro-batch of rows at a time with
+        every row's logits; its first token comes from those logits, so it equals generate()'s
+        wherever the model's rows do not depend on the batch (batch_invariant=True, the CPU).
+        While requests are unfinished, one-sequence calls (generate, eval, ...)
         raise RuntimeError. A finished request's state stays in its slot while the slot is idle; a
         later request whose prompt begins with that request's prompt and output (a chat's next turn)
         resumes from it and prefills only the rest (result.stats.cached_tokens counts the tokens it
         skipped). A one-sequence call forgets every such state."""
         req = self._batch_request(prompt, generate_kwargs, "add_request")
+        if validate_flag("prompt_logprobs", prompt_logprobs) and req.n_logprobs < 0:
+            raise ValueError("prompt_logprobs=True needs logprobs=k (how many top tokens each prompt entry lists)")
         constraint = self._constraint(req)
         draft_model = self._batch_draft([req])
         dflash = self._batch_dflash([req])
@@ -568,8 +579,9 @@ class Model:
                                             sorted(self.tokenizer.eog_ids), [x.encode() for x in req.stop],
                                             constraint=constraint, speculation=self._native_spec(req),
                                             draft=None if draft_model is None else draft_model._live(),
-                                            dflash=dflash, n_logprobs=req.n_logprobs)
-        self._request_prompts[request_id] = (len(req.prompt), constraint)
+                                            dflash=dflash, n_logprobs=req.n_logprobs,
+                                            prompt_logprobs=prompt_logprobs)
+        self._request_prompts[request_id] = (req.prompt, constraint)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -580,10 +592,13 @@ class Model:
         out = []
         for ev in events:
             result = None
+            prompt, constraint = self._request_prompts[ev["id"]]
             if ev["finished"]:
-                n_prompt, constraint = self._request_prompts.pop(ev["id"])
-                result = result_of(self.tokenizer, n_prompt, self._add_grammar_stats(ev["result"], constraint))[0]
-            out.append(RequestOutput(ev["id"], list(ev["tokens"]), ev["finished"], result, step_logprobs(ev)))
+                del self._request_prompts[ev["id"]]
+                result = result_of(self.tokenizer, len(prompt), self._add_grammar_stats(ev["result"], constraint))[0]
+                result.prompt_logprobs = prompt_entries(prompt, ev["result"])
+            out.append(RequestOutput(ev["id"], list(ev["tokens"]), ev["finished"], result, step_logprobs(ev),
+                                     prompt_entries(prompt, ev)))
         return out
 
     def cancel_request(self, request_id: int) -> None:

@@ -210,8 +210,9 @@ def create_app(state: ServerState) -> Starlette:
 
         relays = [asyncio.ensure_future(relay(i, job, first)) for i, (job, first) in enumerate(zip(jobs, firsts))]
         try:
-            for i, b in enumerate(builders):
-                for chunk in indexed(i, itertools.chain(b.start(), b.delta(echo))):
+            for i, (b, first) in enumerate(zip(builders, firsts)):  # echo with logprobs: the prompt's entries
+                entries = None if planted("echo_logprobs_dropped") else first.prompt_logprobs
+                for chunk in indexed(i, itertools.chain(b.start(), b.delta(echo, entries))):
                     yield chunk
             results: list = [None] * len(jobs)
             while any(r is None for r in results):

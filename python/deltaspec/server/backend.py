@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from .. import logprobs as lp
 from ..generation import GenerationResult
 from .planted import planted
 from .text import TextAssembler
@@ -35,6 +36,8 @@ class Progress:
     # a request with logprobs: the (token, logprob, top list) entries of the tokens whose text `text`
     # completes (server.text); the last report has the rest. None: none asked for, or none known yet
     logprobs: list | None = None
+    # a request with prompt_logprobs, in its first report: the prompt's entries (first token's None)
+    prompt_logprobs: list | None = None
 
 
 Report = Callable[[Progress], None]
@@ -55,7 +58,8 @@ class BatchBackend:
     def start(self, job) -> None:
         r = job.request
         job.engine_id = self.model.add_request(r.prompt, max_tokens=r.max_tokens, **r.options,
-                                               **({} if planted("spec_ignored") else self.speculation))
+                                               **({} if planted("spec_ignored") else self.speculation),
+                                               **({"prompt_logprobs": True} if r.prompt_logprobs else {}))
         self._running[job.engine_id] = (job, TextAssembler(self.model.tokenizer, r.options["stop"]))
 
     def cancel(self, job) -> None:
@@ -77,7 +81,8 @@ class BatchBackend:
             else:
                 delta = text.push(out.tokens, out.logprobs)
                 entries = None if out.logprobs is None else text.take_logprobs()
-            report(Progress(job, delta, len(out.tokens), out.result if out.finished else None, entries))
+            report(Progress(job, delta, len(out.tokens), out.result if out.finished else None, entries,
+                            out.prompt_logprobs))
 
     def abandon(self) -> list[object]:
         """After a failed step: cancel what ran (best effort) and forget it; the jobs it held."""
@@ -128,21 +133,27 @@ class SpeculativeBackend:
             # generate()'s loop drafts with the server's drafter only (MTP, DFlash, ...): a prediction
             # is a hint for the scheduler's lookup, and dropping it changes no token
             options = {k: v for k, v in r.options.items() if k != "prediction"}
+            # the prompt's entries (echo with logprobs): one evaluation of it before the loop starts,
+            # handed out with the first report and the result
+            prompt_entries = lp.prompt_logprobs(self.model, r.prompt, options["logprobs"]) if r.prompt_logprobs else None
+            scored = prompt_entries
             stream = self.model.generate(r.prompt, stream=True, max_tokens=r.max_tokens, **options,
                                          **({} if planted("spec_ignored") else self.speculation))
             wants_logprobs = r.options.get("logprobs") is not None
             shown = []
             for piece in stream:
                 shown.append(piece)
-                report(Progress(job, piece, 0, None, stream.take_logprobs() if wants_logprobs else None))
+                report(Progress(job, piece, 0, None, stream.take_logprobs() if wants_logprobs else None, scored))
+                scored = None
                 if job.cancel_requested:  # a cancel that came before the loop started, or between pieces
                     stream.close()  # result: the tokens so far, "cancelled"
                     break
             result = stream.result
             rest = result.text[len("".join(shown)):] if result.text.startswith("".join(shown)) else ""
+            result.prompt_logprobs = prompt_entries
             # the entries not handed out with a piece (TextStream.take_logprobs: after the last piece, the rest)
             report(Progress(job, rest, result.stats.generated_tokens, result,
-                            stream.take_logprobs() if wants_logprobs else None))
+                            stream.take_logprobs() if wants_logprobs else None, scored))
         except BaseException:
             # the job stays ours until abandon() hands it to the engine loop, which answers it with
             # the error; forgetting it here would leave its client waiting and the loop never idle

@@ -13,6 +13,7 @@ from .. import openai_format as oai
 from ..chat import split_reasoning
 from ..generation import GenerationResult
 from ..openai_stream import usage_with_cache
+from .planted import planted
 
 
 def sse(data: dict | str) -> bytes:
@@ -44,14 +45,16 @@ def _with_choices(bodies: list[dict], results: list[GenerationResult]) -> dict:
 
 def completion_body(results: list[GenerationResult], model: str, tokenizer=None, echo: str = "") -> dict:
     """The answer, a choice per result, each after `echo`; with `tokenizer` (the request asked for
-    logprobs) their log-probabilities too."""
+    logprobs) their log-probabilities too, after the prompt's (result.prompt_logprobs) when echoed."""
     bodies = []
     for result in results:
         s = result.stats
         body = oai.completion(echo + result.text, result.finish_reason, model, s.prompt_tokens, s.generated_tokens)
         if tokenizer is not None:
-            body["choices"][0]["logprobs"] = lp.completion_logprobs(tokenizer, lp.generated_logprobs(tokenizer, result),
-                                                                    0)
+            entries = lp.generated_logprobs(tokenizer, result)
+            if echo and result.prompt_logprobs is not None and not planted("echo_logprobs_dropped"):
+                entries = result.prompt_logprobs + entries
+            body["choices"][0]["logprobs"] = lp.completion_logprobs(tokenizer, entries, 0)
         bodies.append(body)
     return _with_choices(bodies, results)
 

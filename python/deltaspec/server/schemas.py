@@ -3,9 +3,10 @@
 A body becomes a `GenerationRequest`: prompt token ids, max_tokens, Model.add_request keyword
 arguments (sampler, seed, stop) and how to answer (stream, usage). Unknown fields are ignored, as
 llama-server ignores them (clients send `user`, `metadata`, ...); known fields of the wrong type or
-range, and features the engine cannot serve faithfully (best_of > 1, suffix, echo with logprobs,
-which would need the prompt's log-probabilities), are refused with 400 naming the field. A
-completion's `echo` puts the prompt's text before each choice's. `n` choices (1..MAX_CHOICES) run as n requests of the engine, choice i
+range, and features the engine cannot serve faithfully (best_of > 1, suffix), are refused with 400
+naming the field. A completion's `echo` puts the prompt's text before each choice's; with
+`logprobs` the prompt's tokens are scored too (their entries come first, the first token's null,
+as OpenAI's legacy completions and llama-cpp-python answer: what evaluation harnesses read). `n` choices (1..MAX_CHOICES) run as n requests of the engine, choice i
 sampling with seed + i when the request gives a seed. `logprobs` (completions: the number of top alternatives; chat: true, with
 `top_logprobs` alternatives) and `logit_bias` ({token id: bias in [-100, 100]}) go to the engine. A chat `response_format` (json_object / json_schema) becomes the
 request's grammar, enforced while decoding; a `prediction` (OpenAI's predicted output) the text the
@@ -54,6 +55,7 @@ class GenerationRequest:
     logprobs: int | None = None               # top alternatives per token when it asked for logprobs
     n: int = 1                                # choices
     echo: str = ""                            # text put before each choice's (a completion's `echo`)
+    prompt_logprobs: bool = False             # echo with logprobs: the prompt's entries too
 
     def choices(self) -> list[GenerationRequest]:
         """One request per choice: choice i samples with seed + i (mod 2**64) when a seed was given,
@@ -262,13 +264,10 @@ def _prompt_ids(prompt: Any, served: Served) -> list[int]:
     return ids
 
 
-def _echo(body: dict, ids: list[int], logprobs: int | None, served: Served) -> str:
+def _echo(body: dict, ids: list[int], served: Served) -> str:
     """What a completion's `echo` puts before its text: the prompt as sent (token ids decoded)."""
     if not _get(body, "echo", (bool,), "true or false", False):
         return ""
-    if logprobs is not None:
-        raise bad_request("'echo' with 'logprobs' is not supported (the prompt's log-probabilities); leave one out",
-                          "echo", "unsupported")
     if planted("echo_dropped"):
         return ""
     prompt = body["prompt"]
@@ -288,8 +287,9 @@ def parse_completion(body: Any, served: Served) -> GenerationRequest:
     logprobs = _completion_logprobs(body)
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
                **({"logprobs": logprobs} if logprobs is not None else {})}
+    echo = _echo(body, ids, served)
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=False, logprobs=logprobs,
-                             n=_choices(body), echo=_echo(body, ids, logprobs, served))
+                             n=_choices(body), echo=echo, prompt_logprobs=bool(echo) and logprobs is not None)
 
 
 def response_format_grammar(body: dict):
