@@ -7,11 +7,14 @@ the choices differ and an answer can be reproduced), streamed or not, in complet
 choice has its index and finish reason; the usage counts the prompt once and every choice's tokens;
 a stream's chunks share one id, carry their choice's index, and end with one usage chunk and
 [DONE]; with a server of one slot the choices run one after another and still all come back;
-`n` out of [1, 16] is a 400 naming it. `echo` puts the prompt (as sent, or its token ids' text) before
+`n` out of [1, 16] is a 400 naming it. An array of prompts (texts or token ids) gets n choices per
+prompt, prompt i's at indices i * n ..., each its prompt's answer (with its own echo), streamed or
+not, the usage counting each prompt once; more than 64 requests in all is a 400. `echo` puts the prompt (as sent, or its token ids' text) before
 each choice's text, streamed or not; echo in a chat is a 400 (echo with logprobs: test_server_logprobs.py).
 
 Seen red with bugs planted in the server (DELTASPEC_TEST_SERVER_BUG): choices_same_seed (every
-choice samples with the request's seed, so they are all choice 0) and echo_dropped (echo ignored).
+choice samples with the request's seed, so they are all choice 0), echo_dropped (echo ignored) and
+first_prompt_only (every choice answers the first prompt).
 """
 
 from __future__ import annotations
@@ -120,3 +123,30 @@ def test_completion_echo(server, reference):
     status, body = post(f"{server.url}/v1/chat/completions",
                         b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": true}')
     assert status == 400 and body["error"]["param"] == "echo"
+
+
+def test_an_array_of_prompts(server, reference):
+    client = server.client()
+    prompts = [PROMPT, "xyz xyz", reference.tokenize("hello there")]
+    texts = [p if isinstance(p, str) else reference.detokenize(p) for p in prompts]
+    want = [reference.generate(p, max_tokens=8, temperature=0).text for p in prompts]
+    assert len(set(want)) == len(want), "the prompts must have different answers"
+    n_prompt = [len(p) if isinstance(p, list) else len(reference.tokenize(p)) for p in prompts]
+    common = dict(model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2, echo=True)
+    r = client.completions.create(**common)
+    assert [(c.index, c.text) for c in r.choices] == [(i, texts[i // 2] + want[i // 2]) for i in range(6)]
+    assert r.usage.prompt_tokens == sum(n_prompt)
+    assert r.usage.completion_tokens == 6 * 8
+    streamed = [""] * 6
+    for c in client.completions.create(stream=True, **common):
+        for choice in c.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in r.choices]
+    status, body = post(f"{server.url}/v1/completions",
+                        ('{"model": "tiny", "prompt": [' + ", ".join(['"a"'] * 33) + '], "n": 2}').encode())
+    assert status == 400 and body["error"]["param"] == "n", body
+    status, body = post(f"{server.url}/v1/completions",
+                        ('{"model": "tiny", "prompt": [' + ", ".join(['"a"'] * 65) + ']}').encode())
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    status, body = post(f"{server.url}/v1/completions", b'{"model": "tiny", "prompt": ["a", []]}')
+    assert status == 400 and body["error"]["param"] == "prompt", body

@@ -168,7 +168,7 @@ def create_app(state: ServerState) -> Starlette:
                         else CompletionChunks(served.name, tokenizer) for _ in jobs]
             for b in builders[1:]:  # one id for the answer's chunks, whichever choice they carry
                 b.id, b.created = builders[0].id, builders[0].created
-            return EventStream(_stream(jobs, firsts, builders, req.include_usage, req.echo), lambda: cancel_all(jobs))
+            return EventStream(_stream(jobs, firsts, builders, req.include_usage, req.n), lambda: cancel_all(jobs))
         results = []
         try:
             for job, event in zip(jobs, firsts):
@@ -187,12 +187,13 @@ def create_app(state: ServerState) -> Starlette:
         finally:
             disconnected.cancel()
         body = (chat_body(results, served.name, req.thinking_open, tokenizer) if chat
-                else completion_body(results, served.name, tokenizer, req.echo))
+                else completion_body(results, served.name, tokenizer, [job.request.echo for job in jobs], req.n))
         return JSONResponse(body)
 
-    async def _stream(jobs: list[Job], firsts: list[Progress], builders: list, include_usage: bool, echo: str):
-        """The choices' chunks as their text comes (each chunk names its choice's index; `echo`, the
-        prompt, first), the usage of all after the last choice finished, then [DONE]."""
+    async def _stream(jobs: list[Job], firsts: list[Progress], builders: list, include_usage: bool, n: int):
+        """The choices' chunks as their text comes (each chunk names its choice's index; a job's
+        echo, its prompt, first), the usage of all (n choices per prompt) after the last choice
+        finished, then [DONE]."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def relay(i: int, job: Job, event: Progress | Failure) -> None:
@@ -210,9 +211,9 @@ def create_app(state: ServerState) -> Starlette:
 
         relays = [asyncio.ensure_future(relay(i, job, first)) for i, (job, first) in enumerate(zip(jobs, firsts))]
         try:
-            for i, (b, first) in enumerate(zip(builders, firsts)):  # echo with logprobs: the prompt's entries
+            for i, (b, job, first) in enumerate(zip(builders, jobs, firsts)):  # echo with logprobs: the prompt's entries
                 entries = None if planted("echo_logprobs_dropped") else first.prompt_logprobs
-                for chunk in indexed(i, itertools.chain(b.start(), b.delta(echo, entries))):
+                for chunk in indexed(i, itertools.chain(b.start(), b.delta(job.request.echo, entries))):
                     yield chunk
             results: list = [None] * len(jobs)
             while any(r is None for r in results):
@@ -227,7 +228,7 @@ def create_app(state: ServerState) -> Starlette:
                     for chunk in indexed(i, builders[i].finish(event.result, include_usage=False)):
                         yield chunk
             if include_usage:
-                yield sse(builders[0].usage_chunk(usage_of(results)))
+                yield sse(builders[0].usage_chunk(usage_of(results, n)))
             yield DONE
         finally:
             for r in relays:

@@ -25,29 +25,34 @@ def sse(data: dict | str) -> bytes:
 DONE = sse("[DONE]")
 
 
-def usage_of(results: list[GenerationResult]) -> dict:
-    """The usage of a request's choices: the prompt once (every choice read the same one), the
-    completion tokens of all; one choice's is usage_with_cache's."""
+def usage_of(results: list[GenerationResult], n: int = 1) -> dict:
+    """The usage of a request's choices, n per prompt in order: each prompt once (its choices read
+    the same one), the completion tokens of all; one choice's is usage_with_cache's."""
     usage = usage_with_cache(results[0])
     if len(results) > 1:
+        firsts = results[::n]
+        prompt = sum(r.stats.prompt_tokens for r in firsts)
         completion = sum(r.stats.generated_tokens for r in results)
-        usage.update(completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
+        usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(r.stats.cached_tokens for r in firsts)}
     return usage
 
 
-def _with_choices(bodies: list[dict], results: list[GenerationResult]) -> dict:
+def _with_choices(bodies: list[dict], results: list[GenerationResult], n: int) -> dict:
     """The first body with every body's choice, indexed in order, and the usage of all."""
     body = bodies[0]
     body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
-    body["usage"] = usage_of(results)
+    body["usage"] = usage_of(results, n)
     return body
 
 
-def completion_body(results: list[GenerationResult], model: str, tokenizer=None, echo: str = "") -> dict:
-    """The answer, a choice per result, each after `echo`; with `tokenizer` (the request asked for
-    logprobs) their log-probabilities too, after the prompt's (result.prompt_logprobs) when echoed."""
+def completion_body(results: list[GenerationResult], model: str, tokenizer=None, echoes: list[str] | None = None,
+                    n: int = 1) -> dict:
+    """The answer, a choice per result (n per prompt), each after its `echoes` entry; with
+    `tokenizer` (the request asked for logprobs) their log-probabilities too, after the prompt's
+    (result.prompt_logprobs) when echoed."""
     bodies = []
-    for result in results:
+    for result, echo in zip(results, echoes or [""] * len(results)):
         s = result.stats
         body = oai.completion(echo + result.text, result.finish_reason, model, s.prompt_tokens, s.generated_tokens)
         if tokenizer is not None:
@@ -56,7 +61,7 @@ def completion_body(results: list[GenerationResult], model: str, tokenizer=None,
                 entries = result.prompt_logprobs + entries
             body["choices"][0]["logprobs"] = lp.completion_logprobs(tokenizer, entries, 0)
         bodies.append(body)
-    return _with_choices(bodies, results)
+    return _with_choices(bodies, results, n)
 
 
 def chat_body(results: list[GenerationResult], model: str, thinking_open: bool, tokenizer=None) -> dict:
@@ -72,4 +77,4 @@ def chat_body(results: list[GenerationResult], model: str, thinking_open: bool, 
         if tokenizer is not None:
             body["choices"][0]["logprobs"] = lp.chat_logprobs(tokenizer, lp.generated_logprobs(tokenizer, result))
         bodies.append(body)
-    return _with_choices(bodies, results)
+    return _with_choices(bodies, results, 1)

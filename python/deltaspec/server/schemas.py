@@ -4,7 +4,9 @@ A body becomes a `GenerationRequest`: prompt token ids, max_tokens, Model.add_re
 arguments (sampler, seed, stop) and how to answer (stream, usage). Unknown fields are ignored, as
 llama-server ignores them (clients send `user`, `metadata`, ...); known fields of the wrong type or
 range, and features the engine cannot serve faithfully (best_of > 1, suffix), are refused with 400
-naming the field. A completion's `echo` puts the prompt's text before each choice's; with
+naming the field. A completion's `prompt` may be an array of prompts (texts or token id arrays, up to MAX_PROMPTS):
+each is answered with `n` choices, prompt i's at indices i * n .. i * n + n - 1, as OpenAI orders
+them. A completion's `echo` puts the prompt's text before each choice's; with
 `logprobs` the prompt's tokens are scored too (their entries come first, the first token's null,
 as OpenAI's legacy completions and llama-cpp-python answer: what evaluation harnesses read). `n` choices (1..MAX_CHOICES) run as n requests of the engine, choice i
 sampling with seed + i when the request gives a seed. `logprobs` (completions: the number of top alternatives; chat: true, with
@@ -15,7 +17,7 @@ request's prompt lookup drafts from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..chat import ChatTemplate, prompt_opens_reasoning
@@ -56,15 +58,26 @@ class GenerationRequest:
     n: int = 1                                # choices
     echo: str = ""                            # text put before each choice's (a completion's `echo`)
     prompt_logprobs: bool = False             # echo with logprobs: the prompt's entries too
+    # a completion's array of prompts: (token ids, echo) of each, `prompt` and `echo` being the
+    # first's; empty for one prompt
+    prompts: list[tuple[list[int], str]] = field(default_factory=list)
 
     def choices(self) -> list[GenerationRequest]:
-        """One request per choice: choice i samples with seed + i (mod 2**64) when a seed was given,
-        so that the choices differ and the answer is reproducible (a random seed: each its own)."""
+        """One request per choice, n per prompt in the prompts' order: choice i of a prompt samples
+        with seed + i (mod 2**64) when a seed was given, so that the choices differ and the answer
+        is reproducible (a random seed: each its own)."""
         seed = self.options.get("seed")
-        if planted("choices_same_seed"):
-            return [self if i == 0 else replace(self, n=1) for i in range(self.n)]
-        return [self if i == 0 else replace(self, n=1, options={
-            **self.options, "seed": None if seed is None else (seed + i) % 2**64}) for i in range(self.n)]
+        out = []
+        for ids, echo in self.prompts or [(self.prompt, self.echo)]:
+            if planted("first_prompt_only"):
+                ids, echo = self.prompt, self.echo
+            one = replace(self, prompt=ids, echo=echo, prompts=[])
+            if planted("choices_same_seed"):
+                out += [one] * self.n
+                continue
+            out += [one if i == 0 else replace(one, options={
+                **self.options, "seed": None if seed is None else (seed + i) % 2**64}) for i in range(self.n)]
+        return out
 
 
 def _type(x: Any) -> str:
@@ -106,6 +119,7 @@ def _check_body(body: Any, served: Served) -> dict:
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (the engine's top rows hold 64)
 MAX_CHOICES = 16       # `n`: each choice is a request of its own, in the queue and in a slot
+MAX_PROMPTS = 64       # a completion's array of prompts; with n choices each, at most MAX_PROMPTS requests
 
 
 def _choices(body: dict) -> int:
@@ -241,6 +255,16 @@ def _max_tokens(body: dict, names: tuple[str, ...], n_prompt: int, served: Serve
     return room if default is None else min(default, room)
 
 
+def _prompt_items(prompt: Any) -> list[Any]:
+    """A completion's prompts: one (a string, or an array of token ids), or an array of them."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS and not planted("no_validation"):
+            raise bad_request(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt",
+                              "invalid_value")
+        return list(prompt)
+    return [prompt]
+
+
 def _prompt_ids(prompt: Any, served: Served) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # OpenAI's batch form with one prompt
@@ -254,8 +278,6 @@ def _prompt_ids(prompt: Any, served: Served) -> list[int]:
             raise bad_request(f"'prompt' token id {bad[0]} is outside the vocabulary [0, {served.n_vocab})",
                               "prompt", "invalid_value")
         ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request("'prompt' holds several prompts; send one prompt per request", "prompt", "unsupported")
     else:
         raise bad_request(f"'prompt' must be a string or a non-empty array of token ids, got {_type(prompt)}",
                           "prompt", "invalid_type")
@@ -264,15 +286,10 @@ def _prompt_ids(prompt: Any, served: Served) -> list[int]:
     return ids
 
 
-def _echo(body: dict, ids: list[int], served: Served) -> str:
+def _echo(wanted: bool, prompt: Any, ids: list[int], served: Served) -> str:
     """What a completion's `echo` puts before its text: the prompt as sent (token ids decoded)."""
-    if not _get(body, "echo", (bool,), "true or false", False):
+    if not wanted or planted("echo_dropped"):
         return ""
-    if planted("echo_dropped"):
-        return ""
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
     return prompt if isinstance(prompt, str) else served.tokenizer.decode(ids)
 
 
@@ -280,16 +297,24 @@ def parse_completion(body: Any, served: Served) -> GenerationRequest:
     body = _check_body(body, served)
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt", "missing")
-    ids = _prompt_ids(body["prompt"], served)
+    items = _prompt_items(body["prompt"])
+    all_ids = [_prompt_ids(p, served) for p in items]
+    ids = max(all_ids, key=len)  # max_tokens must fit beside the longest
+    n = _choices(body)
+    if len(items) * n > MAX_PROMPTS and not planted("no_validation"):
+        raise bad_request(f"{len(items)} prompts x n = {n} choices make {len(items) * n} requests; at most "
+                          f"{MAX_PROMPTS} per request", "n", "invalid_value")
     max_tokens = _max_tokens(body, ("max_tokens",), len(ids), served, COMPLETION_MAX_TOKENS_DEFAULT)
     sampling, seed = _sampling(body, chat=False)
     stream, include_usage = _stream(body)
     logprobs = _completion_logprobs(body)
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
                **({"logprobs": logprobs} if logprobs is not None else {})}
-    echo = _echo(body, ids, served)
-    return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=False, logprobs=logprobs,
-                             n=_choices(body), echo=echo, prompt_logprobs=bool(echo) and logprobs is not None)
+    wants_echo = _get(body, "echo", (bool,), "true or false", False)
+    prompts = [(p_ids, _echo(wants_echo, p, p_ids, served)) for p, p_ids in zip(items, all_ids)]
+    return GenerationRequest(prompts[0][0], max_tokens, options, stream, include_usage, chat=False, logprobs=logprobs,
+                             n=n, echo=prompts[0][1], prompt_logprobs=wants_echo and logprobs is not None,
+                             prompts=prompts if len(prompts) > 1 else [])
 
 
 def response_format_grammar(body: dict):
