@@ -34,7 +34,9 @@
 #      (bench/batch_invariance.py --device cuda) -> cuda_batch_invariance.json
 #   shapes: where batch-invariant rows part from steps, bisected by shape: 4-layer synthetic models
 #      of the 27B's widths with one width at a time from the 0.8B, under the kernel switches
-#      (bench/invariance_probe.py --shapes; about 6 GB of models in /tmp/shapes) -> invariance_shapes.json
+#      (bench/invariance_probe.py --shapes: about 15 GB of models in /tmp/shapes, each written when
+#      its turn comes, the JSON rewritten after every probe, so a run cut short keeps what it probed)
+#      -> invariance_shapes.json
 #   batchspec: aggregate decode tok/s with prompt-lookup speculation across 1/4/16 sequences
 #      (bench/batch_spec_bench.py: plain, own-text lookup, a reference holding the plain output, the
 #      same with every 4th token wrong), llama-batched-bench's plain rows beside them when `build`

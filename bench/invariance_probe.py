@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
 import sys
+from typing import Iterable, Iterator
 
 
 def worker(path: str, rows: int, context: int, device: str) -> dict:
@@ -39,8 +41,9 @@ def worker(path: str, rows: int, context: int, device: str) -> dict:
     return {"max_diff": diff, "routes": [a - b for a, b in zip(routes(), before)]}
 
 
-def shape_models(folder: str, base: str, small: str) -> list[tuple[str, str]]:
-    """(label, path) of the bisection models, written once into `folder`."""
+def shape_models(folder: str, base: str, small: str) -> Iterator[tuple[str, str]]:
+    """(label, path) of the bisection models, each written into `folder` (once) when its turn comes,
+    so that a run cut short has probed the first ones."""
     from deltaspec.synth import PRESETS, write_synthetic_gguf
 
     b, s = PRESETS[base], PRESETS[small]
@@ -55,21 +58,21 @@ def shape_models(folder: str, base: str, small: str) -> list[tuple[str, str]]:
         f"{small}": dataclasses.replace(s, **four),
     }
     os.makedirs(folder, exist_ok=True)
-    out = []
     for label, preset in shapes.items():
         if label != base and preset == shapes[base]:
             continue  # the small preset has the base's value there: nothing to bisect
         path = os.path.join(folder, label.replace(" ", "_").replace("/", "-").replace("=", "") + ".gguf")
         if not os.path.exists(path):
             write_synthetic_gguf(path, dataclasses.replace(preset, name=label), "q4_k_m", seed=0)
-        out.append((label, path))
-    return out
+        yield label, path
 
 
-def probe(models: list[tuple[str, str]], variants: list[str], rows: int, context: int, device: str) -> list[dict]:
+def probe(models: Iterable[tuple[str, str]], variants: list[str], rows: int, contexts: list[int], device: str,
+          out_path: str | None) -> list[dict]:
+    """Each model under each variant at each context; the JSON file is rewritten after every row."""
     results = []
     for label, path in models:
-        for variant in variants:
+        for variant, context in itertools.product(variants, contexts):
             env = {**os.environ, **dict(kv.split("=", 1) for kv in variant.split())}
             out = subprocess.run([sys.executable, __file__, "--worker", path, "--rows", str(rows),
                                   "--context", str(context), "--device", device], env=env, capture_output=True, text=True)
@@ -78,6 +81,9 @@ def probe(models: list[tuple[str, str]], variants: list[str], rows: int, context
                        else {"error": out.stderr.strip().splitlines()[-1:]})
             results.append(row)
             print(json.dumps(row), flush=True)
+            if out_path:
+                with open(out_path, "w") as f:
+                    json.dump(results, f, indent=2)
     return results
 
 
@@ -100,10 +106,7 @@ def main() -> None:
     if bool(args.models) == bool(args.shapes):
         ap.error("give models or --shapes DIR (one of them)")
     models = shape_models(args.shapes, args.base, args.small) if args.shapes else [(os.path.basename(p), p) for p in args.models]
-    results = [r for c in args.context for r in probe(models, args.variants, args.rows, c, args.device)]
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    probe(models, args.variants, args.rows, args.context, args.device, args.out)
 
 
 if __name__ == "__main__":
