@@ -228,15 +228,18 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
 }
 
 int32_t Scheduler::feed_scored(Sequence & s, int64_t n) {
-    // Micro-batches of n_ubatch from the chunk's start, where Engine::eval cuts a plain prefill too:
-    // the layers see the rows they see there (only the head computes every row), and the host holds
-    // one micro-batch's logits at a time.
+    // Pieces of at most kScoredRows rows: every row's logits are a graph output and then on the
+    // host, n_vocab floats each (a 248K vocabulary: 1 MB a row), so a piece of n_ubatch rows would
+    // ask for 0.5 GB on both sides per scored request. Prompts up to kScoredRows tokens are cut
+    // where a plain prefill cuts them.
+    constexpr int64_t kScoredRows = 128;
     const int64_t n_vocab = engine_.hparams().n_vocab, size = (int64_t)s.req.prompt.size();
+    const int64_t piece = std::min(engine_.n_ubatch(), kScoredRows);
     const bool bug = logprob_bug() == LogprobBug::prompt_own_row;
     std::vector<float> rows;
     int32_t token = -1;
     for (int64_t done = 0; done < n;) {
-        const int64_t m = std::min(engine_.n_ubatch(), n - done);
+        const int64_t m = std::min(piece, n - done);
         rows.resize(m * n_vocab);
         engine_.eval(s.req.prompt.data() + s.n_fed + done, m, LogitsWanted::all, rows.data());
         for (int64_t r = 0; r < m; ++r) {

@@ -203,8 +203,8 @@ class Scheduler {
     // evaluates up to `budget` more of s's prompt in its slot; once the prompt is complete, chooses
     // and commits its first token. Returns the prompt tokens evaluated.
     int64_t feed(Sequence & s, int64_t budget, std::vector<StepEvent> & events);
-    // feed's n prompt tokens for a request with prompt_logprobs: every row's logits to the host, a
-    // micro-batch at a time; returns the first token when they complete the prompt (else -1)
+    // feed's n prompt tokens for a request with prompt_logprobs: every row's logits to the host, 128
+    // rows (or n_ubatch, if fewer) at a time; returns the first token when they complete the prompt (else -1)
     int32_t feed_scored(Sequence & s, int64_t n);
     bool split_on_top() const;  // the top running sequence's prompt is not complete yet
     // the running sequences that decode this step: all but a split prompt on top

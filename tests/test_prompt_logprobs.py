@@ -5,7 +5,7 @@ The claims: each prompt token's entry is its log-probability given the tokens be
 most probable tokens there, as a log-softmax written here computes them from Model.logits of the
 whole prompt (to 1e-5: the engine rounds once to float), the first token's None; for several
 requests at once, prompts split over steps by the prefill budget and prompts longer than a
-micro-batch; a prompt that extends a kept history is scored whole (nothing resumed); the entries
+micro-batch or than the 128 rows scored at a time; a prompt that extends a kept history is scored whole (nothing resumed); the entries
 come in the RequestOutput of the step that completes the prompt and in the result; the tokens
 after the prompt are generate()'s. Bad arguments raise.
 
@@ -106,6 +106,17 @@ def test_a_prompt_split_by_the_prefill_budget(path):
     assert len(prompt) > 3 * 7
     assert_entries_equal(r.prompt_logprobs, want)
     assert at_step == r.prompt_logprobs
+
+
+def test_a_long_prompt_is_scored_128_rows_at_a_time(path):
+    """A prompt of 300 tokens at n_ubatch 512: its entries are those of evaluations of 128 tokens at
+    a time (the scheduler's bound on the logits it holds)."""
+    with Model(path, n_ctx=512, n_threads=2) as m:
+        prompt = (m.tokenize(PROMPTS[3] + " ") * 20)[:300]
+        want = reference_entries(m, prompt, K, pieces=128)
+        (r,), _ = run_scored(m, [prompt], max_tokens=2)
+    assert len(prompt) == 300
+    assert_entries_equal(r.prompt_logprobs, want)
 
 
 def test_a_prompt_that_extends_a_kept_history_is_scored_whole(path):

@@ -558,11 +558,10 @@ class Model:
         prompt_logprobs=True (with logprobs=k) scores the prompt too (a completion's echo with
         logprobs): each prompt token's log-probability given the ones before it and the top k there,
         in the RequestOutput of the step that completes the prompt and in the result. Such a prompt
-        is evaluated whole (never resumed from a kept state), a micro-batch of rows at a time with
-        every row's logits on the host (n_ubatch x n_vocab floats: 0.5 GB for Qwen3.5's vocabulary
-        at n_ubatch 512); its first token comes from those logits, whose head ran over every row:
-        it is generate()'s where rows do not depend on the batch (batch_invariant=True), elsewhere
-        it may differ at a near-tie.
+        is evaluated whole (never resumed from a kept state), 128 rows (or n_ubatch, if fewer) at a
+        time with every row's logits on the host (128 MB for Qwen3.5's vocabulary); its first token
+        comes from those logits, whose head ran over every row: it is generate()'s where rows do
+        not depend on the batch (batch_invariant=True), elsewhere it may differ at a near-tie.
         While requests are unfinished, one-sequence calls (generate, eval, ...)
         raise RuntimeError. A finished request's state stays in its slot while the slot is idle; a
         later request whose prompt begins with that request's prompt and output (a chat's next turn)
