@@ -1,5 +1,6 @@
 """HTTP routes (Starlette): OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus
-/health and /metrics. Handlers validate, submit a Job to the engine loop and relay its progress;
+/health and /metrics, and llama-server's /tokenize, /detokenize and /apply-template
+(server.text_tools). Handlers validate, submit a Job to the engine loop and relay its progress;
 every error is a JSON body with a 4xx/5xx status (never Starlette's plain-text pages)."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import text_tools
 from .backend import Progress
 from .engine_loop import EngineLoop, Failure, Job
 from .errors import APIError
@@ -262,6 +264,17 @@ def create_app(state: ServerState) -> Starlette:
                 body["status"] = "degraded"
         return JSONResponse(body)
 
+    def text_tool(answer: Callable[[object, Served], dict]):
+        """A route of server.text_tools: the body checked and answered off the event loop."""
+        async def route(request: Request):
+            try:
+                _check_key(request, state.api_key)
+                body = await _body(request)
+                return JSONResponse(await run_in_threadpool(answer, body, served))
+            except APIError as e:
+                return _error(e)
+        return route
+
     async def metrics(request: Request):
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -279,7 +292,10 @@ def create_app(state: ServerState) -> Starlette:
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
-              Route("/metrics", metrics, methods=["GET"])]
+              Route("/metrics", metrics, methods=["GET"]),
+              Route("/tokenize", text_tool(text_tools.tokenize), methods=["POST"]),
+              Route("/detokenize", text_tool(text_tools.detokenize), methods=["POST"]),
+              Route("/apply-template", text_tool(text_tools.apply_template), methods=["POST"])]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
