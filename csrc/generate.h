@@ -30,7 +30,8 @@ struct GenerateRequest {
     int32_t n_logprobs = -1;
     // With n_logprobs >= 0 (the scheduler's requests): also each prompt token's log-probability given
     // the tokens before it, and the k most probable tokens' there (a completion's echo with logprobs;
-    // the whole prompt is evaluated, none of it resumed from a kept state).
+    // the whole prompt is evaluated, none of it resumed from a kept state). max_tokens may then be
+    // 0: the prompt scored alone, finishing with `length` and no token.
     bool prompt_logprobs = false;
 };
 

@@ -43,7 +43,9 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
                                     " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
         }
     }
-    if (req.max_tokens < 1) throw std::invalid_argument("max_tokens must be >= 1");
+    if (req.max_tokens < (req.prompt_logprobs ? 0 : 1)) {
+        throw std::invalid_argument("max_tokens must be >= 1 (0 only with prompt_logprobs: the prompt scored alone)");
+    }
     if (req.prompt_logprobs && (req.n_logprobs < 0 || req.n_cached != 0)) {
         throw std::invalid_argument(req.n_logprobs < 0 ? "prompt_logprobs needs n_logprobs >= 0 (how many top tokens each entry lists)"
                                                        : "prompt_logprobs evaluates the whole prompt: n_cached must be 0");
@@ -222,7 +224,11 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
             ev.prompt_top_ids = s.res.prompt_top_ids;
             ev.prompt_top_logprobs = s.res.prompt_top_logprobs;
         }
-        commit(s, token, ev);
+        if (s.req.max_tokens == 0) {
+            finish(s, FinishReason::length, ev);  // the prompt scored alone
+        } else {
+            commit(s, token, ev);
+        }
     }
     return n;
 }
@@ -247,7 +253,7 @@ int32_t Scheduler::feed_scored(Sequence & s, int64_t n) {
             const int64_t next = s.n_fed + done + r + 1;  // the prompt token this row predicts
             if (next < size) {
                 record_prompt_logprobs(s.req, row, n_vocab, s.req.prompt[bug ? next - 1 : next], s.res);
-            } else {
+            } else if (s.req.max_tokens > 0) {
                 token = choose(s, row, n_vocab);
             }
         }
@@ -448,8 +454,9 @@ void Scheduler::release_finished() {
         if (!running_[i]->finished) continue;
         const int64_t last = (int64_t)running_.size() - 1;
         if (histories_) {  // its state holds every committed token but the last, never evaluated
-            const std::vector<int32_t> & h = running_[i]->history;
-            histories_->finished(i, last, std::vector<int32_t>(h.begin(), h.end() - 1));
+            const Sequence & s = *running_[i];  // (none committed: the prompt as far as it was fed)
+            const auto end = s.res.tokens.empty() ? s.history.begin() + s.n_fed : s.history.end() - 1;
+            histories_->finished(i, last, std::vector<int32_t>(s.history.begin(), end));
         }
         const auto move_to = [&](int64_t from, int64_t to) {
             if (batch_bug() != BatchBug::no_move) engine_.move_slot(from, to);

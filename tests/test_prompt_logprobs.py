@@ -7,7 +7,8 @@ whole prompt (to 1e-5: the engine rounds once to float), the first token's None;
 requests at once, prompts split over steps by the prefill budget and prompts longer than a
 micro-batch or than the 128 rows scored at a time; a prompt that extends a kept history is scored whole (nothing resumed); the entries
 come in the RequestOutput of the step that completes the prompt and in the result; the tokens
-after the prompt are generate()'s. Bad arguments raise.
+after the prompt are generate()'s. max_tokens=0 scores the prompt alone (no token, "length"), and
+a later request extending that prompt resumes from the state it left. Bad arguments raise.
 
 Seen red with DELTASPEC_TEST_WRONG_LOGPROB_ROW=prompt_own_row (csrc/logprobs.h: each prompt token's
 entry taken for the token before it): test_planted_own_row_is_caught runs the check with it.
@@ -66,7 +67,7 @@ def run_scored(model: Model, prompts: list[list[int]], max_tokens: int = 6, **kw
     while model.has_unfinished_requests:
         for out in model.step():
             if out.prompt_logprobs is not None:
-                assert out.request_id not in at_step and out.tokens, "entries once, with the first token"
+                assert out.request_id not in at_step and (out.tokens or out.finished), "entries once, with the first token (or the finish)"
                 at_step[out.request_id] = out.prompt_logprobs
             if out.finished:
                 results[out.request_id] = out.result
@@ -138,10 +139,32 @@ def test_a_prompt_that_extends_a_kept_history_is_scored_whole(path):
     assert_entries_equal(scored.prompt_logprobs, want)
 
 
+def test_max_tokens_0_scores_the_prompt_alone(path):
+    """No token; the slot keeps the scored prompt's state, which a plain request extending the prompt
+    resumes (its tokens are generate()'s)."""
+    with Model(path, n_ctx=512, n_threads=2, n_seq_max=2) as m:
+        prompt = m.tokenize(PROMPTS[1])
+        longer = prompt + m.tokenize(" and then")
+        m.reset()
+        greedy = m.generate(longer, temperature=0, max_tokens=6)
+        want = reference_entries(m, prompt, K)
+        (r,), (at_step,) = run_scored(m, [prompt], max_tokens=0)
+        assert r.tokens == [] and r.text == "" and r.finish_reason == "length"
+        assert_entries_equal(r.prompt_logprobs, want)
+        assert at_step == r.prompt_logprobs
+        rid = m.add_request(longer, temperature=0, max_tokens=6)
+        while m.has_unfinished_requests:
+            resumed = [o.result for o in m.step() if o.finished and o.request_id == rid] or None
+    assert resumed[0].stats.cached_tokens == len(prompt)
+    assert resumed[0].tokens == greedy.tokens
+
+
 def test_bad_arguments(path):
     with Model(path, n_ctx=256, n_threads=1) as m:
         with pytest.raises(ValueError, match="prompt_logprobs=True needs logprobs"):
             m.add_request("abc", max_tokens=2, prompt_logprobs=True)
+        with pytest.raises(ValueError, match="0 only with prompt_logprobs"):
+            m.add_request("abc", max_tokens=0, logprobs=1)
         with pytest.raises(TypeError, match="prompt_logprobs"):
             m.add_request("abc", max_tokens=2, logprobs=1, prompt_logprobs="yes")
         assert not m.has_unfinished_requests

@@ -30,7 +30,7 @@ openai = pytest.importorskip("openai")  # CI installs it with the test extra: ne
 from deltaspec import Model
 from deltaspec import logprobs as lp
 from deltaspec.completions import apply_chat_template
-from test_server import TEMPLATE, ServerProcess, files  # noqa: F401 (fixture)
+from test_server import TEMPLATE, ServerProcess, files, post  # noqa: F401 (fixture)
 
 N_CTX = 1024
 K = 3
@@ -140,6 +140,31 @@ def test_completion_echo_with_logprobs(server, reference):
             for key in want:
                 joined[key] += _completion_fields(c.choices[0].logprobs.model_dump())[key]
     assert _near(joined, want)
+
+
+def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(server, reference):
+    """max_tokens 0 with echo and logprobs (OpenAI's legacy way to score a text): the prompt, its
+    entries, no completion tokens, finish_reason "length"; without echo and logprobs a 400."""
+    want = lp.completion_logprobs(reference.tokenizer, _prompt_entries(reference, PROMPT, K), 0)
+    client = server.client()
+    common = dict(model="tiny", prompt=PROMPT, max_tokens=0, temperature=0, logprobs=K, echo=True)
+    got = client.completions.create(**common)
+    assert got.choices[0].text == PROMPT and got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == 0
+    assert _near(_completion_fields(got.choices[0].logprobs.model_dump()), want)
+    chunks = list(client.completions.create(stream=True, **common))
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert chunks[-1].choices[0].finish_reason == "length"
+    joined = {key: [] for key in want}
+    for c in chunks:
+        if c.choices[0].logprobs is not None:
+            for key in want:
+                joined[key] += _completion_fields(c.choices[0].logprobs.model_dump())[key]
+    assert _near(joined, want)
+    for body in (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}',
+                 b'{"model": "tiny", "prompt": "hi", "max_tokens": 0, "echo": true}'):
+        status, answer = post(f"{server.url}/v1/completions", body)
+        assert status == 400 and answer["error"]["param"] == "max_tokens", answer
 
 
 def test_chat_logprobs_equal_generate(server, reference):

@@ -192,7 +192,8 @@ class Model:
         self.n_threads = n_threads
         self.n_seq_max = n_seq_max
         self._batch_running = False  # a generate_batch call runs (cancel() reaches it)
-        self._request_prompts: dict[int, tuple] = {}  # add_request id -> (prompt ids, grammar constraint)
+        # add_request id -> (prompt ids, grammar constraint, whether it asked for logprobs)
+        self._request_prompts: dict[int, tuple] = {}
         # The tokens slot 0's state holds, in order (None: unknown, e.g. after a batch): a prompt
         # that extends them continues from that state (save_state / load_state, resumed chats).
         self._cached_tokens: list[int] | None = []
@@ -399,17 +400,19 @@ class Model:
                              f"got {logprobs!r}")
         return logprobs
 
-    def _request(self, prompt, max_tokens, sampling: SamplingOptions, stop) -> _Request:
+    def _request(self, prompt, max_tokens, sampling: SamplingOptions, stop, scored: bool = False) -> _Request:
         ids = self._prompt_ids(prompt)
         if max_tokens is None:
             # until the context is full: the last token is sampled from the last row, never evaluated
             max_tokens = self.n_ctx - len(ids) + 1
-        elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+        elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < (0 if scored else 1):
+            raise ValueError(f"max_tokens must be a positive integer or None (0 only with prompt_logprobs=True: the "
+                             f"prompt scored alone), got {max_tokens!r}")
         return _Request(ids, max_tokens, sampling, validate_stop(stop))
 
-    def _batch_request(self, prompt, options: dict[str, Any], where: str) -> _Request:
-        """A request for generate_batch / add_request from generate()'s keyword arguments."""
+    def _batch_request(self, prompt, options: dict[str, Any], where: str, scored: bool = False) -> _Request:
+        """A request for generate_batch / add_request from generate()'s keyword arguments (`scored`:
+        add_request's prompt_logprobs, which allows max_tokens=0)."""
         options = dict(options)
         prediction = options.pop("prediction", None)
         unknown = sorted(set(options) - set(_GENERATE_DEFAULTS))
@@ -424,7 +427,7 @@ class Model:
                                                           "presence_penalty", "frequency_penalty", "penalty_last_n")},
                                    seed=self._default_seed if o["seed"] is None else o["seed"],
                                    logit_bias=self._logit_bias(o["logit_bias"], o["ignore_eos"]))
-        request = self._request(prompt, o["max_tokens"], sampling, o["stop"])
+        request = self._request(prompt, o["max_tokens"], sampling, o["stop"], scored)
         request.n_logprobs = self._n_logprobs(o["logprobs"])
         # the drafter's arguments are checked even where a prediction replaces it
         request.speculation = self._speculation(o["spec_type"], o["draft_model"], o["draft_n_max"], o["draft_n_min"],
@@ -557,7 +560,8 @@ class Model:
         carries the log-probabilities of the tokens it committed, and the result all of them.
         prompt_logprobs=True (with logprobs=k) scores the prompt too (a completion's echo with
         logprobs): each prompt token's log-probability given the ones before it and the top k there,
-        in the RequestOutput of the step that completes the prompt and in the result. Such a prompt
+        in the RequestOutput of the step that completes the prompt and in the result (max_tokens=0:
+        nothing generated, the request finishes there with "length"). Such a prompt
         is evaluated whole (never resumed from a kept state), 128 rows (or n_ubatch, if fewer) at a
         time with every row's logits on the host (128 MB for Qwen3.5's vocabulary); its first token
         comes from those logits, whose head ran over every row: it is generate()'s where rows do
@@ -567,8 +571,9 @@ class Model:
         later request whose prompt begins with that request's prompt and output (a chat's next turn)
         resumes from it and prefills only the rest (result.stats.cached_tokens counts the tokens it
         skipped). A one-sequence call forgets every such state."""
-        req = self._batch_request(prompt, generate_kwargs, "add_request")
-        if validate_flag("prompt_logprobs", prompt_logprobs) and req.n_logprobs < 0:
+        scored = validate_flag("prompt_logprobs", prompt_logprobs)
+        req = self._batch_request(prompt, generate_kwargs, "add_request", scored)
+        if scored and req.n_logprobs < 0:
             raise ValueError("prompt_logprobs=True needs logprobs=k (how many top tokens each prompt entry lists)")
         constraint = self._constraint(req)
         draft_model = self._batch_draft([req])
@@ -582,7 +587,7 @@ class Model:
                                             draft=None if draft_model is None else draft_model._live(),
                                             dflash=dflash, n_logprobs=req.n_logprobs,
                                             prompt_logprobs=prompt_logprobs)
-        self._request_prompts[request_id] = (req.prompt, constraint)
+        self._request_prompts[request_id] = (req.prompt, constraint, req.n_logprobs >= 0)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -593,11 +598,13 @@ class Model:
         out = []
         for ev in events:
             result = None
-            prompt, constraint = self._request_prompts[ev["id"]]
+            prompt, constraint, wants_logprobs = self._request_prompts[ev["id"]]
             if ev["finished"]:
                 del self._request_prompts[ev["id"]]
                 result = result_of(self.tokenizer, len(prompt), self._add_grammar_stats(ev["result"], constraint))[0]
                 result.prompt_logprobs = prompt_entries(prompt, ev["result"])
+                if wants_logprobs and result.logprobs is None:  # it finished before its first token
+                    result.logprobs, result.top_logprobs = [], []
             out.append(RequestOutput(ev["id"], list(ev["tokens"]), ev["finished"], result, step_logprobs(ev),
                                      prompt_entries(prompt, ev)))
         return out

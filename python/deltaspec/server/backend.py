@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import logprobs as lp
-from ..generation import GenerationResult
+from ..generation import GenerationResult, GenerationStats
 from .planted import planted
 from .text import TextAssembler
 
@@ -136,6 +136,14 @@ class SpeculativeBackend:
             # the prompt's entries (echo with logprobs): one evaluation of it before the loop starts,
             # handed out with the first report and the result
             prompt_entries = lp.prompt_logprobs(self.model, r.prompt, options["logprobs"]) if r.prompt_logprobs else None
+            if r.max_tokens == 0:  # the prompt scored alone: nothing to generate
+                stats = GenerationStats(prompt_tokens=len(r.prompt), generated_tokens=0, prefill_seconds=0.0,
+                                        decode_seconds=0.0)
+                report(Progress(job, "", 0, GenerationResult([], "", "length", stats, [], [], prompt_entries), [],
+                                prompt_entries))
+                with self._lock:
+                    self._job = None
+                return
             scored = prompt_entries
             stream = self.model.generate(r.prompt, stream=True, max_tokens=r.max_tokens, **options,
                                          **({} if planted("spec_ignored") else self.speculation))

@@ -235,7 +235,10 @@ def _prediction(body: dict) -> dict[str, Any]:
     return {"prediction": content} if content else {}
 
 
-def _max_tokens(body: dict, names: tuple[str, ...], n_prompt: int, served: Served, default: int | None) -> int:
+def _max_tokens(body: dict, names: tuple[str, ...], n_prompt: int, served: Served, default: int | None,
+                scored: bool = False) -> int:
+    """The completion's token budget, checked against the context; 0 only for `scored` (a completion
+    with echo and logprobs: the prompt scored alone, as OpenAI's legacy completions allow)."""
     room = served.n_ctx - n_prompt + 1  # the last token is sampled from the last row, never evaluated
     if n_prompt >= served.n_ctx:
         raise bad_request(f"the prompt has {n_prompt} tokens but the context holds {served.n_ctx} tokens per "
@@ -245,8 +248,9 @@ def _max_tokens(body: dict, names: tuple[str, ...], n_prompt: int, served: Serve
     for name in names:
         value = _get(body, name, (int,), "a positive integer")
         if value is not None:
-            if not planted("no_validation") and value < 1:
-                raise bad_request(f"'{name}' must be a positive integer, got {value}", name, "invalid_value")
+            if not planted("no_validation") and value < (0 if scored else 1):
+                raise bad_request(f"'{name}' must be a positive integer (0 only with echo and logprobs: the prompt "
+                                  f"scored alone), got {value}", name, "invalid_value")
             if value > room:
                 raise bad_request(f"this request asks for {n_prompt} prompt tokens + {value} completion tokens but "
                                   f"the context holds {served.n_ctx}; lower '{name}' to at most {room} or shorten "
@@ -304,13 +308,14 @@ def parse_completion(body: Any, served: Served) -> GenerationRequest:
     if len(items) * n > MAX_PROMPTS and not planted("no_validation"):
         raise bad_request(f"{len(items)} prompts x n = {n} choices make {len(items) * n} requests; at most "
                           f"{MAX_PROMPTS} per request", "n", "invalid_value")
-    max_tokens = _max_tokens(body, ("max_tokens",), len(ids), served, COMPLETION_MAX_TOKENS_DEFAULT)
+    logprobs = _completion_logprobs(body)
+    wants_echo = _get(body, "echo", (bool,), "true or false", False)
+    max_tokens = _max_tokens(body, ("max_tokens",), len(ids), served, COMPLETION_MAX_TOKENS_DEFAULT,
+                             scored=wants_echo and logprobs is not None)
     sampling, seed = _sampling(body, chat=False)
     stream, include_usage = _stream(body)
-    logprobs = _completion_logprobs(body)
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
                **({"logprobs": logprobs} if logprobs is not None else {})}
-    wants_echo = _get(body, "echo", (bool,), "true or false", False)
     prompts = [(p_ids, _echo(wants_echo, p, p_ids, served)) for p, p_ids in zip(items, all_ids)]
     return GenerationRequest(prompts[0][0], max_tokens, options, stream, include_usage, chat=False, logprobs=logprobs,
                              n=n, echo=prompts[0][1], prompt_logprobs=wants_echo and logprobs is not None,
