@@ -17,10 +17,11 @@
 #      -> stock_vs_injected.json (starts the stock build if no earlier call did)
 #   verify: what verifying a draft chain (greedy and sampled) and rolling back cost next to a
 #      decode step (27B) -> verify_cost.json
-#   tree: what verifying a draft tree of 1 + 8/16/22/32/64 rows (Engine::verify_tree, the rows ops)
+#   tree: what verifying a draft tree of 1 + 8/16/22/32/64/96 rows (Engine::verify_tree, the rows ops)
 #      and keeping a path cost next to a decode step (27B), beside the chain verify of the same
-#      width and llama.cpp's batch of that width (llama-bench pp, when `build` made it), interleaved
-#      -> tree_verify_cost.json
+#      width and llama.cpp's batch of that width (llama-bench pp, when `build` made it), interleaved;
+#      the verifies over 32 rows also with products up to MMA_MAX_COLUMNS (128) columns on our
+#      tensor-core kernels -> tree_verify_cost.json
 #   profile: GPU time per kernel group of one decode step and one 17-row verify (Nsight Compute)
 #      -> profile.md; PROFILE_WHAT replaces "decode verify" (kernel_profile.py's --what: also tree,
 #      keep-path, batch), PROFILE_CHAIN the verify's rows
@@ -286,6 +287,7 @@ if has_step tree; then
     peer=()
     [[ -x $LLAMA_BUILD/bin/llama-bench ]] && peer=(--llama-bench "$LLAMA_BUILD/bin/llama-bench")
     python3 "$REPO/bench/tree_verify_cost.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
+        --mma-max-columns "${MMA_MAX_COLUMNS:-128}" --widths "${TREE_WIDTHS:-8,16,22,32,64,96}" \
         --out "$OUT/tree_verify_cost.json" | tee "$OUT/tree_verify_cost.md"
 fi
 if has_step profile; then  # one decode step and one 17-row verify (PROFILE_WHAT, PROFILE_CHAIN), kernel by kernel

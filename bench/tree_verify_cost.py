@@ -83,8 +83,10 @@ def timed(fn, n: int) -> float:
     return statistics.median(times)
 
 
-def measure_ours(engine, widths: list[int], steps: int, rng) -> dict[str, float]:
-    """One repetition: every measurement once (median of `steps` timings), in ms."""
+def measure_ours(engine, widths: list[int], steps: int, rng, mma_max_columns: int = 0) -> dict[str, float]:
+    """One repetition: every measurement once (median of `steps` timings), in ms; with
+    mma_max_columns, the tree and chain verifies wider than 32 rows once more with products up to
+    that many columns on our tensor-core kernels (launches of up to 32), interleaved."""
     n_vocab = engine.hparams_n_vocab
     token = lambda: np.array([rng.integers(0, n_vocab)], dtype=np.int32)  # noqa: E731
     # every timed group starts at the same depth (each timing adds a token or a path to the sequence)
@@ -108,6 +110,17 @@ def measure_ours(engine, widths: list[int], steps: int, rng) -> dict[str, float]
         out[f"tree verify 1+{n}"] = 1e3 * timed(tree_once, steps)
         engine.reset_to(engine.depth)
         out[f"chain verify 1+{n}"] = 1e3 * timed(chain_once, steps)
+        if mma_max_columns and n + 1 > 32:
+            from deltaspec import _core
+
+            _core.cuda_set_mma_max_columns(mma_max_columns)
+            try:
+                engine.reset_to(engine.depth)
+                out[f"tree verify 1+{n}, mma <= {mma_max_columns}"] = 1e3 * timed(tree_once, steps)
+                engine.reset_to(engine.depth)
+                out[f"chain verify 1+{n}, mma <= {mma_max_columns}"] = 1e3 * timed(chain_once, steps)
+            finally:
+                _core.cuda_set_mma_max_columns(0)
         for name, rows in (("chain path", [0] + list(range(1, min(9, n + 1)))),
                            ("off-chain path", off_chain_path(parents))):
             if rows is None:
@@ -183,11 +196,16 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=256, help="context tokens before measuring (default: %(default)s)")
     ap.add_argument("--llama-bench", help="llama-bench binary: llama.cpp's batch cost in the same run")
     ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--mma-max-columns", type=int, default=0, metavar="N",
+                    help="CUDA: also time the verifies wider than 32 rows with products up to N columns on "
+                         "deltaspec's tensor-core kernels (launches of up to 32) instead of ggml's mmq")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results (default: %(default)s)")
     args = ap.parse_args()
 
     from deltaspec import Model
 
+    if args.mma_max_columns and not args.device.startswith("cuda"):
+        raise SystemExit("tree_verify_cost: --mma-max-columns is a CUDA option (deltaspec's tensor-core kernels)")
     widths = [int(x) for x in args.widths.split(",")]
     if any(n < 1 for n in widths):
         raise SystemExit(f"tree_verify_cost: --widths must be positive integers, got {args.widths!r}")
@@ -195,11 +213,12 @@ def main() -> int:
     model = Model(args.model, n_ctx=args.depth + 1024, n_threads=args.threads, device=args.device, progress=False)
     engine = Engine(model, args.depth, rng)
     for _ in range(3):  # warm-up: graphs built, CUDA graphs captured
-        measure_ours(engine, widths, 2, rng)
+        measure_ours(engine, widths, 2, rng, args.mma_max_columns)
     runs = []
     for rep in range(args.reps):
         print(f"repetition {rep + 1} of {args.reps}", file=sys.stderr, flush=True)
-        runs.append({"side": "deltaspec", "rep": rep + 1, "ms": measure_ours(engine, widths, args.steps, rng)})
+        runs.append({"side": "deltaspec", "rep": rep + 1,
+                     "ms": measure_ours(engine, widths, args.steps, rng, args.mma_max_columns)})
         if args.llama_bench:
             runs.append({"side": "llama.cpp", "rep": rep + 1,
                          "ms": measure_llama(args.llama_bench, args.model, widths, args.depth)})

@@ -514,6 +514,10 @@ PYBIND11_MODULE(_core, m) {
           "Whether ggml-cuda here carries deltaspec's own kernels (on by default on CUDA; "
           "DELTASPEC_CUDA_KERNELS=0 keeps ggml's).");
 
+    m.def("cuda_set_mma_max_columns", &cuda_set_mma_max_columns, py::arg("n"),
+          "The widest product (columns; 0: 32) deltaspec's tensor-core kernels take, in launches of up to 32 "
+          "columns, wider ones going to ggml's mmq (benches' A/B runs; DELTASPEC_MMA_MAX_COLUMNS at start). False "
+          "without deltaspec's CUDA kernels.");
     m.def("cuda_deltanet_launches", &cuda_deltanet_launches,
           "Host-side launches of deltaspec's DeltaNet kernel for verify batches so far (-1: not in this build).");
     m.def("cuda_invariant_count", &cuda_invariant_count, py::arg("which"),

@@ -19,6 +19,7 @@ extern "C" int64_t deltaspec_cuda_invariant_count(int which) __attribute__((weak
 extern "C" bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs, int n_jobs) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_mma_row_tiles(int row_tiles) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_mma_k_split(int k_split) __attribute__((weak));
+extern "C" void deltaspec_cuda_set_mma_max_columns(int n) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_deltanet(bool on) __attribute__((weak));
 extern "C" void deltaspec_cuda_set_early_launch(bool on) __attribute__((weak));
 extern "C" int64_t deltaspec_cuda_deltanet_launches() __attribute__((weak));
@@ -69,7 +70,16 @@ bool enable_cuda_kernels() {
     if (deltaspec_cuda_set_mma_k_split != nullptr) {
         deltaspec_cuda_set_mma_k_split(env_count("DELTASPEC_MMA_K_SPLIT", {1, 2, 3, 4}));
     }
+    if (deltaspec_cuda_set_mma_max_columns != nullptr) {  // products up to N columns on our tensor cores
+        deltaspec_cuda_set_mma_max_columns(env_count("DELTASPEC_MMA_MAX_COLUMNS", {32, 64, 96, 128, 256, 512}));
+    }
     return on;
+}
+
+bool cuda_set_mma_max_columns(int n) {
+    if (deltaspec_cuda_set_mma_max_columns == nullptr) return false;
+    deltaspec_cuda_set_mma_max_columns(n);
+    return true;
 }
 
 int64_t cuda_deltanet_launches() {

@@ -24,6 +24,11 @@ bool cuda_kernels_available();
 // waits for the whole kernel before it, as ggml-cuda's GGML_CUDA_PDL=0 does for ggml's).
 bool enable_cuda_kernels();
 
+// The widest product (columns, a multiple of 32; 0: 32) our tensor-core kernels take, in launches of
+// up to 32 columns; wider ones go to ggml's mmq (DELTASPEC_MMA_MAX_COLUMNS sets it when the kernels
+// are enabled). False without our CUDA kernels. For the benches' A/B runs.
+bool cuda_set_mma_max_columns(int n);
+
 // How many times our DeltaNet kernels (ggml/cuda/deltaspec_deltanet.cu: verify batches' op and
 // keep()'s replay) were launched from the host in this process (a replayed CUDA graph launches
 // the op without the host); -1 without them.

@@ -279,6 +279,43 @@ def test_mma_tilings_agree(tmp_path, monkeypatch, quant, shape):
             Model(path, device="cuda", n_ctx=128)
 
 
+@pytest.mark.parametrize("quant,shape", [("q4_k", Q4K_SHAPE), ("q6_k", Q6K_SHAPE)], ids=["q4_k", "q6_k"])
+def test_wide_products_in_pieces(tmp_path, monkeypatch, quant, shape):
+    """Batches of 41 and 96 tokens with products up to 128 columns on our tensor-core kernels
+    (DELTASPEC_MMA_MAX_COLUMNS=128: launches of 21 + 20 and 3 x 32 columns, the folded norms,
+    SwiGLUs and residual adds with them) against the default, where ggml's mmq takes every product
+    over 32 columns: the paths round x differently (ours per 256 values, mmq per 32), so they differ
+    (> 0: the switch took effect), but no further from the CPU on average than ggml's path, and the
+    argmax moves only at near-ties; a piece's column offset wrong for x, y, the SwiGLU's up half or
+    the residual would move whole rows of logits. A value that is not a listed width is refused."""
+    from deltaspec import _core
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    if not _core.cuda_kernels_available():
+        pytest.skip("this ggml-cuda does not carry deltaspec's kernels")
+    path = write_tiny_vocab_model(tmp_path / f"{quant}.gguf", seed=3, quant=quant, **shape)
+    ids = np.random.default_rng(8).integers(0, 256, size=137).tolist()
+
+    def logits(device, max_columns="0"):
+        monkeypatch.setenv("DELTASPEC_MMA_MAX_COLUMNS", max_columns)
+        with Model(path, device=device, n_ctx=256) as m:
+            return np.concatenate([m.eval(ids[:41], logits="all"), m.eval(ids[41:], logits="all")])
+
+    cpu = logits("cpu")
+    ggml = logits("cuda")
+    wide = logits("cuda", "128")
+    err_wide, err_ggml = np.abs(wide - cpu).mean(), np.abs(ggml - cpu).mean()
+    print(f"{quant}: mean |difference| to the CPU, pieces {err_wide:.3e}, ggml's mmq {err_ggml:.3e}")
+    assert np.abs(wide - ggml).max() > 0
+    assert err_wide <= 1.5 * err_ggml
+    flips = np.nonzero(wide.argmax(-1) != cpu.argmax(-1))[0]
+    gaps = cpu[flips].max(-1) - cpu[flips, wide.argmax(-1)[flips]]
+    assert np.all(gaps <= 6 * np.sqrt(np.mean((wide - cpu) ** 2)))
+    monkeypatch.setenv("DELTASPEC_MMA_MAX_COLUMNS", "100")
+    with pytest.raises(ValueError, match="DELTASPEC_MMA_MAX_COLUMNS"):
+        Model(path, device="cuda", n_ctx=128)
+
+
 def test_deltanet_verify_kernel_matches_ggml(tmp_path, monkeypatch):
     """Verify batches' DeltaNet recurrence and keep()'s replay of it in our kernels
     (ggml/cuda/deltaspec_deltanet.cu: 4 columns a warp, reduced together in the order of ggml's

@@ -73,9 +73,33 @@ extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_mma_k_
     g_mma_k_split = k_split;
 }
 
+// The widest product (columns) our tensor-core kernels take, in launches of at most 32 columns
+// (kLaunchColumns) of balanced widths; wider ones go to ggml (its mmq). 32 (one launch) unless set:
+// the batch-invariant mode's cost (bench/results/latest/cuda_batch_invariance.md: prefill of 512
+// columns as 16 launches at 0.83x ggml's mmq) says launches of 32 may beat mmq at the widths
+// between (trees of 33+ rows, many sequences' drafts), which bench/tree_verify_cost.py's
+// --mma-max-columns measures before any default moves.
+static int64_t g_mma_max_columns = 32;
+
+extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_mma_max_columns(int n) {
+    g_mma_max_columns = n > 0 ? n : 32;
+}
+
 namespace {
 
-constexpr int64_t kMaxColumns = 32;
+constexpr int64_t kLaunchColumns = 32;  // the tensor-core kernels' widest launch (mma_x.cuh: 4 tiles of 8)
+
+// Column ranges of at most kLaunchColumns for a product of n columns, of balanced widths (33 ->
+// 17 + 16: the same padded tiles, not 32 + 1).
+template <typename Piece>
+void for_column_pieces(int64_t n, Piece && piece) {
+    const int64_t pieces = (n + kLaunchColumns - 1) / kLaunchColumns;
+    for (int64_t i = 0, c0 = 0; i < pieces; ++i) {
+        const int64_t m = (n - c0) / (pieces - i);
+        piece(c0, m);
+        c0 += m;
+    }
+}
 
 // A plain 2-D matrix of whole 256-weight blocks, rows stored back to back, 16-byte aligned.
 // (`like`: the same type and shape as that one.)
@@ -220,7 +244,7 @@ Kernel pick(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tenso
         return src0->type == GGML_TYPE_Q4_K ? Kernel::q4k_gemv : Kernel::q6k_gemv;
     }
     // ggml fuses one column only
-    if (fusion != nullptr || n > kMaxColumns || !serves_columns(src0)) return Kernel::none;
+    if (fusion != nullptr || n > g_mma_max_columns || !serves_columns(src0)) return Kernel::none;
     return src0->type == GGML_TYPE_Q4_K ? Kernel::q4k_mma : Kernel::q6k_mma;
 }
 
@@ -255,11 +279,18 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
             break;
         case Kernel::q4k_mma:
         case Kernel::q6k_mma: {
-            const int n = (int)src1->ne[1];
-            ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::mma_x_bytes(n_k, n));
+            const int64_t n = src1->ne[1], ldy = dst->nb[1] / sizeof(float);
+            ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::mma_x_bytes(n_k, (int)std::min(n, kLaunchColumns)));
             const auto launch = k == Kernel::q4k_mma ? deltaspec_cuda::launch_q4k_mma : deltaspec_cuda::launch_q6k_mma;
-            launch(src0->data, x, ldx, y, dst->nb[1] / sizeof(float), rows, n_k, n, src0->nb[1], scratch.get(),
-                   ctx.stream(), norm, glu, residual, g_mma_row_tiles, g_mma_k_split);
+            // each column's sums are its own whatever the launch's width: pieces change no value
+            for_column_pieces(n, [&](int64_t c0, int64_t m) {
+                deltaspec_cuda::XGlu g = glu;
+                if (g.up != nullptr) g.up += c0 * g.ld_up;
+                deltaspec_cuda::YResidual r = residual;
+                if (r.res != nullptr) r.res += c0 * r.ld;
+                launch(src0->data, x + c0 * ldx, ldx, y + c0 * ldy, ldy, rows, n_k, (int)m, src0->nb[1], scratch.get(),
+                       ctx.stream(), norm, g, r, g_mma_row_tiles, g_mma_k_split);
+            });
             break;
         }
         case Kernel::none:
@@ -300,7 +331,7 @@ bool fuse_add(ggml_tensor * add, const ggml_tensor * const * weights, int n_weig
     ggml_tensor * product = add->src[0]->op == GGML_OP_MUL_MAT ? add->src[0] : add->src[1];
     const int64_t n = add->ne[1];
     if (!g_deltaspec_kernels || n_weights != 1 || product->op != GGML_OP_MUL_MAT || product->src[0] != weights[0] ||
-        n < 2 || n > kMaxColumns || !serves_columns(weights[0]) || add->type != GGML_TYPE_F32 ||
+        n < 2 || n > g_mma_max_columns || !serves_columns(weights[0]) || add->type != GGML_TYPE_F32 ||
         !ggml_are_same_shape(add->src[0], add->src[1])) {
         return false;
     }
@@ -321,19 +352,14 @@ ggml_tensor column_view(const ggml_tensor * t, int64_t c0, int64_t n) {
 }
 
 // dst = src0 x src1 with every column computed as it would be alone: on our tensor-core kernels
-// (up to 32 columns a launch; each column's sums are its own, whatever the launch's width) where
+// (any width, in launches of up to 32 columns; each column's sums are its own) where
 // they serve the matrix, else one column at a time through ggml's mat-vec. False: neither takes it.
 bool invariant_product(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                        ggml_tensor * dst) {
     const int64_t n = src1->ne[1];
     if (serves_columns(src0) && plain_columns(src1) && plain_columns(dst) && src1->ne[0] == src0->ne[0]) {
         const Kernel k = src0->type == GGML_TYPE_Q4_K ? Kernel::q4k_mma : Kernel::q6k_mma;
-        for (int64_t c0 = 0; c0 < n; c0 += kMaxColumns) {
-            const int64_t m = std::min(kMaxColumns, n - c0);
-            const ggml_tensor x = column_view(src1, c0, m);
-            ggml_tensor y = column_view(dst, c0, m);
-            run(k, ctx, src0, &x, &y, nullptr, (const float *)x.data, x.nb[1] / sizeof(float));
-        }
+        run(k, ctx, src0, src1, dst, nullptr, (const float *)src1->data, src1->nb[1] / sizeof(float));
         deltaspec_invariant_count(kInvariantMmaProducts);
         return true;
     }
@@ -407,7 +433,7 @@ extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_fold_input
     const int64_t n = input->ne[1];
     if (input->op == GGML_OP_ADD) return fuse_add(input, weights, n_weights);
     const bool norm = input->op == GGML_OP_MUL && input->src[0]->op == GGML_OP_RMS_NORM;
-    if (!g_deltaspec_kernels || !(norm || plain_swiglu(input)) || n < 1 || n > kMaxColumns || n_weights < 1) {
+    if (!g_deltaspec_kernels || !(norm || plain_swiglu(input)) || n < 1 || n > g_mma_max_columns || n_weights < 1) {
         return false;
     }
     if (!norm && n == 1) return false;  // the mat-vecs take no SwiGLU of their own (ggml fuses ffn up/gate)
