@@ -58,18 +58,36 @@ class StreamedLogprobs:
         return generated_logprobs(tokenizer, result)[self._n_out:]
 
 
+SCORED_ROWS = 128  # prompt rows evaluated at a time when scoring, as the scheduler does (csrc/scheduler.cpp)
+
+
 def prompt_logprobs(model, ids: list[int], k: int) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
     """Each prompt token's logprob given the tokens before it (None for the first, which has no
-    context), from one evaluation of the prompt's logits."""
-    logits = model.logits(ids).astype(np.float64)
-    lse = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
-    logp = logits - lse[:, None]
+    context), from an evaluation of the prompt (the model's sequence then holds it) SCORED_ROWS
+    rows at a time: the logits held at once are those of SCORED_ROWS rows, not of the whole
+    prompt (a 248K vocabulary: 1 MB a row)."""
     out: list[tuple[int, float | None, list[tuple[int, float]] | None]] = [(ids[0], None, None)]
-    for i in range(1, len(ids)):
-        row = logp[i - 1]
-        best = np.argsort(-row, kind="stable")[:k]
-        out.append((ids[i], float(row[ids[i]]), [(int(t), float(row[t])) for t in best]))
+    model.reset()
+    for start in range(0, len(ids), SCORED_ROWS):
+        logits = model.eval(ids[start:start + SCORED_ROWS], logits="all").astype(np.float64)
+        lse = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
+        logp = logits - lse[:, None]
+        for r, row in enumerate(logp):
+            i = start + r + 1  # the prompt token this row predicts
+            if i < len(ids):
+                out.append((ids[i], float(row[ids[i]]), [(int(t), float(row[t])) for t in _top(row, k)]))
     return out
+
+
+def _top(row: np.ndarray, k: int) -> np.ndarray:
+    """The k largest entries' ids, largest first, ties by the lower id (the engine's order): a
+    partition, then a sort of those k only (a 248K row sorted whole per token would dominate)."""
+    k = min(k, len(row))
+    if k == 0:
+        return np.empty(0, dtype=np.int64)
+    cut = row[np.argpartition(-row, k - 1)[k - 1]]  # the k-th largest value
+    ids = np.nonzero(row >= cut)[0]  # ties at the cut included, then ordered and cut to k
+    return ids[np.lexsort((ids, -row[ids]))][:k]
 
 
 def completion_logprobs(tokenizer, entries, text_offset: int) -> dict[str, Any]:
