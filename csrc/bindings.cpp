@@ -117,6 +117,9 @@ py::dict result_dict(const GenerateResult & res) {
         out["top_ids"] = res.top_ids;
         out["top_logprobs"] = res.top_logprobs;
     }
+    if (!res.hidden.empty()) {  // flat: n_embd floats per prompt token (the caller knows n_embd)
+        out["hidden"] = py::array_t<float>((py::ssize_t)res.hidden.size(), res.hidden.data());
+    }
     if (res.prompt_scored) {
         out["prompt_logprobs"] = res.prompt_logprobs;
         out["prompt_top_ids"] = res.prompt_top_ids;
@@ -792,7 +795,7 @@ PYBIND11_MODULE(_core, m) {
         .def("add_request", [](Runner & r, std::vector<int32_t> prompt, int32_t max_tokens, const SamplingParams & sampling,
                                std::vector<int32_t> eog_ids, std::vector<std::string> stop, py::object constraint,
                                py::object speculation, Runner * draft, py::object dflash, int32_t n_logprobs,
-                               bool prompt_logprobs) {
+                               bool prompt_logprobs, bool hidden_states) {
                  if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before add_request()");
                  if (!r.scheduler) {
                      r.scheduler = std::make_unique<Scheduler>(*r.engine, r.pieces, /*keep_histories=*/true);
@@ -809,15 +812,18 @@ PYBIND11_MODULE(_core, m) {
                  req.constraint = constraint_of(constraint);
                  req.n_logprobs = n_logprobs;
                  req.prompt_logprobs = prompt_logprobs;
+                 req.hidden_states = hidden_states;
                  const int64_t id = r.scheduler->add_request(req, {}, seq_spec_of(speculation));
                  if (!constraint.is_none()) r.constraints[id] = constraint;
                  return id;
              }, py::arg("prompt"), py::arg("max_tokens"), py::arg("sampling"), py::arg("eog_ids"), py::arg("stop"),
              py::arg("constraint") = py::none(), py::arg("speculation") = py::none(), py::arg("draft") = nullptr,
              py::arg("dflash") = py::none(), py::arg("n_logprobs") = -1, py::arg("prompt_logprobs") = false,
+             py::arg("hidden_states") = false,
              "Queue a request for step(); returns its id. n_logprobs >= 0: its result has logprobs as generate()'s "
              "(prompt_logprobs: the prompt's too, as prompt_logprobs / prompt_top_ids / prompt_top_logprobs of the "
-             "result and of the step that completes the prompt). speculation: None or (draft_n_max, draft_n_min, "
+             "result and of the step that completes the prompt). hidden_states (max_tokens 0): the prompt's final "
+             "hidden states, flat in the result's 'hidden'. speculation: None or (draft_n_max, draft_n_min, "
              "ngram_max[, reference token ids[, tree_budget[, draft_model[, dflash[, mtp]]]]]): prompt lookup drafts (trees of up to tree_budget nodes when > 0) (searching the reference text, then the "
              "request's own) verified with the other requests' rows in one pass.")
         .def_property_readonly("batch_spec_stats", [](const Runner & r) {

@@ -33,6 +33,9 @@ struct GenerateRequest {
     // the whole prompt is evaluated, none of it resumed from a kept state). max_tokens may then be
     // 0: the prompt scored alone, finishing with `length` and no token.
     bool prompt_logprobs = false;
+    // The scheduler's embeddings: the prompt evaluated whole (max_tokens 0, nothing generated), every
+    // row's final hidden state (after the output norm) in GenerateResult::hidden.
+    bool hidden_states = false;
 };
 
 enum class FinishReason { stop, length, cancelled };
@@ -53,6 +56,7 @@ struct GenerateResult {
     std::vector<float> prompt_logprobs;
     std::vector<int32_t> prompt_top_ids;
     std::vector<float> prompt_top_logprobs;
+    std::vector<float> hidden;            // hidden_states: n_embd floats per prompt token
 };
 
 // Called after each sampled token with the result so far (its tokens end with it; with

@@ -43,8 +43,12 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
                                     " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
         }
     }
-    if (req.max_tokens < (req.prompt_logprobs ? 0 : 1)) {
+    if (req.max_tokens < (req.prompt_logprobs || req.hidden_states ? 0 : 1)) {
         throw std::invalid_argument("max_tokens must be >= 1 (0 only with prompt_logprobs: the prompt scored alone)");
+    }
+    if (req.hidden_states && (req.max_tokens != 0 || req.prompt_logprobs || req.n_cached != 0 || spec.n_max > 0)) {
+        throw std::invalid_argument("hidden_states evaluates the prompt alone: max_tokens 0, no prompt_logprobs, "
+                                    "no n_cached, no speculation");
     }
     if (req.prompt_logprobs && (req.n_logprobs < 0 || req.n_cached != 0)) {
         throw std::invalid_argument(req.n_logprobs < 0 ? "prompt_logprobs needs n_logprobs >= 0 (how many top tokens each entry lists)"
@@ -195,7 +199,13 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
     const int64_t left = (int64_t)s.req.prompt.size() - s.n_fed;
     const int64_t n = std::min(left, budget);
     int32_t token = -1;
-    if (s.req.prompt_logprobs) {
+    if (s.req.hidden_states) {
+        // n_embd floats a row, few enough to take each piece whole: Engine::eval cuts it as a
+        // plain prefill does
+        const int64_t n_embd = engine_.hparams().n_embd, at = (int64_t)s.res.hidden.size();
+        s.res.hidden.resize(at + n * n_embd);
+        engine_.eval_hidden(chunk, n, s.res.hidden.data() + at);
+    } else if (s.req.prompt_logprobs) {
         token = feed_scored(s, n);
     } else if (n < left) {
         engine_.eval(chunk, n, LogitsWanted::none, nullptr);
@@ -225,7 +235,7 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
             ev.prompt_top_logprobs = s.res.prompt_top_logprobs;
         }
         if (s.req.max_tokens == 0) {
-            finish(s, FinishReason::length, ev);  // the prompt scored alone
+            finish(s, FinishReason::length, ev);  // the prompt scored (or its hidden states read) alone
         } else {
             commit(s, token, ev);
         }
@@ -288,8 +298,9 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
         engine_.use_slot(s->slot);
         if (s->reads_taps()) ensure_taps();
         // read it all again, tapped: a DFlash context that was not kept with the history, or an MTP
-        // head, which is the sequence's own and starts empty; or a prompt whose every row is scored
-        if (s->n_fed > 0 && (s->mtp || s->req.prompt_logprobs || (s->dflash && !dflash_context_covers(s->slot)))) {
+        // head, which is the sequence's own and starts empty; or a prompt whose every row is read
+        if (s->n_fed > 0 && (s->mtp || s->req.prompt_logprobs || s->req.hidden_states ||
+                             (s->dflash && !dflash_context_covers(s->slot)))) {
             s->n_fed = 0;
         }
         if (s->n_fed == 0 && batch_bug() != BatchBug::no_reset) engine_.reset();
@@ -315,8 +326,10 @@ void Scheduler::feed_together(const std::vector<PromptChunk> & chunks, std::vect
                 ++a;
                 continue;
             }
-            // a prompt whose rows are all scored goes alone (feed_scored)
-            const auto scored = [&](int64_t i) { return chunks[i].seq->req.prompt_logprobs; };
+            // a prompt whose rows are all read (scored, or their hidden states) goes alone (feed)
+            const auto scored = [&](int64_t i) {
+                return chunks[i].seq->req.prompt_logprobs || chunks[i].seq->req.hidden_states;
+            };
             int64_t b = a + 1;
             while (!scored(a) && b < K && left[b] > 0 && !scored(b) && b - a < engine_.n_ubatch()) ++b;
             fed = true;

@@ -68,3 +68,35 @@ def test_pooled_and_normalized(pair):
         m.embed("x", pooling="cls")
     with pytest.raises(ValueError, match="empty text"):
         m.embed("")
+
+
+def test_scheduler_hidden_states_equal_transformers(tmp_path):
+    """add_request(hidden_states=True) (what /v1/embeddings runs): the prompt read in a slot while
+    another request decodes beside it gives every token's final hidden state as transformers does
+    (n_ubatch 8: the prompt crosses micro-batches), bitwise what embeddings.hidden_states gives
+    alone; nothing generated. Bad combinations raise. Seen red with the prompt read into the other
+    running slot (a temporary edit of Scheduler::feed)."""
+    from deltaspec.embeddings import hidden_states
+
+    hf_dir = tiny_model_dir(CONFIG)
+    path = tmp_path / "m.gguf"
+    convert_hf_to_gguf(hf_dir, path, outtype="f32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with Model(path, n_ctx=256, n_ubatch=8, n_threads=2, n_seq_max=2, type_k="f32", type_v="f32", progress=False) as m:
+        alone = hidden_states(m, TEXTS[0])
+        other = m.add_request("abc abc", temperature=0, max_tokens=20)
+        m.step()
+        rid = m.add_request(TEXTS[0], hidden_states=True)
+        results = {}
+        while m.has_unfinished_requests:
+            results.update({o.request_id: o.result for o in m.step() if o.finished})
+        got = results[rid]
+        assert got.tokens == [] and got.finish_reason == "length" and len(results[other].tokens) == 20
+        assert np.array_equal(got.hidden_states, alone)
+        assert np.abs(got.hidden_states - _reference(m, hf, TEXTS[0])).max() < TOL
+        for kwargs in ({"max_tokens": 5}, {"prompt_logprobs": True, "logprobs": 1}):
+            with pytest.raises(ValueError, match="hidden_states"):
+                m.add_request("abc", hidden_states=True, **kwargs)
+        with pytest.raises(ValueError, match="hidden_states"):
+            m.add_request("abc", hidden_states=True, spec_type="ngram-simple")
+        assert not m.has_unfinished_requests

@@ -18,9 +18,13 @@ POOLINGS = ("last", "mean", "none")
 
 def hidden_states(model, text: str) -> np.ndarray:
     """(n_tokens, n_embd) final hidden states of `text` on a fresh sequence."""
+    return hidden_states_of_ids(model, model.tokenize(text, special=True))
+
+
+def hidden_states_of_ids(model, ids: Sequence[int]) -> np.ndarray:
+    """(n_tokens, n_embd) final hidden states of token ids on a fresh sequence."""
     from .generation import engine_of
 
-    ids = model.tokenize(text, special=True)
     if not ids:
         raise ValueError("cannot embed an empty text (it has no tokens)")
     if len(ids) > model.n_ctx:
@@ -49,15 +53,23 @@ def embed(model, input: str | Sequence[str], normalize: bool = False, pooling: s
         raise TypeError(f"input must be a str or a list of str, got {input!r:.80}")
     out, n_tokens = [], 0
     for text in texts:
-        h = hidden_states(model, text).astype(np.float64)
+        h = hidden_states(model, text)
         n_tokens += len(h)
-        vecs = h[-1:] if pooling == "last" else h.mean(axis=0, keepdims=True) if pooling == "mean" else h
-        if normalize:
-            norms = np.linalg.norm(vecs, axis=1, keepdims=True)
-            vecs = np.where(norms > 0, vecs / np.where(norms > 0, norms, 1), vecs)
+        vecs = pool(h, pooling, normalize)
         out.append(vecs.tolist() if pooling == "none" else vecs[0].tolist())
     result = out[0] if single else out
     return (result, n_tokens) if return_count else result
+
+
+def pool(h: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:
+    """(1, n_embd) float64 of (n_tokens, n_embd) hidden states (pooling "none": every row),
+    each row divided by its Euclidean norm when `normalize`."""
+    h = h.astype(np.float64)
+    vecs = h[-1:] if pooling == "last" else h.mean(axis=0, keepdims=True) if pooling == "mean" else h
+    if normalize:
+        norms = np.linalg.norm(vecs, axis=1, keepdims=True)
+        vecs = np.where(norms > 0, vecs / np.where(norms > 0, norms, 1), vecs)
+    return vecs
 
 
 def create_embedding(model, input: str | Sequence[str], model_name: str | None = None, **kwargs: Any) -> dict:

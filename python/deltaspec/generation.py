@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from .logprobs import StreamedLogprobs
 from .sampling import SamplingOptions
 
@@ -85,6 +87,9 @@ class GenerationResult:
     # add_request(prompt_logprobs=True): (token, log-probability, top k) of each prompt token given
     # the ones before it; the first token's are None (no context)
     prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
+    # add_request(hidden_states=True): (prompt tokens, n_embd) float32 final hidden states (after the
+    # output norm: what embeddings pool)
+    hidden_states: np.ndarray | None = None
 
 
 @dataclass

@@ -407,7 +407,7 @@ class Model:
             max_tokens = self.n_ctx - len(ids) + 1
         elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < (0 if scored else 1):
             raise ValueError(f"max_tokens must be a positive integer or None (0 only with prompt_logprobs=True: the "
-                             f"prompt scored alone), got {max_tokens!r}")
+                             f"prompt scored alone, or hidden_states=True), got {max_tokens!r}")
         return _Request(ids, max_tokens, sampling, validate_stop(stop))
 
     def _batch_request(self, prompt, options: dict[str, Any], where: str, scored: bool = False) -> _Request:
@@ -554,7 +554,8 @@ class Model:
                 for r, out, c in zip(requests, outs, constraints)]
 
     # --- requests stepped by the caller (a server's loop) ----------------------------------------
-    def add_request(self, prompt: str | Sequence[int], *, prompt_logprobs: bool = False, **generate_kwargs: Any) -> int:
+    def add_request(self, prompt: str | Sequence[int], *, prompt_logprobs: bool = False, hidden_states: bool = False,
+                    **generate_kwargs: Any) -> int:
         """Queue a request (generate()'s keyword arguments, no streaming; speculation and `prediction`
         as generate_batch's) for step(); returns its id. With logprobs=k each step's RequestOutput
         carries the log-probabilities of the tokens it committed, and the result all of them.
@@ -566,13 +567,20 @@ class Model:
         time with every row's logits on the host (128 MB for Qwen3.5's vocabulary); its first token
         comes from those logits, whose head ran over every row: it is generate()'s where rows do
         not depend on the batch (batch_invariant=True), elsewhere it may differ at a near-tie.
+        hidden_states=True reads the prompt's final hidden states instead (embeddings beside running
+        requests): nothing is generated (max_tokens 0), and result.hidden_states holds them, one
+        row per prompt token, as embeddings.hidden_states computes them alone.
         While requests are unfinished, one-sequence calls (generate, eval, ...)
         raise RuntimeError. A finished request's state stays in its slot while the slot is idle; a
         later request whose prompt begins with that request's prompt and output (a chat's next turn)
         resumes from it and prefills only the rest (result.stats.cached_tokens counts the tokens it
         skipped). A one-sequence call forgets every such state."""
         scored = validate_flag("prompt_logprobs", prompt_logprobs)
-        req = self._batch_request(prompt, generate_kwargs, "add_request", scored)
+        if validate_flag("hidden_states", hidden_states):
+            if scored or generate_kwargs.get("max_tokens", 0) != 0:
+                raise ValueError("hidden_states=True reads the prompt alone: no prompt_logprobs, max_tokens 0 (or left out)")
+            generate_kwargs = {**generate_kwargs, "max_tokens": 0}
+        req = self._batch_request(prompt, generate_kwargs, "add_request", scored or hidden_states)
         if scored and req.n_logprobs < 0:
             raise ValueError("prompt_logprobs=True needs logprobs=k (how many top tokens each prompt entry lists)")
         constraint = self._constraint(req)
@@ -586,7 +594,7 @@ class Model:
                                             constraint=constraint, speculation=self._native_spec(req),
                                             draft=None if draft_model is None else draft_model._live(),
                                             dflash=dflash, n_logprobs=req.n_logprobs,
-                                            prompt_logprobs=prompt_logprobs)
+                                            prompt_logprobs=prompt_logprobs, hidden_states=hidden_states)
         self._request_prompts[request_id] = (req.prompt, constraint, req.n_logprobs >= 0)
         return request_id
 
@@ -603,6 +611,8 @@ class Model:
                 del self._request_prompts[ev["id"]]
                 result = result_of(self.tokenizer, len(prompt), self._add_grammar_stats(ev["result"], constraint))[0]
                 result.prompt_logprobs = prompt_entries(prompt, ev["result"])
+                if "hidden" in ev["result"]:
+                    result.hidden_states = np.asarray(ev["result"]["hidden"]).reshape(-1, self.hparams.n_embd)
                 if wants_logprobs and result.logprobs is None:  # it finished before its first token
                     result.logprobs, result.top_logprobs = [], []
             out.append(RequestOutput(ev["id"], list(ev["tokens"]), ev["finished"], result, step_logprobs(ev),

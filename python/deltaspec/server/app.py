@@ -1,4 +1,4 @@
-"""HTTP routes (Starlette): OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus
+"""HTTP routes (Starlette): OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings and /v1/models, plus
 /health and /metrics, and llama-server's /tokenize, /detokenize and /apply-template
 (server.text_tools). Handlers validate, submit a Job to the engine loop and relay its progress;
 every error is a JSON body with a 4xx/5xx status (never Starlette's plain-text pages)."""
@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from . import text_tools
 from .backend import Progress
+from .embeddings import embedding_body, parse_embeddings
 from .engine_loop import EngineLoop, Failure, Job
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -188,8 +189,12 @@ def create_app(state: ServerState) -> Starlette:
             raise
         finally:
             disconnected.cancel()
-        body = (chat_body(results, served.name, req.thinking_open, tokenizer) if chat
-                else completion_body(results, served.name, tokenizer, [job.request.echo for job in jobs], req.n))
+        if req.hidden_states:
+            body = embedding_body(results, served.name, served.pooling, req.encoding_format)
+        elif chat:
+            body = chat_body(results, served.name, req.thinking_open, tokenizer)
+        else:
+            body = completion_body(results, served.name, tokenizer, [job.request.echo for job in jobs], req.n)
         return JSONResponse(body)
 
     async def _stream(jobs: list[Job], firsts: list[Progress], builders: list, include_usage: bool, n: int):
@@ -242,6 +247,9 @@ def create_app(state: ServerState) -> Starlette:
     async def chat_completions(request: Request):
         return await generate(request, parse_chat, chat=True)
 
+    async def embeddings(request: Request):
+        return await generate(request, parse_embeddings, chat=False)
+
     async def models(request: Request):
         try:
             _check_key(request, state.api_key)
@@ -290,6 +298,7 @@ def create_app(state: ServerState) -> Starlette:
 
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/embeddings", embeddings, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import logprobs as lp
+from ..embeddings import hidden_states_of_ids
 from ..generation import GenerationResult, GenerationStats
 from .planted import planted
 from .text import TextAssembler
@@ -57,10 +58,13 @@ class BatchBackend:
 
     def start(self, job) -> None:
         r = job.request
-        job.engine_id = self.model.add_request(r.prompt, max_tokens=r.max_tokens, **r.options,
-                                               **({} if planted("spec_ignored") else self.speculation),
-                                               **({"prompt_logprobs": True} if r.prompt_logprobs else {}))
-        self._running[job.engine_id] = (job, TextAssembler(self.model.tokenizer, r.options["stop"]))
+        if r.hidden_states:  # an embedding: the prompt's hidden states, nothing generated, no drafter
+            job.engine_id = self.model.add_request(r.prompt, hidden_states=True)
+        else:
+            job.engine_id = self.model.add_request(r.prompt, max_tokens=r.max_tokens, **r.options,
+                                                   **({} if planted("spec_ignored") else self.speculation),
+                                                   **({"prompt_logprobs": True} if r.prompt_logprobs else {}))
+        self._running[job.engine_id] = (job, TextAssembler(self.model.tokenizer, r.options.get("stop", [])))
 
     def cancel(self, job) -> None:
         self.model.cancel_request(job.engine_id)  # it finishes ("cancelled") at the next step
@@ -136,11 +140,14 @@ class SpeculativeBackend:
             # the prompt's entries (echo with logprobs): one evaluation of it before the loop starts,
             # handed out with the first report and the result
             prompt_entries = lp.prompt_logprobs(self.model, r.prompt, options["logprobs"]) if r.prompt_logprobs else None
-            if r.max_tokens == 0:  # the prompt scored alone: nothing to generate
+            if r.max_tokens == 0:  # the prompt scored, or its hidden states read, alone: nothing to generate
                 stats = GenerationStats(prompt_tokens=len(r.prompt), generated_tokens=0, prefill_seconds=0.0,
                                         decode_seconds=0.0)
-                report(Progress(job, "", 0, GenerationResult([], "", "length", stats, [], [], prompt_entries), [],
-                                prompt_entries))
+                none = [] if r.prompt_logprobs else None  # no tokens: empty lists where logprobs were asked
+                result = GenerationResult([], "", "length", stats, none, none, prompt_entries)
+                if r.hidden_states:
+                    result.hidden_states = hidden_states_of_ids(self.model, r.prompt)
+                report(Progress(job, "", 0, result, none, prompt_entries))
                 with self._lock:
                     self._job = None
                 return

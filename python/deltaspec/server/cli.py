@@ -13,7 +13,7 @@ import time
 from ..devices import DEVICE_KINDS, add_split_arguments, device_arg, device_kind, split_from_flags
 
 DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
-(streamed as server-sent events), /v1/models, /health and /metrics (Prometheus), and llama-server's /tokenize,
+(streamed as server-sent events), /v1/embeddings, /v1/models, /health and /metrics (Prometheus), and llama-server's /tokenize,
 /detokenize and /apply-template. --parallel N requests decode
 together in one batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each
 slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type: a draft model,
@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "draft model; ngram-simple: where the text went on differently; draft-dflash: DDTree over "
                         "one block; draft-mtp: the head's alternatives along its chain); 0: chains "
                         "(default: %(default)s)")
+    p.add_argument("--pooling", default="last", choices=["last", "mean"],
+                   help="/v1/embeddings: an input's embedding is its last token's final hidden state (last) or "
+                        "their mean, normalized to length 1 (default: %(default)s)")
     p.add_argument("--chat-template-file", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the GGUF's")
     p.add_argument("--timeout-graceful", type=float, default=30.0, metavar="S",
@@ -179,7 +182,7 @@ def _served(model, args):
     name = args.alias or os.path.basename(args.model).removesuffix(".gguf")
     return Served(name=name, n_ctx=model.n_ctx, tokenize=lambda text: model.tokenize(text, special=True),
                   n_vocab=model.n_vocab, template=template, aliases=(args.model, os.path.abspath(args.model)),
-                  tokenizer=model.tokenizer)
+                  tokenizer=model.tokenizer, pooling=args.pooling)
 
 
 def _layer_split(args) -> tuple[list[str], list[float]] | None:

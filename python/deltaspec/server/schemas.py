@@ -43,6 +43,7 @@ class Served:
     template: ChatTemplate | None
     aliases: tuple[str, ...] = ()            # other names accepted in `model` (the GGUF path)
     tokenizer: Any = None                    # the model's (log-probabilities name their tokens' text)
+    pooling: str = "last"                    # /v1/embeddings: --pooling
 
 
 @dataclass
@@ -61,6 +62,9 @@ class GenerationRequest:
     # a completion's array of prompts: (token ids, echo) of each, `prompt` and `echo` being the
     # first's; empty for one prompt
     prompts: list[tuple[list[int], str]] = field(default_factory=list)
+    # /v1/embeddings: each prompt's final hidden states, pooled into an embedding (server.embeddings)
+    hidden_states: bool = False
+    encoding_format: str = "float"            # the embeddings' "float" lists or "base64" float32 bytes
 
     def choices(self) -> list[GenerationRequest]:
         """One request per choice, n per prompt in the prompts' order: choice i of a prompt samples
@@ -259,32 +263,32 @@ def _max_tokens(body: dict, names: tuple[str, ...], n_prompt: int, served: Serve
     return room if default is None else min(default, room)
 
 
-def _prompt_items(prompt: Any) -> list[Any]:
+def _prompt_items(prompt: Any, name: str = "prompt") -> list[Any]:
     """A completion's prompts: one (a string, or an array of token ids), or an array of them."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_PROMPTS and not planted("no_validation"):
-            raise bad_request(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt",
+            raise bad_request(f"'{name}' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", name,
                               "invalid_value")
         return list(prompt)
     return [prompt]
 
 
-def _prompt_ids(prompt: Any, served: Served) -> list[int]:
+def _prompt_ids(prompt: Any, served: Served, name: str = "prompt") -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # OpenAI's batch form with one prompt
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_request("'prompt' is empty", "prompt", "invalid_value")
+            raise bad_request(f"'{name}' is empty", name, "invalid_value")
         ids = served.tokenize(prompt)
     elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         bad = [t for t in prompt if not 0 <= t < served.n_vocab]
         if bad:
-            raise bad_request(f"'prompt' token id {bad[0]} is outside the vocabulary [0, {served.n_vocab})",
-                              "prompt", "invalid_value")
+            raise bad_request(f"'{name}' token id {bad[0]} is outside the vocabulary [0, {served.n_vocab})",
+                              name, "invalid_value")
         ids = list(prompt)
     else:
-        raise bad_request(f"'prompt' must be a string or a non-empty array of token ids, got {_type(prompt)}",
-                          "prompt", "invalid_type")
+        raise bad_request(f"'{name}' must be a string or a non-empty array of token ids, got {_type(prompt)}",
+                          name, "invalid_type")
     if planted("prompt_tail") and len(ids) > 1:
         ids = ids[:-1]
     return ids
