@@ -16,8 +16,6 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-import numpy as np
-
 from .. import embeddings
 from ..generation import GenerationResult
 from .errors import bad_request
