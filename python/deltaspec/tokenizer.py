@@ -61,6 +61,22 @@ _FIM_EOG = {
     "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
 }
 
+# Fill-in-the-middle tokens (llama.cpp src/llama-vocab.cpp: by key, else by text): prefix, suffix,
+# middle, repository name and file separator (the repo-level pattern llama-server's /infill uses).
+_FIM = {
+    "pre": (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
+            ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+             "<|code_prefix|>", "<|prefix|>")),
+    "suf": (("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
+            ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+             "<|code_suffix|>", "<|suffix|>")),
+    "mid": (("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
+            ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+             "<|code_middle|>", "<|middle|>")),
+    "rep": (("tokenizer.ggml.fim_rep_token_id",), _FIM_EOG["tokenizer.ggml.fim_rep_token_id"]),
+    "sep": (("tokenizer.ggml.fim_sep_token_id",), _FIM_EOG["tokenizer.ggml.fim_sep_token_id"]),
+}
+
 
 @lru_cache(maxsize=1)
 def byte_to_unicode() -> dict[int, str]:
@@ -195,6 +211,8 @@ class Tokenizer:
         self.eos_id: int | None = ids.get("tokenizer.ggml.eos_token_id")
         self.pad_id: int | None = ids.get("tokenizer.ggml.padding_token_id")
         self.eog_ids: frozenset[int] = self._find_eog(ids)
+        # fill-in-the-middle: "pre", "suf", "mid" (and "rep", "sep") -> id, those the vocabulary has
+        self.fim_ids: dict[str, int] = self._find_fim(ids)
 
     def same_vocabulary(self, other: "Tokenizer") -> bool:
         """Whether both map every id to the same token text and type (draft/target check)."""
@@ -221,6 +239,16 @@ class Tokenizer:
                 raise TokenizerError(f"GGUF metadata key {key!r} = {meta[key]!r} is not a token id") from None
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
         return cls(tokens, types, merges, pre, special_ids, add_bos)
+
+    def _find_fim(self, ids: Mapping[str, int]) -> dict[str, int]:
+        out = {}
+        for role, (keys, texts) in _FIM.items():
+            found = next((ids[k] for k in keys if k in ids), None)
+            if found is None:
+                found = next((i for i in map(self._hf.token_to_id, texts) if i is not None), None)
+            if found is not None:
+                out[role] = found
+        return out
 
     def _find_eog(self, ids: Mapping[str, int]) -> frozenset[int]:
         def by_text(text: str) -> int | None:

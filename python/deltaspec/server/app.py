@@ -1,6 +1,6 @@
 """HTTP routes (Starlette): OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings and /v1/models, plus
-/health and /metrics, and llama-server's /tokenize, /detokenize and /apply-template
-(server.text_tools). Handlers validate, submit a Job to the engine loop and relay its progress;
+/health and /metrics, and llama-server's /infill (server.infill), /tokenize, /detokenize and
+/apply-template (server.text_tools). Handlers validate, submit a Job to the engine loop and relay its progress;
 every error is a JSON body with a 4xx/5xx status (never Starlette's plain-text pages)."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from starlette.routing import Route
 from . import text_tools
 from .backend import Progress
 from .embeddings import embedding_body, parse_embeddings
+from .infill import InfillChunks, infill_body, parse_infill
 from .engine_loop import EngineLoop, Failure, Job
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -167,11 +168,15 @@ def create_app(state: ServerState) -> Starlette:
         tokenizer = served.tokenizer if req.logprobs is not None else None
         if req.stream:
             disconnected.cancel()  # the stream watches for itself
-            builders = [ChatChunks(served.name, req.thinking_open, tokenizer) if chat
-                        else CompletionChunks(served.name, tokenizer) for _ in jobs]
+            if req.native:
+                builders = [InfillChunks(served.name, served.tokenizer, req.options["stop"], len(req.prompt))]
+            else:
+                builders = [ChatChunks(served.name, req.thinking_open, tokenizer) if chat
+                            else CompletionChunks(served.name, tokenizer) for _ in jobs]
             for b in builders[1:]:  # one id for the answer's chunks, whichever choice they carry
                 b.id, b.created = builders[0].id, builders[0].created
-            return EventStream(_stream(jobs, firsts, builders, req.include_usage, req.n), lambda: cancel_all(jobs))
+            return EventStream(_stream(jobs, firsts, builders, req.include_usage, req.n, done=not req.native),
+                               lambda: cancel_all(jobs))
         results = []
         try:
             for job, event in zip(jobs, firsts):
@@ -191,16 +196,19 @@ def create_app(state: ServerState) -> Starlette:
             disconnected.cancel()
         if req.hidden_states:
             body = embedding_body(results, served.name, served.pooling, req.encoding_format)
+        elif req.native:
+            body = infill_body(results[0], served.name, served.tokenizer, req.options["stop"])
         elif chat:
             body = chat_body(results, served.name, req.thinking_open, tokenizer)
         else:
             body = completion_body(results, served.name, tokenizer, [job.request.echo for job in jobs], req.n)
         return JSONResponse(body)
 
-    async def _stream(jobs: list[Job], firsts: list[Progress], builders: list, include_usage: bool, n: int):
+    async def _stream(jobs: list[Job], firsts: list[Progress], builders: list, include_usage: bool, n: int,
+                      done: bool = True):
         """The choices' chunks as their text comes (each chunk names its choice's index; a job's
         echo, its prompt, first), the usage of all (n choices per prompt) after the last choice
-        finished, then [DONE]."""
+        finished, then [DONE] (not `done`: llama-server's own streams end without it)."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def relay(i: int, job: Job, event: Progress | Failure) -> None:
@@ -212,7 +220,7 @@ def create_app(state: ServerState) -> Starlette:
 
         def indexed(i: int, chunks):
             for chunk in chunks:
-                for choice in chunk["choices"]:
+                for choice in chunk.get("choices", ()):  # (llama-server's own chunks have none)
                     choice["index"] = i
                 yield sse(chunk)
 
@@ -236,7 +244,8 @@ def create_app(state: ServerState) -> Starlette:
                         yield chunk
             if include_usage:
                 yield sse(builders[0].usage_chunk(usage_of(results, n)))
-            yield DONE
+            if done:
+                yield DONE
         finally:
             for r in relays:
                 r.cancel()
@@ -246,6 +255,9 @@ def create_app(state: ServerState) -> Starlette:
 
     async def chat_completions(request: Request):
         return await generate(request, parse_chat, chat=True)
+
+    async def infill(request: Request):
+        return await generate(request, parse_infill, chat=False)
 
     async def embeddings(request: Request):
         return await generate(request, parse_embeddings, chat=False)
@@ -302,6 +314,7 @@ def create_app(state: ServerState) -> Starlette:
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
+              Route("/infill", infill, methods=["POST"]),
               Route("/tokenize", text_tool(text_tools.tokenize), methods=["POST"]),
               Route("/detokenize", text_tool(text_tools.detokenize), methods=["POST"]),
               Route("/apply-template", text_tool(text_tools.apply_template), methods=["POST"])]

@@ -3,8 +3,9 @@
 A body becomes a `GenerationRequest`: prompt token ids, max_tokens, Model.add_request keyword
 arguments (sampler, seed, stop) and how to answer (stream, usage). Unknown fields are ignored, as
 llama-server ignores them (clients send `user`, `metadata`, ...); known fields of the wrong type or
-range, and features the engine cannot serve faithfully (best_of > 1, suffix), are refused with 400
-naming the field. A completion's `prompt` may be an array of prompts (texts or token id arrays, up to MAX_PROMPTS):
+range, and features the engine cannot serve faithfully (best_of > 1), are refused with 400
+naming the field. A completion's `suffix` fills in the middle (deltaspec.fim.wrap: FIM_PRE prompt
+FIM_SUF suffix FIM_MID; 400 for a model without FIM tokens). A completion's `prompt` may be an array of prompts (texts or token id arrays, up to MAX_PROMPTS):
 each is answered with `n` choices, prompt i's at indices i * n .. i * n + n - 1, as OpenAI orders
 them. A completion's `echo` puts the prompt's text before each choice's; with
 `logprobs` the prompt's tokens are scored too (their entries come first, the first token's null,
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from .. import fim
 from ..chat import ChatTemplate, prompt_opens_reasoning
 from ..errors import ChatTemplateError
 from ..generation import validate_stop
@@ -65,6 +67,7 @@ class GenerationRequest:
     # /v1/embeddings: each prompt's final hidden states, pooled into an embedding (server.embeddings)
     hidden_states: bool = False
     encoding_format: str = "float"            # the embeddings' "float" lists or "base64" float32 bytes
+    native: bool = False                      # llama-server's own answer shape (/infill: server.infill)
 
     def choices(self) -> list[GenerationRequest]:
         """One request per choice, n per prompt in the prompts' order: choice i of a prompt samples
@@ -116,8 +119,6 @@ def _check_body(body: Any, served: Served) -> dict:
     if best_of is not None and not (type(best_of) is int and best_of == 1):
         raise bad_request(f"'best_of' = {best_of!r} is not supported (choices are not ranked; ask for n of them); "
                           "leave it out", "best_of", "unsupported")
-    if body.get("suffix"):
-        raise bad_request("'suffix' (fill-in-the-middle) is not supported; leave it out", "suffix", "unsupported")
     return body
 
 
@@ -314,6 +315,16 @@ def parse_completion(body: Any, served: Served) -> GenerationRequest:
                           f"{MAX_PROMPTS} per request", "n", "invalid_value")
     logprobs = _completion_logprobs(body)
     wants_echo = _get(body, "echo", (bool,), "true or false", False)
+    suffix = _get(body, "suffix", (str,), "a string", "")
+    if suffix:  # fill in the middle: FIM_PRE prompt FIM_SUF suffix FIM_MID
+        if wants_echo:
+            raise bad_request("'echo' with 'suffix' is not supported (the prompt evaluated is not the text sent); "
+                              "leave one out", "suffix", "unsupported")
+        try:
+            all_ids = [fim.wrap(served.tokenizer, ids, served.tokenizer.encode(suffix)) for ids in all_ids]
+        except fim.FimError as e:
+            raise bad_request(f"'suffix': {e}; leave it out", "suffix", "unsupported") from None
+        ids = max(all_ids, key=len)
     max_tokens = _max_tokens(body, ("max_tokens",), len(ids), served, COMPLETION_MAX_TOKENS_DEFAULT,
                              scored=wants_echo and logprobs is not None)
     sampling, seed = _sampling(body, chat=False)
@@ -368,8 +379,9 @@ def chat_prompt(body: dict, served: Served, constrained: bool = False) -> str:
 
 def parse_chat(body: Any, served: Served) -> GenerationRequest:
     body = _check_body(body, served)
-    if body.get("echo") not in (None, False):
-        raise bad_request("'echo' is a completion's field; a chat completion does not echo", "echo", "unsupported")
+    for name in ("echo", "suffix"):
+        if body.get(name) not in (None, False, ""):
+            raise bad_request(f"'{name}' is a completion's field; a chat completion takes messages", name, "unsupported")
     grammar = response_format_grammar(body)
     prompt = chat_prompt(body, served, constrained=grammar is not None)
     ids = _prompt_ids(prompt, served)
