@@ -106,6 +106,7 @@ def test_completion_suffix_equals_generate(server, reference):
     ({"input_prefix": "a", "input_suffix": "b", "input_extra": [{"filename": "x"}]}, "input_extra"),
     ({"input_prefix": "a", "input_suffix": "b", "n_predict": 0}, "n_predict"),
     ({"input_prefix": "a", "input_suffix": "b", "prompt": ["x"]}, "prompt"),
+    ({"input_prefix": "a", "input_suffix": "b", "prompt": "x " * 600}, "prompt"),
 ])
 def test_bad_infill_bodies_are_400s(server, body, param):
     status, answer = _post(server, "/infill", body)

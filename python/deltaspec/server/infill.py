@@ -21,7 +21,8 @@ from .schemas import GenerationRequest, Served, _check_body, _get, _sampling, _s
 
 
 def parse_infill(body: Any, served: Served) -> GenerationRequest:
-    body = _check_body({"model": served.name, **body} if isinstance(body, dict) else body, served)
+    # llama-server's /infill takes no model name (one model a server): any `model` is ignored
+    body = _check_body({**body, "model": served.name} if isinstance(body, dict) else body, served)
     texts = {}
     for name in ("input_prefix", "input_suffix"):
         if name not in body:
@@ -40,10 +41,10 @@ def parse_infill(body: Any, served: Served) -> GenerationRequest:
         ids = infill_ids(served.tokenizer, texts["input_prefix"], texts["input_suffix"], served.n_ctx, prompt, extra)
     except FimError as e:
         raise APIError(501, f"infill is not supported by this model: {e}", code="not_supported") from None
+    if len(ids) >= served.n_ctx:  # (a long `prompt`: the prefix and suffix are cut to fit)
+        raise bad_request(f"the infill prompt has {len(ids)} tokens but the context holds {served.n_ctx} tokens per "
+                          "request; shorten 'prompt'", "prompt", "context_length_exceeded")
     room = served.n_ctx - len(ids) + 1
-    if room < 1:
-        raise bad_request(f"the infill prompt has {len(ids)} tokens but the context holds {served.n_ctx}",
-                          "input_prefix", "context_length_exceeded")
     n_predict = _get(body, "n_predict", (int,), "an integer (-1: until the context is full)", -1)
     if n_predict == 0 or n_predict < -1:
         raise bad_request(f"'n_predict' must be -1 or a positive integer, got {n_predict}", "n_predict", "invalid_value")
