@@ -1,6 +1,6 @@
 """HTTP routes (Starlette): OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings and /v1/models, plus
-/health and /metrics, and llama-server's /infill (server.infill), /tokenize, /detokenize and
-/apply-template (server.text_tools). Handlers validate, submit a Job to the engine loop and relay its progress;
+/health and /metrics, and llama-server's /completion and /infill (server.native), /tokenize,
+/detokenize and /apply-template (server.text_tools). Handlers validate, submit a Job to the engine loop and relay its progress;
 every error is a JSON body with a 4xx/5xx status (never Starlette's plain-text pages)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from starlette.routing import Route
 from . import text_tools
 from .backend import Progress
 from .embeddings import embedding_body, parse_embeddings
-from .infill import InfillChunks, infill_body, parse_infill
+from .native import NativeChunks, native_body, parse_completion_native, parse_infill
 from .engine_loop import EngineLoop, Failure, Job
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -169,7 +169,7 @@ def create_app(state: ServerState) -> Starlette:
         if req.stream:
             disconnected.cancel()  # the stream watches for itself
             if req.native:
-                builders = [InfillChunks(served.name, served.tokenizer, req.options["stop"], len(req.prompt))]
+                builders = [NativeChunks(served.name, served.tokenizer, req.options["stop"], len(req.prompt))]
             else:
                 builders = [ChatChunks(served.name, req.thinking_open, tokenizer) if chat
                             else CompletionChunks(served.name, tokenizer) for _ in jobs]
@@ -197,7 +197,7 @@ def create_app(state: ServerState) -> Starlette:
         if req.hidden_states:
             body = embedding_body(results, served.name, served.pooling, req.encoding_format)
         elif req.native:
-            body = infill_body(results[0], served.name, served.tokenizer, req.options["stop"])
+            body = native_body(results[0], served.name, served.tokenizer, req.options["stop"])
         elif chat:
             body = chat_body(results, served.name, req.thinking_open, tokenizer)
         else:
@@ -259,6 +259,9 @@ def create_app(state: ServerState) -> Starlette:
     async def infill(request: Request):
         return await generate(request, parse_infill, chat=False)
 
+    async def completion_native(request: Request):
+        return await generate(request, parse_completion_native, chat=False)
+
     async def embeddings(request: Request):
         return await generate(request, parse_embeddings, chat=False)
 
@@ -315,6 +318,7 @@ def create_app(state: ServerState) -> Starlette:
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               Route("/infill", infill, methods=["POST"]),
+              Route("/completion", completion_native, methods=["POST"]),
               Route("/tokenize", text_tool(text_tools.tokenize), methods=["POST"]),
               Route("/detokenize", text_tool(text_tools.detokenize), methods=["POST"]),
               Route("/apply-template", text_tool(text_tools.apply_template), methods=["POST"])]

@@ -14,7 +14,7 @@ from ..devices import DEVICE_KINDS, add_split_arguments, device_arg, device_kind
 
 DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
 (streamed as server-sent events), /v1/embeddings, /v1/models, /health and /metrics (Prometheus), and
-llama-server's /tokenize, /detokenize and /apply-template. --parallel N requests decode together in one batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each
+llama-server's /completion, /infill, /tokenize, /detokenize and /apply-template. --parallel N requests decode together in one batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each
 slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type: a draft model,
 prompt lookup, a DFlash drafter or the model's MTP layer) at any -np: every step verifies the drafts of all running requests in one
 target pass. --replicas DEV,DEV,...: one copy

@@ -67,7 +67,7 @@ class GenerationRequest:
     # /v1/embeddings: each prompt's final hidden states, pooled into an embedding (server.embeddings)
     hidden_states: bool = False
     encoding_format: str = "float"            # the embeddings' "float" lists or "base64" float32 bytes
-    native: bool = False                      # llama-server's own answer shape (/infill: server.infill)
+    native: bool = False                      # llama-server's own answer shape (server.native)
 
     def choices(self) -> list[GenerationRequest]:
         """One request per choice, n per prompt in the prompts' order: choice i of a prompt samples

@@ -1,6 +1,10 @@
-"""Fill in the middle: llama-server's /infill and a completion's `suffix`, on a server started here
+"""llama-server's own /completion and /infill, and a completion's `suffix`, on a server started here
 on loopback (as tests/test_server.py does) with the tiny real-vocabulary model (Qwen's FIM tokens),
 and deltaspec.fim's prompts.
+
+/completion answers generate()'s text for a text or token-id prompt in llama-server's shape
+(stop_type "limit", "word" with the stopping word, "eos"), streamed or not; ignore_eos and
+logit_bias ({"token id": bias}) act as generate()'s.
 
 The claims: the infill prompt is llama-server's format_prompt_infill (pinned tree,
 tools/server/server-common.cpp), written out here token by token from its layout: the repo-level
@@ -11,7 +15,8 @@ FIM_SUF suffix FIM_MID, the prefix cut to its last 3/4 of the batch and the suff
 without [DONE]; a completion's `suffix` is generate() on FIM_PRE prompt FIM_SUF suffix FIM_MID; a
 model without FIM tokens answers /infill with 501 and `suffix` with 400; bad fields are 400s.
 
-Seen red with the server's planted bug infill_suffix_dropped (the suffix left out of the prompt).
+Seen red with the server's planted bugs infill_suffix_dropped (the suffix left out of the prompt)
+and no_validation (bad bodies reach the engine).
 """
 
 from __future__ import annotations
@@ -122,3 +127,45 @@ def test_a_model_without_fim_tokens(files):
         assert status == 400 and answer["error"]["param"] == "suffix"
     finally:
         assert s.stop() == 0
+
+
+def _stream(server, route: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(f"{server.url}{route}", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    assert "data: [DONE]" not in lines  # llama-server's own streams end without it
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_completion_native_equals_generate(server, reference):
+    prompt = "def fib(n):"
+    reference.reset()
+    want = reference.generate(prompt, temperature=0, max_tokens=16)
+    for p in (prompt, reference.tokenize(prompt, special=True)):
+        status, got = _post(server, "/completion", {"prompt": p, "n_predict": 16, "temperature": 0,
+                                                     "cache_prompt": True})
+        assert status == 200 and got["content"] == want.text and got["stop"] is True, got
+        assert got["stop_type"] == ("limit" if want.finish_reason == "length" else "eos")
+        assert got["tokens_predicted"] == len(want.tokens)
+    events = _stream(server, "/completion", {"prompt": prompt, "n_predict": 16, "temperature": 0})
+    assert "".join(e["content"] for e in events) == want.text and events[-1]["stop"] is True
+    # a stop word: the text is cut before it, and the answer names it
+    word = next((want.text[i:i + 2] for i in range(2, len(want.text) - 2) if want.text[i:i + 2].strip()), None)
+    assert word is not None, f"no stop word in {want.text!r}"
+    status, got = _post(server, "/completion", {"prompt": prompt, "n_predict": 16, "temperature": 0, "stop": [word]})
+    assert got["content"] == want.text[:want.text.index(word)]
+    assert got["stop_type"] == "word" and got["stopping_word"] == word
+
+
+def test_completion_native_bias_and_ignore_eos(server, reference):
+    token = reference.tokenize("Hello", special=False)[0]
+    reference.reset()
+    want = reference.generate("x", temperature=0, max_tokens=6, logit_bias={token: 100.0}, ignore_eos=True)
+    status, got = _post(server, "/completion", {"prompt": "x", "n_predict": 6, "temperature": 0,
+                                                 "logit_bias": {str(token): 100}, "ignore_eos": True})
+    assert status == 200 and got["content"] == want.text and got["tokens_predicted"] == 6
+    for body, param in (({}, "prompt"), ({"prompt": "x", "n_predict": -5}, "n_predict"),
+                        ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"), ({"prompt": 7}, "prompt")):
+        status, answer = _post(server, "/completion", body)
+        assert status == 400 and answer["error"]["param"] == param, answer

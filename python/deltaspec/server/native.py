@@ -1,8 +1,11 @@
-"""llama-server's POST /infill (what editor plugins such as llama.vim and llama.vscode call): a
-fill-in-the-middle prompt built as llama-server builds it (deltaspec.fim) from `input_prefix`,
-`input_suffix`, `input_extra` ([{"text", "filename"}]) and `prompt`, generated like a completion
-(`n_predict`, -1 by default: until the context is full; the sampler fields and `seed`, `stop`,
-`stream`), and answered in llama-server's own shape: {"content", "stop": true, "stop_type"
+"""llama-server's own generation endpoints, in its request and answer shapes: POST /completion
+(`prompt`: text, special tokens parsed, or token ids) and POST /infill (what editor plugins such as
+llama.vim and llama.vscode call: a fill-in-the-middle prompt built as llama-server builds it,
+deltaspec.fim, from `input_prefix`, `input_suffix`, `input_extra` ([{"text", "filename"}]) and
+`prompt`). Both generate like a completion (`n_predict`, -1 by default: until the context is full;
+the sampler fields, `repeat_last_n`, `seed`, `stop`, `ignore_eos`, `logit_bias` as
+{"token id": bias}, `stream`; fields it has and we do not, such as `cache_prompt` or
+`t_max_predict_ms`, are ignored) and answer in llama-server's shape: {"content", "stop": true, "stop_type"
 ("eos", "word", "limit", "none"), "stopping_word", "tokens_predicted", "tokens_evaluated",
 "tokens_cached", "truncated", "model", "timings"}; streamed, a {"content", "stop": false} event
 per piece and that object (with empty content) last, no [DONE]. A model without FIM tokens
@@ -17,12 +20,28 @@ from ..fim import FimError, infill_ids
 from ..generation import GenerationResult
 from .errors import APIError, bad_request
 from .planted import planted
-from .schemas import GenerationRequest, Served, _check_body, _get, _sampling, _stop, _type
+from .schemas import (GenerationRequest, Served, _check_body, _get, _logit_bias, _prompt_ids, _sampling, _stop,
+                      _type)
+
+
+def _native_body(body: Any, served: Served) -> dict:
+    # llama-server's own endpoints take no model name (one model a server): any `model` is ignored
+    return _check_body({**body, "model": served.name} if isinstance(body, dict) else body, served)
+
+
+def parse_completion_native(body: Any, served: Served) -> GenerationRequest:
+    body = _native_body(body, served)
+    if "prompt" not in body:
+        raise bad_request("'prompt' is required", "prompt", "missing")
+    ids = _prompt_ids(body["prompt"], served)
+    if len(ids) >= served.n_ctx:
+        raise bad_request(f"the prompt has {len(ids)} tokens but the context holds {served.n_ctx} tokens per "
+                          "request; shorten it", "prompt", "context_length_exceeded")
+    return _generation(body, served, ids)
 
 
 def parse_infill(body: Any, served: Served) -> GenerationRequest:
-    # llama-server's /infill takes no model name (one model a server): any `model` is ignored
-    body = _check_body({**body, "model": served.name} if isinstance(body, dict) else body, served)
+    body = _native_body(body, served)
     texts = {}
     for name in ("input_prefix", "input_suffix"):
         if name not in body:
@@ -44,6 +63,11 @@ def parse_infill(body: Any, served: Served) -> GenerationRequest:
     if len(ids) >= served.n_ctx:  # (a long `prompt`: the prefix and suffix are cut to fit)
         raise bad_request(f"the infill prompt has {len(ids)} tokens but the context holds {served.n_ctx} tokens per "
                           "request; shorten 'prompt'", "prompt", "context_length_exceeded")
+    return _generation(body, served, ids)
+
+
+def _generation(body: dict, served: Served, ids: list[int]) -> GenerationRequest:
+    """The request for prompt `ids` from llama-server's generation fields."""
     room = served.n_ctx - len(ids) + 1
     n_predict = _get(body, "n_predict", (int,), "an integer (-1: until the context is full)", -1)
     if n_predict == 0 or n_predict < -1:
@@ -53,7 +77,9 @@ def parse_infill(body: Any, served: Served) -> GenerationRequest:
     if last_n is not None:  # llama-server's name for penalty_last_n
         sampling["penalty_last_n"] = last_n
     stream = _get(body, "stream", (bool,), "true or false", False)
-    options = {**sampling, "seed": seed, "stop": _stop(body)}
+    ignore_eos = _get(body, "ignore_eos", (bool,), "true or false", False)
+    options = {**sampling, "seed": seed, "stop": _stop(body), **_logit_bias(body, served),
+               **({"ignore_eos": True} if ignore_eos else {})}
     return GenerationRequest(ids, room if n_predict == -1 else min(n_predict, room), options, stream,
                              include_usage=False, chat=False, native=True)
 
@@ -70,7 +96,7 @@ def _stop_type(result: GenerationResult, tokenizer, stops: list[str]) -> tuple[s
     return "word", next((s for s in stops if rest.startswith(s)), "")
 
 
-def infill_body(result: GenerationResult, model: str, tokenizer, stops: list[str]) -> dict:
+def native_body(result: GenerationResult, model: str, tokenizer, stops: list[str]) -> dict:
     s = result.stats
     stop_type, word = _stop_type(result, tokenizer, stops)
     prompt_n = s.prompt_tokens - s.cached_tokens
@@ -84,8 +110,9 @@ def infill_body(result: GenerationResult, model: str, tokenizer, stops: list[str
                         "predicted_per_second": s.tokens_per_second}}
 
 
-class InfillChunks:
-    """A streamed /infill's events, as the stream builders of deltaspec.openai_stream make theirs."""
+class NativeChunks:
+    """A streamed /completion's or /infill's events, as the stream builders of
+    deltaspec.openai_stream make theirs."""
 
     def __init__(self, model: str, tokenizer, stops: list[str], n_prompt: int):
         self.model, self._tokenizer, self._stops, self._n_prompt = model, tokenizer, stops, n_prompt
@@ -101,4 +128,4 @@ class InfillChunks:
                    "tokens_predicted": self._n, "tokens_evaluated": self._n_prompt}
 
     def finish(self, result: GenerationResult, include_usage: bool) -> Iterator[dict]:
-        yield {**infill_body(result, self.model, self._tokenizer, self._stops), "content": ""}
+        yield {**native_body(result, self.model, self._tokenizer, self._stops), "content": ""}
