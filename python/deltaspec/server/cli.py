@@ -12,13 +12,14 @@ import time
 
 from ..devices import DEVICE_KINDS, add_split_arguments, device_arg, device_kind, split_from_flags
 
-DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions
-(streamed as server-sent events), /v1/embeddings, /v1/models, /health and /metrics (Prometheus), and
-llama-server's /completion, /infill, /tokenize, /detokenize and /apply-template. --parallel N requests decode together in one batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each
-slot (llama-server divides its -c among its -np slots). Speculative decoding (-md / --spec-type: a draft model,
-prompt lookup, a DFlash drafter or the model's MTP layer) at any -np: every step verifies the drafts of all running requests in one
-target pass. --replicas DEV,DEV,...: one copy
-of the model per device (and of the draft model), each with its own -np slots, behind one queue."""
+DESCRIPTION = """Serve a qwen35 GGUF over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions (streamed as
+server-sent events), /v1/embeddings, /v1/models, /health and /metrics (Prometheus), and llama-server's
+/completion, /infill, /tokenize, /detokenize and /apply-template. --parallel N requests decode together in one
+batch per step; more wait in a queue of --queue-size (then 429). -c is the context of each slot (llama-server
+divides its -c among its -np slots). Speculative decoding (-md / --spec-type: a draft model, prompt lookup, a
+DFlash drafter or the model's MTP layer) at any -np: every step verifies the drafts of all running requests in
+one target pass. --replicas DEV,DEV,...: one copy of the model per device (and of the draft model), each with
+its own -np slots, behind one queue."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default: %(default)s)")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: none)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: none)")
     p.add_argument("-np", "--parallel", type=int, default=4, metavar="N",
                    help="sequence slots: requests decoded together (default: %(default)s)")
     p.add_argument("--queue-size", type=int, default=256, metavar="N",
