@@ -11,6 +11,7 @@ from .chat import chat_template_from_metadata, prompt_opens_reasoning, split_rea
 from .generation import validate_flag
 from .grammar import response_format_grammar
 from .openai_stream import ChatChunks, CompletionChunks
+from .tool_calls import parse_tool_calls
 
 
 def _check_kwargs(model, caller: str, kwargs: Mapping[str, Any]) -> None:
@@ -84,10 +85,10 @@ def apply_chat_template(model, messages: Sequence[Mapping[str, Any]], add_genera
 
 
 def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, tools=None,
-                           chat_template: str | None = None, enable_thinking: bool | None = None,
-                           temperature: float = 0.2, max_tokens: int | None = None, logprobs: bool | None = None,
-                           top_logprobs: int | None = None, response_format: Mapping[str, Any] | None = None,
-                           **kwargs: Any):
+                           tool_choice: str | None = None, chat_template: str | None = None,
+                           enable_thinking: bool | None = None, temperature: float = 0.2, max_tokens: int | None = None,
+                           logprobs: bool | None = None, top_logprobs: int | None = None,
+                           response_format: Mapping[str, Any] | None = None, **kwargs: Any):
     """An OpenAI `chat.completion` dict (reasoning in `reasoning_content`), or chunk dicts when streaming
     (reasoning in `reasoning_content` deltas, as llama-server streams it).
     Defaults follow llama-cpp-python's chat path: temperature 0.2, max_tokens None (until n_ctx).
@@ -97,8 +98,17 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     Structured output: `response_format` {"type": "json_object"} (optionally with "schema"), or
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, or `grammar` (GBNF /
     Lark / deltaspec.Grammar) constrains the whole reply while decoding; the reply is then the
-    message content, and thinking is off unless asked for (it cannot be, with a constraint)."""
+    message content, and thinking is off unless asked for (it cannot be, with a constraint).
+
+    Tools: `tools` go to the chat template; the reply's tool calls (Qwen3.5's <tool_call> blocks,
+    deltaspec.tool_calls) come back as the message's `tool_calls`, finish_reason "tool_calls"
+    (streamed: `tool_calls` deltas, each call whole). tool_choice "auto" (default) or "none" (no
+    parsing); nothing forces a call, so "required" or a named function raise ValueError."""
     _check_kwargs(model, "create_chat_completion", kwargs)
+    if tool_choice not in (None, "auto", "none"):
+        raise ValueError(f"tool_choice {tool_choice!r} is not supported: the model decides whether to call a tool "
+                         "(\"auto\") or the reply is not parsed for calls (\"none\")")
+    parsed_tools = tools if tools and tool_choice != "none" else None
     validate_flag("stream", stream)
     if logprobs is not None and not isinstance(logprobs, bool):
         raise TypeError(f"logprobs must be True, False or None, got {logprobs!r}")
@@ -120,11 +130,15 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     if stream:
         pieces = model.generate(prompt, stream=True, temperature=temperature, max_tokens=max_tokens,
                                 logprobs=n_logprobs, **kwargs)
-        return _stream_chunks(pieces, ChatChunks(name, thinking_open, model.tokenizer if n_logprobs is not None else None))
+        return _stream_chunks(pieces, ChatChunks(name, thinking_open, model.tokenizer if n_logprobs is not None else None,
+                                                 parsed_tools))
     r = model.generate(prompt, temperature=temperature, max_tokens=max_tokens, logprobs=n_logprobs, **kwargs)
     reasoning, content = split_reasoning(r.text, thinking_open=thinking_open)
+    calls = None
+    if parsed_tools and content is not None:
+        content, calls = parse_tool_calls(content, parsed_tools)
     out = oai.chat_completion(content, r.finish_reason, name, r.stats.prompt_tokens, r.stats.generated_tokens,
-                              reasoning_content=reasoning)
+                              reasoning_content=reasoning, tool_calls=calls)
     if n_logprobs is not None:
         out["choices"][0]["logprobs"] = lp.chat_logprobs(model.tokenizer, lp.generated_logprobs(model.tokenizer, r))
     return out

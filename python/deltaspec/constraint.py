@@ -59,13 +59,27 @@ class _VocabularyView:
             tokens.append(piece)
         self.tokens = tokens
         self.special_token_ids = special
+        self._special = frozenset(special)
         self.eos_token_id = min(tokenizer.eog_ids)
         self.bos_token_id = tokenizer.bos_id
 
     def __call__(self, text):
+        """Token ids of text the grammar forces. The tokenizer matches user-defined tokens in any
+        text (<tool_call>, <think>), but llguidance sees those as special, never as the text of a
+        grammar's literal: such a token is given as its text's first character and the rest."""
         if not isinstance(text, str):  # TokenizerWrapper probes with bytes, then passes str
             raise TypeError("encode takes str")
-        return self._tokenizer.encode(text)
+        ids = self._tokenizer.encode(text)
+        if self._special.isdisjoint(ids):
+            return ids
+        out = []
+        for t in ids:
+            if t in self._special:
+                piece = self._tokenizer.token_to_piece(t, special=True).decode("utf-8")
+                out += self._tokenizer.encode(piece[:1]) + self._tokenizer.encode(piece[1:])
+            else:
+                out.append(t)
+        return out
 
 
 def ll_tokenizer(tokenizer: Tokenizer):

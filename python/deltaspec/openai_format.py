@@ -116,10 +116,15 @@ def completion_chunk(text_delta: str, finish_reason: FinishReason | None, model:
 
 def chat_completion(content: str | None, finish_reason: FinishReason, model: str, prompt_tokens: int,
                     completion_tokens: int, reasoning_content: str | None = None, *,
-                    id: str | None = None, created: int | None = None) -> ChatCompletion:
+                    id: str | None = None, created: int | None = None,
+                    tool_calls: list | None = None) -> ChatCompletion:
     message: ChatMessage = {"role": "assistant", "content": content}
     if reasoning_content:
         message["reasoning_content"] = reasoning_content
+    if tool_calls:  # (deltaspec.tool_calls) the reply called tools: OpenAI's finish_reason says so
+        message["tool_calls"] = tool_calls
+        if finish_reason == "stop":
+            finish_reason = "tool_calls"
     return {"id": id or chat_completion_id(), "object": "chat.completion",
             "created": now() if created is None else created, "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
@@ -145,6 +150,12 @@ def chat_chunk_delta(model: str, id: str, created: int, content: str | None = No
         delta["content"] = content
     if reasoning_content is not None:
         delta["reasoning_content"] = reasoning_content
+    return _chat_chunk(delta, None, model, id, created)
+
+
+def chat_chunk_tool_calls(model: str, id: str, created: int, calls: list, first_index: int) -> ChatCompletionChunk:
+    """A chunk with whole tool calls (deltaspec.tool_calls), numbered from first_index in the reply."""
+    delta: ChatDelta = {"tool_calls": [{"index": first_index + i, **call} for i, call in enumerate(calls)]}
     return _chat_chunk(delta, None, model, id, created)
 
 

@@ -11,6 +11,7 @@ from . import logprobs as lp
 from . import openai_format as oai
 from .chat import ReasoningSplitter
 from .generation import GenerationResult
+from .tool_calls import ToolCallStream
 
 
 class CompletionChunks:
@@ -53,11 +54,13 @@ class ChatChunks:
     log-probabilities (the splitter may hold text back: they wait for the next chunk, at the latest
     an empty delta before finish_reason)."""
 
-    def __init__(self, model: str, thinking_open: bool, tokenizer=None):
+    def __init__(self, model: str, thinking_open: bool, tokenizer=None, tools=None):
         self.model, self.id, self.created = model, oai.chat_completion_id(), oai.now()
         self._splitter = ReasoningSplitter(thinking_open)
         self._tokenizer = tokenizer
         self._pending: list = []  # entries not sent yet
+        # a request with tools: the content's tool calls as `tool_calls` deltas (deltaspec.tool_calls)
+        self._calls = ToolCallStream(tools) if tools else None
 
     def start(self) -> Iterator[dict]:
         yield oai.chat_chunk_role(self.model, self.id, self.created)
@@ -69,10 +72,17 @@ class ChatChunks:
 
     def finish(self, result: GenerationResult, include_usage: bool) -> Iterator[dict]:
         chunks = list(self._deltas(*self._splitter.finish()))
+        if self._calls is not None:  # a call that never closed is text
+            rest = self._calls.finish()
+            if rest:
+                chunks.append(oai.chat_chunk_delta(self.model, self.id, self.created, content=rest))
         if not chunks and self._pending and self._tokenizer is not None:
             chunks = [oai.chat_chunk_delta(self.model, self.id, self.created)]
         yield from self._with_logprobs(chunks)
-        yield oai.chat_chunk_finish(result.finish_reason, self.model, self.id, self.created)
+        reason = result.finish_reason
+        if self._calls is not None and self._calls.n_calls and reason == "stop":
+            reason = "tool_calls"
+        yield oai.chat_chunk_finish(reason, self.model, self.id, self.created)
         if include_usage:
             yield self.usage_chunk(usage_with_cache(result))
 
@@ -89,8 +99,14 @@ class ChatChunks:
     def _deltas(self, reasoning: str, content: str) -> Iterator[dict]:
         if reasoning:
             yield oai.chat_chunk_delta(self.model, self.id, self.created, reasoning_content=reasoning)
+        calls = []
+        if self._calls is not None and content:
+            first = self._calls.n_calls
+            content, calls = self._calls.push(content)
         if content:
             yield oai.chat_chunk_delta(self.model, self.id, self.created, content=content)
+        if calls:
+            yield oai.chat_chunk_tool_calls(self.model, self.id, self.created, calls, first)
 
 
 def usage_with_cache(result: GenerationResult) -> dict:

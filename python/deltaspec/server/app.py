@@ -171,7 +171,7 @@ def create_app(state: ServerState) -> Starlette:
             if req.native:
                 builders = [NativeChunks(served.name, served.tokenizer, req.options["stop"], len(req.prompt))]
             else:
-                builders = [ChatChunks(served.name, req.thinking_open, tokenizer) if chat
+                builders = [ChatChunks(served.name, req.thinking_open, tokenizer, req.tools) if chat
                             else CompletionChunks(served.name, tokenizer) for _ in jobs]
             for b in builders[1:]:  # one id for the answer's chunks, whichever choice they carry
                 b.id, b.created = builders[0].id, builders[0].created
@@ -199,7 +199,7 @@ def create_app(state: ServerState) -> Starlette:
         elif req.native:
             body = native_body(results[0], served.name, served.tokenizer, req.options["stop"])
         elif chat:
-            body = chat_body(results, served.name, req.thinking_open, tokenizer)
+            body = chat_body(results, served.name, req.thinking_open, tokenizer, req.tools)
         else:
             body = completion_body(results, served.name, tokenizer, [job.request.echo for job in jobs], req.n)
         return JSONResponse(body)

@@ -20,8 +20,8 @@ from ..fim import FimError, infill_ids
 from ..generation import GenerationResult
 from .errors import APIError, bad_request
 from .planted import planted
-from .schemas import (GenerationRequest, Served, _check_body, _get, _logit_bias, _prompt_ids, _sampling, _stop,
-                      _type)
+from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _logit_bias, _prompt_ids, _sampling,
+                      _stop, _type)
 
 
 def _native_body(body: Any, served: Served) -> dict:
@@ -78,8 +78,9 @@ def _generation(body: dict, served: Served, ids: list[int]) -> GenerationRequest
         sampling["penalty_last_n"] = last_n
     stream = _get(body, "stream", (bool,), "true or false", False)
     ignore_eos = _get(body, "ignore_eos", (bool,), "true or false", False)
+    grammar = _grammar(body)
     options = {**sampling, "seed": seed, "stop": _stop(body), **_logit_bias(body, served),
-               **({"ignore_eos": True} if ignore_eos else {})}
+               **({"ignore_eos": True} if ignore_eos else {}), **({"grammar": grammar} if grammar is not None else {})}
     return GenerationRequest(ids, room if n_predict == -1 else min(n_predict, room), options, stream,
                              include_usage=False, chat=False, native=True)
 

@@ -13,6 +13,7 @@ from .. import openai_format as oai
 from ..chat import split_reasoning
 from ..generation import GenerationResult
 from ..openai_stream import usage_with_cache
+from ..tool_calls import parse_tool_calls
 from .planted import planted
 
 
@@ -64,16 +65,20 @@ def completion_body(results: list[GenerationResult], model: str, tokenizer=None,
     return _with_choices(bodies, results, n)
 
 
-def chat_body(results: list[GenerationResult], model: str, thinking_open: bool, tokenizer=None) -> dict:
+def chat_body(results: list[GenerationResult], model: str, thinking_open: bool, tokenizer=None,
+              tools: list | None = None) -> dict:
     """The answer, a choice per result; with `tokenizer` (the request asked for logprobs) their
     log-probabilities too (of every generated token, reasoning included, as
-    create_chat_completion's)."""
+    create_chat_completion's); with `tools`, the content's tool calls as `tool_calls`."""
     bodies = []
     for result in results:
         s = result.stats
         reasoning, content = split_reasoning(result.text, thinking_open=thinking_open)
+        calls = None
+        if tools and content is not None:
+            content, calls = parse_tool_calls(content, tools)
         body = oai.chat_completion(content, result.finish_reason, model, s.prompt_tokens, s.generated_tokens,
-                                   reasoning_content=reasoning)
+                                   reasoning_content=reasoning, tool_calls=calls)
         if tokenizer is not None:
             body["choices"][0]["logprobs"] = lp.chat_logprobs(tokenizer, lp.generated_logprobs(tokenizer, result))
         bodies.append(body)

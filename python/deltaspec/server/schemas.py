@@ -68,6 +68,7 @@ class GenerationRequest:
     hidden_states: bool = False
     encoding_format: str = "float"            # the embeddings' "float" lists or "base64" float32 bytes
     native: bool = False                      # llama-server's own answer shape (server.native)
+    tools: list | None = None                 # a chat's tools when its reply's tool calls are parsed
 
     def choices(self) -> list[GenerationRequest]:
         """One request per choice, n per prompt in the prompts' order: choice i of a prompt samples
@@ -329,7 +330,9 @@ def parse_completion(body: Any, served: Served) -> GenerationRequest:
                              scored=wants_echo and logprobs is not None)
     sampling, seed = _sampling(body, chat=False)
     stream, include_usage = _stream(body)
+    grammar = _grammar(body)
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
+               **({"grammar": grammar} if grammar is not None else {}),
                **({"logprobs": logprobs} if logprobs is not None else {})}
     prompts = [(p_ids, _echo(wants_echo, p, p_ids, served)) for p, p_ids in zip(items, all_ids)]
     return GenerationRequest(prompts[0][0], max_tokens, options, stream, include_usage, chat=False, logprobs=logprobs,
@@ -383,6 +386,11 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
         if body.get(name) not in (None, False, ""):
             raise bad_request(f"'{name}' is a completion's field; a chat completion takes messages", name, "unsupported")
     grammar = response_format_grammar(body)
+    if body.get("grammar") is not None:
+        if grammar is not None:
+            raise bad_request("'grammar' and 'response_format' both constrain the reply; send one", "grammar",
+                              "invalid_value")
+        grammar = _grammar(body)
     prompt = chat_prompt(body, served, constrained=grammar is not None)
     ids = _prompt_ids(prompt, served)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), served, None)
@@ -393,4 +401,29 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
                **({"grammar": grammar} if grammar is not None else {}),
                **({"logprobs": logprobs} if logprobs is not None else {})}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=True,
-                             thinking_open=prompt_opens_reasoning(prompt), logprobs=logprobs, n=_choices(body))
+                             thinking_open=prompt_opens_reasoning(prompt), logprobs=logprobs, n=_choices(body),
+                             tools=_parsed_tools(body))
+
+
+def _parsed_tools(body: dict) -> list | None:
+    """The tools whose calls the reply is parsed for (deltaspec.tool_calls): the request's, unless
+    tool_choice is "none". A choice the model would have to be forced to make is refused: nothing
+    here forces a call."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise bad_request(f"'tool_choice' {str(choice)[:60]!r} is not supported: the model decides whether to call a "
+                          "tool; send \"auto\" or \"none\"", "tool_choice", "unsupported")
+    tools = body.get("tools")
+    return tools if tools and choice != "none" else None
+
+
+def _grammar(body: dict):
+    """llama-server's `grammar` field: a GBNF grammar (or llguidance Lark) the reply must match."""
+    from ..errors import GrammarError
+    from ..grammar import grammar_of
+
+    text = _get(body, "grammar", (str,), "a string (a GBNF grammar)")
+    try:
+        return grammar_of(text) if text else None
+    except GrammarError as e:
+        raise bad_request(f"'grammar': {e}", "grammar", "invalid_grammar") from None
