@@ -169,3 +169,19 @@ def test_completion_native_bias_and_ignore_eos(server, reference):
                         ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"), ({"prompt": 7}, "prompt")):
         status, answer = _post(server, "/completion", body)
         assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_grammar_on_the_generation_routes(server):
+    """llama-server's `grammar` (GBNF) on /completion, /infill and /v1/completions: the text is one
+    of the grammar's strings (the random model left alone writes anything else); a grammar that
+    does not compile is a 400 naming it."""
+    grammar = 'root ::= "yes" | "no"'
+    for route, body in (("/completion", {"prompt": "Answer:", "n_predict": 8}),
+                        ("/infill", {"input_prefix": "x = ", "input_suffix": "\n", "n_predict": 8}),
+                        ("/v1/completions", {"model": "tiny-chat", "prompt": "Answer:", "max_tokens": 8})):
+        status, got = _post(server, route, {**body, "temperature": 0, "grammar": grammar})
+        assert status == 200, got
+        text = got["content"] if "content" in got else got["choices"][0]["text"]
+        assert text in ("yes", "no"), (route, text)
+        status, answer = _post(server, route, {**body, "grammar": "root ::= ("})
+        assert status == 400 and answer["error"]["param"] == "grammar", answer
