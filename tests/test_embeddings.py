@@ -100,3 +100,11 @@ def test_scheduler_hidden_states_equal_transformers(tmp_path):
         with pytest.raises(ValueError, match="hidden_states"):
             m.add_request("abc", hidden_states=True, spec_type="ngram-simple")
         assert not m.has_unfinished_requests
+        m.set_prefill_budget(3)  # the prompt read over several steps: its rows still all there, in order
+        rid = m.add_request(TEXTS[1], hidden_states=True)
+        results = {}
+        while m.has_unfinished_requests:
+            results.update({o.request_id: o.result for o in m.step() if o.finished})
+        split = results[rid].hidden_states
+        assert len(m.tokenize(TEXTS[1], special=True)) > 2 * 3
+        assert np.abs(split - _reference(m, hf, TEXTS[1])).max() < TOL
