@@ -104,6 +104,14 @@ TokenConstraint * constraint_of(const py::object & constraint) {
     return constraint.is_none() ? nullptr : constraint.cast<TokenConstraint *>();
 }
 
+// A scored prompt's entries as prompt_logprobs / prompt_top_ids / prompt_top_logprobs (none: no keys).
+void put_prompt_entries(py::dict & d, const std::optional<LogprobEntries> & prompt) {
+    if (!prompt) return;
+    d["prompt_logprobs"] = prompt->logprobs;
+    d["prompt_top_ids"] = prompt->top_ids;
+    d["prompt_top_logprobs"] = prompt->top_logprobs;
+}
+
 py::dict result_dict(const GenerateResult & res) {
     py::dict out;
     out["tokens"] = res.tokens;
@@ -120,11 +128,7 @@ py::dict result_dict(const GenerateResult & res) {
     if (!res.hidden.empty()) {  // flat: n_embd floats per prompt token (the caller knows n_embd)
         out["hidden"] = py::array_t<float>((py::ssize_t)res.hidden.size(), res.hidden.data());
     }
-    if (res.prompt_scored) {
-        out["prompt_logprobs"] = res.prompt_logprobs;
-        out["prompt_top_ids"] = res.prompt_top_ids;
-        out["prompt_top_logprobs"] = res.prompt_top_logprobs;
-    }
+    put_prompt_entries(out, res.prompt);
     return out;
 }
 
@@ -328,11 +332,7 @@ py::list step_py(Runner & r) {
             d["top_ids"] = ev.top_ids;
             d["top_logprobs"] = ev.top_logprobs;
         }
-        if (ev.prompt_scored) {
-            d["prompt_logprobs"] = ev.prompt_logprobs;
-            d["prompt_top_ids"] = ev.prompt_top_ids;
-            d["prompt_top_logprobs"] = ev.prompt_top_logprobs;
-        }
+        put_prompt_entries(d, ev.prompt);
         d["finished"] = ev.finished;
         if (ev.finished) {
             py::dict res = result_dict(ev.result);

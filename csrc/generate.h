@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,13 @@ struct GenerateRequest {
 
 enum class FinishReason { stop, length, cancelled };
 
+// Log-probability entries of some tokens: each token's, and n_logprobs most probable ones' per token.
+struct LogprobEntries {
+    std::vector<float> logprobs;
+    std::vector<int32_t> top_ids;
+    std::vector<float> top_logprobs;
+};
+
 struct GenerateResult {
     std::vector<int32_t> tokens;          // every sampled token, including an EOG or stop-completing one
     FinishReason finish = FinishReason::length;
@@ -50,12 +58,9 @@ struct GenerateResult {
     std::vector<float> logprobs;          // n_logprobs >= 0: one per generated token
     std::vector<int32_t> top_ids;         // n_logprobs per generated token, most probable first
     std::vector<float> top_logprobs;      // their log-probabilities
-    // prompt_logprobs: the same for prompt tokens 1 .. n-1 (the first has no context), once
-    // prompt_scored says the whole prompt was evaluated (a request cancelled before has none)
-    bool prompt_scored = false;
-    std::vector<float> prompt_logprobs;
-    std::vector<int32_t> prompt_top_ids;
-    std::vector<float> prompt_top_logprobs;
+    // prompt_logprobs: the same for prompt tokens 1 .. n-1 (the first has no context), once the whole
+    // prompt was evaluated (a request cancelled before has none)
+    std::optional<LogprobEntries> prompt;
     std::vector<float> hidden;            // hidden_states: n_embd floats per prompt token
 };
 

@@ -22,13 +22,25 @@ void append_entry(const float * row, int64_t n_vocab, int32_t token, int64_t k, 
     logprobs.push_back((float)(row[token] - log_z));
     k = std::min<int64_t>(k, n_vocab);
     if (k == 0) return;
-    std::vector<int32_t> ids(n_vocab);
-    for (int64_t i = 0; i < n_vocab; ++i) ids[i] = (int32_t)i;
-    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
-                      [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
-    for (int64_t i = 0; i < k; ++i) {
-        top_ids.push_back(ids[i]);
-        top_logprobs.push_back((float)(row[ids[i]] - log_z));
+    // the k best in one pass, a heap of k whose front is the worst kept (no n_vocab-sized id array
+    // per row: a scored prompt asks this of every row)
+    const auto better = [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
+    std::vector<int32_t> best;
+    best.reserve(k);
+    for (int32_t i = 0; i < (int32_t)n_vocab; ++i) {
+        if ((int64_t)best.size() < k) {
+            best.push_back(i);
+            std::push_heap(best.begin(), best.end(), better);
+        } else if (better(i, best.front())) {
+            std::pop_heap(best.begin(), best.end(), better);
+            best.back() = i;
+            std::push_heap(best.begin(), best.end(), better);
+        }
+    }
+    std::sort_heap(best.begin(), best.end(), better);  // best first
+    for (const int32_t id : best) {
+        top_ids.push_back(id);
+        top_logprobs.push_back((float)(row[id] - log_z));
     }
 }
 
@@ -40,8 +52,8 @@ void record_logprobs(const GenerateRequest & req, const float * row, int64_t n_v
 }
 
 void record_prompt_logprobs(const GenerateRequest & req, const float * row, int64_t n_vocab, int32_t token,
-                            GenerateResult & res) {
-    append_entry(row, n_vocab, token, req.n_logprobs, res.prompt_logprobs, res.prompt_top_ids, res.prompt_top_logprobs);
+                            LogprobEntries & entries) {
+    append_entry(row, n_vocab, token, req.n_logprobs, entries.logprobs, entries.top_ids, entries.top_logprobs);
 }
 
 void record_top_logprobs(const GenerateRequest & req, const TopRow & row, int32_t token, GenerateResult & res) {

@@ -19,7 +19,7 @@ void record_logprobs(const GenerateRequest & req, const float * row, int64_t n_v
 
 // prompt_logprobs: the entry of prompt token `token` from the row of the token before it.
 void record_prompt_logprobs(const GenerateRequest & req, const float * row, int64_t n_vocab, int32_t token,
-                            GenerateResult & res);
+                            LogprobEntries & entries);
 
 // From a row's top candidates (top_rows.h); `token` must be one of them (a sampler that the top
 // rows serve only draws those).

@@ -228,12 +228,7 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
     if (n == left) {
         s.decode_start = Clock::now();
         StepEvent & ev = event_of(events, s);
-        if (s.req.prompt_logprobs) {
-            s.res.prompt_scored = ev.prompt_scored = true;
-            ev.prompt_logprobs = s.res.prompt_logprobs;
-            ev.prompt_top_ids = s.res.prompt_top_ids;
-            ev.prompt_top_logprobs = s.res.prompt_top_logprobs;
-        }
+        if (s.req.prompt_logprobs) ev.prompt = s.res.prompt = std::move(s.prompt_entries);
         if (s.req.max_tokens == 0) {
             finish(s, FinishReason::length, ev);  // the prompt scored (or its hidden states read) alone
         } else {
@@ -262,7 +257,7 @@ int32_t Scheduler::feed_scored(Sequence & s, int64_t n) {
             float * row = rows.data() + r * n_vocab;
             const int64_t next = s.n_fed + done + r + 1;  // the prompt token this row predicts
             if (next < size) {
-                record_prompt_logprobs(s.req, row, n_vocab, s.req.prompt[bug ? next - 1 : next], s.res);
+                record_prompt_logprobs(s.req, row, n_vocab, s.req.prompt[bug ? next - 1 : next], s.prompt_entries);
             } else if (s.req.max_tokens > 0) {
                 token = choose(s, row, n_vocab);
             }

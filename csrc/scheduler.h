@@ -68,6 +68,7 @@ struct Sequence {
     int64_t slot = -1;             // while running
     int32_t pending = -1;          // the token emitted last, not yet in the slot's state
     int64_t n_fed = 0;             // prompt tokens in the slot's state (a prompt split by the prefill budget: < its size)
+    LogprobEntries prompt_entries; // prompt_logprobs: those of the prompt fed so far (res.prompt once complete)
     bool finished = false;
     bool cancel_requested = false;
     std::chrono::steady_clock::time_point decode_start;
@@ -96,11 +97,7 @@ struct StepEvent {
     std::vector<int32_t> top_ids;
     std::vector<float> top_logprobs;
     // a request with prompt_logprobs, in the step that completes its prompt: the prompt's entries
-    // (GenerateResult's prompt_logprobs / prompt_top_ids / prompt_top_logprobs)
-    std::vector<float> prompt_logprobs;
-    std::vector<int32_t> prompt_top_ids;
-    std::vector<float> prompt_top_logprobs;
-    bool prompt_scored = false;
+    std::optional<LogprobEntries> prompt;
     bool finished = false;
     GenerateResult result;         // when finished
     bool speculative = false;      // the request speculated: `spec` holds its stats (when finished)

@@ -121,6 +121,16 @@ def _prompt_entries(reference, prompt: str, k: int) -> list:
         for i in range(1, len(ids))]
 
 
+def _joined(chunks) -> dict:
+    """A completion stream's logprobs fields, its chunks' joined in order."""
+    joined = {key: [] for key in ("tokens", "text_offset", "token_logprobs", "top_logprobs")}
+    for c in chunks:
+        if c.choices[0].logprobs is not None:
+            for key, values in _completion_fields(c.choices[0].logprobs.model_dump()).items():
+                joined[key] += values
+    return joined
+
+
 def test_completion_echo_with_logprobs(server, reference):
     """echo and logprobs: the prompt's entries, then the answer's, offsets counted from the prompt's
     start; the stream's first chunk is the prompt with its entries."""
@@ -134,12 +144,7 @@ def test_completion_echo_with_logprobs(server, reference):
     assert _near(_completion_fields(got.choices[0].logprobs.model_dump()), want)
     chunks = list(client.completions.create(stream=True, **common))
     assert chunks[0].choices[0].text == PROMPT
-    joined = {key: [] for key in want}
-    for c in chunks:
-        if c.choices[0].logprobs is not None:
-            for key in want:
-                joined[key] += _completion_fields(c.choices[0].logprobs.model_dump())[key]
-    assert _near(joined, want)
+    assert _near(_joined(chunks), want)
 
 
 def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(server, reference):
@@ -155,12 +160,7 @@ def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(server, reference
     chunks = list(client.completions.create(stream=True, **common))
     assert "".join(c.choices[0].text for c in chunks) == PROMPT
     assert chunks[-1].choices[0].finish_reason == "length"
-    joined = {key: [] for key in want}
-    for c in chunks:
-        if c.choices[0].logprobs is not None:
-            for key in want:
-                joined[key] += _completion_fields(c.choices[0].logprobs.model_dump())[key]
-    assert _near(joined, want)
+    assert _near(_joined(chunks), want)
     for body in (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}',
                  b'{"model": "tiny", "prompt": "hi", "max_tokens": 0, "echo": true}'):
         status, answer = post(f"{server.url}/v1/completions", body)

@@ -417,11 +417,12 @@ def result_of(tokenizer, n_prompt: int, out: dict) -> tuple[GenerationResult, by
                             logprobs, top), data
 
 
-def _logprobs_of(out: dict) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """An engine dict's logprobs (one per token) and top lists ((token, logprob) pairs, k per token)."""
-    logprobs = list(out["logprobs"])
-    k = len(out["top_ids"]) // max(1, len(logprobs))
-    ids, lps = list(out["top_ids"]), list(out["top_logprobs"])
+def _logprobs_of(out: dict, prefix: str = "") -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """An engine dict's logprobs (one per token) and top lists ((token, logprob) pairs, k per token);
+    prefix "prompt_": those of a scored prompt."""
+    logprobs = list(out[prefix + "logprobs"])
+    k = len(out[prefix + "top_ids"]) // max(1, len(logprobs))
+    ids, lps = list(out[prefix + "top_ids"]), list(out[prefix + "top_logprobs"])
     return logprobs, [list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k])) for i in range(len(logprobs))]
 
 
@@ -431,11 +432,7 @@ def prompt_entries(prompt: Sequence[int], out: dict) -> list[tuple[int, float | 
     (the request did not ask, or finished before its prompt was evaluated)."""
     if "prompt_logprobs" not in out:
         return None
-    logprobs = list(out["prompt_logprobs"])
-    k = len(out["prompt_top_ids"]) // max(1, len(logprobs))
-    ids, lps = list(out["prompt_top_ids"]), list(out["prompt_top_logprobs"])
-    return [(prompt[0], None, None)] + [(prompt[i + 1], logprobs[i], list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k])))
-                                        for i in range(len(logprobs))]
+    return [(prompt[0], None, None)] + list(zip(prompt[1:], *_logprobs_of(out, "prompt_")))
 
 
 def step_logprobs(event: dict) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
