@@ -95,32 +95,37 @@ class ToolCallStream:
         self.n_calls = 0
 
     def push(self, text: str) -> tuple[str, list[dict]]:
+        pieces = self.push_pieces(text)
+        return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, dict)]
+
+    def push_pieces(self, text: str) -> list[str | dict]:
+        """push() with the text to show and the calls in the order they stand in the reply (text
+        pieces are strings, calls dicts): what a reply of ordered blocks (Anthropic's) needs."""
         self._held += text
-        shown, calls = [], []
+        pieces: list[str | dict] = []
         while True:
             start = self._held.find(OPEN)
             if start < 0:
                 # keep a tail that could still become "<tool_call>"
                 keep = next((k for k in range(min(len(OPEN) - 1, len(self._held)), 0, -1)
                              if OPEN.startswith(self._held[-k:])), 0)
-                shown.append(self._held[:len(self._held) - keep])
+                pieces.append(self._held[:len(self._held) - keep])
                 self._held = self._held[len(self._held) - keep:]
                 break
             end = self._held.find(CLOSE, start)
             if end < 0:
-                shown.append(self._held[:start])
+                pieces.append(self._held[:start])
                 self._held = self._held[start:]
                 break
             m = _BLOCK.fullmatch(self._held[start:end + len(CLOSE)])
             call = _call(m.group(1), m.group(2), self._schemas) if m else None
             if call is None:  # not a call: its text is content
-                shown.append(self._held[:end + len(CLOSE)])
+                pieces.append(self._held[:end + len(CLOSE)])
             else:
-                shown.append(self._held[:start])
-                calls.append(call)
+                pieces += [self._held[:start], call]
+                self.n_calls += 1
             self._held = self._held[end + len(CLOSE):]
-        self.n_calls += len(calls)
-        return "".join(shown), calls
+        return [p for p in pieces if p]
 
     def finish(self) -> str:
         rest, self._held = self._held, ""

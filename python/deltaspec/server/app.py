@@ -1,7 +1,9 @@
 """HTTP routes (Starlette): OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings and /v1/models, plus
-/health and /metrics, and llama-server's /completion and /infill (server.native), /tokenize,
-/detokenize and /apply-template (server.text_tools). Handlers validate, submit a Job to the engine loop and relay its progress;
-every error is a JSON body with a 4xx/5xx status (never Starlette's plain-text pages)."""
+/health and /metrics, llama-server's /completion and /infill (server.native), /tokenize,
+/detokenize and /apply-template (server.text_tools), and Anthropic's /v1/messages and
+/v1/messages/count_tokens (server.anthropic). Handlers validate, submit a Job to the engine loop and
+relay its progress, answering in their route's shape (server.answers); every error is a JSON body
+with a 4xx/5xx status (never Starlette's plain-text pages)."""
 
 from __future__ import annotations
 
@@ -23,17 +25,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import text_tools
+from . import anthropic, answers, text_tools
+from .answers import Answer
 from .backend import Progress
-from .embeddings import embedding_body, parse_embeddings
-from .native import NativeChunks, native_body, parse_completion_native, parse_infill
+from .embeddings import parse_embeddings
+from .native import parse_completion_native, parse_infill
 from .engine_loop import EngineLoop, Failure, Job
 from .errors import APIError
 from .metrics import ServerMetrics
 from .planted import planted
 from .replicas import ReplicaSet
-from ..openai_stream import ChatChunks, CompletionChunks
-from .responses import DONE, chat_body, completion_body, sse, usage_of
+from .responses import DONE, usage_of
 from .schemas import GenerationRequest, Served, parse_chat, parse_completion
 
 log = logging.getLogger("deltaspec.server")
@@ -68,16 +70,19 @@ async def _next_event(job: Job, disconnected: asyncio.Task) -> Progress | Failur
     raise ClientGone()
 
 
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: APIError, shape: Callable[[APIError], dict] = APIError.body) -> JSONResponse:
+    return JSONResponse(shape(e), status_code=e.status)
 
 
 def _check_key(request: Request, api_key: str | None) -> None:
+    """The key as OpenAI's clients send it (Authorization: Bearer KEY) or Anthropic's (x-api-key: KEY)."""
     if api_key is None:
         return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+    bearer = request.headers.get("authorization", "").encode()
+    header = request.headers.get("x-api-key", "").encode()
+    if not (hmac.compare_digest(bearer, f"Bearer {api_key}".encode()) | hmac.compare_digest(header, api_key.encode())):
+        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                       code="invalid_api_key")
 
 
 async def _body(request: Request) -> object:
@@ -142,14 +147,14 @@ def create_app(state: ServerState) -> Starlette:
             raise
         return jobs
 
-    async def generate(request: Request, parse: Callable[[object, Served], GenerationRequest], chat: bool):
+    async def generate(request: Request, parse: Callable[[object, Served], GenerationRequest], answer: Answer):
         try:
             _check_key(request, state.api_key)
             body = await _body(request)
             req = await run_in_threadpool(parse, body, served)  # tokenizing a long prompt off the event loop
             jobs = submit(req)
         except APIError as e:
-            return _error(e)
+            return _error(e, answer.error)
         disconnected = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
             firsts = [await _next_event(job, disconnected) for job in jobs]
@@ -164,18 +169,13 @@ def create_app(state: ServerState) -> Starlette:
         if failed is not None:
             disconnected.cancel()
             cancel_all(jobs)
-            return _error(failed.error)
-        tokenizer = served.tokenizer if req.logprobs is not None else None
+            return _error(failed.error, answer.error)
         if req.stream:
             disconnected.cancel()  # the stream watches for itself
-            if req.native:
-                builders = [NativeChunks(served.name, served.tokenizer, req.options["stop"], len(req.prompt))]
-            else:
-                builders = [ChatChunks(served.name, req.thinking_open, tokenizer, req.tools) if chat
-                            else CompletionChunks(served.name, tokenizer) for _ in jobs]
+            builders = answer.builders(req, len(jobs), served)
             for b in builders[1:]:  # one id for the answer's chunks, whichever choice they carry
                 b.id, b.created = builders[0].id, builders[0].created
-            return EventStream(_stream(jobs, firsts, builders, req.include_usage, req.n, done=not req.native),
+            return EventStream(_stream(jobs, firsts, builders, req.include_usage, req.n, answer),
                                lambda: cancel_all(jobs))
         results = []
         try:
@@ -184,7 +184,7 @@ def create_app(state: ServerState) -> Starlette:
                     event = await _next_event(job, disconnected)
                 if isinstance(event, Failure):
                     cancel_all(jobs)
-                    return _error(event.error)
+                    return _error(event.error, answer.error)
                 results.append(event.result)
         except ClientGone:
             cancel_all(jobs)
@@ -194,21 +194,13 @@ def create_app(state: ServerState) -> Starlette:
             raise
         finally:
             disconnected.cancel()
-        if req.hidden_states:
-            body = embedding_body(results, served.name, served.pooling, req.encoding_format)
-        elif req.native:
-            body = native_body(results[0], served.name, served.tokenizer, req.options["stop"])
-        elif chat:
-            body = chat_body(results, served.name, req.thinking_open, tokenizer, req.tools)
-        else:
-            body = completion_body(results, served.name, tokenizer, [job.request.echo for job in jobs], req.n)
-        return JSONResponse(body)
+        return JSONResponse(answer.body(req, [job.request for job in jobs], results, served))
 
     async def _stream(jobs: list[Job], firsts: list[Progress], builders: list, include_usage: bool, n: int,
-                      done: bool = True):
+                      answer: Answer):
         """The choices' chunks as their text comes (each chunk names its choice's index; a job's
         echo, its prompt, first), the usage of all (n choices per prompt) after the last choice
-        finished, then [DONE] (not `done`: llama-server's own streams end without it)."""
+        finished, then [DONE] where the route's streams end with it (OpenAI's)."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def relay(i: int, job: Job, event: Progress | Failure) -> None:
@@ -220,9 +212,9 @@ def create_app(state: ServerState) -> Starlette:
 
         def indexed(i: int, chunks):
             for chunk in chunks:
-                for choice in chunk.get("choices", ()):  # (llama-server's own chunks have none)
+                for choice in chunk.get("choices", ()):  # (llama-server's and Anthropic's events have none)
                     choice["index"] = i
-                yield sse(chunk)
+                yield answer.event(chunk)
 
         relays = [asyncio.ensure_future(relay(i, job, first)) for i, (job, first) in enumerate(zip(jobs, firsts))]
         try:
@@ -234,7 +226,7 @@ def create_app(state: ServerState) -> Starlette:
             while any(r is None for r in results):
                 i, event = await merged.get()
                 if isinstance(event, Failure):  # the stream has started: the error goes in the stream
-                    yield sse(event.error.body())
+                    yield answer.event(answer.error(event.error))
                     return
                 for chunk in indexed(i, builders[i].delta(event.text, event.logprobs)):
                     yield chunk
@@ -243,27 +235,17 @@ def create_app(state: ServerState) -> Starlette:
                     for chunk in indexed(i, builders[i].finish(event.result, include_usage=False)):
                         yield chunk
             if include_usage:
-                yield sse(builders[0].usage_chunk(usage_of(results, n)))
-            if done:
+                yield answer.event(builders[0].usage_chunk(usage_of(results, n)))
+            if answer.done:
                 yield DONE
         finally:
             for r in relays:
                 r.cancel()
 
-    async def completions(request: Request):
-        return await generate(request, parse_completion, chat=False)
-
-    async def chat_completions(request: Request):
-        return await generate(request, parse_chat, chat=True)
-
-    async def infill(request: Request):
-        return await generate(request, parse_infill, chat=False)
-
-    async def completion_native(request: Request):
-        return await generate(request, parse_completion_native, chat=False)
-
-    async def embeddings(request: Request):
-        return await generate(request, parse_embeddings, chat=False)
+    def generation_route(parse: Callable[[object, Served], GenerationRequest], answer: Answer):
+        async def route(request: Request):
+            return await generate(request, parse, answer)
+        return route
 
     async def models(request: Request):
         try:
@@ -287,15 +269,16 @@ def create_app(state: ServerState) -> Starlette:
                 body["status"] = "degraded"
         return JSONResponse(body)
 
-    def text_tool(answer: Callable[[object, Served], dict]):
-        """A route of server.text_tools: the body checked and answered off the event loop."""
+    def text_tool(answer: Callable[[object, Served], dict], error: Callable[[APIError], dict] = APIError.body):
+        """A route that reads text and never generates (server.text_tools, Anthropic's count_tokens):
+        the body checked and answered off the event loop."""
         async def route(request: Request):
             try:
                 _check_key(request, state.api_key)
                 body = await _body(request)
                 return JSONResponse(await run_in_threadpool(answer, body, served))
             except APIError as e:
-                return _error(e)
+                return _error(e, error)
         return route
 
     async def metrics(request: Request):
@@ -311,14 +294,17 @@ def create_app(state: ServerState) -> Starlette:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
 
-    routes = [Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/embeddings", embeddings, methods=["POST"]),
+    routes = [Route("/v1/completions", generation_route(parse_completion, answers.COMPLETION), methods=["POST"]),
+              Route("/v1/chat/completions", generation_route(parse_chat, answers.CHAT), methods=["POST"]),
+              Route("/v1/embeddings", generation_route(parse_embeddings, answers.EMBEDDINGS), methods=["POST"]),
+              Route("/v1/messages", generation_route(anthropic.parse_messages, answers.MESSAGES), methods=["POST"]),
+              Route("/v1/messages/count_tokens", text_tool(anthropic.count_tokens, APIError.anthropic_body),
+                    methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
-              Route("/infill", infill, methods=["POST"]),
-              Route("/completion", completion_native, methods=["POST"]),
+              Route("/infill", generation_route(parse_infill, answers.NATIVE), methods=["POST"]),
+              Route("/completion", generation_route(parse_completion_native, answers.NATIVE), methods=["POST"]),
               Route("/tokenize", text_tool(text_tools.tokenize), methods=["POST"]),
               Route("/detokenize", text_tool(text_tools.detokenize), methods=["POST"]),
               Route("/apply-template", text_tool(text_tools.apply_template), methods=["POST"])]

@@ -24,9 +24,18 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error as Anthropic's Messages API writes it (its `type` names the class of error; the
+        parameter at fault, if any, is named in the message, which says which field it is)."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
 
 _TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
           503: "server_unavailable"}
+# Anthropic's error types by status (its 529 "overloaded_error" is our 503: no slot or shutting down)
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -82,10 +82,10 @@ def _generation(body: dict, served: Served, ids: list[int]) -> GenerationRequest
     options = {**sampling, "seed": seed, "stop": _stop(body), **_logit_bias(body, served),
                **({"ignore_eos": True} if ignore_eos else {}), **({"grammar": grammar} if grammar is not None else {})}
     return GenerationRequest(ids, room if n_predict == -1 else min(n_predict, room), options, stream,
-                             include_usage=False, chat=False, native=True)
+                             include_usage=False, chat=False)
 
 
-def _stop_type(result: GenerationResult, tokenizer, stops: list[str]) -> tuple[str, str]:
+def stop_type(result: GenerationResult, tokenizer, stops: list[str]) -> tuple[str, str]:
     """llama-server's stop_type and stopping_word of a finished request."""
     if result.finish_reason == "length":
         return "limit", ""
@@ -99,12 +99,12 @@ def _stop_type(result: GenerationResult, tokenizer, stops: list[str]) -> tuple[s
 
 def native_body(result: GenerationResult, model: str, tokenizer, stops: list[str]) -> dict:
     s = result.stats
-    stop_type, word = _stop_type(result, tokenizer, stops)
+    kind, word = stop_type(result, tokenizer, stops)
     prompt_n = s.prompt_tokens - s.cached_tokens
     predicted_ms = 1e3 * s.decode_seconds
     return {"index": 0, "content": result.text, "tokens": [], "id_slot": -1, "stop": True, "model": model,
             "tokens_predicted": s.generated_tokens, "tokens_evaluated": s.prompt_tokens, "truncated": False,
-            "stop_type": stop_type, "stopping_word": word, "tokens_cached": s.cached_tokens,
+            "stop_type": kind, "stopping_word": word, "tokens_cached": s.cached_tokens,
             "timings": {"cache_n": s.cached_tokens, "prompt_n": prompt_n, "prompt_ms": 1e3 * s.prefill_seconds,
                         "prompt_per_second": s.prefill_tokens_per_second,
                         "predicted_n": s.generated_tokens, "predicted_ms": predicted_ms,

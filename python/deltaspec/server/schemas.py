@@ -67,8 +67,8 @@ class GenerationRequest:
     # /v1/embeddings: each prompt's final hidden states, pooled into an embedding (server.embeddings)
     hidden_states: bool = False
     encoding_format: str = "float"            # the embeddings' "float" lists or "base64" float32 bytes
-    native: bool = False                      # llama-server's own answer shape (server.native)
     tools: list | None = None                 # a chat's tools when its reply's tool calls are parsed
+    context_bound: bool = False               # max_tokens was cut to the room the context leaves
 
     def choices(self) -> list[GenerationRequest]:
         """One request per choice, n per prompt in the prompts' order: choice i of a prompt samples
