@@ -44,7 +44,7 @@ from deltaspec.chat import chat_template_from_metadata
 from deltaspec.generation import GenerationResult, GenerationStats
 from deltaspec.server import anthropic as messages_api
 from deltaspec.server.schemas import GenerationRequest, Served
-from test_server import API_KEY, TEMPLATE, ServerProcess, files, post  # noqa: F401 (fixture)
+from test_server import API_KEY, ServerProcess, files, post  # noqa: F401 (fixture)
 from test_tool_calls import CALL, block
 from test_tool_calls import TOOLS as OPENAI_WEATHER_TOOLS
 

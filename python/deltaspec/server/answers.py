@@ -13,6 +13,8 @@ from .anthropic import MessageEvents, event_bytes, message_body
 from .embeddings import embedding_body
 from .errors import APIError
 from .native import NativeChunks, native_body
+from .openai_responses import ResponseEvents, response_body
+from .openai_responses import event_bytes as response_event_bytes
 from .responses import chat_body, completion_body, sse
 from .schemas import GenerationRequest, Served
 
@@ -63,3 +65,9 @@ MESSAGES = Answer(
     lambda req, choices, results, served: message_body(results[0], served.name, req, served.tokenizer),
     lambda req, n, served: [MessageEvents(served.name, req, served.tokenizer)],
     event=event_bytes, done=False, error=APIError.anthropic_body)
+
+# OpenAI's /v1/responses: typed events, no [DONE]
+RESPONSES = Answer(
+    lambda req, choices, results, served: response_body(results[0], served.name, req, served.tokenizer),
+    lambda req, n, served: [ResponseEvents(served.name, req, served.tokenizer)],
+    event=response_event_bytes, done=False)

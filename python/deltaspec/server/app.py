@@ -1,7 +1,8 @@
 """HTTP routes (Starlette): OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings and /v1/models, plus
 /health and /metrics, llama-server's /completion and /infill (server.native), /tokenize,
-/detokenize and /apply-template (server.text_tools), and Anthropic's /v1/messages and
-/v1/messages/count_tokens (server.anthropic). Handlers validate, submit a Job to the engine loop and
+/detokenize and /apply-template (server.text_tools), OpenAI's /v1/responses
+(server.openai_responses), and Anthropic's /v1/messages and /v1/messages/count_tokens
+(server.anthropic). Handlers validate, submit a Job to the engine loop and
 relay its progress, answering in their route's shape (server.answers); every error is a JSON body
 with a 4xx/5xx status (never Starlette's plain-text pages)."""
 
@@ -25,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import anthropic, answers, text_tools
+from . import anthropic, answers, openai_responses, text_tools
 from .answers import Answer
 from .backend import Progress
 from .embeddings import parse_embeddings
@@ -297,6 +298,8 @@ def create_app(state: ServerState) -> Starlette:
     routes = [Route("/v1/completions", generation_route(parse_completion, answers.COMPLETION), methods=["POST"]),
               Route("/v1/chat/completions", generation_route(parse_chat, answers.CHAT), methods=["POST"]),
               Route("/v1/embeddings", generation_route(parse_embeddings, answers.EMBEDDINGS), methods=["POST"]),
+              Route("/v1/responses", generation_route(openai_responses.parse_responses, answers.RESPONSES),
+                    methods=["POST"]),
               Route("/v1/messages", generation_route(anthropic.parse_messages, answers.MESSAGES), methods=["POST"]),
               Route("/v1/messages/count_tokens", text_tool(anthropic.count_tokens, APIError.anthropic_body),
                     methods=["POST"]),

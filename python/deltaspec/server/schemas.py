@@ -69,6 +69,7 @@ class GenerationRequest:
     encoding_format: str = "float"            # the embeddings' "float" lists or "base64" float32 bytes
     tools: list | None = None                 # a chat's tools when its reply's tool calls are parsed
     context_bound: bool = False               # max_tokens was cut to the room the context leaves
+    echoed: dict = field(default_factory=dict)  # request fields the answer repeats (a Responses API response's)
 
     def choices(self) -> list[GenerationRequest]:
         """One request per choice, n per prompt in the prompts' order: choice i of a prompt samples
