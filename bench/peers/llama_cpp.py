@@ -27,6 +27,8 @@ Configured with CMake + Ninja, Release, ``-j os.cpu_count()``::
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_COMMON=ON -DLLAMA_OPENSSL=OFF
     (--cuda adds) -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a
+    (on the CPU, -DLLAMA_BUILD_SERVER=ON instead: llama-server is a target, built only when asked,
+    ``extra_targets=["llama-server"]``, about 2 more minutes on 2 cores)
 
 Only the targets ``llama-completion`` and ``llama-tokenize`` are built (plus ``llama-bench`` and
 ``llama-batched-bench`` with ``--cuda``; on CPU add it with ``--target llama-bench`` / ``extra_targets=["llama-bench"]``, 17 s
@@ -153,7 +155,8 @@ COMMON_CMAKE_FLAGS = (
     "-DGGML_CCACHE=OFF",
     "-DGGML_OPENMP=ON",
     "-DBUILD_SHARED_LIBS=ON",
-    # only what the peer needs: no tests, examples, server/cli/ui, app, network
+    # only what the peer needs: no tests, examples, server (cmake_flags turns it on for the CPU), ui, app,
+    # network
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
@@ -208,6 +211,8 @@ DELTASPEC_KERNELS_FLAG = f"-DCMAKE_PROJECT_INCLUDE={REPO / 'ggml' / 'cuda' / 'in
 
 def cmake_flags(cuda: bool = False, deltaspec_kernels: bool = False) -> list[str]:
     flags = list(COMMON_CMAKE_FLAGS) + (list(CUDA_CMAKE_FLAGS) if cuda else ["-DGGML_CUDA=OFF"])
+    if not cuda:  # llama-server's target, built when asked (tests/test_server_peer.py: extra_targets)
+        flags = [f.replace("-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_SERVER=ON") for f in flags]
     return flags + ([DELTASPEC_KERNELS_FLAG] if cuda and deltaspec_kernels else [])
 
 

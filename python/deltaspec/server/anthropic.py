@@ -34,12 +34,12 @@ import re
 import uuid
 from typing import Any, Iterator
 
-from ..chat import ReasoningSplitter, prompt_opens_reasoning
+from ..chat import prompt_opens_reasoning
 from ..generation import GenerationResult, validate_stop
-from ..tool_calls import ToolCallStream
 from .errors import APIError, bad_request
 from .native import stop_type
 from .planted import planted
+from .reply_blocks import ReplyBlocks
 from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _prompt_ids, _sampling, _type,
                       chat_prompt)
 
@@ -338,20 +338,17 @@ def _usage(result: GenerationResult) -> dict:
             "cache_read_input_tokens": s.cached_tokens, "output_tokens": s.generated_tokens}
 
 
-class MessageEvents:
+class MessageEvents(ReplyBlocks):
     """The events of one reply, delta by delta (the stream builders' interface of
     deltaspec.openai_stream): message_start, each block's start, deltas and stop in the order the
-    reply writes them, then message_delta (stop_reason, usage) and message_stop."""
+    reply writes them (server.reply_blocks), then message_delta (stop_reason, usage) and message_stop."""
 
     def __init__(self, model: str, req: GenerationRequest, tokenizer):
+        super().__init__(req.thinking_open, req.tools)
         self.model, self.id = model, f"msg_{uuid.uuid4().hex[:24]}"
         self._n_prompt, self._tokenizer = len(req.prompt), tokenizer
         self._stops, self._context_bound = req.options.get("stop", []), req.context_bound
-        self._splitter = ReasoningSplitter(req.thinking_open)
-        self._calls = ToolCallStream(req.tools) if req.tools else None
-        self._open: str | None = None  # the type of the block being written
         self._index = -1
-        self._blank = ""  # blank text after a block: shown before more text, dropped before a call or at the end
 
     def start(self) -> Iterator[dict]:
         yield {"type": "message_start", "message": {
@@ -359,14 +356,8 @@ class MessageEvents:
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": self._n_prompt, "output_tokens": 0}}}
 
-    def delta(self, text: str, entries: list | None = None) -> Iterator[dict]:
-        yield from self._pieces(*self._splitter.push(text))
-
     def finish(self, result: GenerationResult, include_usage: bool = False) -> Iterator[dict]:
-        yield from self._pieces(*self._splitter.finish())
-        if self._calls is not None:  # a call that never closed is text
-            yield from self._text(self._calls.finish())
-        yield from self._close()
+        yield from self._rest()
         reason, word = self._stop_reason(result)
         yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": word},
                "usage": _usage(result)}
@@ -375,55 +366,39 @@ class MessageEvents:
     def _stop_reason(self, result: GenerationResult) -> tuple[str, str | None]:
         kind, word = stop_type(result, self._tokenizer, self._stops)
         if kind == "eos":
-            return ("tool_use" if self._calls is not None and self._calls.n_calls else "end_turn"), None
+            return ("tool_use" if self.n_calls else "end_turn"), None
         if kind == "word":
             return "stop_sequence", None if planted("stop_sequence_unnamed") else word
         if kind == "limit":
             return ("model_context_window_exceeded" if self._context_bound else "max_tokens"), None
         return "cancelled", None
 
-    def _pieces(self, reasoning: str, content: str) -> Iterator[dict]:
-        if reasoning:
-            yield from self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            yield self._delta({"type": "thinking_delta", "thinking": reasoning})
-        if content:
-            for piece in self._calls.push_pieces(content) if self._calls is not None else [content]:
-                yield from self._text(piece) if isinstance(piece, str) else self._tool_use(piece)
-
-    def _text(self, text: str) -> Iterator[dict]:
-        if self._open != "text":
-            self._blank += text
-            if not self._blank.strip():
-                return
-            text, self._blank = self._blank, ""
-            yield from self._start("text", {"type": "text", "text": ""})
-        yield self._delta({"type": "text_delta", "text": text})
-
-    def _tool_use(self, call: dict) -> Iterator[dict]:
-        self._blank = ""
-        fn = call["function"]
-        yield from self._start("tool_use", {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
-                                            "name": fn["name"], "input": {}})
-        yield self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
-        yield from self._close()
-
-    def _start(self, kind: str, block: dict) -> Iterator[dict]:
-        if self._open == kind:
-            return
-        yield from self._close()
-        self._open, self._index = kind, self._index + 1
-        yield {"type": "content_block_start", "index": self._index, "content_block": block}
+    def _start(self, block: dict) -> dict:
+        self._index += 1
+        return {"type": "content_block_start", "index": self._index, "content_block": block}
 
     def _delta(self, delta: dict) -> dict:
         return {"type": "content_block_delta", "index": self._index, "delta": delta}
 
-    def _close(self) -> Iterator[dict]:
-        if self._open is None:
-            return
-        if self._open == "thinking":  # Anthropic's clients expect the block's signature before its end
+    def _open(self, kind: str) -> Iterator[dict]:
+        yield self._start({"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning"
+                          else {"type": "text", "text": ""})
+
+    def _append(self, text: str) -> Iterator[dict]:
+        yield self._delta({"type": "thinking_delta", "thinking": text} if self._kind == "reasoning"
+                          else {"type": "text_delta", "text": text})
+
+    def _close(self, kind: str) -> Iterator[dict]:
+        if kind == "reasoning":  # Anthropic's clients expect the block's signature before its end
             yield self._delta({"type": "signature_delta", "signature": ""})
         yield {"type": "content_block_stop", "index": self._index}
-        self._open = None
+
+    def _call(self, call: dict) -> Iterator[dict]:
+        fn = call["function"]
+        yield self._start({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": fn["name"],
+                           "input": {}})
+        yield self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
+        yield {"type": "content_block_stop", "index": self._index}
 
 
 def fold(events: Iterator[dict]) -> dict:

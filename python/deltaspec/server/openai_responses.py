@@ -31,11 +31,11 @@ import time
 import uuid
 from typing import Any, Iterator
 
-from ..chat import THINK_CLOSE, ReasoningSplitter, prompt_opens_reasoning
+from ..chat import THINK_CLOSE, prompt_opens_reasoning
 from ..generation import GenerationResult
-from ..tool_calls import ToolCallStream
 from .errors import bad_request
 from .planted import planted
+from .reply_blocks import ReplyBlocks
 from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _max_tokens, _prompt_ids, _sampling,
                       _type, chat_prompt)
 
@@ -257,22 +257,19 @@ def _reasoning_tokens(result: GenerationResult, tokenizer, thinking_open: bool) 
     return hi
 
 
-class ResponseEvents:
+class ResponseEvents(ReplyBlocks):
     """The events of one response, delta by delta (the stream builders' interface of
     deltaspec.openai_stream): response.created and .in_progress, each output item's events in the
-    order the reply writes them, then response.completed (or .incomplete), whose response is the
-    whole answer."""
+    order the reply writes them (server.reply_blocks), then response.completed (or .incomplete),
+    whose response is the whole answer."""
 
     def __init__(self, model: str, req: GenerationRequest, tokenizer):
+        super().__init__(req.thinking_open, req.tools)
         self._tokenizer, self._thinking_open = tokenizer, req.thinking_open
-        self._splitter = ReasoningSplitter(req.thinking_open)
-        self._calls = ToolCallStream(req.tools) if req.tools else None
         self._response = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                           "status": "in_progress", "error": None, "incomplete_details": None, "model": model,
                           "output": [], "previous_response_id": None, "store": False, "truncation": "disabled",
                           "usage": None, "user": None, **req.echoed}
-        self._item: dict | None = None  # the item being written (its text in its part)
-        self._blank = ""  # blank text after an item: shown before more text, dropped before a call or at the end
         self._sequence = 0
 
     def _event(self, kind: str, **fields) -> dict:
@@ -287,14 +284,8 @@ class ResponseEvents:
         yield self._event("response.created", response=self._snapshot())
         yield self._event("response.in_progress", response=self._snapshot())
 
-    def delta(self, text: str, entries: list | None = None) -> Iterator[dict]:
-        yield from self._pieces(*self._splitter.push(text))
-
     def finish(self, result: GenerationResult, include_usage: bool = False) -> Iterator[dict]:
-        yield from self._pieces(*self._splitter.finish())
-        if self._calls is not None:  # a call that never closed is text
-            yield from self._text(self._calls.finish())
-        yield from self._close()
+        yield from self._rest()
         s = result.stats
         status = {"length": "incomplete", "cancelled": "cancelled"}.get(result.finish_reason, "completed")
         if planted("incomplete_as_completed"):
@@ -306,30 +297,19 @@ class ResponseEvents:
                    "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(result, self._tokenizer,
                                                                                    self._thinking_open)},
                    "total_tokens": s.prompt_tokens + s.generated_tokens})
-        yield self._event("response.incomplete" if status == "incomplete" else f"response.{status}",
-                          response=self._snapshot())
+        yield self._event(f"response.{status}", response=self._snapshot())
 
-    def _pieces(self, reasoning: str, content: str) -> Iterator[dict]:
-        if reasoning:
-            yield from self._open("reasoning")
-            yield from self._append(reasoning)
-        if content:
-            for piece in self._calls.push_pieces(content) if self._calls is not None else [content]:
-                yield from self._text(piece) if isinstance(piece, str) else self._function_call(piece)
+    def _item(self) -> tuple[dict, dict]:
+        """The item being written and where its events point."""
+        item = self._response["output"][-1]
+        return item, {"item_id": item["id"], "output_index": len(self._response["output"]) - 1, "content_index": 0}
 
-    def _text(self, text: str) -> Iterator[dict]:
-        if self._item is None or self._item["type"] != "message":
-            self._blank += text
-            if not self._blank.strip():
-                return
-            text, self._blank = self._blank, ""
-            yield from self._open("message")
-        yield from self._append(text)
+    def _add(self, item: dict) -> dict:
+        self._response["output"].append(item)
+        return self._event("response.output_item.added", output_index=len(self._response["output"]) - 1,
+                           item=json.loads(json.dumps(item)))
 
     def _open(self, kind: str) -> Iterator[dict]:
-        if self._item is not None and self._item["type"] == kind:
-            return
-        yield from self._close()
         if kind == "reasoning":
             item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [],
                     "status": "in_progress"}
@@ -338,31 +318,22 @@ class ResponseEvents:
             item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress", "role": "assistant",
                     "content": []}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        self._item = item
-        self._response["output"].append(item)
-        index = len(self._response["output"]) - 1
-        yield self._event("response.output_item.added", output_index=index, item=json.loads(json.dumps(item)))
+        yield self._add(item)
         item["content"].append(part)
-        yield self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                          part=dict(part))
-
-    def _where(self) -> dict:
-        return {"item_id": self._item["id"], "output_index": len(self._response["output"]) - 1, "content_index": 0}
+        yield self._event("response.content_part.added", **self._item()[1], part=dict(part))
 
     def _append(self, text: str) -> Iterator[dict]:
-        self._item["content"][0]["text"] += text
-        if self._item["type"] == "reasoning":
-            yield self._event("response.reasoning_text.delta", **self._where(), delta=text)
-        else:
-            yield self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
-
-    def _close(self) -> Iterator[dict]:
-        item, self._item = self._item, None
-        if item is None:
-            return
-        where = {"item_id": item["id"], "output_index": len(self._response["output"]) - 1, "content_index": 0}
-        part = item["content"][0]
+        item, where = self._item()
+        item["content"][0]["text"] += text
         if item["type"] == "reasoning":
+            yield self._event("response.reasoning_text.delta", **where, delta=text)
+        else:
+            yield self._event("response.output_text.delta", **where, delta=text, logprobs=[])
+
+    def _close(self, kind: str) -> Iterator[dict]:
+        item, where = self._item()
+        part = item["content"][0]
+        if kind == "reasoning":
             yield self._event("response.reasoning_text.done", **where, text=part["text"])
         else:
             yield self._event("response.output_text.done", **where, text=part["text"], logprobs=[])
@@ -371,21 +342,17 @@ class ResponseEvents:
         yield self._event("response.output_item.done", output_index=where["output_index"],
                           item=json.loads(json.dumps(item)))
 
-    def _function_call(self, call: dict) -> Iterator[dict]:
-        self._blank = ""
-        yield from self._close()
+    def _call(self, call: dict) -> Iterator[dict]:
         fn = call["function"]
-        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"], "name": fn["name"],
-                "arguments": "", "status": "in_progress"}
-        self._response["output"].append(item)
-        index = len(self._response["output"]) - 1
-        yield self._event("response.output_item.added", output_index=index, item=dict(item))
-        yield self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                          delta=fn["arguments"])
+        yield self._add({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                         "name": fn["name"], "arguments": "", "status": "in_progress"})
+        item, where = self._item()
+        del where["content_index"]
+        yield self._event("response.function_call_arguments.delta", **where, delta=fn["arguments"])
         item.update(arguments=fn["arguments"], status="completed")
-        yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                          name=fn["name"], arguments=fn["arguments"])
-        yield self._event("response.output_item.done", output_index=index, item=dict(item))
+        yield self._event("response.function_call_arguments.done", **where, name=fn["name"],
+                          arguments=fn["arguments"])
+        yield self._event("response.output_item.done", output_index=where["output_index"], item=dict(item))
 
 
 def response_body(result: GenerationResult, model: str, req: GenerationRequest, tokenizer) -> dict:
