@@ -344,6 +344,7 @@ def test_errors(server, client):
     stranger = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
         stranger.messages.create(**ok)
+    assert [m.id for m in client.models.list()] == [MODEL]  # /v1/models in Anthropic's shape too
     code, answer = post(f"{server.url}/v1/messages", b"{not json", {"x-api-key": API_KEY})
     assert code == 400 and answer["error"]["type"] == "invalid_request_error"
     assert client.messages.create(**ok).stop_reason in ("end_turn", "max_tokens")  # still serving

@@ -5,8 +5,9 @@ include some that are not whole UTF-8.
 The claims: /tokenize gives Model.tokenize's ids (special tokens parsed unless parse_special is
 false; add_special adds what tokenize(add_bos=True) adds), with_pieces each token's piece, the
 text where it is whole UTF-8 and its bytes otherwise (llama-server's shapes); /detokenize gives
-Model.detokenize(special=True)'s text (control tokens as their text, as llama-server's); /apply-template the prompt apply_chat_template renders; they answer with
-an API key like the other routes, and bad bodies are 400s naming the field.
+Model.detokenize(special=True)'s text (control tokens as their text, as llama-server's); /apply-template the prompt apply_chat_template renders; /props
+the slot context, slots and chat template the server was started with; they answer with an API key
+like the other routes, and bad bodies are 400s naming the field.
 
 Seen red with the server's planted bug tokenize_plain (special tokens never parsed).
 """
@@ -93,3 +94,15 @@ def test_bad_bodies_are_400s(server, route, body, param):
 def test_the_api_key_is_required(server):
     status, body = post(f"{server.url}/tokenize", b'{"content": "a"}')
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+def test_props(server, files):
+    """llama-server's GET /props: each slot's context (-c), the slots (-np), the chat template the
+    server renders with (--chat-template-file) and the sampling defaults."""
+    status, props = post(f"{server.url}/props", None, AUTH, method="GET")
+    assert status == 200, props
+    assert props["default_generation_settings"]["n_ctx"] == 256 and props["total_slots"] == 1
+    assert props["chat_template"] == files[1].read_text() == TEMPLATE
+    assert props["model_alias"] == "tiny" and props["model_path"] == str(files[0])
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8  # generate()'s default
+    assert post(f"{server.url}/props", None, method="GET")[0] == 401

@@ -1,6 +1,6 @@
 """HTTP routes (Starlette): OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings and /v1/models, plus
 /health and /metrics, llama-server's /completion and /infill (server.native), /tokenize,
-/detokenize and /apply-template (server.text_tools), OpenAI's /v1/responses
+/detokenize and /apply-template (server.text_tools), /props (server.props), OpenAI's /v1/responses
 (server.openai_responses), and Anthropic's /v1/messages and /v1/messages/count_tokens
 (server.anthropic). Handlers validate, submit a Job to the engine loop and
 relay its progress, answering in their route's shape (server.answers); every error is a JSON body
@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Callable
 
 import uvicorn
@@ -35,6 +36,7 @@ from .engine_loop import EngineLoop, Failure, Job
 from .errors import APIError
 from .metrics import ServerMetrics
 from .planted import planted
+from .props import props_body
 from .replicas import ReplicaSet
 from .responses import DONE, usage_of
 from .schemas import GenerationRequest, Served, parse_chat, parse_completion
@@ -253,9 +255,20 @@ def create_app(state: ServerState) -> Starlette:
             _check_key(request, state.api_key)
         except APIError as e:
             return _error(e)
+        # OpenAI's fields and Anthropic's (type, display_name, created_at, has_more, first/last_id): both
+        # clients list the one model
+        created_at = datetime.fromtimestamp(state.created, timezone.utc).isoformat().replace("+00:00", "Z")
         return JSONResponse({"object": "list", "data": [
             {"id": served.name, "object": "model", "created": state.created, "owned_by": "deltaspec",
-             "meta": state.info}]})
+             "type": "model", "display_name": served.name, "created_at": created_at, "meta": state.info}],
+            "has_more": False, "first_id": served.name, "last_id": served.name})
+
+    async def props(request: Request):
+        try:
+            _check_key(request, state.api_key)
+        except APIError as e:
+            return _error(e)
+        return JSONResponse(props_body(served, state.metrics.slots))
 
     async def health(request: Request):
         if not engine.healthy:
@@ -304,6 +317,7 @@ def create_app(state: ServerState) -> Starlette:
               Route("/v1/messages/count_tokens", text_tool(anthropic.count_tokens, APIError.anthropic_body),
                     methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/props", props, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               Route("/infill", generation_route(parse_infill, answers.NATIVE), methods=["POST"]),
