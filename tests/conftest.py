@@ -29,3 +29,17 @@ def chat_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("chat") / "tiny-chat.gguf"
     convert_hf_to_gguf(hf_dir, path, outtype="f16")
     return path
+
+
+@pytest.fixture(scope="session")
+def chat_served(chat_gguf):
+    """What the server checks a request against (server.schemas.Served) for the tiny-chat model: its
+    name, template and tokenizer, and a 512-token context; for the API converters' tests, which
+    render prompts without a server."""
+    from deltaspec import Model
+    from deltaspec.chat import chat_template_from_metadata
+    from deltaspec.server.schemas import Served
+
+    with Model(chat_gguf, n_ctx=512, n_threads=1) as m:
+        yield Served(name="tiny-chat", n_ctx=512, tokenize=lambda text: m.tokenize(text, special=True),
+                     n_vocab=m.n_vocab, template=chat_template_from_metadata(m.metadata), tokenizer=m.tokenizer)

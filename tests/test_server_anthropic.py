@@ -39,11 +39,9 @@ import pytest
 
 anthropic = pytest.importorskip("anthropic")  # CI installs it with the test extra: never skipped there
 
-from deltaspec import Model
-from deltaspec.chat import chat_template_from_metadata
 from deltaspec.generation import GenerationResult, GenerationStats
 from deltaspec.server import anthropic as messages_api
-from deltaspec.server.schemas import GenerationRequest, Served
+from deltaspec.server.schemas import GenerationRequest
 from test_server import API_KEY, ServerProcess, files, post  # noqa: F401 (fixture)
 from test_tool_calls import CALL, block
 from test_tool_calls import TOOLS as OPENAI_WEATHER_TOOLS
@@ -83,19 +81,6 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "descriptio
 
 
 @pytest.fixture(scope="module")
-def reference(chat_gguf):
-    with Model(chat_gguf, n_ctx=N_CTX, n_threads=1) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def served(reference):
-    return Served(name=MODEL, n_ctx=N_CTX, tokenize=lambda text: reference.tokenize(text, special=True),
-                  n_vocab=reference.n_vocab, template=chat_template_from_metadata(reference.metadata),
-                  tokenizer=reference.tokenizer)
-
-
-@pytest.fixture(scope="module")
 def server(chat_gguf):
     s = ServerProcess(chat_gguf, "-np", "1", "-c", str(N_CTX), "--api-key", API_KEY)
     yield s
@@ -107,30 +92,30 @@ def client(server):
     return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=60)
 
 
-def test_prompt_is_the_templates_chat(served):
-    template = served.template
+def test_prompt_is_the_templates_chat(chat_served):
+    template = chat_served.template
     configs = {None: None, True: {"type": "enabled", "budget_tokens": 1024}, False: {"type": "disabled"},
                "adaptive": {"type": "adaptive"}}  # adaptive: the template's default decides
     for thinking, config in configs.items():
         body = {"model": MODEL, "max_tokens": 8, **CONVERSATION, **({"thinking": config} if config else {})}
         kwargs = {} if thinking in (None, "adaptive") else {"enable_thinking": thinking}
         want = template.render(OPENAI_MESSAGES, add_generation_prompt=True, tools=OPENAI_TOOLS, **kwargs)
-        assert messages_api._prompt(body, served, constrained=False) == (want, OPENAI_TOOLS)
+        assert messages_api._prompt(body, chat_served, constrained=False) == (want, OPENAI_TOOLS)
         assert "Sunny, 21 C" in want and "get_weather" in want
-        assert messages_api.count_tokens(body, served) == {"input_tokens": len(served.tokenize(want))}
+        assert messages_api.count_tokens(body, chat_served) == {"input_tokens": len(chat_served.tokenize(want))}
     # a prefill: the chat before it, the generation prompt without reasoning, then its text
     prefilled = {**CONVERSATION, "messages": CONVERSATION["messages"] + [
         {"role": "assistant", "content": [{"type": "text", "text": "In Rome it is"}]}]}
     want = template.render(OPENAI_MESSAGES, add_generation_prompt=True, tools=OPENAI_TOOLS,
                            enable_thinking=False) + "In Rome it is"
-    assert messages_api._prompt({"model": MODEL, **prefilled}, served, constrained=False)[0] == want
+    assert messages_api._prompt({"model": MODEL, **prefilled}, chat_served, constrained=False)[0] == want
     assert "<think>\n\n</think>" in want
     # tool_choice none: the tools are shown, no call is parsed
     body = {"model": MODEL, **CONVERSATION, "tool_choice": {"type": "none"}}
-    assert messages_api._prompt(body, served, constrained=False)[1] is None
+    assert messages_api._prompt(body, chat_served, constrained=False)[1] is None
 
 
-def test_events_do_not_depend_on_how_the_text_comes(served):
+def test_events_do_not_depend_on_how_the_text_comes(chat_served):
     """The reply's blocks in the order written (thinking, text, each call, the text after), the same
     whichever pieces the text arrives in; blank text between calls is no block."""
     import random
@@ -139,21 +124,21 @@ def test_events_do_not_depend_on_how_the_text_comes(served):
              + "\n" + block("now") + "\nDone.")
     req = GenerationRequest([1, 2, 3], 100, {"stop": []}, stream=True, include_usage=False, chat=True,
                             thinking_open=True, tools=OPENAI_WEATHER_TOOLS)
-    eog = min(served.tokenizer.eog_ids)
+    eog = min(chat_served.tokenizer.eog_ids)
     result = GenerationResult([5, 6, eog], reply, "stop", GenerationStats(3, 3, 0.0, 0.0, cached_tokens=1))
     want = [{"type": "thinking", "thinking": "I should look it up.", "signature": ""},
             {"type": "text", "text": "Checking both.\n\n"},
             {"type": "tool_use", "name": "get_weather", "input": {"city": "Rome", "days": 3}},
             {"type": "tool_use", "name": "now", "input": {}},
             {"type": "text", "text": "\nDone."}]
-    whole = messages_api.message_body(result, MODEL, req, served.tokenizer)
+    whole = messages_api.message_body(result, MODEL, req, chat_served.tokenizer)
     assert [{k: v for k, v in b.items() if k != "id"} for b in whole["content"]] == want
     assert (whole["stop_reason"], whole["usage"]) == ("tool_use", {
         "input_tokens": 2, "output_tokens": 3, "cache_read_input_tokens": 1, "cache_creation_input_tokens": 0})
     rng = random.Random(0)
     for _ in range(100):
         cuts = sorted(rng.sample(range(1, len(reply)), rng.randint(1, 20)))
-        events = messages_api.MessageEvents(MODEL, req, served.tokenizer)
+        events = messages_api.MessageEvents(MODEL, req, chat_served.tokenizer)
         got = list(events.start())
         for a, b in zip([0] + cuts, cuts + [len(reply)]):
             got += events.delta(reply[a:b])
@@ -168,14 +153,14 @@ def test_events_do_not_depend_on_how_the_text_comes(served):
     result = GenerationResult([5, 6], cut_off, "length", GenerationStats(3, 2, 0.0, 0.0))
     message = messages_api.message_body(result, MODEL, GenerationRequest(
         [1, 2, 3], 2, {"stop": []}, stream=False, include_usage=False, chat=True, tools=OPENAI_WEATHER_TOOLS),
-        served.tokenizer)
+        chat_served.tokenizer)
     assert (message["content"], message["stop_reason"]) == ([{"type": "text", "text": cut_off}], "max_tokens")
 
 
-def test_count_tokens_route(server, served):
+def test_count_tokens_route(server, chat_served):
     body = {"model": MODEL, **CONVERSATION}
     status, got = post(f"{server.url}/v1/messages/count_tokens", json.dumps(body).encode(), {"x-api-key": API_KEY})
-    assert status == 200 and got == messages_api.count_tokens(body, served)
+    assert status == 200 and got == messages_api.count_tokens(body, chat_served)
 
 
 def _text(message, kind: str) -> str | None:
@@ -187,7 +172,10 @@ def _text(message, kind: str) -> str | None:
 def _same_reply(a, b) -> None:
     """Two messages with the same blocks, stop and token counts (ids differ; a request read from a
     kept history counts its prompt as cache reads)."""
-    assert [blk.model_dump(exclude={"id"}) for blk in a.content] == [blk.model_dump(exclude={"id"}) for blk in b.content]
+    def blocks(message) -> list:
+        return [blk.model_dump(exclude={"id"}) for blk in message.content]
+
+    assert blocks(a) == blocks(b)
     assert (a.stop_reason, a.stop_sequence, a.usage.output_tokens) == (b.stop_reason, b.stop_sequence,
                                                                          b.usage.output_tokens)
     assert (a.usage.input_tokens + a.usage.cache_read_input_tokens
@@ -290,7 +278,7 @@ def test_stop_reasons(files):
         assert s.stop() == 0, "".join(s.log)
 
 
-def test_billing_stamp_is_made_constant(served):
+def test_billing_stamp_is_made_constant(chat_served):
     """Claude Code's billing line changes its cch stamp on every request; left in, no request's prompt
     would begin with the kept history of the one before (csrc/slot_history.h), and every turn would
     prefill the whole conversation again."""
@@ -298,13 +286,13 @@ def test_billing_stamp_is_made_constant(served):
               "You are a coding agent.")
     prompts = {messages_api._prompt({"model": MODEL, "system": [{"type": "text", "text": system.format(stamp)}],
                                      "messages": [{"role": "user", "content": "List the files."}]},
-                                    served, constrained=False)[0] for stamp in ("a5145", "0b7e2")}
+                                    chat_served, constrained=False)[0] for stamp in ("a5145", "0b7e2")}
     assert len(prompts) == 1
     [prompt] = prompts
     assert "cc_version=2.1.101.e51; cc_entrypoint=cli; cch=;You are a coding agent." in prompt
     other = "cch=a5145; is not a billing line"  # the same words elsewhere are left as they are
     assert other in messages_api._prompt({"model": MODEL, "system": other, "messages": [
-        {"role": "user", "content": "hi"}]}, served, constrained=False)[0]
+        {"role": "user", "content": "hi"}]}, chat_served, constrained=False)[0]
 
 
 def test_errors(server, client):

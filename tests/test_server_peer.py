@@ -31,6 +31,9 @@ from pathlib import Path
 import pytest
 
 from test_server import ServerProcess, post
+from test_server_anthropic import CONVERSATION
+from test_server_responses import INPUT
+from test_server_responses import TOOLS as RESPONSES_TOOLS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.peers.llama_cpp import build_llama_cpp  # noqa: E402
@@ -39,37 +42,16 @@ pytestmark = pytest.mark.peer
 N_CTX = 512
 N_PREDICT = 24
 MODEL = "tiny-chat"
-ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "The weather of a city for some days",
-                    "input_schema": {"type": "object", "properties": {"city": {"type": "string"},
-                                                                     "days": {"type": "integer"}}}}]
-ARGUMENTS = json.dumps({"city": "Paris", "days": 2})
 MESSAGES = {
     "question": {"messages": [{"role": "user", "content": "Tell me a story."}]},
     "thinking": {"thinking": {"type": "enabled", "budget_tokens": 1024},
                  "messages": [{"role": "user", "content": "Tell me a story."}]},
-    "conversation": {
-        "system": [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Answer in English."}],
-        "tools": ANTHROPIC_TOOLS,
-        "messages": [
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "The tool knows.", "signature": "opaque"},
-                {"type": "text", "text": "Checking."},
-                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "days": 2}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                          "content": [{"type": "text", "text": "Sunny, 21 C"}]}]}]}}
+    # the last user message holds the tool result alone (llama-server puts a text after it first)
+    "conversation": {**CONVERSATION, "messages": CONVERSATION["messages"][:-1] + [
+        {"role": "user", "content": CONVERSATION["messages"][-1]["content"][:1]}]}}
 RESPONSES = {
     "question": {"input": "Tell me a story."},
-    "conversation": {
-        "instructions": "You are terse.",
-        "tools": [{"type": "function", "name": "get_weather", "description": "The weather of a city for some days",
-                   "parameters": ANTHROPIC_TOOLS[0]["input_schema"]}],
-        "input": [
-            {"role": "user", "content": "Weather in Paris?"},
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
-            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": ARGUMENTS},
-            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
-            {"role": "user", "content": [{"type": "input_text", "text": "And in Rome?"}]}]}}
+    "conversation": {"instructions": "You are terse.", "tools": RESPONSES_TOOLS, "input": INPUT}}
 
 
 def _free_port() -> int:

@@ -35,11 +35,9 @@ import pytest
 
 openai = pytest.importorskip("openai")  # CI installs it with the test extra: never skipped there
 
-from deltaspec import Model
-from deltaspec.chat import chat_template_from_metadata
 from deltaspec.generation import GenerationResult, GenerationStats
 from deltaspec.server import openai_responses as responses_api
-from deltaspec.server.schemas import GenerationRequest, Served
+from deltaspec.server.schemas import GenerationRequest
 from test_server import API_KEY, ServerProcess, post
 from test_tool_calls import CALL, block
 from test_tool_calls import TOOLS as CHAT_TOOLS
@@ -51,7 +49,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
 ARGUMENTS = json.dumps({"city": "Paris", "days": 2})
 INPUT = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "The tool knows."}]},
+    {"type": "reasoning", "id": "rs_1", "summary": [],
+     "content": [{"type": "reasoning_text", "text": "The tool knows."}]},
     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
     {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": ARGUMENTS},
     {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
@@ -69,19 +68,6 @@ CHAT_FORM_TOOLS = [{"type": "function", "function": {"name": t["name"], "descrip
 
 
 @pytest.fixture(scope="module")
-def reference(chat_gguf):
-    with Model(chat_gguf, n_ctx=N_CTX, n_threads=1) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def served(reference):
-    return Served(name=MODEL, n_ctx=N_CTX, tokenize=lambda text: reference.tokenize(text, special=True),
-                  n_vocab=reference.n_vocab, template=chat_template_from_metadata(reference.metadata),
-                  tokenizer=reference.tokenizer)
-
-
-@pytest.fixture(scope="module")
 def server(chat_gguf):
     s = ServerProcess(chat_gguf, "-np", "1", "-c", str(N_CTX), "--api-key", API_KEY)
     yield s
@@ -93,19 +79,19 @@ def client(server):
     return server.client()
 
 
-def test_prompt_is_the_templates_chat(served):
+def test_prompt_is_the_templates_chat(chat_served):
     for effort, thinking in ((None, None), ("high", True), ("none", False)):
         body = {"model": MODEL, "instructions": "You are terse.", "input": INPUT, "tools": TOOLS,
                 **({"reasoning": {"effort": effort}} if effort else {})}
-        req = responses_api.parse_responses(body, served)
+        req = responses_api.parse_responses(body, chat_served)
         kwargs = {} if thinking is None else {"enable_thinking": thinking}
-        want = served.template.render(CHAT_MESSAGES, add_generation_prompt=True, tools=CHAT_FORM_TOOLS, **kwargs)
-        assert req.prompt == served.tokenize(want) and req.tools == CHAT_FORM_TOOLS
+        want = chat_served.template.render(CHAT_MESSAGES, add_generation_prompt=True, tools=CHAT_FORM_TOOLS, **kwargs)
+        assert req.prompt == chat_served.tokenize(want) and req.tools == CHAT_FORM_TOOLS
         assert "Sunny, 21 C" in want and "The tool knows." not in want  # (the template drops old reasoning)
     # a string input is one user message; tool_choice none shows the tools and parses no call
     req = responses_api.parse_responses({"model": MODEL, "input": "Hi", "tools": TOOLS, "tool_choice": "none"},
-                                        served)
-    assert req.prompt == served.tokenize(served.template.render([{"role": "user", "content": "Hi"}],
+                                        chat_served)
+    assert req.prompt == chat_served.tokenize(chat_served.template.render([{"role": "user", "content": "Hi"}],
                                                                 add_generation_prompt=True, tools=CHAT_FORM_TOOLS))
     assert req.tools is None
 
@@ -117,14 +103,15 @@ def _strip_ids(output: list) -> list:
              if k not in ("id", "call_id")} for item in output]
 
 
-def test_events_do_not_depend_on_how_the_text_comes(served):
+def test_events_do_not_depend_on_how_the_text_comes(chat_served):
     reply = ("I should look it up.\n</think>\n\nChecking both.\n\n" + block("get_weather", city="Rome", days="3")
              + "\n" + block("now") + "\nDone.")
     req = GenerationRequest([1, 2, 3], 100, {}, stream=True, include_usage=False, chat=True, thinking_open=True,
                             tools=CHAT_TOOLS)
-    eog = min(served.tokenizer.eog_ids)
+    eog = min(chat_served.tokenizer.eog_ids)
     result = GenerationResult([5, 6, eog], reply, "stop", GenerationStats(3, 3, 0.0, 0.0, cached_tokens=1))
-    want = [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "I should look it up."}],
+    want = [{"type": "reasoning", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "I should look it up."}],
              "status": "completed"},
             {"type": "message", "status": "completed", "role": "assistant",
              "content": [{"type": "output_text", "text": "Checking both.\n\n", "annotations": [], "logprobs": []}]},
@@ -133,12 +120,12 @@ def test_events_do_not_depend_on_how_the_text_comes(served):
             {"type": "function_call", "name": "now", "arguments": "{}", "status": "completed"},
             {"type": "message", "status": "completed", "role": "assistant",
              "content": [{"type": "output_text", "text": "\nDone.", "annotations": [], "logprobs": []}]}]
-    whole = responses_api.response_body(result, MODEL, req, served.tokenizer)
+    whole = responses_api.response_body(result, MODEL, req, chat_served.tokenizer)
     assert _strip_ids(whole["output"]) == want and whole["status"] == "completed"
     rng = random.Random(0)
     for _ in range(100):
         cuts = sorted(rng.sample(range(1, len(reply)), rng.randint(1, 20)))
-        events = responses_api.ResponseEvents(MODEL, req, served.tokenizer)
+        events = responses_api.ResponseEvents(MODEL, req, chat_served.tokenizer)
         got = list(events.start())
         for a, b in zip([0] + cuts, cuts + [len(reply)]):
             got += events.delta(reply[a:b])

@@ -88,7 +88,8 @@ def _system(system: Any) -> list[dict]:
         text = block.get("text")
         if not isinstance(text, str):
             raise bad_request(f"'system[{j}].text' must be a string, got {_type(text)}", "system", "invalid_type")
-        out.append({"type": "text", "text": text if planted("billing_stamp_kept") else _BILLING_STAMP.sub(r"\1;", text)})
+        kept = planted("billing_stamp_kept")
+        out.append({"type": "text", "text": text if kept else _BILLING_STAMP.sub(r"\1;", text)})
     return out
 
 
