@@ -7,7 +7,9 @@ The claims, for requests in which the two APIs' meaning leaves no room (a plain 
 enabled, a conversation with system blocks, tools, an assistant turn with thinking, text and a tool
 call, and its tool result): the prompt has the same tokens' count in both (count_tokens; the
 usage's input tokens) and the greedy reply is the same, block for block and item for item
-(thinking / reasoning, text), with the same output tokens and, for messages, stop_reason.
+(thinking / reasoning, text), with the same output tokens and, for messages, stop_reason; with a
+reasoning budget (thinking_budget_tokens, Anthropic's budget_tokens) the block ends at the same
+token and the text after it is the same.
 
 Where llama-server departs from the APIs (not compared): it ignores thinking {"type": "disabled"}, a
 stop sequence ends with "end_turn" (here "stop_sequence"), a response cut by max_output_tokens is
@@ -126,3 +128,20 @@ def test_responses_as_llama_server(name, llama_server, ours):
     for key in ("input_tokens", "output_tokens"):
         assert mine["usage"][key] == theirs["usage"][key]
     assert mine["status"] == ("incomplete" if mine["usage"]["output_tokens"] == N_PREDICT else "completed")
+
+
+@pytest.mark.parametrize("budget", [3, 8])
+def test_reasoning_budget_as_llama_server(budget, llama_server, ours):
+    """A reasoning budget (deltaspec.reasoning_budget) on /v1/chat/completions (llama-server's
+    thinking_budget_tokens) and /v1/messages (Anthropic's thinking.budget_tokens, which llama-server
+    maps to it): the same reasoning, cut at the same token, and the same text after it."""
+    question = [{"role": "user", "content": "Tell me a story."}]
+    chat = {"messages": question, "max_tokens": N_PREDICT, "thinking_budget_tokens": budget}
+    theirs, mine = (_ask(url, "/v1/chat/completions", chat)["choices"][0]["message"] for url in (llama_server, ours))
+    # (llama-server keeps the reasoning's last newline, the one forced before </think>; deltaspec strips it)
+    assert mine.get("reasoning_content") == theirs.get("reasoning_content").strip()
+    assert mine["content"] == theirs["content"] and mine["content"]  # the block ended: text after it
+    messages = {"messages": question, "max_tokens": N_PREDICT, "thinking": {"type": "enabled", "budget_tokens": budget}}
+    theirs, mine = (_ask(url, "/v1/messages", messages)["content"] for url in (llama_server, ours))
+    assert [b["type"] for b in mine] == ["thinking", "text"]
+    assert mine[0]["thinking"] == theirs[0]["thinking"].strip() and mine[1]["text"] == theirs[1]["text"]

@@ -87,7 +87,7 @@ RUN_FLAGS = {
     "frequency_penalty": "--frequency-penalty", "penalty_last_n": "--repeat-last-n", "seed": "-s/--seed",
     "stop": "--stop", "draft_n_max": "--spec-draft-n-max", "draft_n_min": "--spec-draft-n-min",
     "draft_model": "-md/--model-draft", "spec_type": "--spec-type", "tree_budget": "--spec-tree-budget",
-    "ignore_eos": "--ignore-eos",
+    "ignore_eos": "--ignore-eos", "reasoning_budget": "--reasoning-budget",
 }
 # structured output (llama.cpp's spellings): flag -> how its value becomes a deltaspec.Grammar
 GRAMMAR_FLAGS = {"--grammar": "text", "--grammar-file": "file", "-j/--json-schema": "schema",
@@ -161,6 +161,9 @@ def _add_run_parser(sub) -> None:
     g.add_argument("--ignore-eos", action="store_true",
                    help="never end at an end-of-generation token (its logit is set to -inf): -n or the context ends "
                         "the text")
+    g.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="tokens a <think> block may hold, then its </think> is forced; -1 = no budget, 0 = close "
+                        "it at once (default: %(default)s)")
     p.add_argument("--stop", action="extend", nargs="+", default=[], metavar="STR",
                    help="stop when the output contains STR (not printed); may be given several times")
     p.add_argument("--no-display-prompt", action="store_true", help="do not print the prompt before the output")
@@ -259,9 +262,13 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
               seed=None if args.seed == -1 else args.seed)
     if args.ignore_eos:
         kw["ignore_eos"] = True
+    if args.reasoning_budget < -1:
+        raise RunError(f"--reasoning-budget: must be -1 (no budget) or >= 0, got {args.reasoning_budget}")
+    if args.reasoning_budget >= 0:
+        kw["reasoning_budget"] = args.reasoning_budget
     args.stop = [_escaped(args, s) for s in args.stop]
     try:
-        SamplingOptions(**{k: v for k, v in kw.items() if k != "ignore_eos"})
+        SamplingOptions(**{k: v for k, v in kw.items() if k not in ("ignore_eos", "reasoning_budget")})
         validate_stop(args.stop)
     except ValueError as e:
         raise _flag_error(e) from None
@@ -498,6 +505,9 @@ def _run(args: argparse.Namespace) -> int:
     sampling = _sampling_kwargs(args)
     sampling.update(_spec_kwargs(args))
     sampling.update(_grammar_kwargs(args))
+    if "grammar" in sampling and "reasoning_budget" in sampling:
+        raise RunError("--reasoning-budget: cannot be combined with a grammar or JSON schema (it constrains the "
+                       "whole reply, a <think> block included)")
     template_kwargs = _template_kwargs(args)
     if template_kwargs and not args.interactive:
         raise RunError("--chat-template-kwargs: only used with -i/--interactive")

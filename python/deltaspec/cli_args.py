@@ -30,7 +30,7 @@ _REFUSED_GROUPS = [
     ("--prompt-cache",), ("--prompt-cache-all",), ("--prompt-cache-ro",), ("-ptc", "--print-token-count"),
     ("-tb", "--threads-batch"), ("-C", "--cpu-mask"), ("-Cr", "--cpu-range"), ("--prio",), ("--poll",),
     ("-np", "--parallel"), ("-cb", "--cont-batching"), ("-nkvo", "--no-kv-offload"), ("--no-warmup",),
-    ("-dt", "--defrag-thold"), ("--reasoning-format",), ("--reasoning-budget",), ("-lv", "--verbosity"),
+    ("-dt", "--defrag-thold"), ("--reasoning-format",), ("-lv", "--verbosity"),
     ("--log-file",), ("--log-colors",), ("--override-kv",), ("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
     ("-devd", "--device-draft"), ("-cd", "--ctx-size-draft"), ("-ps", "--spec-p-min"), ("--draft-p-min",),
     ("-mm", "--mmproj"), ("--image",), ("--no-jinja",), ("--perf",), ("--no-perf",),

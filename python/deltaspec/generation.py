@@ -118,6 +118,7 @@ class _Request:
     speculation: Speculation | None = None
     grammar: object | None = None  # a deltaspec.grammar.Grammar
     n_logprobs: int = -1  # -1: no log-probabilities; k >= 0: with the top k
+    reasoning_budget: int | None = None  # tokens a <think> block may hold (deltaspec.reasoning_budget); None: any
 
 
 def validate_stop(stop: str | Sequence[str] | None) -> list[str]:
@@ -235,11 +236,7 @@ class Generator:
         callback = self._hand_off if streaming else None
         req, eog, stop = self._req, sorted(self._model.tokenizer.eog_ids), [s.encode() for s in self._req.stop]
         try:
-            constraint = None
-            if req.grammar is not None:
-                from .constraint import GrammarConstraint
-
-                constraint = GrammarConstraint(self._model.tokenizer, req.grammar)
+            constraint = self._model._constraint(req)
             with self._model._busy:
                 engine = self._model._live()
                 cached, self._model._cached_tokens = self._model._cached_tokens, None

@@ -14,11 +14,12 @@ import numpy as np
 
 from . import _core, batch_invariance, completions, embeddings, llama_args, session_state
 from .cpu import default_threads
-from .errors import DeltaspecError, EngineError, TokenizerError
+from .errors import EngineError, TokenizerError
 from .generation import (TEXT_SPECIAL, Generator, GenerationResult, Speculation, TextStream, _Request, engine_of,
                          prompt_entries, result_of, step_logprobs, validate_flag, validate_stop)
 from .gguf_file import read_gguf
 from .grammar import Grammar, grammar_of
+from .reasoning_budget import ReasoningBudget, validate_reasoning_budget
 from .qwen35 import check_tensors, read_hparams
 from .devices import device_kind, parse_layer_split
 from .kv_cache import allocated_state, engine_cache_args, validate_cache_types
@@ -320,7 +321,7 @@ class Model:
                  spec_type: str | None = None, draft_n_max: int = 16,
                  draft_n_min: int = 0, tree_budget: int = 0, grammar: Grammar | str | None = None,
                  ignore_eos: bool = False, logit_bias: dict[int, float] | None = None,
-                 logprobs: int | None = None) -> GenerationResult | TextStream:
+                 logprobs: int | None = None, reasoning_budget: int | None = None) -> GenerationResult | TextStream:
         """Generate a continuation of `prompt` (text, parsed with special tokens, or token ids).
 
         Stops at `max_tokens` (None: until the context is full), an end-of-generation token, a stop
@@ -352,6 +353,12 @@ class Model:
         and without speculation). The text ends when the grammar is complete (an end-of-generation token is
         then allowed), or earlier at max_tokens.
 
+        reasoning_budget=N (llama.cpp's --reasoning-budget; None or -1: none) lets a <think> block hold
+        at most N tokens (those of the prompt after an opening <think> count), then forces its
+        </think>; 0 closes the block at once (deltaspec.reasoning_budget). It is enforced as a
+        grammar is (every loop, with speculation the forced end drafted), so the request reads whole
+        logit rows as a constrained one does; not with a grammar.
+
         seed None uses the Model's seed (random when it has none); -1 is random. ignore_eos bans the
         end-of-generation tokens (logit -inf), so only max_tokens, a stop string or the context
         ends the text; logit_bias ({token id: value}, as OpenAI's) is added to the logits after the
@@ -368,10 +375,7 @@ class Model:
             stop)
         request.speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min, tree_budget)
         request.n_logprobs = self._n_logprobs(logprobs)
-        request.grammar = grammar_of(grammar)
-        if request.grammar is not None and ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
-                             "end-of-generation token is allowed")
+        self._constrain(request, grammar, ignore_eos, reasoning_budget)
         generator = Generator(self, request)
         return TextStream(generator) if stream else generator.result()
 
@@ -435,11 +439,20 @@ class Model:
         if predicted:
             request.speculation = predicted_speculation(self, predicted, request.speculation, o["draft_n_max"],
                                                         o["draft_n_min"])
-        request.grammar = grammar_of(o["grammar"])
-        if request.grammar is not None and o["ignore_eos"]:
+        self._constrain(request, o["grammar"], o["ignore_eos"], o["reasoning_budget"])
+        return request
+
+    @staticmethod
+    def _constrain(request: _Request, grammar, ignore_eos, reasoning_budget) -> None:
+        """The request's grammar and reasoning budget, checked."""
+        request.grammar = grammar_of(grammar)
+        request.reasoning_budget = validate_reasoning_budget(reasoning_budget)
+        if request.grammar is not None and ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
                              "end-of-generation token is allowed")
-        return request
+        if request.grammar is not None and request.reasoning_budget is not None:
+            raise ValueError("reasoning_budget cannot be combined with a grammar (the grammar constrains the whole "
+                             "text, a <think> block included)")
 
     @staticmethod
     def _native_spec(request: _Request):
@@ -486,7 +499,9 @@ class Model:
         return dict(self._live().batch_spec_stats)
 
     def _constraint(self, request: _Request):
-        """The engine-side state of the request's grammar (None without one)."""
+        """The engine-side state of the request's grammar or reasoning budget (None without either)."""
+        if request.reasoning_budget is not None:
+            return ReasoningBudget(self.tokenizer, request.reasoning_budget, request.prompt)
         if request.grammar is None:
             return None
         from .constraint import GrammarConstraint

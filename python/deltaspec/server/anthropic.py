@@ -9,8 +9,9 @@ string or text blocks) the system message; a user message's text blocks its cont
 description, input_schema}) the template's tools. A last assistant message is a prefill: the reply
 continues its text (the prompt is the chat before it, the generation prompt without a reasoning
 block, then that text). `thinking` {"type": "enabled"} / {"type": "disabled"} switches the
-template's reasoning on or off (absent: the template's default); its budget_tokens is checked, not
-enforced. `max_tokens` is required; more than the context leaves room for is cut to that room, and
+template's reasoning on or off (absent: the template's default); its budget_tokens is enforced as a
+reasoning budget (deltaspec.reasoning_budget: the <think> block's end forced once it holds that
+many tokens). `max_tokens` is required; more than the context leaves room for is cut to that room, and
 a reply that then fills the context stops with "model_context_window_exceeded".
 
 The reply is content blocks in the order the model wrote them: a thinking block (the text up to
@@ -41,7 +42,7 @@ from .native import stop_type
 from .planted import planted
 from .reply_blocks import ReplyBlocks
 from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _prompt_ids, _sampling, _type,
-                      chat_prompt)
+                      chat_prompt, reasoning_budget)
 
 ANTHROPIC_TEMPERATURE_DEFAULT = 1.0
 
@@ -219,8 +220,9 @@ def _tool_choice(body: dict) -> str:
 
 
 def _thinking(body: dict) -> bool | None:
-    """`thinking` as the template's enable_thinking: True ("enabled"), False ("disabled"), or None
-    (absent, "adaptive", "between_tools": the template's default, which decides for the model)."""
+    """`thinking` as the template's enable_thinking: True ("enabled", its budget_tokens enforced as a
+    reasoning budget), False ("disabled"), or None (absent, "adaptive", "between_tools": the
+    template's default, which decides for the model)."""
     thinking = _get(body, "thinking", (dict,), "an object")
     kind = None if thinking is None else thinking.get("type")
     if kind in (None, "adaptive", "between_tools"):
@@ -312,8 +314,11 @@ def parse_messages(body: Any, served: Served) -> GenerationRequest:
     sampling, seed = _sampling({**body, "temperature": ANTHROPIC_TEMPERATURE_DEFAULT if temperature is None
                                 else temperature}, chat=False)
     stream = _get(body, "stream", (bool,), "true or false", False)
+    thinking = body.get("thinking") or {}
+    budget = thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None
     options = {**sampling, "seed": seed, "stop": _stop_sequences(body),
-               **({"grammar": grammar} if grammar is not None else {})}
+               **({"grammar": grammar} if grammar is not None else {}),
+               **reasoning_budget(body, served, grammar is not None, budget)}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage=False, chat=True,
                              thinking_open=prompt_opens_reasoning(prompt), tools=tools, context_bound=context_bound)
 

@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "their mean, normalized to length 1 (default: %(default)s)")
     p.add_argument("--chat-template-file", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the GGUF's")
+    p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="chat requests' default budget: tokens a <think> block may hold, then its </think> is "
+                        "forced (a request's reasoning_budget_tokens, or Anthropic's thinking.budget_tokens, "
+                        "sets its own); -1 = no budget, 0 = close it at once (default: %(default)s)")
     p.add_argument("--timeout-graceful", type=float, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT, seconds running requests get to finish (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -179,10 +183,13 @@ def _served(model, args):
         except ChatTemplateError as e:
             logging.getLogger("deltaspec.server").warning("%s: /v1/chat/completions answers 400 (%s)", args.model, e)
             template = None
+    if args.reasoning_budget < -1:
+        raise ServeError(f"--reasoning-budget: must be -1 (no budget) or >= 0, got {args.reasoning_budget}")
     name = args.alias or os.path.basename(args.model).removesuffix(".gguf")
     return Served(name=name, n_ctx=model.n_ctx, tokenize=lambda text: model.tokenize(text, special=True),
                   n_vocab=model.n_vocab, template=template, aliases=(args.model, os.path.abspath(args.model)),
-                  tokenizer=model.tokenizer, pooling=args.pooling)
+                  tokenizer=model.tokenizer, pooling=args.pooling,
+                  reasoning_budget=None if args.reasoning_budget == -1 else args.reasoning_budget)
 
 
 def _layer_split(args) -> tuple[list[str], list[float]] | None:

@@ -37,7 +37,7 @@ from .errors import bad_request
 from .planted import planted
 from .reply_blocks import ReplyBlocks
 from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _max_tokens, _prompt_ids, _sampling,
-                      _type, chat_prompt)
+                      _type, chat_prompt, reasoning_budget)
 
 TEMPERATURE_DEFAULT = 1.0  # OpenAI's, for the Responses API
 
@@ -217,7 +217,8 @@ def parse_responses(body: Any, served: Served) -> GenerationRequest:
     sampling, seed = _sampling({**body, "temperature": TEMPERATURE_DEFAULT if temperature is None else temperature},
                                chat=False)
     stream = _get(body, "stream", (bool,), "true or false", False)
-    options = {**sampling, "seed": seed, **({"grammar": grammar} if grammar is not None else {})}
+    options = {**sampling, "seed": seed, **({"grammar": grammar} if grammar is not None else {}),
+               **reasoning_budget(body, served, grammar is not None)}
     # what the response repeats of the request
     echoed = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
               "temperature": sampling.get("temperature"), "top_p": sampling.get("top_p", 1.0),

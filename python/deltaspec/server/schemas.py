@@ -46,6 +46,7 @@ class Served:
     aliases: tuple[str, ...] = ()            # other names accepted in `model` (the GGUF path)
     tokenizer: Any = None                    # the model's (log-probabilities name their tokens' text)
     pooling: str = "last"                    # /v1/embeddings: --pooling
+    reasoning_budget: int | None = None      # chat requests' default budget of a <think> block: --reasoning-budget
 
 
 @dataclass
@@ -400,10 +401,32 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
     logprobs = _chat_logprobs(body)
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
                **({"grammar": grammar} if grammar is not None else {}),
-               **({"logprobs": logprobs} if logprobs is not None else {})}
+               **({"logprobs": logprobs} if logprobs is not None else {}),
+               **reasoning_budget(body, served, grammar is not None)}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=True,
                              thinking_open=prompt_opens_reasoning(prompt), logprobs=logprobs, n=_choices(body),
                              tools=_parsed_tools(body))
+
+
+def reasoning_budget(body: dict, served: Served, constrained: bool, asked: int | None = None) -> dict[str, Any]:
+    """add_request's reasoning_budget for a chat request: llama-server's `reasoning_budget_tokens`
+    (alias `thinking_budget_tokens`; -1: none asked), or `asked` (Anthropic's budget_tokens), else
+    the server's --reasoning-budget; none for a constrained reply (the grammar leaves no <think>
+    block), where asking for one is a 400."""
+    names = [n for n in ("reasoning_budget_tokens", "thinking_budget_tokens") if body.get(n) is not None]
+    if names:
+        value = body[names[0]]
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise bad_request(f"'{names[0]}' must be -1 (no budget) or an integer >= 0, got {value!r:.40}", names[0],
+                              "invalid_value")
+        if value >= 0:
+            asked = value
+    if asked is not None and constrained:
+        raise bad_request("a reasoning budget cannot be combined with a grammar or response format (it constrains "
+                          "the whole reply, which then has no reasoning block)", names[0] if names else "thinking",
+                          "invalid_value")
+    budget = asked if asked is not None else served.reasoning_budget
+    return {} if budget is None or constrained else {"reasoning_budget": budget}
 
 
 def _parsed_tools(body: dict) -> list | None:
