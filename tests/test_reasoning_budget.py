@@ -5,8 +5,9 @@ reasoning_budget_tokens), on the tiny real-vocabulary model with Qwen3.5's templ
 The claims:
 - with a budget of N, a greedy reply to a prompt that opened a <think> block holds N tokens in the
   block, the prompt's own after <think> counted (llama.cpp's count), then "\n</think>" (what
-  llama.cpp forces for Qwen3.5); what follows is plain greedy's continuation of that text (only the
-  end was forced); 0 and 1 close the block at once; no budget leaves the reply as it was;
+  llama.cpp forces for Qwen3.5), after a given message; what follows is plain greedy's
+  continuation of that text (only the end was forced); 0 and 1 close the block at once; no budget
+  leaves the reply as it was;
 - with speculation (a draft model, chains and trees, and prompt lookup) and through generate_batch
   the reply is the one without speculation (prompt lookup drafts the forced end);
 - a token that leaves a UTF-8 character open when the budget runs out is followed by free tokens
@@ -70,6 +71,11 @@ def test_the_block_ends_after_its_budget(model, prompt):
         assert r.tokens[n + 2:] == rest.tokens  # nor after it
         assert r.stats.grammar_masked_rows == MAX_TOKENS
     assert model.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, reasoning_budget=-1).tokens == free.tokens
+    # a message before the end (llama.cpp's --reasoning-budget-message)
+    r = model.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, reasoning_budget=3,
+                       reasoning_budget_message=" Enough, time to answer.")
+    forced = model.tokenize(" Enough, time to answer.", special=False) + end
+    assert r.tokens[:2] == free.tokens[:2] and r.tokens[2:2 + len(forced)] == forced
 
 
 def test_speculation_and_batches_give_the_same_reply(model, prompt, chat_gguf):
@@ -152,6 +158,8 @@ def test_run_flag(chat_gguf, model, prompt):
     assert out.stdout.rstrip("\n") == want.text.rstrip("\n")
     bad = run("--reasoning-budget", "-3")
     assert bad.returncode == 2 and "--reasoning-budget" in bad.stderr
+    lonely = run("--reasoning-budget-message", "Enough.")
+    assert lonely.returncode == 2 and "--reasoning-budget-message: needs --reasoning-budget" in lonely.stderr
 
 
 def test_server_applies_budgets(chat_gguf, model, prompt):
@@ -166,11 +174,14 @@ def test_server_applies_budgets(chat_gguf, model, prompt):
     s = ServerProcess(chat_gguf, "-np", "1", "-c", str(N_CTX), "--reasoning-budget", "9")
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        for extra, budget in (({}, 9), ({"reasoning_budget_tokens": 4}, 4), ({"thinking_budget_tokens": 6}, 6),
-                              ({"reasoning_budget_tokens": -1}, 9)):
+        for extra, budget, message in (({}, 9, ""), ({"reasoning_budget_tokens": 4}, 4, ""),
+                                       ({"thinking_budget_tokens": 6}, 6, ""), ({"reasoning_budget_tokens": -1}, 9, ""),
+                                       ({"reasoning_budget_tokens": 4, "reasoning_budget_message": " Done."}, 4,
+                                        " Done.")):
             chat = client.chat.completions.create(model="tiny-chat", messages=question, max_tokens=MAX_TOKENS,
                                                   temperature=0, extra_body=extra)
-            want = model.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, reasoning_budget=budget)
+            want = model.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, reasoning_budget=budget,
+                                  reasoning_budget_message=message)
             assert chat.choices[0].message.content == want.text.split("</think>", 1)[1].strip(), extra
             assert chat.choices[0].message.reasoning_content == want.text.split("</think>", 1)[0].strip()
         status, message = post(f"{s.url}/v1/messages", json.dumps({

@@ -130,13 +130,15 @@ def test_responses_as_llama_server(name, llama_server, ours):
     assert mine["status"] == ("incomplete" if mine["usage"]["output_tokens"] == N_PREDICT else "completed")
 
 
-@pytest.mark.parametrize("budget", [3, 8])
-def test_reasoning_budget_as_llama_server(budget, llama_server, ours):
+@pytest.mark.parametrize("budget,message", [(3, ""), (8, ""), (4, " Enough, time to answer.")])
+def test_reasoning_budget_as_llama_server(budget, message, llama_server, ours):
     """A reasoning budget (deltaspec.reasoning_budget) on /v1/chat/completions (llama-server's
     thinking_budget_tokens) and /v1/messages (Anthropic's thinking.budget_tokens, which llama-server
-    maps to it): the same reasoning, cut at the same token, and the same text after it."""
+    maps to it), with and without llama-server's reasoning_budget_message: the same reasoning, cut at
+    the same token, and the same text after it."""
     question = [{"role": "user", "content": "Tell me a story."}]
-    chat = {"messages": question, "max_tokens": N_PREDICT, "thinking_budget_tokens": budget}
+    chat = {"messages": question, "max_tokens": N_PREDICT, "thinking_budget_tokens": budget,
+            **({"reasoning_budget_message": message} if message else {})}
     theirs, mine = (_ask(url, "/v1/chat/completions", chat)["choices"][0]["message"] for url in (llama_server, ours))
     # (llama-server keeps the reasoning's last newline, the one forced before </think>; deltaspec strips it)
     assert mine.get("reasoning_content") == theirs.get("reasoning_content").strip()

@@ -88,6 +88,7 @@ RUN_FLAGS = {
     "stop": "--stop", "draft_n_max": "--spec-draft-n-max", "draft_n_min": "--spec-draft-n-min",
     "draft_model": "-md/--model-draft", "spec_type": "--spec-type", "tree_budget": "--spec-tree-budget",
     "ignore_eos": "--ignore-eos", "reasoning_budget": "--reasoning-budget",
+    "reasoning_budget_message": "--reasoning-budget-message",
 }
 # structured output (llama.cpp's spellings): flag -> how its value becomes a deltaspec.Grammar
 GRAMMAR_FLAGS = {"--grammar": "text", "--grammar-file": "file", "-j/--json-schema": "schema",
@@ -164,6 +165,8 @@ def _add_run_parser(sub) -> None:
     g.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
                    help="tokens a <think> block may hold, then its </think> is forced; -1 = no budget, 0 = close "
                         "it at once (default: %(default)s)")
+    g.add_argument("--reasoning-budget-message", default="", metavar="TEXT",
+                   help="text forced before </think> when the reasoning budget runs out (default: none)")
     p.add_argument("--stop", action="extend", nargs="+", default=[], metavar="STR",
                    help="stop when the output contains STR (not printed); may be given several times")
     p.add_argument("--no-display-prompt", action="store_true", help="do not print the prompt before the output")
@@ -266,9 +269,14 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
         raise RunError(f"--reasoning-budget: must be -1 (no budget) or >= 0, got {args.reasoning_budget}")
     if args.reasoning_budget >= 0:
         kw["reasoning_budget"] = args.reasoning_budget
+        if args.reasoning_budget_message:
+            kw["reasoning_budget_message"] = _escaped(args, args.reasoning_budget_message)
+    elif args.reasoning_budget_message:
+        raise RunError("--reasoning-budget-message: needs --reasoning-budget N")
     args.stop = [_escaped(args, s) for s in args.stop]
     try:
-        SamplingOptions(**{k: v for k, v in kw.items() if k not in ("ignore_eos", "reasoning_budget")})
+        SamplingOptions(**{k: v for k, v in kw.items()
+                           if k not in ("ignore_eos", "reasoning_budget", "reasoning_budget_message")})
         validate_stop(args.stop)
     except ValueError as e:
         raise _flag_error(e) from None

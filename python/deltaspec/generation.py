@@ -119,6 +119,7 @@ class _Request:
     grammar: object | None = None  # a deltaspec.grammar.Grammar
     n_logprobs: int = -1  # -1: no log-probabilities; k >= 0: with the top k
     reasoning_budget: int | None = None  # tokens a <think> block may hold (deltaspec.reasoning_budget); None: any
+    reasoning_budget_message: str = ""  # text forced before the block's end when the budget runs out
 
 
 def validate_stop(stop: str | Sequence[str] | None) -> list[str]:

@@ -321,7 +321,8 @@ class Model:
                  spec_type: str | None = None, draft_n_max: int = 16,
                  draft_n_min: int = 0, tree_budget: int = 0, grammar: Grammar | str | None = None,
                  ignore_eos: bool = False, logit_bias: dict[int, float] | None = None,
-                 logprobs: int | None = None, reasoning_budget: int | None = None) -> GenerationResult | TextStream:
+                 logprobs: int | None = None, reasoning_budget: int | None = None,
+                 reasoning_budget_message: str = "") -> GenerationResult | TextStream:
         """Generate a continuation of `prompt` (text, parsed with special tokens, or token ids).
 
         Stops at `max_tokens` (None: until the context is full), an end-of-generation token, a stop
@@ -355,7 +356,8 @@ class Model:
 
         reasoning_budget=N (llama.cpp's --reasoning-budget; None or -1: none) lets a <think> block hold
         at most N tokens (those of the prompt after an opening <think> count), then forces its
-        </think>; 0 closes the block at once (deltaspec.reasoning_budget). It is enforced as a
+        </think> (after `reasoning_budget_message`, if given: llama.cpp's --reasoning-budget-message);
+        0 closes the block at once (deltaspec.reasoning_budget). It is enforced as a
         grammar is (every loop, with speculation the forced end drafted), so the request reads whole
         logit rows as a constrained one does; not with a grammar.
 
@@ -375,7 +377,7 @@ class Model:
             stop)
         request.speculation = self._speculation(spec_type, draft_model, draft_n_max, draft_n_min, tree_budget)
         request.n_logprobs = self._n_logprobs(logprobs)
-        self._constrain(request, grammar, ignore_eos, reasoning_budget)
+        self._constrain(request, grammar, ignore_eos, reasoning_budget, reasoning_budget_message)
         generator = Generator(self, request)
         return TextStream(generator) if stream else generator.result()
 
@@ -439,14 +441,17 @@ class Model:
         if predicted:
             request.speculation = predicted_speculation(self, predicted, request.speculation, o["draft_n_max"],
                                                         o["draft_n_min"])
-        self._constrain(request, o["grammar"], o["ignore_eos"], o["reasoning_budget"])
+        self._constrain(request, o["grammar"], o["ignore_eos"], o["reasoning_budget"], o["reasoning_budget_message"])
         return request
 
     @staticmethod
-    def _constrain(request: _Request, grammar, ignore_eos, reasoning_budget) -> None:
+    def _constrain(request: _Request, grammar, ignore_eos, reasoning_budget, reasoning_budget_message) -> None:
         """The request's grammar and reasoning budget, checked."""
         request.grammar = grammar_of(grammar)
         request.reasoning_budget = validate_reasoning_budget(reasoning_budget)
+        if not isinstance(reasoning_budget_message, str):
+            raise TypeError(f"reasoning_budget_message must be a string, got {type(reasoning_budget_message).__name__}")
+        request.reasoning_budget_message = reasoning_budget_message
         if request.grammar is not None and ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
                              "end-of-generation token is allowed")
@@ -501,7 +506,8 @@ class Model:
     def _constraint(self, request: _Request):
         """The engine-side state of the request's grammar or reasoning budget (None without either)."""
         if request.reasoning_budget is not None:
-            return ReasoningBudget(self.tokenizer, request.reasoning_budget, request.prompt)
+            return ReasoningBudget(self.tokenizer, request.reasoning_budget, request.prompt,
+                                   request.reasoning_budget_message)
         if request.grammar is None:
             return None
         from .constraint import GrammarConstraint

@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat requests' default budget: tokens a <think> block may hold, then its </think> is "
                         "forced (a request's reasoning_budget_tokens, or Anthropic's thinking.budget_tokens, "
                         "sets its own); -1 = no budget, 0 = close it at once (default: %(default)s)")
+    p.add_argument("--reasoning-budget-message", default="", metavar="TEXT",
+                   help="text forced before </think> when a reasoning budget runs out (a request's "
+                        "reasoning_budget_message sets its own; default: none)")
     p.add_argument("--timeout-graceful", type=float, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT, seconds running requests get to finish (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -189,7 +192,8 @@ def _served(model, args):
     return Served(name=name, n_ctx=model.n_ctx, tokenize=lambda text: model.tokenize(text, special=True),
                   n_vocab=model.n_vocab, template=template, aliases=(args.model, os.path.abspath(args.model)),
                   tokenizer=model.tokenizer, pooling=args.pooling,
-                  reasoning_budget=None if args.reasoning_budget == -1 else args.reasoning_budget)
+                  reasoning_budget=None if args.reasoning_budget == -1 else args.reasoning_budget,
+                  reasoning_budget_message=args.reasoning_budget_message)
 
 
 def _layer_split(args) -> tuple[list[str], list[float]] | None:

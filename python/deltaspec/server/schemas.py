@@ -47,6 +47,7 @@ class Served:
     tokenizer: Any = None                    # the model's (log-probabilities name their tokens' text)
     pooling: str = "last"                    # /v1/embeddings: --pooling
     reasoning_budget: int | None = None      # chat requests' default budget of a <think> block: --reasoning-budget
+    reasoning_budget_message: str = ""       # what it forces before </think>: --reasoning-budget-message
 
 
 @dataclass
@@ -412,7 +413,8 @@ def reasoning_budget(body: dict, served: Served, constrained: bool, asked: int |
     """add_request's reasoning_budget for a chat request: llama-server's `reasoning_budget_tokens`
     (alias `thinking_budget_tokens`; -1: none asked), or `asked` (Anthropic's budget_tokens), else
     the server's --reasoning-budget; none for a constrained reply (the grammar leaves no <think>
-    block), where asking for one is a 400."""
+    block), where asking for one is a 400. With it, llama-server's `reasoning_budget_message` (else
+    --reasoning-budget-message): the text forced before </think>."""
     names = [n for n in ("reasoning_budget_tokens", "thinking_budget_tokens") if body.get(n) is not None]
     if names:
         value = body[names[0]]
@@ -426,7 +428,10 @@ def reasoning_budget(body: dict, served: Served, constrained: bool, asked: int |
                           "the whole reply, which then has no reasoning block)", names[0] if names else "thinking",
                           "invalid_value")
     budget = asked if asked is not None else served.reasoning_budget
-    return {} if budget is None or constrained else {"reasoning_budget": budget}
+    message = _get(body, "reasoning_budget_message", (str,), "a string", served.reasoning_budget_message)
+    if budget is None or constrained:
+        return {}
+    return {"reasoning_budget": budget, **({"reasoning_budget_message": message} if message else {})}
 
 
 def _parsed_tools(body: dict) -> list | None:
