@@ -318,7 +318,7 @@ def parse_messages(body: Any, served: Served) -> GenerationRequest:
     budget = thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None
     options = {**sampling, "seed": seed, "stop": _stop_sequences(body),
                **({"grammar": grammar} if grammar is not None else {}),
-               **reasoning_budget(body, served, grammar is not None, budget)}
+               **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt), budget)}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage=False, chat=True,
                              thinking_open=prompt_opens_reasoning(prompt), tools=tools, context_bound=context_bound)
 

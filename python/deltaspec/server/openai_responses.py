@@ -218,7 +218,7 @@ def parse_responses(body: Any, served: Served) -> GenerationRequest:
                                chat=False)
     stream = _get(body, "stream", (bool,), "true or false", False)
     options = {**sampling, "seed": seed, **({"grammar": grammar} if grammar is not None else {}),
-               **reasoning_budget(body, served, grammar is not None)}
+               **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt))}
     # what the response repeats of the request
     echoed = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
               "temperature": sampling.get("temperature"), "top_p": sampling.get("top_p", 1.0),

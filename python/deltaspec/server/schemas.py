@@ -403,18 +403,20 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
                **({"grammar": grammar} if grammar is not None else {}),
                **({"logprobs": logprobs} if logprobs is not None else {}),
-               **reasoning_budget(body, served, grammar is not None)}
+               **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt))}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=True,
                              thinking_open=prompt_opens_reasoning(prompt), logprobs=logprobs, n=_choices(body),
                              tools=_parsed_tools(body))
 
 
-def reasoning_budget(body: dict, served: Served, constrained: bool, asked: int | None = None) -> dict[str, Any]:
+def reasoning_budget(body: dict, served: Served, constrained: bool, thinking_open: bool,
+                     asked: int | None = None) -> dict[str, Any]:
     """add_request's reasoning_budget for a chat request: llama-server's `reasoning_budget_tokens`
     (alias `thinking_budget_tokens`; -1: none asked), or `asked` (Anthropic's budget_tokens), else
     the server's --reasoning-budget; none for a constrained reply (the grammar leaves no <think>
-    block), where asking for one is a 400. With it, llama-server's `reasoning_budget_message` (else
-    --reasoning-budget-message): the text forced before </think>."""
+    block), where asking for one is a 400, nor for a prompt that opens no block (thinking off: the
+    budget would only cost the request its fast path). With it, llama-server's
+    `reasoning_budget_message` (else --reasoning-budget-message): the text forced before </think>."""
     names = [n for n in ("reasoning_budget_tokens", "thinking_budget_tokens") if body.get(n) is not None]
     if names:
         value = body[names[0]]
@@ -429,7 +431,7 @@ def reasoning_budget(body: dict, served: Served, constrained: bool, asked: int |
                           "invalid_value")
     budget = asked if asked is not None else served.reasoning_budget
     message = _get(body, "reasoning_budget_message", (str,), "a string", served.reasoning_budget_message)
-    if budget is None or constrained:
+    if budget is None or constrained or not thinking_open:
         return {}
     return {"reasoning_budget": budget, **({"reasoning_budget_message": message} if message else {})}
 
