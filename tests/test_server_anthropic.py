@@ -21,11 +21,14 @@ The claims:
 - Claude Code's billing stamp in the system prompt (a value that changes on every request) is made
   constant, so a conversation's next turn can resume from its kept history;
 - errors are Anthropic's bodies ({"type": "error", "error": {"type", "message"}}) with their status,
-  raised by the SDK as its own exception classes; the key is read from x-api-key.
+  raised by the SDK as its own exception classes; the key is read from x-api-key;
+- eight concurrent streams on four slots, Anthropic's and OpenAI Responses', each get the reply
+  their request gets alone.
 
 Seen red with the server's planted bugs (DELTASPEC_TEST_SERVER_BUG, also read in this process by
 the prompt test): tool_result_dropped (the conversion loses a user message's tool results),
-billing_stamp_kept, context_not_cut and stop_sequence_unnamed; and, patched for a run, with
+billing_stamp_kept, context_not_cut, stop_sequence_unnamed and cross_talk (the concurrent test:
+one request's text delivered to another); and, patched for a run, with
 ToolCallStream.push_pieces giving the calls after all the text, and with the held tail of an
 unclosed call dropped at the end.
 """
@@ -336,3 +339,37 @@ def test_errors(server, client):
     code, answer = post(f"{server.url}/v1/messages", b"{not json", {"x-api-key": API_KEY})
     assert code == 400 and answer["error"]["type"] == "invalid_request_error"
     assert client.messages.create(**ok).stop_reason in ("end_turn", "max_tokens")  # still serving
+
+
+def test_concurrent_streams_are_each_their_own(files):
+    """Eight clients at once on a server with four slots (requests join and leave the running batch),
+    streaming Anthropic's and OpenAI's Responses events: each reply is what its request gets alone
+    (the tiny-vocabulary F32 model, whose batch rows are bitwise its single rows on the CPU)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    openai = pytest.importorskip("openai")
+    s = ServerProcess(files[0], "-np", "4", "-c", "1024", "--chat-template-file", str(files[1]))
+    try:
+        claude = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0, timeout=120)
+        oai = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def message(i: int) -> str:
+            with claude.messages.stream(model="tiny", max_tokens=12 + i, extra_body=GREEDY,
+                                        messages=[{"role": "user", "content": f"story {i}"}]) as stream:
+                final = stream.get_final_message()
+            assert final.usage.output_tokens == 12 + i
+            return final.content[0].text
+
+        def response(i: int) -> str:
+            events = list(oai.responses.create(model="tiny", input=f"story {i}", max_output_tokens=12 + i,
+                                               temperature=0, stream=True))
+            assert events[-1].response.usage.output_tokens == 12 + i
+            return events[-1].response.output_text
+
+        for ask in (message, response):
+            alone = [ask(i) for i in range(8)]
+            with ThreadPoolExecutor(8) as pool:
+                together = list(pool.map(ask, range(8)))
+            assert together == alone and len(set(alone)) == 8, ask.__name__
+    finally:
+        assert s.stop() == 0, "".join(s.log)
