@@ -23,11 +23,7 @@ conversation's token counts part).
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -39,6 +35,7 @@ from test_server_responses import TOOLS as RESPONSES_TOOLS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.peers.llama_cpp import build_llama_cpp  # noqa: E402
+from bench.server_bench import Server, free_port  # noqa: E402
 
 pytestmark = pytest.mark.peer
 N_CTX = 512
@@ -56,35 +53,18 @@ RESPONSES = {
     "conversation": {"instructions": "You are terse.", "tools": RESPONSES_TOOLS, "input": INPUT}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def llama_server(chat_gguf):
+def llama_server(chat_gguf, tmp_path_factory):
     binary = build_llama_cpp(quiet=True, extra_targets=["llama-server"]) / "llama-server"
-    port = _free_port()
-    proc = subprocess.Popen([str(binary), "-m", str(chat_gguf), "--host", "127.0.0.1", "--port", str(port),
-                             "-c", str(N_CTX), "-np", "1", "-t", "1"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"llama-server did not start:\n{proc.stderr.read()}")
-        time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    port = free_port()
+    server = Server("llama-server", [str(binary), "-m", str(chat_gguf), "--host", "127.0.0.1", "--port", str(port),
+                                     "-c", str(N_CTX), "-np", "1", "-t", "1"],
+                    port, tmp_path_factory.mktemp("peer") / "peer", "llama-server")
+    try:
+        server.ready(timeout=120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")

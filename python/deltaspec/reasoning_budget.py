@@ -82,10 +82,12 @@ class ReasoningBudget(_core.TokenConstraint):
     def _after_prompt(self, prompt: list[int]) -> _State:
         """The state after the prompt: counting down from the budget, less the tokens after an
         opening tag the prompt leaves open (a chat's generation prompt: <think> and a newline)."""
-        opened = max((i for i, t in enumerate(prompt) if t == self._open_id), default=-1)
-        closed = max((i for i, t in enumerate(prompt) if t in self._ends), default=-1)
+        # the last tag of the prompt, found from its end (a long prompt is not walked whole)
+        last = next((i for i in range(len(prompt) - 1, -1, -1)
+                     if prompt[i] == self._open_id or prompt[i] in self._ends), -1)
         state = _State(IDLE, self.budget)
-        if opened > closed:
+        if last >= 0 and prompt[last] == self._open_id:
+            opened = last
             state = self._step(state, self._open_id)
             for t in prompt[opened + 1:]:
                 if state.phase == FORCING:  # the prompt's tokens are not the block's end: force all of it
@@ -104,8 +106,11 @@ class ReasoningBudget(_core.TokenConstraint):
             return _State(DONE, 0) if at >= len(self.forced) else _State(FORCING, 0, at)
         if token in self._ends:  # the model ended the block itself
             return _State(DONE, 0)
-        tail = _open_tail(s.tail + self._tokenizer.token_to_piece(token, special=False))
         remaining = s.remaining - 1 if s.phase == COUNTING else 0
+        # a character is at most 4 bytes, so at most the last 4 tokens before the budget runs out can
+        # leave one unfinished: the bytes are read only from there on
+        tail = (_open_tail(s.tail + self._tokenizer.token_to_piece(token, special=False)) if remaining <= 3
+                else b"")
         if remaining > 0:
             return _State(COUNTING, remaining, tail=tail)
         return _State(WAITING_UTF8, 0, tail=tail) if tail else _State(FORCING, 0)
