@@ -26,7 +26,8 @@ MESSAGES_FIELDS = ["max_tokens", "messages", "system", "tools", "tool_choice", "
                    "temperature", "top_p", "top_k", "output_config", "stream", "grammar", "reasoning_budget_tokens",
                    "reasoning_budget_message", "chat_template_kwargs"]
 RESPONSES_FIELDS = ["input", "instructions", "tools", "tool_choice", "reasoning", "text", "max_output_tokens",
-                    "temperature", "stream", "previous_response_id", "grammar", "reasoning_budget_tokens"]
+                    "temperature", "stream", "previous_response_id", "grammar", "reasoning_budget_tokens",
+                    "parallel_tool_calls"]
 
 
 def _bodies():
@@ -49,6 +50,12 @@ def _bodies():
         yield openai_responses.parse_responses, {**RESPONSES, "input": [
             {"type": "message", "role": "user", "content": junk}]}
         yield openai_responses.parse_responses, {**RESPONSES, "tools": [junk]}
+        # a forced call's choice beside tools (the forced call's grammar is built from them)
+        yield anthropic.parse_messages, {**MESSAGES, "tools": [{"name": "f", "input_schema": {}}], "tool_choice": junk}
+        yield openai_responses.parse_responses, {**RESPONSES, "tools": [{"type": "function", "name": "f"}],
+                                                 "tool_choice": junk}
+        yield anthropic.parse_messages, {**MESSAGES, "tool_choice": {"type": "any"}, "tools": [
+            {"name": "f", "input_schema": {"type": "object", "properties": {"x": junk}}}]}
 
 
 def test_every_malformed_body_is_an_api_error(chat_served):

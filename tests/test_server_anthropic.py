@@ -103,7 +103,7 @@ def test_prompt_is_the_templates_chat(chat_served):
         body = {"model": MODEL, "max_tokens": 8, **CONVERSATION, **({"thinking": config} if config else {})}
         kwargs = {} if thinking in (None, "adaptive") else {"enable_thinking": thinking}
         want = template.render(OPENAI_MESSAGES, add_generation_prompt=True, tools=OPENAI_TOOLS, **kwargs)
-        assert messages_api._prompt(body, chat_served, constrained=False) == (want, OPENAI_TOOLS)
+        assert messages_api._prompt(body, chat_served, constrained=False) == (want, OPENAI_TOOLS, None)
         assert "Sunny, 21 C" in want and "get_weather" in want
         assert messages_api.count_tokens(body, chat_served) == {"input_tokens": len(chat_served.tokenize(want))}
     # a prefill: the chat before it, the generation prompt without reasoning, then its text
@@ -308,7 +308,7 @@ def test_errors(server, client):
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64",
                                                       "media_type": "image/png", "data": "AA=="}}]}]},
          400, "messages[0].content[0]"),
-        ({"tool_choice": {"type": "any"}, "tools": TOOLS}, 400, "tool_choice"),
+        ({"tool_choice": {"type": "tool", "name": "x"}, "tools": TOOLS}, 400, "tool_choice"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools[0]"),
         ({"thinking": {"type": "enabled"}}, 400, "budget_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "so "}]}, 400,

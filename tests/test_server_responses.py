@@ -17,7 +17,7 @@ The claims:
   the same output;
 - a reply's <tool_call> is a function_call item with the arguments typed by the schema;
   text.format json_schema constrains the reply as a chat's response_format;
-- refusals (stored responses, non-function tools, images, forced tool choice, unknown model, a
+- refusals (stored responses, non-function tools, images, a forced call of an unknown function, unknown model, a
   request beyond the context) are 4xx with OpenAI's error body.
 
 Seen red with the server's planted bugs (DELTASPEC_TEST_SERVER_BUG, also read in this process by the
@@ -213,7 +213,7 @@ def test_errors(server, client):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, 400,
          "input"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools"),
-        ({"tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "x"}}, 400, "tool_choice"),
         ({"reasoning": {"effort": "extreme"}}, 400, "reasoning"),
         ({"text": {"format": {"type": "yaml"}}}, 400, "text"),
         ({"model": "gpt-5"}, 404, "model"),

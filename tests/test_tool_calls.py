@@ -9,7 +9,8 @@ text around the calls is the content (None when blank); a block that does not cl
 outside its parameters stays content; a stream's pieces, however cut, give the same content and
 calls; end to end (the tiny real-vocabulary model, its reply forced by a GBNF grammar) the
 message has the call and finish_reason "tool_calls", streamed as a `tool_calls` delta; without
-tools, or with tool_choice "none", the reply is text; "required" is refused.
+tools, or with tool_choice "none", the reply is text; a forced call of a function that is not
+among the tools is refused (forced calls themselves: test_forced_tool_calls.py).
 
 Seen red with the parameter's schema ignored (every value read as JSON: "123" became 123) and with
 the stream's held tail released early (a "<tool_call>" cut across two pieces leaked as text):
@@ -109,7 +110,7 @@ def test_create_chat_completion_returns_the_call(chat_gguf):
         plain = m.create_chat_completion(MESSAGES, tools=TOOLS, grammar=GRAMMAR, max_tokens=64, tool_choice="none")
         assert plain["choices"][0]["message"]["content"] == CALL and "tool_calls" not in plain["choices"][0]["message"]
         with pytest.raises(ValueError, match="tool_choice"):
-            m.create_chat_completion(MESSAGES, tools=TOOLS, tool_choice="required")
+            m.create_chat_completion(MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}})
 
 
 def test_server_returns_the_call(chat_gguf):
@@ -131,7 +132,7 @@ def test_server_returns_the_call(chat_gguf):
         calls = [tc for c in streamed if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
         assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]
         assert streamed[-1].choices[0].finish_reason == "tool_calls"
-        for body, param in (({"tool_choice": "required"}, "tool_choice"), ({"grammar": "root ::= ("}, "grammar"),
+        for body, param in (({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"), ({"grammar": "root ::= ("}, "grammar"),
                             ({"grammar": GRAMMAR, "response_format": {"type": "json_object"}}, "grammar")):
             status, answer = post(f"{s.url}/v1/chat/completions", json.dumps(
                 {"model": "tiny-chat", "messages": MESSAGES, "tools": TOOLS, **body}).encode())

@@ -8,6 +8,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from . import logprobs as lp
 from . import openai_format as oai
 from .chat import chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
+from .forced_tool_calls import ForcedToolCall, forced_tool_call, openai_tool_choice, tool_call_grammar
 from .generation import validate_flag
 from .grammar import response_format_grammar
 from .openai_stream import ChatChunks, CompletionChunks
@@ -85,7 +86,8 @@ def apply_chat_template(model, messages: Sequence[Mapping[str, Any]], add_genera
 
 
 def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, tools=None,
-                           tool_choice: str | None = None, chat_template: str | None = None,
+                           tool_choice: str | Mapping[str, Any] | None = None, parallel_tool_calls: bool = True,
+                           chat_template: str | None = None,
                            enable_thinking: bool | None = None, temperature: float = 0.2, max_tokens: int | None = None,
                            logprobs: bool | None = None, top_logprobs: int | None = None,
                            response_format: Mapping[str, Any] | None = None, **kwargs: Any):
@@ -102,13 +104,21 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
 
     Tools: `tools` go to the chat template; the reply's tool calls (Qwen3.5's <tool_call> blocks,
     deltaspec.tool_calls) come back as the message's `tool_calls`, finish_reason "tool_calls"
-    (streamed: `tool_calls` deltas, each call whole). tool_choice "auto" (default) or "none" (no
-    parsing); nothing forces a call, so "required" or a named function raise ValueError."""
+    (streamed: `tool_calls` deltas, each call whole). tool_choice "auto" (default: the model decides),
+    "none" (no parsing), "required" (one or more calls, or exactly one with parallel_tool_calls=False)
+    or {"type": "function", "function": {"name": ...}} (calls of that function): a forced call is
+    a grammar on the reply (deltaspec.forced_tool_calls: the reasoning block, if open, then the
+    calls alone; with a reasoning_budget it still closes the block), so it cannot be combined with
+    response_format or grammar."""
     _check_kwargs(model, "create_chat_completion", kwargs)
-    if tool_choice not in (None, "auto", "none"):
-        raise ValueError(f"tool_choice {tool_choice!r} is not supported: the model decides whether to call a tool "
-                         "(\"auto\") or the reply is not parsed for calls (\"none\")")
-    parsed_tools = tools if tools and tool_choice != "none" else None
+    choice = openai_tool_choice(tool_choice, parallel_tool_calls)
+    parsed_tools = tools if tools and choice != "none" else None
+    forced = choice if isinstance(choice, ForcedToolCall) else None
+    if forced is not None:
+        forced_tool_call(forced, tools)
+        if response_format is not None or kwargs.get("grammar") is not None:
+            raise ValueError("a forced tool call (tool_choice) is a grammar on the reply: it cannot be combined with "
+                             "response_format or grammar")
     validate_flag("stream", stream)
     if logprobs is not None and not isinstance(logprobs, bool):
         raise TypeError(f"logprobs must be True, False or None, got {logprobs!r}")
@@ -126,6 +136,8 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     prompt = apply_chat_template(model, messages, tools=tools, chat_template=chat_template, **template_kwargs)
     # a template that opens reasoning anyway: the constrained reply is still the content
     thinking_open = prompt_opens_reasoning(prompt) and not constrained
+    if forced is not None:
+        kwargs["grammar"] = tool_call_grammar(tools, forced, thinking_open)
     name = model.path
     if stream:
         pieces = model.generate(prompt, stream=True, temperature=temperature, max_tokens=max_tokens,

@@ -38,10 +38,13 @@ def _llguidance():
 @dataclass(frozen=True)
 class Grammar:
     """A constraint on the generated text. `spec` is llguidance's grammar (a JSON string), `source`
-    says what it was made from (for messages)."""
+    says what it was made from (for messages). `free_reasoning`: the text starts inside an open
+    <think> block that the grammar leaves free until </think> (a forced tool call's,
+    deltaspec.forced_tool_calls), so a reasoning budget can close it early."""
 
     spec: str
     source: str
+    free_reasoning: bool = False
 
     def __post_init__(self) -> None:
         llg = _llguidance()

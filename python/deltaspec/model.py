@@ -455,9 +455,10 @@ class Model:
         if request.grammar is not None and ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a grammar: once the grammar is complete only an "
                              "end-of-generation token is allowed")
-        if request.grammar is not None and request.reasoning_budget is not None:
+        if request.grammar is not None and request.reasoning_budget is not None and not request.grammar.free_reasoning:
             raise ValueError("reasoning_budget cannot be combined with a grammar (the grammar constrains the whole "
-                             "text, a <think> block included)")
+                             "text, a <think> block included; a forced tool call's grammar, whose reasoning is "
+                             "free, is the exception)")
 
     @staticmethod
     def _native_spec(request: _Request):
@@ -504,15 +505,19 @@ class Model:
         return dict(self._live().batch_spec_stats)
 
     def _constraint(self, request: _Request):
-        """The engine-side state of the request's grammar or reasoning budget (None without either)."""
-        if request.reasoning_budget is not None:
-            return ReasoningBudget(self.tokenizer, request.reasoning_budget, request.prompt,
-                                   request.reasoning_budget_message)
+        """The engine-side state of the request's grammar and/or reasoning budget (None without either)."""
+        budget = None if request.reasoning_budget is None else ReasoningBudget(
+            self.tokenizer, request.reasoning_budget, request.prompt, request.reasoning_budget_message)
         if request.grammar is None:
-            return None
+            return budget
         from .constraint import GrammarConstraint
 
-        return GrammarConstraint(self.tokenizer, request.grammar)
+        grammar = GrammarConstraint(self.tokenizer, request.grammar)
+        if budget is None:
+            return grammar
+        from .constraint_pair import BothConstraints
+
+        return BothConstraints(grammar, budget)
 
     @staticmethod
     def _add_grammar_stats(out: dict, constraint) -> dict:

@@ -24,8 +24,11 @@ model_context_window_exceeded, tool_use (a call was made), or deltaspec's own "c
 input_tokens are the prompt tokens prefilled, cache_read_input_tokens those a kept history held.
 
 Refused with a 400 naming the block or field: image and document blocks (the model reads text),
-Anthropic's server tools (a `type` other than "custom"), tool_choice "any" / "tool" (nothing here
-forces a call), a prefill with thinking enabled or ending in blanks (as Anthropic refuses them).
+Anthropic's server tools (a `type` other than "custom"), a prefill with thinking enabled or ending in
+blanks (as Anthropic refuses them). tool_choice {"type": "any"} / {"type": "tool", "name": ...} force
+the call by grammar (deltaspec.forced_tool_calls; disable_parallel_tool_use: one call), also with
+thinking enabled (the reasoning comes first; Anthropic refuses that pair, llama-server treats both
+types as "required").
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ import uuid
 from typing import Any, Iterator
 
 from ..chat import prompt_opens_reasoning
+from ..forced_tool_calls import ForcedToolCall, forced_tool_call
 from ..generation import GenerationResult, validate_stop
 from .errors import APIError, bad_request
 from .native import stop_type
 from .planted import planted
 from .reply_blocks import ReplyBlocks
 from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _prompt_ids, _sampling, _type,
-                      chat_prompt, reasoning_budget)
+                      chat_prompt, forced_call_grammar, reasoning_budget)
 
 ANTHROPIC_TEMPERATURE_DEFAULT = 1.0
 
@@ -207,16 +211,22 @@ def _tools(body: dict) -> list[dict] | None:
     return out
 
 
-def _tool_choice(body: dict) -> str:
+def _tool_choice(body: dict) -> tuple[str, ForcedToolCall | None]:
+    """tool_choice's type, and the call it forces: {"type": "any"} one of the tools, {"type": "tool",
+    "name": ...} that one (deltaspec.forced_tool_calls); disable_parallel_tool_use: one call at most."""
     choice = _get(body, "tool_choice", (dict,), "an object", {"type": "auto"})
     kind = choice.get("type")
-    if kind in ("any", "tool"):
-        raise bad_request(f"'tool_choice' {{\"type\": \"{kind}\"}} is not supported: the model decides whether to "
-                          "call a tool; send {\"type\": \"auto\"} or {\"type\": \"none\"}", "tool_choice",
-                          "unsupported")
-    if kind not in ("auto", "none"):
-        raise _invalid(f"'tool_choice.type' must be \"auto\" or \"none\", got {str(kind)[:40]!r}", "tool_choice")
-    return kind
+    if kind not in ("auto", "none", "any", "tool"):
+        raise _invalid(f"'tool_choice.type' must be \"auto\", \"any\", \"tool\" or \"none\", got {str(kind)[:40]!r}",
+                       "tool_choice")
+    single = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(single, bool):
+        raise _invalid(f"'tool_choice.disable_parallel_tool_use' must be true or false, got {single!r:.40}", "tool_choice")
+    name = choice.get("name")
+    if kind == "tool" and (not isinstance(name, str) or not name):
+        raise _invalid("'tool_choice' {\"type\": \"tool\"} needs the tool's 'name'", "tool_choice")
+    forced = ForcedToolCall(name if kind == "tool" else None, not single) if kind in ("any", "tool") else None
+    return kind, forced
 
 
 def _thinking(body: dict) -> bool | None:
@@ -259,11 +269,19 @@ def _constraint(body: dict):
         raise _invalid(f"'output_config.format': {e}", "output_config") from None
 
 
-def _prompt(body: dict, served: Served, constrained: bool) -> tuple[str, list[dict] | None]:
-    """The prompt text, and the tools whose calls the reply is parsed for."""
+def _prompt(body: dict, served: Served, constrained: bool) -> tuple[str, list[dict] | None, ForcedToolCall | None]:
+    """The prompt text, the tools whose calls the reply is parsed for, and the call tool_choice forces."""
     messages, prefill = _chat_messages(body)
     tools = _tools(body)
-    choice = _tool_choice(body)
+    choice, forced = _tool_choice(body)
+    if forced is not None:
+        if constrained:
+            raise _invalid("a forced tool call ('tool_choice' any / tool) is a grammar on the reply: it cannot be "
+                           "combined with 'output_config.format' or 'grammar'", "tool_choice")
+        try:
+            forced_tool_call(forced, tools)
+        except ValueError as e:
+            raise _invalid(f"'tool_choice': {e}", "tool_choice") from None
     thinking = _thinking(body)
     if constrained and thinking:
         raise _invalid("a grammar or output_config.format cannot be combined with thinking enabled (it "
@@ -277,7 +295,7 @@ def _prompt(body: dict, served: Served, constrained: bool) -> tuple[str, list[di
     chat = {"messages": messages, "tools": tools, "chat_template_kwargs": kwargs,
             **({"enable_thinking": thinking} if thinking is not None else {})}
     prompt = chat_prompt(chat, served, constrained=constrained) + (prefill or "")
-    return prompt, tools if choice == "auto" else None
+    return prompt, tools if choice != "none" else None, forced
 
 
 def _max_tokens(body: dict, n_prompt: int, served: Served) -> tuple[int, bool]:
@@ -307,7 +325,7 @@ def _stop_sequences(body: dict) -> list[str]:
 def parse_messages(body: Any, served: Served) -> GenerationRequest:
     body = _check_body(body, served)
     grammar = _constraint(body)
-    prompt, tools = _prompt(body, served, constrained=grammar is not None)
+    prompt, tools, forced = _prompt(body, served, constrained=grammar is not None)
     ids = _prompt_ids(prompt, served, "messages")
     max_tokens, context_bound = _max_tokens(body, len(ids), served)
     temperature = body.get("temperature")
@@ -317,7 +335,7 @@ def parse_messages(body: Any, served: Served) -> GenerationRequest:
     thinking = body.get("thinking") or {}
     budget = thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None
     options = {**sampling, "seed": seed, "stop": _stop_sequences(body),
-               **({"grammar": grammar} if grammar is not None else {}),
+               **({"grammar": grammar} if grammar is not None else {}), **forced_call_grammar(forced, tools, prompt),
                **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt), budget)}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage=False, chat=True,
                              thinking_open=prompt_opens_reasoning(prompt), tools=tools, context_bound=context_bound)
@@ -326,7 +344,7 @@ def parse_messages(body: Any, served: Served) -> GenerationRequest:
 def count_tokens(body: Any, served: Served) -> dict:
     """/v1/messages/count_tokens: the prompt's tokens, as a request with this body would have."""
     body = _check_body(body, served)
-    prompt, _ = _prompt(body, served, constrained=_constraint(body) is not None)
+    prompt, _, _ = _prompt(body, served, constrained=_constraint(body) is not None)
     return {"input_tokens": len(_prompt_ids(prompt, served, "messages"))}
 
 

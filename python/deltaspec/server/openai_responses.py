@@ -21,7 +21,8 @@ response.incomplete when max_output_tokens ended it), each with its sequence_num
 that is not streamed is the one the last event carries, so both agree. status: completed,
 incomplete (incomplete_details.reason "max_output_tokens") or cancelled. Nothing is stored
 (`store` is answered false): previous_response_id is refused, as are non-function tools, input
-images and files, and a forced tool_choice (400s naming the field).
+images and files (400s naming the field). tool_choice "required" / {"type": "function", "name": ...}
+force the call by grammar (deltaspec.forced_tool_calls; parallel_tool_calls false: one call).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ import uuid
 from typing import Any, Iterator
 
 from ..chat import THINK_CLOSE, prompt_opens_reasoning
+from ..forced_tool_calls import ForcedToolCall, forced_tool_call
 from ..generation import GenerationResult
 from .errors import bad_request
 from .planted import planted
 from .reply_blocks import ReplyBlocks
 from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _max_tokens, _prompt_ids, _sampling,
-                      _type, chat_prompt, reasoning_budget)
+                      _type, chat_prompt, forced_call_grammar, reasoning_budget)
 
 TEMPERATURE_DEFAULT = 1.0  # OpenAI's, for the Responses API
 
@@ -153,12 +155,22 @@ def _tools(body: dict) -> list[dict] | None:
     return out
 
 
-def _tool_choice(body: dict) -> str:
+def _tool_choice(body: dict) -> tuple[str | dict, ForcedToolCall | None]:
+    """tool_choice (echoed), and the call it forces: "required" one of the tools, {"type":
+    "function", "name": ...} that one (deltaspec.forced_tool_calls); parallel_tool_calls false: one call."""
     choice = body.get("tool_choice", "auto")
-    if choice not in ("auto", "none"):
-        raise bad_request(f"'tool_choice' {str(choice)[:60]!r} is not supported: the model decides whether to call a "
-                          "tool; send \"auto\" or \"none\"", "tool_choice", "unsupported")
-    return choice
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _invalid(f"'parallel_tool_calls' must be true or false, got {parallel!r:.40}", "parallel_tool_calls")
+    if choice in ("auto", "none"):
+        return choice, None
+    if choice == "required":
+        return choice, ForcedToolCall(None, parallel)
+    name = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(name, str) or not name:
+        raise _invalid(f"'tool_choice' must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                       f"\"name\": ...}}, got {str(choice)[:60]!r}", "tool_choice")
+    return choice, ForcedToolCall(name, parallel)
 
 
 def _thinking(body: dict) -> bool | None:
@@ -204,7 +216,15 @@ def parse_responses(body: Any, served: Served) -> GenerationRequest:
         if grammar is not None:
             raise _invalid("'grammar' and 'text.format' both constrain the reply; send one", "grammar")
         grammar = _grammar(body)
-    tools, choice, thinking = _tools(body), _tool_choice(body), _thinking(body)
+    tools, (choice, forced), thinking = _tools(body), _tool_choice(body), _thinking(body)
+    if forced is not None:
+        if grammar is not None:
+            raise _invalid("a forced tool call ('tool_choice') is a grammar on the reply: it cannot be combined with "
+                           "'text.format' or 'grammar'", "tool_choice")
+        try:
+            forced_tool_call(forced, tools)
+        except ValueError as e:
+            raise _invalid(f"'tool_choice': {e}", "tool_choice") from None
     if grammar is not None and thinking:
         raise _invalid("'text.format' cannot be combined with reasoning (it constrains the whole reply, which "
                        "then has no reasoning)", "reasoning")
@@ -218,17 +238,18 @@ def parse_responses(body: Any, served: Served) -> GenerationRequest:
                                chat=False)
     stream = _get(body, "stream", (bool,), "true or false", False)
     options = {**sampling, "seed": seed, **({"grammar": grammar} if grammar is not None else {}),
+               **forced_call_grammar(forced, tools, prompt),
                **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt))}
     # what the response repeats of the request
     echoed = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
               "temperature": sampling.get("temperature"), "top_p": sampling.get("top_p", 1.0),
               "tools": body.get("tools") or [], "tool_choice": choice,
-              "parallel_tool_calls": body.get("parallel_tool_calls", True),
+              "parallel_tool_calls": forced.parallel if forced is not None else body.get("parallel_tool_calls", True),
               "text": body.get("text") or {"format": {"type": "text"}},
               "reasoning": {"effort": _get(body, "reasoning", (dict,), "an object", {}).get("effort"), "summary": None},
               "metadata": body.get("metadata") or {}}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage=False, chat=True,
-                             thinking_open=prompt_opens_reasoning(prompt), tools=tools if choice == "auto" else None,
+                             thinking_open=prompt_opens_reasoning(prompt), tools=tools if choice != "none" else None,
                              echoed=echoed)
 
 

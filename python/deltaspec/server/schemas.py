@@ -12,7 +12,8 @@ them. A completion's `echo` puts the prompt's text before each choice's; with
 as OpenAI's legacy completions and llama-cpp-python answer: what evaluation harnesses read). `n` choices (1..MAX_CHOICES) run as n requests of the engine, choice i
 sampling with seed + i when the request gives a seed. `logprobs` (completions: the number of top alternatives; chat: true, with
 `top_logprobs` alternatives) and `logit_bias` ({token id: bias in [-100, 100]}) go to the engine. A chat `response_format` (json_object / json_schema) becomes the
-request's grammar, enforced while decoding; a `prediction` (OpenAI's predicted output) the text the
+request's grammar, enforced while decoding, and so does a `tool_choice` that forces a call ("required", a
+named function: deltaspec.forced_tool_calls); a `prediction` (OpenAI's predicted output) the text the
 request's prompt lookup drafts from.
 """
 
@@ -394,6 +395,10 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
             raise bad_request("'grammar' and 'response_format' both constrain the reply; send one", "grammar",
                               "invalid_value")
         grammar = _grammar(body)
+    tools, forced = _tool_choice(body)
+    if forced is not None and grammar is not None:
+        raise bad_request("a forced tool call ('tool_choice') is a grammar on the reply: it cannot be combined with "
+                          "'response_format' or 'grammar'", "tool_choice", "invalid_value")
     prompt = chat_prompt(body, served, constrained=grammar is not None)
     ids = _prompt_ids(prompt, served)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), served, None)
@@ -402,11 +407,12 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
     logprobs = _chat_logprobs(body)
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
                **({"grammar": grammar} if grammar is not None else {}),
+               **forced_call_grammar(forced, tools, prompt),
                **({"logprobs": logprobs} if logprobs is not None else {}),
                **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt))}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=True,
                              thinking_open=prompt_opens_reasoning(prompt), logprobs=logprobs, n=_choices(body),
-                             tools=_parsed_tools(body))
+                             tools=tools)
 
 
 def reasoning_budget(body: dict, served: Served, constrained: bool, thinking_open: bool,
@@ -436,16 +442,37 @@ def reasoning_budget(body: dict, served: Served, constrained: bool, thinking_ope
     return {"reasoning_budget": budget, **({"reasoning_budget_message": message} if message else {})}
 
 
-def _parsed_tools(body: dict) -> list | None:
-    """The tools whose calls the reply is parsed for (deltaspec.tool_calls): the request's, unless
-    tool_choice is "none". A choice the model would have to be forced to make is refused: nothing
-    here forces a call."""
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise bad_request(f"'tool_choice' {str(choice)[:60]!r} is not supported: the model decides whether to call a "
-                          "tool; send \"auto\" or \"none\"", "tool_choice", "unsupported")
+def _tool_choice(body: dict):
+    """(the tools whose calls the reply is parsed for (deltaspec.tool_calls): the request's, unless
+    tool_choice is "none"; the call tool_choice forces, or None): OpenAI's tool_choice "auto",
+    "none", "required" or {"type": "function", "function": {"name": ...}}, with parallel_tool_calls."""
+    from ..forced_tool_calls import ForcedToolCall, forced_tool_call, openai_tool_choice
+
+    try:
+        choice = openai_tool_choice(body.get("tool_choice"), body.get("parallel_tool_calls", True))
+        forced = choice if isinstance(choice, ForcedToolCall) else None
+        if forced is not None:
+            forced_tool_call(forced, body.get("tools"))
+    except ValueError as e:
+        field = ("parallel_tool_calls" if str(e).startswith("parallel_tool_calls")
+                 else "tools" if str(e).startswith("tools[") else "tool_choice")
+        raise bad_request(str(e), field, "invalid_value") from None
     tools = body.get("tools")
-    return tools if tools and choice != "none" else None
+    return (tools if tools and choice != "none" else None), forced
+
+
+def forced_call_grammar(forced, tools: list | None, prompt: str) -> dict:
+    """generate()'s `grammar` for a forced tool call (deltaspec.forced_tool_calls) after `prompt`:
+    its reasoning, when the prompt opens a block, stays free (and a reasoning budget still applies)."""
+    if forced is None:
+        return {}
+    from ..errors import GrammarError
+    from ..forced_tool_calls import tool_call_grammar
+
+    try:
+        return {"grammar": tool_call_grammar(tools, forced, prompt_opens_reasoning(prompt))}
+    except (GrammarError, ValueError) as e:  # a parameter's schema llguidance cannot read, a name the form cannot carry
+        raise bad_request(f"'tools': {e}", "tools", "invalid_value") from None
 
 
 def _grammar(body: dict):

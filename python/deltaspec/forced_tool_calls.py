@@ -1,0 +1,148 @@
+"""A tool call the reply must make: tool_choice "required" (OpenAI), a named function, Anthropic's
+{"type": "any"} / {"type": "tool", "name": ...}, enforced as a grammar while decoding.
+
+The grammar is Qwen3.5's tool-call form (deltaspec.tool_calls, the XML its chat template teaches)
+over the request's tools: after the reasoning block (when the prompt left one open: its text is
+free until </think>), at most two newlines, then one call, or with parallel calls one or more
+separated by at most two newlines, then the end of the reply. Each call names one of the allowed
+functions and writes its parameters in the order the schema declares them: every required one,
+then any of the optional ones, each once; a string parameter's value is free text (an `enum` of
+strings: one of its values), any other is JSON that the parameter's schema constrains (llguidance,
+leniently: a schema keyword it does not implement is ignored rather than refused).
+
+llama.cpp's tool_choice "required" allows free text before the calls (and only forbids ending
+without one), which a model can fill until max_tokens; here the calls come first, so a forced
+request always gets its call. Anthropic's route turns {"type": "tool"} into "required" there; here
+it is the named tool.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .grammar import JSON_DEFAULTS, Grammar
+
+# the text around a call, as the chat template writes calls in the conversation's history
+_FUNCTION_CLOSE = "</function>\n"
+_PARAMETER_CLOSE = "\n</parameter>\n"
+
+
+@dataclass(frozen=True)
+class ForcedToolCall:
+    """What the reply must call: `name` the one function (None: any of the tools), `parallel`
+    whether it may make more than one call."""
+
+    name: str | None = None
+    parallel: bool = True
+
+
+def _functions(tools: Sequence[Mapping[str, Any]] | None) -> list[tuple[str, Mapping[str, Any]]]:
+    """(name, parameters schema) of each OpenAI-shaped tool ({"type": "function", "function": {...}})."""
+    out = []
+    for i, tool in enumerate(tools or ()):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if not isinstance(name, str) or not name or any(c in name for c in "<>\n"):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} with a "
+                             f"non-empty name without '<', '>' or newlines, got {tool!r:.120}")
+        params = fn.get("parameters") or {}
+        if not isinstance(params, Mapping) or not isinstance(params.get("properties", {}), Mapping):
+            raise ValueError(f"tools[{i}] ({name}): 'parameters' must be a JSON schema object whose 'properties' is "
+                             f"an object, got {params!r:.120}")
+        out.append((name, params))
+    return out
+
+
+def forced_tool_call(choice: ForcedToolCall, tools: Sequence[Mapping[str, Any]] | None) -> ForcedToolCall:
+    """`choice`, checked against the request's tools (a forced call needs tools; a named one, one of them)."""
+    functions = [name for name, _ in _functions(tools)]
+    if not functions:
+        raise ValueError("a forced tool call (tool_choice \"required\" or a named function) needs tools to call")
+    if choice.name is not None and choice.name not in functions:
+        raise ValueError(f"tool_choice names the function {choice.name!r:.80}, which is not among the tools "
+                         f"({', '.join(functions)[:200]})")
+    return choice
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal of `text`."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _is_text(schema: Any) -> bool:
+    """Whether a parameter's value is written as raw text (a string; or a schema that says no type)."""
+    if not isinstance(schema, Mapping):
+        return True
+    kind = schema.get("type")
+    if kind is None:
+        return not any(k in schema for k in ("anyOf", "oneOf", "allOf", "enum", "const", "$ref"))
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+def _value_rules(rule: str, schema: Any, defs: Mapping[str, Any]) -> list[str]:
+    """Rules for one parameter's value and the line that closes it, named `rule`."""
+    if _is_text(schema):
+        enum = schema.get("enum") if isinstance(schema, Mapping) else None
+        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            return [f"{rule}: " + " | ".join(_lit(v + _PARAMETER_CLOSE) for v in enum)]
+        # the shortest text that ends with the closing line: a value never holds it
+        return [f"{rule}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/"]
+    sub = {**defs, **schema, "x-guidance": {**JSON_DEFAULTS, "lenient": True, **schema.get("x-guidance", {})}}
+    return [f"{rule}: {rule}_json {_lit(_PARAMETER_CLOSE)}", f"{rule}_json: %json {json.dumps(sub)}"]
+
+
+def _function_rules(rule: str, name: str, params: Mapping[str, Any]) -> list[str]:
+    props = params.get("properties") or {}
+    required = [p for p in params.get("required") or [] if p in props]
+    optional = [p for p in props if p not in required]
+    defs = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), Mapping)}
+    rules, body = [], [_lit(f"<function={name}>\n")]
+    for j, p in enumerate(required + optional):
+        if not isinstance(p, str) or any(c in p for c in "<>\n"):
+            raise ValueError(f"function {name}: parameter name {p!r:.80} has '<', '>' or a newline, which its call's "
+                             "form cannot carry")
+        value = f"{rule}_v{j}"
+        rules.append(f"{rule}_p{j}: {_lit(f'<parameter={p}>' + chr(10))} {value}")
+        rules += _value_rules(value, props[p], defs)
+        body.append(f"{rule}_p{j}" + ("?" if p in optional else ""))
+    body.append(_lit(_FUNCTION_CLOSE))
+    return [f"{rule}: " + " ".join(body)] + rules
+
+
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: ForcedToolCall, thinking_open: bool) -> Grammar:
+    """The grammar of a reply that makes the call(s) `choice` asks for (see the module docstring);
+    `thinking_open`: the prompt ends inside a <think> block, whose text comes first."""
+    forced_tool_call(choice, tools)
+    lines = ["%llguidance {}",
+             "start: " + ("REASONING </think> " if thinking_open else "") + "GAP calls",
+             "REASONING: /(?s:.*)/",
+             "GAP: /\\n{0,2}/",
+             "calls: call (GAP call)*" if choice.parallel else "calls: call"]
+    names = []
+    for i, (name, params) in enumerate(_functions(tools)):
+        if choice.name is None or name == choice.name:
+            names.append(f"fn{i}")
+            lines += _function_rules(f"fn{i}", name, params)
+    lines.insert(4, "call: <tool_call> \"\\n\" (" + " | ".join(names) + ") </tool_call>")
+    grammar = Grammar.from_lark("\n".join(lines) + "\n")
+    # a reasoning budget may close the block: the grammar lets the reasoning be any text
+    return Grammar(grammar.spec, "tool-call grammar", free_reasoning=thinking_open)
+
+
+def openai_tool_choice(choice: Any, parallel: Any = True) -> str | ForcedToolCall:
+    """OpenAI chat's `tool_choice` ("auto", "none", "required" or {"type": "function", "function":
+    {"name": ...}}; None is "auto") and `parallel_tool_calls`: "auto", "none" or the call forced."""
+    if not isinstance(parallel, bool):
+        raise ValueError(f"parallel_tool_calls must be true or false, got {parallel!r:.40}")
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto"
+    if choice == "required":
+        return ForcedToolCall(None, parallel)
+    fn = choice.get("function") if isinstance(choice, Mapping) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tool_choice must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                         f"\"function\": {{\"name\": ...}}}}, got {choice!r:.80}")
+    return ForcedToolCall(name, parallel)

@@ -1,0 +1,234 @@
+"""Forced tool calls (deltaspec.forced_tool_calls): tool_choice "required" / a named function
+(OpenAI chat and Responses), {"type": "any"} / {"type": "tool"} (Anthropic) make the reply a call.
+
+The claims: the grammar accepts exactly the calls the model's own chat template writes (an
+assistant message's tool_calls rendered by Qwen3.5's template from the pinned llama.cpp tree: the
+reference for the form), with the reasoning block before them when the prompt opened one, and
+refuses a call of another function than the named one, a missing required parameter, a value
+outside its schema, text before the call, a second call where parallel calls are off; end to end
+on the tiny real-vocabulary model (random weights, which left alone never write a call: checked),
+every seed's reply is a call whose arguments validate against the tool's schema (jsonschema), with
+finish_reason "tool_calls"; a reasoning budget still closes the block before the call; the three
+server routes answer with the call, and refuse a forced call without tools, of an unknown
+function, or beside a response format.
+
+Seen red: with tool_call_grammar ignoring the named function (every tool allowed), the named test
+failed (a call of get_weather); with `parallel` ignored, the single-call test failed (two calls
+accepted); with BothConstraints leaving the budget's mask out (the grammar alone), the budget test
+failed (the reasoning ran to max_tokens, no call); with the server routes dropping the forced
+grammar (forced_call_grammar returning {}), the server test failed (no call: text).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltaspec.forced_tool_calls import ForcedToolCall, openai_tool_choice, tool_call_grammar
+
+jsonschema = pytest.importorskip("jsonschema")
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Rome"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    "unit": {"type": "string", "enum": ["C", "F"]}}, "required": ["city", "days"]}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Adds", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+MESSAGES = [{"role": "user", "content": "Weather in Paris for two days?"}]
+
+
+@pytest.fixture(scope="module")
+def model(chat_gguf):
+    from deltaspec import Model
+
+    with Model(chat_gguf, n_ctx=1024, n_threads=2) as m:
+        yield m
+
+
+def _rendered_calls(model, calls: list[dict]) -> str:
+    """The text the chat template writes for an assistant message making `calls` (after its
+    generation prompt with thinking off): what a forced reply must be able to be."""
+    from deltaspec.completions import apply_chat_template
+
+    head = apply_chat_template(model, MESSAGES, tools=TOOLS, enable_thinking=False)
+    message = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]}
+    whole = apply_chat_template(model, MESSAGES + [message], tools=TOOLS, add_generation_prompt=False,
+                                enable_thinking=False)
+    # the history's assistant turn: its empty reasoning block, then the calls, then <|im_end|>
+    turn = whole[whole.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n"):]
+    assert turn.endswith("<|im_end|>\n") and head.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    return turn[:-len("<|im_end|>\n")].split("</think>", 1)[1].lstrip("\n")
+
+
+def _allows(model, grammar, text: str) -> bool:
+    """Whether the grammar allows `text` (tokenized as the model writes it) as a whole reply."""
+    from deltaspec.constraint import GrammarConstraint
+
+    c = GrammarConstraint(model.tokenizer, grammar)
+    ids = model.tokenize(text, special=True)
+    if c.check_draft(ids) != len(ids):
+        return False
+    for t in ids:
+        c.commit(t)
+    return c.is_accepting
+
+
+def test_the_grammar_is_the_templates_call_form(model):
+    one = _rendered_calls(model, [("get_weather", {"city": "Paris", "days": 2})])
+    two = _rendered_calls(model, [("get_weather", {"city": "Rome", "days": 3, "unit": "F"}), ("add", {"a": 1, "b": 2})])
+    assert one.startswith("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>")
+    required = tool_call_grammar(TOOLS, ForcedToolCall(), thinking_open=False)
+    assert _allows(model, required, one) and _allows(model, required, two)
+    single = tool_call_grammar(TOOLS, ForcedToolCall(parallel=False), thinking_open=False)
+    assert _allows(model, single, one) and not _allows(model, single, two)
+    named = tool_call_grammar(TOOLS, ForcedToolCall("add"), thinking_open=False)
+    assert _allows(model, named, _rendered_calls(model, [("add", {"a": 4, "b": 50})]))
+    assert not _allows(model, named, one)
+    for wrong in ([("get_weather", {"city": "Paris"})],                 # a required parameter missing
+                  [("get_weather", {"city": "Oslo", "days": 2})],       # outside the enum
+                  [("get_weather", {"city": "Paris", "days": 20})],     # above the maximum
+                  [("get_weather", {"city": "Paris", "days": "two"})]):  # not an integer
+        assert not _allows(model, required, _rendered_calls(model, wrong)), wrong
+    assert not _allows(model, required, "Sure.\n" + one)  # text before the call
+    assert not _allows(model, required, "")               # no call at all
+    thinking = tool_call_grammar(TOOLS, ForcedToolCall(), thinking_open=True)
+    assert thinking.free_reasoning and _allows(model, thinking, "Let me see: Paris.\n</think>\n\n" + one)
+    assert not _allows(model, thinking, one)  # the open block is closed first
+
+
+def _check_calls(calls: list[dict], names=("get_weather", "add")) -> None:
+    assert calls
+    for call in calls:
+        assert call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+def test_every_sampled_reply_is_a_valid_call(model):
+    n_calls = 0
+    for seed in range(12):
+        free = model.create_chat_completion(MESSAGES, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=48,
+                                            enable_thinking=False)
+        assert not free["choices"][0]["message"].get("tool_calls")  # left alone the random model never calls
+        # one call: the reply ends after it
+        out = model.create_chat_completion(MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                           temperature=1.0, seed=seed, max_tokens=200, enable_thinking=False)
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert choice["message"]["content"] is None and len(choice["message"]["tool_calls"]) == 1
+        _check_calls(choice["message"]["tool_calls"])
+        # parallel calls: the (random) model decides when to stop calling, so max_tokens may cut a last one
+        out = model.create_chat_completion(MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+                                           max_tokens=200, enable_thinking=False)
+        choice = out["choices"][0]
+        assert choice["finish_reason"] in ("tool_calls", "length"), choice
+        _check_calls(choice["message"]["tool_calls"])
+        n_calls += len(choice["message"]["tool_calls"])
+    assert n_calls > 12  # more than one call in some replies
+
+
+def test_a_named_function_and_a_single_call(model):
+    for seed in range(6):
+        out = model.create_chat_completion(MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {
+            "name": "add"}}, parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=200,
+            enable_thinking=False)
+        calls = out["choices"][0]["message"]["tool_calls"]
+        assert len(calls) == 1
+        _check_calls(calls, names=("add",))
+    ask = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=200,
+               enable_thinking=False)
+    whole = model.create_chat_completion(MESSAGES, **ask)["choices"][0]["message"]["tool_calls"]
+    streamed = list(model.create_chat_completion(MESSAGES, stream=True, **ask))
+    assert streamed[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    calls = [tc for c in streamed for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [c["function"] for c in calls] == [c["function"] for c in whole]
+    _check_calls(calls)
+
+
+def test_a_reasoning_budget_closes_the_block_before_the_call(model):
+    ask = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=200)
+    out = model.create_chat_completion(MESSAGES, reasoning_budget=6, **ask)
+    message = out["choices"][0]["message"]
+    assert message["reasoning_content"] and out["choices"][0]["finish_reason"] == "tool_calls"
+    assert len(model.tokenize(message["reasoning_content"], special=True)) <= 6 + 2
+    _check_calls(message["tool_calls"])
+    # without the budget the random model's reasoning fills max_tokens: the budget is what ended it
+    free = model.create_chat_completion(MESSAGES, **ask)
+    assert free["choices"][0]["finish_reason"] == "length" and not free["choices"][0]["message"].get("tool_calls")
+
+
+def test_bad_choices(model):
+    for choice, words in (({"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+                          ({"type": "function"}, "tool_choice must be"), ("always", "tool_choice must be")):
+        with pytest.raises(ValueError, match=words):
+            model.create_chat_completion(MESSAGES, tools=TOOLS, tool_choice=choice)
+    with pytest.raises(ValueError, match="needs tools"):
+        model.create_chat_completion(MESSAGES, tool_choice="required")
+    with pytest.raises(ValueError, match="response_format"):
+        model.create_chat_completion(MESSAGES, tools=TOOLS, tool_choice="required",
+                                     response_format={"type": "json_object"})
+    with pytest.raises(ValueError, match="parallel_tool_calls"):
+        openai_tool_choice("required", parallel="yes")
+    bad_name = [{"type": "function", "function": {"name": "a<b", "parameters": {}}}]
+    with pytest.raises(ValueError, match="tools\\[0\\]"):
+        tool_call_grammar(bad_name, ForcedToolCall(), thinking_open=False)
+
+
+def test_server_routes_make_the_call(chat_gguf):
+    pytest.importorskip("starlette")
+    from test_server import ServerProcess, post
+
+    s = ServerProcess(chat_gguf, "-np", "2", "-c", "1024")
+    try:
+        def ask(route: str, body: dict) -> tuple[int, dict]:
+            return post(f"{s.url}{route}", json.dumps({"model": "tiny-chat", **body}).encode())
+
+        status, chat = ask("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                                                    "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0,
+                                                    "chat_template_kwargs": {"enable_thinking": False}})
+        assert status == 200 and chat["choices"][0]["finish_reason"] == "tool_calls", chat
+        _check_calls(chat["choices"][0]["message"]["tool_calls"])
+
+        anthropic_tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+        status, msg = ask("/v1/messages", {"messages": MESSAGES, "tools": anthropic_tools, "max_tokens": 200,
+                                           "temperature": 0, "thinking": {"type": "disabled"},
+                                           "tool_choice": {"type": "tool", "name": "add",
+                                                           "disable_parallel_tool_use": True}})
+        assert status == 200 and msg["stop_reason"] == "tool_use", msg
+        [use] = [b for b in msg["content"] if b["type"] == "tool_use"]
+        assert use["name"] == "add"
+        jsonschema.validate(use["input"], ADD)
+
+        responses_tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                           for t in TOOLS]
+        status, resp = ask("/v1/responses", {"input": "Weather in Paris?", "tools": responses_tools,
+                                             "tool_choice": "required", "parallel_tool_calls": False,
+                                             "max_output_tokens": 200, "temperature": 0,
+                                             "reasoning": {"effort": "none"}})
+        assert status == 200 and resp["status"] == "completed", resp
+        calls = [{"function": {"name": i["name"], "arguments": i["arguments"]}} for i in resp["output"]
+                 if i["type"] == "function_call"]
+        _check_calls(calls)
+
+        for route, body, param in (
+                ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
+                ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": {
+                    "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                                          "response_format": {"type": "json_object"}}, "tool_choice"),
+                ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                                          "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+                ("/v1/messages", {"messages": MESSAGES, "max_tokens": 8, "tools": anthropic_tools,
+                                  "tool_choice": {"type": "tool"}}, "tool_choice"),
+                ("/v1/responses", {"input": "hi", "tools": responses_tools,
+                                   "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice")):
+            status, answer = ask(route, body)
+            assert status == 400 and answer["error"].get("param", "tool_choice") == param, (body, answer)
+            assert param in json.dumps(answer), (body, answer)
+    finally:
+        assert s.stop() == 0, "".join(s.log)
