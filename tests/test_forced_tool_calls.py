@@ -15,7 +15,8 @@ function, or beside a response format.
 Seen red: with tool_call_grammar ignoring the named function (every tool allowed), the named test
 failed (a call of get_weather); with `parallel` ignored, the single-call test failed (two calls
 accepted); with BothConstraints leaving the budget's mask out (the grammar alone), the budget test
-failed (the reasoning ran to max_tokens, no call); with the server routes dropping the forced
+failed (the reasoning ran to max_tokens, no call); with BothConstraints giving the budget no drafts
+(its verify rows masked with the state before them), the speculation test failed; with the server routes dropping the forced
 grammar (forced_call_grammar returning {}), the server test failed (no call: text).
 """
 
@@ -160,6 +161,29 @@ def test_a_reasoning_budget_closes_the_block_before_the_call(model):
     # without the budget the random model's reasoning fills max_tokens: the budget is what ended it
     free = model.create_chat_completion(MESSAGES, **ask)
     assert free["choices"][0]["finish_reason"] == "length" and not free["choices"][0]["message"].get("tool_calls")
+
+
+def test_speculation_and_batches_give_the_same_call(model, chat_gguf):
+    """The grammar and the budget together (BothConstraints) under a draft model's chains and trees,
+    prompt lookup (which drafts the forced text) and a batch: plain greedy's tokens."""
+    from deltaspec import Model, Grammar
+    from deltaspec.completions import apply_chat_template
+
+    prompt = apply_chat_template(model, MESSAGES, tools=TOOLS)
+    grammar = tool_call_grammar(TOOLS, ForcedToolCall(parallel=False), thinking_open=True)
+    ask = dict(max_tokens=160, temperature=0, grammar=grammar, reasoning_budget=5)
+    want = model.generate(prompt, **ask)
+    assert want.finish_reason == "stop" and "</tool_call>" in want.text
+    with Model(chat_gguf, n_ctx=1024, n_threads=1) as draft:
+        for spec in (dict(draft_model=draft, draft_n_max=6), dict(draft_model=draft, draft_n_max=6, tree_budget=10),
+                     dict(spec_type="ngram-simple", draft_n_max=8)):
+            r = model.generate(prompt, **ask, **spec)
+            assert r.tokens == want.tokens, spec
+            assert r.stats.n_drafted > 0, spec
+    plain = model.generate(prompt, max_tokens=160, temperature=0, grammar=Grammar.json_object())
+    batch = model.generate_batch([prompt, prompt], per_prompt=[ask, {"grammar": Grammar.json_object()}],
+                                 max_tokens=160, temperature=0)
+    assert batch[0].tokens == want.tokens and batch[1].tokens == plain.tokens
 
 
 def test_bad_choices(model):
