@@ -39,14 +39,14 @@ import uuid
 from typing import Any, Iterator
 
 from ..chat import prompt_opens_reasoning
-from ..forced_tool_calls import ForcedToolCall, forced_tool_call
+from ..forced_tool_calls import ForcedToolCall
 from ..generation import GenerationResult, validate_stop
 from .errors import APIError, bad_request
 from .native import stop_type
 from .planted import planted
 from .reply_blocks import ReplyBlocks
 from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _prompt_ids, _sampling, _type,
-                      chat_prompt, forced_call_grammar, reasoning_budget)
+                      chat_prompt, check_forced_call, forced_call_grammar, reasoning_budget)
 
 ANTHROPIC_TEMPERATURE_DEFAULT = 1.0
 
@@ -274,14 +274,7 @@ def _prompt(body: dict, served: Served, constrained: bool) -> tuple[str, list[di
     messages, prefill = _chat_messages(body)
     tools = _tools(body)
     choice, forced = _tool_choice(body)
-    if forced is not None:
-        if constrained:
-            raise _invalid("a forced tool call ('tool_choice' any / tool) is a grammar on the reply: it cannot be "
-                           "combined with 'output_config.format' or 'grammar'", "tool_choice")
-        try:
-            forced_tool_call(forced, tools)
-        except ValueError as e:
-            raise _invalid(f"'tool_choice': {e}", "tool_choice") from None
+    check_forced_call(forced, tools, constrained, "'output_config.format' or 'grammar'")
     thinking = _thinking(body)
     if constrained and thinking:
         raise _invalid("a grammar or output_config.format cannot be combined with thinking enabled (it "

@@ -33,13 +33,13 @@ import uuid
 from typing import Any, Iterator
 
 from ..chat import THINK_CLOSE, prompt_opens_reasoning
-from ..forced_tool_calls import ForcedToolCall, forced_tool_call
+from ..forced_tool_calls import ForcedToolCall
 from ..generation import GenerationResult
 from .errors import bad_request
 from .planted import planted
 from .reply_blocks import ReplyBlocks
 from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _max_tokens, _prompt_ids, _sampling,
-                      _type, chat_prompt, forced_call_grammar, reasoning_budget)
+                      _type, chat_prompt, check_forced_call, forced_call_grammar, reasoning_budget)
 
 TEMPERATURE_DEFAULT = 1.0  # OpenAI's, for the Responses API
 
@@ -217,14 +217,7 @@ def parse_responses(body: Any, served: Served) -> GenerationRequest:
             raise _invalid("'grammar' and 'text.format' both constrain the reply; send one", "grammar")
         grammar = _grammar(body)
     tools, (choice, forced), thinking = _tools(body), _tool_choice(body), _thinking(body)
-    if forced is not None:
-        if grammar is not None:
-            raise _invalid("a forced tool call ('tool_choice') is a grammar on the reply: it cannot be combined with "
-                           "'text.format' or 'grammar'", "tool_choice")
-        try:
-            forced_tool_call(forced, tools)
-        except ValueError as e:
-            raise _invalid(f"'tool_choice': {e}", "tool_choice") from None
+    check_forced_call(forced, tools, grammar is not None, "'text.format' or 'grammar'")
     if grammar is not None and thinking:
         raise _invalid("'text.format' cannot be combined with reasoning (it constrains the whole reply, which "
                        "then has no reasoning)", "reasoning")

@@ -396,9 +396,7 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
                               "invalid_value")
         grammar = _grammar(body)
     tools, forced = _tool_choice(body)
-    if forced is not None and grammar is not None:
-        raise bad_request("a forced tool call ('tool_choice') is a grammar on the reply: it cannot be combined with "
-                          "'response_format' or 'grammar'", "tool_choice", "invalid_value")
+    check_forced_call(forced, body.get("tools"), grammar is not None, "'response_format' or 'grammar'")
     prompt = chat_prompt(body, served, constrained=grammar is not None)
     ids = _prompt_ids(prompt, served)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), served, None)
@@ -446,19 +444,31 @@ def _tool_choice(body: dict):
     """(the tools whose calls the reply is parsed for (deltaspec.tool_calls): the request's, unless
     tool_choice is "none"; the call tool_choice forces, or None): OpenAI's tool_choice "auto",
     "none", "required" or {"type": "function", "function": {"name": ...}}, with parallel_tool_calls."""
-    from ..forced_tool_calls import ForcedToolCall, forced_tool_call, openai_tool_choice
+    from ..forced_tool_calls import ForcedToolCall, openai_tool_choice
 
     try:
         choice = openai_tool_choice(body.get("tool_choice"), body.get("parallel_tool_calls", True))
-        forced = choice if isinstance(choice, ForcedToolCall) else None
-        if forced is not None:
-            forced_tool_call(forced, body.get("tools"))
     except ValueError as e:
-        field = ("parallel_tool_calls" if str(e).startswith("parallel_tool_calls")
-                 else "tools" if str(e).startswith("tools[") else "tool_choice")
-        raise bad_request(str(e), field, "invalid_value") from None
+        raise bad_request(str(e), "parallel_tool_calls" if str(e).startswith("parallel") else "tool_choice",
+                          "invalid_value") from None
     tools = body.get("tools")
-    return (tools if tools and choice != "none" else None), forced
+    return (tools if tools and choice != "none" else None), choice if isinstance(choice, ForcedToolCall) else None
+
+
+def check_forced_call(forced, tools, constrained: bool, constraints: str) -> None:
+    """A call tool_choice forces (None: none), checked: tools to call, the named one among them, and
+    no other grammar on the reply (`constrained`; `constraints` names the fields that would be one)."""
+    if forced is None:
+        return
+    from ..forced_tool_calls import forced_tool_call
+
+    if constrained:
+        raise bad_request(f"a forced tool call ('tool_choice') is a grammar on the reply: it cannot be combined with "
+                          f"{constraints}", "tool_choice", "invalid_value")
+    try:
+        forced_tool_call(forced, tools)
+    except ValueError as e:
+        raise bad_request(f"'tool_choice': {e}", "tool_choice", "invalid_value") from None
 
 
 def forced_call_grammar(forced, tools: list | None, prompt: str) -> dict:
