@@ -46,6 +46,11 @@ class PyTokenConstraint : public TokenConstraint {
         const py::function f = py::get_override(static_cast<const TokenConstraint *>(this), "forced_tokens");
         return f ? f().cast<std::vector<int32_t>>() : std::vector<int32_t>{};
     }
+    bool allows_every_token() override {
+        py::gil_scoped_acquire gil;
+        const py::function f = py::get_override(static_cast<const TokenConstraint *>(this), "allows_every_token");
+        return f ? f().cast<bool>() : false;
+    }
 
   private:
     py::function method(const char * name) const {
@@ -74,9 +79,12 @@ void bind_token_constraint(py::module_ & m) {
     py::class_<TokenConstraint, PyTokenConstraint>(m, "TokenConstraint",
         "Base class of a rule on which tokens may come next (a grammar), for generate(constraint=...). "
         "Subclasses implement fill_masks(masks, drafts), commit(token), check_draft(tokens) -> int and "
-        "optionally forced_tokens() -> list; "
+        "optionally forced_tokens() -> list and allows_every_token() -> bool; "
         "the decode loops call them without holding the GIL otherwise.")
         .def(py::init<>())
+        .def("allows_every_token", &TokenConstraint::allows_every_token,
+             "Whether every token is allowed after the committed ones (the base class: False, unsure); a "
+             "subclass that knows may say True, and its decode row then skips the mask.")
         .def_readonly("n_masked_rows", &TokenConstraint::n_masked_rows, "Logit rows masked so far.")
         .def_readonly("n_cut_tokens", &TokenConstraint::n_cut_tokens,
                       "Draft tokens cut before verification so far (speculative decoding).")

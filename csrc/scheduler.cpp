@@ -22,8 +22,14 @@ int32_t first_argmax(const float * row, int64_t n) {
     return (int32_t)(std::max_element(row, row + n) - row);
 }
 
-bool needs_logits(const GenerateRequest & req) {
-    return !req.sampling.argmax_only() || req.n_logprobs >= 0 || req.constraint != nullptr;
+bool needs_logits(const GenerateRequest & req) { return needs_logits(req, req.constraint != nullptr); }
+
+bool needs_logits(const GenerateRequest & req, bool masked) {
+    return !req.sampling.argmax_only() || req.n_logprobs >= 0 || masked;
+}
+
+bool masks_next_row(const GenerateRequest & req) {
+    return req.constraint != nullptr && !req.constraint->allows_every_token();
 }
 
 Sequence::Sequence(int64_t id_, GenerateRequest request, const PieceTable & pieces)
@@ -209,9 +215,9 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
         token = feed_scored(s, n);
     } else if (n < left) {
         engine_.eval(chunk, n, LogitsWanted::none, nullptr);
-    } else if (!needs_logits(s.req)) {
+    } else if (!needs_logits(s.req, masks_next_row(s.req))) {
         token = engine_.eval_argmax(chunk, n);
-    } else if (engine_.top_rows_enabled() && top_rows_serve(s.req, engine_.top_k())) {
+    } else if (engine_.top_rows_enabled() && top_rows_serve(s.req, engine_.top_k(), masks_next_row(s.req))) {
         top_.resize(engine_.top_row_words());
         engine_.eval_top(chunk, n, top_.data());
         token = choose_from_top(s.req, s.sampler, top_row(top_.data(), engine_.top_k()), s.res);
@@ -356,8 +362,9 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
         }
         if (s->n_fed + n < (int64_t)s->req.prompt.size()) continue;  // its prompt goes on in a later round
         any_done = true;
-        all_argmax = all_argmax && !needs_logits(s->req);
-        all_top = all_top && top_rows_serve(s->req, engine_.top_k());
+        const bool masked = masks_next_row(s->req);
+        all_argmax = all_argmax && !needs_logits(s->req, masked);
+        all_top = all_top && top_rows_serve(s->req, engine_.top_k(), masked);
     }
     // one result row per sequence (its last row's), read only for the sequences whose prompt is complete
     const int64_t W = engine_.top_row_words();
@@ -391,9 +398,10 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
 
 int32_t Scheduler::choose(Sequence & s, float * row, int64_t n_vocab) {
     // logprobs are those of the raw logits (as llama-cpp-python's), so a grammar's mask applies to a copy
-    const bool keep_raw = s.req.constraint && s.req.n_logprobs >= 0;
+    const bool masked = masks_next_row(s.req);
+    const bool keep_raw = masked && s.req.n_logprobs >= 0;
     if (keep_raw) raw_.assign(row, row + n_vocab);
-    if (s.req.constraint) s.req.constraint->mask_row(row, n_vocab);
+    if (masked) s.req.constraint->mask_row(row, n_vocab);
     const int32_t token = s.req.sampling.argmax_only() ? first_argmax(row, n_vocab)
                                                        : s.sampler.sample(row, n_vocab, s.history);
     record_logprobs(s.req, keep_raw ? raw_.data() : row, n_vocab, token, s.res);
@@ -413,18 +421,22 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
     const int64_t N = n_decoding();
     if (N == 0) return;
     const int64_t n_vocab = engine_.hparams().n_vocab;
-    bool all_argmax = true;
+    bool all_argmax = true, all_top = engine_.top_rows_enabled();
     rows_.clear();
     for (int64_t i = 0; i < N; ++i) {
         const auto & s = running_[i];
         rows_.add(s->pending, (int32_t)engine_.slot_n_past(s->slot), (int32_t)s->slot);
-        all_argmax = all_argmax && !needs_logits(s->req);
+        // a constraint that allows every token at this row (a reasoning budget not yet spent) leaves
+        // it as free as none
+        const bool masked = masks_next_row(s->req);
+        all_argmax = all_argmax && !needs_logits(s->req, masked);
+        all_top = all_top && top_rows_serve(s->req, engine_.top_k(), masked);
     }
     // greedy everywhere: only the argmax ids cross over; where every sequence's sampler and logprobs
     // are decided by its row's top candidates, those (top_rows.h); otherwise every row's logits. One sequence
     // takes the one-sequence step, whose graph writes its state in place (ggml-cuda's fused forms)
     // and which is what generate() runs.
-    const bool all_top = !all_argmax && top_rows_serve_all();
+    all_top = all_top && !all_argmax;
     const int64_t W = engine_.top_row_words();
     if (all_top) top_.resize(N * W);
     if (N == 1) {

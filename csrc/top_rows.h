@@ -34,6 +34,9 @@ inline TopRow top_row(const int32_t * words, int64_t k) {
 // grammar (its mask needs every token's logit), a sampler they decide (SamplingParams::top_serves: no
 // penalties or logit bias, greedy or top_k <= k), and at most k top log-probabilities.
 bool top_rows_serve(const GenerateRequest & req, int64_t k);
+// the same for a row whose constraint masks it (`masked`) or does not (no constraint, or one that
+// allows every token at that row: TokenConstraint::allows_every_token)
+bool top_rows_serve(const GenerateRequest & req, int64_t k, bool masked);
 
 // The sequence's next token from a top row (greedy: the first candidate, the row's first maximum;
 // else drawn as Sampler::sample would draw it from the whole row) and, when the request asks for

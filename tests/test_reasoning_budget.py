@@ -69,7 +69,8 @@ def test_the_block_ends_after_its_budget(model, prompt):
         assert r.tokens[:n] == free.tokens[:n] and r.tokens[n:n + 2] == end, budget  # nothing before the end changed
         rest = model.generate(prompt + r.tokens[:n + 2], max_tokens=MAX_TOKENS - n - 2, temperature=0)
         assert r.tokens[n + 2:] == rest.tokens  # nor after it
-        assert r.stats.grammar_masked_rows == MAX_TOKENS
+        # only the forced end's rows were masked: the free ones took the device's argmax
+        assert r.stats.grammar_masked_rows == 2, budget
     assert model.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, reasoning_budget=-1).tokens == free.tokens
     # a message before the end (llama.cpp's --reasoning-budget-message)
     r = model.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, reasoning_budget=3,
@@ -94,6 +95,32 @@ def test_speculation_and_batches_give_the_same_reply(model, prompt, chat_gguf):
                                  max_tokens=MAX_TOKENS, temperature=0)
     assert batch[0].tokens == want.tokens
     assert batch[1].tokens == model.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, reasoning_budget=3).tokens
+
+
+def test_free_rows_take_top_rows_and_sample_as_whole_rows(model, prompt):
+    """Until the budget runs out every token is allowed (ReasoningBudget.allows_every_token), so a
+    sampled row takes the device's top candidates instead of crossing over whole to be masked:
+    seeded sampling gives the whole-row path's tokens, alone and in a batch, and took top rows.
+    Seen red with allows_every_token answering True while forcing (the forced end not masked: the
+    sampled reply lost its </think>), and answering False throughout (no top rows taken, every row
+    masked)."""
+    engine = model._engine
+    ask = dict(max_tokens=MAX_TOKENS, temperature=1.0, top_k=40, reasoning_budget=8)
+    end = model.tokenize("\n</think>", special=True)
+    for seed in range(4):
+        before = engine.decode_stats["top_rows"]
+        try:
+            reduced = model.generate(prompt, seed=seed, **ask)
+            batch = model.generate_batch([prompt, prompt], per_prompt=[{"seed": seed}, {"seed": seed + 1}], **ask)
+            n_top = engine.decode_stats["top_rows"] - before
+            engine.top_rows_enabled = False
+            whole = model.generate(prompt, seed=seed, **ask)
+        finally:
+            engine.top_rows_enabled = True
+        assert reduced.tokens == whole.tokens == batch[0].tokens, seed
+        assert reduced.tokens[7:9] == end and batch[1].tokens[7:9] == end, seed
+        assert n_top >= 3 * 6, seed  # the free rows of the three runs, each
+        assert reduced.stats.grammar_masked_rows == 2
 
 
 def test_the_budget_waits_for_a_whole_character(model):

@@ -36,6 +36,9 @@ class BothConstraints(_core.TokenConstraint):
         n = self.first.check_draft(tokens)
         return self.second.check_draft(list(tokens)[:n]) if n else 0
 
+    def allows_every_token(self) -> bool:
+        return self.first.allows_every_token() and self.second.allows_every_token()
+
     def forced_tokens(self) -> list[int]:
         # the budget's forced end, when it forces one, else what the grammar forces (each allowed by
         # the other, or a draft cut at check_draft)

@@ -152,6 +152,10 @@ class ReasoningBudget(_core.TokenConstraint):
     def forced_tokens(self) -> list[int]:
         return self.forced[self._state.forced_at:] if self._state.phase == FORCING else []
 
+    def allows_every_token(self) -> bool:
+        # until the budget runs out the rows are free: they take the device's argmax / top rows
+        return self._state.phase != FORCING
+
     @property
     def phase(self) -> str:
         return self._state.phase
