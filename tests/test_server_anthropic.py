@@ -103,7 +103,7 @@ def test_prompt_is_the_templates_chat(chat_served):
         body = {"model": MODEL, "max_tokens": 8, **CONVERSATION, **({"thinking": config} if config else {})}
         kwargs = {} if thinking in (None, "adaptive") else {"enable_thinking": thinking}
         want = template.render(OPENAI_MESSAGES, add_generation_prompt=True, tools=OPENAI_TOOLS, **kwargs)
-        assert messages_api._prompt(body, chat_served, constrained=False) == (want, OPENAI_TOOLS, None)
+        assert messages_api._prompt(body, chat_served, constrained=False) == (want, OPENAI_TOOLS, None, True)
         assert "Sunny, 21 C" in want and "get_weather" in want
         assert messages_api.count_tokens(body, chat_served) == {"input_tokens": len(chat_served.tokenize(want))}
     # a prefill: the chat before it, the generation prompt without reasoning, then its text

@@ -10,7 +10,7 @@ outside its parameters stays content; a stream's pieces, however cut, give the s
 calls; end to end (the tiny real-vocabulary model, its reply forced by a GBNF grammar) the
 message has the call and finish_reason "tool_calls", streamed as a `tool_calls` delta; without
 tools, or with tool_choice "none", the reply is text; a forced call of a function that is not
-among the tools is refused (forced calls themselves: test_forced_tool_calls.py).
+among the tools is refused (forced calls themselves: test_tool_call_grammar.py).
 
 Seen red with the parameter's schema ignored (every value read as JSON: "123" became 123) and with
 the stream's held tail released early (a "<tool_call>" cut across two pieces leaked as text):

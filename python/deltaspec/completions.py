@@ -8,10 +8,11 @@ from typing import Any, Iterator, Mapping, Sequence
 from . import logprobs as lp
 from . import openai_format as oai
 from .chat import chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
-from .forced_tool_calls import ForcedToolCall, forced_tool_call, openai_tool_choice, tool_call_grammar
 from .generation import validate_flag
 from .grammar import response_format_grammar
 from .openai_stream import ChatChunks, CompletionChunks
+from .tool_call_grammar import (ForcedToolCall, chosen_call_grammar, forced_tool_call, openai_tool_choice,
+                                tool_call_grammar)
 from .tool_calls import parse_tool_calls
 
 
@@ -104,10 +105,12 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
 
     Tools: `tools` go to the chat template; the reply's tool calls (Qwen3.5's <tool_call> blocks,
     deltaspec.tool_calls) come back as the message's `tool_calls`, finish_reason "tool_calls"
-    (streamed: `tool_calls` deltas, each call whole). tool_choice "auto" (default: the model decides),
+    (streamed: `tool_calls` deltas, each call whole); from the model's first <tool_call> the calls
+    are held to the tools' form and schemas (deltaspec.tool_call_grammar, llama-server's lazy
+    grammar; not beside response_format or grammar). tool_choice "auto" (default: the model decides),
     "none" (no parsing), "required" (one or more calls, or exactly one with parallel_tool_calls=False)
     or {"type": "function", "function": {"name": ...}} (calls of that function): a forced call is
-    a grammar on the reply (deltaspec.forced_tool_calls: the reasoning block, if open, then the
+    a grammar on the reply (deltaspec.tool_call_grammar: the reasoning block, if open, then the
     calls alone; with a reasoning_budget it still closes the block), so it cannot be combined with
     response_format or grammar."""
     _check_kwargs(model, "create_chat_completion", kwargs)
@@ -138,6 +141,9 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     thinking_open = prompt_opens_reasoning(prompt) and not constrained
     if forced is not None:
         kwargs["grammar"] = tool_call_grammar(tools, forced, thinking_open)
+    elif parsed_tools and kwargs.get("grammar") is None and not kwargs.get("ignore_eos"):
+        # the calls the model chooses to make, held to the tools from its first <tool_call> (llama-server's lazy grammar)
+        kwargs["grammar"] = chosen_call_grammar(parsed_tools, parallel_tool_calls)
     name = model.path
     if stream:
         pieces = model.generate(prompt, stream=True, temperature=temperature, max_tokens=max_tokens,

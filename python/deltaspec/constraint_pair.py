@@ -1,5 +1,5 @@
 """Two TokenConstraints at once: a token is allowed where both allow it. What a forced tool call's
-grammar (deltaspec.forced_tool_calls) and a reasoning budget need together: the budget forces the
+grammar (deltaspec.tool_call_grammar) and a reasoning budget need together: the budget forces the
 end of the <think> block, whose free text the grammar allows, and the grammar shapes the calls
 after it."""
 

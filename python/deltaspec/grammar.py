@@ -38,13 +38,16 @@ def _llguidance():
 @dataclass(frozen=True)
 class Grammar:
     """A constraint on the generated text. `spec` is llguidance's grammar (a JSON string), `source`
-    says what it was made from (for messages). `free_reasoning`: the text starts inside an open
-    <think> block that the grammar leaves free until </think> (a forced tool call's,
-    deltaspec.forced_tool_calls), so a reasoning budget can close it early."""
+    says what it was made from (for messages). `free_reasoning`: the grammar leaves an open <think>
+    block's text free (a tool-call grammar's, deltaspec.tool_call_grammar), so a reasoning budget
+    can close it early. `after_token`: the grammar applies from the first time the model writes
+    this token, its own first (llama.cpp's lazy grammar and its trigger; deltaspec.lazy_grammar);
+    before it every token is allowed."""
 
     spec: str
     source: str
     free_reasoning: bool = False
+    after_token: str | None = None
 
     def __post_init__(self) -> None:
         llg = _llguidance()

@@ -510,9 +510,14 @@ class Model:
             self.tokenizer, request.reasoning_budget, request.prompt, request.reasoning_budget_message)
         if request.grammar is None:
             return budget
-        from .constraint import GrammarConstraint
+        if request.grammar.after_token is not None:
+            from .lazy_grammar import LazyGrammarConstraint
 
-        grammar = GrammarConstraint(self.tokenizer, request.grammar)
+            grammar = LazyGrammarConstraint(self.tokenizer, request.grammar)
+        else:
+            from .constraint import GrammarConstraint
+
+            grammar = GrammarConstraint(self.tokenizer, request.grammar)
         if budget is None:
             return grammar
         from .constraint_pair import BothConstraints

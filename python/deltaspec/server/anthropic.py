@@ -26,7 +26,7 @@ input_tokens are the prompt tokens prefilled, cache_read_input_tokens those a ke
 Refused with a 400 naming the block or field: image and document blocks (the model reads text),
 Anthropic's server tools (a `type` other than "custom"), a prefill with thinking enabled or ending in
 blanks (as Anthropic refuses them). tool_choice {"type": "any"} / {"type": "tool", "name": ...} force
-the call by grammar (deltaspec.forced_tool_calls; disable_parallel_tool_use: one call), also with
+the call by grammar (deltaspec.tool_call_grammar; disable_parallel_tool_use: one call), also with
 thinking enabled (the reasoning comes first; Anthropic refuses that pair, llama-server treats both
 types as "required").
 """
@@ -39,14 +39,14 @@ import uuid
 from typing import Any, Iterator
 
 from ..chat import prompt_opens_reasoning
-from ..forced_tool_calls import ForcedToolCall
+from ..tool_call_grammar import ForcedToolCall
 from ..generation import GenerationResult, validate_stop
 from .errors import APIError, bad_request
 from .native import stop_type
 from .planted import planted
 from .reply_blocks import ReplyBlocks
 from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _prompt_ids, _sampling, _type,
-                      chat_prompt, check_forced_call, forced_call_grammar, reasoning_budget)
+                      chat_prompt, check_forced_call, reasoning_budget, tool_call_options)
 
 ANTHROPIC_TEMPERATURE_DEFAULT = 1.0
 
@@ -211,9 +211,10 @@ def _tools(body: dict) -> list[dict] | None:
     return out
 
 
-def _tool_choice(body: dict) -> tuple[str, ForcedToolCall | None]:
-    """tool_choice's type, and the call it forces: {"type": "any"} one of the tools, {"type": "tool",
-    "name": ...} that one (deltaspec.forced_tool_calls); disable_parallel_tool_use: one call at most."""
+def _tool_choice(body: dict) -> tuple[str, ForcedToolCall | None, bool]:
+    """tool_choice's type, the call it forces: {"type": "any"} one of the tools, {"type": "tool",
+    "name": ...} that one (deltaspec.tool_call_grammar); and whether calls may be parallel
+    (disable_parallel_tool_use: one call at most)."""
     choice = _get(body, "tool_choice", (dict,), "an object", {"type": "auto"})
     kind = choice.get("type")
     if kind not in ("auto", "none", "any", "tool"):
@@ -226,7 +227,7 @@ def _tool_choice(body: dict) -> tuple[str, ForcedToolCall | None]:
     if kind == "tool" and (not isinstance(name, str) or not name):
         raise _invalid("'tool_choice' {\"type\": \"tool\"} needs the tool's 'name'", "tool_choice")
     forced = ForcedToolCall(name if kind == "tool" else None, not single) if kind in ("any", "tool") else None
-    return kind, forced
+    return kind, forced, not single
 
 
 def _thinking(body: dict) -> bool | None:
@@ -269,11 +270,13 @@ def _constraint(body: dict):
         raise _invalid(f"'output_config.format': {e}", "output_config") from None
 
 
-def _prompt(body: dict, served: Served, constrained: bool) -> tuple[str, list[dict] | None, ForcedToolCall | None]:
-    """The prompt text, the tools whose calls the reply is parsed for, and the call tool_choice forces."""
+def _prompt(body: dict, served: Served,
+            constrained: bool) -> tuple[str, list[dict] | None, ForcedToolCall | None, bool]:
+    """The prompt text, the tools whose calls the reply is parsed for, the call tool_choice forces,
+    and whether calls may be parallel."""
     messages, prefill = _chat_messages(body)
     tools = _tools(body)
-    choice, forced = _tool_choice(body)
+    choice, forced, parallel = _tool_choice(body)
     check_forced_call(forced, tools, constrained, "'output_config.format' or 'grammar'")
     thinking = _thinking(body)
     if constrained and thinking:
@@ -288,7 +291,7 @@ def _prompt(body: dict, served: Served, constrained: bool) -> tuple[str, list[di
     chat = {"messages": messages, "tools": tools, "chat_template_kwargs": kwargs,
             **({"enable_thinking": thinking} if thinking is not None else {})}
     prompt = chat_prompt(chat, served, constrained=constrained) + (prefill or "")
-    return prompt, tools if choice != "none" else None, forced
+    return prompt, tools if choice != "none" else None, forced, parallel
 
 
 def _max_tokens(body: dict, n_prompt: int, served: Served) -> tuple[int, bool]:
@@ -318,7 +321,7 @@ def _stop_sequences(body: dict) -> list[str]:
 def parse_messages(body: Any, served: Served) -> GenerationRequest:
     body = _check_body(body, served)
     grammar = _constraint(body)
-    prompt, tools, forced = _prompt(body, served, constrained=grammar is not None)
+    prompt, tools, forced, parallel = _prompt(body, served, constrained=grammar is not None)
     ids = _prompt_ids(prompt, served, "messages")
     max_tokens, context_bound = _max_tokens(body, len(ids), served)
     temperature = body.get("temperature")
@@ -328,8 +331,9 @@ def parse_messages(body: Any, served: Served) -> GenerationRequest:
     thinking = body.get("thinking") or {}
     budget = thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None
     options = {**sampling, "seed": seed, "stop": _stop_sequences(body),
-               **({"grammar": grammar} if grammar is not None else {}), **forced_call_grammar(forced, tools, prompt),
+               **({"grammar": grammar} if grammar is not None else {}),
                **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt), budget)}
+    options.update(tool_call_options(tools, forced, parallel, prompt, options))
     return GenerationRequest(ids, max_tokens, options, stream, include_usage=False, chat=True,
                              thinking_open=prompt_opens_reasoning(prompt), tools=tools, context_bound=context_bound)
 
@@ -337,7 +341,7 @@ def parse_messages(body: Any, served: Served) -> GenerationRequest:
 def count_tokens(body: Any, served: Served) -> dict:
     """/v1/messages/count_tokens: the prompt's tokens, as a request with this body would have."""
     body = _check_body(body, served)
-    prompt, _, _ = _prompt(body, served, constrained=_constraint(body) is not None)
+    prompt = _prompt(body, served, constrained=_constraint(body) is not None)[0]
     return {"input_tokens": len(_prompt_ids(prompt, served, "messages"))}
 
 

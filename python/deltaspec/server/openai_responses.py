@@ -22,7 +22,7 @@ that is not streamed is the one the last event carries, so both agree. status: c
 incomplete (incomplete_details.reason "max_output_tokens") or cancelled. Nothing is stored
 (`store` is answered false): previous_response_id is refused, as are non-function tools, input
 images and files (400s naming the field). tool_choice "required" / {"type": "function", "name": ...}
-force the call by grammar (deltaspec.forced_tool_calls; parallel_tool_calls false: one call).
+force the call by grammar (deltaspec.tool_call_grammar; parallel_tool_calls false: one call).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ import uuid
 from typing import Any, Iterator
 
 from ..chat import THINK_CLOSE, prompt_opens_reasoning
-from ..forced_tool_calls import ForcedToolCall
+from ..tool_call_grammar import ForcedToolCall
 from ..generation import GenerationResult
 from .errors import bad_request
 from .planted import planted
 from .reply_blocks import ReplyBlocks
 from .schemas import (GenerationRequest, Served, _check_body, _get, _grammar, _max_tokens, _prompt_ids, _sampling,
-                      _type, chat_prompt, check_forced_call, forced_call_grammar, reasoning_budget)
+                      _type, chat_prompt, check_forced_call, reasoning_budget, tool_call_options)
 
 TEMPERATURE_DEFAULT = 1.0  # OpenAI's, for the Responses API
 
@@ -157,7 +157,7 @@ def _tools(body: dict) -> list[dict] | None:
 
 def _tool_choice(body: dict) -> tuple[str | dict, ForcedToolCall | None]:
     """tool_choice (echoed), and the call it forces: "required" one of the tools, {"type":
-    "function", "name": ...} that one (deltaspec.forced_tool_calls); parallel_tool_calls false: one call."""
+    "function", "name": ...} that one (deltaspec.tool_call_grammar); parallel_tool_calls false: one call."""
     choice = body.get("tool_choice", "auto")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
@@ -231,8 +231,9 @@ def parse_responses(body: Any, served: Served) -> GenerationRequest:
                                chat=False)
     stream = _get(body, "stream", (bool,), "true or false", False)
     options = {**sampling, "seed": seed, **({"grammar": grammar} if grammar is not None else {}),
-               **forced_call_grammar(forced, tools, prompt),
                **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt))}
+    parsed = tools if choice != "none" else None
+    options.update(tool_call_options(parsed, forced, body.get("parallel_tool_calls", True), prompt, options))
     # what the response repeats of the request
     echoed = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
               "temperature": sampling.get("temperature"), "top_p": sampling.get("top_p", 1.0),
@@ -242,7 +243,7 @@ def parse_responses(body: Any, served: Served) -> GenerationRequest:
               "reasoning": {"effort": _get(body, "reasoning", (dict,), "an object", {}).get("effort"), "summary": None},
               "metadata": body.get("metadata") or {}}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage=False, chat=True,
-                             thinking_open=prompt_opens_reasoning(prompt), tools=tools if choice != "none" else None,
+                             thinking_open=prompt_opens_reasoning(prompt), tools=parsed,
                              echoed=echoed)
 
 

@@ -13,7 +13,7 @@ as OpenAI's legacy completions and llama-cpp-python answer: what evaluation harn
 sampling with seed + i when the request gives a seed. `logprobs` (completions: the number of top alternatives; chat: true, with
 `top_logprobs` alternatives) and `logit_bias` ({token id: bias in [-100, 100]}) go to the engine. A chat `response_format` (json_object / json_schema) becomes the
 request's grammar, enforced while decoding, and so does a `tool_choice` that forces a call ("required", a
-named function: deltaspec.forced_tool_calls); a `prediction` (OpenAI's predicted output) the text the
+named function: deltaspec.tool_call_grammar); a `prediction` (OpenAI's predicted output) the text the
 request's prompt lookup drafts from.
 """
 
@@ -405,9 +405,9 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
     logprobs = _chat_logprobs(body)
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
                **({"grammar": grammar} if grammar is not None else {}),
-               **forced_call_grammar(forced, tools, prompt),
                **({"logprobs": logprobs} if logprobs is not None else {}),
                **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt))}
+    options.update(tool_call_options(tools, forced, body.get("parallel_tool_calls", True), prompt, options))
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=True,
                              thinking_open=prompt_opens_reasoning(prompt), logprobs=logprobs, n=_choices(body),
                              tools=tools)
@@ -444,7 +444,7 @@ def _tool_choice(body: dict):
     """(the tools whose calls the reply is parsed for (deltaspec.tool_calls): the request's, unless
     tool_choice is "none"; the call tool_choice forces, or None): OpenAI's tool_choice "auto",
     "none", "required" or {"type": "function", "function": {"name": ...}}, with parallel_tool_calls."""
-    from ..forced_tool_calls import ForcedToolCall, openai_tool_choice
+    from ..tool_call_grammar import ForcedToolCall, openai_tool_choice
 
     try:
         choice = openai_tool_choice(body.get("tool_choice"), body.get("parallel_tool_calls", True))
@@ -460,7 +460,7 @@ def check_forced_call(forced, tools, constrained: bool, constraints: str) -> Non
     no other grammar on the reply (`constrained`; `constraints` names the fields that would be one)."""
     if forced is None:
         return
-    from ..forced_tool_calls import forced_tool_call
+    from ..tool_call_grammar import forced_tool_call
 
     if constrained:
         raise bad_request(f"a forced tool call ('tool_choice') is a grammar on the reply: it cannot be combined with "
@@ -471,16 +471,20 @@ def check_forced_call(forced, tools, constrained: bool, constraints: str) -> Non
         raise bad_request(f"'tool_choice': {e}", "tool_choice", "invalid_value") from None
 
 
-def forced_call_grammar(forced, tools: list | None, prompt: str) -> dict:
-    """generate()'s `grammar` for a forced tool call (deltaspec.forced_tool_calls) after `prompt`:
-    its reasoning, when the prompt opens a block, stays free (and a reasoning budget still applies)."""
-    if forced is None:
-        return {}
+def tool_call_options(tools: list | None, forced, parallel: bool, prompt: str, options: dict) -> dict:
+    """generate()'s `grammar` for the reply's tool calls (deltaspec.tool_call_grammar) after `prompt`:
+    a forced call's (its reasoning, when the prompt opens a block, free: a reasoning budget still
+    applies), or, where the reply is parsed for `tools` and `options` hold no other grammar, that of
+    the calls the model chooses to make (llama-server's lazy grammar: from the first <tool_call>)."""
     from ..errors import GrammarError
-    from ..forced_tool_calls import tool_call_grammar
+    from ..tool_call_grammar import chosen_call_grammar, tool_call_grammar
 
     try:
-        return {"grammar": tool_call_grammar(tools, forced, prompt_opens_reasoning(prompt))}
+        if forced is not None:
+            return {"grammar": tool_call_grammar(tools, forced, prompt_opens_reasoning(prompt))}
+        if not tools or options.get("grammar") is not None or options.get("ignore_eos"):
+            return {}
+        return {"grammar": chosen_call_grammar(tools, parallel)}
     except (GrammarError, ValueError) as e:  # a parameter's schema llguidance cannot read, a name the form cannot carry
         raise bad_request(f"'tools': {e}", "tools", "invalid_value") from None
 

@@ -1,23 +1,32 @@
-"""Forced tool calls (deltaspec.forced_tool_calls): tool_choice "required" / a named function
-(OpenAI chat and Responses), {"type": "any"} / {"type": "tool"} (Anthropic) make the reply a call.
+"""Tool-call grammars (deltaspec.tool_call_grammar): a forced call (tool_choice "required" / a named
+function in OpenAI chat and Responses, Anthropic's {"type": "any"} / {"type": "tool"}) makes the
+reply a call; with tool_choice "auto" the calls the model chooses to make are held to the tools
+from its first <tool_call> (llama-server's lazy grammar; deltaspec.lazy_grammar).
 
 The claims: the grammar accepts exactly the calls the model's own chat template writes (an
 assistant message's tool_calls rendered by Qwen3.5's template from the pinned llama.cpp tree: the
-reference for the form), with the reasoning block before them when the prompt opened one, and
-refuses a call of another function than the named one, a missing required parameter, a value
-outside its schema, text before the call, a second call where parallel calls are off; end to end
-on the tiny real-vocabulary model (random weights, which left alone never write a call: checked),
-every seed's reply is a call whose arguments validate against the tool's schema (jsonschema), with
-finish_reason "tool_calls"; a reasoning budget still closes the block before the call; the three
-server routes answer with the call, and refuse a forced call without tools, of an unknown
+reference for the form), parameters in any order, with the reasoning block before them when the
+prompt opened one, and refuses a call of another function than the named one, a missing required
+parameter, a value outside its schema, text before a forced call, a second call where parallel
+calls are off; end to end on the tiny real-vocabulary model (random weights, which left alone never
+write a call: checked), every seed's forced reply is a call whose arguments validate against the
+tool's schema (jsonschema), with finish_reason "tool_calls"; a reasoning budget still closes the
+block before the call; the lazy grammar leaves the rows before <tool_call> free (all ones, not
+masked, so they keep the device's argmax / top rows) and masks the ones after it as the grammar
+does, also across drafts (chains, trees, prompt lookup: plain greedy's tokens); a model pushed to
+open a call (a logit bias) then writes a valid one, where alone it writes none that parses; the
+three server routes answer with the call, and refuse a forced call without tools, of an unknown
 function, or beside a response format.
 
 Seen red: with tool_call_grammar ignoring the named function (every tool allowed), the named test
 failed (a call of get_weather); with `parallel` ignored, the single-call test failed (two calls
 accepted); with BothConstraints leaving the budget's mask out (the grammar alone), the budget test
 failed (the reasoning ran to max_tokens, no call); with BothConstraints giving the budget no drafts
-(its verify rows masked with the state before them), the speculation test failed; with the server routes dropping the forced
-grammar (forced_call_grammar returning {}), the server test failed (no call: text).
+(its verify rows masked with the state before them), the speculation test failed; with the server
+routes dropping the forced grammar, the server test failed (no call: text). The lazy grammar:
+with allows_every_token always True, and with the trigger never starting the grammar, the chosen
+call test failed (no valid call); with the rows after a drafted trigger shifted by one, the unit
+and speculation tests failed; with the chat route attaching no lazy grammar, the server test failed.
 """
 
 from __future__ import annotations
@@ -26,7 +35,9 @@ import json
 
 import pytest
 
-from deltaspec.forced_tool_calls import ForcedToolCall, openai_tool_choice, tool_call_grammar
+import numpy as np
+
+from deltaspec.tool_call_grammar import ForcedToolCall, chosen_call_grammar, openai_tool_choice, tool_call_grammar
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -180,10 +191,86 @@ def test_speculation_and_batches_give_the_same_call(model, chat_gguf):
             r = model.generate(prompt, **ask, **spec)
             assert r.tokens == want.tokens, spec
             assert r.stats.n_drafted > 0, spec
+        # the lazy grammar: drafts cross the trigger (free rows, then the call's)
+        no_think = apply_chat_template(model, MESSAGES, tools=TOOLS, enable_thinking=False)
+        lazy = dict(max_tokens=160, temperature=0, grammar=chosen_call_grammar(TOOLS, parallel=False),
+                    logit_bias={_trigger(model): 12})
+        want_lazy = model.generate(no_think, **lazy)
+        assert want_lazy.finish_reason == "stop" and want_lazy.tokens.index(_trigger(model)) > 0
+        for spec in (dict(draft_model=draft, draft_n_max=6), dict(draft_model=draft, draft_n_max=6, tree_budget=10),
+                     dict(spec_type="ngram-simple", draft_n_max=8)):
+            r = model.generate(no_think, **lazy, **spec)
+            assert r.tokens == want_lazy.tokens, spec
+            assert r.stats.n_drafted > 0, spec
     plain = model.generate(prompt, max_tokens=160, temperature=0, grammar=Grammar.json_object())
     batch = model.generate_batch([prompt, prompt], per_prompt=[ask, {"grammar": Grammar.json_object()}],
                                  max_tokens=160, temperature=0)
     assert batch[0].tokens == want.tokens and batch[1].tokens == plain.tokens
+
+
+# --- the calls the model chooses to make (tool_choice "auto": the lazy grammar) ------------------
+
+def _trigger(model) -> int:
+    [tool_call] = model.tokenize("<tool_call>", special=True)
+    return tool_call
+
+
+def test_the_lazy_grammar_is_free_until_the_call(model):
+    """LazyGrammarConstraint against the grammar it wraps: rows up to the trigger's are all ones
+    (and say so), the rows after it are a fresh matcher's, drafts are cut where the grammar cuts them."""
+    from deltaspec.constraint import GrammarConstraint
+    from deltaspec.lazy_grammar import LazyGrammarConstraint
+    from deltaspec.tool_call_grammar import chosen_call_grammar
+
+    grammar = chosen_call_grammar(TOOLS, parallel=False)
+    call = _rendered_calls(model, [("add", {"a": 4, "b": 50})])
+    text = model.tokenize("Let me add them.\n", special=True)
+    ids = model.tokenize(call, special=True)
+    assert ids[0] == _trigger(model)
+    lazy, plain = LazyGrammarConstraint(model.tokenizer, grammar), GrammarConstraint(model.tokenizer, grammar)
+    words = (model.n_vocab + 31) // 32
+    drafts = text + ids
+    masks = np.zeros((len(drafts) + 1, words), dtype=np.uint32)
+    lazy.fill_masks(masks, drafts)
+    want = np.zeros((len(ids) + 1, words), dtype=np.uint32)
+    plain.fill_masks(want, ids)
+    assert (masks[:len(text) + 1] == 0xFFFFFFFF).all()  # the text's rows and the trigger's own
+    assert (masks[len(text) + 1:] == want[1:]).all()
+    assert lazy.check_draft(drafts) == len(drafts)
+    wrong = model.tokenize(call.replace("<function=add>", "<function=sub>"), special=True)
+    cut = next(i for i, (a, b) in enumerate(zip(ids, wrong)) if a != b)
+    assert lazy.check_draft(text + wrong) == len(text) + cut
+    for t in text:
+        assert lazy.allows_every_token()
+        lazy.commit(t)
+    for t in ids:
+        lazy.commit(t)
+        assert not lazy.allows_every_token()
+    assert lazy.is_accepting
+
+
+def test_a_chosen_call_is_held_to_the_tools(model):
+    """A bias on <tool_call> makes the random model open a call after some text; from there the lazy
+    grammar holds it: every reply has its text as content and a valid call, and only the rows
+    after <tool_call> were masked. The same text without the grammar (generate() on the prompt)
+    has no call that parses."""
+    from deltaspec.completions import apply_chat_template
+    from deltaspec.tool_calls import parse_tool_calls
+
+    prompt = apply_chat_template(model, MESSAGES, tools=TOOLS, enable_thinking=False)
+    for bias, seed in ((10, 0), (10, 2), (12, 1), (15, 3)):
+        ask = dict(tools=TOOLS, parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=200,
+                   enable_thinking=False, logit_bias={_trigger(model): bias})
+        out = model.create_chat_completion(MESSAGES, **ask)
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"], (bias, choice)
+        _check_calls(choice["message"]["tool_calls"])
+        alone = model.generate(prompt, max_tokens=200, temperature=1.0, seed=seed, logit_bias={_trigger(model): bias})
+        assert "<tool_call>" in alone.text and parse_tool_calls(alone.text, TOOLS)[1] == [], bias
+    r = model.generate(prompt, max_tokens=200, temperature=0, logit_bias={_trigger(model): 12},
+                       grammar=chosen_call_grammar(TOOLS, parallel=False))
+    n_text = r.tokens.index(_trigger(model))
+    assert n_text > 0 and r.stats.grammar_masked_rows == len(r.tokens) - n_text - 1  # the rows after it alone
 
 
 def test_bad_choices(model):
@@ -203,7 +290,7 @@ def test_bad_choices(model):
         tool_call_grammar(bad_name, ForcedToolCall(), thinking_open=False)
 
 
-def test_server_routes_make_the_call(chat_gguf):
+def test_server_routes_make_the_call(chat_gguf, model):
     pytest.importorskip("starlette")
     from test_server import ServerProcess, post
 
@@ -216,6 +303,14 @@ def test_server_routes_make_the_call(chat_gguf):
                                                     "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0,
                                                     "chat_template_kwargs": {"enable_thinking": False}})
         assert status == 200 and chat["choices"][0]["finish_reason"] == "tool_calls", chat
+        _check_calls(chat["choices"][0]["message"]["tool_calls"])
+        # tool_choice auto: the model opens the call (a bias on <tool_call>), the lazy grammar holds it
+        status, chat = ask("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "parallel_tool_calls": False,
+                                                    "max_tokens": 200, "temperature": 0,
+                                                    "logit_bias": {str(_trigger(model)): 12},
+                                                    "chat_template_kwargs": {"enable_thinking": False}})
+        assert status == 200 and chat["choices"][0]["finish_reason"] == "tool_calls", chat
+        assert chat["choices"][0]["message"]["content"]
         _check_calls(chat["choices"][0]["message"]["tool_calls"])
 
         anthropic_tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]

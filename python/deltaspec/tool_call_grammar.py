@@ -1,19 +1,23 @@
-"""A tool call the reply must make: tool_choice "required" (OpenAI), a named function, Anthropic's
-{"type": "any"} / {"type": "tool", "name": ...}, enforced as a grammar while decoding.
+"""Grammars of Qwen3.5's tool calls over a request's tools (the XML form its chat template teaches,
+deltaspec.tool_calls), enforced while decoding:
 
-The grammar is Qwen3.5's tool-call form (deltaspec.tool_calls, the XML its chat template teaches)
-over the request's tools: after the reasoning block (when the prompt left one open: its text is
-free until </think>), at most two newlines, then one call, or with parallel calls one or more
-separated by at most two newlines, then the end of the reply. Each call names one of the allowed
-functions and writes its parameters in the order the schema declares them: every required one,
-then any of the optional ones, each once; a string parameter's value is free text (an `enum` of
-strings: one of its values), any other is JSON that the parameter's schema constrains (llguidance,
-leniently: a schema keyword it does not implement is ignored rather than refused).
+- a call the reply must make (`tool_call_grammar`): tool_choice "required" (OpenAI), a named
+  function, Anthropic's {"type": "any"} / {"type": "tool", "name": ...}: after the reasoning block
+  (when the prompt left one open: its text is free until </think>), at most two newlines, then one
+  call, or with parallel calls one or more separated by at most two newlines, then the end;
+- the calls the model chooses to make (`chosen_call_grammar`, tool_choice "auto"), as llama.cpp's
+  lazy grammar: nothing is constrained until the model writes <tool_call>; from there the calls
+  and the end of the reply are.
+
+Each call names one of the allowed functions and writes its parameters each once, every required
+one, in any order; a string parameter's value is free text (an `enum` of strings: one of its
+values), any other is JSON that the parameter's schema constrains (llguidance, leniently: a schema
+keyword it does not implement is ignored rather than refused).
 
 llama.cpp's tool_choice "required" allows free text before the calls (and only forbids ending
 without one), which a model can fill until max_tokens; here the calls come first, so a forced
 request always gets its call. Anthropic's route turns {"type": "tool"} into "required" there; here
-it is the named tool.
+it is the named tool. llama.cpp lets an optional parameter come more than once; here it comes once.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .grammar import JSON_DEFAULTS, Grammar
+from .tool_calls import OPEN
 
 # the text around a call, as the chat template writes calls in the conversation's history
 _FUNCTION_CLOSE = "</function>\n"
@@ -93,22 +98,48 @@ def _value_rules(rule: str, schema: Any, defs: Mapping[str, Any]) -> list[str]:
     return [f"{rule}: {rule}_json {_lit(_PARAMETER_CLOSE)}", f"{rule}_json: %json {json.dumps(sub)}"]
 
 
+# parameters a call may write in any order are tracked as bits of a parametric rule (llguidance's
+# 64-bit rule parameter); a function with more is held to its schema's order instead
+_MAX_ANY_ORDER = 64
+
+
 def _function_rules(rule: str, name: str, params: Mapping[str, Any]) -> list[str]:
+    """Rules for a call of one function, named `rule`: its parameters each once, the required ones
+    all, in any order (as llama.cpp's grammar takes them: the model does not always keep the
+    schema's order)."""
     props = params.get("properties") or {}
     required = [p for p in params.get("required") or [] if p in props]
-    optional = [p for p in props if p not in required]
+    ordered = required + [p for p in props if p not in required]
     defs = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), Mapping)}
-    rules, body = [], [_lit(f"<function={name}>\n")]
-    for j, p in enumerate(required + optional):
+    rules = []
+    for j, p in enumerate(ordered):
         if not isinstance(p, str) or any(c in p for c in "<>\n"):
             raise ValueError(f"function {name}: parameter name {p!r:.80} has '<', '>' or a newline, which its call's "
                              "form cannot carry")
         value = f"{rule}_v{j}"
         rules.append(f"{rule}_p{j}: {_lit(f'<parameter={p}>' + chr(10))} {value}")
         rules += _value_rules(value, props[p], defs)
-        body.append(f"{rule}_p{j}" + ("?" if p in optional else ""))
-    body.append(_lit(_FUNCTION_CLOSE))
-    return [f"{rule}: " + " ".join(body)] + rules
+    head, tail = _lit(f"<function={name}>\n"), _lit(_FUNCTION_CLOSE)
+    if len(ordered) > _MAX_ANY_ORDER:  # the required in order, then each optional one or none
+        body = [f"{rule}_p{j}" + ("?" if j >= len(required) else "") for j in range(len(ordered))]
+        return [f"{rule}: " + " ".join([head, *body, tail])] + rules
+    # args::bits: bit j set once parameter j is written; the required ones hold bits 0 .. r-1
+    done = f"is_ones([0:{len(required)}])" if required else "true"
+    args = [f'{rule}_args::_ : "" %if {done}'] + [f"    | {rule}_p{j} {rule}_args::set_bit({j}) %if bit_clear({j})"
+                                                 for j in range(len(ordered))]
+    return [f"{rule}: {head} {rule}_args::0x0 {tail}", "\n".join(args)] + rules
+
+
+def _call_rules(tools: Sequence[Mapping[str, Any]], choice: ForcedToolCall) -> list[str]:
+    """`calls`: one call, or with parallel calls one or more (at most two newlines between them),
+    each of a function `choice` allows."""
+    lines = ["GAP: /\\n{0,2}/", "calls: call (GAP call)*" if choice.parallel else "calls: call"]
+    names = []
+    for i, (name, params) in enumerate(_functions(tools)):
+        if choice.name is None or name == choice.name:
+            names.append(f"fn{i}")
+            lines += _function_rules(f"fn{i}", name, params)
+    return lines + ["call: <tool_call> \"\\n\" (" + " | ".join(names) + ") </tool_call>"]
 
 
 def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: ForcedToolCall, thinking_open: bool) -> Grammar:
@@ -117,18 +148,23 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: ForcedToolCall
     forced_tool_call(choice, tools)
     lines = ["%llguidance {}",
              "start: " + ("REASONING </think> " if thinking_open else "") + "GAP calls",
-             "REASONING: /(?s:.*)/",
-             "GAP: /\\n{0,2}/",
-             "calls: call (GAP call)*" if choice.parallel else "calls: call"]
-    names = []
-    for i, (name, params) in enumerate(_functions(tools)):
-        if choice.name is None or name == choice.name:
-            names.append(f"fn{i}")
-            lines += _function_rules(f"fn{i}", name, params)
-    lines.insert(4, "call: <tool_call> \"\\n\" (" + " | ".join(names) + ") </tool_call>")
+             "REASONING: /(?s:.*)/"] + _call_rules(tools, choice)
     grammar = Grammar.from_lark("\n".join(lines) + "\n")
     # a reasoning budget may close the block: the grammar lets the reasoning be any text
     return Grammar(grammar.spec, "tool-call grammar", free_reasoning=thinking_open)
+
+
+def chosen_call_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> Grammar:
+    """The grammar of the calls a reply makes when the model chooses to (tool_choice "auto"), as
+    llama.cpp's lazy grammar: it starts at the model's first <tool_call> (until then every token is
+    allowed: deltaspec.lazy_grammar) and holds the call(s), and the end of the reply after them, to
+    the tools' form and schemas."""
+    if not _functions(tools):
+        raise ValueError("a tool-call grammar needs tools")
+    lines = ["%llguidance {}", "start: calls"] + _call_rules(tools, ForcedToolCall(None, parallel))
+    grammar = Grammar.from_lark("\n".join(lines) + "\n")
+    # free until the call: a reasoning budget applies as without it
+    return Grammar(grammar.spec, "tool-call grammar", free_reasoning=True, after_token=OPEN)
 
 
 def openai_tool_choice(choice: Any, parallel: Any = True) -> str | ForcedToolCall:
