@@ -22,6 +22,7 @@ it is the named tool. llama.cpp lets an optional parameter come more than once; 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -149,9 +150,8 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: ForcedToolCall
     lines = ["%llguidance {}",
              "start: " + ("REASONING </think> " if thinking_open else "") + "GAP calls",
              "REASONING: /(?s:.*)/"] + _call_rules(tools, choice)
-    grammar = Grammar.from_lark("\n".join(lines) + "\n")
     # a reasoning budget may close the block: the grammar lets the reasoning be any text
-    return Grammar(grammar.spec, "tool-call grammar", free_reasoning=thinking_open)
+    return _compiled("\n".join(lines) + "\n", thinking_open, None)
 
 
 def chosen_call_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> Grammar:
@@ -162,9 +162,15 @@ def chosen_call_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool = Tru
     if not _functions(tools):
         raise ValueError("a tool-call grammar needs tools")
     lines = ["%llguidance {}", "start: calls"] + _call_rules(tools, ForcedToolCall(None, parallel))
-    grammar = Grammar.from_lark("\n".join(lines) + "\n")
     # free until the call: a reasoning budget applies as without it
-    return Grammar(grammar.spec, "tool-call grammar", free_reasoning=True, after_token=OPEN)
+    return _compiled("\n".join(lines) + "\n", True, OPEN)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(lark: str, free_reasoning: bool, after_token: str | None) -> Grammar:
+    """The Grammar of a Lark text, compiled once: an agent sends the same tools with every request,
+    and compiling a few dozen of them takes llguidance tens of milliseconds."""
+    return Grammar(Grammar.from_lark(lark).spec, "tool-call grammar", free_reasoning, after_token)
 
 
 def openai_tool_choice(choice: Any, parallel: Any = True) -> str | ForcedToolCall:
