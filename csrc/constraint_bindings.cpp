@@ -46,10 +46,10 @@ class PyTokenConstraint : public TokenConstraint {
         const py::function f = py::get_override(static_cast<const TokenConstraint *>(this), "forced_tokens");
         return f ? f().cast<std::vector<int32_t>>() : std::vector<int32_t>{};
     }
-    bool allows_every_token() override {
+    bool allows_every_token(const std::vector<int32_t> & along) override {
         py::gil_scoped_acquire gil;
         const py::function f = py::get_override(static_cast<const TokenConstraint *>(this), "allows_every_token");
-        return f ? f().cast<bool>() : false;
+        return f ? f(along).cast<bool>() : false;
     }
 
   private:
@@ -79,12 +79,13 @@ void bind_token_constraint(py::module_ & m) {
     py::class_<TokenConstraint, PyTokenConstraint>(m, "TokenConstraint",
         "Base class of a rule on which tokens may come next (a grammar), for generate(constraint=...). "
         "Subclasses implement fill_masks(masks, drafts), commit(token), check_draft(tokens) -> int and "
-        "optionally forced_tokens() -> list and allows_every_token() -> bool; "
+        "optionally forced_tokens() -> list and allows_every_token(along) -> bool; "
         "the decode loops call them without holding the GIL otherwise.")
         .def(py::init<>())
-        .def("allows_every_token", &TokenConstraint::allows_every_token,
-             "Whether every token is allowed after the committed ones (the base class: False, unsure); a "
-             "subclass that knows may say True, and its decode row then skips the mask.")
+        .def("allows_every_token", &TokenConstraint::allows_every_token, py::arg("along") = std::vector<int32_t>{},
+             "Whether every token is allowed at every row after the committed tokens and a prefix of any path "
+             "through `along` (drafts; a tree's nodes as a set) (the base class: False, unsure); a subclass "
+             "that knows may say True, and those rows then skip the mask.")
         .def_readonly("n_masked_rows", &TokenConstraint::n_masked_rows, "Logit rows masked so far.")
         .def_readonly("n_cut_tokens", &TokenConstraint::n_cut_tokens,
                       "Draft tokens cut before verification so far (speculative decoding).")

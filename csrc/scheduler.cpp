@@ -28,8 +28,10 @@ bool needs_logits(const GenerateRequest & req, bool masked) {
     return !req.sampling.argmax_only() || req.n_logprobs >= 0 || masked;
 }
 
-bool masks_next_row(const GenerateRequest & req) {
-    return req.constraint != nullptr && !req.constraint->allows_every_token();
+bool masks_next_row(const GenerateRequest & req) { return masks_rows_along(req, {}); }
+
+bool masks_rows_along(const GenerateRequest & req, const std::vector<int32_t> & along) {
+    return req.constraint != nullptr && !req.constraint->allows_every_token(along);
 }
 
 Sequence::Sequence(int64_t id_, GenerateRequest request, const PieceTable & pieces)
@@ -406,14 +408,6 @@ int32_t Scheduler::choose(Sequence & s, float * row, int64_t n_vocab) {
                                                        : s.sampler.sample(row, n_vocab, s.history);
     record_logprobs(s.req, keep_raw ? raw_.data() : row, n_vocab, token, s.res);
     return token;
-}
-
-bool Scheduler::top_rows_serve_all() const {
-    if (!engine_.top_rows_enabled()) return false;
-    for (const auto & s : running_) {
-        if (!top_rows_serve(s->req, engine_.top_k())) return false;
-    }
-    return true;
 }
 
 void Scheduler::decode_running(std::vector<StepEvent> & events) {

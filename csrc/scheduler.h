@@ -59,6 +59,8 @@ bool needs_logits(const GenerateRequest & req, bool masked);
 // Whether the request's next row (the one after its committed tokens) is masked by its constraint:
 // it has one, and that one does not allow every token there (TokenConstraint::allows_every_token)
 bool masks_next_row(const GenerateRequest & req);
+// the same for the rows of a verify over `along` (a chain's drafts or a tree's nodes)
+bool masks_rows_along(const GenerateRequest & req, const std::vector<int32_t> & along);
 
 struct Sequence {
     explicit Sequence(int64_t id, GenerateRequest request, const PieceTable & pieces);
@@ -215,8 +217,6 @@ class Scheduler {
     // the token after a logits row: masked by the request's grammar, then argmax or sampled
     // (and its logprobs recorded when asked for)
     int32_t choose(Sequence & s, float * row, int64_t n_vocab);
-    // whether every sequence's token can come from its row's top candidates (top_rows.h)
-    bool top_rows_serve_all() const;
     // commits a sampled token; false when the sequence is done
     bool commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx = true);
     // scheduler_spec.cpp: when a running sequence drafts this step, one verify pass over every

@@ -231,7 +231,12 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     const int64_t N = n_decoding();
     rows_.clear();
     std::vector<int64_t> first_row(N + 1);
-    bool all_argmax = true;
+    // where every sequence's sampler and logprobs are decided by its rows' top candidates, those
+    // cross over instead of whole rows (top_rows.h), as generate_speculative's verify takes them; a
+    // constraint that allows every token along the drafts (a reasoning budget far from its end, a
+    // lazy grammar whose trigger is not drafted) leaves them as free as none
+    std::vector<uint8_t> masked(N);
+    bool all_argmax = true, all_top = engine_.top_rows_enabled();
     for (int64_t i = 0; i < N; ++i) {
         const Sequence & s = *running_[i];
         first_row[i] = rows_.size();
@@ -243,14 +248,13 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         for (int64_t n = 0; n < s.tree.size(); ++n) {  // node n: row 1 + n of the slot, its parent's row after the root
             rows_.add(s.tree.token[n], p0 + s.tree.depth[n], (int32_t)s.slot, (int32_t)(first_row[i] + 1 + s.tree.parent[n]));
         }
-        all_argmax = all_argmax && !needs_logits(s.req);
+        masked[i] = masks_rows_along(s.req, s.tree.empty() ? s.draft.tokens : s.tree.token);
+        all_argmax = all_argmax && !needs_logits(s.req, masked[i]);
+        all_top = all_top && top_rows_serve(s.req, engine_.top_k(), masked[i]);
     }
     first_row[N] = rows_.size();
     const int64_t R = rows_.size();
-
-    // where every sequence's sampler and logprobs are decided by its rows' top candidates, those
-    // cross over instead of whole rows (top_rows.h), as generate_speculative's verify takes them
-    const bool all_top = !all_argmax && top_rows_serve_all();
+    all_top = all_top && !all_argmax;
     const int64_t W = engine_.top_row_words();
     const auto tv = Clock::now();
     if (all_argmax) {
@@ -288,7 +292,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         }
         const size_t before = s.history.size();  // the accept rules append the accepted drafts; commit() does
         const int64_t T = first_row[i + 1] - r0;
-        if (TokenConstraint * grammar = s.req.constraint) {
+        if (TokenConstraint * grammar = masked[i] ? s.req.constraint : nullptr) {
             // each row masked with the grammar's state after its path, as generate_speculative masks
             // them; logprobs are those of the raw rows
             if (s.req.n_logprobs >= 0) unmasked[i].assign(logits, logits + T * n_vocab);

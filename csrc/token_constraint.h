@@ -48,10 +48,12 @@ class TokenConstraint {
     virtual int64_t check_draft(const std::vector<int32_t> & tokens) = 0;
     // Tokens the rule forces after the committed ones (the only way on), for GrammarDrafter; may be empty.
     virtual std::vector<int32_t> forced_tokens() { return {}; }
-    // Whether every token is allowed after the committed ones (a reasoning budget that has not run
-    // out): a decode row is then as free as an unconstrained one's, so it may take the device's
-    // argmax or top rows instead of crossing over whole to be masked. False when unsure.
-    virtual bool allows_every_token() { return false; }
+    // Whether every token is allowed at every row after the committed tokens followed by a prefix of
+    // any path through `along` (empty: the next row alone; a chain's drafts; a draft tree's nodes,
+    // which a rule may judge as a set): a reasoning budget that has not run out, a lazy grammar before
+    // its trigger. Such rows are as free as an unconstrained request's, so they may take the
+    // device's argmax or top rows instead of crossing over whole to be masked. False when unsure.
+    virtual bool allows_every_token(const std::vector<int32_t> & along) { (void)along; return false; }
 
     // Masks one row of logits with the tokens allowed after the committed ones.
     void mask_row(float * logits, int64_t n_vocab);

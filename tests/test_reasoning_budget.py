@@ -21,7 +21,9 @@ tests/test_server_peer.py checks the same budgets against llama-server's.
 
 Seen red with the budget's countdown patched to skip the prompt's tokens (the block one token
 longer), with forced_tokens() patched to return nothing (no forced end drafted), and with the
-UTF-8 wait patched out (forcing at once).
+UTF-8 wait patched out (forcing at once). The scheduler's verify with free rows: seen red with
+allows_every_token ignoring the drafts (rows past the budget's end left unmasked: other tokens)
+and answering False for any drafts (every verified row masked).
 """
 
 from __future__ import annotations
@@ -91,6 +93,19 @@ def test_speculation_and_batches_give_the_same_reply(model, prompt, chat_gguf):
             assert r.stats.n_drafted > 0, spec
             if "spec_type" in spec:  # prompt lookup has nothing to draft there: the budget's end is the draft
                 assert r.stats.grammar_forced_tokens >= 1
+        # the scheduler's verify (generate_batch, the server): rows the budget leaves free along the
+        # drafts take the device's argmax; with a budget far from the drafts (20) only the forced
+        # end's rows are masked, fewer than the rows verified
+        for spec in (dict(draft_model=draft, draft_n_max=8), dict(draft_model=draft, draft_n_max=8, tree_budget=12),
+                     dict(spec_type="ngram-simple", draft_n_max=8)):
+            for budget in (6, 20):
+                one = model.generate(prompt, max_tokens=40, temperature=0, reasoning_budget=budget)
+                [r] = model.generate_batch([prompt], max_tokens=40, temperature=0, reasoning_budget=budget, **spec)
+                assert r.tokens == one.tokens, (spec, budget)
+                verified = r.stats.n_drafted + len(r.stats.accepted_lengths)
+                assert r.stats.n_drafted > 0, (spec, budget)
+                if budget == 20 and "draft_model" in spec:
+                    assert r.stats.grammar_masked_rows == 2 < verified, (spec, r.stats)
     batch = model.generate_batch([prompt, prompt], per_prompt=[{"reasoning_budget": 6}, {"reasoning_budget": 3}],
                                  max_tokens=MAX_TOKENS, temperature=0)
     assert batch[0].tokens == want.tokens

@@ -26,7 +26,8 @@ failed (the reasoning ran to max_tokens, no call); with BothConstraints giving t
 routes dropping the forced grammar, the server test failed (no call: text). The lazy grammar:
 with allows_every_token always True, and with the trigger never starting the grammar, the chosen
 call test failed (no valid call); with the rows after a drafted trigger shifted by one, the unit
-and speculation tests failed; with the chat route attaching no lazy grammar, the server test failed.
+and speculation tests failed; with the drafts ignored (a drafted trigger's rows left free), the
+speculation test failed; with the chat route attaching no lazy grammar, the server test failed.
 """
 
 from __future__ import annotations
@@ -202,6 +203,11 @@ def test_speculation_and_batches_give_the_same_call(model, chat_gguf):
             r = model.generate(no_think, **lazy, **spec)
             assert r.tokens == want_lazy.tokens, spec
             assert r.stats.n_drafted > 0, spec
+            # the scheduler's verify (generate_batch, the server), same rounds: rows along drafts
+            # without the trigger are left free, where generate()'s loop masks every row
+            [b] = model.generate_batch([no_think], **lazy, **spec)
+            assert b.tokens == want_lazy.tokens and b.stats.accepted_lengths == r.stats.accepted_lengths, spec
+            assert b.stats.grammar_masked_rows < r.stats.grammar_masked_rows, spec
     plain = model.generate(prompt, max_tokens=160, temperature=0, grammar=Grammar.json_object())
     batch = model.generate_batch([prompt, prompt], per_prompt=[ask, {"grammar": Grammar.json_object()}],
                                  max_tokens=160, temperature=0)

@@ -36,8 +36,8 @@ class BothConstraints(_core.TokenConstraint):
         n = self.first.check_draft(tokens)
         return self.second.check_draft(list(tokens)[:n]) if n else 0
 
-    def allows_every_token(self) -> bool:
-        return self.first.allows_every_token() and self.second.allows_every_token()
+    def allows_every_token(self, along=()) -> bool:
+        return self.first.allows_every_token(along) and self.second.allows_every_token(along)
 
     def forced_tokens(self) -> list[int]:
         # the budget's forced end, when it forces one, else what the grammar forces (each allowed by

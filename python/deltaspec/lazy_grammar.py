@@ -67,8 +67,9 @@ class LazyGrammarConstraint(_core.TokenConstraint):
     def forced_tokens(self) -> list[int]:
         return self.active.forced_tokens() if self.active is not None else []
 
-    def allows_every_token(self) -> bool:
-        return self.active is None
+    def allows_every_token(self, along=()) -> bool:
+        # free until the trigger is committed, and along drafts that do not hold it
+        return self.active is None and self.trigger not in along
 
     @property
     def is_accepting(self) -> bool:

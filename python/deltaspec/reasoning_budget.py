@@ -152,9 +152,19 @@ class ReasoningBudget(_core.TokenConstraint):
     def forced_tokens(self) -> list[int]:
         return self.forced[self._state.forced_at:] if self._state.phase == FORCING else []
 
-    def allows_every_token(self) -> bool:
-        # until the budget runs out the rows are free: they take the device's argmax / top rows
-        return self._state.phase != FORCING
+    def allows_every_token(self, along=()) -> bool:
+        """Whether every row after the committed tokens and a prefix of any path through `along`
+        (drafts, or a tree's nodes) is free: until the budget runs out rows take the device's
+        argmax / top rows. Judged on `along` as a set, so that a tree's paths are covered: no tag
+        among them (which could open or end a block) and more budget left than tokens."""
+        s = self._state
+        if s.phase == FORCING:
+            return False
+        if not along:
+            return True  # waiting for a character's last byte allows every token too
+        if s.phase == WAITING_UTF8 or self._open_id in along or not self._ends.isdisjoint(along):
+            return False
+        return s.phase != COUNTING or s.remaining > len(along)
 
     @property
     def phase(self) -> str:
