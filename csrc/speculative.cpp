@@ -132,18 +132,25 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     std::vector<int32_t> history = req.prompt;  // prompt + every committed token
     std::vector<float> rows;
     std::vector<int32_t> argmax;
-    // greedy without penalties: the device returns argmax ids, no logits cross over (a grammar
-    // masks logits; log-probabilities read them)
+    // How a pass's rows cross over, decided for each pass: greedy without penalties, the device
+    // returns argmax ids, no logits cross over (a grammar masks logits; log-probabilities read
+    // them); a sampler that the rows' top candidates decide, those instead of whole rows
+    // (top_rows.h). A constraint that allows every token at the pass's rows (a reasoning budget far
+    // from its end, a lazy grammar before its trigger: TokenConstraint::allows_every_token) leaves
+    // them as free as none.
     const bool want_logprobs = req.n_logprobs >= 0;
-    const bool device_argmax = req.sampling.argmax_only() && !req.constraint && !want_logprobs;
-    // a sampler that the rows' top candidates decide: those cross over instead of whole rows (top_rows.h)
-    const bool top = !device_argmax && target.top_rows_enabled() && top_rows_serve(req, target.top_k());
-    const VerifyRead read = device_argmax ? VerifyRead::argmax : top ? VerifyRead::top : VerifyRead::logits;
+    bool masked = false, device_argmax = false, top = false, keep_unmasked = false;
+    VerifyRead read = VerifyRead::logits;
+    const auto read_rows_along = [&](const std::vector<int32_t> & along) {
+        masked = req.constraint != nullptr && !req.constraint->allows_every_token(along);
+        device_argmax = req.sampling.argmax_only() && !masked && !want_logprobs;
+        top = !device_argmax && target.top_rows_enabled() && top_rows_serve(req, target.top_k(), masked);
+        read = device_argmax ? VerifyRead::argmax : top ? VerifyRead::top : VerifyRead::logits;
+        keep_unmasked = want_logprobs && masked;  // log-probabilities are those of the raw logits
+    };
     const int64_t W = target.top_row_words();
     std::vector<int32_t> top_words;
-    // the rows before a grammar masked them: log-probabilities are those of the raw logits
-    std::vector<float> unmasked;
-    const bool keep_unmasked = want_logprobs && req.constraint;
+    std::vector<float> unmasked;  // the rows before a grammar masked them
     // the log-probabilities of `token`, predicted by row r of the last pass (logprobs.h)
     auto record_row = [&](int64_t r, int32_t token) {
         if (!want_logprobs) return;
@@ -171,7 +178,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         rows.resize(n_vocab);
         target.eval(tokens, n, LogitsWanted::last, rows.data());
         if (keep_unmasked) unmasked = rows;
-        if (req.constraint) req.constraint->mask_row(rows.data(), n_vocab);
+        if (masked) req.constraint->mask_row(rows.data(), n_vocab);
         const int32_t token = sampler.sample(rows.data(), n_vocab, history);
         record_row(0, token);
         return token;
@@ -179,6 +186,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
 
     auto t0 = Clock::now();
     target.reset();
+    read_rows_along({});
     int32_t next = step(req.prompt.data(), (int64_t)req.prompt.size());
     drafter.begin(req.prompt);
     res.prefill_seconds = seconds_since(t0);
@@ -233,6 +241,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         }
         stats.n_steps++;
 
+        read_rows_along(tree.empty() ? draft.tokens : tree.token);
         if (draft.tokens.empty() && tree.empty()) {  // a plain decode step: no per-token states to keep
             auto tv = Clock::now();
             next = step(&next, 1);
@@ -249,7 +258,8 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         if (!tree.empty()) {
             auto tv = Clock::now();
             const TreeWalk walk = verify_and_walk_tree(target, tree, next, read, sampler, history, spec.tree_rule,
-                                                       tree_bug, rows, top ? top_words : argmax, req.constraint,
+                                                       tree_bug, rows, top ? top_words : argmax,
+                                                       masked ? req.constraint : nullptr,
                                                        keep_unmasked ? &unmasked : nullptr);
             stats.verify_seconds += seconds_since(tv);
             auto tr = Clock::now();
@@ -280,7 +290,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
                 rows.resize(T * n_vocab);
                 target.eval_verify(batch.data(), T, rows.data());
                 if (keep_unmasked) unmasked = rows;
-                if (req.constraint) req.constraint->mask_verify_rows(draft, rows.data(), n_vocab);
+                if (masked) req.constraint->mask_verify_rows(draft, rows.data(), n_vocab);
             }
             stats.verify_seconds += seconds_since(tv);
             stats.n_drafted += (int64_t)draft.tokens.size();

@@ -93,15 +93,17 @@ def test_speculation_and_batches_give_the_same_reply(model, prompt, chat_gguf):
             assert r.stats.n_drafted > 0, spec
             if "spec_type" in spec:  # prompt lookup has nothing to draft there: the budget's end is the draft
                 assert r.stats.grammar_forced_tokens >= 1
-        # the scheduler's verify (generate_batch, the server): rows the budget leaves free along the
-        # drafts take the device's argmax; with a budget far from the drafts (20) only the forced
-        # end's rows are masked, fewer than the rows verified
+        # the scheduler's verify (generate_batch, the server) and generate()'s speculative loop: rows
+        # the budget leaves free along the drafts take the device's argmax; with a budget far from
+        # the drafts (20) only the forced end's rows are masked, fewer than the rows verified
         for spec in (dict(draft_model=draft, draft_n_max=8), dict(draft_model=draft, draft_n_max=8, tree_budget=12),
                      dict(spec_type="ngram-simple", draft_n_max=8)):
             for budget in (6, 20):
                 one = model.generate(prompt, max_tokens=40, temperature=0, reasoning_budget=budget)
                 [r] = model.generate_batch([prompt], max_tokens=40, temperature=0, reasoning_budget=budget, **spec)
-                assert r.tokens == one.tokens, (spec, budget)
+                alone = model.generate(prompt, max_tokens=40, temperature=0, reasoning_budget=budget, **spec)
+                assert r.tokens == one.tokens == alone.tokens, (spec, budget)
+                assert alone.stats.grammar_masked_rows == r.stats.grammar_masked_rows, (spec, budget)
                 verified = r.stats.n_drafted + len(r.stats.accepted_lengths)
                 assert r.stats.n_drafted > 0, (spec, budget)
                 if budget == 20 and "draft_model" in spec:

@@ -175,11 +175,12 @@ def test_a_reasoning_budget_closes_the_block_before_the_call(model):
     assert free["choices"][0]["finish_reason"] == "length" and not free["choices"][0]["message"].get("tool_calls")
 
 
-def test_speculation_and_batches_give_the_same_call(model, chat_gguf):
+def test_speculation_and_batches_give_the_same_call(model, chat_gguf, monkeypatch):
     """The grammar and the budget together (BothConstraints) under a draft model's chains and trees,
     prompt lookup (which drafts the forced text) and a batch: plain greedy's tokens."""
     from deltaspec import Model, Grammar
     from deltaspec.completions import apply_chat_template
+    from deltaspec.lazy_grammar import LazyGrammarConstraint
 
     prompt = apply_chat_template(model, MESSAGES, tools=TOOLS)
     grammar = tool_call_grammar(TOOLS, ForcedToolCall(parallel=False), thinking_open=True)
@@ -203,11 +204,17 @@ def test_speculation_and_batches_give_the_same_call(model, chat_gguf):
             r = model.generate(no_think, **lazy, **spec)
             assert r.tokens == want_lazy.tokens, spec
             assert r.stats.n_drafted > 0, spec
-            # the scheduler's verify (generate_batch, the server), same rounds: rows along drafts
-            # without the trigger are left free, where generate()'s loop masks every row
+            # the scheduler's verify (generate_batch, the server): the same rounds and rows
             [b] = model.generate_batch([no_think], **lazy, **spec)
             assert b.tokens == want_lazy.tokens and b.stats.accepted_lengths == r.stats.accepted_lengths, spec
-            assert b.stats.grammar_masked_rows < r.stats.grammar_masked_rows, spec
+            assert b.stats.grammar_masked_rows == r.stats.grammar_masked_rows, spec
+            # rows along drafts without the trigger were left free: with every row masked (the
+            # constraint never saying so), the same tokens and rounds, more rows masked
+            with monkeypatch.context() as patch:
+                patch.setattr(LazyGrammarConstraint, "allows_every_token", lambda self, along=(): False)
+                masked_all = model.generate(no_think, **lazy, **spec)
+            assert masked_all.tokens == r.tokens and masked_all.stats.accepted_lengths == r.stats.accepted_lengths
+            assert r.stats.grammar_masked_rows < masked_all.stats.grammar_masked_rows, spec
     plain = model.generate(prompt, max_tokens=160, temperature=0, grammar=Grammar.json_object())
     batch = model.generate_batch([prompt, prompt], per_prompt=[ask, {"grammar": Grammar.json_object()}],
                                  max_tokens=160, temperature=0)
