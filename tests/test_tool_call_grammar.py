@@ -110,6 +110,14 @@ def test_the_grammar_is_the_templates_call_form(model):
         assert not _allows(model, required, _rendered_calls(model, wrong)), wrong
     assert not _allows(model, required, "Sure.\n" + one)  # text before the call
     assert not _allows(model, required, "")               # no call at all
+    # past 64 parameters (the parametric rule's bits) the schema's order: required, then optional
+    wide = [{"type": "function", "function": {"name": "wide", "parameters": {"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(70)}, "required": ["p5"]}}}]
+    wide_grammar = tool_call_grammar(wide, ForcedToolCall(), thinking_open=False)
+    block = lambda *ps: ("<tool_call>\n<function=wide>\n" + "".join(f"<parameter={p}>\n1\n</parameter>\n" for p in ps)
+                         + "</function>\n</tool_call>")
+    assert _allows(model, wide_grammar, block("p5", "p0", "p69")) and not _allows(model, wide_grammar, block("p0", "p5"))
+    assert not _allows(model, wide_grammar, block("p0"))
     thinking = tool_call_grammar(TOOLS, ForcedToolCall(), thinking_open=True)
     assert thinking.free_reasoning and _allows(model, thinking, "Let me see: Paris.\n</think>\n\n" + one)
     assert not _allows(model, thinking, one)  # the open block is closed first

@@ -95,7 +95,8 @@ def _value_rules(rule: str, schema: Any, defs: Mapping[str, Any]) -> list[str]:
             return [f"{rule}: " + " | ".join(_lit(v + _PARAMETER_CLOSE) for v in enum)]
         # the shortest text that ends with the closing line: a value never holds it
         return [f"{rule}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/"]
-    sub = {**defs, **schema, "x-guidance": {**JSON_DEFAULTS, "lenient": True, **schema.get("x-guidance", {})}}
+    own = schema.get("x-guidance")
+    sub = {**defs, **schema, "x-guidance": {**JSON_DEFAULTS, "lenient": True, **(own if isinstance(own, Mapping) else {})}}
     return [f"{rule}: {rule}_json {_lit(_PARAMETER_CLOSE)}", f"{rule}_json: %json {json.dumps(sub)}"]
 
 
