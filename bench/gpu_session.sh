@@ -89,6 +89,10 @@
 #   layersplit: tests/test_gpu_layer_split.py (one model split by layers between cuda:0 and the CPU),
 #      then once under each of its planted bugs (DELTASPEC_TEST_SPLIT_BUG), each of which must fail
 #      -> gpu_layer_split.log
+#   constraints: what a constraint costs per token on the synthetic 27B (bench/constraint_cost.py):
+#      plain decode against a reasoning budget that never runs out and a tool-call grammar whose call
+#      never starts (rows free: the device's argmax / top rows) and a grammar masking every row,
+#      greedy and sampled, 1 and 16 sequences, interleaved -> constraint_cost.json
 #   hostsample: the host part of sampled verification at the 248K vocabulary on this machine's CPU
 #      (tree walk and chain accept per sampler, no GPU; bench/host_sampling_bench.py, ~1 min)
 #      -> host_sampling.json
@@ -97,7 +101,7 @@
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
 # steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant shapes
-#   dflash profile server server-spec tq tq-test toprows graphcache hostsample layersplit
+#   dflash profile server server-spec tq tq-test toprows graphcache hostsample layersplit constraints
 # (default: build test bench)
 set -euo pipefail
 steps=" ${*:-build test bench} "
@@ -187,7 +191,8 @@ REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step batchspec || has_step stock || has_step ab || has_step verify ||
         has_step tree || has_step profile || has_step server || has_step server-spec || has_step tq || has_step toprows ||
-        has_step dflash || has_step graphcache || has_step batchdflash || has_step batchspect || has_step invariant
+        has_step dflash || has_step graphcache || has_step batchdflash || has_step batchspect || has_step invariant ||
+        has_step constraints
 }
 if needs_model && [[ ! -f /tmp/q27.gguf ]]; then  # write the model while the tests run
     ( t0=$(date +%s); python3 -m deltaspec synth --preset 27b --quant q4_k_m /tmp/q27.gguf.part > "$OUT/synth.log" 2>&1 \
@@ -327,6 +332,10 @@ if has_step batch; then
     [[ -x $LLAMA_BUILD/bin/llama-batched-bench ]] && peer=(--batched-bench "$LLAMA_BUILD/bin/llama-batched-bench")
     python3 "$REPO/bench/batch_bench.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
         --out "$OUT/batch_bench.json" | tee "$OUT/batch_bench.md"
+fi
+if has_step constraints; then
+    python3 "$REPO/bench/constraint_cost.py" /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
+        --out "$OUT/constraint_cost.json" | tee "$OUT/constraint_cost.md"
 fi
 if has_step invariant; then
     python3 "$REPO/bench/batch_invariance.py" --device cuda --model /tmp/q27.gguf --drafter ngram --reps "${BENCH_REPS:-3}" \
