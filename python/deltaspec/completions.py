@@ -142,7 +142,7 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     if forced is not None:
         kwargs["grammar"] = tool_call_grammar(tools, forced, thinking_open)
     elif parsed_tools and kwargs.get("grammar") is None and not kwargs.get("ignore_eos"):
-        # the calls the model chooses to make, held to the tools from its first <tool_call> (llama-server's lazy grammar)
+        # the calls the model chooses to make, held to the tools from its first <tool_call>
         kwargs["grammar"] = chosen_call_grammar(parsed_tools, parallel_tool_calls)
     name = model.path
     if stream:

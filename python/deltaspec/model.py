@@ -457,8 +457,8 @@ class Model:
                              "end-of-generation token is allowed")
         if request.grammar is not None and request.reasoning_budget is not None and not request.grammar.free_reasoning:
             raise ValueError("reasoning_budget cannot be combined with a grammar (the grammar constrains the whole "
-                             "text, a <think> block included; a forced tool call's grammar, whose reasoning is "
-                             "free, is the exception)")
+                             "text, a <think> block included; the tool-call grammars, which leave the reasoning "
+                             "free, are the exception)")
 
     @staticmethod
     def _native_spec(request: _Request):

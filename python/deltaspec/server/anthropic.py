@@ -39,8 +39,8 @@ import uuid
 from typing import Any, Iterator
 
 from ..chat import prompt_opens_reasoning
-from ..tool_call_grammar import ForcedToolCall
 from ..generation import GenerationResult, validate_stop
+from ..tool_call_grammar import ForcedToolCall
 from .errors import APIError, bad_request
 from .native import stop_type
 from .planted import planted

@@ -33,8 +33,8 @@ import uuid
 from typing import Any, Iterator
 
 from ..chat import THINK_CLOSE, prompt_opens_reasoning
-from ..tool_call_grammar import ForcedToolCall
 from ..generation import GenerationResult
+from ..tool_call_grammar import ForcedToolCall
 from .errors import bad_request
 from .planted import planted
 from .reply_blocks import ReplyBlocks
