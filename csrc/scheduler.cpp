@@ -22,8 +22,6 @@ int32_t first_argmax(const float * row, int64_t n) {
     return (int32_t)(std::max_element(row, row + n) - row);
 }
 
-bool needs_logits(const GenerateRequest & req) { return needs_logits(req, req.constraint != nullptr); }
-
 bool needs_logits(const GenerateRequest & req, bool masked) {
     return !req.sampling.argmax_only() || req.n_logprobs >= 0 || masked;
 }

@@ -51,10 +51,9 @@ struct SeqSpec {
 // The first maximum, as ggml's argmax picks it: a greedy sequence in a batch that also samples
 // gets the token the device's argmax would have given it.
 int32_t first_argmax(const float * row, int64_t n);
-// Whether the sequence must see its logits rather than the device's argmax: it samples, asked for
-// log-probabilities, or has a grammar (which masks the logits, so greedy under one needs them too).
-bool needs_logits(const GenerateRequest & req);
-// the same for a row whose constraint masks it (`masked`) or does not (see masks_next_row)
+// Whether the sequence must see a row's logits rather than the device's argmax: it samples, asked
+// for log-probabilities, or its constraint masks that row (`masked`, see masks_next_row: a mask
+// needs the logits, so greedy under one needs them too).
 bool needs_logits(const GenerateRequest & req, bool masked);
 // Whether the request's next row (the one after its committed tokens) is masked by its constraint:
 // it has one, and that one does not allow every token there (TokenConstraint::allows_every_token)

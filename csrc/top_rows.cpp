@@ -4,8 +4,6 @@
 
 namespace deltaspec {
 
-bool top_rows_serve(const GenerateRequest & req, int64_t k) { return top_rows_serve(req, k, req.constraint != nullptr); }
-
 bool top_rows_serve(const GenerateRequest & req, int64_t k, bool masked) {
     return !masked && req.sampling.top_serves(k) && req.n_logprobs <= k;
 }

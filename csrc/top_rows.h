@@ -30,12 +30,11 @@ inline TopRow top_row(const int32_t * words, int64_t k) {
     return r;
 }
 
-// Whether a request's token and log-probabilities can come from top rows of k candidates: no
-// grammar (its mask needs every token's logit), a sampler they decide (SamplingParams::top_serves: no
-// penalties or logit bias, greedy or top_k <= k), and at most k top log-probabilities.
-bool top_rows_serve(const GenerateRequest & req, int64_t k);
-// the same for a row whose constraint masks it (`masked`) or does not (no constraint, or one that
-// allows every token at that row: TokenConstraint::allows_every_token)
+// Whether a request's token and log-probabilities can come from top rows of k candidates: a row its
+// constraint does not mask (`masked` false: no constraint, or one that allows every token there,
+// TokenConstraint::allows_every_token; a mask needs every token's logit), a sampler they decide
+// (SamplingParams::top_serves: no penalties or logit bias, greedy or top_k <= k), and at most k top
+// log-probabilities.
 bool top_rows_serve(const GenerateRequest & req, int64_t k, bool masked);
 
 // The sequence's next token from a top row (greedy: the first candidate, the row's first maximum;
