@@ -93,6 +93,7 @@
 #      plain decode against a reasoning budget that never runs out and a tool-call grammar whose call
 #      never starts (rows free: the device's argmax / top rows) and a grammar masking every row,
 #      greedy and sampled, 1 and 16 sequences, interleaved -> constraint_cost.json
+#      (CONSTRAINT_COST_ARGS: more options, e.g. "--gen 64")
 #   hostsample: the host part of sampled verification at the 248K vocabulary on this machine's CPU
 #      (tree walk and chain accept per sampler, no GPU; bench/host_sampling_bench.py, ~1 min)
 #      -> host_sampling.json
@@ -334,8 +335,9 @@ if has_step batch; then
         --out "$OUT/batch_bench.json" | tee "$OUT/batch_bench.md"
 fi
 if has_step constraints; then
+    # shellcheck disable=SC2086  # CONSTRAINT_COST_ARGS: more options, split on spaces
     python3 "$REPO/bench/constraint_cost.py" /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
-        --out "$OUT/constraint_cost.json" | tee "$OUT/constraint_cost.md"
+        ${CONSTRAINT_COST_ARGS:-} --out "$OUT/constraint_cost.json" | tee "$OUT/constraint_cost.md"
 fi
 if has_step invariant; then
     python3 "$REPO/bench/batch_invariance.py" --device cuda --model /tmp/q27.gguf --drafter ngram --reps "${BENCH_REPS:-3}" \
