@@ -35,6 +35,7 @@
 #      (bench/batch_invariance.py --device cuda) -> cuda_batch_invariance.json
 #   shapes: where batch-invariant rows part from steps, bisected by shape: 4-layer synthetic models
 #      of the 27B's widths with one width at a time from the 0.8B, under the kernel switches
+#      and with ggml-cuda's fusions or CUDA graphs off (GGML_CUDA_DISABLE_FUSION / _GRAPHS)
 #      (bench/invariance_probe.py --shapes: about 15 GB of models in /tmp/shapes, each written when
 #      its turn comes, the JSON rewritten after every probe, so a run cut short keeps what it probed)
 #      -> invariance_shapes.json
@@ -345,7 +346,8 @@ if has_step invariant; then
 fi
 if has_step shapes; then
     python3 "$REPO/bench/invariance_probe.py" --shapes /tmp/shapes --base 27b --small 0.8b --context 0 600 \
-        --variants "" "DELTASPEC_MMA_K_SPLIT=1" "DELTASPEC_CUDA_DELTANET=0" --out "$OUT/invariance_shapes.json"
+        --variants "" "DELTASPEC_MMA_K_SPLIT=1" "DELTASPEC_CUDA_DELTANET=0" "GGML_CUDA_DISABLE_FUSION=1" \
+        "GGML_CUDA_DISABLE_GRAPHS=1" --out "$OUT/invariance_shapes.json"
 fi
 if has_step batchspec; then
     peer=()
