@@ -215,9 +215,9 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
         token = feed_scored(s, n);
     } else if (n < left) {
         engine_.eval(chunk, n, LogitsWanted::none, nullptr);
-    } else if (!needs_logits(s.req, masks_next_row(s.req))) {
+    } else if (const bool masked = masks_next_row(s.req); !needs_logits(s.req, masked)) {
         token = engine_.eval_argmax(chunk, n);
-    } else if (engine_.top_rows_enabled() && top_rows_serve(s.req, engine_.top_k(), masks_next_row(s.req))) {
+    } else if (engine_.top_rows_enabled() && top_rows_serve(s.req, engine_.top_k(), masked)) {
         top_.resize(engine_.top_row_words());
         engine_.eval_top(chunk, n, top_.data());
         token = choose_from_top(s.req, s.sampler, top_row(top_.data(), engine_.top_k()), s.res);
@@ -225,7 +225,7 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
         const int64_t n_vocab = engine_.hparams().n_vocab;
         logits_.resize(n_vocab);
         engine_.eval(chunk, n, LogitsWanted::last, logits_.data());
-        token = choose(s, logits_.data(), n_vocab);
+        token = choose(s, logits_.data(), n_vocab, masked);
     }
     if (n == left) begin_draft(s);
     s.n_fed += n;
@@ -265,7 +265,7 @@ int32_t Scheduler::feed_scored(Sequence & s, int64_t n) {
             if (next < size) {
                 record_prompt_logprobs(s.req, row, n_vocab, s.req.prompt[bug ? next - 1 : next], s.prompt_entries);
             } else if (s.req.max_tokens > 0) {
-                token = choose(s, row, n_vocab);
+                token = choose(s, row, n_vocab, masks_next_row(s.req));
             }
         }
         done += m;
@@ -354,7 +354,9 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
     const int64_t N = (int64_t)seqs.size(), n_vocab = engine_.hparams().n_vocab;
     rows_.clear();
     bool any_done = false, all_argmax = true, all_top = engine_.top_rows_enabled();
-    for (const Sequence * s : seqs) {
+    std::vector<uint8_t> masked(N);  // per sequence whose prompt is complete: its first row masked
+    for (int64_t i = 0; i < N; ++i) {
+        const Sequence * s = seqs[i];
         const int32_t p0 = (int32_t)engine_.slot_n_past(s->slot);
         for (int64_t j = 0; j < n; ++j) {
             const int32_t parent = j == 0 ? -1 : (int32_t)rows_.size() - 1;
@@ -362,9 +364,9 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
         }
         if (s->n_fed + n < (int64_t)s->req.prompt.size()) continue;  // its prompt goes on in a later round
         any_done = true;
-        const bool masked = masks_next_row(s->req);
-        all_argmax = all_argmax && !needs_logits(s->req, masked);
-        all_top = all_top && top_rows_serve(s->req, engine_.top_k(), masked);
+        masked[i] = masks_next_row(s->req);
+        all_argmax = all_argmax && !needs_logits(s->req, masked[i]);
+        all_top = all_top && top_rows_serve(s->req, engine_.top_k(), masked[i]);
     }
     // one result row per sequence (its last row's), read only for the sequences whose prompt is complete
     const int64_t W = engine_.top_row_words();
@@ -389,16 +391,15 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
         if (s.n_fed < (int64_t)s.req.prompt.size()) continue;
         const int32_t token = all_argmax ? argmax_[i]
                               : all_top  ? choose_from_top(s.req, s.sampler, top_row(top_.data() + i * W, engine_.top_k()), s.res)
-                                         : choose(s, logits_.data() + i * n_vocab, n_vocab);
+                                         : choose(s, logits_.data() + i * n_vocab, n_vocab, masked[i]);
         begin_draft(s);
         s.decode_start = Clock::now();
         commit(s, token, event_of(events, s));
     }
 }
 
-int32_t Scheduler::choose(Sequence & s, float * row, int64_t n_vocab) {
+int32_t Scheduler::choose(Sequence & s, float * row, int64_t n_vocab, bool masked) {
     // logprobs are those of the raw logits (as llama-cpp-python's), so a grammar's mask applies to a copy
-    const bool masked = masks_next_row(s.req);
     const bool keep_raw = masked && s.req.n_logprobs >= 0;
     if (keep_raw) raw_.assign(row, row + n_vocab);
     if (masked) s.req.constraint->mask_row(row, n_vocab);
@@ -415,14 +416,15 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
     const int64_t n_vocab = engine_.hparams().n_vocab;
     bool all_argmax = true, all_top = engine_.top_rows_enabled();
     rows_.clear();
+    std::vector<uint8_t> masked(N);
     for (int64_t i = 0; i < N; ++i) {
         const auto & s = running_[i];
         rows_.add(s->pending, (int32_t)engine_.slot_n_past(s->slot), (int32_t)s->slot);
         // a constraint that allows every token at this row (a reasoning budget not yet spent) leaves
         // it as free as none
-        const bool masked = masks_next_row(s->req);
-        all_argmax = all_argmax && !needs_logits(s->req, masked);
-        all_top = all_top && top_rows_serve(s->req, engine_.top_k(), masked);
+        masked[i] = masks_next_row(s->req);
+        all_argmax = all_argmax && !needs_logits(s->req, masked[i]);
+        all_top = all_top && top_rows_serve(s->req, engine_.top_k(), masked[i]);
     }
     // greedy everywhere: only the argmax ids cross over; where every sequence's sampler and logprobs
     // are decided by its row's top candidates, those (top_rows.h); otherwise every row's logits. One sequence
@@ -454,7 +456,7 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
         Sequence & s = *running_[i];
         const int32_t token = all_argmax ? argmax_[i]
                               : all_top  ? choose_from_top(s.req, s.sampler, top_row(top_.data() + i * W, engine_.top_k()), s.res)
-                                         : choose(s, logits_.data() + i * n_vocab, n_vocab);
+                                         : choose(s, logits_.data() + i * n_vocab, n_vocab, masked[i]);
         commit(s, token, event_of(events, s));
     }
 }

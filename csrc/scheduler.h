@@ -213,9 +213,9 @@ class Scheduler {
     // the running sequences that decode this step: all but a split prompt on top
     int64_t n_decoding() const { return (int64_t)running_.size() - (split_on_top() ? 1 : 0); }
     void decode_running(std::vector<StepEvent> & events);
-    // the token after a logits row: masked by the request's grammar, then argmax or sampled
-    // (and its logprobs recorded when asked for)
-    int32_t choose(Sequence & s, float * row, int64_t n_vocab);
+    // the token after a logits row: masked by the request's constraint where `masked` (as the step
+    // decided it: masks_next_row), then argmax or sampled (and its logprobs recorded when asked for)
+    int32_t choose(Sequence & s, float * row, int64_t n_vocab, bool masked);
     // commits a sampled token; false when the sequence is done
     bool commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx = true);
     // scheduler_spec.cpp: when a running sequence drafts this step, one verify pass over every

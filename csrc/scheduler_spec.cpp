@@ -287,7 +287,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         if (s.draft.tokens.empty() && s.tree.empty()) {  // generate_speculative's plain step, or no speculation
             next[i] = all_argmax ? argmax_[r0]
                       : all_top  ? choose_from_top(s.req, s.sampler, top_of(r0), s.res)
-                                 : choose(s, logits, n_vocab);
+                                 : choose(s, logits, n_vocab, masked[i]);
             continue;
         }
         const size_t before = s.history.size();  // the accept rules append the accepted drafts; commit() does
