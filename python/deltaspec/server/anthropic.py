@@ -322,6 +322,7 @@ def parse_messages(body: Any, served: Served) -> GenerationRequest:
     body = _check_body(body, served)
     grammar = _constraint(body)
     prompt, tools, forced, parallel = _prompt(body, served, constrained=grammar is not None)
+    thinking_open = prompt_opens_reasoning(prompt)
     ids = _prompt_ids(prompt, served, "messages")
     max_tokens, context_bound = _max_tokens(body, len(ids), served)
     temperature = body.get("temperature")
@@ -332,10 +333,10 @@ def parse_messages(body: Any, served: Served) -> GenerationRequest:
     budget = thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None
     options = {**sampling, "seed": seed, "stop": _stop_sequences(body),
                **({"grammar": grammar} if grammar is not None else {}),
-               **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt), budget)}
-    options.update(tool_call_options(tools, forced, parallel, prompt, options))
+               **reasoning_budget(body, served, grammar is not None, thinking_open, budget)}
+    options.update(tool_call_options(tools, forced, parallel, thinking_open, options))
     return GenerationRequest(ids, max_tokens, options, stream, include_usage=False, chat=True,
-                             thinking_open=prompt_opens_reasoning(prompt), tools=tools, context_bound=context_bound)
+                             thinking_open=thinking_open, tools=tools, context_bound=context_bound)
 
 
 def count_tokens(body: Any, served: Served) -> dict:

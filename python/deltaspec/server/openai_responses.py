@@ -224,6 +224,7 @@ def parse_responses(body: Any, served: Served) -> GenerationRequest:
     chat = {"messages": _messages(body), "tools": tools,
             **({"enable_thinking": thinking} if thinking is not None else {})}
     prompt = chat_prompt(chat, served, constrained=grammar is not None)
+    thinking_open = prompt_opens_reasoning(prompt)
     ids = _prompt_ids(prompt, served, "input")
     max_tokens = _max_tokens(body, ("max_output_tokens",), len(ids), served, None)
     temperature = body.get("temperature")
@@ -231,9 +232,9 @@ def parse_responses(body: Any, served: Served) -> GenerationRequest:
                                chat=False)
     stream = _get(body, "stream", (bool,), "true or false", False)
     options = {**sampling, "seed": seed, **({"grammar": grammar} if grammar is not None else {}),
-               **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt))}
+               **reasoning_budget(body, served, grammar is not None, thinking_open)}
     parsed = tools if choice != "none" else None
-    options.update(tool_call_options(parsed, forced, body.get("parallel_tool_calls", True), prompt, options))
+    options.update(tool_call_options(parsed, forced, body.get("parallel_tool_calls", True), thinking_open, options))
     # what the response repeats of the request
     echoed = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
               "temperature": sampling.get("temperature"), "top_p": sampling.get("top_p", 1.0),
@@ -243,7 +244,7 @@ def parse_responses(body: Any, served: Served) -> GenerationRequest:
               "reasoning": {"effort": _get(body, "reasoning", (dict,), "an object", {}).get("effort"), "summary": None},
               "metadata": body.get("metadata") or {}}
     return GenerationRequest(ids, max_tokens, options, stream, include_usage=False, chat=True,
-                             thinking_open=prompt_opens_reasoning(prompt), tools=parsed,
+                             thinking_open=thinking_open, tools=parsed,
                              echoed=echoed)
 
 

@@ -398,6 +398,7 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
     tools, forced = _tool_choice(body)
     check_forced_call(forced, body.get("tools"), grammar is not None, "'response_format' or 'grammar'")
     prompt = chat_prompt(body, served, constrained=grammar is not None)
+    thinking_open = prompt_opens_reasoning(prompt)
     ids = _prompt_ids(prompt, served)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids), served, None)
     sampling, seed = _sampling(body, chat=True)
@@ -406,10 +407,10 @@ def parse_chat(body: Any, served: Served) -> GenerationRequest:
     options = {**sampling, "seed": seed, "stop": _stop(body), **_prediction(body), **_logit_bias(body, served),
                **({"grammar": grammar} if grammar is not None else {}),
                **({"logprobs": logprobs} if logprobs is not None else {}),
-               **reasoning_budget(body, served, grammar is not None, prompt_opens_reasoning(prompt))}
-    options.update(tool_call_options(tools, forced, body.get("parallel_tool_calls", True), prompt, options))
+               **reasoning_budget(body, served, grammar is not None, thinking_open)}
+    options.update(tool_call_options(tools, forced, body.get("parallel_tool_calls", True), thinking_open, options))
     return GenerationRequest(ids, max_tokens, options, stream, include_usage, chat=True,
-                             thinking_open=prompt_opens_reasoning(prompt), logprobs=logprobs, n=_choices(body),
+                             thinking_open=thinking_open, logprobs=logprobs, n=_choices(body),
                              tools=tools)
 
 
@@ -471,9 +472,9 @@ def check_forced_call(forced, tools, constrained: bool, constraints: str) -> Non
         raise bad_request(f"'tool_choice': {e}", "tool_choice", "invalid_value") from None
 
 
-def tool_call_options(tools: list | None, forced, parallel: bool, prompt: str, options: dict) -> dict:
-    """generate()'s `grammar` for the reply's tool calls (deltaspec.tool_call_grammar) after `prompt`:
-    a forced call's (its reasoning, when the prompt opens a block, free: a reasoning budget still
+def tool_call_options(tools: list | None, forced, parallel: bool, thinking_open: bool, options: dict) -> dict:
+    """generate()'s `grammar` for the reply's tool calls (deltaspec.tool_call_grammar): a forced
+    call's (its reasoning, when the prompt opens a block (`thinking_open`), free: a reasoning budget still
     applies), or, where the reply is parsed for `tools` and `options` hold no other grammar, that of
     the calls the model chooses to make (llama-server's lazy grammar: from the first <tool_call>)."""
     from ..errors import GrammarError
@@ -481,7 +482,7 @@ def tool_call_options(tools: list | None, forced, parallel: bool, prompt: str, o
 
     try:
         if forced is not None:
-            return {"grammar": tool_call_grammar(tools, forced, prompt_opens_reasoning(prompt))}
+            return {"grammar": tool_call_grammar(tools, forced, thinking_open)}
         if not tools or options.get("grammar") is not None or options.get("ignore_eos"):
             return {}
         return {"grammar": chosen_call_grammar(tools, parallel)}
