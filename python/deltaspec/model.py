@@ -358,8 +358,10 @@ class Model:
         at most N tokens (those of the prompt after an opening <think> count), then forces its
         </think> (after `reasoning_budget_message`, if given: llama.cpp's --reasoning-budget-message);
         0 closes the block at once (deltaspec.reasoning_budget). It is enforced as a
-        grammar is (every loop, with speculation the forced end drafted), so the request reads whole
-        logit rows as a constrained one does; not with a grammar.
+        grammar is (every loop, with speculation the forced end drafted); until the budget runs out
+        the rows stay on the device's argmax / top rows, only the forced end's are read whole. Not
+        with a grammar, except the tool-call grammars (deltaspec.tool_call_grammar), whose reasoning
+        is free.
 
         seed None uses the Model's seed (random when it has none); -1 is random. ignore_eos bans the
         end-of-generation tokens (logit -inf), so only max_tokens, a stop string or the context

@@ -63,15 +63,15 @@ class ReasoningBudget(_core.TokenConstraint):
 
     def __init__(self, tokenizer: Tokenizer, budget: int, prompt, message: str = ""):
         super().__init__()
-        self._open = tokenizer.encode(THINK_OPEN, special=True)
-        self._close = tokenizer.encode(THINK_CLOSE, special=True)
-        if len(self._open) != 1 or len(self._close) != 1:
+        opening = tokenizer.encode(THINK_OPEN, special=True)
+        closing = tokenizer.encode(THINK_CLOSE, special=True)
+        if len(opening) != 1 or len(closing) != 1:
             raise ValueError(f"reasoning_budget needs a model whose vocabulary has {THINK_OPEN} and {THINK_CLOSE} as "
-                             f"tokens (this one encodes them as {self._open} and {self._close})")
-        self._open_id = self._open[0]
+                             f"tokens (this one encodes them as {opening} and {closing})")
+        self._open_id = opening[0]
         # what ends a block: </think>, or a tool call the model opens in it
         call = tokenizer.encode(TOOL_CALL_OPEN, special=True)
-        self._ends = {self._close[0]} | ({call[0]} if len(call) == 1 else set())
+        self._ends = {closing[0]} | ({call[0]} if len(call) == 1 else set())
         self.budget = budget
         self.forced = (tokenizer.encode(message, special=False) if message else []) + tokenizer.encode(
             "\n" + THINK_CLOSE, special=True)
