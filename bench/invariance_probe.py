@@ -41,9 +41,12 @@ def worker(path: str, rows: int, context: int, device: str) -> dict:
     return {"max_diff": diff, "routes": [a - b for a, b in zip(routes(), before)]}
 
 
-def shape_models(folder: str, base: str, small: str) -> Iterator[tuple[str, str]]:
+def shape_models(folder: str, base: str, small: str, embd_widths: Iterable[int] = (),
+                 only: Iterable[str] = ()) -> Iterator[tuple[str, str]]:
     """(label, path) of the bisection models, each written into `folder` (once) when its turn comes,
-    so that a run cut short has probed the first ones."""
+    so that a run cut short has probed the first ones. `embd_widths` adds the base with each of those
+    embedding widths (between the small preset's and the base's: where the parting starts); `only`
+    keeps the labels it names (a call's time covers few models under many variants)."""
     from deltaspec.synth import PRESETS, write_synthetic_gguf
 
     b, s = PRESETS[base], PRESETS[small]
@@ -57,9 +60,15 @@ def shape_models(folder: str, base: str, small: str) -> Iterator[tuple[str, str]
         f"{base} tied={s.tied}": dataclasses.replace(b, **four, tied=s.tied),
         f"{small}": dataclasses.replace(s, **four),
     }
+    for width in embd_widths:
+        shapes[f"{base} n_embd={width}"] = dataclasses.replace(b, **four, n_embd=width)
+    wanted = set(only)
+    unknown = wanted - set(shapes)
+    if unknown:
+        raise ValueError(f"--only: no shape model named {sorted(unknown)}; there are {sorted(shapes)}")
     os.makedirs(folder, exist_ok=True)
     for label, preset in shapes.items():
-        if label != base and preset == shapes[base]:
+        if (label != base and preset == shapes[base]) or (wanted and label not in wanted):
             continue  # the small preset has the base's value there: nothing to bisect
         path = os.path.join(folder, label.replace(" ", "_").replace("/", "-").replace("=", "") + ".gguf")
         if not os.path.exists(path):
@@ -93,6 +102,9 @@ def main() -> None:
     ap.add_argument("--shapes", metavar="DIR", help="bisect by shape: write the models into DIR (kept between runs)")
     ap.add_argument("--base", default="27b", help="--shapes: the preset whose widths part (default 27b)")
     ap.add_argument("--small", default="0.8b", help="--shapes: the preset whose widths do not (default 0.8b)")
+    ap.add_argument("--embd-widths", type=int, nargs="*", default=[],
+                    help="--shapes: also the base with each of these embedding widths")
+    ap.add_argument("--only", nargs="*", default=[], help="--shapes: only the models of these labels")
     ap.add_argument("--variants", nargs="+", default=[""], help="space-separated VAR=VALUE lists ('' = none)")
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--context", type=int, nargs="+", default=[0])
@@ -105,7 +117,7 @@ def main() -> None:
         return
     if bool(args.models) == bool(args.shapes):
         ap.error("give models or --shapes DIR (one of them)")
-    models = shape_models(args.shapes, args.base, args.small) if args.shapes else [(os.path.basename(p), p) for p in args.models]
+    models = shape_models(args.shapes, args.base, args.small, args.embd_widths, args.only) if args.shapes else [(os.path.basename(p), p) for p in args.models]
     probe(models, args.variants, args.rows, args.context, args.device, args.out)
 
 
