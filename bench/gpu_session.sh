@@ -345,8 +345,8 @@ if has_step invariant; then
         --pp 512 --tg 32 --depth 2048 --out "$OUT/cuda_batch_invariance.json" | tee "$OUT/cuda_batch_invariance.md"
 fi
 if has_step shapes; then
-    # SHAPES_VARIANTS ('|'-separated environments, "" = none) and SHAPES_ARGS (more options, e.g.
-    # "--only 27b --embd-widths 2048 4096") narrow the probe to what one call's time covers
+    # SHAPES_VARIANTS ('|'-separated environments, "" = none) and SHAPES_ARGS (more options, split on
+    # spaces, e.g. "--only 27b --embd-widths 2048 4096") narrow the probe to what one call's time covers
     IFS='|' read -r -a shape_variants <<< "${SHAPES_VARIANTS-|DELTASPEC_MMA_K_SPLIT=1|DELTASPEC_CUDA_DELTANET=0|GGML_CUDA_DISABLE_FUSION=1|GGML_CUDA_DISABLE_GRAPHS=1}"
     # shellcheck disable=SC2086  # SHAPES_ARGS: split on spaces
     python3 "$REPO/bench/invariance_probe.py" --shapes /tmp/shapes --base 27b --small 0.8b --context 0 600 \

@@ -46,7 +46,8 @@ def shape_models(folder: str, base: str, small: str, embd_widths: Iterable[int] 
     """(label, path) of the bisection models, each written into `folder` (once) when its turn comes,
     so that a run cut short has probed the first ones. `embd_widths` adds the base with each of those
     embedding widths (between the small preset's and the base's: where the parting starts); `only`
-    keeps the labels it names (a call's time covers few models under many variants)."""
+    keeps the bisection models whose labels it names (a call's time covers few models under many
+    variants), the embedding widths always."""
     from deltaspec.synth import PRESETS, write_synthetic_gguf
 
     b, s = PRESETS[base], PRESETS[small]
@@ -60,15 +61,16 @@ def shape_models(folder: str, base: str, small: str, embd_widths: Iterable[int] 
         f"{base} tied={s.tied}": dataclasses.replace(b, **four, tied=s.tied),
         f"{small}": dataclasses.replace(s, **four),
     }
-    for width in embd_widths:
-        shapes[f"{base} n_embd={width}"] = dataclasses.replace(b, **four, n_embd=width)
     wanted = set(only)
     unknown = wanted - set(shapes)
     if unknown:
         raise ValueError(f"--only: no shape model named {sorted(unknown)}; there are {sorted(shapes)}")
+    kept = {label: preset for label, preset in shapes.items() if not wanted or label in wanted}
+    for width in embd_widths:
+        kept[f"{base} n_embd={width}"] = dataclasses.replace(b, **four, n_embd=width)
     os.makedirs(folder, exist_ok=True)
-    for label, preset in shapes.items():
-        if (label != base and preset == shapes[base]) or (wanted and label not in wanted):
+    for label, preset in kept.items():
+        if label != base and preset == shapes[base]:
             continue  # the small preset has the base's value there: nothing to bisect
         path = os.path.join(folder, label.replace(" ", "_").replace("/", "-").replace("=", "") + ".gguf")
         if not os.path.exists(path):
