@@ -1026,6 +1026,7 @@ PYBIND11_MODULE(_core, m) {
                  d["max_rows"] = s.max_rows;
                  d["branched_calls"] = s.branched_calls;
                  d["rows_op_nodes"] = s.rows_op_nodes;
+                 d["split_walks"] = s.split_walks;
                  d["keep_calls"] = s.keep_calls;
                  d["kept_rows"] = s.kept_rows;
                  d["kv_rows_moved"] = s.kv_rows_moved;

@@ -113,8 +113,8 @@ Engine::Committed Engine::commit_paths(const std::vector<std::vector<int32_t>> &
             if (!state_paths[i].empty()) flags[state_paths[i].back()] = DELTASPEC_ROW_WRITE_BACK;
         }
         char err[256];
-        n_saved = deltaspec_rows_plan(T, pend.parent.data(), slot.data(), flags.data(), pool_.n_seq, plan.data(), err,
-                                      sizeof(err));
+        n_saved = deltaspec_rows_plan(T, pend.parent.data(), slot.data(), flags.data(), pool_.n_seq, T, plan.data(),
+                                      err, sizeof(err));
         if (n_saved < 0) throw std::logic_error(std::string("commit_paths: ") + err);
     }
     if (!rows_ops && moves.empty() && n_taps == 0) {

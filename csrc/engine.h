@@ -147,6 +147,7 @@ class Engine {
         int64_t verify_calls = 0, rows = 0, max_rows = 0;
         int64_t branched_calls = 0;  // verify batches in which a row, or the committed sequence, has 2+ children
         int64_t rows_op_nodes = 0;   // rows-op nodes (deltaspec_rows.h) in the graphs those calls ran
+        int64_t split_walks = 0;     // verify batches whose plan walked the tree as two walks (deltaspec_rows.h)
         int64_t keep_calls = 0, kept_rows = 0, kv_rows_moved = 0;
         int64_t keep_graph_builds = 0;  // keep_path calls that built their commit graph (the others reused it)
         int64_t kernel_commits = 0;     // keep_path calls whose states our CUDA kernels committed
@@ -345,6 +346,9 @@ class Engine {
     std::string backend_name_;
     std::vector<ggml_backend_t> invariant_backends_;  // registered batch-invariant, released on close
     bool fold_inputs_ = false;  // norms and SwiGLUs offered to our CUDA kernels (cuda_kernels.h)
+    bool split_walks_ = false;  // tree plans may split a slot's walk (deltaspec_rows.h; the constructor says when)
+    // The rows tensor's room for walk positions of a batch of n_rows rows (deltaspec_rows_plan's n_positions).
+    int64_t rows_positions(int64_t n_rows) const { return split_walks_ ? 2 * n_rows : n_rows; }
     ModelWeights weights_;
     StatePool pool_;
     int64_t cur_ = 0;  // the slot of the one-sequence calls

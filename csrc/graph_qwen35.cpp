@@ -38,15 +38,15 @@ StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, 
     return in;
 }
 
-StepInputs make_tree_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv) {
+StepInputs make_tree_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, int64_t n_positions) {
     StepInputs in = make_step_inputs(ctx, n_tokens, n_kv, /*keep_states =*/true);
-    add_rows_input(ctx, in);
+    add_rows_input(ctx, in, n_positions);
     return in;
 }
 
-void add_rows_input(ggml_context * ctx, StepInputs & in) {
+void add_rows_input(ggml_context * ctx, StepInputs & in, int64_t n_positions) {
     in.keep_states = true;
-    in.rows = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, in.n_tokens);
+    in.rows = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, n_positions);
     ggml_set_input(in.rows);
     in.n_saved = in.n_tokens;
 }

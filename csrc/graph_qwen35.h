@@ -33,8 +33,8 @@ struct StepInputs {
     bool keep_states = false;        // a verify batch: leave the recurrent state for keep() (VerifyStates)
     // A tree verify batch (one sequence): the DeltaNet layers run the parent-indexed rows ops
     // (ggml/deltaspec_rows.h) over the pool, reading the slot's committed state and writing nothing,
-    // each row starting from its parent row's state; rows is their plan (I32 [DELTASPEC_ROWS_N_COLS, T],
-    // deltaspec_rows_plan's), n_saved the room for states kept at branch points (T: any tree of T rows
+    // each row starting from its parent row's state; rows is their plan (I32 [DELTASPEC_ROWS_N_COLS, P],
+    // deltaspec_rows_plan's, P >= T its room for walk positions), n_saved the room for states kept at branch points (T: any tree of T rows
     // fits, so one graph serves every tree of that size). kq_mask then shows each row the slot's
     // committed KV rows and its own ancestors' (Engine::verify_tree); keep_states is set too.
     ggml_tensor * rows = nullptr;
@@ -42,12 +42,13 @@ struct StepInputs {
 };
 
 StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool keep_states = false);
-// The inputs of a tree verify batch of n_tokens rows (see StepInputs::rows).
-StepInputs make_tree_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv);
+// The inputs of a tree verify batch of n_tokens rows, its plan's room n_positions (see StepInputs::rows).
+StepInputs make_tree_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, int64_t n_positions);
 
-// Makes `in` a tree verify batch (the rows input, n_saved = its rows, keep_states): with n_seqs > 0,
-// rows of several slots whose attention runs as one FA stream per slot (Engine::verify_rows).
-void add_rows_input(ggml_context * ctx, StepInputs & in);
+// Makes `in` a tree verify batch (the rows input with room for n_positions walk positions, n_saved =
+// its rows, keep_states): with n_seqs > 0, rows of several slots whose attention runs as one FA stream
+// per slot (Engine::verify_rows).
+void add_rows_input(ggml_context * ctx, StepInputs & in, int64_t n_positions);
 
 // Sets one of the inputs above once the graph is allocated. An input no kept node reads is not
 // allocated (e.g. the mask when the last layer is an attention layer and the batch wants no

@@ -105,10 +105,12 @@ void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out
     if (bug == PrefillBug::shared_state) {  // the first slot's committed recurrent state, in every slot
         for (int64_t i = 1; i < N; ++i) copy_recurrent_state(pool_.slots[first], pool_.slots[first + i]);
     }
-    std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS);
+    // (its graph's rows tensor has the room of a tree batch's; chains never split)
+    const int64_t P = rows_positions(T);
+    std::vector<int32_t> plan(P * DELTASPEC_ROWS_N_COLS);
     char err[256];
-    const int64_t n_saved = deltaspec_rows_plan(T, parent.data(), slot.data(), flags.data(), pool_.n_seq, plan.data(), err,
-                                                sizeof(err));
+    const int64_t n_saved = deltaspec_rows_plan(T, parent.data(), slot.data(), flags.data(), pool_.n_seq, P, plan.data(),
+                                                err, sizeof(err));
     if (n_saved != 0) {  // chains walk in registers: nothing to save
         throw std::logic_error(std::string("prefill_rows: ") + (n_saved < 0 ? err : "a chain needed a saved state"));
     }

@@ -123,29 +123,30 @@ void check_copies(int copies, const I32 & flags) {
     }
 }
 
-// The rows tensor's data for parent/slot/flags (R values each), to be filled by plan().
-I32 rows_array(const I32 & parent, const I32 & slot, const I32 & flags) {
+// The rows tensor's data for parent/slot/flags (R values each), to be filled by plan(): room for R
+// walk positions, or 2 R where the plan may split a walk (deltaspec_rows.h).
+I32 rows_array(const I32 & parent, const I32 & slot, const I32 & flags, bool split = false) {
     const py::ssize_t R = parent.size();
     if (parent.ndim() != 1 || slot.size() != R || flags.size() != R || R < 1) {
         throw std::invalid_argument("parent, slot and flags must hold one value per row (at least one row), got " +
                                     std::to_string(R) + " parents, " + std::to_string(slot.size()) + " slots and " +
                                     std::to_string(flags.size()) + " flags");
     }
-    return I32({R, (py::ssize_t)DELTASPEC_ROWS_N_COLS});
+    return I32({split ? 2 * R : R, (py::ssize_t)DELTASPEC_ROWS_N_COLS});
 }
 
 // deltaspec_rows_plan into rows (from rows_array); returns the saved count.
 int64_t plan(const I32 & parent, const I32 & slot, const I32 & flags, int64_t n_slots, I32 & rows) {
     char err[512];
     const int64_t n_saved = deltaspec_rows_plan(parent.size(), parent.data(), slot.data(), flags.data(), n_slots,
-                                                rows.mutable_data(), err, sizeof(err));
+                                                rows.shape(0), rows.mutable_data(), err, sizeof(err));
     if (n_saved < 0) throw std::invalid_argument(std::string("rows: ") + err);
     return n_saved;
 }
 
-py::object rows_plan_py(const I32 & parent, const I32 & slot, const I32 & flags, int64_t n_slots) {
+py::object rows_plan_py(const I32 & parent, const I32 & slot, const I32 & flags, int64_t n_slots, bool split) {
     if (lenient()) return py::none();
-    I32 rows = rows_array(parent, slot, flags);
+    I32 rows = rows_array(parent, slot, flags, split);
     const int64_t n_saved = plan(parent, slot, flags, n_slots, rows);
     return py::make_tuple(rows, n_saved);
 }
@@ -153,7 +154,7 @@ py::object rows_plan_py(const I32 & parent, const I32 & slot, const I32 & flags,
 py::object rows_gated_delta_net_py(const std::string & device, const F32 & q, const F32 & k, const F32 & v,
                                    const F32 & g, const F32 & beta, const F32 & pool, const I32 & parent,
                                    const I32 & slot, const I32 & flags, int64_t n_saved, int n_threads, int repeat,
-                                   int copies) {
+                                   int copies, bool split) {
     if (lenient()) return py::none();
     check_copies(copies, flags);
     require_cpu_side();
@@ -161,7 +162,7 @@ py::object rows_gated_delta_net_py(const std::string & device, const F32 & q, co
     ggml_tensor *tq = graph.input(q, GGML_TYPE_F32), *tk = graph.input(k, GGML_TYPE_F32),
                 *tv = graph.input(v, GGML_TYPE_F32), *tg = graph.input(g, GGML_TYPE_F32),
                 *tb = graph.input(beta, GGML_TYPE_F32), *tp = graph.input(pool, GGML_TYPE_F32);
-    I32 rows_data = rows_array(parent, slot, flags);
+    I32 rows_data = rows_array(parent, slot, flags, split);
     ggml_tensor * trows = graph.input(rows_data, GGML_TYPE_I32);
     char err[512];
     if (!deltaspec_rows_gated_delta_net_check(tq, tk, tv, tg, tb, tp, trows, n_saved < 0 ? 0 : n_saved, err,
@@ -259,11 +260,13 @@ py::object ssm_conv_py(const std::string & device, const F32 & sx, const F32 & c
 
 void bind_rows_ops(py::module_ & m) {
     m.def("rows_plan", &rows_plan_py, py::arg("parent"), py::arg("slot"), py::arg("flags"), py::arg("n_slots"),
-          "Test-only: deltaspec_rows_plan; returns (rows (R, DELTASPEC_ROWS_N_COLS) int32, n_saved).");
+          py::arg("split") = false,
+          "Test-only: deltaspec_rows_plan; returns (rows (P, DELTASPEC_ROWS_N_COLS) int32, n_saved), P = R, or 2 R "
+          "with room to split a walk (split).");
     m.def("rows_gated_delta_net", &rows_gated_delta_net_py, py::arg("device"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("pool"), py::arg("parent"), py::arg("slot"),
           py::arg("flags"), py::arg("n_saved") = -1, py::arg("n_threads") = 1, py::arg("repeat") = 0,
-          py::arg("copies") = 1,
+          py::arg("copies") = 1, py::arg("split") = false,
           "Test-only: the rows recurrence on numpy arrays q, k (R, H_k, S), v (R, H, S), g, beta (R, H, 1), pool "
           "(n_slots, H, S, S); returns {y, saved, pool (after), n_saved, rows, seconds}.");
     m.def("gated_delta_net", &gated_delta_net_py, py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"),

@@ -175,9 +175,9 @@ void Engine::build_step_graph(StepGraph & g) {
         if (!g.ctx) throw std::runtime_error("cannot create the step graph's context");
         g.gf = ggml_new_graph_custom(g.ctx, graph_size_, false);
         g.in = n_seqs > 0 ? make_batch_inputs(g.ctx, n_seqs, T / n_seqs, k.n_kv, k.first_slot)
-               : k.tree   ? make_tree_inputs(g.ctx, T, k.n_kv)
+               : k.tree   ? make_tree_inputs(g.ctx, T, k.n_kv, rows_positions(T))
                           : make_step_inputs(g.ctx, T, k.n_kv, k.keep_states);
-        if (n_seqs > 0 && k.tree) add_rows_input(g.ctx, g.in);  // verify_rows: rows of several slots
+        if (n_seqs > 0 && k.tree) add_rows_input(g.ctx, g.in, rows_positions(T));  // verify_rows: rows of several slots
         // rows of several slots without verify states: a prefill of chains (prefill_rows.cpp), each
         // slot's last row writing its state back, every slot's last row's result
         const bool prefill = n_seqs > 0 && k.tree && !k.keep_states;

@@ -160,9 +160,11 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
         const int64_t n = begin[2] - begin[1];
         if (n > 2) parent[Tq + n - 1] -= 1;
     }
-    std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS);
+    const int64_t P = rows_positions(T);
+    std::vector<int32_t> plan(P * DELTASPEC_ROWS_N_COLS);
     char err[256];
-    if (deltaspec_rows_plan(T, parent.data(), pend.slot.data(), nullptr, pool_.n_seq, plan.data(), err, sizeof(err)) < 0) {
+    if (deltaspec_rows_plan(T, parent.data(), pend.slot.data(), nullptr, pool_.n_seq, P, plan.data(), err,
+                            sizeof(err)) < 0) {
         throw std::invalid_argument(std::string("verify_rows: ") + err);
     }
 

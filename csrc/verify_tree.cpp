@@ -100,11 +100,14 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
     }
 
     // the rows ops' plan: every row in this slot, nothing written back
-    std::vector<int32_t> plan(T * DELTASPEC_ROWS_N_COLS);
+    const int64_t P = rows_positions(T);
+    std::vector<int32_t> plan(P * DELTASPEC_ROWS_N_COLS);
     char err[256];
-    if (deltaspec_rows_plan(T, rows.parent.data(), rows.slot.data(), nullptr, pool_.n_seq, plan.data(), err, sizeof(err)) < 0) {
+    if (deltaspec_rows_plan(T, rows.parent.data(), rows.slot.data(), nullptr, pool_.n_seq, P, plan.data(), err,
+                            sizeof(err)) < 0) {
         throw std::invalid_argument(std::string("verify_tree: ") + err);
     }
+    const bool split = P > 1 && plan[DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_WALK_END] >= 0;  // one slot, two walks
 
     const int64_t n_kv = seq().n_kv_for(p0 + T);
     StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/true, 0, 0, /*tree =*/true);
@@ -153,6 +156,7 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
     const int64_t n_roots = std::count(rows.parent.begin(), rows.parent.end(), -1);
     tree_stats_.branched_calls += n_roots > 1 || std::any_of(n_children.begin(), n_children.end(), [](int32_t c) { return c > 1; });
     tree_stats_.rows_op_nodes += g.n_rows_op_nodes;
+    tree_stats_.split_walks += split;
     ggml_backend_tensor_get(g.out, out, 0, ggml_nbytes(g.out));  // every row's logits, argmax or top row
     if (wanted == LogitsWanted::top_all) decode_stats_.top_rows += T;
     pend.active = true;

@@ -3,8 +3,11 @@
 // (ggml/cpu/deltaspec_rows_cpu.cpp) and ggml-cuda (ggml/cuda/deltaspec_rows.cu).
 #include "deltaspec_rows.h"
 
+#include <algorithm>
 #include <cstdarg>
+#include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -38,9 +41,10 @@ bool has_shape(const ggml_tensor * t, int64_t n0, int64_t n1, int64_t n2, int64_
 }
 
 bool check_rows_tensor(const ggml_tensor * rows, int64_t R, char * err, size_t err_size) {
-    if (rows->type != GGML_TYPE_I32 || !ggml_is_contiguous(rows) || !has_shape(rows, DELTASPEC_ROWS_N_COLS, R, 1, 1)) {
-        return fail(err, err_size, "rows must be a contiguous I32 tensor [%d, %lld] (deltaspec_rows_plan's), got %s %s",
-                    DELTASPEC_ROWS_N_COLS, (long long)R, ggml_type_name(rows->type), Shape(rows).text);
+    if (rows->type != GGML_TYPE_I32 || !ggml_is_contiguous(rows) || rows->ne[0] != DELTASPEC_ROWS_N_COLS ||
+        rows->ne[1] < R || rows->ne[1] > 2 * R || rows->ne[2] != 1 || rows->ne[3] != 1) {
+        return fail(err, err_size, "rows must be a contiguous I32 tensor [%d, R = %lld .. 2 R] (deltaspec_rows_plan's), "
+                    "got %s %s", DELTASPEC_ROWS_N_COLS, (long long)R, ggml_type_name(rows->type), Shape(rows).text);
     }
     if (R < 1 || R > DELTASPEC_ROWS_MAX) {
         return fail(err, err_size, "a batch holds 1 to %d rows, got %lld", DELTASPEC_ROWS_MAX, (long long)R);
@@ -60,12 +64,70 @@ void mark_rows_node(ggml_tensor * t, ggml_tensor * rows, int src, int64_t n_save
     t->op_params[2] = (int32_t)n_saved;
 }
 
+int64_t count_positions(const std::vector<std::vector<int32_t>> & walks) {
+    int64_t n = 0;
+    for (const auto & w : walks) n += (int64_t)w.size();
+    return n;
+}
+
+// The split of deltaspec_rows.h ("A SPLIT walk"): the walk it shortens most, if any, becomes its
+// deepest root-to-leaf path and, right after it, its other rows with their ancestors (both ascending,
+// so every parent comes before its child, and each walk starts at a root). Only where the shared
+// ancestors fit the `room` for more positions and the longer of the two is shorter than the walk was.
+void split_longest_walk(std::vector<std::vector<int32_t>> & walks, const int32_t * parent,
+                        const std::vector<int32_t> & write_back_row, const int32_t * slot, int64_t room,
+                        bool bug_no_ancestors) {
+    static_assert(DELTASPEC_ROWS_EXTRA_WALKS == 1, "one split per batch");
+    size_t best = walks.size();
+    int64_t best_gain = 0;
+    std::vector<int32_t> best_path, best_rest;
+    for (size_t wi = 0; wi < walks.size(); ++wi) {
+        const std::vector<int32_t> & w = walks[wi];
+        if (w.size() < 3 || write_back_row[slot[w[0]]] >= 0) continue;
+        // depth along the walk (parents come first), and the deepest row (the first of that depth)
+        std::vector<int32_t> depth(w.size());
+        std::vector<int32_t> at(w.back() + 1, -1);  // row -> index in w
+        size_t deepest = 0;
+        for (size_t i = 0; i < w.size(); ++i) {
+            at[w[i]] = (int32_t)i;
+            const int32_t p = parent[w[i]];
+            depth[i] = p < 0 ? 0 : depth[at[p]] + 1;
+            if (depth[i] > depth[deepest]) deepest = i;
+        }
+        std::vector<char> in_path(w.size(), 0), in_rest(w.size(), 0);
+        for (int32_t r = w[deepest]; r >= 0; r = parent[r]) in_path[at[r]] = 1;
+        for (size_t i = w.size(); i-- > 0;) {  // children before parents: mark each other row's ancestors
+            if (!in_path[i]) in_rest[i] = 1;
+            if (in_rest[i] && parent[w[i]] >= 0 && !(bug_no_ancestors && in_path[at[parent[w[i]]]])) {
+                in_rest[at[parent[w[i]]]] = 1;
+            }
+        }
+        std::vector<int32_t> path, rest;
+        int64_t shared = 0;
+        for (size_t i = 0; i < w.size(); ++i) {
+            if (in_path[i]) path.push_back(w[i]);
+            if (in_rest[i]) rest.push_back(w[i]);
+            shared += in_path[i] && in_rest[i];
+        }
+        const int64_t gain = (int64_t)w.size() - (int64_t)std::max(path.size(), rest.size());
+        if (shared <= room && gain > best_gain) {
+            best = wi;
+            best_gain = gain;
+            best_path = std::move(path);
+            best_rest = std::move(rest);
+        }
+    }
+    if (best == walks.size()) return;
+    walks[best] = std::move(best_path);
+    walks.insert(walks.begin() + (std::ptrdiff_t)best + 1, std::move(best_rest));
+}
+
 }  // namespace
 
 extern "C" {
 
 int64_t deltaspec_rows_plan(int64_t n_rows, const int32_t * parent, const int32_t * slot, const int32_t * flags,
-                            int64_t n_slots, int32_t * rows, char * err, size_t err_size) {
+                            int64_t n_slots, int64_t n_positions, int32_t * rows, char * err, size_t err_size) {
     const int64_t R = n_rows;
     if (R < 1 || R > DELTASPEC_ROWS_MAX) {
         fail(err, err_size, "a batch holds 1 to %d rows, got %lld", DELTASPEC_ROWS_MAX, (long long)R);
@@ -75,8 +137,13 @@ int64_t deltaspec_rows_plan(int64_t n_rows, const int32_t * parent, const int32_
         fail(err, err_size, "the pool must hold at least one slot, got n_slots = %lld", (long long)n_slots);
         return -1;
     }
+    if (n_positions < R || n_positions > 2 * R) {
+        fail(err, err_size, "the rows tensor's room for positions must be R = %lld to 2 R, got %lld", (long long)R,
+             (long long)n_positions);
+        return -1;
+    }
     const int32_t known_flags = DELTASPEC_ROW_WRITE_BACK | DELTASPEC_ROW_KEEP_STATE;
-    std::vector<int32_t> last_row(n_slots, -1), write_back_row(n_slots, -1), n_in_slot(n_slots, 0);
+    std::vector<int32_t> last_row(n_slots, -1), write_back_row(n_slots, -1);
     for (int64_t r = 0; r < R; ++r) {
         const int32_t p = parent[r], s = slot[r], f = flags != nullptr ? flags[r] : 0;
         if (p < -1 || p >= r) {
@@ -109,7 +176,6 @@ int64_t deltaspec_rows_plan(int64_t n_rows, const int32_t * parent, const int32_
             write_back_row[s] = (int32_t)r;
         }
         last_row[s] = (int32_t)r;
-        ++n_in_slot[s];
     }
     for (int64_t s = 0; s < n_slots; ++s) {
         if (write_back_row[s] >= 0 && write_back_row[s] != last_row[s]) {
@@ -119,26 +185,34 @@ int64_t deltaspec_rows_plan(int64_t n_rows, const int32_t * parent, const int32_
         }
     }
 
-    // walks: the rows of each slot, slots ascending, rows ascending
-    std::vector<int64_t> walk_begin(n_slots + 1, 0);
-    for (int64_t s = 0; s < n_slots; ++s) walk_begin[s + 1] = walk_begin[s] + n_in_slot[s];
-    std::vector<int32_t> order(R, -1);
+    // walks: the rows of each slot, slots ascending, rows ascending; then the split, if any
+    std::vector<std::vector<int32_t>> walks;
     {
-        std::vector<int64_t> fill(walk_begin.begin(), walk_begin.end() - 1);
+        std::vector<std::vector<int32_t>> of_slot(n_slots);
         for (int64_t r = 0; r < R; ++r) {
-            if (slot[r] >= 0) order[fill[slot[r]]++] = (int32_t)r;
+            if (slot[r] >= 0) of_slot[slot[r]].push_back((int32_t)r);
+        }
+        for (auto & w : of_slot) {
+            if (!w.empty()) walks.push_back(std::move(w));
         }
     }
-    const int64_t n_positions = walk_begin[n_slots];
-    // a row is saved when a child of it does not come right after it in the walk, or when asked to
+    // test-only planted bug (tests/test_rows_op.py), read once: the side walk without the ancestors it shares
+    static const bool bug_no_ancestors = [] {
+        const char * bug = std::getenv("DELTASPEC_TEST_ROWS_BUG");
+        return bug != nullptr && std::strcmp(bug, "split_no_ancestors") == 0;
+    }();
+    split_longest_walk(walks, parent, write_back_row, slot, n_positions - count_positions(walks), bug_no_ancestors);
+
+    // a row is saved when, in a walk, a child of it does not come right after it, or when asked to
     std::vector<char> saved(R, 0);
-    for (int64_t pos = 0; pos < n_positions; ++pos) {
-        const int32_t r = order[pos], p = parent[r];
-        const bool walk_start = pos == walk_begin[slot[r]];
-        if (p >= 0 && (walk_start || order[pos - 1] != p)) saved[p] = 1;
-        if (flags != nullptr && (flags[r] & DELTASPEC_ROW_KEEP_STATE)) saved[r] = 1;
+    for (const auto & w : walks) {
+        for (size_t i = 0; i < w.size(); ++i) {
+            const int32_t r = w[i], p = parent[r];
+            if (p >= 0 && (i == 0 || w[i - 1] != p)) saved[p] = 1;
+            if (flags != nullptr && (flags[r] & DELTASPEC_ROW_KEEP_STATE)) saved[r] = 1;
+        }
     }
-    for (int64_t i = 0; i < R * DELTASPEC_ROWS_N_COLS; ++i) rows[i] = -1;
+    for (int64_t i = 0; i < n_positions * DELTASPEC_ROWS_N_COLS; ++i) rows[i] = -1;
     int32_t n_saved = 0;
     for (int64_t r = 0; r < R; ++r) {
         int32_t * row = rows + r * DELTASPEC_ROWS_N_COLS;
@@ -147,18 +221,16 @@ int64_t deltaspec_rows_plan(int64_t n_rows, const int32_t * parent, const int32_
         row[DELTASPEC_ROWS_FLAGS] = slot[r] >= 0 && flags != nullptr ? flags[r] : 0;
         row[DELTASPEC_ROWS_SAVED] = saved[r] ? n_saved++ : -1;
     }
-    for (int64_t pos = 0; pos < n_positions; ++pos) {
-        const int32_t r = order[pos], p = parent[r];
-        int32_t * at = rows + pos * DELTASPEC_ROWS_N_COLS;
-        at[DELTASPEC_ROWS_ORDER] = r;
-        const bool walk_start = pos == walk_begin[slot[r]];
-        const bool continues = !walk_start && order[pos - 1] == p;
-        at[DELTASPEC_ROWS_START] = p < 0 ? -2 : continues ? -1 : rows[p * DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_SAVED];
-    }
-    int64_t n_walks = 0;
-    for (int64_t s = 0; s < n_slots; ++s) {
-        if (n_in_slot[s] == 0) continue;
-        rows[n_walks++ * DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_WALK_END] = (int32_t)walk_begin[s + 1];
+    int64_t pos = 0, n_walks = 0;
+    for (const auto & w : walks) {
+        for (size_t i = 0; i < w.size(); ++i, ++pos) {
+            const int32_t r = w[i], p = parent[r];
+            int32_t * at = rows + pos * DELTASPEC_ROWS_N_COLS;
+            at[DELTASPEC_ROWS_ORDER] = r;
+            const bool continues = i > 0 && w[i - 1] == p;
+            at[DELTASPEC_ROWS_START] = p < 0 ? -2 : continues ? -1 : rows[p * DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_SAVED];
+        }
+        rows[n_walks++ * DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_WALK_END] = (int32_t)pos;
     }
     return n_saved;
 }

@@ -69,8 +69,9 @@ enum deltaspec_row_flag {
     DELTASPEC_ROW_KEEP_STATE = 2,
 };
 
-// The rows tensor: I32 [DELTASPEC_ROWS_N_COLS, R]: entry e of index i at rows[i * DELTASPEC_ROWS_N_COLS + e],
-// where i is a row, a walk position or a walk as each entry below says.
+// The rows tensor: I32 [DELTASPEC_ROWS_N_COLS, P] (P >= R, the room for walk positions): entry e of
+// index i at rows[i * DELTASPEC_ROWS_N_COLS + e], where i is a row (< R), a walk position or a walk
+// (< P) as each entry below says.
 // The caller writes PARENT, SLOT and FLAGS; deltaspec_rows_plan checks them and writes the rest,
 // which is how both backends walk the batch:
 //   a WALK is the rows of one slot in ascending order (a slot with no rows has none); walks are
@@ -79,6 +80,14 @@ enum deltaspec_row_flag {
 //   otherwise it starts from the pool (parent -1) or from its parent's saved state, which is why a
 //   row whose child is not walked right after it is saved (SAVED >= 0). Depth-first order of a tree's
 //   rows (first child right after its parent) keeps the saved states to the branch points.
+//   A SPLIT walk (P > R, at most DELTASPEC_ROWS_EXTRA_WALKS per batch): a walk's rows run one after
+//   another, so a tree of a long chain with side branches (DDTree's shape: 1 + 22 rows, 17 deep) costs
+//   all its rows in sequence. Where room allows, the plan walks one slot as two walks that run at
+//   the same time (CUDA: other thread blocks): its deepest root-to-leaf path, then every other row
+//   with its ancestors, ascending. The ancestors the second walk shares with the first are computed
+//   by both, from the same inputs with the same arithmetic, so both write the same bits to their
+//   output and saved states. It is done for the slot it shortens most (the longest walk shrinks),
+//   never for a slot with a WRITE_BACK row (the other walk would read its pool while it is rewritten).
 enum deltaspec_rows_col {
     DELTASPEC_ROWS_PARENT = 0,    // [row]  parent row or -1                          (caller)
     DELTASPEC_ROWS_SLOT = 1,      // [row]  pool slot, -1 = skipped                   (caller)
@@ -91,12 +100,17 @@ enum deltaspec_rows_col {
     DELTASPEC_ROWS_N_COLS = 7,
 };
 
-// Checks a batch and writes its rows tensor's data (rows: R * DELTASPEC_ROWS_N_COLS int32).
-// flags may be NULL (all 0). Returns the number of saved states the batch needs (n_saved of
+// Walks a plan may add to its slots' by splitting (the CUDA recurrence's grid has room for that many
+// more than the batch has slots, when the rows tensor has room for positions beyond R).
+#define DELTASPEC_ROWS_EXTRA_WALKS 1
+
+// Checks a batch and writes its rows tensor's data (rows: n_positions * DELTASPEC_ROWS_N_COLS int32,
+// n_positions >= n_rows the rows tensor's P: R allows no split walk, 2 R any). flags may be NULL
+// (all 0). Returns the number of saved states the batch needs (at most R: n_saved of
 // deltaspec_rows_gated_delta_net must be at least that), or -1 with a message naming the row and the
 // rule it breaks in err (err_size bytes, NUL-terminated; err may be NULL).
 int64_t deltaspec_rows_plan(int64_t n_rows, const int32_t * parent, const int32_t * slot, const int32_t * flags,
-                            int64_t n_slots, int32_t * rows, char * err, size_t err_size);
+                            int64_t n_slots, int64_t n_positions, int32_t * rows, char * err, size_t err_size);
 
 // The recurrence (ggml_gated_delta_net's, scalar gate, S_k == S_v = S, H_v % H_k == 0, q/k head
 // h % H_k serving value head h):
@@ -106,7 +120,7 @@ int64_t deltaspec_rows_plan(int64_t n_rows, const int32_t * parent, const int32_
 //   beta  : F32 [1, H_v, R, 1] contiguous
 //   pool  : F32 [S, S, H_v, n_slots] contiguous, each head's state stored transposed as ggml stores
 //           it (element (i, j) of S at j * S + i); rewritten in place only by WRITE_BACK rows
-//   rows  : I32 [DELTASPEC_ROWS_N_COLS, R] from deltaspec_rows_plan
+//   rows  : I32 [DELTASPEC_ROWS_N_COLS, P >= R] from deltaspec_rows_plan
 //   n_saved: room for that many saved states (the plan's count, or more)
 // result: F32 [S * H_v, R + S * n_saved]: the output y of row r at [S * H_v, r] (ggml's
 //   [S, H_v, R] order; not written for skipped rows), then saved state k at
@@ -122,7 +136,7 @@ struct ggml_tensor * deltaspec_rows_gated_delta_net(struct ggml_context * ctx, s
 //           first; rewritten in place only by WRITE_BACK rows
 //   x     : F32 [C, R] (rows of C contiguous), this batch's inputs
 //   c     : F32 [Kc, C] contiguous, the conv weights (2 <= Kc <= DELTASPEC_ROWS_MAX_KC)
-//   rows  : I32 [DELTASPEC_ROWS_N_COLS, R] from deltaspec_rows_plan
+//   rows  : I32 [DELTASPEC_ROWS_N_COLS, P >= R] from deltaspec_rows_plan
 // result: F32 [C, R, 1]: y[c, r] = sum_j c[j, c] * w_r[j] over j = 0 .. Kc-1 in that order, w_r = the
 //   Kc-1 inputs before row r (its window) then x[:, r]; not written for skipped rows. ggml-cuda may
 //   fuse a following SILU (and a bias ADD before it) into the node, as it does for ggml_ssm_conv.

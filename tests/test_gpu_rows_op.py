@@ -15,7 +15,7 @@ that path, bitwise. Qwen3.5 and 3.6 have state 128 at every size.
 Against the CPU the bound is relative (expf, fused multiply-adds and the order of sums differ).
 
 Planted bugs (DELTASPEC_TEST_ROWS_BUG): cuda_continue (a branch keeps the state of the row walked
-before it instead of reloading its parent's: trees fail), cuda_short_window (the conv gathers only the
+before it instead of reloading its parent's: trees fail, split or not), cuda_short_window (the conv gathers only the
 parent: conv trees and chains longer than one row fail), and the CPU's (continue, slot0,
 no_write_back, short_window) for the CUDA-vs-CPU comparisons.
 """
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from deltaspec import _core
-from rows_op_cases import (KEEP_STATE, SAVED, START, WRITE_BACK, chain, chain_conv, chain_deltanet, conv_inputs,
+from rows_op_cases import (KEEP_STATE, SAVED, START, WALK_END, WRITE_BACK, chain, chain_conv, chain_deltanet, conv_inputs,
                            deltanet_inputs, paths, random_tree, rows_conv, rows_deltanet)
 
 
@@ -169,3 +169,30 @@ def test_cuda_conv_tree_and_slots():
                        [WRITE_BACK if r == accepted[-1] else 0 for r in range(R)])
     _, window = chain_conv("cpu", inp, accepted, 0)
     assert np.array_equal(replay["pool"][0], window) and np.array_equal(replay["pool"][1], inp["pool"][1])
+
+
+DDTREE_23 = [-1] + list(range(16)) + [0, 1, 17, 2, 18, 19]  # tree_verify_cost.py's 1 + 22 rows
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("tree", ["ddtree", "depth-first", "creation-order"])
+def test_cuda_split_walks_give_the_unsplit_bits(shape, tree):
+    """A tree walked as two walks at once (its deepest path and, in other thread blocks, the other
+    rows with their ancestors: deltaspec_rows.h) gives every row's output and every kept leaf state bit
+    for bit as one walk on CUDA does, beside a chain of another slot that writes back. The split must
+    happen (two walks for the tree's slot). Seen to fail with DELTASPEC_TEST_ROWS_BUG=cuda_continue."""
+    sh = SHAPES[shape]
+    rng = np.random.default_rng(11)
+    parent = DDTREE_23 if tree == "ddtree" else random_tree(rng, 23, tree == "depth-first")
+    T, C = len(parent), 5
+    leaves = {p[-1] for p in paths(parent)}
+    parent = parent + [-1] + [T + i for i in range(C - 1)]
+    slot = [0] * T + [1] * C
+    flags = [KEEP_STATE if r in leaves else 0 for r in range(T)] + [0] * (C - 1) + [WRITE_BACK]
+    inp = deltanet_inputs(rng, T + C, sh["S"], sh["H"], sh["Hk"], n_slots=2)
+    one = rows_deltanet("cuda", inp, parent, slot, flags)
+    two = rows_deltanet("cuda", inp, parent, slot, flags, split=True)
+    assert (two["rows"][:, WALK_END] >= 0).sum() == 3, "the tree's slot splits into two walks"
+    assert np.array_equal(two["y"], one["y"]) and np.array_equal(two["pool"], one["pool"])
+    for leaf in leaves:
+        assert np.array_equal(two["saved"][two["rows"][leaf, SAVED]], one["saved"][one["rows"][leaf, SAVED]])

@@ -200,7 +200,7 @@ BAD_DELTANET = [
     ("g per channel", dict(g=np.zeros((4, 4, 16), np.float32)), r"g must be contiguous \[1, H_v=4, R=4, 1\]"),
     ("pool state size", dict(pool=np.zeros((2, 4, 16, 8), np.float32)), r"pool must be contiguous \[S=16, S, H_v=4"),
     ("rows tensor vs v", dict(parent=[-1, 0, 1], slot=[0, 0, 0], flags=[0, 0, 0]),
-     r"rows must be a contiguous I32 tensor \[7, 4\]"),
+     r"rows must be a contiguous I32 tensor \[7, R = 4 \.\. 2 R\]"),
     ("too few saved states", dict(parent=[-1, 0, 0, 1], n_saved=0), r"n_saved 0 is less than the 2 saved states"),
 ]
 
@@ -245,3 +245,67 @@ def test_plan_of_a_tree():
     assert rows[:, START].tolist() == [-2, -2, -1, -1, 1, 0]
     assert rows[:2, WALK_END].tolist() == [1, 6] and (rows[2:, WALK_END] == -1).all()
     assert rows[:, FLAGS].tolist() == [0, 0, 0, 0, 1, 2]
+
+
+# DDTree's 1 + 22 rows as tree_verify_cost.py builds them: a 17-row chain, six side rows off its top
+DDTREE_23 = [-1] + list(range(16)) + [0, 1, 17, 2, 18, 19]
+
+
+def test_plan_splits_a_tree_into_two_walks():
+    """With room for more positions (the rows tensor's P = 2 R), the plan walks DDTree's 23-row tree
+    as its 17-row chain and, beside it, the six side rows with their three ancestors (9 rows) instead
+    of 23 rows in one walk; each walk starts at the root, and the side walk's branches start from the
+    states it saves itself. A chain, a slot with a write-back row and a plan without room are not
+    split. Seen to fail with DELTASPEC_TEST_ROWS_BUG=split_no_ancestors (the side walk without the
+    ancestors it shares with the chain: on the CPU, which runs the walks in order, its results would
+    still come out right; on CUDA it would read states the other walk may not have written yet)."""
+    R = len(DDTREE_23)
+    rows, n_saved = _core.rows_plan(i32(DDTREE_23), i32([0] * R), i32([0] * R), 1, split=True)
+    assert rows.shape == (2 * R, 7)
+    assert rows[:2, WALK_END].tolist() == [17, 26] and (rows[2:, WALK_END] == -1).all()
+    assert rows[:26, ORDER].tolist() == list(range(17)) + [0, 1, 2, 17, 18, 19, 20, 21, 22]
+    saved = rows[:R, SAVED]
+    assert n_saved == 6 and sorted(r for r in range(R) if saved[r] >= 0) == [0, 1, 2, 17, 18, 19]
+    start_of_side = [-2, -1, -1] + [saved[p] for p in (0, 1, 17, 2, 18, 19)]
+    assert rows[:17, START].tolist() == [-2] + [-1] * 16 and rows[17:26, START].tolist() == start_of_side
+
+    unsplit, _ = _core.rows_plan(i32(DDTREE_23), i32([0] * R), i32([0] * R), 1)
+    assert unsplit.shape == (R, 7) and unsplit[0, WALK_END] == R and unsplit[1, WALK_END] == -1
+    for parent, flags in ((chain(R), [0] * R), (DDTREE_23, [0] * (R - 1) + [WRITE_BACK])):
+        rows, _ = _core.rows_plan(i32(parent), i32([0] * R), i32(flags), 1, split=True)
+        assert rows[0, WALK_END] == R and (rows[1:, WALK_END] == -1).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("shape", ["ddtree", "depth-first", "creation-order"])
+def test_split_walks_give_the_unsplit_bits(seed, shape):
+    """A tree walked as two walks (its deepest path, and the other rows with their ancestors) gives
+    every row's output and every kept state bit for bit as one walk does, and so every path its
+    chain's; a second slot's chain beside it is left as it was. The split must happen (two walks for
+    the tree's slot), and each walk must stand alone: it starts at a root and walks every row's
+    parent before the row, so that walks running at once (CUDA) never wait on each other. Seen to
+    fail with DELTASPEC_TEST_ROWS_BUG=split_no_ancestors (the side walk starts at its first side row:
+    the bits still match on the CPU, the walks do not stand alone)."""
+    rng = np.random.default_rng(100 + seed)
+    S, H, Hk = 32, 4, 2
+    tree = DDTREE_23 if shape == "ddtree" else random_tree(rng, 23, shape == "depth-first")
+    T, C = len(tree), 5
+    parent = tree + [-1] + [T + i for i in range(C - 1)]  # then a 5-row chain of slot 1
+    slot = [0] * T + [1] * C
+    leaves = {p[-1] for p in paths(tree)}
+    flags = [KEEP_STATE if r in leaves else 0 for r in range(T)] + [0] * (C - 1) + [WRITE_BACK]
+    inp = deltanet_inputs(rng, T + C, S, H, Hk, n_slots=2)
+    one = rows_deltanet("cpu", inp, parent, slot, flags, n_threads=THREADS)
+    two = rows_deltanet("cpu", inp, parent, slot, flags, n_threads=THREADS, split=True)
+    walk_ends = two["rows"][:, WALK_END]
+    assert (walk_ends >= 0).sum() == 3 and (one["rows"][:, WALK_END] >= 0).sum() == 2, "the tree's slot splits"
+    assert walk_ends[2] == walk_ends[1] + C, "the chain's walk stays whole"
+    begin = 0
+    for end in walk_ends[walk_ends >= 0]:
+        walk = two["rows"][begin:end, ORDER].tolist()
+        assert parent[walk[0]] == -1 and all(parent[r] in walk[:i] for i, r in enumerate(walk) if i), walk
+        begin = end
+    assert np.array_equal(two["y"], one["y"])
+    assert np.array_equal(two["pool"], one["pool"])
+    for leaf in leaves:
+        assert np.array_equal(two["saved"][two["rows"][leaf, SAVED]], one["saved"][one["rows"][leaf, SAVED]])

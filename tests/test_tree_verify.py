@@ -343,3 +343,30 @@ def test_keep_paths_of_one_slot_equal_keep_path(path, pair):
     ref.reset()
     ref.eval(PREFIX + chain[:3] * 4)
     _assert_same_state(tree, ref)
+
+
+@pytest.mark.parametrize("shape", ["ddtree", "wide"])
+def test_split_walks_equal_one_walk(path, monkeypatch, shape):
+    """An engine whose rows plans split a tree into two walks (DELTASPEC_ROWS_SPLIT=1, what CUDA
+    engines do by default: deltaspec_rows.h) verifies the tree into the same logits, bitwise, as one
+    that walks it whole (=0), and keep_path then leaves the same sequence; the split must have
+    happened (tree_stats' split_walks). Seen to fail with Engine::rows_positions patched to give R
+    positions whatever the switch (no room: no split) and with DELTASPEC_TEST_ROWS_BUG=continue
+    (the split walk's branches continue the row walked before them)."""
+    tokens, parents = TREES[shape]
+    kw = dict(n_ctx=256, n_threads=1)
+    monkeypatch.setenv("DELTASPEC_ROWS_SPLIT", "1")
+    split = Model(path, **kw)
+    monkeypatch.setenv("DELTASPEC_ROWS_SPLIT", "0")
+    whole = Model(path, **kw)
+    with split, whole:
+        got, want = [], []
+        for model, out in ((split, got), (whole, want)):
+            model.eval(PREFIX)
+            engine = model._live()
+            out.append(engine.verify_tree(np.array(tokens, np.int32), np.array(parents, np.int32)))
+            engine.keep_path(np.array(_paths(parents)[-1], np.int32))
+            out.append(model.eval([99, 100]))
+        assert split._live().tree_stats["split_walks"] == 1 and whole._live().tree_stats["split_walks"] == 0
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+        _assert_same_state(split, whole)

@@ -16,8 +16,10 @@
 // point and one load per further child. The plan's per-position entries are read a window of 256
 // positions at a time into shared memory (one dependent-load stall per window), and each chunk's
 // entries travel with its staged inputs.
+// A slot's branches run in sequence within a walk; the plan may split one slot's tree into two walks
+// (its deepest path, and the other rows with their ancestors), which run in parallel blocks.
 // Not done (yet): a reloaded state's loads are not issued ahead of the row that needs them (one
-// global round trip per branch), and a walk's branches run in sequence, not in parallel blocks.
+// global round trip per branch).
 //
 // The conv. One thread per (channel, row): its window is gathered along its ancestors (parent
 // links read from the rows tensor, the same for a whole thread block) and from its slot's committed
@@ -184,7 +186,7 @@ __device__ __forceinline__ void store_columns(const float (&s)[kColumnsPerWarp][
     }
 }
 
-// grid (H, walks: min(R, n_slots), S / 16), block (32, 4): warp y of block z owns columns
+// grid (H, walks: min(P, n_slots + a split's), S / 16), block (32, 4): warp y of block z owns columns
 // 16 z + 4 y .. + 3 of head x's state through walk y's rows. Blocks past the last walk return.
 template <int S>
 __global__ void __launch_bounds__(kBlockThreads) rows_deltanet(const RowsArgs a) {
@@ -343,7 +345,9 @@ void deltaspec_rows_cuda_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_t
                   floats(q->nb[2]), floats(v->nb[1]), floats(v->nb[2]), floats(g->nb[1]), floats(g->nb[2]),
                   1.0f / sqrtf((float)S), planted("cuda_continue")};
     GGML_ASSERT(ggml_are_same_stride(q, dst->src[1]) && ggml_are_same_stride(g, dst->src[4]));
-    const int64_t n_walks_max = std::min(R, n_slots);  // a walk per slot that has rows
+    // a walk per slot that has rows, and a split one where the rows tensor has room for it
+    const int64_t P = dst->src[6]->ne[1];
+    const int64_t n_walks_max = std::min(P, n_slots + (P > R ? DELTASPEC_ROWS_EXTRA_WALKS : 0));
     GGML_ASSERT(n_walks_max <= 65535);
     switch (S) {
         case 32: launch_rows_deltanet<32>(a, n_walks_max, ctx.stream()); break;
