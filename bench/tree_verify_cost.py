@@ -18,6 +18,9 @@ median of --steps timings from Python after warm-up, at a context depth of --dep
   chain (its KV rows move);
 * chain verify of the same T: eval_verify_argmax + keep(1), the chain path generate() takes with
   tree_budget = 0 (our chain kernel on CUDA), for comparison.
+With --one-walk, the tree verifies are timed once more on a second load of the model whose rows
+plans never split a tree into two walks (DELTASPEC_ROWS_SPLIT=0: deltaspec_rows.h; a GPU engine
+splits by default), interleaved with the rest ("tree verify 1+N, one walk").
 --reps repetitions run interleaved (every measurement once, then again); the table shows the
 median over repetitions [min-max]. With --llama-bench, llama.cpp's cost of a T-token batch (pp T)
 and of a decode step (tg) at the same depth come from llama-bench in the same run (-fa 1, -ngl 99,
@@ -136,6 +139,22 @@ def measure_ours(engine, widths: list[int], steps: int, rng, mma_max_columns: in
     return out
 
 
+def measure_one_walk(engine, widths: list[int], steps: int, rng) -> dict[str, float]:
+    """One repetition of the tree verifies alone (ms), on an engine whose plans do not split."""
+    out = {}
+    for n in widths:
+        parents = np.array([-1] + [p + 1 for p in ddtree_parents(n)], dtype=np.int32)
+        tokens = rng.integers(0, engine.hparams_n_vocab, size=n + 1).astype(np.int32)
+
+        def tree_once():
+            engine.verify_tree(tokens, parents, argmax=True)
+            engine.keep_path(np.array([0], dtype=np.int32))
+
+        engine.reset_to(engine.depth)
+        out[f"tree verify 1+{n}, one walk"] = 1e3 * timed(tree_once, steps)
+    return out
+
+
 def off_chain_path(parents: np.ndarray) -> list[int] | None:
     """The longest root-to-leaf path (rows) that leaves the top-1 chain, at most 9 rows."""
     best = None
@@ -199,8 +218,12 @@ def main() -> int:
     ap.add_argument("--mma-max-columns", type=int, default=0, metavar="N",
                     help="CUDA: also time the verifies wider than 32 rows with products up to N columns on "
                          "deltaspec's tensor-core kernels (launches of up to 32) instead of ggml's mmq")
+    ap.add_argument("--one-walk", action="store_true",
+                    help="also time the tree verifies on a second load whose plans never split a walk")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results (default: %(default)s)")
     args = ap.parse_args()
+
+    import os
 
     from deltaspec import Model
 
@@ -212,17 +235,37 @@ def main() -> int:
     rng = np.random.default_rng(0)
     model = Model(args.model, n_ctx=args.depth + 1024, n_threads=args.threads, device=args.device, progress=False)
     engine = Engine(model, args.depth, rng)
+    one_walk = None
+    if args.one_walk:
+        before = os.environ.get("DELTASPEC_ROWS_SPLIT")
+        os.environ["DELTASPEC_ROWS_SPLIT"] = "0"  # read when the engine is built
+        try:
+            unsplit_model = Model(args.model, n_ctx=args.depth + 1024, n_threads=args.threads, device=args.device,
+                                  progress=False)
+        finally:
+            if before is None:
+                os.environ.pop("DELTASPEC_ROWS_SPLIT")
+            else:
+                os.environ["DELTASPEC_ROWS_SPLIT"] = before
+        one_walk = Engine(unsplit_model, args.depth, rng)
     for _ in range(3):  # warm-up: graphs built, CUDA graphs captured
         measure_ours(engine, widths, 2, rng, args.mma_max_columns)
+        if one_walk:
+            measure_one_walk(one_walk, widths, 2, rng)
     runs = []
     for rep in range(args.reps):
         print(f"repetition {rep + 1} of {args.reps}", file=sys.stderr, flush=True)
-        runs.append({"side": "deltaspec", "rep": rep + 1,
-                     "ms": measure_ours(engine, widths, args.steps, rng, args.mma_max_columns)})
+        ms = measure_ours(engine, widths, args.steps, rng, args.mma_max_columns)
+        if one_walk:
+            ms.update(measure_one_walk(one_walk, widths, args.steps, rng))
+        runs.append({"side": "deltaspec", "rep": rep + 1, "ms": ms})
         if args.llama_bench:
             runs.append({"side": "llama.cpp", "rep": rep + 1,
                          "ms": measure_llama(args.llama_bench, args.model, widths, args.depth)})
+    split_walks = engine.tree_stats["split_walks"]  # verifies whose plan split the tree (0 on the CPU)
     model.close()
+    if one_walk:
+        unsplit_model.close()
 
     def values(side, name):
         return [r["ms"][name] for r in runs if r["side"] == side and name in r["ms"]]
@@ -241,7 +284,8 @@ def main() -> int:
                              steps=statistics.median(v) / l_step))
 
     print(f"Tree verify cost on {Path(args.model).name}, device {args.device}, depth {args.depth}; "
-          f"ms = median over {args.reps} interleaved repetitions [min-max] of medians of {args.steps}\n")
+          f"ms = median over {args.reps} interleaved repetitions [min-max] of medians of {args.steps}; "
+          f"{split_walks} tree verifies split into two walks\n")
     print("| side | what | ms | x own decode step |")
     print("|---|---|---:|---:|")
     for r in rows:
@@ -253,7 +297,7 @@ def main() -> int:
     commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     meta = dict(model=str(args.model), device=args.device, depth=args.depth, steps=args.steps, reps=args.reps,
-                widths=widths, machine=platform.node(), date=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                widths=widths, split_walks=split_walks, machine=platform.node(), date=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                 commit=commit or None, llama_bench=args.llama_bench)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows, runs=runs), indent=1) + "\n")
