@@ -75,7 +75,8 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
         // with the heads already, so its recomputed ancestors would only add work. DELTASPEC_ROWS_SPLIT
         // = 0 / 1 decides instead (to compare, or to run the split plans on the CPU).
         const char * split_env = std::getenv("DELTASPEC_ROWS_SPLIT");
-        split_walks_ = split_env != nullptr && *split_env != '\0' ? std::strcmp(split_env, "0") != 0 : backend_ != backend_cpu_;
+        split_walks_ = split_env != nullptr && *split_env != '\0' ? std::strcmp(split_env, "0") != 0
+                                                                 : backend_ != backend_cpu_;
         const LayerSplit * split = split_.active() ? &split_ : nullptr;
         load_weights(weights_, path, hp_, backend_, env_on("DELTASPEC_STACK_PROJECTIONS"), opts.progress, split);
         allocate_state(pool_, hp_, opts.n_ctx, opts.n_seq_max, opts.type_k, opts.type_v, opts.n_slots, backend_,

@@ -34,8 +34,8 @@ struct StepInputs {
     // A tree verify batch (one sequence): the DeltaNet layers run the parent-indexed rows ops
     // (ggml/deltaspec_rows.h) over the pool, reading the slot's committed state and writing nothing,
     // each row starting from its parent row's state; rows is their plan (I32 [DELTASPEC_ROWS_N_COLS, P],
-    // deltaspec_rows_plan's, P >= T its room for walk positions), n_saved the room for states kept at branch points (T: any tree of T rows
-    // fits, so one graph serves every tree of that size). kq_mask then shows each row the slot's
+    // deltaspec_rows_plan's, P >= T its room for walk positions), n_saved the room for states kept at
+    // branch points (T: any tree of T rows fits, so one graph serves every tree of that size). kq_mask then shows each row the slot's
     // committed KV rows and its own ancestors' (Engine::verify_tree); keep_states is set too.
     ggml_tensor * rows = nullptr;
     int64_t n_saved = 0;
