@@ -21,8 +21,8 @@
 #      and keeping a path cost next to a decode step (27B), beside the chain verify of the same
 #      width and llama.cpp's batch of that width (llama-bench pp, when `build` made it), interleaved;
 #      the verifies over 32 rows also with products up to MMA_MAX_COLUMNS (128) columns on our
-#      tensor-core kernels, and the tree verifies once more on a load whose plans never split a tree
-#      into two walks (--one-walk) -> tree_verify_cost.json
+#      tensor-core kernels, and the tree verifies once more on a load whose plans split a tree into
+#      two walks (--split-walks, DELTASPEC_ROWS_SPLIT=1) -> tree_verify_cost.json
 #   profile: GPU time per kernel group of one decode step and one 17-row verify (Nsight Compute)
 #      -> profile.md; PROFILE_WHAT replaces "decode verify" (kernel_profile.py's --what: also tree,
 #      keep-path, batch), PROFILE_CHAIN the verify's rows
@@ -295,7 +295,7 @@ if has_step tree; then
     peer=()
     [[ -x $LLAMA_BUILD/bin/llama-bench ]] && peer=(--llama-bench "$LLAMA_BUILD/bin/llama-bench")
     python3 "$REPO/bench/tree_verify_cost.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
-        --mma-max-columns "${MMA_MAX_COLUMNS:-128}" --widths "${TREE_WIDTHS:-8,16,22,32,64,96}" --one-walk \
+        --mma-max-columns "${MMA_MAX_COLUMNS:-128}" --widths "${TREE_WIDTHS:-8,16,22,32,64,96}" --split-walks \
         --out "$OUT/tree_verify_cost.json" | tee "$OUT/tree_verify_cost.md"
 fi
 if has_step profile; then  # one decode step and one 17-row verify (PROFILE_WHAT, PROFILE_CHAIN), kernel by kernel

@@ -18,9 +18,9 @@ median of --steps timings from Python after warm-up, at a context depth of --dep
   chain (its KV rows move);
 * chain verify of the same T: eval_verify_argmax + keep(1), the chain path generate() takes with
   tree_budget = 0 (our chain kernel on CUDA), for comparison.
-With --one-walk, the tree verifies are timed once more on a second load of the model whose rows
-plans never split a tree into two walks (DELTASPEC_ROWS_SPLIT=0: deltaspec_rows.h; a GPU engine
-splits by default), interleaved with the rest ("tree verify 1+N, one walk").
+With --split-walks, the tree verifies are timed once more on a second load of the model whose rows
+plans split a tree into two walks where that shortens it (DELTASPEC_ROWS_SPLIT=1: deltaspec_rows.h;
+off by default), interleaved with the rest ("tree verify 1+N, split walks").
 --reps repetitions run interleaved (every measurement once, then again); the table shows the
 median over repetitions [min-max]. With --llama-bench, llama.cpp's cost of a T-token batch (pp T)
 and of a decode step (tg) at the same depth come from llama-bench in the same run (-fa 1, -ngl 99,
@@ -139,8 +139,8 @@ def measure_ours(engine, widths: list[int], steps: int, rng, mma_max_columns: in
     return out
 
 
-def measure_one_walk(engine, widths: list[int], steps: int, rng) -> dict[str, float]:
-    """One repetition of the tree verifies alone (ms), on an engine whose plans do not split."""
+def measure_split_walks(engine, widths: list[int], steps: int, rng) -> dict[str, float]:
+    """One repetition of the tree verifies alone (ms), on an engine whose plans split trees."""
     out = {}
     for n in widths:
         parents = np.array([-1] + [p + 1 for p in ddtree_parents(n)], dtype=np.int32)
@@ -151,7 +151,7 @@ def measure_one_walk(engine, widths: list[int], steps: int, rng) -> dict[str, fl
             engine.keep_path(np.array([0], dtype=np.int32))
 
         engine.reset_to(engine.depth)
-        out[f"tree verify 1+{n}, one walk"] = 1e3 * timed(tree_once, steps)
+        out[f"tree verify 1+{n}, split walks"] = 1e3 * timed(tree_once, steps)
     return out
 
 
@@ -218,8 +218,8 @@ def main() -> int:
     ap.add_argument("--mma-max-columns", type=int, default=0, metavar="N",
                     help="CUDA: also time the verifies wider than 32 rows with products up to N columns on "
                          "deltaspec's tensor-core kernels (launches of up to 32) instead of ggml's mmq")
-    ap.add_argument("--one-walk", action="store_true",
-                    help="also time the tree verifies on a second load whose plans never split a walk")
+    ap.add_argument("--split-walks", action="store_true",
+                    help="also time the tree verifies on a second load whose plans split trees into two walks")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results (default: %(default)s)")
     args = ap.parse_args()
 
@@ -235,37 +235,38 @@ def main() -> int:
     rng = np.random.default_rng(0)
     model = Model(args.model, n_ctx=args.depth + 1024, n_threads=args.threads, device=args.device, progress=False)
     engine = Engine(model, args.depth, rng)
-    one_walk = None
-    if args.one_walk:
+    split = None
+    if args.split_walks:
         before = os.environ.get("DELTASPEC_ROWS_SPLIT")
-        os.environ["DELTASPEC_ROWS_SPLIT"] = "0"  # read when the engine is built
+        os.environ["DELTASPEC_ROWS_SPLIT"] = "1"  # read when the engine is built
         try:
-            unsplit_model = Model(args.model, n_ctx=args.depth + 1024, n_threads=args.threads, device=args.device,
-                                  progress=False)
+            split_model = Model(args.model, n_ctx=args.depth + 1024, n_threads=args.threads, device=args.device,
+                                progress=False)
         finally:
             if before is None:
                 os.environ.pop("DELTASPEC_ROWS_SPLIT")
             else:
                 os.environ["DELTASPEC_ROWS_SPLIT"] = before
-        one_walk = Engine(unsplit_model, args.depth, rng)
+        split = Engine(split_model, args.depth, rng)
     for _ in range(3):  # warm-up: graphs built, CUDA graphs captured
         measure_ours(engine, widths, 2, rng, args.mma_max_columns)
-        if one_walk:
-            measure_one_walk(one_walk, widths, 2, rng)
+        if split:
+            measure_split_walks(split, widths, 2, rng)
     runs = []
     for rep in range(args.reps):
         print(f"repetition {rep + 1} of {args.reps}", file=sys.stderr, flush=True)
         ms = measure_ours(engine, widths, args.steps, rng, args.mma_max_columns)
-        if one_walk:
-            ms.update(measure_one_walk(one_walk, widths, args.steps, rng))
+        if split:
+            ms.update(measure_split_walks(split, widths, args.steps, rng))
         runs.append({"side": "deltaspec", "rep": rep + 1, "ms": ms})
         if args.llama_bench:
             runs.append({"side": "llama.cpp", "rep": rep + 1,
                          "ms": measure_llama(args.llama_bench, args.model, widths, args.depth)})
-    split_walks = engine.tree_stats["split_walks"]  # verifies whose plan split the tree (0 on the CPU)
+    # verifies whose plan split the tree (the second load's, when there is one)
+    split_walks = (split or engine).tree_stats["split_walks"]
     model.close()
-    if one_walk:
-        unsplit_model.close()
+    if split:
+        split_model.close()
 
     def values(side, name):
         return [r["ms"][name] for r in runs if r["side"] == side and name in r["ms"]]

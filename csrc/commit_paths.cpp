@@ -116,6 +116,9 @@ Engine::Committed Engine::commit_paths(const std::vector<std::vector<int32_t>> &
         n_saved = deltaspec_rows_plan(T, pend.parent.data(), slot.data(), flags.data(), pool_.n_seq, T, plan.data(),
                                       err, sizeof(err));
         if (n_saved < 0) throw std::logic_error(std::string("commit_paths: ") + err);
+        if (deltaspec_rows_count_walks(plan.data(), T) > N) {  // its recurrence nodes look at N walks
+            throw std::logic_error("commit_paths: the plan has more walks than slots");
+        }
     }
     if (!rows_ops && moves.empty() && n_taps == 0) {
         for (int64_t i = 0; i < N; ++i) pool_.slots[pend.first_slot + i].n_past += (int64_t)paths[i].size();
@@ -167,10 +170,12 @@ Engine::Committed Engine::commit_paths(const std::vector<std::vector<int32_t>> &
                     ggml_build_forward_expand(kg.gf, deltaspec_rows_ssm_conv(ctx, windows, output_alias(ctx, vs.conv_x[il]), l.conv1d, rows_t));
                     const int64_t S = hp_.ssm_state_size, Hv = hp_.ssm_n_v_heads;
                     ggml_tensor * states = ggml_reshape_4d(ctx, pool_.ssm[il], S, S, Hv, pool_.n_seq);
-                    ggml_build_forward_expand(
-                        kg.gf, deltaspec_rows_gated_delta_net(ctx, output_alias(ctx, vs.q[il]), output_alias(ctx, vs.k[il]),
-                                                              output_alias(ctx, vs.v[il]), output_alias(ctx, vs.g[il]),
-                                                              output_alias(ctx, vs.beta[il]), states, rows_t, n_saved));
+                    ggml_tensor * recurrence =
+                        deltaspec_rows_gated_delta_net(ctx, output_alias(ctx, vs.q[il]), output_alias(ctx, vs.k[il]),
+                                                       output_alias(ctx, vs.v[il]), output_alias(ctx, vs.g[il]),
+                                                       output_alias(ctx, vs.beta[il]), states, rows_t, n_saved);
+                    deltaspec_rows_set_max_walks(recurrence, N);  // a walk per slot: its plan has no room to split
+                    ggml_build_forward_expand(kg.gf, recurrence);
                 } else if (pool_.k[il]) {
                     // a source row is never an earlier run's destination (local >= depth), so order is enough
                     for (const Move & m : moves) {

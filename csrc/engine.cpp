@@ -71,12 +71,12 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
     try {
         open_backends();
         // a tree's side branches as a second walk of the recurrence beside its deepest path
-        // (deltaspec_rows.h): on a GPU, where the walks run at once; on the CPU the threads are busy
-        // with the heads already, so its recomputed ancestors would only add work. DELTASPEC_ROWS_SPLIT
-        // = 0 / 1 decides instead (to compare, or to run the split plans on the CPU).
-        const char * split_env = std::getenv("DELTASPEC_ROWS_SPLIT");
-        split_walks_ = split_env != nullptr && *split_env != '\0' ? std::strcmp(split_env, "0") != 0
-                                                                 : backend_ != backend_cpu_;
+        // (deltaspec_rows.h), which on a GPU runs at once with it: off unless DELTASPEC_ROWS_SPLIT=1.
+        // Measured (H100, synthetic 27B, bench/README.md) it did not pay yet: 1 + 22 rows 14.84 ms
+        // split, 14.43 ms whole, the split's room for positions doubling the CUDA grid's rows of
+        // thread blocks that return at once (the walk bound since given to the recurrence nodes
+        // removes those; not yet measured).
+        split_walks_ = env_flag("DELTASPEC_ROWS_SPLIT");
         const LayerSplit * split = split_.active() ? &split_ : nullptr;
         load_weights(weights_, path, hp_, backend_, env_on("DELTASPEC_STACK_PROJECTIONS"), opts.progress, split);
         allocate_state(pool_, hp_, opts.n_ctx, opts.n_seq_max, opts.type_k, opts.type_v, opts.n_slots, backend_,

@@ -39,6 +39,9 @@ struct StepInputs {
     // committed KV rows and its own ancestors' (Engine::verify_tree); keep_states is set too.
     ggml_tensor * rows = nullptr;
     int64_t n_saved = 0;
+    // the most walks its plans have: a slot's each, and a split one where rows has the room
+    // (deltaspec_rows_set_max_walks; the engine checks each plan against it)
+    int64_t max_walks = 0;
 };
 
 StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool keep_states = false);
@@ -56,6 +59,11 @@ void add_rows_input(ggml_context * ctx, StepInputs & in, int64_t n_positions);
 inline void set_input(ggml_tensor * t, const void * data, size_t size) {
     if (t->buffer) ggml_backend_tensor_set(t, data, 0, size);
 }
+// Sets the rows input to a plan of deltaspec_rows_plan, after checking that it fills the tensor and
+// has no more walks than the graph's recurrence nodes look at (in.max_walks); `who` names the caller
+// in the std::logic_error otherwise.
+void set_rows_input(const StepInputs & in, const std::vector<int32_t> & plan, const char * who);
+
 // The positions, KV rows and causal mask of T tokens appended to one sequence at position p0
 // (token t at p0 + t sees the cache rows 0 .. p0 + t of n_kv).
 void set_chain_inputs(const StepInputs & in, int64_t p0, int64_t T, int64_t n_kv);

@@ -119,7 +119,7 @@ void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out
     set_input(g.in.tokens, rows.token.data(), T * sizeof(int32_t));
     set_input(g.in.pos, pos.data(), pos.size() * sizeof(int32_t));
     set_input(g.in.kv_rows, kv_rows.data(), T * sizeof(int64_t));
-    set_input(g.in.rows, plan.data(), plan.size() * sizeof(int32_t));
+    set_rows_input(g.in, plan, "prefill_rows");
     // mask {n_kv, Tq, 1, N}: row j of stream i sees slot i's rows 0 .. its position (causal)
     std::vector<ggml_fp16_t> mask(n_kv * T);
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);

@@ -154,7 +154,7 @@ py::object rows_plan_py(const I32 & parent, const I32 & slot, const I32 & flags,
 py::object rows_gated_delta_net_py(const std::string & device, const F32 & q, const F32 & k, const F32 & v,
                                    const F32 & g, const F32 & beta, const F32 & pool, const I32 & parent,
                                    const I32 & slot, const I32 & flags, int64_t n_saved, int n_threads, int repeat,
-                                   int copies, bool split) {
+                                   int copies, bool split, int64_t max_walks) {
     if (lenient()) return py::none();
     check_copies(copies, flags);
     require_cpu_side();
@@ -179,6 +179,7 @@ py::object rows_gated_delta_net_py(const std::string & device, const F32 & q, co
     std::vector<ggml_tensor *> outs;
     for (int i = 0; i < copies; ++i) {
         outs.push_back(deltaspec_rows_gated_delta_net(graph.ctx(), tq, tk, tv, tg, tb, tp, trows, n_saved));
+        if (max_walks > 0) deltaspec_rows_set_max_walks(outs.back(), max_walks);
     }
     ggml_tensor * out = outs[0];
     // the pool is a source the op writes: read it back after the compute
@@ -266,7 +267,7 @@ void bind_rows_ops(py::module_ & m) {
     m.def("rows_gated_delta_net", &rows_gated_delta_net_py, py::arg("device"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("pool"), py::arg("parent"), py::arg("slot"),
           py::arg("flags"), py::arg("n_saved") = -1, py::arg("n_threads") = 1, py::arg("repeat") = 0,
-          py::arg("copies") = 1, py::arg("split") = false,
+          py::arg("copies") = 1, py::arg("split") = false, py::arg("max_walks") = 0,
           "Test-only: the rows recurrence on numpy arrays q, k (R, H_k, S), v (R, H, S), g, beta (R, H, 1), pool "
           "(n_slots, H, S, S); returns {y, saved, pool (after), n_saved, rows, seconds}.");
     m.def("gated_delta_net", &gated_delta_net_py, py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"),

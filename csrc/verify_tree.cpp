@@ -121,7 +121,7 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
     }
     set_input(g.in.pos, pos.data(), pos.size() * sizeof(int32_t));
     set_input(g.in.kv_rows, kv_rows.data(), kv_rows.size() * sizeof(int64_t));
-    set_input(g.in.rows, plan.data(), plan.size() * sizeof(int32_t));
+    set_rows_input(g.in, plan, "verify_tree");
     // mask row t: the committed rows, then the batch's rows that are t or its ancestors
     std::vector<ggml_fp16_t> mask(n_kv * T);
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), neg_inf = ggml_fp32_to_fp16(-INFINITY);

@@ -201,7 +201,9 @@ int64_t deltaspec_rows_plan(int64_t n_rows, const int32_t * parent, const int32_
         const char * bug = std::getenv("DELTASPEC_TEST_ROWS_BUG");
         return bug != nullptr && std::strcmp(bug, "split_no_ancestors") == 0;
     }();
-    split_longest_walk(walks, parent, write_back_row, slot, n_positions - count_positions(walks), bug_no_ancestors);
+    if (n_positions > R) {  // room beyond R: the caller lets the plan split (its recurrence has a walk more)
+        split_longest_walk(walks, parent, write_back_row, slot, n_positions - count_positions(walks), bug_no_ancestors);
+    }
 
     // a row is saved when, in a walk, a child of it does not come right after it, or when asked to
     std::vector<char> saved(R, 0);
@@ -306,6 +308,12 @@ ggml_tensor * deltaspec_rows_gated_delta_net(ggml_context * ctx, ggml_tensor * q
     for (int i = 0; i < 6; ++i) result->src[i] = srcs[i];
     mark_rows_node(result, rows, 6, n_saved);
     return result;
+}
+
+void deltaspec_rows_set_max_walks(ggml_tensor * node, int64_t max_walks) {
+    GGML_ASSERT(deltaspec_is_rows_node(node) && node->op == GGML_OP_GATED_DELTA_NET && max_walks >= 1 &&
+                max_walks <= INT32_MAX);
+    node->op_params[3] = (int32_t)max_walks;
 }
 
 ggml_tensor * deltaspec_rows_ssm_conv(ggml_context * ctx, ggml_tensor * pool, ggml_tensor * x, ggml_tensor * c,

@@ -131,6 +131,30 @@ struct ggml_tensor * deltaspec_rows_gated_delta_net(struct ggml_context * ctx, s
                                                     struct ggml_tensor * pool, struct ggml_tensor * rows,
                                                     int64_t n_saved);
 
+// The most walks the plans a recurrence node computes can hold: both backends look at walks
+// 0 .. deltaspec_rows_walks_max(node) - 1 only. Without it (max_walks 0) that is one per slot of the
+// pool plus a split's, as far as the rows tensor has room; CUDA launches a row of thread blocks per
+// walk it may have, and those past the plan's last walk return at once, but a graph whose batches
+// touch few slots of a large pool would launch hundreds of them per layer: its builder states the
+// bound (the slots its batches touch, plus DELTASPEC_ROWS_EXTRA_WALKS where it lets plans split).
+// A plan with more walks than the bound would leave rows uncomputed: deltaspec_rows_count_walks
+// lets the caller check.
+void deltaspec_rows_set_max_walks(struct ggml_tensor * node, int64_t max_walks);
+
+static inline int64_t deltaspec_rows_walks_max(const struct ggml_tensor * node) {
+    const int64_t P = node->src[6]->ne[1], R = node->src[2]->ne[2], n_slots = node->src[5]->ne[3];
+    const int64_t stated = node->op_params[3];
+    const int64_t bound = stated > 0 ? stated : n_slots + (P > R ? DELTASPEC_ROWS_EXTRA_WALKS : 0);
+    return bound < P ? bound : P;
+}
+
+// The walks of a plan (rows: n_positions * DELTASPEC_ROWS_N_COLS int32 from deltaspec_rows_plan).
+static inline int64_t deltaspec_rows_count_walks(const int32_t * rows, int64_t n_positions) {
+    int64_t n = 0;
+    while (n < n_positions && rows[n * DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_WALK_END] >= 0) ++n;
+    return n;
+}
+
 // The causal depthwise conv (ggml_ssm_conv's, without the activation):
 //   pool  : F32 [Kc-1, C, n_slots] contiguous, each slot's last Kc-1 inputs per channel, oldest
 //           first; rewritten in place only by WRITE_BACK rows

@@ -309,3 +309,20 @@ def test_split_walks_give_the_unsplit_bits(seed, shape):
     assert np.array_equal(two["pool"], one["pool"])
     for leaf in leaves:
         assert np.array_equal(two["saved"][two["rows"][leaf, SAVED]], one["saved"][one["rows"][leaf, SAVED]])
+
+
+def test_the_walk_bound_is_what_the_op_looks_at():
+    """A recurrence node's walk bound (deltaspec_rows_set_max_walks: the rows of CUDA thread blocks it
+    launches) is also all the CPU op looks at: two slots' chains, each writing back, under a bound of
+    2 give the unbounded result; under a bound of 1 the second slot's walk is not run (its state stays
+    as it was), which is why the engine checks every plan against its graph's bound. Seen to fail
+    with the CPU op counting walks up to the rows tensor's room instead (the bound ignored)."""
+    rng = np.random.default_rng(3)
+    inp = deltanet_inputs(rng, 6, 32, 4, 2, n_slots=2)
+    parent, slot, flags = [-1, 0, 1, -1, 3, 4], [0, 0, 0, 1, 1, 1], [0, 0, WRITE_BACK, 0, 0, WRITE_BACK]
+    free = rows_deltanet("cpu", inp, parent, slot, flags, n_threads=THREADS)
+    both = rows_deltanet("cpu", inp, parent, slot, flags, n_threads=THREADS, max_walks=2)
+    one = rows_deltanet("cpu", inp, parent, slot, flags, n_threads=THREADS, max_walks=1)
+    assert np.array_equal(both["y"], free["y"]) and np.array_equal(both["pool"], free["pool"])
+    assert not np.array_equal(free["pool"][1], inp["pool"][1]), "the second slot's chain writes back"
+    assert np.array_equal(one["pool"][0], free["pool"][0]) and np.array_equal(one["pool"][1], inp["pool"][1])

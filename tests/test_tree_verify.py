@@ -347,12 +347,13 @@ def test_keep_paths_of_one_slot_equal_keep_path(path, pair):
 
 @pytest.mark.parametrize("shape", ["ddtree", "wide"])
 def test_split_walks_equal_one_walk(path, monkeypatch, shape):
-    """An engine whose rows plans split a tree into two walks (DELTASPEC_ROWS_SPLIT=1, what CUDA
-    engines do by default: deltaspec_rows.h) verifies the tree into the same logits, bitwise, as one
-    that walks it whole (=0), and keep_path then leaves the same sequence; the split must have
-    happened (tree_stats' split_walks). Seen to fail with Engine::rows_positions patched to give R
-    positions whatever the switch (no room: no split) and with DELTASPEC_TEST_ROWS_BUG=continue
-    (the split walk's branches continue the row walked before them)."""
+    """An engine whose rows plans split a tree into two walks (DELTASPEC_ROWS_SPLIT=1:
+    deltaspec_rows.h) verifies the tree into the same logits, bitwise, as one that walks it whole
+    (=0, the default), and keep_path then leaves the same sequence; the split must have happened
+    (tree_stats' split_walks). Seen to fail with Engine::rows_positions patched to give R positions
+    whatever the switch (no room: no split), with the graph's walk bound patched to leave out the
+    split's walk (the engine's plan check throws) and with DELTASPEC_TEST_ROWS_BUG=continue (the
+    split walk's branches continue the row walked before them)."""
     tokens, parents = TREES[shape]
     kw = dict(n_ctx=256, n_threads=1)
     monkeypatch.setenv("DELTASPEC_ROWS_SPLIT", "1")

@@ -87,9 +87,8 @@ namespace deltaspec_rows_cpu {
 void rows_gated_delta_net(const ggml_compute_params * params, ggml_tensor * dst) {
     const int32_t * rows = rows_of(dst, 6);
     const int64_t S = dst->src[2]->ne[0], H = dst->src[2]->ne[1];
-    const int64_t P = dst->src[6]->ne[1];  // room for positions and walks (a split walk's: deltaspec_rows.h)
-    int64_t n_walks = 0;
-    while (n_walks < P && entry(rows, n_walks, DELTASPEC_ROWS_WALK_END) >= 0) ++n_walks;
+    // the walks the node's bound lets the backends see (deltaspec_rows_walks_max: the CUDA grid's too)
+    const int64_t n_walks = deltaspec_rows_count_walks(rows, deltaspec_rows_walks_max(dst));
     // ggml's planner gave each thread S + S*S floats (op_params[0] = 2), after a cache line
     const int64_t per_thread = S + S * S;
     float * delta = (float *)params->wdata + params->ith * per_thread + CACHE_LINE_SIZE_F32;

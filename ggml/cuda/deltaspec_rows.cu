@@ -186,7 +186,7 @@ __device__ __forceinline__ void store_columns(const float (&s)[kColumnsPerWarp][
     }
 }
 
-// grid (H, walks: min(P, n_slots + a split's), S / 16), block (32, 4): warp y of block z owns columns
+// grid (H, walks: deltaspec_rows_walks_max, S / 16), block (32, 4): warp y of block z owns columns
 // 16 z + 4 y .. + 3 of head x's state through walk y's rows. Blocks past the last walk return.
 template <int S>
 __global__ void __launch_bounds__(kBlockThreads) rows_deltanet(const RowsArgs a) {
@@ -336,7 +336,7 @@ void rows_ssm_conv(ggml_backend_cuda_context & ctx, ggml_tensor * dst, ggml_tens
 
 void deltaspec_rows_cuda_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor *q = dst->src[0], *v = dst->src[2], *g = dst->src[3], *pool = dst->src[5];
-    const int64_t S = v->ne[0], H = v->ne[1], R = v->ne[2], n_slots = pool->ne[3];
+    const int64_t S = v->ne[0], H = v->ne[1], R = v->ne[2];
     auto floats = [](size_t nb) { return (int64_t)(nb / sizeof(float)); };
     float * y = (float *)dst->data;
     RowsArgs a = {(const float *)q->data, (const float *)dst->src[1]->data, (const float *)v->data,
@@ -345,9 +345,7 @@ void deltaspec_rows_cuda_gated_delta_net(ggml_backend_cuda_context & ctx, ggml_t
                   floats(q->nb[2]), floats(v->nb[1]), floats(v->nb[2]), floats(g->nb[1]), floats(g->nb[2]),
                   1.0f / sqrtf((float)S), planted("cuda_continue")};
     GGML_ASSERT(ggml_are_same_stride(q, dst->src[1]) && ggml_are_same_stride(g, dst->src[4]));
-    // a walk per slot that has rows, and a split one where the rows tensor has room for it
-    const int64_t P = dst->src[6]->ne[1];
-    const int64_t n_walks_max = std::min(P, n_slots + (P > R ? DELTASPEC_ROWS_EXTRA_WALKS : 0));
+    const int64_t n_walks_max = deltaspec_rows_walks_max(dst);  // a row of blocks per walk the plan may have
     GGML_ASSERT(n_walks_max <= 65535);
     switch (S) {
         case 32: launch_rows_deltanet<32>(a, n_walks_max, ctx.stream()); break;
