@@ -40,6 +40,9 @@
 #      (bench/invariance_probe.py --shapes: about 15 GB of models in /tmp/shapes, each written when
 #      its turn comes, the JSON rewritten after every probe, so a run cut short keeps what it probed)
 #      -> invariance_shapes.json
+#   products: the same question of one weight product alone (bench/invariance_probe.py --products:
+#      Q4_K and Q6_K, K = 1024 .. 5120, 12 columns in one product against each alone, default and
+#      batch-invariant) -> invariance_products.json
 #   batchspec: aggregate decode tok/s with prompt-lookup speculation across 1/4/16 sequences
 #      (bench/batch_spec_bench.py: plain, own-text lookup, a reference holding the plain output, the
 #      same with every 4th token wrong), llama-batched-bench's plain rows beside them when `build`
@@ -103,7 +106,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant shapes
+# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant shapes products
 #   dflash profile server server-spec tq tq-test toprows graphcache hostsample layersplit constraints
 # (default: build test bench)
 set -euo pipefail
@@ -352,6 +355,10 @@ if has_step shapes; then
     # shellcheck disable=SC2086  # SHAPES_ARGS: split on spaces
     python3 "$REPO/bench/invariance_probe.py" --shapes /tmp/shapes --base 27b --small 0.8b --context 0 600 \
         --variants "${shape_variants[@]}" ${SHAPES_ARGS:-} --out "$OUT/invariance_shapes.json"
+fi
+if has_step products; then  # the weight products alone: a batch's columns against each alone, K up to 5120
+    python3 "$REPO/bench/invariance_probe.py" --products --device cuda --types q4_K q6_K \
+        --embd-widths 1024 2048 3072 4096 5120 --out "$OUT/invariance_products.json"
 fi
 if has_step batchspec; then
     peer=()

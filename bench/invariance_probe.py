@@ -12,6 +12,13 @@ each. A model that parts while its neighbour with one width changed does not nam
 whose kernels are not invariant; the variants then name the kernel (k-split, DeltaNet).
 
     python bench/invariance_probe.py --shapes /tmp/shapes --base 27b --variants "" "DELTASPEC_MMA_K_SPLIT=1"
+
+`--products` looks at one piece instead: a weight product alone (random weights quantized to each
+--types, K from --embd-widths, --rows-out output rows), its --rows columns in one product
+against each column alone, with and without the batch-invariant registration, and prints the
+largest difference of each (the bisection found the embedding width: is it the products with that K?).
+
+    python bench/invariance_probe.py --products --types q4_K q6_K --embd-widths 1024 2048 5120
 """
 
 from __future__ import annotations
@@ -78,6 +85,30 @@ def shape_models(folder: str, base: str, small: str, embd_widths: Iterable[int] 
         yield label, path
 
 
+def probe_products(types: list[str], widths: list[int], rows: int, n_cols: int, device: str,
+                   out_path: str | None) -> list[dict]:
+    """Each type and K: max |one product of n_cols columns - each column alone|, default and batch-invariant."""
+    import numpy as np
+
+    from deltaspec import _core
+
+    results = []
+    rng = np.random.default_rng(0)
+    for type_name, k in itertools.product(types, widths):
+        w = rng.standard_normal((rows, k), dtype=np.float32)
+        x = rng.standard_normal((n_cols, k), dtype=np.float32)
+        row = {"type": type_name, "K": k, "rows": rows, "columns": n_cols}
+        for invariant in (False, True):
+            got = _core.matmul_columns(device, w, type_name, x, batch_invariant=invariant)
+            row["invariant" if invariant else "default"] = float(np.abs(got["batch"] - got["alone"]).max())
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(results, f, indent=2)
+    return results
+
+
 def probe(models: Iterable[tuple[str, str]], variants: list[str], rows: int, contexts: list[int], device: str,
           out_path: str | None) -> list[dict]:
     """Each model under each variant at each context; the JSON file is rewritten after every row."""
@@ -107,6 +138,9 @@ def main() -> None:
     ap.add_argument("--embd-widths", type=int, nargs="*", default=[],
                     help="--shapes: also the base with each of these embedding widths")
     ap.add_argument("--only", nargs="*", default=[], help="--shapes: only the models of these labels")
+    ap.add_argument("--products", action="store_true", help="probe weight products alone (see above)")
+    ap.add_argument("--types", nargs="+", default=["q4_K", "q6_K"], help="--products: weight types")
+    ap.add_argument("--rows-out", type=int, default=5120, help="--products: output rows (default 5120)")
     ap.add_argument("--variants", nargs="+", default=[""], help="space-separated VAR=VALUE lists ('' = none)")
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--context", type=int, nargs="+", default=[0])
@@ -117,8 +151,12 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.rows, args.context[0], args.device)))
         return
+    if args.products:
+        probe_products(args.types, args.embd_widths or [1024, 2048, 5120], args.rows_out, args.rows, args.device,
+                       args.out)
+        return
     if bool(args.models) == bool(args.shapes):
-        ap.error("give models or --shapes DIR (one of them)")
+        ap.error("give models, --shapes DIR or --products (one of them)")
     models = shape_models(args.shapes, args.base, args.small, args.embd_widths, args.only) if args.shapes else [(os.path.basename(p), p) for p in args.models]
     probe(models, args.variants, args.rows, args.context, args.device, args.out)
 

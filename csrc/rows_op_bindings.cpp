@@ -1,6 +1,7 @@
 // Test-only bindings: one ggml op at a time on numpy arrays, on the CPU or CUDA backend, for the rows
 // ops (ggml/deltaspec_rows.h) and the ggml ops they must agree with (tests/test_rows_op.py,
-// tests/test_gpu_rows_op.py, bench/rows_op_bench.py). Arrays are in numpy order, the reverse of
+// tests/test_gpu_rows_op.py, bench/rows_op_bench.py), and a weight product's columns in one batch
+// against each alone (bench/invariance_probe.py --products). Arrays are in numpy order, the reverse of
 // ggml's: a ggml tensor [S, H, R, 1] is a numpy array (R, H, S).
 #include "rows_op_bindings.h"
 
@@ -57,6 +58,14 @@ class OneGraph {
     OneGraph & operator=(const OneGraph &) = delete;
 
     ggml_context * ctx() { return ctx_; }
+    ggml_backend_t backend() { return backend_; }
+
+    // a tensor of `type` and shape ne0 x ne1 (ggml order) holding `bytes` (kept alive by the caller)
+    ggml_tensor * input_bytes(const void * bytes, ggml_type type, int64_t ne0, int64_t ne1) {
+        ggml_tensor * t = ggml_new_tensor_2d(ctx_, type, ne0, ne1);
+        raw_inputs_.push_back({t, bytes});
+        return t;
+    }
 
     // a tensor of the array's shape (reversed), filled once the graph is allocated
     ggml_tensor * input(const py::array & a, ggml_type type) {
@@ -75,6 +84,7 @@ class OneGraph {
         if (buffer_ == nullptr) throw std::runtime_error("cannot allocate the op's tensors");
         py::gil_scoped_release release;  // the arrays' memory stays: inputs_ holds them
         for (auto & [t, a] : inputs_) ggml_backend_tensor_set(t, a.data(), 0, ggml_nbytes(t));
+        for (auto & [t, bytes] : raw_inputs_) ggml_backend_tensor_set(t, bytes, 0, ggml_nbytes(t));
         if (ggml_backend_graph_compute(backend_, gf_) != GGML_STATUS_SUCCESS) {
             throw std::runtime_error("computing the op failed");
         }
@@ -99,6 +109,7 @@ class OneGraph {
     ggml_cgraph * gf_ = nullptr;
     ggml_backend_buffer_t buffer_ = nullptr;
     std::vector<std::pair<ggml_tensor *, py::array>> inputs_;
+    std::vector<std::pair<ggml_tensor *, const void *>> raw_inputs_;
 };
 
 void require_cpu_side() {
@@ -257,9 +268,69 @@ py::object ssm_conv_py(const std::string & device, const F32 & sx, const F32 & c
     return graph.read(out, {(py::ssize_t)out->ne[2], (py::ssize_t)out->ne[1], (py::ssize_t)out->ne[0]});
 }
 
+// y = W x for the columns of x (N, K) all in one product and each in a product of its own (one graph
+// each), W (rows, K) quantized to `type` by ggml_quantize_chunk. batch_invariant: the backend as
+// Model(batch_invariant=True) registers it (CUDA: our invariant routes; the CPU: ggml-cpu's reference
+// paths). Returns {batch: (N, rows), alone: (N, rows)}.
+py::dict matmul_columns_py(const std::string & device, const F32 & w, const std::string & type_name, const F32 & x,
+                           bool batch_invariant) {
+    ggml_type type = GGML_TYPE_COUNT;
+    for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+        const char * name = ggml_type_name((ggml_type)t);
+        if (name != nullptr && type_name == name && ggml_get_type_traits((ggml_type)t)->blck_size > 0) type = (ggml_type)t;
+    }
+    if (type == GGML_TYPE_COUNT) throw std::invalid_argument("matmul_columns: no ggml type named '" + type_name + "'");
+    if (w.ndim() != 2 || x.ndim() != 2 || x.shape(1) != w.shape(1) || x.shape(0) < 1) {
+        throw std::invalid_argument("matmul_columns: w must be (rows, K) and x (N >= 1, K)");
+    }
+    const int64_t rows = w.shape(0), K = w.shape(1), N = x.shape(0);
+    if (K % ggml_blck_size(type) != 0) {
+        throw std::invalid_argument("matmul_columns: K = " + std::to_string(K) + " is not a multiple of " + type_name +
+                                    "'s block of " + std::to_string(ggml_blck_size(type)));
+    }
+    std::vector<uint8_t> q(ggml_row_size(type, K) * rows);
+    ggml_quantize_chunk(type, w.data(), q.data(), 0, rows, K, nullptr);
+    auto product = [&](int64_t first, int64_t n) {
+        OneGraph graph(device, 1);
+        const bool cuda = device == "cuda";
+        if (batch_invariant) {
+            if (cuda && !cuda_set_batch_invariant(graph.backend(), true)) {
+                throw std::runtime_error("matmul_columns: this CUDA build has no batch-invariant mode");
+            }
+            if (!cuda) ggml_backend_cpu_set_use_ref(graph.backend(), true);
+        }
+        F32 cols(std::vector<py::ssize_t>{(py::ssize_t)n, (py::ssize_t)K});
+        std::memcpy(cols.mutable_data(), x.data() + first * K, n * K * sizeof(float));
+        ggml_tensor * tw = graph.input_bytes(q.data(), type, K, rows);
+        ggml_tensor * y = ggml_mul_mat(graph.ctx(), tw, graph.input(cols, GGML_TYPE_F32));
+        try {
+            graph.compute({y}, 0);
+        } catch (...) {
+            if (batch_invariant && cuda) cuda_set_batch_invariant(graph.backend(), false);
+            throw;
+        }
+        F32 out = graph.read(y, {(py::ssize_t)n, (py::ssize_t)rows});
+        if (batch_invariant && cuda) cuda_set_batch_invariant(graph.backend(), false);  // before the backend goes
+        return out;
+    };
+    F32 batch = product(0, N), alone(std::vector<py::ssize_t>{(py::ssize_t)N, (py::ssize_t)rows});
+    for (int64_t c = 0; c < N; ++c) {
+        F32 one = product(c, 1);
+        std::memcpy(alone.mutable_data() + c * rows, one.data(), rows * sizeof(float));
+    }
+    py::dict res;
+    res["batch"] = batch;
+    res["alone"] = alone;
+    return res;
+}
+
 }  // namespace
 
 void bind_rows_ops(py::module_ & m) {
+    m.def("matmul_columns", &matmul_columns_py, py::arg("device"), py::arg("w"), py::arg("type"), py::arg("x"),
+          py::arg("batch_invariant") = false,
+          "Test-only: W (rows, K) quantized to `type` times the columns of x (N, K), in one product and each alone; "
+          "returns {batch, alone}, both (N, rows).");
     m.def("rows_plan", &rows_plan_py, py::arg("parent"), py::arg("slot"), py::arg("flags"), py::arg("n_slots"),
           py::arg("split") = false,
           "Test-only: deltaspec_rows_plan; returns (rows (P, DELTASPEC_ROWS_N_COLS) int32, n_saved), P = R, or 2 R "

@@ -234,3 +234,25 @@ def test_batch_refuses_what_it_cannot_run(models):
         four.generate_batch([[1, 2, 3], [4]], per_prompt=[{}])
     with pytest.raises(ValueError, match="vocabulary"):
         four.generate_batch([[1, 2, 100000]])
+
+
+@pytest.mark.parametrize("type_name", ["q4_K", "q6_K"])
+def test_k_quant_products_of_a_batch_need_batch_invariant(type_name):
+    """A K-quant weight product of 12 columns at once against each column alone (the probe that
+    bench/invariance_probe.py --products runs on the GPU, here on the CPU backend): with the
+    backend registered as Model(batch_invariant=True) registers it, bitwise at every K; without it,
+    ggml-cpu's batched path differs in the last bits. The default's difference is the planted bug
+    of the invariant case (the registration left out), seen to fail there."""
+    from deltaspec import _core
+
+    rng = np.random.default_rng(1)
+    for k in (1024, 2048):
+        w = rng.standard_normal((256, k), dtype=np.float32)
+        x = rng.standard_normal((12, k), dtype=np.float32)
+        ref = x @ w.T
+        invariant = _core.matmul_columns("cpu", w, type_name, x, batch_invariant=True)
+        default = _core.matmul_columns("cpu", w, type_name, x)
+        assert np.array_equal(invariant["batch"], invariant["alone"]), k
+        assert np.abs(default["batch"] - default["alone"]).max() > 0.0, k
+        for got in (invariant["batch"], default["batch"]):  # a product of the quantized weights
+            assert np.abs(got - ref).max() < 0.2 * np.abs(ref).max(), k
