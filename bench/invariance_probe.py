@@ -101,12 +101,17 @@ def probe_products(types: list[str], widths: list[int], rows: int, n_cols: int, 
         for invariant in (False, True):
             got = _core.matmul_columns(device, w, type_name, x, batch_invariant=invariant)
             row["invariant" if invariant else "default"] = float(np.abs(got["batch"] - got["alone"]).max())
-        results.append(row)
-        print(json.dumps(row), flush=True)
-        if out_path:
-            with open(out_path, "w") as f:
-                json.dump(results, f, indent=2)
+        keep(results, row, out_path)
     return results
+
+
+def keep(results: list[dict], row: dict, out_path: str | None) -> None:
+    """One more result: printed as a JSON line, and the JSON file rewritten (a run cut short keeps it)."""
+    results.append(row)
+    print(json.dumps(row), flush=True)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=2)
 
 
 def probe(models: Iterable[tuple[str, str]], variants: list[str], rows: int, contexts: list[int], device: str,
@@ -121,11 +126,7 @@ def probe(models: Iterable[tuple[str, str]], variants: list[str], rows: int, con
             row = {"model": label, "variant": variant or "(none)", "rows": rows, "context": context}
             row.update(json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0
                        else {"error": out.stderr.strip().splitlines()[-1:]})
-            results.append(row)
-            print(json.dumps(row), flush=True)
-            if out_path:
-                with open(out_path, "w") as f:
-                    json.dump(results, f, indent=2)
+            keep(results, row, out_path)
     return results
 
 
