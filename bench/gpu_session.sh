@@ -40,6 +40,8 @@
 #      (bench/invariance_probe.py --shapes: about 15 GB of models in /tmp/shapes, each written when
 #      its turn comes, the JSON rewritten after every probe, so a run cut short keeps what it probed)
 #      -> invariance_shapes.json
+#   nodes: the 4-layer 27B and that model at n_embd 2048, batch against steps node by node
+#      (bench/invariance_probe.py --nodes: the first graph nodes whose rows differ) -> invariance_nodes.json
 #   products: the same question of one weight product alone (bench/invariance_probe.py --products:
 #      Q4_K and Q6_K, K = 1024 .. 5120, 12 columns in one product against each alone, default and
 #      batch-invariant) -> invariance_products.json
@@ -106,7 +108,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant shapes products
+# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant shapes products nodes
 #   dflash profile server server-spec tq tq-test toprows graphcache hostsample layersplit constraints
 # (default: build test bench)
 set -euo pipefail
@@ -355,6 +357,10 @@ if has_step shapes; then
     # shellcheck disable=SC2086  # SHAPES_ARGS: split on spaces
     python3 "$REPO/bench/invariance_probe.py" --shapes /tmp/shapes --base 27b --small 0.8b --context 0 600 \
         --variants "${shape_variants[@]}" ${SHAPES_ARGS:-} --out "$OUT/invariance_shapes.json"
+fi
+if has_step nodes; then  # where the 4-layer 27B (and at n_embd 2048) parts: the first graph nodes that differ
+    python3 "$REPO/bench/invariance_probe.py" --shapes /tmp/shapes --base 27b --small 0.8b --only 27b \
+        --embd-widths 2048 --nodes --context 0 --variants "" --out "$OUT/invariance_nodes.json"
 fi
 if has_step products; then  # the weight products alone: a batch's columns against each alone, K up to 5120
     python3 "$REPO/bench/invariance_probe.py" --products --device cuda --types q4_K q6_K \

@@ -19,6 +19,12 @@ against each column alone, with and without the batch-invariant registration, an
 largest difference of each (the bisection found the embedding width: is it the products with that K?).
 
     python bench/invariance_probe.py --products --types q4_K q6_K --embd-widths 1024 2048 5120
+
+`--nodes` adds to each model's probe where its rows part: every node of the batch's step graph against
+the one-token steps' (deltaspec.testing.batch_rows.node_differences: nodes captured as computed,
+matched by op, first source (a weight's name) and occurrence), the first that differ.
+
+    python bench/invariance_probe.py --shapes /tmp/shapes --only 27b --embd-widths 2048 --nodes --context 0
 """
 
 from __future__ import annotations
@@ -33,19 +39,24 @@ import sys
 from typing import Iterable, Iterator
 
 
-def worker(path: str, rows: int, context: int, device: str) -> dict:
+def worker(path: str, rows: int, context: int, device: str, nodes: bool = False) -> dict:
     import numpy as np
 
     from deltaspec import Model, _core
-    from deltaspec.testing.batch_rows import batch_vs_steps
+    from deltaspec.testing.batch_rows import batch_vs_steps, node_differences
 
     cuda = device.startswith("cuda")
     routes = lambda: [_core.cuda_invariant_count(w) for w in range(4)] if cuda else []  # noqa: E731
     before = routes()
     with Model(path, device=device, n_ctx=max(1024, 2 * (rows + context)), batch_invariant=True, progress=False) as m:
         diff = batch_vs_steps(m, rows, context, np.random.default_rng(rows))
+        compared = node_differences(m, rows, context, np.random.default_rng(rows)) if nodes else None
     # routes: products on our tensor cores, column by column, invariant attention calls, misses
-    return {"max_diff": diff, "routes": [a - b for a, b in zip(routes(), before)]}
+    out = {"max_diff": diff, "routes": [a - b for a, b in zip(routes(), before)]}
+    if compared is not None:  # the first nodes whose rows differ, in the batch graph's order
+        out["nodes_compared"] = len(compared)
+        out["first_differing_nodes"] = [n for n in compared if n["max_diff"] > 0][:8]
+    return out
 
 
 def shape_models(folder: str, base: str, small: str, embd_widths: Iterable[int] = (),
@@ -115,14 +126,15 @@ def keep(results: list[dict], row: dict, out_path: str | None) -> None:
 
 
 def probe(models: Iterable[tuple[str, str]], variants: list[str], rows: int, contexts: list[int], device: str,
-          out_path: str | None) -> list[dict]:
+          out_path: str | None, nodes: bool = False) -> list[dict]:
     """Each model under each variant at each context; the JSON file is rewritten after every row."""
     results = []
     for label, path in models:
         for variant, context in itertools.product(variants, contexts):
             env = {**os.environ, **dict(kv.split("=", 1) for kv in variant.split())}
             out = subprocess.run([sys.executable, __file__, "--worker", path, "--rows", str(rows),
-                                  "--context", str(context), "--device", device], env=env, capture_output=True, text=True)
+                                  "--context", str(context), "--device", device] + (["--nodes"] if nodes else []),
+                                 env=env, capture_output=True, text=True)
             row = {"model": label, "variant": variant or "(none)", "rows": rows, "context": context}
             row.update(json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0
                        else {"error": out.stderr.strip().splitlines()[-1:]})
@@ -140,6 +152,8 @@ def main() -> None:
                     help="--shapes: also the base with each of these embedding widths")
     ap.add_argument("--only", nargs="*", default=[], help="--shapes: only the models of these labels")
     ap.add_argument("--products", action="store_true", help="probe weight products alone (see above)")
+    ap.add_argument("--nodes", action="store_true",
+                    help="also compare the batch's graph nodes with the steps' (see above): the first that differ")
     ap.add_argument("--types", nargs="+", default=["q4_K", "q6_K"], help="--products: weight types")
     ap.add_argument("--rows-out", type=int, default=5120, help="--products: output rows (default 5120)")
     ap.add_argument("--variants", nargs="+", default=[""], help="space-separated VAR=VALUE lists ('' = none)")
@@ -150,7 +164,7 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.rows, args.context[0], args.device)))
+        print(json.dumps(worker(args.worker, args.rows, args.context[0], args.device, args.nodes)))
         return
     if args.products:
         probe_products(args.types, args.embd_widths or [1024, 2048, 5120], args.rows_out, args.rows, args.device,
@@ -159,7 +173,7 @@ def main() -> None:
     if bool(args.models) == bool(args.shapes):
         ap.error("give models, --shapes DIR or --products (one of them)")
     models = shape_models(args.shapes, args.base, args.small, args.embd_widths, args.only) if args.shapes else [(os.path.basename(p), p) for p in args.models]
-    probe(models, args.variants, args.rows, args.context, args.device, args.out)
+    probe(models, args.variants, args.rows, args.context, args.device, args.out, args.nodes)
 
 
 if __name__ == "__main__":

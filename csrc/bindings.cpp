@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <memory>
 
@@ -1018,6 +1019,20 @@ PYBIND11_MODULE(_core, m) {
              }, py::arg("paths"),
              "After verify_rows, keep one root-to-leaf path of rows per verified slot (row indices; empty: "
              "the slot keeps nothing).")
+        .def("capture_nodes", [](Runner & r, bool on) { r.engine->set_node_capture(on); }, py::arg("on"),
+             "Debugging: copy every contiguous F32 node of each step graph to the host as it is computed "
+             "(slow: node by node); captured_nodes() then gives the last graph's.")
+        .def("captured_nodes", [](const Runner & r) {
+                 py::list out;
+                 for (const auto & n : r.engine->captured_nodes()) {
+                     py::array_t<float> data(std::vector<py::ssize_t>{n.ne[3], n.ne[2], n.ne[1], n.ne[0]});
+                     std::memcpy(data.mutable_data(), n.data.data(), n.data.size() * sizeof(float));
+                     out.append(py::make_tuple(n.op, n.source, data));
+                 }
+                 return out;
+             },
+             "The last step graph's captured nodes, in graph order: (op, its first source's name or op, array in "
+             "numpy order).")
         .def_property_readonly("tree_stats", [](const Runner & r) {
                  const auto & s = r.engine->tree_stats();
                  py::dict d;

@@ -154,6 +154,19 @@ class Engine {
     };
     const TreeStats & tree_stats() const { return tree_stats_; }
 
+    // A debugging view of the step graphs (bench/invariance_probe.py --nodes): with capture on, every
+    // contiguous F32 node of each step graph the engine computes is copied to the host as it is
+    // computed (the scheduler then runs the graph node by node, without CUDA graphs: slow), and
+    // captured_nodes() holds those of the last graph computed, in graph order.
+    struct CapturedNode {
+        std::string op;      // ggml_op_desc
+        std::string source;  // its first source's name if a named leaf (a weight's GGUF name), else its op
+        int64_t ne[4];
+        std::vector<float> data;
+    };
+    void set_node_capture(bool on) { capture_nodes_ = on; }
+    const std::vector<CapturedNode> & captured_nodes() const { return captured_; }
+
     // Verification of rows of several slots in one pass (verify_rows.cpp): speculation for many
     // sequences. `rows` are grouped by slot, slots consecutive from rows.slot[0], every slot's rows a
     // chain or tree of its own (parent -1: the slot's committed state; else an earlier row of the
@@ -346,6 +359,8 @@ class Engine {
     std::string backend_name_;
     std::vector<ggml_backend_t> invariant_backends_;  // registered batch-invariant, released on close
     bool fold_inputs_ = false;  // norms and SwiGLUs offered to our CUDA kernels (cuda_kernels.h)
+    bool capture_nodes_ = false;           // set_node_capture
+    std::vector<CapturedNode> captured_;   // the last step graph's nodes, while capture_nodes_
     bool split_walks_ = false;  // tree plans may split a slot's walk (deltaspec_rows.h; the constructor says when)
     // The rows tensor's room for walk positions of a batch of n_rows rows (deltaspec_rows_plan's n_positions).
     int64_t rows_positions(int64_t n_rows) const { return split_walks_ ? 2 * n_rows : n_rows; }

@@ -285,7 +285,26 @@ void Engine::drop_step_graph() {
     taps_.out.clear();
 }
 
+// The scheduler's eval callback while the engine captures nodes (Engine::set_node_capture): asked
+// first whether a node is wanted, then called again once it is computed.
+static bool capture_node(ggml_tensor * t, bool ask, void * user) {
+    if (ask) return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
+    auto * nodes = static_cast<std::vector<Engine::CapturedNode> *>(user);
+    const ggml_tensor * src = t->src[0];
+    // a leaf's name (a weight's GGUF name); ggml names views after their node's index, which
+    // differs from graph to graph, so other sources go by their op
+    const bool leaf = src != nullptr && src->op == GGML_OP_NONE && src->name[0] != '\0';
+    Engine::CapturedNode c{ggml_op_desc(t), src == nullptr ? "" : leaf ? src->name : ggml_op_desc(src),
+                           {t->ne[0], t->ne[1], t->ne[2], t->ne[3]}, std::vector<float>(ggml_nelements(t))};
+    ggml_backend_tensor_get(t, c.data.data(), 0, ggml_nbytes(t));
+    nodes->push_back(std::move(c));
+    return true;
+}
+
 void Engine::compute(StepGraph & g) {
+    captured_.clear();
+    ggml_backend_sched_set_eval_callback(g.sched, capture_nodes_ ? capture_node : nullptr,
+                                         capture_nodes_ ? &captured_ : nullptr);
     if (ggml_backend_sched_graph_compute(g.sched, g.gf) != GGML_STATUS_SUCCESS) {
         drop_step_graph();
         throw std::runtime_error("graph computation failed");

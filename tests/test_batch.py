@@ -256,3 +256,25 @@ def test_k_quant_products_of_a_batch_need_batch_invariant(type_name):
         assert np.abs(default["batch"] - default["alone"]).max() > 0.0, k
         for got in (invariant["batch"], default["batch"]):  # a product of the quantized weights
             assert np.abs(got - ref).max() < 0.2 * np.abs(ref).max(), k
+
+
+def test_node_differences_find_where_a_batch_parts(tmp_path):
+    """node_differences (the step graphs' nodes captured as computed, bench/invariance_probe.py
+    --nodes) matches a batch graph's nodes to the one-token steps' and compares their rows: with
+    batch_invariant=True on this Q4_K model nothing differs (and enough nodes are compared: the path
+    ran), without it the first node that differs is the first weight product, whose batched CPU
+    kernel sums in another order. Seen to fail with nodes matched by op and width only (7 products
+    of the invariant batch then compared with other products of the steps)."""
+    from deltaspec.testing.batch_rows import batch_vs_steps, node_differences
+
+    path = write_tiny_vocab_model(tmp_path / "q4k.gguf", quant="q4_k", n_embd=1024, n_ff=1024)
+    for invariant in (True, False):
+        with Model(path, n_threads=2, batch_invariant=invariant) as m:
+            parts = batch_vs_steps(m, 12, 0, np.random.default_rng(0))
+            nodes = node_differences(m, 12, 0, np.random.default_rng(0))
+        differing = [n for n in nodes if n["max_diff"] > 0]
+        assert len(nodes) >= 30
+        if invariant:
+            assert parts == 0.0 and differing == []
+        else:
+            assert parts > 0.0 and differing[0]["op"] == "MUL_MAT" and differing[0]["source"].startswith("blk.0.")
