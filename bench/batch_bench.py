@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_cli import write_result
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "batch_bench.json"
 
@@ -161,9 +162,7 @@ def main(argv=None) -> int:
               "deltaspec_runs": ours_reps, "llama_cpp_runs": peer_reps or None,
               "note": "aggregate decode tok/s (every sequence's tokens after its prefill step, over the time of "
                       "the steps); synthetic weights: the speed of the shapes and quant mix"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

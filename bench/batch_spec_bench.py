@@ -57,6 +57,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_bench import measure_peer  # noqa: E402  (llama-batched-bench's plain rows)
+from bench_cli import write_result  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "batch_spec_bench.json"
 MODES = ("plain", "ngram", "ref", "ref/4")
@@ -269,9 +270,7 @@ def main(argv=None) -> int:
                       "lookup also in a reference holding the plain run's output (stated ~full acceptance); ref/4: "
                       "the reference with every 4th token wrong; MODE/whole: top rows off; synthetic weights: the "
                       "speed of the shapes"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

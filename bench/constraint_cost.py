@@ -18,14 +18,13 @@ synthetic GGUF are random: the speed is that of the model's shapes and quant mix
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import sys
 from pathlib import Path
 
 import numpy as np
+from bench_cli import batch_decode_args, write_result
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "constraint_cost.json"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -60,19 +59,8 @@ def run_once(model, prompts: list[list[int]], n_gen: int, mode: str, sampler: st
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model")
-    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    ap.add_argument("--n-seqs", default="1,16")
-    ap.add_argument("--prompt", type=int, default=64, help="random tokens before the chat turn")
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
-    args = ap.parse_args(argv)
-    n_seqs = [int(x) for x in args.n_seqs.split(",")]
-    if args.gen < 2 or args.reps < 1 or min(n_seqs) < 1:
-        ap.error("need --gen >= 2, --reps >= 1 and sequence counts >= 1")
+    args, n_seqs = batch_decode_args(__doc__.splitlines()[0], DEFAULT_OUT, n_seqs="1,16", gen=128, min_gen=2,
+                                     argv=argv, prompt_help="random tokens before the chat turn")
     from deltaspec import Model
 
     kw = dict(n_threads=args.threads) if args.threads else {}
@@ -124,9 +112,7 @@ def main(argv=None) -> int:
               "note": "decode with no constraint, a reasoning budget that never runs out, a tool-call grammar whose "
                       "call never starts, and a grammar masking every row; synthetic weights: the speed of the "
                       "shapes and quant mix"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

@@ -11,12 +11,12 @@ weights plus N slots.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from deltaspec.slot_memory import REPORT_CONTEXTS, REPORT_TYPES, slot_table
 from deltaspec.synth import PRESETS
+from bench_cli import write_result
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "slot_memory.json"
 
@@ -38,9 +38,7 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"| {name} | {r['n_ctx']:,} | {r['type']} | {r['kv'] / gib:.3f} | {r['recurrent'] / gib:.3f} | "
                   f"{r['total'] / gib:.3f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

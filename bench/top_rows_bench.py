@@ -17,8 +17,6 @@ Weights of a synthetic GGUF are random: the speed is that of the model's shapes 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import sys
@@ -26,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_cli import batch_decode_args, write_result
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "top_rows_bench.json"
 
@@ -60,19 +59,8 @@ def run_once(model, n: int, n_prompt: int, n_gen: int, top_rows: bool, seed: int
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model")
-    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    ap.add_argument("--n-seqs", default="16,32")
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
-    args = ap.parse_args(argv)
-    n_seqs = [int(x) for x in args.n_seqs.split(",")]
-    if args.gen < 3 or args.reps < 1 or min(n_seqs) < 1:
-        ap.error("need --gen >= 3, --reps >= 1 and sequence counts >= 1")
+    args, n_seqs = batch_decode_args(__doc__.splitlines()[0], DEFAULT_OUT, n_seqs="16,32", gen=64, min_gen=3,
+                                     argv=argv)
     from deltaspec import Model
 
     kw = dict(n_threads=args.threads) if args.threads else {}
@@ -121,9 +109,7 @@ def main(argv=None) -> int:
               "top_k": k, "n_prompt": args.prompt, "n_gen": args.gen, "reps": args.reps, "rows": rows, "runs": runs,
               "note": "sampled decode (temperature 0.8, top_k 40, top_p 0.95) of N sequences, top rows vs whole "
                       "rows; synthetic weights: the speed of the shapes and quant mix"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

@@ -86,6 +86,20 @@ def timed(fn, n: int) -> float:
     return statistics.median(times)
 
 
+def tree_case(engine, n: int, rng):
+    """A DDTree-shaped tree of n nodes: its rows' parents (the root -1, each node's parent row = its
+    parent node + 1) and tokens, and one verify of it that keeps the root only (a fully rejected tree)."""
+    parents = np.array([-1] + [p + 1 for p in ddtree_parents(n)], dtype=np.int32)
+    tokens = rng.integers(0, engine.hparams_n_vocab, size=n + 1).astype(np.int32)
+    root = np.array([0], dtype=np.int32)
+
+    def tree_once():
+        engine.verify_tree(tokens, parents, argmax=True)
+        engine.keep_path(root)
+
+    return parents, tokens, tree_once
+
+
 def measure_ours(engine, widths: list[int], steps: int, rng, mma_max_columns: int = 0) -> dict[str, float]:
     """One repetition: every measurement once (median of `steps` timings), in ms; with
     mma_max_columns, the tree and chain verifies wider than 32 rows once more with products up to
@@ -96,14 +110,7 @@ def measure_ours(engine, widths: list[int], steps: int, rng, mma_max_columns: in
     engine.reset_to(engine.depth)
     out = {"decode step": 1e3 * timed(lambda: engine.eval_argmax(token()), steps)}
     for n in widths:
-        # rows: the root (-1) and the nodes, each node's parent row = its parent node + 1
-        parents = np.array([-1] + [p + 1 for p in ddtree_parents(n)], dtype=np.int32)
-        tokens = rng.integers(0, n_vocab, size=n + 1).astype(np.int32)
-        root = np.array([0], dtype=np.int32)
-
-        def tree_once():
-            engine.verify_tree(tokens, parents, argmax=True)
-            engine.keep_path(root)
+        parents, tokens, tree_once = tree_case(engine, n, rng)
 
         def chain_once():
             engine.eval_verify_argmax(tokens)
@@ -143,13 +150,7 @@ def measure_split_walks(engine, widths: list[int], steps: int, rng) -> dict[str,
     """One repetition of the tree verifies alone (ms), on an engine whose plans split trees."""
     out = {}
     for n in widths:
-        parents = np.array([-1] + [p + 1 for p in ddtree_parents(n)], dtype=np.int32)
-        tokens = rng.integers(0, engine.hparams_n_vocab, size=n + 1).astype(np.int32)
-
-        def tree_once():
-            engine.verify_tree(tokens, parents, argmax=True)
-            engine.keep_path(np.array([0], dtype=np.int32))
-
+        tree_once = tree_case(engine, n, rng)[2]
         engine.reset_to(engine.depth)
         out[f"tree verify 1+{n}, split walks"] = 1e3 * timed(tree_once, steps)
     return out

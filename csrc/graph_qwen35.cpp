@@ -50,7 +50,10 @@ void add_rows_input(ggml_context * ctx, StepInputs & in, int64_t n_positions) {
     in.rows = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, DELTASPEC_ROWS_N_COLS, n_positions);
     ggml_set_input(in.rows);
     in.n_saved = in.n_tokens;
-    in.max_walks = std::max<int64_t>(1, in.n_seqs) + (n_positions > in.n_tokens ? DELTASPEC_ROWS_EXTRA_WALKS : 0);
+}
+
+int64_t rows_max_walks(const StepInputs & in) {
+    return std::max<int64_t>(1, in.n_seqs) + (in.rows->ne[1] > in.n_tokens ? DELTASPEC_ROWS_EXTRA_WALKS : 0);
 }
 
 void set_rows_input(const StepInputs & in, const std::vector<int32_t> & plan, const char * who) {
@@ -60,9 +63,9 @@ void set_rows_input(const StepInputs & in, const std::vector<int32_t> & plan, co
                                "tensor of " + std::to_string(n_positions * DELTASPEC_ROWS_N_COLS));
     }
     const int64_t n_walks = deltaspec_rows_count_walks(plan.data(), n_positions);
-    if (n_walks > in.max_walks) {
+    if (n_walks > rows_max_walks(in)) {
         throw std::logic_error(std::string(who) + ": the plan has " + std::to_string(n_walks) + " walks, the graph's "
-                               "recurrence looks at " + std::to_string(in.max_walks));
+                               "recurrence looks at " + std::to_string(rows_max_walks(in)));
     }
     set_input(in.rows, plan.data(), plan.size() * sizeof(int32_t));
 }
@@ -312,7 +315,7 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
                                                                   ggml_reshape_4d(ctx, pool.ssm[il], S, S, Hv, pool.n_seq),
                                                                   in.rows, in.n_saved)
                                 : ggml_gated_delta_net(ctx, q, k, v, g, beta, state, 1);
-    if (in.rows) deltaspec_rows_set_max_walks(res, in.max_walks);
+    if (in.rows) deltaspec_rows_set_max_walks(res, rows_max_walks(in));
     ggml_tensor * o = ggml_view_4d(ctx, res, S, Hv, Tq, N, S * f, S * Hv * f, S * Hv * Tq * f, 0);
     if (several) {
         // back into the slots' view: one token per sequence is the form ggml-cuda fuses into the

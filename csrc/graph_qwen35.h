@@ -39,10 +39,11 @@ struct StepInputs {
     // committed KV rows and its own ancestors' (Engine::verify_tree); keep_states is set too.
     ggml_tensor * rows = nullptr;
     int64_t n_saved = 0;
-    // the most walks its plans have: a slot's each, and a split one where rows has the room
-    // (deltaspec_rows_set_max_walks; the engine checks each plan against it)
-    int64_t max_walks = 0;
 };
+
+// The most walks a plan of `in`'s rows may have: one per sequence, and a split one where the rows
+// tensor has room beyond its rows (deltaspec_rows_set_max_walks; set_rows_input checks each plan).
+int64_t rows_max_walks(const StepInputs & in);
 
 StepInputs make_step_inputs(ggml_context * ctx, int64_t n_tokens, int64_t n_kv, bool keep_states = false);
 // The inputs of a tree verify batch of n_tokens rows, its plan's room n_positions (see StepInputs::rows).
@@ -60,7 +61,7 @@ inline void set_input(ggml_tensor * t, const void * data, size_t size) {
     if (t->buffer) ggml_backend_tensor_set(t, data, 0, size);
 }
 // Sets the rows input to a plan of deltaspec_rows_plan, after checking that it fills the tensor and
-// has no more walks than the graph's recurrence nodes look at (in.max_walks); `who` names the caller
+// has no more walks than the graph's recurrence nodes look at (rows_max_walks); `who` names the caller
 // in the std::logic_error otherwise.
 void set_rows_input(const StepInputs & in, const std::vector<int32_t> & plan, const char * who);
 

@@ -16,6 +16,7 @@
 
 #include "cuda_kernels.h"
 #include "deltaspec_rows.h"
+#include "ggml_type_by_name.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
@@ -274,11 +275,7 @@ py::object ssm_conv_py(const std::string & device, const F32 & sx, const F32 & c
 // paths). Returns {batch: (N, rows), alone: (N, rows)}.
 py::dict matmul_columns_py(const std::string & device, const F32 & w, const std::string & type_name, const F32 & x,
                            bool batch_invariant) {
-    ggml_type type = GGML_TYPE_COUNT;
-    for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
-        const char * name = ggml_type_name((ggml_type)t);
-        if (name != nullptr && type_name == name && ggml_get_type_traits((ggml_type)t)->blck_size > 0) type = (ggml_type)t;
-    }
+    const ggml_type type = ggml_type_by_name(type_name);
     if (type == GGML_TYPE_COUNT) throw std::invalid_argument("matmul_columns: no ggml type named '" + type_name + "'");
     if (w.ndim() != 2 || x.ndim() != 2 || x.shape(1) != w.shape(1) || x.shape(0) < 1) {
         throw std::invalid_argument("matmul_columns: w must be (rows, K) and x (N >= 1, K)");
@@ -290,28 +287,30 @@ py::dict matmul_columns_py(const std::string & device, const F32 & w, const std:
     }
     std::vector<uint8_t> q(ggml_row_size(type, K) * rows);
     ggml_quantize_chunk(type, w.data(), q.data(), 0, rows, K, nullptr);
+    // a CUDA backend's batch-invariant registration, released before the backend goes
+    struct Registration {
+        ggml_backend_t backend = nullptr;
+        ~Registration() {
+            if (backend != nullptr) cuda_set_batch_invariant(backend, false);
+        }
+    };
     auto product = [&](int64_t first, int64_t n) {
         OneGraph graph(device, 1);
-        const bool cuda = device == "cuda";
-        if (batch_invariant) {
-            if (cuda && !cuda_set_batch_invariant(graph.backend(), true)) {
+        Registration registered;
+        if (batch_invariant && device == "cuda") {
+            if (!cuda_set_batch_invariant(graph.backend(), true)) {
                 throw std::runtime_error("matmul_columns: this CUDA build has no batch-invariant mode");
             }
-            if (!cuda) ggml_backend_cpu_set_use_ref(graph.backend(), true);
+            registered.backend = graph.backend();
+        } else if (batch_invariant) {
+            ggml_backend_cpu_set_use_ref(graph.backend(), true);
         }
         F32 cols(std::vector<py::ssize_t>{(py::ssize_t)n, (py::ssize_t)K});
         std::memcpy(cols.mutable_data(), x.data() + first * K, n * K * sizeof(float));
         ggml_tensor * tw = graph.input_bytes(q.data(), type, K, rows);
         ggml_tensor * y = ggml_mul_mat(graph.ctx(), tw, graph.input(cols, GGML_TYPE_F32));
-        try {
-            graph.compute({y}, 0);
-        } catch (...) {
-            if (batch_invariant && cuda) cuda_set_batch_invariant(graph.backend(), false);
-            throw;
-        }
-        F32 out = graph.read(y, {(py::ssize_t)n, (py::ssize_t)rows});
-        if (batch_invariant && cuda) cuda_set_batch_invariant(graph.backend(), false);  // before the backend goes
-        return out;
+        graph.compute({y}, 0);
+        return graph.read(y, {(py::ssize_t)n, (py::ssize_t)rows});
     };
     F32 batch = product(0, N), alone(std::vector<py::ssize_t>{(py::ssize_t)N, (py::ssize_t)rows});
     for (int64_t c = 0; c < N; ++c) {

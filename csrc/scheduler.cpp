@@ -22,15 +22,6 @@ int32_t first_argmax(const float * row, int64_t n) {
     return (int32_t)(std::max_element(row, row + n) - row);
 }
 
-bool needs_logits(const GenerateRequest & req, bool masked) {
-    return !req.sampling.argmax_only() || req.n_logprobs >= 0 || masked;
-}
-
-bool masks_next_row(const GenerateRequest & req) { return masks_rows_along(req, {}); }
-
-bool masks_rows_along(const GenerateRequest & req, const std::vector<int32_t> & along) {
-    return req.constraint != nullptr && !req.constraint->allows_every_token(along);
-}
 
 Sequence::Sequence(int64_t id_, GenerateRequest request, const PieceTable & pieces)
     : id(id_), req(std::move(request)), sampler(req.sampling), history(req.prompt), out(pieces, req, on_token, res) {}
@@ -215,9 +206,9 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
         token = feed_scored(s, n);
     } else if (n < left) {
         engine_.eval(chunk, n, LogitsWanted::none, nullptr);
-    } else if (const bool masked = masks_next_row(s.req); !needs_logits(s.req, masked)) {
+    } else if (const RowNeeds needs = row_needs(s.req, {}, engine_.top_rows_enabled(), engine_.top_k()); needs.argmax) {
         token = engine_.eval_argmax(chunk, n);
-    } else if (engine_.top_rows_enabled() && top_rows_serve(s.req, engine_.top_k(), masked)) {
+    } else if (needs.top) {
         top_.resize(engine_.top_row_words());
         engine_.eval_top(chunk, n, top_.data());
         token = choose_from_top(s.req, s.sampler, top_row(top_.data(), engine_.top_k()), s.res);
@@ -225,7 +216,7 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
         const int64_t n_vocab = engine_.hparams().n_vocab;
         logits_.resize(n_vocab);
         engine_.eval(chunk, n, LogitsWanted::last, logits_.data());
-        token = choose(s, logits_.data(), n_vocab, masked);
+        token = choose(s, logits_.data(), n_vocab, needs.masked);
     }
     if (n == left) begin_draft(s);
     s.n_fed += n;
@@ -265,7 +256,7 @@ int32_t Scheduler::feed_scored(Sequence & s, int64_t n) {
             if (next < size) {
                 record_prompt_logprobs(s.req, row, n_vocab, s.req.prompt[bug ? next - 1 : next], s.prompt_entries);
             } else if (s.req.max_tokens > 0) {
-                token = choose(s, row, n_vocab, masks_next_row(s.req));
+                token = choose(s, row, n_vocab, masks_rows_along(s.req, {}));
             }
         }
         done += m;
@@ -353,7 +344,7 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
     const auto t0 = Clock::now();
     const int64_t N = (int64_t)seqs.size(), n_vocab = engine_.hparams().n_vocab;
     rows_.clear();
-    bool any_done = false, all_argmax = true, all_top = engine_.top_rows_enabled();
+    bool any_done = false, all_argmax = true, all_top = true;
     std::vector<uint8_t> masked(N);  // per sequence whose prompt is complete: its first row masked
     for (int64_t i = 0; i < N; ++i) {
         const Sequence * s = seqs[i];
@@ -364,9 +355,10 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
         }
         if (s->n_fed + n < (int64_t)s->req.prompt.size()) continue;  // its prompt goes on in a later round
         any_done = true;
-        masked[i] = masks_next_row(s->req);
-        all_argmax = all_argmax && !needs_logits(s->req, masked[i]);
-        all_top = all_top && top_rows_serve(s->req, engine_.top_k(), masked[i]);
+        const RowNeeds needs = row_needs(s->req, {}, engine_.top_rows_enabled(), engine_.top_k());
+        masked[i] = needs.masked;
+        all_argmax = all_argmax && needs.argmax;
+        all_top = all_top && needs.top;
     }
     // one result row per sequence (its last row's), read only for the sequences whose prompt is complete
     const int64_t W = engine_.top_row_words();
@@ -414,7 +406,7 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
     const int64_t N = n_decoding();
     if (N == 0) return;
     const int64_t n_vocab = engine_.hparams().n_vocab;
-    bool all_argmax = true, all_top = engine_.top_rows_enabled();
+    bool all_argmax = true, all_top = true;
     rows_.clear();
     std::vector<uint8_t> masked(N);
     for (int64_t i = 0; i < N; ++i) {
@@ -422,9 +414,10 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
         rows_.add(s->pending, (int32_t)engine_.slot_n_past(s->slot), (int32_t)s->slot);
         // a constraint that allows every token at this row (a reasoning budget not yet spent) leaves
         // it as free as none
-        masked[i] = masks_next_row(s->req);
-        all_argmax = all_argmax && !needs_logits(s->req, masked[i]);
-        all_top = all_top && top_rows_serve(s->req, engine_.top_k(), masked[i]);
+        const RowNeeds needs = row_needs(s->req, {}, engine_.top_rows_enabled(), engine_.top_k());
+        masked[i] = needs.masked;
+        all_argmax = all_argmax && needs.argmax;
+        all_top = all_top && needs.top;
     }
     // greedy everywhere: only the argmax ids cross over; where every sequence's sampler and logprobs
     // are decided by its row's top candidates, those (top_rows.h); otherwise every row's logits. One sequence

@@ -51,15 +51,6 @@ struct SeqSpec {
 // The first maximum, as ggml's argmax picks it: a greedy sequence in a batch that also samples
 // gets the token the device's argmax would have given it.
 int32_t first_argmax(const float * row, int64_t n);
-// Whether the sequence must see a row's logits rather than the device's argmax: it samples, asked
-// for log-probabilities, or its constraint masks that row (`masked`, see masks_next_row: a mask
-// needs the logits, so greedy under one needs them too).
-bool needs_logits(const GenerateRequest & req, bool masked);
-// Whether the request's next row (the one after its committed tokens) is masked by its constraint:
-// it has one, and that one does not allow every token there (TokenConstraint::allows_every_token)
-bool masks_next_row(const GenerateRequest & req);
-// the same for the rows of a verify over `along` (a chain's drafts or a tree's nodes)
-bool masks_rows_along(const GenerateRequest & req, const std::vector<int32_t> & along);
 
 struct Sequence {
     explicit Sequence(int64_t id, GenerateRequest request, const PieceTable & pieces);
@@ -214,7 +205,7 @@ class Scheduler {
     int64_t n_decoding() const { return (int64_t)running_.size() - (split_on_top() ? 1 : 0); }
     void decode_running(std::vector<StepEvent> & events);
     // the token after a logits row: masked by the request's constraint where `masked` (as the step
-    // decided it: masks_next_row), then argmax or sampled (and its logprobs recorded when asked for)
+    // decided it: row_needs), then argmax or sampled (and its logprobs recorded when asked for)
     int32_t choose(Sequence & s, float * row, int64_t n_vocab, bool masked);
     // commits a sampled token; false when the sequence is done
     bool commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx = true);

@@ -236,7 +236,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     // constraint that allows every token along the drafts (a reasoning budget far from its end, a
     // lazy grammar whose trigger is not drafted) leaves them as free as none
     std::vector<uint8_t> masked(N);
-    bool all_argmax = true, all_top = engine_.top_rows_enabled();
+    bool all_argmax = true, all_top = true;
     for (int64_t i = 0; i < N; ++i) {
         const Sequence & s = *running_[i];
         first_row[i] = rows_.size();
@@ -248,9 +248,11 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         for (int64_t n = 0; n < s.tree.size(); ++n) {  // node n: row 1 + n of the slot, its parent's row after the root
             rows_.add(s.tree.token[n], p0 + s.tree.depth[n], (int32_t)s.slot, (int32_t)(first_row[i] + 1 + s.tree.parent[n]));
         }
-        masked[i] = masks_rows_along(s.req, s.tree.empty() ? s.draft.tokens : s.tree.token);
-        all_argmax = all_argmax && !needs_logits(s.req, masked[i]);
-        all_top = all_top && top_rows_serve(s.req, engine_.top_k(), masked[i]);
+        const RowNeeds needs = row_needs(s.req, s.tree.empty() ? s.draft.tokens : s.tree.token,
+                                         engine_.top_rows_enabled(), engine_.top_k());
+        masked[i] = needs.masked;
+        all_argmax = all_argmax && needs.argmax;
+        all_top = all_top && needs.top;
     }
     first_row[N] = rows_.size();
     const int64_t R = rows_.size();

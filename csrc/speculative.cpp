@@ -142,9 +142,10 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     bool masked = false, device_argmax = false, top = false, keep_unmasked = false;
     VerifyRead read = VerifyRead::logits;
     const auto read_rows_along = [&](const std::vector<int32_t> & along) {
-        masked = req.constraint != nullptr && !req.constraint->allows_every_token(along);
-        device_argmax = req.sampling.argmax_only() && !masked && !want_logprobs;
-        top = !device_argmax && target.top_rows_enabled() && top_rows_serve(req, target.top_k(), masked);
+        const RowNeeds needs = row_needs(req, along, target.top_rows_enabled(), target.top_k());
+        masked = needs.masked;
+        device_argmax = needs.argmax;
+        top = !device_argmax && needs.top;
         read = device_argmax ? VerifyRead::argmax : top ? VerifyRead::top : VerifyRead::logits;
         keep_unmasked = want_logprobs && masked;  // log-probabilities are those of the raw logits
     };

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "generate.h"
 #include "sampler.h"
@@ -36,6 +37,20 @@ inline TopRow top_row(const int32_t * words, int64_t k) {
 // (SamplingParams::top_serves: no penalties or logit bias, greedy or top_k <= k), and at most k top
 // log-probabilities.
 bool top_rows_serve(const GenerateRequest & req, int64_t k, bool masked);
+
+// Whether the request's constraint masks the rows of a pass: it has one, and that one does not allow
+// every token at the rows after its committed tokens and a prefix of any path through `along` (a
+// chain's drafts or a tree's nodes; none for the next row alone): TokenConstraint::allows_every_token.
+bool masks_rows_along(const GenerateRequest & req, const std::vector<int32_t> & along);
+
+// How a request's rows at one pass cross over to the host, decided once per pass (the scheduler's
+// steps, generate_speculative's passes): `masked` (masks_rows_along); `argmax`, the device's argmax is
+// all it needs (greedy, no log-probabilities, rows not masked: a mask needs the logits); `top`, the
+// rows' top candidates are (top_rows_serve), where the engine reduces rows on the device.
+struct RowNeeds {
+    bool masked = false, argmax = false, top = false;
+};
+RowNeeds row_needs(const GenerateRequest & req, const std::vector<int32_t> & along, bool top_rows_enabled, int64_t k);
 
 // The sequence's next token from a top row (greedy: the first candidate, the row's first maximum;
 // else drawn as Sampler::sample would draw it from the whole row) and, when the request asks for

@@ -13,6 +13,7 @@
 
 #include "cuda_kernels.h"
 #include "deltaspec_tq.h"
+#include "ggml_type_by_name.h"
 #include "tq_warp_emulation.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -187,13 +188,10 @@ F32 attention_node(const std::string & device, const F32 & q, const F32 & k, con
         if (type == "tq3" || type == "tq4") return deltaspec_tq_new_cache(ctx, type == "tq3" ? 3 : 4, D, Hkv, N * n_kv);
         const bool rotated = type.size() > 4 && type.compare(type.size() - 4, 4, "+rot") == 0;
         const std::string name = rotated ? type.substr(0, type.size() - 4) : type;
-        for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
-            if (ggml_get_type_traits((ggml_type)t)->type_name && name == ggml_type_name((ggml_type)t)) {
-                return rotated ? deltaspec_kv_new_rotated_cache(ctx, (ggml_type)t, D, Hkv, N * n_kv)
-                               : ggml_new_tensor_2d(ctx, (ggml_type)t, Hkv * D, N * n_kv);
-            }
-        }
-        throw std::invalid_argument("unknown cache type '" + type + "'");
+        const ggml_type t = ggml_type_by_name(name);
+        if (t == GGML_TYPE_COUNT) throw std::invalid_argument("unknown cache type '" + type + "'");
+        return rotated ? deltaspec_kv_new_rotated_cache(ctx, t, D, Hkv, N * n_kv)
+                       : ggml_new_tensor_2d(ctx, t, Hkv * D, N * n_kv);
     };
     ggml_tensor * kc = cache_of(type_k);
     ggml_tensor * vc = cache_of(type_v);

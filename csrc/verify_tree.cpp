@@ -107,7 +107,7 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
                             sizeof(err)) < 0) {
         throw std::invalid_argument(std::string("verify_tree: ") + err);
     }
-    const bool split = P > 1 && plan[DELTASPEC_ROWS_N_COLS + DELTASPEC_ROWS_WALK_END] >= 0;  // one slot, two walks
+    const bool split = deltaspec_rows_count_walks(plan.data(), P) > 1;  // one slot: a second walk is a split
 
     const int64_t n_kv = seq().n_kv_for(p0 + T);
     StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/true, 0, 0, /*tree =*/true);

@@ -5,19 +5,28 @@ from __future__ import annotations
 import numpy as np
 
 
-def batch_vs_steps(model, rows: int, context: int, rng: np.random.Generator) -> float:
-    """max |batch - steps|: the logits of `rows` random tokens computed in one batch against the
-    same tokens as one-token steps, each after the same `context` random tokens (0.0: bitwise
-    equal). The model's sequence is left holding the context and the tokens."""
+def _batch_then_steps(model, rows: int, context: int, rng: np.random.Generator):
+    """Draws `context` and `rows` random tokens, then evaluates the rows after the context once in one
+    batch and once as one-token steps, yielding the logits after the batch, then after each step."""
     before = rng.integers(0, model.n_vocab, size=context).tolist()
     ids = rng.integers(0, model.n_vocab, size=rows).tolist()
-    out = []
     for one_by_one in (False, True):
         model.reset()
         if before:
             model.eval(before)
-        out.append(np.concatenate([model.eval([t]) for t in ids]) if one_by_one else model.eval(ids, logits="all"))
-    return float(np.abs(out[0] - out[1]).max())
+        if one_by_one:
+            for t in ids:
+                yield model.eval([t])
+        else:
+            yield model.eval(ids, logits="all")
+
+
+def batch_vs_steps(model, rows: int, context: int, rng: np.random.Generator) -> float:
+    """max |batch - steps|: the logits of `rows` random tokens computed in one batch against the
+    same tokens as one-token steps, each after the same `context` random tokens (0.0: bitwise
+    equal). The model's sequence is left holding the context and the tokens."""
+    batch, *steps = _batch_then_steps(model, rows, context, rng)
+    return float(np.abs(batch - np.concatenate(steps)).max())
 
 
 def node_differences(model, rows: int, context: int, rng: np.random.Generator) -> list[dict]:
@@ -25,13 +34,12 @@ def node_differences(model, rows: int, context: int, rng: np.random.Generator) -
     batch of `rows` tokens against those of the one-token steps, in the batch graph's order. The two
     kinds of graph differ in structure (the one-token step runs other DeltaNet ops), so a node is
     matched by its op, its first source (a weight's name, else that source's op), its row width and
-    its occurrence among such nodes (the k-th product of blk.0.ffn_down.weight), and compared where the batch node holds the
-    rows (its second numpy axis from the end is `rows`, each step's 1): row r of the batch node
+    its occurrence among such nodes (the k-th product of blk.0.ffn_down.weight), and compared where
+    the batch node holds the rows (its second numpy axis from the end is `rows`, each step's 1): row r
+    of the batch node
     against step r's. Returns {index, op, source, width, occurrence, max_diff} per compared node
     (source: the node's first source, a weight's GGUF name where it is one)."""
     engine = model._live()
-    before = rng.integers(0, model.n_vocab, size=context).tolist()
-    ids = rng.integers(0, model.n_vocab, size=rows).tolist()
 
     def by_key(nodes):
         seen, out = {}, []
@@ -43,21 +51,12 @@ def node_differences(model, rows: int, context: int, rng: np.random.Generator) -
         return out
 
     engine.capture_nodes(True)
-    try:
-        model.reset()
-        if before:
-            model.eval(before)
-        model.eval(ids, logits="all")
-        batch = by_key(engine.captured_nodes())
-        steps = []
-        model.reset()
-        if before:
-            model.eval(before)
-        for t in ids:
-            model.eval([t])
-            steps.append({(key, k): a for key, k, a in by_key(engine.captured_nodes())})
+    try:  # the nodes of the last graph computed, after the batch and after each step
+        captured = [by_key(engine.captured_nodes()) for _ in _batch_then_steps(model, rows, context, rng)]
     finally:
         engine.capture_nodes(False)
+    batch = captured[0]
+    steps = [{(key, k): a for key, k, a in nodes} for nodes in captured[1:]]
     out = []
     for index, (key, k, a) in enumerate(batch):
         if a.ndim < 2 or a.shape[-2] != rows:
