@@ -359,12 +359,16 @@ if has_step shapes; then
         --variants "${shape_variants[@]}" ${SHAPES_ARGS:-} --out "$OUT/invariance_shapes.json"
 fi
 if has_step nodes; then  # where the 4-layer 27B (and at n_embd 2048) parts: the first graph nodes that differ
+    # NODES_VARIANTS: '|'-separated environments as SHAPES_VARIANTS ("" = none, the default)
+    IFS='|' read -r -a node_variants <<< "${NODES_VARIANTS-}"
+    [[ ${#node_variants[@]} -gt 0 ]] || node_variants=("")
     python3 "$REPO/bench/invariance_probe.py" --shapes /tmp/shapes --base 27b --small 0.8b --only 27b \
-        --embd-widths 2048 --nodes --context 0 --variants "" --out "$OUT/invariance_nodes.json"
+        --embd-widths 2048 --nodes --context 0 --variants "${node_variants[@]}" --out "$OUT/invariance_nodes.json"
 fi
 if has_step products; then  # the weight products alone: a batch's columns against each alone, K up to 5120
+    # shellcheck disable=SC2086  # PRODUCTS_ARGS: more options, split on spaces (a later --embd-widths wins)
     python3 "$REPO/bench/invariance_probe.py" --products --device cuda --types q4_K q6_K \
-        --embd-widths 1024 2048 3072 4096 5120 --out "$OUT/invariance_products.json"
+        --embd-widths 1024 2048 3072 4096 5120 ${PRODUCTS_ARGS:-} --out "$OUT/invariance_products.json"
 fi
 if has_step batchspec; then
     peer=()

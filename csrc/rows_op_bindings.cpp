@@ -272,15 +272,21 @@ py::object ssm_conv_py(const std::string & device, const F32 & sx, const F32 & c
 // y = W x for the columns of x (N, K) all in one product and each in a product of its own (one graph
 // each), W (rows, K) quantized to `type` by ggml_quantize_chunk. batch_invariant: the backend as
 // Model(batch_invariant=True) registers it (CUDA: our invariant routes; the CPU: ggml-cpu's reference
-// paths). Returns {batch: (N, rows), alone: (N, rows)}.
+// paths). Returns {batch: (N, rows), alone: (N, rows)}; with head_rows (1 .. rows - 1) also
+// head: (N, head_rows), the columns in one product of W's first head_rows rows alone, as a stacked
+// matrix's part is in a graph that multiplies it on its own.
 py::dict matmul_columns_py(const std::string & device, const F32 & w, const std::string & type_name, const F32 & x,
-                           bool batch_invariant) {
+                           bool batch_invariant, int64_t head_rows) {
     const ggml_type type = ggml_type_by_name(type_name);
     if (type == GGML_TYPE_COUNT) throw std::invalid_argument("matmul_columns: no ggml type named '" + type_name + "'");
     if (w.ndim() != 2 || x.ndim() != 2 || x.shape(1) != w.shape(1) || x.shape(0) < 1) {
         throw std::invalid_argument("matmul_columns: w must be (rows, K) and x (N >= 1, K)");
     }
     const int64_t rows = w.shape(0), K = w.shape(1), N = x.shape(0);
+    if (head_rows < 0 || head_rows >= rows) {
+        throw std::invalid_argument("matmul_columns: head_rows = " + std::to_string(head_rows) + " must be 0 (none) or 1 .. " +
+                                    std::to_string(rows - 1));
+    }
     if (K % ggml_blck_size(type) != 0) {
         throw std::invalid_argument("matmul_columns: K = " + std::to_string(K) + " is not a multiple of " + type_name +
                                     "'s block of " + std::to_string(ggml_blck_size(type)));
@@ -294,7 +300,7 @@ py::dict matmul_columns_py(const std::string & device, const F32 & w, const std:
             if (backend != nullptr) cuda_set_batch_invariant(backend, false);
         }
     };
-    auto product = [&](int64_t first, int64_t n) {
+    auto product = [&](int64_t first, int64_t n, int64_t w_rows) {
         OneGraph graph(device, 1);
         Registration registered;
         if (batch_invariant && device == "cuda") {
@@ -307,19 +313,20 @@ py::dict matmul_columns_py(const std::string & device, const F32 & w, const std:
         }
         F32 cols(std::vector<py::ssize_t>{(py::ssize_t)n, (py::ssize_t)K});
         std::memcpy(cols.mutable_data(), x.data() + first * K, n * K * sizeof(float));
-        ggml_tensor * tw = graph.input_bytes(q.data(), type, K, rows);
+        ggml_tensor * tw = graph.input_bytes(q.data(), type, K, w_rows);  // rows are stored back to back
         ggml_tensor * y = ggml_mul_mat(graph.ctx(), tw, graph.input(cols, GGML_TYPE_F32));
         graph.compute({y}, 0);
-        return graph.read(y, {(py::ssize_t)n, (py::ssize_t)rows});
+        return graph.read(y, {(py::ssize_t)n, (py::ssize_t)w_rows});
     };
-    F32 batch = product(0, N), alone(std::vector<py::ssize_t>{(py::ssize_t)N, (py::ssize_t)rows});
+    F32 batch = product(0, N, rows), alone(std::vector<py::ssize_t>{(py::ssize_t)N, (py::ssize_t)rows});
     for (int64_t c = 0; c < N; ++c) {
-        F32 one = product(c, 1);
+        F32 one = product(c, 1, rows);
         std::memcpy(alone.mutable_data() + c * rows, one.data(), rows * sizeof(float));
     }
     py::dict res;
     res["batch"] = batch;
     res["alone"] = alone;
+    if (head_rows > 0) res["head"] = product(0, N, head_rows);
     return res;
 }
 
@@ -327,9 +334,10 @@ py::dict matmul_columns_py(const std::string & device, const F32 & w, const std:
 
 void bind_rows_ops(py::module_ & m) {
     m.def("matmul_columns", &matmul_columns_py, py::arg("device"), py::arg("w"), py::arg("type"), py::arg("x"),
-          py::arg("batch_invariant") = false,
+          py::arg("batch_invariant") = false, py::arg("head_rows") = 0,
           "Test-only: W (rows, K) quantized to `type` times the columns of x (N, K), in one product and each alone; "
-          "returns {batch, alone}, both (N, rows).");
+          "returns {batch, alone}, both (N, rows), and with head_rows {head: (N, head_rows)}, the product of W's "
+          "first head_rows rows alone.");
     m.def("rows_plan", &rows_plan_py, py::arg("parent"), py::arg("slot"), py::arg("flags"), py::arg("n_slots"),
           py::arg("split") = false,
           "Test-only: deltaspec_rows_plan; returns (rows (P, DELTASPEC_ROWS_N_COLS) int32, n_saved), P = R, or 2 R "

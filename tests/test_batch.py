@@ -258,6 +258,25 @@ def test_k_quant_products_of_a_batch_need_batch_invariant(type_name):
             assert np.abs(got - ref).max() < 0.2 * np.abs(ref).max(), k
 
 
+def test_matmul_columns_head_rows_is_the_part_alone():
+    """matmul_columns' head (the product of W's first rows alone, which the GPU test of stacked
+    products compares with the stack's rows) on the CPU: the invariant mode's head is bitwise the
+    stack's first rows, for every column, and a head outside 1 .. rows - 1 is refused by name.
+    Seen to fail with the head's product given all of W's rows (its shape, then its values)."""
+    from deltaspec import _core
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((512, 1024), dtype=np.float32)
+    x = rng.standard_normal((5, 1024), dtype=np.float32)
+    got = _core.matmul_columns("cpu", w, "q4_K", x, batch_invariant=True, head_rows=192)
+    assert got["head"].shape == (5, 192)
+    assert np.array_equal(got["head"], got["batch"][:, :192])
+    assert "head" not in _core.matmul_columns("cpu", w[:64], "q4_K", x)
+    for bad in (-1, 512, 600):
+        with pytest.raises(ValueError, match="head_rows"):
+            _core.matmul_columns("cpu", w, "q4_K", x, head_rows=bad)
+
+
 def test_node_differences_find_where_a_batch_parts(tmp_path):
     """node_differences (the step graphs' nodes captured as computed, bench/invariance_probe.py
     --nodes) matches a batch graph's nodes to the one-token steps' and compares their rows: with

@@ -20,7 +20,12 @@ Seen to fail:
   * DELTASPEC_TEST_INVARIANT_BUG=cell_order (the attention takes cells by their index in the cache,
     not by their rank among the cells a query sees): a draft tree's rows then differ from their
     path's steps (asserted in test_tree_rows_equal_their_paths_steps), while every chain stays
-    equal, which is why the kernel ranks the cells.
+    equal, which is why the kernel ranks the cells;
+  * DELTASPEC_TEST_INVARIANT_BUG=row_tiles (the tensor-core kernels keep the row tiles and k-split
+    their matrix's row count chooses): a stacked matrix's rows then differ from its part's product
+    alone (asserted in test_stacked_rows_equal_the_part_alone); this is what parted the synthetic
+    27B's batches from its steps (its ffn gate/up stack against the steps' separate products,
+    bench/invariance_probe.py --nodes).
 """
 
 from __future__ import annotations
@@ -213,3 +218,32 @@ def test_batch_of_sequences_is_each_alone(files):
         alone = [m.generate(p, max_tokens=64, temperature=0).tokens for p in prompts]
         together = [r.tokens for r in m.generate_batch(prompts, max_tokens=64, temperature=0)]
     assert together == alone
+
+
+# (type, K, stacked rows, head rows): a stack whose row tiles (mma_row_tiles) or k-split
+# (q6k_mma_k_split) differ from its head's on an H100 / H200 (132 SMs): the 27B's ffn gate/up stack
+# at K 2048 (R = 2 against 1), and a Q6_K matrix of the ffn down's K whose head alone is split
+# across a cluster and whose stack is not
+STACKS = (("q4_K", 2048, 2 * 17408, 17408), ("q6_K", 17408, 2 * 5120, 5120))
+
+
+@pytest.mark.parametrize("case", STACKS, ids=[c[0] for c in STACKS])
+def test_stacked_rows_equal_the_part_alone(case, monkeypatch):
+    """A stacked matrix's rows (a batch's shared-input products: the ffn gate/up stack, DeltaNet's
+    input stack) equal its part's product alone (a one-token step's separate products), bitwise,
+    for a product of 12 columns and each column alone, when the backend is batch-invariant: the
+    tensor-core kernels add each row's blocks in one order whatever the matrix's row count. With
+    the planted DELTASPEC_TEST_INVARIANT_BUG=row_tiles (the order follows the row count again) the
+    same comparison differs: the check's power, and why the order is fixed."""
+    type_name, k, rows, head = case
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((rows, k), dtype=np.float32)
+    x = rng.standard_normal((12, k), dtype=np.float32)
+    before = counts()
+    got = _core.matmul_columns("cuda", w, type_name, x, batch_invariant=True, head_rows=head)
+    assert ran(before)[MMA] >= 14 and ran(before)[MISSES] == 0  # batch, 12 alone and the head, on our kernels
+    assert np.array_equal(got["batch"], got["alone"])
+    assert np.array_equal(got["head"], got["batch"][:, :head])
+    monkeypatch.setenv("DELTASPEC_TEST_INVARIANT_BUG", "row_tiles")
+    planted = _core.matmul_columns("cuda", w, type_name, x, batch_invariant=True, head_rows=head)
+    assert not np.array_equal(planted["head"], planted["batch"][:, :head])

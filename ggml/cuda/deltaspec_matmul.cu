@@ -258,6 +258,25 @@ void compute_folded(ggml_backend_cuda_context & ctx, const ggml_tensor * folded)
     }
 }
 
+// Planted bug for tests/test_gpu_batch_invariant.py (DELTASPEC_TEST_INVARIANT_BUG=row_tiles, read per
+// call): a batch-invariant context's products keep the row tiles and k-split their matrix's rows
+// choose, as before the fixed order below.
+bool planted_row_tiles() {
+    const char * bug = std::getenv("DELTASPEC_TEST_INVARIANT_BUG");
+    return bug != nullptr && std::strcmp(bug, "row_tiles") == 0;
+}
+
+// Whether the tensor-core kernels must add each row's blocks in one order whatever the matrix:
+// on a batch-invariant context. R row tiles per thread block split k over 8 / R warps, and a
+// k-split over a cluster's blocks, and both follow the matrix's row count (mma_row_tiles,
+// q6k_mma_k_split), so one row's sums came out in another order in a stacked product (a batch
+// projects its input through the ffn gate/up stack, 2 x 17408 rows on the 27B: R = 2) than in
+// the product of its half alone (a one-token step's separate gate and up: R = 1). One tile and
+// no split fix the order: warp w adds blocks w, w + 8, ..., then the warps are added in order.
+bool fixed_sum_order(const ggml_backend_cuda_context & ctx) {
+    return deltaspec_cuda_invariant(ctx) && !planted_row_tiles();
+}
+
 // x: src1's values (columns ldx floats apart), or the input of a folded norm or SwiGLU, which
 // `norm` or `glu` then describe (a SwiGLU only for the tensor-core kernels); dst: where y goes,
 // plus `residual` (tensor-core kernels only)
@@ -280,6 +299,8 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
         case Kernel::q4k_mma:
         case Kernel::q6k_mma: {
             const int64_t n = src1->ne[1], ldy = dst->nb[1] / sizeof(float);
+            const bool fixed = fixed_sum_order(ctx);
+            const int row_tiles = fixed ? 1 : g_mma_row_tiles, k_split = fixed ? 1 : g_mma_k_split;
             ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::mma_x_bytes(n_k, (int)std::min(n, kLaunchColumns)));
             const auto launch = k == Kernel::q4k_mma ? deltaspec_cuda::launch_q4k_mma : deltaspec_cuda::launch_q6k_mma;
             // each column's sums are its own whatever the launch's width: pieces change no value
@@ -289,7 +310,7 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
                 deltaspec_cuda::YResidual r = residual;
                 if (r.res != nullptr) r.res += c0 * r.ld;
                 launch(src0->data, x + c0 * ldx, ldx, y + c0 * ldy, ldy, rows, n_k, (int)m, src0->nb[1], scratch.get(),
-                       ctx.stream(), norm, g, r, g_mma_row_tiles, g_mma_k_split);
+                       ctx.stream(), norm, g, r, row_tiles, k_split);
             });
             break;
         }
