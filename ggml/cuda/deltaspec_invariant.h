@@ -9,7 +9,9 @@
 //     of a Q4_K / Q6_K matrix our tensor-core kernels serve runs on them at every width (1..32
 //     columns at a time: a column's sums do not depend on the other columns'), any other matrix
 //     column by column through ggml's one-column mat-vec, and a fusion ggml asks of a one-column
-//     product is run as its separate ops (deltaspec_matmul.cu);
+//     product is run as its separate ops (deltaspec_matmul.cu). The tensor-core kernels also add
+//     a row's blocks in one order whatever the matrix (one row tile, no k-split: fixed_sum_order),
+//     since a batch multiplies stacked weights (ffn gate/up) that a one-token step multiplies apart;
 //   * attention: ggml picks its vector kernel for one query and its tile / MMA kernels for more,
 //     and splits the cache over blocks by the work's size. Registered, one kernel serves every
 //     query (deltaspec_invariant.cu): the cells a query sees are taken in order, 256 to a block,
@@ -18,9 +20,9 @@
 // The engine also stops offering norms and SwiGLUs to be folded into the products (csrc/engine.cpp).
 // Everything else a Qwen3.5 step runs already computes each row on its own (norms, RoPE, the
 // DeltaNet recurrence and conv, whose batch kernels give the one-token kernel's bits). Measured
-// (tests/test_gpu_batch_invariant.py): bitwise on the synthetic 0.8B and the tiny models; the
-// synthetic 27B's rows still part, so some piece of its step is not covered yet
-// (bench/invariance_probe.py).
+// (tests/test_gpu_batch_invariant.py): bitwise on the synthetic 0.8B and the tiny models, and a
+// stacked matrix's rows bitwise its part's alone; the synthetic 27B's whole step with the fixed
+// order is still to be measured (bench/invariance_probe.py --nodes, bench/README.md).
 #pragma once
 
 #include "common.cuh"
