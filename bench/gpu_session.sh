@@ -41,10 +41,12 @@
 #      its turn comes, the JSON rewritten after every probe, so a run cut short keeps what it probed)
 #      -> invariance_shapes.json
 #   nodes: the 4-layer 27B and that model at n_embd 2048, batch against steps node by node
-#      (bench/invariance_probe.py --nodes: the first graph nodes whose rows differ) -> invariance_nodes.json
+#      (bench/invariance_probe.py --nodes: the first graph nodes whose rows differ; NODES_VARIANTS:
+#      '|'-separated environments to run it under) -> invariance_nodes.json
 #   products: the same question of one weight product alone (bench/invariance_probe.py --products:
-#      Q4_K and Q6_K, K = 1024 .. 5120, 12 columns in one product against each alone, default and
-#      batch-invariant) -> invariance_products.json
+#      Q4_K and Q6_K, K = 1024 .. 5120, 12 columns in one product against each alone, and the
+#      matrix's first half of rows against that half as a matrix of its own, default and
+#      batch-invariant; PRODUCTS_ARGS: more options) -> invariance_products.json
 #   batchspec: aggregate decode tok/s with prompt-lookup speculation across 1/4/16 sequences
 #      (bench/batch_spec_bench.py: plain, own-text lookup, a reference holding the plain output, the
 #      same with every 4th token wrong), llama-batched-bench's plain rows beside them when `build`

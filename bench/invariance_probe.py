@@ -15,8 +15,9 @@ whose kernels are not invariant; the variants then name the kernel (k-split, Del
 
 `--products` looks at one piece instead: a weight product alone (random weights quantized to each
 --types, K from --embd-widths, --rows-out output rows), its --rows columns in one product
-against each column alone, with and without the batch-invariant registration, and prints the
-largest difference of each (the bisection found the embedding width: is it the products with that K?).
+against each column alone, and its first half of rows against those rows as a matrix of their own
+(a stack's part, as a batch multiplies stacked weights that a one-token step multiplies apart),
+with and without the batch-invariant registration, and prints the largest difference of each.
 
     python bench/invariance_probe.py --products --types q4_K q6_K --embd-widths 1024 2048 5120
 
@@ -98,7 +99,10 @@ def shape_models(folder: str, base: str, small: str, embd_widths: Iterable[int] 
 
 def probe_products(types: list[str], widths: list[int], rows: int, n_cols: int, device: str,
                    out_path: str | None) -> list[dict]:
-    """Each type and K: max |one product of n_cols columns - each column alone|, default and batch-invariant."""
+    """Each type and K: max |one product of n_cols columns - each column alone| ("default",
+    "invariant") and max |the matrix's first rows / 2 rows in the product - those rows as a
+    matrix of their own| ("head_default", "head_invariant": a batch's stacked weights against a
+    one-token step's separate products), without and with the batch-invariant registration."""
     import numpy as np
 
     from deltaspec import _core
@@ -109,9 +113,12 @@ def probe_products(types: list[str], widths: list[int], rows: int, n_cols: int, 
         w = rng.standard_normal((rows, k), dtype=np.float32)
         x = rng.standard_normal((n_cols, k), dtype=np.float32)
         row = {"type": type_name, "K": k, "rows": rows, "columns": n_cols}
+        head = rows // 2
         for invariant in (False, True):
-            got = _core.matmul_columns(device, w, type_name, x, batch_invariant=invariant)
-            row["invariant" if invariant else "default"] = float(np.abs(got["batch"] - got["alone"]).max())
+            got = _core.matmul_columns(device, w, type_name, x, batch_invariant=invariant, head_rows=head)
+            name = "invariant" if invariant else "default"
+            row[name] = float(np.abs(got["batch"] - got["alone"]).max())
+            row["head_" + name] = float(np.abs(got["batch"][:, :head] - got["head"]).max())
         keep(results, row, out_path)
     return results
 
