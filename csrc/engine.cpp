@@ -72,10 +72,9 @@ Engine::Engine(const std::string & path, const HParams & hp, const EngineOptions
         open_backends();
         // a tree's side branches as a second walk of the recurrence beside its deepest path
         // (deltaspec_rows.h), which on a GPU runs at once with it: off unless DELTASPEC_ROWS_SPLIT=1.
-        // Measured (H100, synthetic 27B, bench/README.md) it did not pay yet: 1 + 22 rows 14.84 ms
-        // split, 14.43 ms whole, the split's room for positions doubling the CUDA grid's rows of
-        // thread blocks that return at once (the walk bound since given to the recurrence nodes
-        // removes those; not yet measured).
+        // Measured (H100, synthetic 27B, with the recurrence nodes' walk bound; bench/README.md) it
+        // does not pay: 1 + 22 rows 14.73 ms split, 14.41 ms whole, and its room for 2 R positions
+        // costs 0.1-0.2 ms even on chains, which never split.
         split_walks_ = env_flag("DELTASPEC_ROWS_SPLIT");
         const LayerSplit * split = split_.active() ? &split_ : nullptr;
         load_weights(weights_, path, hp_, backend_, env_on("DELTASPEC_STACK_PROJECTIONS"), opts.progress, split);

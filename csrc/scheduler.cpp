@@ -22,7 +22,6 @@ int32_t first_argmax(const float * row, int64_t n) {
     return (int32_t)(std::max_element(row, row + n) - row);
 }
 
-
 Sequence::Sequence(int64_t id_, GenerateRequest request, const PieceTable & pieces)
     : id(id_), req(std::move(request)), sampler(req.sampling), history(req.prompt), out(pieces, req, on_token, res) {}
 
