@@ -348,6 +348,13 @@ if has_step constraints; then
     python3 "$REPO/bench/constraint_cost.py" /tmp/q27.gguf --device cuda --reps "${BENCH_REPS:-3}" \
         ${CONSTRAINT_COST_ARGS:-} --out "$OUT/constraint_cost.json" | tee "$OUT/constraint_cost.md"
 fi
+if has_step nodes; then  # where the 4-layer 27B (and at n_embd 2048) parts: the first graph nodes that differ
+    # NODES_VARIANTS: '|'-separated environments as SHAPES_VARIANTS ("" = none, the default)
+    IFS='|' read -r -a node_variants <<< "${NODES_VARIANTS-}"
+    [[ ${#node_variants[@]} -gt 0 ]] || node_variants=("")
+    python3 "$REPO/bench/invariance_probe.py" --shapes /tmp/shapes --base 27b --small 0.8b --only 27b \
+        --embd-widths 2048 --nodes --context 0 --variants "${node_variants[@]}" --out "$OUT/invariance_nodes.json"
+fi
 if has_step invariant; then
     python3 "$REPO/bench/batch_invariance.py" --device cuda --model /tmp/q27.gguf --drafter ngram --reps "${BENCH_REPS:-3}" \
         --pp 512 --tg 32 --depth 2048 --out "$OUT/cuda_batch_invariance.json" | tee "$OUT/cuda_batch_invariance.md"
@@ -359,13 +366,6 @@ if has_step shapes; then
     # shellcheck disable=SC2086  # SHAPES_ARGS: split on spaces
     python3 "$REPO/bench/invariance_probe.py" --shapes /tmp/shapes --base 27b --small 0.8b --context 0 600 \
         --variants "${shape_variants[@]}" ${SHAPES_ARGS:-} --out "$OUT/invariance_shapes.json"
-fi
-if has_step nodes; then  # where the 4-layer 27B (and at n_embd 2048) parts: the first graph nodes that differ
-    # NODES_VARIANTS: '|'-separated environments as SHAPES_VARIANTS ("" = none, the default)
-    IFS='|' read -r -a node_variants <<< "${NODES_VARIANTS-}"
-    [[ ${#node_variants[@]} -gt 0 ]] || node_variants=("")
-    python3 "$REPO/bench/invariance_probe.py" --shapes /tmp/shapes --base 27b --small 0.8b --only 27b \
-        --embd-widths 2048 --nodes --context 0 --variants "${node_variants[@]}" --out "$OUT/invariance_nodes.json"
 fi
 if has_step products; then  # the weight products alone: a batch's columns against each alone, K up to 5120
     # shellcheck disable=SC2086  # PRODUCTS_ARGS: more options, split on spaces (a later --embd-widths wins)
