@@ -1,7 +1,8 @@
 """The README as a user reads it: its Python example runs as written, every `deltaspec` command line
-it shows parses, every llama.cpp flag its tables call "same" is one of ours (and the ones it calls
-refused are refused), and every name it tells users to call exists where it says. A renamed flag,
-method or error class that the README still shows fails here.
+it shows parses, every llama.cpp flag and server route its tables call "same" is one of ours (and
+the ones it calls refused or not served are not), every name it tells users to call exists where it
+says, and every file it or bench/README.md cites is in the repository. A renamed flag, route,
+method, error class, test or result file that the README still shows fails here.
 
 Seen red (planted one at a time in the README, then restored): `-ctk q8_0` spelled `--ctk q8_0` in
 the command-line block (test_every_command_line_parses named line 346 and the unrecognized flag);
@@ -9,7 +10,11 @@ the command-line block (test_every_command_line_parses named line 346 and the un
 `--lora` moved from the refused row to a row of its own saying "same" (each named as not a flag of
 `run`); `r.stats.tokens_per_second` as `r.stats.tok_per_second` in the Python example (its
 AttributeError, raised from the README's line); `model.kv_cache_info()` as `model.kv_info()`, and
-`TruncatedFileError` as `TruncatedError` (each named)."""
+`TruncatedFileError` as `TruncatedError` (each named); `/apply-template` as `/apply_template` in a
+"same" row, and `POST /props` in the "not served" row as `POST /tokenize` (each named); a cited
+`tests/test_server_peer.py` as `tests/test_server_peers.py`, bench/README.md's
+`latest/tree_split_walks.md` without its s, and its `::test_stacked_rows_equal_the_part_alone` as
+`::test_stacked_rows_equal_the_parts` (each named)."""
 
 from __future__ import annotations
 
@@ -199,3 +204,46 @@ def test_the_names_it_tells_users_to_call_exist(chat_model):
     for name in promised:
         cls = getattr(errors, name, None)
         assert isinstance(cls, type) and issubclass(cls, (errors.DeltaspecError, ValueError)), f"README names {name}"
+
+
+def test_the_server_routes_it_lists():
+    """The llama-server table: each route of a row that says "same" is served, with the method it
+    names (`/props` (GET)), and each route of the "not served" row is not (`POST /props`: not that
+    method). The route table is read from the app itself, built without a model (no route runs)."""
+    from types import SimpleNamespace
+
+    from deltaspec.server.app import create_app
+
+    served = {r.path: r.methods for r in create_app(SimpleNamespace(engine=None, served=None, api_key=None)).routes}
+    checked = 0
+    for theirs_cell, ours_cell in table_rows(readme(), "| llama-server"):
+        spans = [s for s in re.findall(r"`([^`]+)`", theirs_cell) if re.match(r"(\w+ )?/", s)]
+        for span in spans:
+            method, _, path = span.rpartition(" ")
+            named = re.search(re.escape(f"`{span}`") + r" \((GET|POST)\)", theirs_cell)
+            method = method or (named.group(1) if named else "")
+            if ours_cell.startswith("not served"):
+                assert path not in served or (method and method not in served[path]), f"README: {span} not served"
+            else:
+                assert ours_cell.startswith("same"), (theirs_cell, ours_cell)
+                assert path in served and (not method or method in served[path]), f"README: {span} served"
+            checked += 1
+    assert checked >= 15, checked
+
+
+def test_the_files_it_cites_exist():
+    """Every repository path README.md and bench/README.md cite (tests, benchmarks, sources, result
+    files; `tests/test_x.py::test_y` down to the test function) is there."""
+    root = README.parent
+    cited = set()
+    for doc in (README, root / "bench" / "README.md"):
+        text = doc.read_text(encoding="utf-8")
+        cited |= set(re.findall(r"(?<![\w/.])((?:tests|bench|csrc|ggml|python|deps)/[\w./*-]*[\w*/])(?:::(\w+))?", text))
+        # bench/README.md names its result files relative to bench/results/
+        cited |= {(f"bench/results/{p}", "") for p in re.findall(r"`((?:latest|archive)/[\w./-]+\.\w+)`", text)}
+    assert len(cited) >= 60, len(cited)
+    missing = [p for p, _ in cited if not list(root.glob(p.rstrip("/")))]
+    assert not missing, f"cited but not in the repository: {sorted(missing)}"
+    for path, function in cited:
+        if function:
+            assert re.search(rf"^def {function}\(", (root / path).read_text(encoding="utf-8"), re.M), f"{path}::{function}"
