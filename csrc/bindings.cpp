@@ -486,6 +486,21 @@ py::array_t<T> verify(Runner & r, const Tokens & tokens, std::vector<py::ssize_t
     return out;
 }
 
+// A tree batch's rows: row i at its slot's length + its depth (parents[i] an earlier row of the
+// slot, or -1). A parent that is not an earlier row gets depth 0 here: the engine names it.
+template <typename SlotOf, typename LengthOf>
+RowBatch tree_rows(const Tokens & tokens, const Tokens & parents, SlotOf slot_of, LengthOf length_of) {
+    const int64_t T = tokens.shape(0);
+    RowBatch rows;
+    std::vector<int32_t> depth(T, 0);
+    for (int64_t i = 0; i < T; ++i) {
+        const int32_t p = parents.at(i), s = slot_of(i);
+        if (p >= 0 && p < i) depth[i] = depth[p] + 1;
+        rows.add(tokens.at(i), (int32_t)(length_of(s) + depth[i]), s, p);
+    }
+    return rows;
+}
+
 PYBIND11_MODULE(_core, m) {
     m.doc() = "deltaspec native engine (ggml)";
     install_ggml_log();  // before anything makes ggml-cuda start up and log
@@ -964,13 +979,8 @@ PYBIND11_MODULE(_core, m) {
                  if (parents.ndim() != 1 || parents.shape(0) != T) {
                      throw std::invalid_argument("verify_tree: parents must be one entry per token");
                  }
-                 RowBatch rows;
-                 std::vector<int32_t> depth(T, 0);
-                 for (int64_t i = 0; i < T; ++i) {
-                     const int32_t p = parents.at(i);
-                     if (p >= 0 && p < i) depth[i] = depth[p] + 1;  // otherwise verify_tree names the bad parent
-                     rows.add(tokens.at(i), (int32_t)(e.n_past() + depth[i]), (int32_t)e.current_slot(), p);
-                 }
+                 const RowBatch rows = tree_rows(tokens, parents, [&](int64_t) { return (int32_t)e.current_slot(); },
+                                                 [&](int32_t) { return e.n_past(); });
                  py::array out = argmax ? py::array(py::array_t<int32_t>({T}))
                                         : py::array(py::array_t<float>({T, e.hparams().n_vocab}));
                  void * dst = out.mutable_data();
@@ -996,14 +1006,10 @@ PYBIND11_MODULE(_core, m) {
                  if (parents.ndim() != 1 || parents.shape(0) != R || slots.ndim() != 1 || slots.shape(0) != R) {
                      throw std::invalid_argument("verify_rows: parents and slots must be one entry per token");
                  }
-                 RowBatch rows;
-                 std::vector<int32_t> depth(R, 0);
-                 for (int64_t i = 0; i < R; ++i) {
-                     const int32_t p = parents.at(i), s = slots.at(i);
-                     if (p >= 0 && p < i) depth[i] = depth[p] + 1;  // otherwise verify_rows names the bad parent
-                     const int64_t n_past = s >= 0 && s < e.n_seq_max() ? e.slot_n_past(s) : 0;
-                     rows.add(tokens.at(i), (int32_t)(n_past + depth[i]), s, p);
-                 }
+                 const RowBatch rows = tree_rows(tokens, parents, [&](int64_t i) { return slots.at(i); },
+                                                 [&](int32_t s) {  // a bad slot: verify_rows names it
+                                                     return s >= 0 && s < e.n_seq_max() ? e.slot_n_past(s) : int64_t(0);
+                                                 });
                  py::array_t<float> out({R, e.hparams().n_vocab});
                  float * dst = out.mutable_data();
                  py::gil_scoped_release release;
