@@ -112,10 +112,8 @@ Engine::Committed Engine::commit_paths(const std::vector<std::vector<int32_t>> &
             for (int32_t t : state_paths[i]) slot[t] = (int32_t)(pend.first_slot + i);
             if (!state_paths[i].empty()) flags[state_paths[i].back()] = DELTASPEC_ROW_WRITE_BACK;
         }
-        char err[256];
-        n_saved = deltaspec_rows_plan(T, pend.parent.data(), slot.data(), flags.data(), pool_.n_seq, T, plan.data(),
-                                      err, sizeof(err));
-        if (n_saved < 0) throw std::logic_error(std::string("commit_paths: ") + err);
+        plan = rows_plan(T, pend.parent.data(), slot.data(), flags.data(), T, "commit_paths", /*callers_rows =*/false,
+                         &n_saved);
         if (deltaspec_rows_count_walks(plan.data(), T) > N) {  // its recurrence nodes look at N walks
             throw std::logic_error("commit_paths: the plan has more walks than slots");
         }

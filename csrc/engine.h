@@ -364,6 +364,13 @@ class Engine {
     bool split_walks_ = false;  // tree plans may split a slot's walk (deltaspec_rows.h; the constructor says when)
     // The rows tensor's room for walk positions of a batch of n_rows rows (deltaspec_rows_plan's n_positions).
     int64_t rows_positions(int64_t n_rows) const { return split_walks_ ? 2 * n_rows : n_rows; }
+    // The rows ops' plan (deltaspec_rows_plan) of a batch's rows in n_positions positions, and in
+    // *n_saved the saved states it needs. A rule the rows break throws with `who` in front: as
+    // std::invalid_argument where the rows are the caller's (verify_tree, verify_rows), else as
+    // std::logic_error (prefill and commit build their own rows).
+    std::vector<int32_t> rows_plan(int64_t n_rows, const int32_t * parent, const int32_t * slot, const int32_t * flags,
+                                   int64_t n_positions, const char * who, bool callers_rows,
+                                   int64_t * n_saved = nullptr) const;
     ModelWeights weights_;
     StatePool pool_;
     int64_t cur_ = 0;  // the slot of the one-sequence calls

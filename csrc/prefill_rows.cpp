@@ -106,14 +106,10 @@ void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out
         for (int64_t i = 1; i < N; ++i) copy_recurrent_state(pool_.slots[first], pool_.slots[first + i]);
     }
     // (its graph's rows tensor has the room of a tree batch's; chains never split)
-    const int64_t P = rows_positions(T);
-    std::vector<int32_t> plan(P * DELTASPEC_ROWS_N_COLS);
-    char err[256];
-    const int64_t n_saved = deltaspec_rows_plan(T, parent.data(), slot.data(), flags.data(), pool_.n_seq, P, plan.data(),
-                                                err, sizeof(err));
-    if (n_saved != 0) {  // chains walk in registers: nothing to save
-        throw std::logic_error(std::string("prefill_rows: ") + (n_saved < 0 ? err : "a chain needed a saved state"));
-    }
+    int64_t n_saved = 0;
+    const std::vector<int32_t> plan = rows_plan(T, parent.data(), slot.data(), flags.data(), rows_positions(T),
+                                                "prefill_rows", /*callers_rows =*/false, &n_saved);
+    if (n_saved != 0) throw std::logic_error("prefill_rows: a chain needed a saved state");  // chains walk in registers
 
     StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/false, N, first, /*tree =*/true);
     set_input(g.in.tokens, rows.token.data(), T * sizeof(int32_t));

@@ -33,6 +33,22 @@ std::string str(int64_t v) { return std::to_string(v); }
 
 }  // namespace
 
+std::vector<int32_t> Engine::rows_plan(int64_t n_rows, const int32_t * parent, const int32_t * slot,
+                                       const int32_t * flags, int64_t n_positions, const char * who,
+                                       bool callers_rows, int64_t * n_saved) const {
+    std::vector<int32_t> plan(n_positions * DELTASPEC_ROWS_N_COLS, 0);
+    char err[256];
+    const int64_t saved = deltaspec_rows_plan(n_rows, parent, slot, flags, pool_.n_seq, n_positions, plan.data(), err,
+                                              sizeof(err));
+    if (saved < 0) {
+        const std::string message = std::string(who) + ": " + err;
+        if (callers_rows) throw std::invalid_argument(message);
+        throw std::logic_error(message);
+    }
+    if (n_saved) *n_saved = saved;
+    return plan;
+}
+
 // Read once per process (the tests plant it for a whole run).
 RowsBug rows_bug() {
     static const RowsBug bug = [] {
@@ -160,13 +176,8 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
         const int64_t n = begin[2] - begin[1];
         if (n > 2) parent[Tq + n - 1] -= 1;
     }
-    const int64_t P = rows_positions(T);
-    std::vector<int32_t> plan(P * DELTASPEC_ROWS_N_COLS);
-    char err[256];
-    if (deltaspec_rows_plan(T, parent.data(), pend.slot.data(), nullptr, pool_.n_seq, P, plan.data(), err,
-                            sizeof(err)) < 0) {
-        throw std::invalid_argument(std::string("verify_rows: ") + err);
-    }
+    const std::vector<int32_t> plan = rows_plan(T, parent.data(), pend.slot.data(), nullptr, rows_positions(T),
+                                                "verify_rows", /*callers_rows =*/true);
 
     StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/true, N, first, /*tree =*/true);
     set_input(g.in.tokens, tokens.data(), T * sizeof(int32_t));

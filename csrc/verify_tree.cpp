@@ -101,12 +101,8 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
 
     // the rows ops' plan: every row in this slot, nothing written back
     const int64_t P = rows_positions(T);
-    std::vector<int32_t> plan(P * DELTASPEC_ROWS_N_COLS);
-    char err[256];
-    if (deltaspec_rows_plan(T, rows.parent.data(), rows.slot.data(), nullptr, pool_.n_seq, P, plan.data(), err,
-                            sizeof(err)) < 0) {
-        throw std::invalid_argument(std::string("verify_tree: ") + err);
-    }
+    const std::vector<int32_t> plan = rows_plan(T, rows.parent.data(), rows.slot.data(), nullptr, P, "verify_tree",
+                                                /*callers_rows =*/true);
     const bool split = deltaspec_rows_count_walks(plan.data(), P) > 1;  // one slot: a second walk is a split
 
     const int64_t n_kv = seq().n_kv_for(p0 + T);
