@@ -21,8 +21,8 @@
 // Everything else a Qwen3.5 step runs already computes each row on its own (norms, RoPE, the
 // DeltaNet recurrence and conv, whose batch kernels give the one-token kernel's bits). Measured
 // (tests/test_gpu_batch_invariant.py): bitwise on the synthetic 0.8B and the tiny models, and a
-// stacked matrix's rows bitwise its part's alone; the synthetic 27B's whole step with the fixed
-// order is still to be measured (bench/invariance_probe.py --nodes, bench/README.md).
+// stacked matrix's rows bitwise its part's alone; the synthetic 27B's rows bitwise its steps'
+// (bench/batch_invariance.py, bench/invariance_probe.py --nodes; bench/README.md).
 #pragma once
 
 #include "common.cuh"
