@@ -19,8 +19,8 @@ ggml's one-column fusions run as separate ops, and one attention kernel that tak
 query sees in order, whatever the batch or where a draft tree put them. Its attention reads F16,
 BF16 or F32 caches (tq3 / tq4 caches are decoded to F16 first), so a quantized ggml cache type is
 refused. On the CPU each row is then bitwise the same whatever batch computes it; on CUDA that
-was measured on the synthetic 0.8B and the tiny models, while the synthetic 27B's rows still
-part, by less than by default (bench/README.md, "Batch-invariant CUDA models").
+was measured on the synthetic 27B, the synthetic 0.8B and the tiny models (bench/README.md,
+"Batch-invariant CUDA models").
 """
 
 from __future__ import annotations
