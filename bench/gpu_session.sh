@@ -26,6 +26,9 @@
 #   profile: GPU time per kernel group of one decode step and one 17-row verify (Nsight Compute)
 #      -> profile.md; PROFILE_WHAT replaces "decode verify" (kernel_profile.py's --what: also tree,
 #      keep-path, batch), PROFILE_CHAIN the verify's rows
+#   timeline: the same steps as they really run (torch's profiler: CUPTI, graph nodes traced): per
+#      kernel group its GPU time and the idle time before its kernels (TIMELINE_WHAT, default
+#      "decode tree"; TIMELINE_CHAIN rows, default 23: a 1 + 22 tree) -> timeline.md
 #   kernels: deltaspec's CUDA kernels alone (bench/kernels/kernels_bench.py): compiled while the
 #      builds run, timed before anything else uses the machine (timed during a 16-job build, its
 #      small launches came out host-bound: 30 us for an 11 us mat-vec) -> kernels_bench.json
@@ -110,7 +113,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant shapes products nodes
+# steps: any of kernels timeline build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant shapes products nodes
 #   dflash profile server server-spec tq tq-test toprows graphcache hostsample layersplit constraints
 # (default: build test bench)
 set -euo pipefail
@@ -200,7 +203,7 @@ cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step batchspec || has_step stock || has_step ab || has_step verify ||
-        has_step tree || has_step profile || has_step server || has_step server-spec || has_step tq || has_step toprows ||
+        has_step tree || has_step profile || has_step timeline || has_step server || has_step server-spec || has_step tq || has_step toprows ||
         has_step dflash || has_step graphcache || has_step batchdflash || has_step batchspect || has_step invariant ||
         has_step constraints
 }
@@ -315,6 +318,16 @@ if has_step profile; then  # one decode step and one 17-row verify (PROFILE_WHAT
         csvs+=("$OUT/kernels_$what.csv")
     done
     python3 "$REPO/bench/kernel_profile.py" report "${csvs[@]}" | tee "$OUT/profile.md"
+fi
+if has_step timeline; then
+    traces=()
+    for what in ${TIMELINE_WHAT:-decode tree}; do
+        python3 "$REPO/bench/kernel_profile.py" run /tmp/q27.gguf --what "$what" --chain "${TIMELINE_CHAIN:-23}" \
+            --trace "/tmp/timeline_$what.json" 2>&1 | grep "ms wall" | tee -a "$OUT/timeline.md" || echo "timeline $what failed"
+        traces+=("/tmp/timeline_$what.json")
+        xz -T0 -c "/tmp/timeline_$what.json" > "$OUT/timeline_$what.json.xz" || true
+    done
+    python3 "$REPO/bench/kernel_profile.py" trace "${traces[@]}" | tee -a "$OUT/timeline.md"
 fi
 if has_step bench-ours; then
     # shellcheck disable=SC2086  # BENCH_TESTS: a list of test names

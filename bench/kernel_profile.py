@@ -12,6 +12,16 @@ chain's first 9 rows after it (`--what keep-path`), or one scheduler step of --n
 decoding one row each (`--what batch`, add_request / step). `report` groups the
 kernels ncu measured into matmul / DeltaNet / attention / other and prints a markdown table.
 Kernel times exclude launch gaps, so their sum is below the step's wall time.
+
+    python bench/kernel_profile.py run MODEL.gguf --what tree --chain 23 --trace tree.json
+    python bench/kernel_profile.py trace tree.json [...]
+
+`--trace` records the same bracketed step with torch's profiler instead (CUPTI's activity records:
+every kernel of the process as it really ran, CUDA graph nodes included, nothing serialized; the
+machine has no Nsight Systems) into a Chrome trace; `trace` reads such traces: per group the
+kernels' time and the GPU's idle time just before them (the launch gaps and dependency waits that
+group's kernels start after), and the step's span from the first kernel's start to the last one's
+end. `run` prints the step's wall time (Python, synchronized) to stderr.
 """
 
 from __future__ import annotations
@@ -19,8 +29,10 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import json
 import re
 import sys
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -84,10 +96,23 @@ def run(args) -> int:
         after()
     before()
     cudart.cudaDeviceSynchronize()
-    cudart.cudaProfilerStart()
-    profiled()
-    cudart.cudaDeviceSynchronize()
-    cudart.cudaProfilerStop()
+    if args.trace:
+        import torch  # CUPTI through torch's profiler: sees ggml-cuda's kernels too (one process, one context)
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            profiled()
+            cudart.cudaDeviceSynchronize()
+            wall = time.perf_counter() - t0
+        prof.export_chrome_trace(args.trace)
+    else:
+        cudart.cudaProfilerStart()
+        t0 = time.perf_counter()
+        profiled()
+        cudart.cudaDeviceSynchronize()
+        wall = time.perf_counter() - t0
+        cudart.cudaProfilerStop()
+    print(f"{args.what}: {1e3 * wall:.3f} ms wall (one step, synchronized)", file=sys.stderr)
     m.close()
     return 0
 
@@ -136,7 +161,7 @@ def report(args) -> int:
         for r in rows:
             if r[metric_i] != "gpu__time_duration.sum":
                 continue
-            group = next((g for g, pat in GROUPS if re.search(pat, r[name_i])), "other elementwise")
+            group = group_of(r[name_i])
             per_group[group] += float(r[value_i].replace(",", "")) * 1e-6  # ns -> ms
             n_kernels[group] += 1
         total = sum(per_group.values())
@@ -145,6 +170,45 @@ def report(args) -> int:
         print("|---|---:|---:|---:|")
         for g, ms in sorted(per_group.items(), key=lambda kv: -kv[1]):
             print(f"| {g} | {n_kernels[g]} | {ms:.3f} | {100 * ms / total:.1f}% |")
+    return 0
+
+
+def group_of(kernel: str) -> str:
+    return next((g for g, pat in GROUPS if re.search(pat, kernel)), "other elementwise")
+
+
+def trace(args) -> int:
+    """Chrome traces of run --trace: kernel time and the idle time before each group's kernels."""
+    for path in args.trace_json:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        kernels = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in events if e.get("cat") == "kernel")
+        if not kernels:
+            raise SystemExit(f"{path}: no kernel events")
+        busy, idle, count = defaultdict(float), defaultdict(float), defaultdict(int)
+        by_name = defaultdict(lambda: [0, 0.0, 0.0])  # kernels, kernel ms, idle ms
+        end = kernels[0][0]
+        for start, dur, name in kernels:  # microseconds
+            g = group_of(name)
+            short = re.sub(r"\(.*", "", name)[:90]
+            by_name[short][0] += 1
+            by_name[short][1] += dur * 1e-3
+            by_name[short][2] += max(0.0, start - end) * 1e-3
+            busy[g] += dur * 1e-3
+            idle[g] += max(0.0, start - end) * 1e-3  # ms the GPU sat idle before this kernel began
+            count[g] += 1
+            end = max(end, start + dur)
+        span = (end - kernels[0][0]) * 1e-3
+        print(f"\n{path}: {len(kernels)} kernels over {span:.3f} ms (first start to last end), "
+              f"{sum(busy.values()):.3f} ms of kernel time, {sum(idle.values()):.3f} ms idle between them\n")
+        print("| group | kernels | kernel ms | idle ms before them |")
+        print("|---|---:|---:|---:|")
+        for g in sorted(busy, key=lambda k: -(busy[k] + idle[k])):
+            print(f"| {g} | {count[g]} | {busy[g]:.3f} | {idle[g]:.3f} |")
+        print("\n| kernel (first 15 by time) | kernels | kernel ms | idle ms before them |")
+        print("|---|---:|---:|---:|")
+        for name, (n, b, i) in sorted(by_name.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:15]:
+            print(f"| `{name}` | {n} | {b:.3f} | {i:.3f} |")
     return 0
 
 
@@ -158,10 +222,13 @@ def main() -> int:
                    help="T, rows of the verify pass (default 17: generate()'s default draft_n_max 16 + 1)")
     r.add_argument("--n-seqs", type=int, default=16, help="sequences of --what batch")
     r.add_argument("--depth", type=int, default=256)
+    r.add_argument("--trace", help="record the step with torch's profiler into this Chrome trace (JSON)")
     p = sub.add_parser("report")
     p.add_argument("csv", nargs="+")
+    t = sub.add_parser("trace")
+    t.add_argument("trace_json", nargs="+", help="Chrome traces written by run --trace")
     args = ap.parse_args()
-    return run(args) if args.cmd == "run" else report(args)
+    return {"run": run, "report": report, "trace": trace}[args.cmd](args)
 
 
 if __name__ == "__main__":
