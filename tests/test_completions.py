@@ -46,6 +46,40 @@ def test_completion_stream_concatenates_to_the_completion(model):
     assert all("usage" not in c for c in chunks)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_suffix_fills_in_the_middle(model, stream):
+    """suffix= (llama-cpp-python's fill in the middle) generates from FIM_PRE prompt FIM_SUF suffix
+    FIM_MID, the prompt the server's `suffix` builds (deltaspec.fim.wrap, checked against llama-server
+    in test_server_native.py): the text equals generate() on those ids. Seen red with the suffix
+    left out of the wrapped prompt (and, before it existed, as a TypeError)."""
+    from deltaspec.fim import wrap
+
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    ids = wrap(model.tokenizer, model.tokenize(prefix, special=True), model.tokenizer.encode(suffix))
+    assert len(ids) == len(model.tokenize(prefix, special=True)) + len(model.tokenizer.encode(suffix)) + 3
+    want = model.generate(ids, max_tokens=N, temperature=0)
+    plain = model.generate(prefix, max_tokens=N, temperature=0)
+    assert want.text != plain.text  # the suffix matters here, so leaving it out would show
+    out = model.create_completion(prefix, suffix=suffix, max_tokens=N, temperature=0, stream=stream)
+    text = "".join(c["choices"][0]["text"] for c in out) if stream else out["choices"][0]["text"]
+    assert text == want.text
+    if not stream:
+        assert out["usage"] == _usage(len(ids), N)
+
+
+def test_completion_suffix_errors(model, tmp_path):
+    with pytest.raises(ValueError, match="echo with suffix"):
+        model.create_completion(PROMPT, suffix="x", echo=True, max_tokens=2)
+    with pytest.raises(TypeError, match="suffix must be a str"):
+        model.create_completion(PROMPT, suffix=5, max_tokens=2)
+    from deltaspec.fim import FimError
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    with Model(write_tiny_vocab_model(tmp_path / "nofim.gguf"), n_ctx=64, n_threads=1, progress=False) as m:
+        with pytest.raises(FimError, match="no fill-in-the-middle"):
+            m.create_completion("a", suffix="b", max_tokens=2)
+
+
 @pytest.mark.parametrize("enable_thinking", [None, True, False])
 def test_chat_completion_equals_generate(model, enable_thinking):
     flag = {} if enable_thinking is None else {"enable_thinking": enable_thinking}

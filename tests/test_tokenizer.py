@@ -485,6 +485,15 @@ def test_decode_replaces_invalid_utf8(tok, raw_ref):
     assert tok.decode(ids) == c
 
 
+def test_lone_surrogate_is_named(tok):
+    """A str holding a lone surrogate (bytes decoded with errors="surrogateescape") cannot be UTF-8:
+    a ValueError naming the code point and its index, not the Rust binding's "TextInputSequence must
+    be str" TypeError. Seen red with the except clause in Tokenizer.encode removed (TypeError)."""
+    with pytest.raises(ValueError, match=r"lone surrogate U\+DC80 at index 2"):
+        tok.encode("ab" + b"\x80".decode("utf-8", errors="surrogateescape") + "c")
+    assert tok.encode("abc") == tok.encode("ab" + "c")  # the same text without it still encodes
+
+
 def test_stream_decoder_over_corpus(tok, corpus):
     ids = tok.encode(corpus)
     dec = tok.stream_decoder()

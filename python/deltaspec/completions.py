@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Iterator, Mapping, Sequence
 
+from . import fim
 from . import logprobs as lp
 from . import openai_format as oai
 from .chat import chat_template_from_metadata, prompt_opens_reasoning, split_reasoning
@@ -26,16 +27,25 @@ def _check_kwargs(model, caller: str, kwargs: Mapping[str, Any]) -> None:
 
 
 def create_completion(model, prompt: str | Sequence[int], *, stream: bool = False, echo: bool = False,
-                      logprobs: int | None = None, **kwargs: Any):
+                      logprobs: int | None = None, suffix: str | None = None, **kwargs: Any):
     """An OpenAI `text_completion` dict, or an iterator of chunk dicts when stream=True.
 
     echo=True puts the prompt's text before the completion's; logprobs=k gives each token's
     log-probability and the k most probable tokens' (llama-cpp-python's shape; with echo, the
-    prompt's tokens too, the first one's null); streamed, each chunk has those of its text."""
+    prompt's tokens too, the first one's null); streamed, each chunk has those of its text.
+    suffix (a str, "" included, as llama-cpp-python takes it) fills in the middle: the model is
+    given FIM_PRE prompt FIM_SUF suffix FIM_MID (deltaspec.fim.wrap, as the server's `suffix`) and
+    writes what goes between; FimError for a model without fill-in-the-middle tokens."""
     _check_kwargs(model, "create_completion", kwargs)
     name = model.path
     validate_flag("echo", echo)
     prompt_text = prompt if isinstance(prompt, str) else model.detokenize(prompt)
+    if suffix is not None:
+        if not isinstance(suffix, str):
+            raise TypeError(f"suffix must be a str or None, got {type(suffix).__name__} {suffix!r:.80}")
+        if echo:  # (the server refuses the pair too)
+            raise ValueError("echo with suffix is not supported: the prompt evaluated is not the text given")
+        prompt = fim.wrap(model.tokenizer, model._prompt_ids(prompt), model.tokenizer.encode(suffix))
     if not validate_flag("stream", stream):
         r = model.generate(prompt, logprobs=logprobs, **kwargs)
         out = oai.completion(prompt_text + r.text if echo else r.text, r.finish_reason, name,

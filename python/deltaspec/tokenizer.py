@@ -299,6 +299,16 @@ class Tokenizer:
             self._hf.encode_special_tokens = not special
             try:
                 return self._hf.encode(text, add_special_tokens=False).ids
+            except TypeError:
+                # the Rust side takes UTF-8 only and says just "TextInputSequence must be str"
+                # about a str holding a lone surrogate (text decoded with errors="surrogateescape")
+                at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+                if at is None:
+                    raise
+                raise ValueError(
+                    f"the text holds a lone surrogate U+{ord(text[at]):04X} at index {at}, which is not Unicode "
+                    "text (not encodable as UTF-8); decode its bytes with errors='replace', or pass the bytes"
+                ) from None
             finally:
                 self._hf.encode_special_tokens = False
 
