@@ -28,7 +28,8 @@
 #      keep-path, batch), PROFILE_CHAIN the verify's rows
 #   timeline: the same steps as they really run (torch's profiler: CUPTI, graph nodes traced): per
 #      kernel group its GPU time and the idle time before its kernels (TIMELINE_WHAT, default
-#      "decode tree"; TIMELINE_CHAIN rows, default 23: a 1 + 22 tree) -> timeline.md
+#      "decode tree"; TIMELINE_CHAIN: the rows of each tree / verify, default 23: a 1 + 22 tree;
+#      several: "17 23") -> timeline.md, the traces in timeline_traces.tar.xz
 #   kernels: deltaspec's CUDA kernels alone (bench/kernels/kernels_bench.py): compiled while the
 #      builds run, timed before anything else uses the machine (timed during a 16-job build, its
 #      small launches came out host-bound: 30 us for an 11 us mat-vec) -> kernels_bench.json
@@ -322,12 +323,18 @@ fi
 if has_step timeline; then
     traces=()
     for what in ${TIMELINE_WHAT:-decode tree}; do
-        python3 "$REPO/bench/kernel_profile.py" run /tmp/q27.gguf --what "$what" --chain "${TIMELINE_CHAIN:-23}" \
-            --trace "/tmp/timeline_$what.json" 2>&1 | grep "ms wall" | tee -a "$OUT/timeline.md" || echo "timeline $what failed"
-        traces+=("/tmp/timeline_$what.json")
-        xz -T0 -c "/tmp/timeline_$what.json" > "$OUT/timeline_$what.json.xz" || true
+        chains=${TIMELINE_CHAIN:-23}
+        [[ $what == decode ]] && chains=1
+        for chain in $chains; do
+            name=timeline_${what}_$chain
+            python3 "$REPO/bench/kernel_profile.py" run /tmp/q27.gguf --what "$what" --chain "$chain" \
+                --trace "/tmp/$name.json" 2>&1 | grep "ms wall" | sed "s/^/$chain rows: /" | tee -a "$OUT/timeline.md" \
+                || echo "timeline $what $chain failed"
+            traces+=("/tmp/$name.json")
+        done
     done
     python3 "$REPO/bench/kernel_profile.py" trace "${traces[@]}" | tee -a "$OUT/timeline.md"
+    tar -cJf "$OUT/timeline_traces.tar.xz" -C /tmp "${traces[@]#/tmp/}" || true
 fi
 if has_step bench-ours; then
     # shellcheck disable=SC2086  # BENCH_TESTS: a list of test names

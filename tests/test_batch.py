@@ -216,8 +216,8 @@ def test_kv_cache_info_per_slot(path, models):
 def test_batch_refuses_what_it_cannot_run(models):
     """A draft model with fewer slots than the target (chains or trees), the MTP head of a model
     without one (the refused request is not left queued), streaming and unknown arguments are
-    refused with errors naming them. Seen to fail with the checks in Model._batch_request removed
-    (a draft model was ignored)."""
+    refused with errors naming them (a bad prompt by its index). Seen to fail with the checks in
+    Model._batch_request removed (a draft model was ignored), and without generate_batch's index."""
     one, four = models
     with pytest.raises(ValueError, match="n_seq_max = 1"):
         four.generate_batch([[1, 2, 3]], draft_model=one, tree_budget=4)
@@ -232,8 +232,10 @@ def test_batch_refuses_what_it_cannot_run(models):
         four.generate_batch([[1, 2, 3]], n_tokens=3)
     with pytest.raises(TypeError, match="per_prompt"):
         four.generate_batch([[1, 2, 3], [4]], per_prompt=[{}])
-    with pytest.raises(ValueError, match="vocabulary"):
-        four.generate_batch([[1, 2, 100000]])
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: token id 100000 .*vocabulary"):  # which prompt
+        four.generate_batch([[1, 2, 3], [1, 2, 100000]])
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: the prompt is empty"):
+        four.generate_batch(["", "a"])
 
 
 @pytest.mark.parametrize("type_name", ["q4_K", "q6_K"])

@@ -564,8 +564,14 @@ class Model:
                 or not all(isinstance(d, dict) for d in per_prompt)):
             raise TypeError(f"per_prompt must be None or a list of {len(prompts)} dicts (one per prompt), "
                             f"got {per_prompt!r:.80}")
-        requests = [self._batch_request(p, {**generate_kwargs, **extra}, "generate_batch")
-                    for p, extra in zip(prompts, per_prompt)]
+        requests = []
+        for i, (p, extra) in enumerate(zip(prompts, per_prompt)):
+            try:
+                requests.append(self._batch_request(p, {**generate_kwargs, **extra}, "generate_batch"))
+            except (TypeError, ValueError) as e:  # which of the prompts: its index first, same exception
+                if e.args and isinstance(e.args[0], str):
+                    e.args = (f"prompts[{i}]: {e.args[0]}", *e.args[1:])
+                raise
         eog = sorted(self.tokenizer.eog_ids)
         constraints = [self._constraint(r) for r in requests]
         native = [(r.prompt, r.max_tokens, r.sampling.native(), [x.encode() for x in r.stop], c, self._native_spec(r),
