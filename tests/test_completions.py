@@ -118,8 +118,10 @@ def test_chat_stream_concatenates_to_the_message(model, enable_thinking):
 
 
 @pytest.mark.parametrize("call, kwargs, exc, match", [
-    ("create_completion", {"mirostat_mode": 2}, TypeError,
-     r"create_completion\(\) got an unexpected keyword argument 'mirostat_mode'"),
+    ("create_completion", {"n_beams": 2}, TypeError,
+     r"create_completion\(\) got an unexpected keyword argument 'n_beams'"),
+    ("create_completion", {"mirostat_mode": 2}, ValueError,
+     r"create_completion\(\): mirostat_mode=2 is not supported"),
     ("create_chat_completion", {"logprobs": 2}, TypeError, "logprobs must be True, False or None, got 2"),
     ("create_completion", {"stream": "yes"}, TypeError, "stream must be True or False, got 'yes'"),
     ("create_chat_completion", {"stream": 1}, TypeError, "stream must be True or False, got 1"),

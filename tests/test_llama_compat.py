@@ -161,6 +161,56 @@ def test_call_and_echo(llm):
     assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + text
 
 
+# what llama-cpp-python's create_completion / create_chat_completion default to, which wrappers pass
+NEUTRAL = dict(typical_p=1.0, tfs_z=1.0, mirostat_mode=0, mirostat_tau=5.0, mirostat_eta=0.1,
+               logits_processor=None, stopping_criteria=None)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama_cpp_python_defaults_and_model_name(llm, stream):
+    """llama-cpp-python's typical_p / tfs_z / mirostat / callbacks at their defaults (samplers deltaspec
+    lacks, at the values that leave sampling unchanged) give the same text as without them, sampled;
+    `model=` names the result as llama-cpp-python's does. Seen red with _llama_cpp_options taking
+    nothing out (TypeError: unexpected keyword argument) and with the name not passed on."""
+    def text(out):
+        return "".join(c["choices"][0]["text"] for c in out) if stream else out["choices"][0]["text"]
+
+    sampled = dict(max_tokens=8, temperature=0.9, seed=5, stream=stream)
+    want = text(llm.create_completion(PROMPT, **sampled))
+    got = llm.create_completion(PROMPT, model="my-model", **NEUTRAL, **sampled)
+    chunks = list(got) if stream else [got]
+    assert text(chunks if stream else got) == want
+    assert {c["model"] for c in chunks} == {"my-model"}
+    assert llm(PROMPT, max_tokens=2, temperature=0)["model"] == llm.path  # the path when not named
+
+
+def test_llama_cpp_python_chat_defaults_and_model_name(chat_gguf):
+    messages = [{"role": "user", "content": "Hello there"}]
+    with Model(chat_gguf, n_ctx=512, n_threads=THREADS, progress=False) as m:
+        opts = dict(max_tokens=6, temperature=0, enable_thinking=False)
+        want = m.create_chat_completion(messages, **opts)
+        got = m.create_chat_completion(messages, model="chat-name", **NEUTRAL, **opts)
+        assert got["choices"] == want["choices"] and got["model"] == "chat-name" and want["model"] == m.path
+        chunks = list(m.create_chat_completion(messages, model="chat-name", stream=True, **NEUTRAL, **opts))
+        assert {c["model"] for c in chunks} == {"chat-name"}
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(typical_p=0.9), ValueError, r"typical_p=0\.9 is not supported"),
+    (dict(tfs_z=0.5), ValueError, r"tfs_z=0\.5 is not supported"),
+    (dict(mirostat_mode=2), ValueError, r"mirostat_mode=2 is not supported"),
+    (dict(mirostat_tau=float("nan")), ValueError, "mirostat_tau must be a finite number"),
+    (dict(logits_processor=[print]), ValueError, "logits_processor is not supported"),
+    (dict(stopping_criteria=[print]), ValueError, "stopping_criteria is not supported"),
+    (dict(model=3), TypeError, "model .* must be a str"),
+])
+def test_llama_cpp_python_options_deltaspec_lacks_are_refused(llm, bad, error, match):
+    for call in (lambda: llm.create_completion(PROMPT, max_tokens=2, **bad),
+                 lambda: llm.create_chat_completion([{"role": "user", "content": "x"}], max_tokens=2, **bad)):
+        with pytest.raises(error, match=match):
+            call()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_logprobs_equal_log_softmax_of_the_logits(llm, temperature):
     """Each generated token's logprob and the top-k list equal log_softmax of the model's logits at

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Iterator, Mapping, Sequence
 
 from . import fim
@@ -17,6 +18,38 @@ from .tool_call_grammar import (ForcedToolCall, chosen_call_grammar, forced_tool
 from .tool_calls import parse_tool_calls
 
 
+# llama-cpp-python's sampling options that deltaspec does not implement, taken at the values that
+# leave sampling unchanged (what wrappers pass when nobody set them) and refused at any other
+_NEUTRAL_OPTIONS = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0}
+_MIROSTAT_ONLY = ("mirostat_tau", "mirostat_eta")  # no effect while mirostat_mode is 0
+_CALLBACKS = ("logits_processor", "stopping_criteria")  # host callbacks per token: None only
+
+
+def _llama_cpp_options(caller: str, kwargs: dict[str, Any]) -> str | None:
+    """Takes llama-cpp-python's options above out of kwargs (checked), and `model`, the name the
+    result carries (llama-cpp-python's; the file's path when None), which it returns."""
+    name = kwargs.pop("model", None)
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"{caller}(): model (the name the result carries) must be a str or None, got {name!r:.80}")
+    for key, neutral in _NEUTRAL_OPTIONS.items():
+        if key in kwargs:
+            value = kwargs.pop(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != neutral:
+                raise ValueError(f"{caller}(): {key}={value!r} is not supported: deltaspec has no such sampler "
+                                 f"(only {key}={neutral!r}, which leaves sampling unchanged, is accepted); use "
+                                 "temperature, top_k, top_p, min_p and the penalties")
+    for key in _MIROSTAT_ONLY:
+        if key in kwargs:
+            value = kwargs.pop(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{caller}(): {key} must be a finite number, got {value!r:.80}")
+    for key in _CALLBACKS:
+        if kwargs.pop(key, None) is not None:
+            raise ValueError(f"{caller}(): {key} is not supported (rows are sampled on the device, with no host "
+                             "callback per token); use logit_bias, grammar, stop or max_tokens")
+    return name
+
+
 def _check_kwargs(model, caller: str, kwargs: Mapping[str, Any]) -> None:
     """Options are passed on to Model.generate; name the function the user called, not generate(),
     when one is unknown (e.g. llama-cpp-python's `echo` or `logprobs`, which deltaspec lacks)."""
@@ -26,7 +59,7 @@ def _check_kwargs(model, caller: str, kwargs: Mapping[str, Any]) -> None:
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
 
 
-def create_completion(model, prompt: str | Sequence[int], *, stream: bool = False, echo: bool = False,
+def create_completion(model, prompt: str | Sequence[int], /, *, stream: bool = False, echo: bool = False,
                       logprobs: int | None = None, suffix: str | None = None, **kwargs: Any):
     """An OpenAI `text_completion` dict, or an iterator of chunk dicts when stream=True.
 
@@ -36,8 +69,8 @@ def create_completion(model, prompt: str | Sequence[int], *, stream: bool = Fals
     suffix (a str, "" included, as llama-cpp-python takes it) fills in the middle: the model is
     given FIM_PRE prompt FIM_SUF suffix FIM_MID (deltaspec.fim.wrap, as the server's `suffix`) and
     writes what goes between; FimError for a model without fill-in-the-middle tokens."""
+    name = _llama_cpp_options("create_completion", kwargs) or model.path
     _check_kwargs(model, "create_completion", kwargs)
-    name = model.path
     validate_flag("echo", echo)
     prompt_text = prompt if isinstance(prompt, str) else model.detokenize(prompt)
     if suffix is not None:
@@ -96,7 +129,7 @@ def apply_chat_template(model, messages: Sequence[Mapping[str, Any]], add_genera
     return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs)
 
 
-def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, tools=None,
+def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], /, *, stream: bool = False, tools=None,
                            tool_choice: str | Mapping[str, Any] | None = None, parallel_tool_calls: bool = True,
                            chat_template: str | None = None,
                            enable_thinking: bool | None = None, temperature: float = 0.2, max_tokens: int | None = None,
@@ -123,6 +156,7 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     a grammar on the reply (deltaspec.tool_call_grammar: the reasoning block, if open, then the
     calls alone; with a reasoning_budget it still closes the block), so it cannot be combined with
     response_format or grammar."""
+    name = _llama_cpp_options("create_chat_completion", kwargs) or model.path
     _check_kwargs(model, "create_chat_completion", kwargs)
     choice = openai_tool_choice(tool_choice, parallel_tool_calls)
     parsed_tools = tools if tools and choice != "none" else None
@@ -154,7 +188,6 @@ def create_chat_completion(model, messages: Sequence[Mapping[str, Any]], *, stre
     elif parsed_tools and kwargs.get("grammar") is None and not kwargs.get("ignore_eos"):
         # the calls the model chooses to make, held to the tools from its first <tool_call>
         kwargs["grammar"] = chosen_call_grammar(parsed_tools, parallel_tool_calls)
-    name = model.path
     if stream:
         pieces = model.generate(prompt, stream=True, temperature=temperature, max_tokens=max_tokens,
                                 logprobs=n_logprobs, **kwargs)
