@@ -130,6 +130,28 @@ def test_seeds(path):
         assert m.generate(PROMPT, **kw).tokens != m.generate(PROMPT, **kw).tokens
 
 
+def test_llama_accessors(path, llm):
+    """llama-cpp-python's accessors on Llama: n_ctx() / n_vocab() called (and still ints, as Model's),
+    n_embd(), token_bos() / token_eos() (-1 for none, as LLAMA_TOKEN_NULL), model_path, and set_seed()
+    as the default seed of later calls. Seen red with set_seed storing nothing (two seeded runs
+    differed) and with n_ctx() not callable."""
+    assert llm.n_ctx() == llm.n_ctx == 256 and llm.n_ctx + 0 == 256 and type(llm.n_ctx()) is int
+    assert llm.n_vocab() == llm.n_vocab == Model.n_vocab.fget(llm)
+    assert llm.n_embd() == llm.hparams.n_embd and llm.model_path == str(path)
+    tok = llm.tokenizer
+    assert llm.token_eos() == (-1 if tok.eos_id is None else tok.eos_id)
+    assert llm.token_bos() == (-1 if tok.bos_id is None else tok.bos_id)
+    kw = dict(max_tokens=24, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+    llm.set_seed(7)
+    a = llm.generate(PROMPT, **kw).tokens
+    llm.set_seed(7)
+    assert llm.generate(PROMPT, **kw).tokens == a == llm.generate(PROMPT, seed=7, **kw).tokens
+    llm.set_seed(-1)
+    assert llm.generate(PROMPT, **kw).tokens != llm.generate(PROMPT, **kw).tokens
+    with pytest.raises(ValueError, match="seed must be"):
+        llm.set_seed(-2)
+
+
 # --- tokens -----------------------------------------------------------------------------------------
 
 def test_tokenize_add_bos_and_bytes(llm):

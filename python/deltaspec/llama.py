@@ -6,12 +6,49 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .llama_args import default_seed
 from .model import Model
 
 
+class _CallableInt(int):
+    """An int that also answers a call with itself: `llm.n_ctx` is Model's int and llama-cpp-python's
+    `llm.n_ctx()` works too."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
 class Llama(Model):
-    """`Model` with llama-cpp-python's byte-level tokenize / detokenize. Construct it as
+    """`Model` with llama-cpp-python's byte-level tokenize / detokenize and its accessors (n_ctx(),
+    n_vocab(), n_embd(), token_bos(), token_eos(), set_seed(), model_path). Construct it as
     `Llama(model_path=..., n_ctx=..., n_gpu_layers=-1, seed=..., verbose=False)`."""
+
+    @property
+    def n_ctx(self) -> int:
+        return _CallableInt(super().n_ctx)
+
+    @property
+    def n_vocab(self) -> int:
+        return _CallableInt(super().n_vocab)
+
+    def n_embd(self) -> int:
+        return self.hparams.n_embd
+
+    @property
+    def model_path(self) -> str:
+        return self.path
+
+    def token_bos(self) -> int:
+        """The BOS token's id, -1 when the vocabulary has none (llama.cpp's LLAMA_TOKEN_NULL)."""
+        return -1 if self.tokenizer.bos_id is None else self.tokenizer.bos_id
+
+    def token_eos(self) -> int:
+        """The EOS token's id (Qwen3.5's <|im_end|> in chat models), -1 when the vocabulary has none."""
+        return -1 if self.tokenizer.eos_id is None else self.tokenizer.eos_id
+
+    def set_seed(self, seed: int) -> None:
+        """The default sampling seed of later calls (seed=None); -1 (or 0xFFFFFFFF): random per call."""
+        self._default_seed = default_seed(seed)
 
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
         return super().tokenize(text, special=special, add_bos=add_bos)

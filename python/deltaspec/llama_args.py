@@ -48,9 +48,13 @@ def resolve(path: Any, model_path: Any, device: str | None, n_gpu_layers: Any, n
         raise ValueError("flash_attn=False is not available: attention here always runs as ggml's flash attention")
     if not (flash_attn is None or flash_attn is True or flash_attn in ("on", "auto", "enabled")):
         raise ValueError(f"flash_attn must be None, True, 'on' or 'auto', got {flash_attn!r}")
+    return LoadChoice(path if path is not None else model_path, "cpu" if device is None else device, n_ubatch,
+                      default_seed(seed))
+
+
+def default_seed(seed: Any) -> int | None:
+    """The default sampling seed a constructor's (or Llama.set_seed's) `seed` gives: None for random."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed < 2**64):
         raise ValueError(f"seed must be -1 (random) or an integer in [0, 2**64), got {seed!r}")
     # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF) also means "random"
-    default_seed = None if seed in (None, -1, 0xFFFFFFFF) else seed
-    return LoadChoice(path if path is not None else model_path, "cpu" if device is None else device, n_ubatch,
-                      default_seed)
+    return None if seed in (None, -1, 0xFFFFFFFF) else seed
