@@ -152,6 +152,56 @@ def test_llama_accessors(path, llm):
         llm.set_seed(-2)
 
 
+# LangChain's LlamaCpp passes these to Llama() (its field defaults, rope_freq_base aside: its 10000.0
+# would override Qwen3.5's 1e7, which llama.cpp would apply and deltaspec refuses, below)
+LANGCHAIN_LOAD = dict(lora_base=None, lora_path=None, n_parts=-1, seed=-1, f16_kv=True, logits_all=False,
+                      vocab_only=False, use_mlock=False, n_threads=THREADS, n_batch=8, use_mmap=True,
+                      last_n_tokens_size=64, rope_freq_scale=1.0, rope_freq_base=0.0)
+
+
+def test_llama_cpp_python_load_options(path):
+    """Llama() takes llama-cpp-python's options where they change nothing here (a wrapper's full set
+    loads and generates what Model does), ggml_type ids for type_k / type_v (the cache allocated is
+    that type), and chat_format as the chat template. Seen red with llama_only_options taking
+    nothing out (TypeError) and with the type ids mapped one off (q4_1 allocated)."""
+    with Llama(model_path=path, n_ctx=256, verbose=False, **LANGCHAIN_LOAD) as m, \
+            Model(path, n_ctx=256, n_threads=THREADS) as ref:
+        kw = dict(max_tokens=8, temperature=0.8, seed=4)
+        assert m.generate(PROMPT, **kw).tokens == ref.generate(PROMPT, **kw).tokens
+    with Llama(model_path=path, n_ctx=256, n_threads=THREADS, verbose=False, type_k=8, type_v=2) as m:
+        layer = m.kv_cache_info()["attention_layers"][0]
+        assert (layer["type_k"], layer["type_v"]) == ("q8_0", "q4_0")
+
+
+def test_llama_chat_format(chat_gguf):
+    from deltaspec.chat_template_names import CHATML_TEMPLATE
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    with Llama(model_path=chat_gguf, n_ctx=512, n_threads=THREADS, verbose=False, chat_format="chatml") as m:
+        chatml = m.apply_chat_template(messages)
+        assert chatml == "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+        assert chatml != Model.apply_chat_template(m, messages)  # the GGUF's (Qwen3.5's) differs
+        out = m.create_chat_completion(messages, max_tokens=4, temperature=0)
+        want = m.generate(chatml, max_tokens=4, temperature=0).text
+        assert out["choices"][0]["message"]["content"] == want
+        assert m.apply_chat_template(messages, chat_template=CHATML_TEMPLATE + "x") == chatml + "x"  # a call's wins
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(rope_freq_base=10000.0), r"rope_freq_base=10000\.0 is not supported here; accepted: 0"),
+    (dict(use_mlock=True), "use_mlock=True"),
+    (dict(lora_path="adapter.gguf"), "no LoRA adapters"),
+    (dict(main_gpu=1), "device='cuda:N'"),
+    (dict(split_mode=2), "split_mode=2"),
+    (dict(last_n_tokens_size=True), "last_n_tokens_size=True"),
+    (dict(type_k=12), "type_k=12 is not the ggml_type"),
+    (dict(chat_format="llama-2"), "chat_format='llama-2' is not a format"),
+])
+def test_llama_cpp_python_load_options_refused(path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        Llama(model_path=path, n_ctx=256, verbose=False, **bad)
+
+
 # --- tokens -----------------------------------------------------------------------------------------
 
 def test_tokenize_add_bos_and_bytes(llm):

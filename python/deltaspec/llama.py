@@ -4,9 +4,10 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
-from .llama_args import default_seed
+from .chat_template_names import BUILTIN_CHAT_TEMPLATES
+from .llama_args import default_seed, llama_only_options
 from .model import Model
 
 
@@ -21,7 +22,27 @@ class _CallableInt(int):
 class Llama(Model):
     """`Model` with llama-cpp-python's byte-level tokenize / detokenize and its accessors (n_ctx(),
     n_vocab(), n_embd(), token_bos(), token_eos(), set_seed(), model_path). Construct it as
-    `Llama(model_path=..., n_ctx=..., n_gpu_layers=-1, seed=..., verbose=False)`."""
+    `Llama(model_path=..., n_ctx=..., n_gpu_layers=-1, seed=..., verbose=False)`; llama-cpp-python's
+    other options are taken where they change nothing here and refused otherwise
+    (deltaspec.llama_args.llama_only_options), type_k / type_v also as ggml_type ids, and
+    chat_format "chatml" or "qwen35" as the chat template of create_chat_completion /
+    apply_chat_template (None: the GGUF's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        chat_format = llama_only_options(kwargs)
+        super().__init__(*args, **kwargs)
+        self.chat_format = chat_format
+
+    def _with_chat_format(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.chat_format is not None and kwargs.get("chat_template") is None:
+            kwargs["chat_template"] = BUILTIN_CHAT_TEMPLATES[self.chat_format]
+        return kwargs
+
+    def create_chat_completion(self, messages: Sequence[dict], stream: bool = False, **kwargs: Any):
+        return super().create_chat_completion(messages, stream=stream, **self._with_chat_format(kwargs))
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        return super().apply_chat_template(messages, add_generation_prompt, **self._with_chat_format(kwargs))
 
     @property
     def n_ctx(self) -> int:

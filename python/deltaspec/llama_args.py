@@ -58,3 +58,87 @@ def default_seed(seed: Any) -> int | None:
         raise ValueError(f"seed must be -1 (random) or an integer in [0, 2**64), got {seed!r}")
     # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF) also means "random"
     return None if seed in (None, -1, 0xFFFFFFFF) else seed
+
+
+# llama-cpp-python's Llama() options with no counterpart in this engine, each accepted where its
+# value changes nothing here (its default, or a value this engine always has), refused otherwise:
+# option -> (accepts(value), what is accepted). Wrappers such as LangChain's pass many of them.
+def _is(*values: Any):
+    """Accepts exactly these values: a bool only where a bool is listed, numbers equal to a listed number."""
+    def accepts(v: Any) -> bool:
+        return any(v is x if isinstance(x, bool) else
+                   (isinstance(v, (int, float)) and not isinstance(v, bool) and v == x) for x in values)
+    return accepts
+
+
+def _any_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+_NO_COUNTERPART = {
+    "use_mmap": (_any_bool, "True or False (the weights are read into the device's buffers either way)"),
+    "use_mlock": (_is(False), "False"),
+    "numa": (_is(False, 0), "False or 0"),
+    "logits_all": (_any_bool, "True or False (logprobs are computed whenever asked for)"),
+    "embedding": (_any_bool, "True or False (embed() and create_embedding() always work)"),
+    "offload_kqv": (_is(True), "True (a layer's KV cache lives with the layer)"),
+    "op_offload": (lambda v: v is None or v is True, "None or True"),
+    "swa_full": (lambda v: v is None or isinstance(v, bool), "None, True or False (qwen35 has no sliding window)"),
+    "main_gpu": (_is(0), "0 (pick a GPU with device='cuda:N')"),
+    "split_mode": (_is(0, 1), "0 or 1 (LLAMA_SPLIT_MODE_NONE / _LAYER; several devices: devices=, split='layer')"),
+    "vocab_only": (_is(False), "False"),
+    "last_n_tokens_size": (_is(64), "64 (the repeat penalty's window; per call: penalty_last_n=)"),
+    "n_threads_batch": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+                        "None or a positive int (prompts run on n_threads)"),
+    "rope_freq_base": (_is(0), "0 (the model's own base)"),
+    "rope_freq_scale": (_is(0, 1), "0 or 1.0 (no scaling)"),
+    "rope_scaling_type": (lambda v: v is None or v in (-1, 0), "None, -1 or 0 (the model's own RoPE)"),
+    "yarn_ext_factor": (_is(-1), "-1.0"),
+    "yarn_attn_factor": (_is(1), "1.0"),
+    "yarn_beta_fast": (_is(32), "32.0"),
+    "yarn_beta_slow": (_is(1), "1.0"),
+    "yarn_orig_ctx": (_is(0), "0"),
+    "pooling_type": (lambda v: v is None or v == -1, "None or -1 (pooling is embed()'s `pooling`)"),
+    "lora_base": (lambda v: v is None, "None (no LoRA adapters)"),
+    "lora_path": (lambda v: v is None, "None (no LoRA adapters)"),
+    "lora_scale": (_is(1), "1.0"),
+    "rpc_servers": (lambda v: v is None, "None (remote devices: devices=['rpc:HOST:PORT', ...])"),
+    "kv_overrides": (lambda v: v is None or v == {}, "None"),
+    "spm_infill": (_is(False), "False"),
+    "chat_handler": (lambda v: v is None, "None (chat templates come from the GGUF or chat_format)"),
+    "draft_model": (lambda v: v is None, "None (speculation is per call: draft_model=, spec_type=)"),
+    "tokenizer": (lambda v: v is None, "None (the GGUF's tokenizer)"),
+    "f16_kv": (_is(True), "True (the cache type is type_k / type_v)"),
+    "n_parts": (_is(-1), "-1"),
+    "no_perf": (_any_bool, "True or False"),
+}
+
+# ggml_type ids (ggml.h) llama-cpp-python takes for type_k / type_v, for the cache types named here
+_GGML_TYPE_IDS = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 20: "iq4_nl", 30: "bf16"}
+
+
+def llama_only_options(kwargs: dict[str, Any]) -> str | None:
+    """Takes llama-cpp-python's Llama() options that have no counterpart here out of kwargs, each
+    checked against what it may be (ValueError naming it and what is accepted), turns ggml_type ids
+    in type_k / type_v into names, and returns chat_format (None, "chatml" or "qwen35")."""
+    for name, (accepts, accepted) in _NO_COUNTERPART.items():
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if not accepts(value):
+                raise ValueError(f"Llama(): {name}={value!r} is not supported here; accepted: {accepted}")
+    for name in ("type_k", "type_v"):
+        value = kwargs.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value not in _GGML_TYPE_IDS:
+                raise ValueError(f"Llama(): {name}={value} is not the ggml_type of a KV cache type here "
+                                 f"(ids: {_GGML_TYPE_IDS}); or pass the name, e.g. {name}='q8_0'")
+            kwargs[name] = _GGML_TYPE_IDS[value]
+        elif value is None and name in kwargs:
+            kwargs.pop(name)  # llama-cpp-python's default: the f16 cache
+    chat_format = kwargs.pop("chat_format", None)
+    from .chat_template_names import BUILTIN_CHAT_TEMPLATES
+
+    if chat_format is not None and chat_format not in BUILTIN_CHAT_TEMPLATES:
+        raise ValueError(f"Llama(): chat_format={chat_format!r} is not a format Qwen3.5 models speak; accepted: None "
+                         f"(the GGUF's chat template) or one of {sorted(BUILTIN_CHAT_TEMPLATES)}")
+    return chat_format
