@@ -29,9 +29,8 @@ class Llama(Model):
     apply_chat_template (None: the GGUF's)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
-        chat_format = llama_only_options(kwargs)
+        self.chat_format = llama_only_options(kwargs)
         super().__init__(*args, **kwargs)
-        self.chat_format = chat_format
 
     def _with_chat_format(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self.chat_format is not None and kwargs.get("chat_template") is None:

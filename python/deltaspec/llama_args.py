@@ -1,7 +1,8 @@
 """llama-cpp-python's constructor names (`Llama(model_path=..., n_gpu_layers=-1, seed=..., n_batch=...,
 verbose=..., flash_attn=...)`) mapped onto `Model`'s, so code written for llama-cpp-python loads a
 model here unchanged. This engine holds the whole model on one device, so `n_gpu_layers` says only
-"on the GPU or not"."""
+"on the GPU or not". Llama()'s other options, which have no counterpart here, are checked by
+llama_only_options: taken where they change nothing, refused otherwise."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _core
+from .chat_template_names import BUILTIN_CHAT_TEMPLATES
 from .devices import device_kind
 
 
@@ -136,8 +138,6 @@ def llama_only_options(kwargs: dict[str, Any]) -> str | None:
         elif value is None and name in kwargs:
             kwargs.pop(name)  # llama-cpp-python's default: the f16 cache
     chat_format = kwargs.pop("chat_format", None)
-    from .chat_template_names import BUILTIN_CHAT_TEMPLATES
-
     if chat_format is not None and chat_format not in BUILTIN_CHAT_TEMPLATES:
         raise ValueError(f"Llama(): chat_format={chat_format!r} is not a format Qwen3.5 models speak; accepted: None "
                          f"(the GGUF's chat template) or one of {sorted(BUILTIN_CHAT_TEMPLATES)}")
