@@ -7,6 +7,7 @@ greedy choice under a bias). Each test's docstring says how it was seen to fail.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -200,6 +201,24 @@ def test_llama_chat_format(chat_gguf):
 def test_llama_cpp_python_load_options_refused(path, bad, match):
     with pytest.raises(ValueError, match=match):
         Llama(model_path=path, n_ctx=256, verbose=False, **bad)
+
+
+def test_llama_grammar(llm, tmp_path):
+    """llama-cpp-python's LlamaGrammar.from_string / from_file / from_json_schema (with its verbose
+    argument) make deltaspec Grammars that constrain create_completion as Grammar's do. Seen red
+    with verbose dropped from from_string's signature (TypeError)."""
+    from deltaspec import Grammar, LlamaGrammar
+
+    gbnf = 'root ::= ("yes" | "no") "."'
+    g = LlamaGrammar.from_string(gbnf, verbose=False)
+    assert isinstance(g, Grammar) and g.spec == Grammar.from_string(gbnf).spec
+    kw = dict(max_tokens=8, temperature=0.9, seed=1)
+    text = llm.create_completion(PROMPT, grammar=g, **kw)["choices"][0]["text"]
+    assert text in ("yes.", "no.") and text == llm.create_completion(PROMPT, grammar=gbnf, **kw)["choices"][0]["text"]
+    (tmp_path / "g.gbnf").write_text(gbnf)
+    assert LlamaGrammar.from_file(tmp_path / "g.gbnf", verbose=True).spec == g.spec
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False).spec == Grammar.from_json_schema(schema).spec
 
 
 # --- tokens -----------------------------------------------------------------------------------------

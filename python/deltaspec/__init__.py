@@ -4,7 +4,7 @@ from .batch_invariance import batch_invariant
 from .errors import DeltaspecError
 from .grammar import Grammar
 
-__all__ = ["Model", "Llama", "Drafter", "DeltaspecError", "Grammar", "batch_invariant"]
+__all__ = ["Model", "Llama", "LlamaGrammar", "Drafter", "DeltaspecError", "Grammar", "batch_invariant"]
 __version__ = "0.1.0"
 
 
@@ -15,10 +15,10 @@ def __getattr__(name: str):
         from .model import Model
 
         return Model
-    if name == "Llama":  # llama-cpp-python's class name (deltaspec.llama)
-        from .llama import Llama
+    if name in ("Llama", "LlamaGrammar"):  # llama-cpp-python's class names (deltaspec.llama)
+        from . import llama
 
-        return Llama
+        return getattr(llama, name)
     if name == "Drafter":
         from .dflash import Drafter
 

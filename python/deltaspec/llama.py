@@ -4,11 +4,30 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 from .chat_template_names import BUILTIN_CHAT_TEMPLATES
+from .grammar import Grammar
 from .llama_args import default_seed, llama_only_options
 from .model import Model
+
+
+class LlamaGrammar(Grammar):
+    """llama-cpp-python's `LlamaGrammar` names on `Grammar`: from_string / from_file /
+    from_json_schema take its `verbose` argument (nothing is printed here either way)."""
+
+    @classmethod
+    def from_string(cls, grammar: str, verbose: bool = True) -> "LlamaGrammar":
+        return super().from_string(grammar)
+
+    @classmethod
+    def from_file(cls, file: str | os.PathLike[str], verbose: bool = True) -> "LlamaGrammar":
+        return super().from_file(file)
+
+    @classmethod
+    def from_json_schema(cls, json_schema: str, verbose: bool = True) -> "LlamaGrammar":
+        return super().from_json_schema(json_schema)
 
 
 class _CallableInt(int):
