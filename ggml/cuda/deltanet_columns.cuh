@@ -87,4 +87,47 @@ __device__ __forceinline__ float token_step(float (&s)[kColumnsPerWarp][kRows], 
     }
 }
 
+// token_step with its output's reduction left for later: out_part gets this lane's shares of
+// (S^T q) after the update, and the shares of the row before (prev_part) are reduced here, at the
+// same time as this row's S^T k (the two reductions are independent, so their shuffles overlap
+// instead of the output's adding to every row's latency); returns that row's output. The same
+// expressions in the same order as token_step: the same bits.
+template <int kRows>
+__device__ __forceinline__ float token_step_deferred(float (&s)[kColumnsPerWarp][kRows], const float * k_tok,
+                                                     const float * q_tok, const float & v_mine, const float & g,
+                                                     const float & beta, int lane,
+                                                     const float (&prev_part)[kColumnsPerWarp],
+                                                     float (&out_part)[kColumnsPerWarp]) {
+    const float decay = expf(g);
+    float k[kRows], q[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; r++) {
+        k[r] = k_tok[r * 32 + lane];
+        q[r] = q_tok[r * 32 + lane];
+    }
+    float sk_part[kColumnsPerWarp];
+#pragma unroll
+    for (int c = 0; c < kColumnsPerWarp; c++) {
+        sk_part[c] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kRows; r++) sk_part[c] += s[c][r] * k[r];
+    }
+    const float sk = reduce_scatter(sk_part, lane);
+    const float prev_out = reduce_scatter(prev_part, lane);
+    float delta[kColumnsPerWarp];
+    share_columns((v_mine - decay * sk) * beta, lane, delta);
+#pragma unroll
+    for (int c = 0; c < kColumnsPerWarp; c++) {
+#pragma unroll
+        for (int r = 0; r < kRows; r++) s[c][r] = decay * s[c][r] + k[r] * delta[c];
+    }
+#pragma unroll
+    for (int c = 0; c < kColumnsPerWarp; c++) {
+        out_part[c] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kRows; r++) out_part[c] += s[c][r] * q[r];
+    }
+    return prev_out;
+}
+
 }  // namespace deltaspec_cuda

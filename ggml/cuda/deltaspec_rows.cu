@@ -188,7 +188,9 @@ __device__ __forceinline__ void store_columns(const float (&s)[kColumnsPerWarp][
 
 // grid (H, walks: deltaspec_rows_walks_max, S / 16), block (32, 4): warp y of block z owns columns
 // 16 z + 4 y .. + 3 of head x's state through walk y's rows. Blocks past the last walk return.
-template <int S>
+// DEFER: each row's output reduced during the next row's step (token_step_deferred), off the
+// walk's row-after-row critical path; the same bits (DELTASPEC_ROWS_DEFER_OUTPUT=0: at once).
+template <int S, bool DEFER>
 __global__ void __launch_bounds__(kBlockThreads) rows_deltanet(const RowsArgs a) {
     deltaspec_cuda::wait_for_inputs();
     const int64_t head = blockIdx.x;
@@ -213,6 +215,8 @@ __global__ void __launch_bounds__(kBlockThreads) rows_deltanet(const RowsArgs a)
     fetch_chunk<S>(next, a, meta, 0, min(kChunkRows, n_pos), head, first_block_col);
     float s[kColumnsPerWarp][S / 32];
     load_columns<S>(s, pool, first_col, lane);  // a walk's first row is a root: it starts from the pool
+    float pending[kColumnsPerWarp] = {}, pending_next[kColumnsPerWarp];  // DEFER: the last row's output shares
+    int64_t pending_row = -1;
     for (int t0 = 0; t0 < n_pos; t0 += kChunkRows) {
         const int n = min(kChunkRows, n_pos - t0);
         __syncthreads();  // the chunk before is read
@@ -232,19 +236,46 @@ __global__ void __launch_bounds__(kBlockThreads) rows_deltanet(const RowsArgs a)
                 if (m.start == -2) load_columns<S>(s, pool, first_col, lane);
                 if (m.start >= 0 && !a.bug_continue) load_columns<S>(s, saved + m.start * all_heads, first_col, lane);
             }
-            const float o = deltaspec_cuda::token_step<S / 32, true>(s, st.k[i], st.q[i], st.v[i][my_staged], st.g[i],
-                                                                      st.beta[i], lane);
-            if ((lane & 7) == 0) a.y[((int64_t)m.row * a.H + head) * S + my_col] = o * a.scale;
+            if constexpr (DEFER) {
+                const float o = deltaspec_cuda::token_step_deferred<S / 32>(
+                    s, st.k[i], st.q[i], st.v[i][my_staged], st.g[i], st.beta[i], lane, pending, pending_next);
+                if (pending_row >= 0 && (lane & 7) == 0) a.y[(pending_row * a.H + head) * S + my_col] = o * a.scale;
+#pragma unroll
+                for (int c = 0; c < deltaspec_cuda::kColumnsPerWarp; ++c) pending[c] = pending_next[c];
+                pending_row = m.row;
+            } else {
+                const float o = deltaspec_cuda::token_step<S / 32, true>(s, st.k[i], st.q[i], st.v[i][my_staged],
+                                                                          st.g[i], st.beta[i], lane);
+                if ((lane & 7) == 0) a.y[((int64_t)m.row * a.H + head) * S + my_col] = o * a.scale;
+            }
             if (m.saved >= 0) store_columns<S>(s, saved + m.saved * all_heads, first_col, lane);
             if (m.flags & DELTASPEC_ROW_WRITE_BACK) store_columns<S>(s, pool, first_col, lane);
         }
     }
+    if (DEFER && pending_row >= 0) {
+        const float o = deltaspec_cuda::reduce_scatter(pending, lane);
+        if ((lane & 7) == 0) a.y[(pending_row * a.H + head) * S + my_col] = o * a.scale;
+    }
+}
+
+// Whether the recurrence defers each row's output reduction (rows_deltanet's DEFER): on unless
+// DELTASPEC_ROWS_DEFER_OUTPUT=0 (read once; A/B runs).
+bool defer_output() {
+    static const bool on = [] {
+        const char * env = std::getenv("DELTASPEC_ROWS_DEFER_OUTPUT");
+        return env == nullptr || std::strcmp(env, "0") != 0;
+    }();
+    return on;
 }
 
 template <int S>
 void launch_rows_deltanet(const RowsArgs & a, int64_t n_walks_max, cudaStream_t stream) {
     const dim3 grid((unsigned)a.H, (unsigned)n_walks_max, S / kColumnsPerBlock), block(32, kWarpsPerBlock, 1);
-    deltaspec_cuda::launch(rows_deltanet<S>, grid, block, 0, stream, a);
+    if (defer_output()) {
+        deltaspec_cuda::launch(rows_deltanet<S, true>, grid, block, 0, stream, a);
+    } else {
+        deltaspec_cuda::launch(rows_deltanet<S, false>, grid, block, 0, stream, a);
+    }
 }
 
 // The conv of row blockIdx.y, channels blockIdx.x * 128 + threadIdx.x; KC > 0: the kernel size
