@@ -19,9 +19,10 @@ Kernel times exclude launch gaps, so their sum is below the step's wall time.
 `--trace` records the same bracketed step with torch's profiler instead (CUPTI's activity records:
 every kernel of the process as it really ran, CUDA graph nodes included, nothing serialized; the
 machine has no Nsight Systems) into a Chrome trace; `trace` reads such traces: per group the
-kernels' time and the GPU's idle time just before them (the launch gaps and dependency waits that
-group's kernels start after), and the step's span from the first kernel's start to the last one's
-end. `run` prints the step's wall time (Python, synchronized) to stderr.
+kernels' time, the GPU's idle time just before them (the launch gaps and dependency waits that
+group's kernels start after) and their share of the step's span (what each kernel adds to it past
+the end of the kernels before: early-launched kernels overlap, so their times add up to more than
+the span, these shares do not), and the span from the first kernel's start to the last one's end. `run` prints the step's wall time (Python, synchronized) to stderr.
 """
 
 from __future__ import annotations
@@ -177,38 +178,51 @@ def group_of(kernel: str) -> str:
     return next((g for g, pat in GROUPS if re.search(pat, kernel)), "other elementwise")
 
 
+def short_name(kernel: str) -> str:
+    """The kernel's name without its parameter list (template arguments may hold parentheses too)."""
+    return re.sub(r"\((?:[^()]|\([^()]*\))*\)\s*$", "", kernel)[:90]
+
+
+def timeline_totals(kernels, key) -> tuple[dict, float]:
+    """Per key(kernel name): [kernels, kernel ms, idle ms before them, share of the span in ms], and
+    the span (ms), for kernels as (start, duration, name) in microseconds, sorted by start."""
+    totals = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    end = kernels[0][0]
+    for start, dur, name in kernels:
+        gap = max(0.0, start - end)  # the GPU sat idle before this kernel began
+        # what this kernel adds to the span: from the later of its start and the end of every kernel
+        # before it, to its own end. An early-launched kernel's time includes its wait for the
+        # kernel before, so kernel times overlap and add up to more than the span; these shares add
+        # up to the span less the idle gaps: each kernel's cost on the critical path.
+        mine = max(0.0, start + dur - max(start, end))
+        t = totals[key(name)]
+        t[0] += 1
+        t[1] += dur * 1e-3
+        t[2] += gap * 1e-3
+        t[3] += mine * 1e-3
+        end = max(end, start + dur)
+    return dict(totals), (end - kernels[0][0]) * 1e-3
+
+
 def trace(args) -> int:
-    """Chrome traces of run --trace: kernel time and the idle time before each group's kernels."""
+    """Chrome traces of run --trace: per group of kernels their time, the idle time before them and
+    their share of the step's span."""
     for path in args.trace_json:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
         kernels = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in events if e.get("cat") == "kernel")
         if not kernels:
             raise SystemExit(f"{path}: no kernel events")
-        busy, idle, count = defaultdict(float), defaultdict(float), defaultdict(int)
-        by_name = defaultdict(lambda: [0, 0.0, 0.0])  # kernels, kernel ms, idle ms
-        end = kernels[0][0]
-        for start, dur, name in kernels:  # microseconds
-            g = group_of(name)
-            short = re.sub(r"\(.*", "", name)[:90]
-            by_name[short][0] += 1
-            by_name[short][1] += dur * 1e-3
-            by_name[short][2] += max(0.0, start - end) * 1e-3
-            busy[g] += dur * 1e-3
-            idle[g] += max(0.0, start - end) * 1e-3  # ms the GPU sat idle before this kernel began
-            count[g] += 1
-            end = max(end, start + dur)
-        span = (end - kernels[0][0]) * 1e-3
+        groups, span = timeline_totals(kernels, group_of)
+        by_name, _ = timeline_totals(kernels, short_name)
         print(f"\n{path}: {len(kernels)} kernels over {span:.3f} ms (first start to last end), "
-              f"{sum(busy.values()):.3f} ms of kernel time, {sum(idle.values()):.3f} ms idle between them\n")
-        print("| group | kernels | kernel ms | idle ms before them |")
-        print("|---|---:|---:|---:|")
-        for g in sorted(busy, key=lambda k: -(busy[k] + idle[k])):
-            print(f"| {g} | {count[g]} | {busy[g]:.3f} | {idle[g]:.3f} |")
-        print("\n| kernel (first 15 by time) | kernels | kernel ms | idle ms before them |")
-        print("|---|---:|---:|---:|")
-        for name, (n, b, i) in sorted(by_name.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:15]:
-            print(f"| `{name}` | {n} | {b:.3f} | {i:.3f} |")
+              f"{sum(t[1] for t in groups.values()):.3f} ms of kernel time, "
+              f"{sum(t[2] for t in groups.values()):.3f} ms idle between them")
+        header = "| kernels | kernel ms | idle ms before them | share of the span, ms |"
+        for title, totals, n in (("group", groups, None), ("kernel (first 15 by share of the span)", by_name, 15)):
+            print(f"\n| {title} {header}\n|---|---:|---:|---:|---:|")
+            for name, (count, busy, idle, own) in sorted(totals.items(), key=lambda kv: -(kv[1][3] + kv[1][2]))[:n]:
+                print(f"| {name if totals is groups else f'`{name}`'} | {count} | {busy:.3f} | {idle:.3f} | {own:.3f} |")
     return 0
 
 

@@ -191,7 +191,13 @@ inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float *
     const MmaX xq = launch_quantize_x256<XFormat::q4k>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const int n_blocks = (int)(n_k / 256);
     const uint8_t * w = static_cast<const uint8_t *>(W);
-    with_row_tiles<4>(row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4), [&](auto r) {
+    // At 17-24 columns two row tiles pay for 5120-row matrices even in a wave 61 % full (H100,
+    // kernels_bench, 24 columns, R = 1 -> 2: ffn down 44.6 -> 39.2 us, ssm_out 21.7 -> 19.1; 17
+    // columns: 44.1 -> 39.9, 21.2 -> 19.5), where at 16 the H200 had them lose (1.33 -> 1.46x one
+    // column, mma_row_tiles; why 3 column tiles differ from 2 there was not measured).
+    // bench/HISTORY.md, 2026-12-06.
+    const int fill = mma_padded_cols(n_cols) == 24 ? 50 : 75;
+    with_row_tiles<4>(row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4, fill), [&](auto r) {
         const int64_t tiles = (n_rows + 16 * r.value - 1) / (16 * r.value);
         const int c = mma_k_split_allowed(k_split > 0 ? k_split : 1);
         with_column_tiles(n_cols, [&](auto nt) {
