@@ -23,6 +23,9 @@
 #      the verifies over 32 rows also with products up to MMA_MAX_COLUMNS (128) columns on our
 #      tensor-core kernels, and the tree verifies once more on a load whose plans split a tree into
 #      two walks (--split-walks, DELTASPEC_ROWS_SPLIT=1) -> tree_verify_cost.json
+#   treeab: the tree verify of 1 + TREE_WIDTHS rows (default 22) under each of TREE_AB_CONFIGS
+#      ('|'-separated VAR=VALUE lists, '' = default), each in processes of its own, interleaved
+#      (bench/tree_ab.py: for the switches read once per process) -> tree_ab.json, tree_ab.md
 #   profile: GPU time per kernel group of one decode step and one 17-row verify (Nsight Compute)
 #      -> profile.md; PROFILE_WHAT replaces "decode verify" (kernel_profile.py's --what: also tree,
 #      keep-path, batch), PROFILE_CHAIN the verify's rows
@@ -114,7 +117,7 @@
 # Results go to $OUT under the names bench/results/latest/ uses (bench/archive_latest.sh copies
 # them in); logs and tables beside them.
 # Usage (repo root, carry .deps/gpu-src and .whl): OUT=/some/dir bash bench/gpu_session.sh [steps]
-# steps: any of kernels timeline build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant shapes products nodes
+# steps: any of kernels timeline treeab build build-ours pack prebuilt stock-build stock test bench bench-ours batch batchspec batchspect batchdflash ab verify tree mtp invariant shapes products nodes
 #   dflash profile server server-spec tq tq-test toprows graphcache hostsample layersplit constraints
 # (default: build test bench)
 set -euo pipefail
@@ -204,7 +207,7 @@ cd /tmp  # import the installed deltaspec, not the source tree
 REPO=$OLDPWD
 needs_model() {
     has_step bench || has_step bench-ours || has_step batch || has_step batchspec || has_step stock || has_step ab || has_step verify ||
-        has_step tree || has_step profile || has_step timeline || has_step server || has_step server-spec || has_step tq || has_step toprows ||
+        has_step tree || has_step treeab || has_step profile || has_step timeline || has_step server || has_step server-spec || has_step tq || has_step toprows ||
         has_step dflash || has_step graphcache || has_step batchdflash || has_step batchspect || has_step invariant ||
         has_step constraints
 }
@@ -308,6 +311,10 @@ if has_step tree; then
     python3 "$REPO/bench/tree_verify_cost.py" /tmp/q27.gguf --device cuda ${peer[@]+"${peer[@]}"} \
         --mma-max-columns "${MMA_MAX_COLUMNS:-128}" --widths "${TREE_WIDTHS:-8,16,22,32,64,96}" --split-walks \
         --out "$OUT/tree_verify_cost.json" | tee "$OUT/tree_verify_cost.md"
+fi
+if has_step treeab; then
+    python3 "$REPO/bench/tree_ab.py" /tmp/q27.gguf --device cuda --configs "${TREE_AB_CONFIGS:-}" \
+        --widths "${TREE_WIDTHS:-22}" --out "$OUT/tree_ab.json" | tee "$OUT/tree_ab.md" || echo "tree_ab failed"
 fi
 if has_step profile; then  # one decode step and one 17-row verify (PROFILE_WHAT, PROFILE_CHAIN), kernel by kernel
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)

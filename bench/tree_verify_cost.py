@@ -300,7 +300,8 @@ def main() -> int:
                             capture_output=True, text=True).stdout.strip()
     meta = dict(model=str(args.model), device=args.device, depth=args.depth, steps=args.steps, reps=args.reps,
                 widths=widths, split_walks=split_walks, machine=platform.node(), date=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                commit=commit or None, llama_bench=args.llama_bench)
+                commit=commit or None, llama_bench=args.llama_bench,
+                env={k: v for k, v in sorted(os.environ.items()) if k.startswith("DELTASPEC_")})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows, runs=runs), indent=1) + "\n")
     return 0
