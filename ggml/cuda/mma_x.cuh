@@ -227,13 +227,12 @@ inline void with_row_tiles(int row_tiles, Launch && launch) {
 // carries the same work, so a last wave a fraction full costs a whole wave's time. H200
 // (kernels_bench, 16 columns, x one column): ffn gate+up 34816 rows, R = 1/2/4: 1.32/1.31/1.42
 // (R = 4 is 2.06 waves); DeltaNet stack 16480 rows: 1.31/1.20/1.19 (R = 4: 0.98 of one wave);
-// 5120 rows: 1.33/1.46/2.04 (R = 2 fills 61 % of one wave). fill_percent: the fill asked for
-// (75 above; the Q4_K kernel asks for 50 at 17-24 columns, q4k_mma.cuh says why).
-inline int mma_row_tiles(int64_t n_rows, int max_tiles, int fill_percent = 75) {
+// 5120 rows: 1.33/1.46/2.04 (R = 2 fills 61 % of one wave).
+inline int mma_row_tiles(int64_t n_rows, int max_tiles) {
     const int64_t slots = 2 * (int64_t)device_sm_count();
     for (int r = max_tiles; r > 1; r /= 2) {
         const int64_t blocks = (n_rows + 16 * r - 1) / (16 * r), waves = (blocks + slots - 1) / slots;
-        if (100 * blocks >= fill_percent * waves * slots) return r;
+        if (4 * blocks >= 3 * waves * slots) return r;
     }
     return 1;
 }

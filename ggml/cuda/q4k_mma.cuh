@@ -194,10 +194,15 @@ inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float *
     // At 17-24 columns two row tiles pay for 5120-row matrices even in a wave 61 % full (H100,
     // kernels_bench, 24 columns, R = 1 -> 2: ffn down 44.6 -> 39.2 us, ssm_out 21.7 -> 19.1; 17
     // columns: 44.1 -> 39.9, 21.2 -> 19.5), where at 16 the H200 had them lose (1.33 -> 1.46x one
-    // column, mma_row_tiles; why 3 column tiles differ from 2 there was not measured).
-    // bench/HISTORY.md, 2026-12-06.
-    const int fill = mma_padded_cols(n_cols) == 24 ? 50 : 75;
-    with_row_tiles<4>(row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4, fill), [&](auto r) {
+    // column, mma_row_tiles; why 3 column tiles differ from 2 there was not measured). So where
+    // mma_row_tiles keeps one tile, 3 column tiles take two once those fill half a wave. (A lower
+    // fill for mma_row_tiles' own rule would also move the ffn stack from 2 tiles to 4, which the
+    // same run measured slower: 63.8 -> 67.1 us.) bench/HISTORY.md, 2026-12-06.
+    int r_tiles = row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4);
+    if (row_tiles <= 0 && r_tiles == 1 && mma_padded_cols(n_cols) == 24 && (n_rows + 31) / 32 >= device_sm_count()) {
+        r_tiles = 2;
+    }
+    with_row_tiles<4>(r_tiles, [&](auto r) {
         const int64_t tiles = (n_rows + 16 * r.value - 1) / (16 * r.value);
         const int c = mma_k_split_allowed(k_split > 0 ? k_split : 1);
         with_column_tiles(n_cols, [&](auto nt) {
