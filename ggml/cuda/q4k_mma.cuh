@@ -32,6 +32,9 @@
 // neither side needs a shuffle.
 #pragma once
 
+#include <cstdlib>
+#include <cstring>
+
 #include "gemv_common.cuh"
 #include "mma_x.cuh"
 #include "q4k_gemv.cuh"
@@ -198,8 +201,14 @@ inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float *
     // mma_row_tiles keeps one tile, 3 column tiles take two once those fill half a wave. (A lower
     // fill for mma_row_tiles' own rule would also move the ffn stack from 2 tiles to 4, which the
     // same run measured slower: 63.8 -> 67.1 us.) bench/HISTORY.md, 2026-12-06.
+    // DELTASPEC_MMA_HALF_WAVE_TILES=0 keeps mma_row_tiles' choice (read once; A/B runs).
+    static const bool half_wave_tiles = [] {
+        const char * env = std::getenv("DELTASPEC_MMA_HALF_WAVE_TILES");
+        return env == nullptr || std::strcmp(env, "0") != 0;
+    }();
     int r_tiles = row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4);
-    if (row_tiles <= 0 && r_tiles == 1 && mma_padded_cols(n_cols) == 24 && (n_rows + 31) / 32 >= device_sm_count()) {
+    if (half_wave_tiles && row_tiles <= 0 && r_tiles == 1 && mma_padded_cols(n_cols) == 24 &&
+        (n_rows + 31) / 32 >= device_sm_count()) {
         r_tiles = 2;
     }
     with_row_tiles<4>(r_tiles, [&](auto r) {
