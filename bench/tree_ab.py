@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from tree_verify_cost import spread  # noqa: E402
 
 
 def parse_configs(text: str) -> list[dict[str, str]]:
@@ -57,10 +59,6 @@ def run_child(args, config: dict[str, str], out: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"tree_ab: tree_verify_cost.py failed under {label(config)}:\n{done.stderr[-2000:]}")
     return json.loads(out.read_text())
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
 
 def main() -> int:

@@ -46,6 +46,36 @@ __device__ __forceinline__ void share_columns(float mine, int lane, float (&all)
     all[3] = upper16 ? pair1 : far1;
 }
 
+// This lane's shares of (S^T x)[col] for the warp's 4 columns (x's values r * 32 + lane in x[r]).
+template <int kRows>
+__device__ __forceinline__ void column_shares(const float (&s)[kColumnsPerWarp][kRows], const float (&x)[kRows],
+                                              float (&part)[kColumnsPerWarp]) {
+#pragma unroll
+    for (int c = 0; c < kColumnsPerWarp; c++) {
+        part[c] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kRows; r++) part[c] += s[c][r] * x[r];
+    }
+}
+
+// s <- decay * s + k delta^T on the warp's 4 columns.
+template <int kRows>
+__device__ __forceinline__ void update_columns(float (&s)[kColumnsPerWarp][kRows], const float (&k)[kRows],
+                                               float decay, const float (&delta)[kColumnsPerWarp]) {
+#pragma unroll
+    for (int c = 0; c < kColumnsPerWarp; c++) {
+#pragma unroll
+        for (int r = 0; r < kRows; r++) s[c][r] = decay * s[c][r] + k[r] * delta[c];
+    }
+}
+
+// A token's S floats (k or q), this lane's values r * 32 + lane.
+template <int kRows>
+__device__ __forceinline__ void lane_values(const float * tok, int lane, float (&x)[kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; r++) x[r] = tok[r * 32 + lane];
+}
+
 // One token: s <- exp(g) * s + k (beta * (v - exp(g) * S^T k))^T on the warp's 4 columns, with k and
 // q the token's (S floats each, read at r * 32 + lane) and v_mine the value of this lane's reduced
 // column. OUTPUT: returns (S^T q)[reduced column] after the update (unscaled). Every expression is
@@ -55,32 +85,17 @@ __device__ __forceinline__ float token_step(float (&s)[kColumnsPerWarp][kRows], 
                                             const float * q_tok, const float & v_mine, const float & g,
                                             const float & beta, int lane) {
     const float decay = expf(g);
-    float k[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; r++) k[r] = k_tok[r * 32 + lane];
-    float sk_part[kColumnsPerWarp];  // (S^T k)[col], this lane's share
-#pragma unroll
-    for (int c = 0; c < kColumnsPerWarp; c++) {
-        sk_part[c] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kRows; r++) sk_part[c] += s[c][r] * k[r];
-    }
+    float k[kRows], sk_part[kColumnsPerWarp];
+    lane_values(k_tok, lane, k);
+    column_shares(s, k, sk_part);
     const float sk = reduce_scatter(sk_part, lane);
     float delta[kColumnsPerWarp];
     share_columns((v_mine - decay * sk) * beta, lane, delta);
-#pragma unroll
-    for (int c = 0; c < kColumnsPerWarp; c++) {
-#pragma unroll
-        for (int r = 0; r < kRows; r++) s[c][r] = decay * s[c][r] + k[r] * delta[c];
-    }
+    update_columns(s, k, decay, delta);
     if constexpr (OUTPUT) {
-        float out_part[kColumnsPerWarp];  // (S^T q)[col] after the update
-#pragma unroll
-        for (int c = 0; c < kColumnsPerWarp; c++) {
-            out_part[c] = 0.0f;
-#pragma unroll
-            for (int r = 0; r < kRows; r++) out_part[c] += s[c][r] * q_tok[r * 32 + lane];
-        }
+        float q[kRows], out_part[kColumnsPerWarp];  // (S^T q)[col] after the update
+        lane_values(q_tok, lane, q);
+        column_shares(s, q, out_part);
         return reduce_scatter(out_part, lane);
     } else {
         return 0.0f;
@@ -99,34 +114,16 @@ __device__ __forceinline__ float token_step_deferred(float (&s)[kColumnsPerWarp]
                                                      const float (&prev_part)[kColumnsPerWarp],
                                                      float (&out_part)[kColumnsPerWarp]) {
     const float decay = expf(g);
-    float k[kRows], q[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; r++) {
-        k[r] = k_tok[r * 32 + lane];
-        q[r] = q_tok[r * 32 + lane];
-    }
-    float sk_part[kColumnsPerWarp];
-#pragma unroll
-    for (int c = 0; c < kColumnsPerWarp; c++) {
-        sk_part[c] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kRows; r++) sk_part[c] += s[c][r] * k[r];
-    }
+    float k[kRows], q[kRows], sk_part[kColumnsPerWarp];
+    lane_values(k_tok, lane, k);
+    lane_values(q_tok, lane, q);
+    column_shares(s, k, sk_part);
     const float sk = reduce_scatter(sk_part, lane);
     const float prev_out = reduce_scatter(prev_part, lane);
     float delta[kColumnsPerWarp];
     share_columns((v_mine - decay * sk) * beta, lane, delta);
-#pragma unroll
-    for (int c = 0; c < kColumnsPerWarp; c++) {
-#pragma unroll
-        for (int r = 0; r < kRows; r++) s[c][r] = decay * s[c][r] + k[r] * delta[c];
-    }
-#pragma unroll
-    for (int c = 0; c < kColumnsPerWarp; c++) {
-        out_part[c] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kRows; r++) out_part[c] += s[c][r] * q[r];
-    }
+    update_columns(s, k, decay, delta);
+    column_shares(s, q, out_part);
     return prev_out;
 }
 
