@@ -78,7 +78,12 @@ def main() -> int:
         raise SystemExit("tree_ab: --configs needs two configurations or more (an A and a B), e.g. '|VAR=0'")
     if args.reps < 1:
         raise SystemExit(f"tree_ab: --reps must be >= 1, got {args.reps}")
-    widths = [int(w) for w in args.widths.split(",")]
+    try:
+        widths = [int(w) for w in args.widths.split(",")]
+    except ValueError:
+        widths = []
+    if not widths or any(w < 1 for w in widths):
+        raise SystemExit(f"tree_ab: --widths must be positive integers separated by commas, got {args.widths!r}")
 
     children = []  # in the order they ran
     with tempfile.TemporaryDirectory() as tmp:

@@ -223,10 +223,7 @@ bool fold_inputs(const ggml_tensor * swiglu, const float *& x, int64_t & ldx, de
 // output); H200 (kernels_bench, one column) showed it faster for the input projections too:
 // 10240 x 5120 16.8 -> 15.7 us, 12288 x 5120 19.1 -> 16.7, 6144 x 5120 12.5 -> 10.4.
 bool q4k_paired(int64_t n_rows) {
-    static const bool enabled = [] {
-        const char * env = std::getenv("DELTASPEC_Q4K_PAIRED");
-        return env == nullptr || std::strcmp(env, "0") != 0;
-    }();
+    static const bool enabled = deltaspec_cuda::env_switch_on("DELTASPEC_Q4K_PAIRED");
     return enabled && n_rows >= deltaspec_cuda::kQ4KPairedMinRows;
 }
 

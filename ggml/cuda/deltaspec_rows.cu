@@ -261,10 +261,7 @@ __global__ void __launch_bounds__(kBlockThreads) rows_deltanet(const RowsArgs a)
 // Whether the recurrence defers each row's output reduction (rows_deltanet's DEFER): on unless
 // DELTASPEC_ROWS_DEFER_OUTPUT=0 (read once; A/B runs).
 bool defer_output() {
-    static const bool on = [] {
-        const char * env = std::getenv("DELTASPEC_ROWS_DEFER_OUTPUT");
-        return env == nullptr || std::strcmp(env, "0") != 0;
-    }();
+    static const bool on = deltaspec_cuda::env_switch_on("DELTASPEC_ROWS_DEFER_OUTPUT");
     return on;
 }
 

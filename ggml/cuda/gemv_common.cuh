@@ -9,11 +9,20 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <utility>
 #include <vector>
 
 namespace deltaspec_cuda {
+
+// A speed switch of our kernels for A/B runs: on unless the environment sets `name` to 0. Callers
+// read it once (a static), so one process measures one setting.
+inline bool env_switch_on(const char * name) {
+    const char * env = std::getenv(name);
+    return env == nullptr || std::strcmp(env, "0") != 0;
+}
 
 __device__ __forceinline__ uint4 load_stream(const uint8_t * p) {
     return __ldcs(reinterpret_cast<const uint4 *>(p));

@@ -32,9 +32,6 @@
 // neither side needs a shuffle.
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
-
 #include "gemv_common.cuh"
 #include "mma_x.cuh"
 #include "q4k_gemv.cuh"
@@ -180,11 +177,26 @@ q4k_mma(const uint8_t * __restrict__ W, const MmaX x, float * y, int64_t ldy, YR
     mma_reduce_store<NT, R>(acc, reinterpret_cast<float *>(smem), y, ldy, residual, row_base, n_rows, n_cols);
 }
 
+// R for a Q4_K product of n_rows x n_cols: mma_row_tiles', except that at 17-24 columns two
+// tiles pay for 5120-row matrices even in a wave 61 % full (H100, kernels_bench, 24 columns, R = 1
+// -> 2: ffn down 44.6 -> 39.2 us, ssm_out 21.7 -> 19.1; 17 columns: 44.1 -> 39.9, 21.2 -> 19.5),
+// where at 16 the H200 had them lose (1.33 -> 1.46x one column, mma_row_tiles; why 3 column tiles
+// differ from 2 there was not measured). So where mma_row_tiles keeps one tile, 3 column tiles take
+// two once those fill half a wave. (A lower fill for mma_row_tiles' own rule would also move the
+// ffn stack from 2 tiles to 4, which the same run measured slower: 63.8 -> 67.1 us.)
+// bench/HISTORY.md, 2026-12-06. DELTASPEC_MMA_HALF_WAVE_TILES=0 keeps mma_row_tiles' choice (A/B).
+inline int q4k_mma_row_tiles(int64_t n_rows, int n_cols) {
+    static const bool half_wave_tiles = env_switch_on("DELTASPEC_MMA_HALF_WAVE_TILES");
+    const int r = mma_row_tiles(n_rows, 4);
+    const bool half_wave = mma_padded_cols(n_cols) == 24 && (n_rows + 31) / 32 >= device_sm_count();
+    return r == 1 && half_wave_tiles && half_wave ? 2 : r;
+}
+
 // Host side: W in ggml's Q4_K layout (n_k a multiple of 256, 16-byte aligned rows), x: n_cols (2..32)
 // f32 columns of n_k values, ldx floats apart, 16-byte aligned; y: n_cols columns of n_rows, ldy
 // apart. scratch: mma_x_bytes(n_k, n_cols) bytes of device memory, 16-byte aligned.
 // norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
-// residual: added to y as it is stored, or none. row_tiles: R (1, 2 or 4), 0 = mma_row_tiles;
+// residual: added to y as it is stored, or none. row_tiles: R (1, 2 or 4), 0 = q4k_mma_row_tiles;
 // k_split: thread blocks per cluster sharing a tile's k (1..4, sm_90+), 0 = 1 (mma_x.cuh:
 // splitting made Q4_K slower).
 inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
@@ -194,24 +206,7 @@ inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float *
     const MmaX xq = launch_quantize_x256<XFormat::q4k>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
     const int n_blocks = (int)(n_k / 256);
     const uint8_t * w = static_cast<const uint8_t *>(W);
-    // At 17-24 columns two row tiles pay for 5120-row matrices even in a wave 61 % full (H100,
-    // kernels_bench, 24 columns, R = 1 -> 2: ffn down 44.6 -> 39.2 us, ssm_out 21.7 -> 19.1; 17
-    // columns: 44.1 -> 39.9, 21.2 -> 19.5), where at 16 the H200 had them lose (1.33 -> 1.46x one
-    // column, mma_row_tiles; why 3 column tiles differ from 2 there was not measured). So where
-    // mma_row_tiles keeps one tile, 3 column tiles take two once those fill half a wave. (A lower
-    // fill for mma_row_tiles' own rule would also move the ffn stack from 2 tiles to 4, which the
-    // same run measured slower: 63.8 -> 67.1 us.) bench/HISTORY.md, 2026-12-06.
-    // DELTASPEC_MMA_HALF_WAVE_TILES=0 keeps mma_row_tiles' choice (read once; A/B runs).
-    static const bool half_wave_tiles = [] {
-        const char * env = std::getenv("DELTASPEC_MMA_HALF_WAVE_TILES");
-        return env == nullptr || std::strcmp(env, "0") != 0;
-    }();
-    int r_tiles = row_tiles > 0 ? row_tiles : mma_row_tiles(n_rows, 4);
-    if (half_wave_tiles && row_tiles <= 0 && r_tiles == 1 && mma_padded_cols(n_cols) == 24 &&
-        (n_rows + 31) / 32 >= device_sm_count()) {
-        r_tiles = 2;
-    }
-    with_row_tiles<4>(r_tiles, [&](auto r) {
+    with_row_tiles<4>(row_tiles > 0 ? row_tiles : q4k_mma_row_tiles(n_rows, n_cols), [&](auto r) {
         const int64_t tiles = (n_rows + 16 * r.value - 1) / (16 * r.value);
         const int c = mma_k_split_allowed(k_split > 0 ? k_split : 1);
         with_column_tiles(n_cols, [&](auto nt) {
