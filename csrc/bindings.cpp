@@ -539,6 +539,9 @@ PYBIND11_MODULE(_core, m) {
           "without deltaspec's CUDA kernels.");
     m.def("cuda_deltanet_launches", &cuda_deltanet_launches,
           "Host-side launches of deltaspec's DeltaNet kernel for verify batches so far (-1: not in this build).");
+    m.def("cuda_pair_count", &cuda_pair_count,
+          "Pairs of products (a layer's two input projections of one x) deltaspec's tensor-core kernels computed "
+          "from one quantization of x so far (-1: not in this build).");
     m.def("cuda_invariant_count", &cuda_invariant_count, py::arg("which"),
           "How many times batch-invariant CUDA models ran each route so far: 0 products on deltaspec's tensor-core "
           "kernels, 1 products column by column, 2 attention nodes, 3 misses (nodes that went to ggml's "

@@ -14,6 +14,8 @@
 extern "C" void deltaspec_cuda_set_kernels(bool on) __attribute__((weak));
 extern "C" bool deltaspec_cuda_fold_input(ggml_tensor * input, const ggml_tensor * const * weights,
                                           int n_weights) __attribute__((weak));
+extern "C" bool deltaspec_cuda_pair_products(ggml_tensor * first, ggml_tensor * second) __attribute__((weak));
+extern "C" int64_t deltaspec_cuda_pair_count() __attribute__((weak));
 extern "C" bool deltaspec_cuda_set_batch_invariant(ggml_backend_t backend, bool on) __attribute__((weak));
 extern "C" int64_t deltaspec_cuda_invariant_count(int which) __attribute__((weak));
 extern "C" bool deltaspec_cuda_copy_rows(const deltaspec_copy * jobs, int n_jobs) __attribute__((weak));
@@ -95,9 +97,15 @@ int64_t cuda_invariant_count(int which) {
 }
 
 bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights) {
+    if (input->op == GGML_OP_MUL_MAT) {  // a pair of products; DELTASPEC_MMA_PAIRS=0: none (A/B, tests)
+        return weights.size() == 1 && deltaspec_cuda_pair_products != nullptr && env_on("DELTASPEC_MMA_PAIRS") &&
+               deltaspec_cuda_pair_products(input, const_cast<ggml_tensor *>(weights[0]));
+    }
     return deltaspec_cuda_fold_input != nullptr &&
            deltaspec_cuda_fold_input(input, weights.data(), (int)weights.size());
 }
+
+int64_t cuda_pair_count() { return deltaspec_cuda_pair_count != nullptr ? deltaspec_cuda_pair_count() : -1; }
 
 bool cuda_deltanet_replay(const deltaspec_deltanet_replay & shape,
                           const std::vector<deltaspec_deltanet_layer> & layers) {

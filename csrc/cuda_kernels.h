@@ -48,8 +48,15 @@ int64_t cuda_invariant_count(int which);
 // when they are on and serve every one of `weights` (the products that read it) for its column
 // count (1..32), they apply the op themselves and ggml-cuda skips it
 // (ggml/cuda/deltaspec_matmul.cu); returns whether it was folded. Also offers (2..32 columns) an
-// ADD of a residual and the product with weights[0], which that product then writes itself.
+// ADD of a residual and the product with weights[0], which that product then writes itself, and
+// a product (input) with the next product of its x (weights[0], next to it in the graph), which
+// our tensor-core kernels then compute with it from one quantization of x (DELTASPEC_MMA_PAIRS=0:
+// not offered).
 bool cuda_fold_input(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights);
+
+// How many pairs of products our tensor-core kernels computed from one quantization of x in this
+// process (cuda_fold_input); -1 without our CUDA kernels.
+int64_t cuda_pair_count();
 
 // keep()'s replay of the first shape.n_tokens tokens of a verify batch's DeltaNet recurrences, all
 // layers in one launch, waited for (ggml/cuda/deltaspec_deltanet.h); false when nothing ran: this

@@ -147,9 +147,11 @@ class SharedInputProducts {
   public:
     SharedInputProducts(ggml_context * ctx, ggml_tensor * x) : ctx_(ctx), x_(x) {}
 
+    const std::vector<ggml_tensor *> & products() const { return products_; }
+
     ggml_tensor * operator()(ggml_tensor * w) {
         ggml_tensor * stack = w->view_src;
-        if (stack == nullptr) return ggml_mul_mat(ctx_, w, x_);
+        if (stack == nullptr) return products_.emplace_back(ggml_mul_mat(ctx_, w, x_));
         ggml_tensor * y = stacked_product(stack);
         const size_t first_row = w->view_offs / stack->nb[1];
         return ggml_view_2d(ctx_, y, w->ne[1], y->ne[1], y->nb[1], first_row * y->nb[0]);
@@ -160,13 +162,27 @@ class SharedInputProducts {
         for (auto & [s, y] : done_) {
             if (s == stack) return y;
         }
-        return done_.emplace_back(stack, ggml_mul_mat(ctx_, stack, x_)).second;
+        ggml_tensor * y = products_.emplace_back(ggml_mul_mat(ctx_, stack, x_));
+        return done_.emplace_back(stack, y).second;
     }
 
     ggml_context * ctx_;
     ggml_tensor * x_;
     std::vector<std::pair<ggml_tensor *, ggml_tensor *>> done_;  // stack -> its product with x
+    std::vector<ggml_tensor *> products_;                        // every product made, in order
 };
+
+// When a batch's input projections are two products (weights of two types: Q4_K_M's Q6_K qkv or
+// v beside the Q4_K stack of the rest), puts them next to each other in the graph and offers them
+// to fold_input as a pair (see FoldInput): one quantization of x then serves both.
+void offer_pair(const FoldInput & fold_input, ggml_cgraph * gf, const SharedInputProducts & project) {
+    const std::vector<ggml_tensor *> & p = project.products();
+    if (!fold_input || p.size() != 2 || p[0]->ne[1] < 2) return;  // one column: the mat-vecs prepare x in-kernel
+    ggml_build_forward_expand(gf, p[0]);
+    ggml_build_forward_expand(gf, p[1]);
+    const int n = ggml_graph_n_nodes(gf);
+    if (n >= 2 && ggml_graph_node(gf, n - 2) == p[0] && ggml_graph_node(gf, n - 1) == p[1]) fold_input(p[0], {p[1]});
+}
 
 // For text every IMROPE section carries the same position, which makes this NeoX RoPE on the
 // first n_rot dims (HF: partial rotary with rotate_half); the other dims pass through. Linear and
@@ -185,7 +201,7 @@ ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos, const
 // k_cache, v_cache: the sequence's own (one sequence) or every slot's (in.n_seqs > 0, StatePool).
 ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
                               ggml_tensor * k_cache, ggml_tensor * v_cache, int64_t n_ctx_slot, ggml_tensor * x,
-                              const StepInputs & in) {
+                              const StepInputs & in, const FoldInput & fold_input) {
     const int64_t T = in.n_tokens, D = hp.head_dim, H = hp.n_head, Hkv = hp.n_head_kv;
     const float eps = hp.rms_eps;
 
@@ -197,6 +213,7 @@ ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParam
     ggml_tensor * gate = ggml_view_3d(ctx, qg, D, H, T, 2 * D * f, qg->nb[1], D * f);
     ggml_tensor * kp = project(l.wk);  // {Hkv*D, T}, maybe strided (a stack's rows)
     ggml_tensor * vp = project(l.wv);
+    offer_pair(fold_input, gf, project);
     ggml_tensor * k = ggml_view_3d(ctx, kp, D, Hkv, T, D * f, kp->nb[1], 0);
 
     q = rms_norm(ctx, q, l.q_norm, eps);
@@ -266,6 +283,7 @@ ggml_tensor * gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const HParam
     // log-decay g = softplus(alpha + dt_bias) * (-exp(A_log)) <= 0
     ggml_tensor * g = ggml_softplus(ctx, ggml_add(ctx, project(l.walpha), l.dt_bias));
     g = ggml_reshape_4d(ctx, ggml_mul(ctx, g, l.ssm_a), 1, Hv, Tq, N);
+    offer_pair(fold_input, gf, project);
 
     // Causal depthwise conv over [previous Kc-1 inputs | this batch]; keep the last Kc-1 as new state.
     ggml_tensor * conv_in = nullptr;
@@ -419,8 +437,10 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
                               : input_norm(ctx, x, l.attn_norm, eps, fold_input, {l.wq, l.wk, l.wv});
         ggml_tensor * mixed = hp.recurrent[il]
                                   ? gated_delta_net(ctx, gf, hp, l, pool, st, il, a, in, fold_input, verify)
-                                  : in.n_seqs > 0 ? gated_attention(ctx, gf, hp, l, pool.k[il], pool.v[il], pool.n_ctx, a, in)
-                                                  : gated_attention(ctx, gf, hp, l, st.k[il], st.v[il], st.n_ctx, a, in);
+                                  : in.n_seqs > 0 ? gated_attention(ctx, gf, hp, l, pool.k[il], pool.v[il], pool.n_ctx, a, in,
+                                                                    fold_input)
+                                                  : gated_attention(ctx, gf, hp, l, st.k[il], st.v[il], st.n_ctx, a, in,
+                                                                    fold_input);
         x = residual_add(ctx, fold_input, x, mixed);
         ggml_tensor * h = input_norm(ctx, x, l.post_norm, eps, fold_input, {l.ffn_gate, l.ffn_up});
         x = residual_add(ctx, fold_input, x, swiglu_ffn(ctx, gf, l, h, fold_input));

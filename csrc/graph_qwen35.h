@@ -99,7 +99,9 @@ struct VerifyStates {
 // products, input = MUL(RMS_NORM(x), w), and the SwiGLUs in front of ssm_out and ffn down; with
 // the weights of those products; and the residual adds x + W h, with W. May fold the op into
 // the products (cuda_kernels.h: the product then writes the sum) and returns whether it did.
-// Empty: no folding.
+// Also offered a layer's two input products of one x, input = the first and weights = {the
+// second}, next to each other in the graph: our kernels may then compute both from one
+// quantization of x. Empty: no folding.
 using FoldInput = std::function<bool(ggml_tensor * input, const std::vector<const ggml_tensor *> & weights)>;
 
 // Hidden states returned for every row of a one-sequence step (drafters that read the target:
@@ -125,10 +127,11 @@ ggml_tensor * build_qwen35(ggml_context * ctx, ggml_cgraph * gf, const HParams &
 
 // Blocks the MTP head's graph (graph_mtp.cpp) shares with the trunk: a gated full-attention
 // layer's mixer over the rows of `in` (x: its normed input {E, T}; the new K/V rows are written
-// to k_cache / v_cache, which hold n_ctx_slot rows per slot) and a SwiGLU FFN.
+// to k_cache / v_cache, which hold n_ctx_slot rows per slot; fold_input: offered its input
+// projections as a pair, see FoldInput) and a SwiGLU FFN.
 ggml_tensor * gated_attention(ggml_context * ctx, ggml_cgraph * gf, const HParams & hp, const LayerWeights & l,
                               ggml_tensor * k_cache, ggml_tensor * v_cache, int64_t n_ctx_slot, ggml_tensor * x,
-                              const StepInputs & in);
+                              const StepInputs & in, const FoldInput & fold_input = FoldInput());
 ggml_tensor * swiglu_ffn(ggml_context * ctx, ggml_cgraph * gf, const LayerWeights & l, ggml_tensor * x,
                          const FoldInput & fold_input);
 

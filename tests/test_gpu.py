@@ -403,6 +403,53 @@ def test_early_launch_changes_no_bits(tmp_path, monkeypatch):
         assert np.array_equal(early_state[k], plain_state[k]), k
 
 
+def test_pairs_change_no_bits(tmp_path, monkeypatch):
+    """A layer's two input projections of one x (a Q6_K attn_qkv or attn_v beside the Q4_K stack
+    of the rest, as Q4_K_M has them) computed as a pair (deltaspec_matmul.cu run_pair: x quantized
+    once in both kernels' layouts, the second product launched by the first's call and skipped by
+    its own) against each product on its own (DELTASPEC_MMA_PAIRS=0). Each product reads the bytes
+    its own quantization gives, so prefill chunks, verify batches of 5 and 17 rows (ggml's
+    mat-vec and tile entries), the state keep() rolls back to and the step after it must be
+    bitwise equal, and pairs must have run (cuda_pair_count: 2 per batch here, layers 0 and 3).
+    Its power, checked here too: with DELTASPEC_TEST_PAIR_BUG=layout the second product reads x
+    in the first's layout, and the logits move."""
+    from deltaspec import _core
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    if not _core.cuda_kernels_available():
+        pytest.skip("this ggml-cuda does not carry deltaspec's kernels")
+    # layers 0-2 DeltaNet, 3 attention; Q6_K rows of 1024 (our Q6_K kernel's rows)
+    mixed = {"blk.0.attn_qkv.weight": "q6_k", "blk.3.attn_v.weight": "q6_k"}
+    path = write_tiny_vocab_model(tmp_path / "pairs.gguf", seed=5, quant="q4_k", tensor_quant=mixed, **Q6K_SHAPE)
+    rng = np.random.default_rng(10)
+    prefix, batch = rng.integers(0, 256, size=20).tolist(), rng.integers(0, 256, size=17).astype(np.int32)
+
+    def run(pairs, bug=""):
+        monkeypatch.setenv("DELTASPEC_MMA_PAIRS", pairs)
+        monkeypatch.setenv("DELTASPEC_TEST_PAIR_BUG", bug)
+        before = _core.cuda_pair_count()
+        with Model(path, device="cuda", n_ctx=256) as m:
+            engine = m._live()
+            engine.reserve_slots(len(batch))
+            steps = [m.eval(prefix, logits="all"), m.eval([3, 141, 59, 26, 53], logits="all"), m.eval([7])]
+            verify = engine.eval_verify(batch)
+            engine.keep(6)
+            out = np.concatenate(steps), verify, recurrent_state(engine), m.eval([99])
+        return out, _core.cuda_pair_count() - before
+
+    (paired, n_paired), (plain, n_plain) = run("1"), run("0")
+    print(f"pairs computed: {n_paired} (paired run), {n_plain} (pairs off)")
+    assert n_paired >= 2 * 3 and n_plain == 0  # 2 per batch: the prefill, the 5-row eval, the verify
+    for a, b in zip(paired[:2] + paired[3:], plain[:2] + plain[3:]):
+        assert np.array_equal(a, b)
+    for k in plain[2]:
+        assert np.array_equal(paired[2][k], plain[2][k]), k
+    planted, _ = run("1", bug="layout")
+    moved = np.abs(planted[0] - plain[0]).max()
+    print(f"planted layout bug: max |logit change| {moved:.3e}")
+    assert moved > 1e-3 * np.abs(plain[0]).max()
+
+
 def test_ggml_debug_log_quiet_by_default(tmp_path):
     """ggml prints every log level unless told otherwise, among them a debug line per replayed CUDA
     graph: a line on stderr per decoded token. deltaspec keeps warnings and errors only unless

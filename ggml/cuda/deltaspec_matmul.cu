@@ -19,6 +19,13 @@
 // step, ~240 per verify batch. A product that is not ours after all (say, unaligned data) first
 // writes the op's output as ggml would have.
 //
+// Pairs: the engine may mark two products of one input that follow each other in the graph (a
+// layer's input projections of two types: Q4_K_M's Q6_K DeltaNet qkv beside its Q4_K gate/beta/
+// alpha stack, attention's Q6_K v beside the q/k stack). The first then quantizes x once for both
+// (in both kernels' layouts: one launch) and computes the second too, which ggml-cuda's call for
+// it then skips: 64 quantizations fewer in a 27B verify batch (bench/results/latest/timeline.md:
+// 3.5 us of the step each).
+//
 // Fused residual adds: the engine may also mark an ADD of a 2..32-column product and a residual
 // (ggml fuses adds into one-column products only). The product then writes the sum into the
 // ADD's output and ggml-cuda skips the ADD (its add entry is renamed to deltaspec_op_add); a
@@ -36,6 +43,7 @@
 #include "unary.cuh"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -50,7 +58,15 @@ extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_kernel
     g_deltaspec_kernels = on;
 }
 
-bool deltaspec_cuda_kernels_on() { return g_deltaspec_kernels; }  // for our other ops (deltaspec_concat.cu)
+bool deltaspec_cuda_kernels_on() { return g_deltaspec_kernels; }
+
+// Pairs of products computed from one quantization of x (run_pair) so far in this process: the GPU
+// tests check that pairs ran
+static std::atomic<int64_t> g_pair_products{0};
+
+extern "C" __attribute__((visibility("default"))) int64_t deltaspec_cuda_pair_count() {
+    return g_pair_products.load();
+}  // for our other ops (deltaspec_concat.cu)
 
 // Our kernels' early launch (gemv_common.cuh launch): on with the kernels unless DELTASPEC_CUDA_PDL=0
 extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_early_launch(bool on) {
@@ -150,6 +166,12 @@ constexpr char kAddIntoName[] = "deltaspec.add_into_next";  // its product, whic
 // where that pointer sits in the product's op_params: the last 8 bytes (ggml's MUL_MAT reads the
 // first two int32: precision and a hint)
 constexpr size_t kAddPointerOffset = GGML_MAX_OP_PARAMS - sizeof(ggml_tensor *);
+constexpr char kPairFirstName[] = "deltaspec.pair_first";    // keeps a pointer to the second
+constexpr char kPairSecondName[] = "deltaspec.pair_second";  // computed by the first, when it could
+constexpr size_t kPairPointerOffset = kAddPointerOffset - sizeof(ggml_tensor *);  // in the first's op_params
+// in the second's: 1 from the first's computing it to ggml-cuda's call for it, which clears it (so
+// the node is as it was when ggml-cuda next compares it with its CUDA graph's)
+constexpr size_t kPairDoneOffset = kPairPointerOffset - sizeof(int32_t);
 
 // A MUL(RMS_NORM(x), w) or a SWIGLU marked by deltaspec_cuda_fold_input, i.e. not computed by ggml-cuda.
 bool folded_norm(const ggml_tensor * t) {
@@ -172,6 +194,31 @@ ggml_tensor * add_of(const ggml_tensor * product) {
     ggml_tensor * add = nullptr;
     std::memcpy(&add, (const char *)product->op_params + kAddPointerOffset, sizeof(add));
     return add;
+}
+
+// The second product of the pair `product` begins, or nullptr.
+ggml_tensor * pair_second_of(const ggml_tensor * product) {
+    if (!g_deltaspec_kernels || product->op != GGML_OP_MUL_MAT || std::strcmp(product->name, kPairFirstName) != 0) {
+        return nullptr;
+    }
+    ggml_tensor * second = nullptr;
+    std::memcpy(&second, (const char *)product->op_params + kPairPointerOffset, sizeof(second));
+    return second;
+}
+
+void set_pair_done(ggml_tensor * second, int32_t done) {
+    std::memcpy((char *)second->op_params + kPairDoneOffset, &done, sizeof(done));
+}
+
+// Whether the first product of its pair computed `product` (ggml-cuda's call for it then has
+// nothing to do): once per computation, the mark cleared here. A product ggml fuses with the op
+// after it (none of a pair's, which are 2..32 columns) runs as ggml asks all the same.
+bool computed_with_first(ggml_tensor * product, const ggml_cuda_mm_fusion_args_host * fusion) {
+    if (!g_deltaspec_kernels || std::strcmp(product->name, kPairSecondName) != 0) return false;
+    int32_t done = 0;
+    std::memcpy(&done, (const char *)product->op_params + kPairDoneOffset, sizeof(done));
+    set_pair_done(product, 0);
+    return done == 1 && fusion == nullptr;
 }
 
 // The ADD's other operand, if it is a residual our kernels can add as they store: f32 columns
@@ -317,6 +364,60 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
     CUDA_CHECK(cudaGetLastError());
 }
 
+// One tensor-core product from x as quantize_x256 wrote it in kernel k's layout.
+void mma_product(Kernel k, const deltaspec_cuda::MmaX & xq, const ggml_tensor * src0, ggml_tensor * dst, int n,
+                 cudaStream_t stream, int row_tiles, int k_split) {
+    const int64_t rows = src0->ne[1], n_k = src0->ne[0], ldy = dst->nb[1] / sizeof(float);
+    const auto launch =
+        k == Kernel::q4k_mma ? deltaspec_cuda::launch_q4k_mma_product : deltaspec_cuda::launch_q6k_mma_product;
+    launch(src0->data, xq, (float *)dst->data, ldy, rows, n_k, n, src0->nb[1], stream, deltaspec_cuda::YResidual{},
+           row_tiles, k_split);
+}
+
+// Planted bug for tests/test_gpu.py::test_pairs_change_no_bits (DELTASPEC_TEST_PAIR_BUG=layout, read
+// per call): a pair's second product reads x in the first's layout.
+bool planted_pair_layout() {
+    const char * bug = std::getenv("DELTASPEC_TEST_PAIR_BUG");
+    return bug != nullptr && std::strcmp(bug, "layout") == 0;
+}
+
+// A pair's two products (tensor-core kernels k and k2, one launch of columns each) from one
+// quantization of x: in k's layout, and also in k2's where that differs. Each product gets the
+// bytes its own quantization would give, so the pair changes no value.
+void run_pair(Kernel k, Kernel k2, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, ggml_tensor * dst,
+              const ggml_tensor * src0_2, ggml_tensor * dst_2, const float * x, int64_t ldx,
+              deltaspec_cuda::XNorm norm, deltaspec_cuda::XGlu glu) {
+    const int n = (int)dst->ne[1];
+    const int64_t n_k = src0->ne[0];
+    const bool fixed = fixed_sum_order(ctx);
+    const int row_tiles = fixed ? 1 : g_mma_row_tiles, k_split = fixed ? 1 : g_mma_k_split;
+    const size_t bytes = deltaspec_cuda::mma_x_bytes(n_k, n);  // a multiple of 16
+    ggml_cuda_pool_alloc<char> scratch(ctx.pool(), k == k2 ? bytes : 2 * bytes);
+    char * other = k == k2 ? nullptr : scratch.get() + bytes;
+    const deltaspec_cuda::MmaX xq =
+        k == Kernel::q4k_mma
+            ? deltaspec_cuda::launch_quantize_x256<deltaspec_cuda::XFormat::q4k>(x, ldx, n_k, n, scratch.get(),
+                                                                                ctx.stream(), norm, glu, other)
+            : deltaspec_cuda::launch_quantize_x256<deltaspec_cuda::XFormat::q6k>(x, ldx, n_k, n, scratch.get(),
+                                                                                ctx.stream(), norm, glu, other);
+    mma_product(k, xq, src0, dst, n, ctx.stream(), row_tiles, k_split);
+    const bool own_layout = other != nullptr && !planted_pair_layout();
+    mma_product(k2, own_layout ? deltaspec_cuda::mma_x_layout(other, n_k, n) : xq, src0_2, dst_2, n, ctx.stream(),
+                row_tiles, k_split);
+    CUDA_CHECK(cudaGetLastError());
+    g_pair_products.fetch_add(1, std::memory_order_relaxed);
+}
+
+// The second product of dst's pair, if our tensor-core kernels compute it with dst's (kernel k)
+// in one launch of columns from the same x: nullptr otherwise (it then runs on its own).
+ggml_tensor * pair_partner(Kernel k, const ggml_tensor * src1, ggml_tensor * dst, Kernel & k2) {
+    ggml_tensor * second = pair_second_of(dst);
+    if (second == nullptr || second->src[1] != src1 || src1->ne[1] > kLaunchColumns) return nullptr;
+    if (k != Kernel::q4k_mma && k != Kernel::q6k_mma) return nullptr;
+    k2 = pick(second->src[0], src1, nullptr, second, nullptr);
+    return k2 == Kernel::q4k_mma || k2 == Kernel::q6k_mma ? second : nullptr;
+}
+
 // Runs kernel k on src1 (none: returns false), applying src1's folded norm or SwiGLU if it is
 // one, and the marked ADD (`add`, or nullptr) that takes its result. A folded op our kernel
 // cannot apply is computed first, as ggml would have; an ADD it cannot take is run after it.
@@ -339,6 +440,13 @@ bool run_ours(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src
     deltaspec_cuda::YResidual residual;
     ggml_tensor * out = dst;
     if (add != nullptr && mma && residual_of(add, dst, residual)) out = add;  // the product writes the sum
+    Kernel k2 = Kernel::none;
+    ggml_tensor * second = add == nullptr ? pair_partner(k, src1, dst, k2) : nullptr;
+    if (second != nullptr) {
+        run_pair(k, k2, ctx, src0, dst, second->src[0], second, x, ldx, norm, glu);
+        set_pair_done(second, 1);
+        return true;
+    }
     run(k, ctx, src0, src1, out, fusion, x, ldx, norm, glu, residual);
     if (add != nullptr && out == dst) ggml_cuda_op_add(ctx, add);
     return true;
@@ -466,6 +574,27 @@ extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_fold_input
     return true;
 }
 
+// Marks two products of one input (2..32 columns), `second` the graph's node right after `first`,
+// as a pair when our tensor-core kernels serve both matrices: `first` then computes both from one
+// quantization of x (run_pair). The engine has put them next to each other, so that nothing reads
+// or reuses second's output memory in between.
+extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_pair_products(ggml_tensor * first,
+                                                                                   ggml_tensor * second) {
+    if (!g_deltaspec_kernels || first == nullptr || second == nullptr || first == second) return false;
+    if (first->op != GGML_OP_MUL_MAT || second->op != GGML_OP_MUL_MAT || first->src[1] != second->src[1]) return false;
+    const int64_t n = first->ne[1];
+    if (n < 2 || n > std::min<int64_t>(g_mma_max_columns, kLaunchColumns)) return false;
+    for (const ggml_tensor * p : {first, second}) {
+        // a marked product (a fused ADD's, another pair's) keeps its mark
+        if (!serves_columns(p->src[0]) || std::strncmp(p->name, "deltaspec.", 10) == 0) return false;
+    }
+    ggml_set_name(first, kPairFirstName);
+    ggml_set_name(second, kPairSecondName);
+    std::memcpy((char *)first->op_params + kPairPointerOffset, &second, sizeof(second));
+    set_pair_done(second, 0);
+    return true;
+}
+
 void deltaspec_rms_norm_fused(ggml_backend_cuda_context & ctx, ggml_tensor * dst, ggml_tensor * mul_tensor) {
     if (folded_norm(mul_tensor)) return;  // the products reading it apply the norm themselves
     ggml_cuda_op_rms_norm_fused(ctx, dst, mul_tensor);
@@ -484,6 +613,7 @@ void deltaspec_op_add(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 void deltaspec_mul_mat_vec_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                              const ggml_tensor * ids, ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion) {
     if (ran_invariant(ctx, src0, src1, ids, dst, fusion)) return;
+    if (computed_with_first(dst, fusion)) return;  // its pair's first product wrote it
     ggml_tensor * add = add_of(dst);  // (a product ggml fuses itself has the fused op as dst: none)
     if (run_ours(pick(src0, src1, ids, dst, fusion), ctx, src0, src1, dst, fusion, add)) return;
     ggml_cuda_mul_mat_vec_q(ctx, src0, src1, ids, dst, fusion);
@@ -493,6 +623,7 @@ void deltaspec_mul_mat_vec_q(ggml_backend_cuda_context & ctx, const ggml_tensor 
 void deltaspec_mul_mat_q(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                          const ggml_tensor * ids, ggml_tensor * dst) {
     if (ran_invariant(ctx, src0, src1, ids, dst, nullptr)) return;
+    if (computed_with_first(dst, nullptr)) return;  // its pair's first product wrote it
     ggml_tensor * add = add_of(dst);
     if (run_ours(pick(src0, src1, ids, dst, nullptr), ctx, src0, src1, dst, nullptr, add)) return;
     ggml_cuda_mul_mat_q(ctx, src0, src1, ids, dst);

@@ -85,13 +85,42 @@ inline MmaX mma_x_layout(void * scratch, int64_t n_k, int n_cols) {
     return {values, dx, reinterpret_cast<XSums *>(dx + n_blocks * n_pad)};
 }
 
+// The other layout: the one a pair of products of one x (a Q4_K and a Q6_K matrix) also needs.
+__host__ __device__ constexpr XFormat other_format(XFormat f) { return f == XFormat::q4k ? XFormat::q6k : XFormat::q4k; }
+
+// Stores lane `lane`'s 8 quantized values of sub-block s of block b, column col, in F's layout, and
+// the sums of its sub-block (sum32: the lane's and its 3 neighbours') or 16-value group (sum16:
+// its own and lane ^ 1's).
+template <XFormat F>
+__device__ __forceinline__ void store_x256(const MmaX & out, int n_pad, int b, int col, int lane, uint32_t lo4,
+                                           uint32_t hi4, int sum16, int sum32) {
+    const int s = lane >> 2, t = lane & 3;  // values 8t..8t+7 of sub-block s
+    int8_t * sub = out.values + ((int64_t)(8 * b + s) * n_pad + col) * 32;
+    if (F == XFormat::q6k) {  // values 8t..8t+3: half t / 2, slot 2 (t % 2); 8t+4..8t+7: slot 2 (t % 2) + 1
+        const int o = 16 * (t & 1) + 4 * (t >> 1);
+        reinterpret_cast<uint32_t *>(sub + o)[0] = lo4;
+        reinterpret_cast<uint32_t *>(sub + o + 8)[0] = hi4;
+    } else {
+        *reinterpret_cast<uint2 *>(sub + 8 * t) = make_uint2(lo4, hi4);
+    }
+    // lanes t, t ^ 1 hold a 16-value group (2s + t / 2), all four the sub-block s
+    if (F == XFormat::q4k ? t == 0 : (t & 1) == 0) {
+        const int sum = F == XFormat::q4k ? sum32 : sum16;
+        const int hi = sum >= 0 ? sum / 64 : -((-sum + 63) / 64), i = F == XFormat::q4k ? s : 2 * s + (t >> 1);
+        XSums & xs = out.sums[(int64_t)b * n_pad + col];
+        xs.hi[i] = (int8_t)hi;
+        xs.lo[i] = (int8_t)(sum - 64 * hi);
+    }
+}
+
 // x (n_cols columns of n_k f32, column c at x + c * ldx) -> the layout above; columns
 // n_cols..n_pad-1 are zero. One warp per 256 values, 8 per lane (lanes 4s..4s+3 hold sub-block s).
 // With a norm, a thread block is one column's n_k / 256 warps (n_k <= 8192), which add up the
-// column's sum of squares in shared memory.
-template <XFormat F>
+// column's sum of squares in shared memory. kBoth: `other` gets the other layout too (the same
+// values, scales and sums, so each of a pair of products sees what its own quantization gives).
+template <XFormat F, bool kBoth = false>
 __global__ void quantize_x256(const float * x, int64_t ldx, int n_cols, int n_k, int n_pad, MmaX out,
-                              XNorm norm, XGlu glu) {
+                              XNorm norm, XGlu glu, MmaX other) {
     wait_for_inputs();  // x comes from earlier kernels, and so do the last reads of the scratch
     const int lane = threadIdx.x & 31, n_blocks = n_k / 256;
     int col, b;
@@ -148,42 +177,34 @@ __global__ void quantize_x256(const float * x, int64_t ldx, int n_cols, int n_k,
     }
     const uint32_t lo4 = __byte_perm(__byte_perm(q[0], q[1], 0x0040), __byte_perm(q[2], q[3], 0x0040), 0x5410);
     const uint32_t hi4 = __byte_perm(__byte_perm(q[4], q[5], 0x0040), __byte_perm(q[6], q[7], 0x0040), 0x5410);
-    const int s = lane >> 2, t = lane & 3;  // values 8t..8t+7 of sub-block s
-    int8_t * sub = out.values + ((int64_t)(8 * b + s) * n_pad + col) * 32;
-    if (F == XFormat::q6k) {  // values 8t..8t+3: half t / 2, slot 2 (t % 2); 8t+4..8t+7: slot 2 (t % 2) + 1
-        const int o = 16 * (t & 1) + 4 * (t >> 1);
-        reinterpret_cast<uint32_t *>(sub + o)[0] = lo4;
-        reinterpret_cast<uint32_t *>(sub + o + 8)[0] = hi4;
-    } else {
-        *reinterpret_cast<uint2 *>(sub + 8 * t) = make_uint2(lo4, hi4);
-    }
-    // the sums: lanes t, t ^ 1 hold a 16-value group (2s + t / 2), all four the sub-block s
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    if (F == XFormat::q4k) sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (F == XFormat::q4k ? t == 0 : (t & 1) == 0) {
-        const int hi = sum >= 0 ? sum / 64 : -((-sum + 63) / 64), i = F == XFormat::q4k ? s : 2 * s + (t >> 1);
-        XSums & xs = out.sums[(int64_t)b * n_pad + col];
-        xs.hi[i] = (int8_t)hi;
-        xs.lo[i] = (int8_t)(sum - 64 * hi);
-    }
-    if (lane == 0) out.dx[(int64_t)b * n_pad + col] = amax / 127.0f * col_scale;
+    const int sum16 = sum + __shfl_xor_sync(0xffffffffu, sum, 1);
+    const int sum32 = F == XFormat::q4k || kBoth ? sum16 + __shfl_xor_sync(0xffffffffu, sum16, 2) : 0;
+    store_x256<F>(out, n_pad, b, col, lane, lo4, hi4, sum16, sum32);
+    if (kBoth) store_x256<other_format(F)>(other, n_pad, b, col, lane, lo4, hi4, sum16, sum32);
+    const float dx = amax / 127.0f * col_scale;
+    if (lane == 0) out.dx[(int64_t)b * n_pad + col] = dx;
+    if (kBoth && lane == 0) other.dx[(int64_t)b * n_pad + col] = dx;
 }
 
 // The largest n_k a folded norm allows: one thread block holds a column.
 constexpr int64_t kMmaNormMaxK = 32 * 256;
 
+// x quantized into scratch (mma_x_bytes(n_k, n_cols)) in F's layout; other_scratch (as large, or
+// nullptr) gets the other layout in the same launch.
 template <XFormat F>
 inline MmaX launch_quantize_x256(const float * x, int64_t ldx, int64_t n_k, int n_cols, void * scratch,
-                                 cudaStream_t stream, XNorm norm, XGlu glu) {
+                                 cudaStream_t stream, XNorm norm, XGlu glu, void * other_scratch = nullptr) {
     const int n_pad = mma_padded_cols(n_cols);
     const MmaX out = mma_x_layout(scratch, n_k, n_cols);
+    const MmaX other = other_scratch != nullptr ? mma_x_layout(other_scratch, n_k, n_cols) : MmaX{};
     const int64_t warps = (int64_t)n_pad * (n_k / 256);
-    const auto kernel = quantize_x256<F>;
+    const auto kernel = other_scratch != nullptr ? quantize_x256<F, true> : quantize_x256<F, false>;
     if (norm.w != nullptr) {
         const unsigned threads = (unsigned)(n_k / 256 * 32);
-        launch(kernel, (unsigned)n_pad, threads, 0, stream, x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu);
+        launch(kernel, (unsigned)n_pad, threads, 0, stream, x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu, other);
     } else {
-        launch(kernel, (unsigned)((warps + 7) / 8), 256, 0, stream, x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu);
+        launch(kernel, (unsigned)((warps + 7) / 8), 256, 0, stream, x, ldx, n_cols, (int)n_k, n_pad, out, norm, glu,
+               other);
     }
     return out;
 }

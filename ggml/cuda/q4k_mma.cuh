@@ -192,6 +192,22 @@ inline int q4k_mma_row_tiles(int64_t n_rows, int n_cols) {
     return r == 1 && half_wave_tiles && half_wave ? 2 : r;
 }
 
+// The product alone, from x already quantized (XFormat::q4k): a pair's second product.
+inline void launch_q4k_mma_product(const void * W, const MmaX & xq, float * y, int64_t ldy, int64_t n_rows,
+                                   int64_t n_k, int n_cols, int64_t row_bytes, cudaStream_t stream,
+                                   YResidual residual = YResidual{}, int row_tiles = 0, int k_split = 0) {
+    const int n_blocks = (int)(n_k / 256);
+    const uint8_t * w = static_cast<const uint8_t *>(W);
+    with_row_tiles<4>(row_tiles > 0 ? row_tiles : q4k_mma_row_tiles(n_rows, n_cols), [&](auto r) {
+        const int64_t tiles = (n_rows + 16 * r.value - 1) / (16 * r.value);
+        const int c = mma_k_split_allowed(k_split > 0 ? k_split : 1);
+        with_column_tiles(n_cols, [&](auto nt) {
+            launch_clustered(q4k_mma<nt.value, r.value>, (unsigned)(tiles * c), 256, kQ4KMmaSmem, stream, c, w, xq,
+                             y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
+        });
+    });
+}
+
 // Host side: W in ggml's Q4_K layout (n_k a multiple of 256, 16-byte aligned rows), x: n_cols (2..32)
 // f32 columns of n_k values, ldx floats apart, 16-byte aligned; y: n_cols columns of n_rows, ldy
 // apart. scratch: mma_x_bytes(n_k, n_cols) bytes of device memory, 16-byte aligned.
@@ -204,16 +220,7 @@ inline void launch_q4k_mma(const void * W, const float * x, int64_t ldx, float *
                            XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{},
                            int row_tiles = 0, int k_split = 0) {
     const MmaX xq = launch_quantize_x256<XFormat::q4k>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
-    const int n_blocks = (int)(n_k / 256);
-    const uint8_t * w = static_cast<const uint8_t *>(W);
-    with_row_tiles<4>(row_tiles > 0 ? row_tiles : q4k_mma_row_tiles(n_rows, n_cols), [&](auto r) {
-        const int64_t tiles = (n_rows + 16 * r.value - 1) / (16 * r.value);
-        const int c = mma_k_split_allowed(k_split > 0 ? k_split : 1);
-        with_column_tiles(n_cols, [&](auto nt) {
-            launch_clustered(q4k_mma<nt.value, r.value>, (unsigned)(tiles * c), 256, kQ4KMmaSmem, stream, c, w, xq,
-                             y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
-        });
-    });
+    launch_q4k_mma_product(W, xq, y, ldy, n_rows, n_k, n_cols, row_bytes, stream, residual, row_tiles, k_split);
 }
 
 }  // namespace deltaspec_cuda

@@ -252,18 +252,10 @@ inline int q6k_mma_k_split(int64_t blocks, int k_steps) {
     return blocks < 2 * slots && k_steps >= 8 ? 2 : 1;
 }
 
-// Host side: W in ggml's Q6_K layout with n_k a multiple of 1024 (rows then start 8-byte aligned)
-// and an 8-byte aligned base; x: n_cols (2..32) f32 columns of n_k values, ldx floats apart,
-// 16-byte aligned; y: n_cols columns of n_rows, ldy apart. scratch: mma_x_bytes(n_k, n_cols)
-// bytes of device memory, 16-byte aligned.
-// norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
-// residual: added to y as it is stored, or none. row_tiles: R (1 or 2), 0 = mma_row_tiles;
-// k_split: thread blocks per cluster sharing a tile's k (1..4, sm_90+), 0 = q6k_mma_k_split.
-inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
-                           int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
-                           XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{},
-                           int row_tiles = 0, int k_split = 0) {
-    const MmaX xq = launch_quantize_x256<XFormat::q6k>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
+// The product alone, from x already quantized (XFormat::q6k): a pair's second product.
+inline void launch_q6k_mma_product(const void * W, const MmaX & xq, float * y, int64_t ldy, int64_t n_rows,
+                                   int64_t n_k, int n_cols, int64_t row_bytes, cudaStream_t stream,
+                                   YResidual residual = YResidual{}, int row_tiles = 0, int k_split = 0) {
     const uint8_t * w = static_cast<const uint8_t *>(W);
     const int n_blocks = (int)(n_k / 256);
     const int tiles =
@@ -278,6 +270,21 @@ inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float *
                              stream, c, w, xq, y, ldy, residual, (int)n_rows, n_cols, n_blocks, row_bytes);
         });
     });
+}
+
+// Host side: W in ggml's Q6_K layout with n_k a multiple of 1024 (rows then start 8-byte aligned)
+// and an 8-byte aligned base; x: n_cols (2..32) f32 columns of n_k values, ldx floats apart,
+// 16-byte aligned; y: n_cols columns of n_rows, ldy apart. scratch: mma_x_bytes(n_k, n_cols)
+// bytes of device memory, 16-byte aligned.
+// norm: a folded rms_norm of x (n_k <= kMmaNormMaxK), or none; glu: a folded SwiGLU, or none;
+// residual: added to y as it is stored, or none. row_tiles: R (1 or 2), 0 = mma_row_tiles;
+// k_split: thread blocks per cluster sharing a tile's k (1..4, sm_90+), 0 = q6k_mma_k_split.
+inline void launch_q6k_mma(const void * W, const float * x, int64_t ldx, float * y, int64_t ldy, int64_t n_rows,
+                           int64_t n_k, int n_cols, int64_t row_bytes, void * scratch, cudaStream_t stream,
+                           XNorm norm = XNorm{}, XGlu glu = XGlu{}, YResidual residual = YResidual{},
+                           int row_tiles = 0, int k_split = 0) {
+    const MmaX xq = launch_quantize_x256<XFormat::q6k>(x, ldx, n_k, n_cols, scratch, stream, norm, glu);
+    launch_q6k_mma_product(W, xq, y, ldy, n_rows, n_k, n_cols, row_bytes, stream, residual, row_tiles, k_split);
 }
 
 }  // namespace deltaspec_cuda
