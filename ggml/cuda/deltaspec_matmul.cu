@@ -23,8 +23,8 @@
 // layer's input projections of two types: Q4_K_M's Q6_K DeltaNet qkv beside its Q4_K gate/beta/
 // alpha stack, attention's Q6_K v beside the q/k stack). The first then quantizes x once for both
 // (in both kernels' layouts: one launch) and computes the second too, which ggml-cuda's call for
-// it then skips: 64 quantizations fewer in a 27B verify batch (bench/results/latest/timeline.md:
-// 3.5 us of the step each).
+// it then skips: 32 launches fewer in a 27B verify batch (24 DeltaNet and 8 attention layers),
+// 0.04 ms of a 13.7 ms tree verify on an H100 (bench/results/latest/tree_ab.md).
 //
 // Fused residual adds: the engine may also mark an ADD of a 2..32-column product and a residual
 // (ggml fuses adds into one-column products only). The product then writes the sum into the
@@ -58,7 +58,7 @@ extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_kernel
     g_deltaspec_kernels = on;
 }
 
-bool deltaspec_cuda_kernels_on() { return g_deltaspec_kernels; }
+bool deltaspec_cuda_kernels_on() { return g_deltaspec_kernels; }  // for our other ops (deltaspec_concat.cu)
 
 // Pairs of products computed from one quantization of x (run_pair) so far in this process: the GPU
 // tests check that pairs ran
@@ -66,7 +66,7 @@ static std::atomic<int64_t> g_pair_products{0};
 
 extern "C" __attribute__((visibility("default"))) int64_t deltaspec_cuda_pair_count() {
     return g_pair_products.load();
-}  // for our other ops (deltaspec_concat.cu)
+}
 
 // Our kernels' early launch (gemv_common.cuh launch): on with the kernels unless DELTASPEC_CUDA_PDL=0
 extern "C" __attribute__((visibility("default"))) void deltaspec_cuda_set_early_launch(bool on) {
