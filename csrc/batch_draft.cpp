@@ -1,5 +1,7 @@
 #include "batch_draft.h"
 
+#include "token_constraint.h"
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -120,6 +122,7 @@ void BatchModelDrafter::propose(std::vector<DraftJob> & all) {
     }
     std::vector<std::vector<float>> logits = last_;
     Distribution q;
+    std::vector<float> q_logits;  // a planted bug's unmasked row (mask_draft_within)
     for (int64_t i = 0;; ++i) {
         std::vector<DraftJob *> growing;
         std::vector<std::vector<int32_t>> grow_chains;
@@ -130,9 +133,11 @@ void BatchModelDrafter::propose(std::vector<DraftJob> & all) {
                 continue;
             }
             const bool greedy = j.state->sampler.params().greedy();
+            if (!mask_draft_within(j.constraint, j.draft.tokens, logits[k].data(), n_vocab, q_logits)) continue;
             j.state->sampler.distribution(logits[k].data(), n_vocab, history[k], q);
             const int32_t token = j.state->sampler.draw(q);
             j.draft.tokens.push_back(token);
+            if (!greedy && !q_logits.empty()) j.state->sampler.distribution(q_logits.data(), n_vocab, history[k], q);
             if (!greedy) j.draft.dists.push_back(q);
             history[k].push_back(token);
             if (i + 1 < j.n_max) {
@@ -159,7 +164,7 @@ int64_t BatchModelDrafter::grow_tree(DraftJob & job, const std::vector<float> & 
     const bool greedy = st.sampler.params().greedy();
     int64_t n_forward = 0;
     std::vector<int32_t> history;
-    std::vector<float> logits;
+    std::vector<float> logits, unused;
     auto dist = [&](const DraftTree & t, int32_t node, Distribution & out) {
         const std::vector<int32_t> path = t.path_tokens(node);
         if (node >= 0) {
@@ -170,7 +175,10 @@ int64_t BatchModelDrafter::grow_tree(DraftJob & job, const std::vector<float> & 
         }
         history = *job.committed;
         history.insert(history.end(), path.begin(), path.end());
-        (greedy ? st.ranker : st.sampler).distribution(node < 0 ? root.data() : logits.data(), n_vocab, history, out);
+        if (node < 0) logits = root;  // a copy: the root row stays unmasked
+        // (children are drawn from the distribution they report: no q of another row)
+        if (!mask_draft_within(job.constraint, path, logits.data(), n_vocab, unused)) return;  // complete: a leaf
+        (greedy ? st.ranker : st.sampler).distribution(logits.data(), n_vocab, history, out);
     };
     BestFirstOptions opts;
     opts.budget = job.tree_budget;

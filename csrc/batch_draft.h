@@ -40,6 +40,7 @@ struct DraftJob {
     const std::vector<int32_t> * committed = nullptr;  // prompt + committed tokens
     int64_t n_max = 0;          // a chain's length, or a tree's depth
     int64_t tree_budget = 0;    // > 0: a tree of at most this many nodes instead of a chain
+    TokenConstraint * constraint = nullptr;  // drafts within it (ModelDrafter::constrain), if any
     Draft draft;
     DraftTree tree;
 };

@@ -196,7 +196,9 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
             SamplingParams ds = sampling;
             ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
             const double step_cost = (double)draft->engine->step_weight_bytes() / (double)r.engine->step_weight_bytes();
-            drafter = std::make_unique<ModelDrafter>(*draft->engine, ds, step_cost);
+            auto model_drafter = std::make_unique<ModelDrafter>(*draft->engine, ds, step_cost);
+            model_drafter->constrain(drafting_constraint(req.constraint));
+            drafter = std::move(model_drafter);
         } else {
             drafter = std::make_unique<NgramDrafter>(ngram_max);
         }

@@ -27,6 +27,18 @@ class PyTokenConstraint : public TokenConstraint {
         py::array_t<uint32_t> view({rows, n_words}, masks, py::capsule(masks, [](void *) {}));
         f(view, drafts);
     }
+    void fill_mask_after(uint32_t * mask, int64_t n_words, const std::vector<int32_t> & path) override {
+        {
+            py::gil_scoped_acquire gil;
+            const py::function f = py::get_override(static_cast<const TokenConstraint *>(this), "fill_mask_after");
+            if (f) {
+                py::array_t<uint32_t> view({n_words}, mask, py::capsule(mask, [](void *) {}));
+                f(view, path);
+                return;
+            }
+        }
+        TokenConstraint::fill_mask_after(mask, n_words, path);  // through fill_masks, which takes the GIL itself
+    }
     void commit(int32_t token) override {
         py::gil_scoped_acquire gil;
         method("commit")(token);
@@ -79,7 +91,8 @@ void bind_token_constraint(py::module_ & m) {
     py::class_<TokenConstraint, PyTokenConstraint>(m, "TokenConstraint",
         "Base class of a rule on which tokens may come next (a grammar), for generate(constraint=...). "
         "Subclasses implement fill_masks(masks, drafts), commit(token), check_draft(tokens) -> int and "
-        "optionally forced_tokens() -> list and allows_every_token(along) -> bool; "
+        "optionally forced_tokens() -> list, allows_every_token(along) -> bool and fill_mask_after(mask, path) "
+        "(one row of fill_masks after the drafted `path`, for a draft model drafting within the rule); "
         "the decode loops call them without holding the GIL otherwise.")
         .def(py::init<>())
         .def("allows_every_token", &TokenConstraint::allows_every_token, py::arg("along") = std::vector<int32_t>{},
@@ -91,6 +104,14 @@ void bind_token_constraint(py::module_ & m) {
                       "Draft tokens cut before verification so far (speculative decoding).")
         .def_readonly("n_forced_tokens", &TokenConstraint::n_forced_tokens,
                       "Tokens the grammar forced, proposed as drafts so far (speculative decoding).")
+        .def_readonly("n_draft_rows", &TokenConstraint::n_draft_rows,
+                      "A draft model's logit rows masked so far (it drafts within the rule).")
+        .def("mask_draft_row", [](TokenConstraint & c, std::vector<int32_t> path, F32 logits) {
+                 if (logits.ndim() != 1) throw std::invalid_argument("logits must be 1-D (n_vocab,)");
+                 return c.mask_draft_row(path, logits.mutable_data(), logits.shape(0));
+             }, py::arg("path"), py::arg("logits"),
+             "Mask a draft model's float32 logit row in place with the rule's state after the committed tokens "
+             "and `path`; False when the rule allows nothing there.")
         // the loops' own helpers on numpy arrays, for tests of the masking and cutting rules alone
         .def("mask_row", [](TokenConstraint & c, F32 logits) {
                  if (logits.ndim() != 1) throw std::invalid_argument("logits must be 1-D (n_vocab,)");

@@ -1,5 +1,7 @@
 #include "drafters.h"
 
+#include "token_constraint.h"
+
 #include <algorithm>
 
 namespace deltaspec {
@@ -104,10 +106,15 @@ Draft ModelDrafter::propose(const std::vector<int32_t> & committed, int64_t n_ma
     const bool greedy = sampler_.params().greedy();
     std::vector<int32_t> history = committed;
     Distribution q;
+    std::vector<float> q_logits;  // a planted bug's unmasked row (mask_draft_within)
     for (int64_t i = 0; i < n_max && draft_.n_past() < draft_.n_ctx(); ++i) {
+        if (!mask_draft_within(constraint_, d.tokens, logits_.data(), (int64_t)logits_.size(), q_logits)) {
+            break;  // the grammar is complete here
+        }
         sampler_.distribution(logits_.data(), (int64_t)logits_.size(), history, q);
         const int32_t token = sampler_.draw(q);
         d.tokens.push_back(token);
+        if (!greedy && !q_logits.empty()) sampler_.distribution(q_logits.data(), (int64_t)q_logits.size(), history, q);
         if (!greedy) d.dists.push_back(q);
         history.push_back(token);
         if (i + 1 < n_max) {
@@ -147,7 +154,15 @@ DraftTree ModelDrafter::propose_tree(const std::vector<int32_t> & committed, int
         }
         history = committed;
         history.insert(history.end(), path.begin(), path.end());
-        const float * logits = node < 0 ? root_logits_.data() : logits_.data();
+        float * logits = logits_.data();
+        if (node < 0) {  // a copy: the root row stays unmasked for the next tree
+            row_ = root_logits_;
+            logits = row_.data();
+        }
+        std::vector<float> unused;  // children are drawn from the distribution they report: no q of another row
+        if (!mask_draft_within(constraint_, path, logits, (int64_t)logits_.size(), unused)) {
+            return;  // the grammar is complete after the path: a leaf
+        }
         (greedy ? ranker_ : sampler_).distribution(logits, (int64_t)logits_.size(), history, out);
     };
     BestFirstOptions opts;

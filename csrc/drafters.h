@@ -11,6 +11,8 @@
 
 namespace deltaspec {
 
+class TokenConstraint;
+
 // The distribution greedy draft trees rank a node's candidates by: the drafter's softmax at T = 1,
 // top 32, with the request's penalties, not the one-hot greedy distribution, which would leave
 // nothing to branch to. (Sampled trees draw from the request's own distribution instead.)
@@ -70,6 +72,12 @@ class NgramDrafter : public Drafter {
 class ModelDrafter : public Drafter {
   public:
     ModelDrafter(Engine & draft, const SamplingParams & sampling, double step_cost, int64_t max_catch_up = 16);
+    // Drafts within `constraint` (the request's grammar; nullptr: none): each draft row is masked
+    // with the rule's state after the tokens drafted before it (TokenConstraint::mask_draft_row),
+    // so greedy drafts are the draft's best allowed tokens and sampled ones are drawn, and their
+    // q reported, from the masked row; a row where the rule allows nothing ends the draft (a tree:
+    // makes its node a leaf). Without it, forbidden proposals are only cut before verification.
+    void constrain(TokenConstraint * constraint) { constraint_ = constraint; }
     void begin(const std::vector<int32_t> & prompt) override;
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
     // Best-first (draft_tree.h build_best_first) from the draft's distribution at each node. A
@@ -90,10 +98,12 @@ class ModelDrafter : public Drafter {
     int64_t catch_up(const std::vector<int32_t> & committed);  // returns the tokens evaluated
 
     Engine & draft_;
+    TokenConstraint * constraint_ = nullptr;
     Sampler sampler_;
     Sampler ranker_;  // greedy trees: the candidates' ranking distribution
     std::vector<float> logits_;
     std::vector<float> root_logits_;  // the draft's logits after the committed tokens (catch_up)
+    std::vector<float> row_;          // the root row, masked (propose_tree)
     double step_cost_;
     int64_t max_catch_up_;
     int64_t n_synced_ = 0;     // the draft's state holds committed[start .. n_synced_) for some start

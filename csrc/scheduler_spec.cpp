@@ -117,6 +117,7 @@ int64_t Scheduler::draft_all() {
             job.committed = &s.history;
             job.n_max = std::min(s.n_draft, room);  // a tree's depth too (a draft model's depth is not free)
             job.tree_budget = budget;
+            job.constraint = drafting_constraint(s.req.constraint);
             jobs.push_back(std::move(job));
             job_seq.push_back(&s);
             continue;

@@ -14,7 +14,20 @@ namespace deltaspec {
 
 GrammarBug grammar_bug() {
     return static_cast<GrammarBug>(planted_choice("DELTASPEC_TEST_GRAMMAR_BUG",
-                                                  {"verify_unmasked", "no_cut", "drop_rejected", "tree_row_unmasked"}));
+                                                  {"verify_unmasked", "no_cut", "drop_rejected", "tree_row_unmasked",
+                                                   "draft_unmasked", "draft_q_unmasked"}));
+}
+
+TokenConstraint * drafting_constraint(TokenConstraint * request_constraint) {
+    return env_on("DELTASPEC_DRAFT_IN_GRAMMAR") ? request_constraint : nullptr;
+}
+
+bool mask_draft_within(TokenConstraint * constraint, const std::vector<int32_t> & path, float * logits,
+                       int64_t n_vocab, std::vector<float> & q_logits) {
+    q_logits.clear();
+    if (constraint == nullptr) return true;
+    if (constraint->bug == GrammarBug::draft_q_unmasked) q_logits.assign(logits, logits + n_vocab);
+    return constraint->mask_draft_row(path, logits, n_vocab);
 }
 
 namespace {
@@ -23,7 +36,7 @@ bool allows(const uint32_t * mask, int32_t token) { return (mask[token / 32] >> 
 
 }  // namespace
 
-void TokenConstraint::apply(const uint32_t * mask, float * logits, int64_t n_vocab) {
+bool TokenConstraint::apply_bits(const uint32_t * mask, float * logits, int64_t n_vocab) {
     bool any = false;
     for (int64_t w = 0; w * 32 < n_vocab; ++w) {
         const uint32_t bits = mask[w];
@@ -34,9 +47,13 @@ void TokenConstraint::apply(const uint32_t * mask, float * logits, int64_t n_voc
             if (!((bits >> b) & 1u)) logits[w * 32 + b] = -INFINITY;
         }
     }
+    return any;
+}
+
+void TokenConstraint::apply(const uint32_t * mask, float * logits, int64_t n_vocab) {
     // the Python side raises with the grammar's own message first; this guards the samplers,
     // which need at least one finite logit
-    if (!any) throw std::runtime_error("the grammar allows no token at this point");
+    if (!apply_bits(mask, logits, n_vocab)) throw std::runtime_error("the grammar allows no token at this point");
     ++n_masked_rows;
 }
 
@@ -45,6 +62,21 @@ void TokenConstraint::mask_row(float * logits, int64_t n_vocab) {
     masks_.assign(n_words, 0u);
     fill_masks(masks_.data(), n_words, {});
     apply(masks_.data(), logits, n_vocab);
+}
+
+void TokenConstraint::fill_mask_after(uint32_t * mask, int64_t n_words, const std::vector<int32_t> & path) {
+    std::vector<uint32_t> rows((path.size() + 1) * (size_t)n_words, 0u);
+    fill_masks(rows.data(), n_words, path);
+    std::copy(rows.end() - n_words, rows.end(), mask);
+}
+
+bool TokenConstraint::mask_draft_row(const std::vector<int32_t> & path, float * logits, int64_t n_vocab) {
+    if (bug == GrammarBug::draft_unmasked) return true;
+    const int64_t n_words = (n_vocab + 31) / 32;
+    masks_.assign(n_words, 0u);
+    fill_mask_after(masks_.data(), n_words, path);
+    ++n_draft_rows;
+    return apply_bits(masks_.data(), logits, n_vocab);
 }
 
 void TokenConstraint::cut_draft(Draft & draft) {

@@ -28,9 +28,27 @@ struct DraftTree;
 // rule forbids; "drop_rejected" cuts a sampled draft before (not after) its first forbidden token,
 // which biases sampled output (see cut_draft; in a tree: removes a forbidden sampled child instead
 // of keeping it for rejection); "tree_row_unmasked" leaves one row of a draft tree's verify batch
-// (node 0's, the top-1 chain's first) unmasked. Any other value is an error.
-enum class GrammarBug { none, verify_unmasked, no_cut, drop_rejected, tree_row_unmasked };
+// (node 0's, the top-1 chain's first) unmasked; "draft_unmasked" leaves a draft model's rows
+// unmasked (it drafts as if unconstrained, its forbidden proposals cut as before); "draft_q_unmasked"
+// has a sampling draft model's chain draw from its masked row but report the unmasked row's
+// distribution as q, which biases sampled output (a tree's children are drawn from the very
+// distribution they report, so trees have no such mismatch to plant). Any other value is an error.
+enum class GrammarBug { none, verify_unmasked, no_cut, drop_rejected, tree_row_unmasked, draft_unmasked, draft_q_unmasked };
 GrammarBug grammar_bug();
+
+class TokenConstraint;
+
+// The constraint a draft model drafts within (ModelDrafter::constrain, DraftJob::constraint): the
+// request's, unless DELTASPEC_DRAFT_IN_GRAMMAR=0 (A/B runs, and the tests of cutting a draft
+// model's forbidden proposals), which leaves the draft model unconstrained and its drafts cut.
+TokenConstraint * drafting_constraint(TokenConstraint * request_constraint);
+
+// A draft model's logit row masked within `constraint` (nullptr: left as it is) after `path`, the
+// tokens drafted before it (TokenConstraint::mask_draft_row); false when the rule allows nothing
+// there. q_logits: emptied, or, under the planted bug draft_q_unmasked, the unmasked row, which
+// the drafter then reports its q from.
+bool mask_draft_within(TokenConstraint * constraint, const std::vector<int32_t> & path, float * logits,
+                       int64_t n_vocab, std::vector<float> & q_logits);
 
 class TokenConstraint {
   public:
@@ -55,8 +73,17 @@ class TokenConstraint {
     // device's argmax or top rows instead of crossing over whole to be masked. False when unsure.
     virtual bool allows_every_token(const std::vector<int32_t> & along) { (void)along; return false; }
 
+    // The tokens allowed after the committed ones and `path` (tokens the rule allows: what a draft
+    // model drafted so far), as one row of fill_masks. Commits nothing. The base class asks
+    // fill_masks for every row up to it; a subclass may follow the path incrementally instead.
+    virtual void fill_mask_after(uint32_t * mask, int64_t n_words, const std::vector<int32_t> & path);
+
     // Masks one row of logits with the tokens allowed after the committed ones.
     void mask_row(float * logits, int64_t n_vocab);
+    // Masks a draft model's logit row after the committed tokens and `path` (fill_mask_after), so
+    // that it drafts within the rule (ModelDrafter, BatchModelDrafter); false when the rule allows
+    // nothing there (the text is complete): the draft ends before that row.
+    bool mask_draft_row(const std::vector<int32_t> & path, float * logits, int64_t n_vocab);
     // Cuts a draft to what verification needs (see the .cpp), counting the tokens cut.
     void cut_draft(Draft & draft);
     // Masks the verify rows of [last committed, drafts...]: row i with the state after drafts[0 .. i).
@@ -77,10 +104,13 @@ class TokenConstraint {
     int64_t n_masked_rows = 0;  // logit rows masked
     int64_t n_cut_tokens = 0;   // draft tokens cut before verification
     int64_t n_forced_tokens = 0;  // forced tokens proposed as drafts (GrammarDrafter)
+    int64_t n_draft_rows = 0;     // draft-model logit rows masked (mask_draft_row)
     const GrammarBug bug;
 
   private:
     void apply(const uint32_t * mask, float * logits, int64_t n_vocab);
+    // sets the logits of the tokens `mask` forbids to -inf; whether it allows any
+    static bool apply_bits(const uint32_t * mask, float * logits, int64_t n_vocab);
     // per node of the tree: whether the rule allows its path after the committed tokens
     std::vector<uint8_t> allowed_nodes(const DraftTree & tree);
     std::vector<uint32_t> masks_;

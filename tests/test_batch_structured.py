@@ -36,13 +36,14 @@ from test_structured import SCHEMAS
 MAX_TOKENS = 400
 PROMPTS = ["Hello", "the cat sat", "{", "a b c"]
 NAMES = ["record", "lists", "text", "record"]
-GRAMMAR_STATS = ("grammar_masked_rows", "grammar_cut_tokens", "grammar_forced_tokens")
+GRAMMAR_STATS = ("grammar_masked_rows", "grammar_cut_tokens", "grammar_forced_tokens", "grammar_draft_rows")
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """The target with 3 slots, and an unrelated random model (3 slots) as draft model: its drafts
-    are mostly what the grammar forbids (cut) and sometimes what the target writes (accepted)."""
+    """The target with 3 slots, and an unrelated random model (3 slots) as draft model: drafting
+    unconstrained, its drafts are mostly what the grammar forbids (cut) and sometimes what the
+    target writes (accepted)."""
     path = write_tiny_vocab_model(tmp_path_factory.mktemp("batch_structured") / "random.gguf", seed=1)
     kw = dict(n_ctx=768, n_threads=1, n_seq_max=3, progress=False)
     with Model(tiny_vocab_model_path(), **kw) as target, Model(path, **kw) as draft:
@@ -55,7 +56,7 @@ def grammars():
 
 
 def _speculation(models, drafter: str, tree_budget: int) -> dict:
-    spec = dict(spec_type="ngram-simple") if drafter == "ngram" else dict(draft_model=models[1])
+    spec = dict(spec_type="ngram-simple") if drafter == "ngram" else dict(draft_model=models[1])  # draft-model*
     return dict(spec, draft_n_max=8, draft_n_min=1, tree_budget=tree_budget)  # n_min 1: no pauses
 
 
@@ -64,12 +65,16 @@ def _grammar_stats(r) -> tuple:
 
 
 @pytest.mark.parametrize("tree_budget", [0, 6], ids=["chains", "trees"])
-@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
-def test_constrained_batch_speculation_equals_alone(models, grammars, drafter, tree_budget):
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model", "draft-model-unconstrained"])
+def test_constrained_batch_speculation_equals_alone(models, grammars, drafter, tree_budget, monkeypatch):
     """4 prompts with 3 schemas on 3 slots, greedy and seeded sampling: each result validates and
     equals generate() alone with the same drafter and grammar (tokens, drafting, the grammar's
-    counts), greedy also plain constrained decoding; the batch drafted forced tokens, cut forbidden
-    drafts, accepted drafts, and verified drafts of 2+ sequences in one pass."""
+    counts), greedy also plain constrained decoding; the batch drafted forced tokens, accepted
+    drafts, and verified drafts of 2+ sequences in one pass. The draft model drafts within the
+    grammar (its rows masked, nothing cut) or, with DELTASPEC_DRAFT_IN_GRAMMAR=0
+    (draft-model-unconstrained), unconstrained, its forbidden drafts cut."""
+    if drafter == "draft-model-unconstrained":
+        monkeypatch.setenv("DELTASPEC_DRAFT_IN_GRAMMAR", "0")
     target, _ = models
     spec = _speculation(models, drafter, tree_budget)
     per_prompt = [dict(grammar=grammars[name], seed=k) for k, name in enumerate(NAMES)]
@@ -88,8 +93,11 @@ def test_constrained_batch_speculation_equals_alone(models, grammars, drafter, t
                 assert r.tokens == plain.tokens, f"prompt {k}: other tokens than plain decoding"
         assert sum(r.stats.grammar_forced_tokens for r in batch) > 0, "no forced tokens drafted"
         assert sum(r.stats.n_accepted for r in batch) > 0, "no draft accepted"
+        cut, draft_rows = (sum(getattr(r.stats, k) for r in batch) for k in ("grammar_cut_tokens", "grammar_draft_rows"))
         if drafter == "draft-model":
-            assert sum(r.stats.grammar_cut_tokens for r in batch) > 0, "no forbidden draft cut"
+            assert cut == 0 and draft_rows > 0, "the draft model did not draft within the grammar"
+        elif drafter == "draft-model-unconstrained":
+            assert cut > 0 and draft_rows == 0, "no forbidden draft cut"
 
 
 @pytest.fixture(scope="module")

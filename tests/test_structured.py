@@ -139,11 +139,13 @@ def test_greedy_speculative_equals_plain(models, grammars, drafter):
         assert accepted > 0
 
 
-def test_forbidden_drafts_are_cut(models, grammars):
-    """The random draft model proposes what the grammar mostly forbids: those tokens are cut before
-    verification (grammar_cut_tokens > 0), the output is unchanged. With
-    DELTASPEC_TEST_GRAMMAR_BUG=no_cut the count is 0 and more tokens are verified for the same
-    output: the assertion on the count is seen to fail there."""
+def test_forbidden_drafts_are_cut(models, grammars, monkeypatch):
+    """A draft model drafting unconstrained (DELTASPEC_DRAFT_IN_GRAMMAR=0; by default it drafts
+    within the grammar, test_draft_model_drafts_within_the_grammar) proposes, being random, what
+    the grammar mostly forbids: those tokens are cut before verification (grammar_cut_tokens > 0),
+    the output is unchanged. With DELTASPEC_TEST_GRAMMAR_BUG=no_cut the count is 0 and more tokens
+    are verified for the same output: the assertion on the count is seen to fail there."""
+    monkeypatch.setenv("DELTASPEC_DRAFT_IN_GRAMMAR", "0")
     target = models["target"]
     kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, grammar=grammars["record"], draft_model=models["random"],
               draft_n_max=8, draft_n_min=2)
@@ -235,38 +237,95 @@ def _second_token_marginal(model: Model, allowed: np.ndarray) -> np.ndarray:
     return out
 
 
-def _second_token_counts(models, grammar) -> tuple[np.ndarray, int]:
-    target, counts, cut = models["target"], np.zeros(models["target"].n_vocab), 0
+def _second_token_counts(models, grammar) -> tuple[np.ndarray, int, int, int]:
+    """Second-token counts over N_SEEDS sampled runs with the sharp draft model; the draft tokens
+    cut, the draft rows masked and the tokens drafted, summed."""
+    target, counts, cut, draft_rows, drafted = models["target"], np.zeros(models["target"].n_vocab), 0, 0, 0
     for seed in range(N_SEEDS):
         r = target.generate(DIST_PROMPT, max_tokens=4, seed=seed, grammar=grammar, draft_model=models["sharp"],
                             draft_n_min=1, draft_n_max=4, **DIST_PARAMS)
         cut += r.stats.grammar_cut_tokens
+        draft_rows += r.stats.grammar_draft_rows
+        drafted += r.stats.n_drafted
         if len(r.tokens) > 1:
             counts[r.tokens[1]] += 1
-    return counts, cut
+    return counts, cut, draft_rows, drafted
 
 
-def test_sampled_speculation_keeps_the_constrained_distribution(models):
-    """A sampled draft model (q: a sharper copy of the target) under a grammar that forbids about
-    half of what it proposes: the second token, whose draft is often forbidden, has the exact
-    marginal of plain constrained sampling (chi-square over 600 seeds). That needs the first
-    forbidden sampled draft kept for verification to reject (its row then draws from
-    norm(max(0, p - q))). Seen red with DELTASPEC_TEST_GRAMMAR_BUG=drop_rejected, which draws that
-    row from p instead (measured p-values: right 0.22, planted 5e-5), run here."""
+def test_sampled_speculation_keeps_the_constrained_distribution(models, monkeypatch):
+    """A sampled draft model (q: a sharper copy of the target) drafting unconstrained
+    (DELTASPEC_DRAFT_IN_GRAMMAR=0) under a grammar that forbids about half of what it proposes: the
+    second token, whose draft is often forbidden, has the exact marginal of plain constrained
+    sampling (chi-square over 600 seeds). That needs the first forbidden sampled draft kept for
+    verification to reject (its row then draws from norm(max(0, p - q))). Seen red with
+    DELTASPEC_TEST_GRAMMAR_BUG=drop_rejected, which draws that row from p instead (measured
+    p-values: right 0.22, planted 5e-5), run here."""
+    monkeypatch.setenv("DELTASPEC_DRAFT_IN_GRAMMAR", "0")
     grammar = Grammar.from_regex(r"[ -~]*")
     expected = _second_token_marginal(models["target"], _ascii_allowed(models["target"]))
-    counts, cut = _second_token_counts(models, grammar)
-    assert cut > 50  # forbidden drafts were frequent
+    counts, cut, draft_rows, _ = _second_token_counts(models, grammar)
+    assert cut > 50 and draft_rows == 0  # forbidden drafts were frequent; the drafter drew unconstrained
     p_right = chi_square_p(counts, expected)
     os.environ[BUG] = "drop_rejected"
     try:
-        planted, _ = _second_token_counts(models, grammar)
+        planted, *_ = _second_token_counts(models, grammar)
     finally:
         del os.environ[BUG]
     p_planted = chi_square_p(planted, expected)
     print(f"p right {p_right:.3g}, planted {p_planted:.3g}")
     assert p_right > 1e-3
     assert p_planted < 1e-3
+
+
+def test_sampled_drafts_within_the_grammar_keep_the_distribution(models):
+    """The same draft model drafting within the grammar (the default): it draws each draft from its
+    masked row, so no draft is cut, and q (what it reports for rejection sampling) is that masked
+    row's distribution. The second token keeps the exact marginal of plain constrained sampling
+    (chi-square over 600 seeds). Seen red with DELTASPEC_TEST_GRAMMAR_BUG=draft_q_unmasked, which
+    draws from the masked row but reports the unmasked row's q (about twice too little mass on
+    each allowed token here, so drafts are accepted too often), run here."""
+    grammar = Grammar.from_regex(r"[ -~]*")
+    expected = _second_token_marginal(models["target"], _ascii_allowed(models["target"]))
+    counts, cut, draft_rows, drafted = _second_token_counts(models, grammar)
+    assert cut == 0 and draft_rows >= drafted > N_SEEDS  # every draft drawn within the grammar
+    p_right = chi_square_p(counts, expected)
+    os.environ[BUG] = "draft_q_unmasked"
+    try:
+        planted, *_ = _second_token_counts(models, grammar)
+    finally:
+        del os.environ[BUG]
+    p_planted = chi_square_p(planted, expected)
+    print(f"p right {p_right:.3g}, planted {p_planted:.3g}")
+    assert p_right > 1e-3
+    assert p_planted < 1e-3
+
+
+def test_draft_model_drafts_within_the_grammar(models, grammars, monkeypatch):
+    """A draft model drafts within the grammar (each draft row masked with the grammar's state
+    after the drafts before it): greedy output stays plain constrained greedy's, no draft token is
+    cut, and a second load of the target (the self-draft) then proposes exactly what the masked
+    target picks, so every draft it makes is accepted; unconstrained (DELTASPEC_DRAFT_IN_GRAMMAR=0)
+    its unmasked argmax is mostly forbidden and cut. Seen red with
+    DELTASPEC_TEST_GRAMMAR_BUG=draft_unmasked (the draft rows left unmasked: tokens cut), run here."""
+    target = models["target"]
+    kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, grammar=grammars["lists"], draft_n_max=8)
+    plain = target.generate("Hello", max_tokens=MAX_TOKENS, temperature=0.0, grammar=grammars["lists"])
+    for drafter in ("self", "random"):
+        r = target.generate("Hello", draft_model=models[drafter], **kw)
+        st = r.stats
+        print(f"{drafter}: drafted {st.n_drafted}, accepted {st.n_accepted}, forced {st.grammar_forced_tokens}, "
+              f"draft rows {st.grammar_draft_rows}, cut {st.grammar_cut_tokens}, steps {st.n_steps}")
+        assert r.tokens == plain.tokens
+        assert st.grammar_cut_tokens == 0 and st.grammar_draft_rows > 0
+        if drafter == "self":
+            assert st.n_accepted == st.n_drafted > st.grammar_forced_tokens
+    monkeypatch.setenv("DELTASPEC_DRAFT_IN_GRAMMAR", "0")
+    free = target.generate("Hello", draft_model=models["self"], **kw)
+    assert free.tokens == plain.tokens and free.stats.grammar_cut_tokens > 0 and free.stats.grammar_draft_rows == 0
+    monkeypatch.delenv("DELTASPEC_DRAFT_IN_GRAMMAR")
+    monkeypatch.setenv(BUG, "draft_unmasked")
+    planted = target.generate("Hello", draft_model=models["self"], **kw)
+    assert planted.tokens == plain.tokens and planted.stats.grammar_cut_tokens > 0
 
 
 # --- the pieces on their own -----------------------------------------------------------------------

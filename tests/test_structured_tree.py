@@ -11,6 +11,9 @@ parts from plain decoding or a forbidden token reaches commit), "drop_rejected" 
 grammar forbids removed instead of kept for rejection: the chi-square test rejects). "verify_unmasked"
 (no tree row masked) fails the greedy test too (GrammarError); "no_cut" (nothing pruned) fails it by
 its cut count only: masked rows never accept a forbidden node, so the output stays plain decoding's.
+A draft model grows its trees within the grammar unless DELTASPEC_DRAFT_IN_GRAMMAR=0 (then the
+pruning above does the work); both ways are tested, and "draft_unmasked" (its rows left unmasked)
+turns the within-grammar path assertions red (nodes cut).
 """
 
 import os
@@ -86,22 +89,32 @@ def _greedy_pairs(models, grammars):
     return out
 
 
-def test_greedy_tree_speculation_equals_plain(models, grammars):
+@pytest.mark.parametrize("in_grammar", [True, False], ids=["within-grammar", "unconstrained"])
+def test_greedy_tree_speculation_equals_plain(models, grammars, in_grammar, monkeypatch):
     """Greedy constrained decoding with draft trees gives plain greedy constrained decoding's tokens
     for every schema and prompt; the trees branched (verify_tree ran batches with 2+ children),
-    the grammar cut nodes and masked the tree rows, and drafts were accepted."""
+    the grammar masked the tree rows, and drafts were accepted. The draft model grows its trees
+    within the grammar (each node's row masked after its path: nothing left to prune) or, with
+    DELTASPEC_DRAFT_IN_GRAMMAR=0, unconstrained (the grammar prunes nodes)."""
+    if not in_grammar:
+        monkeypatch.setenv("DELTASPEC_DRAFT_IN_GRAMMAR", "0")
     engine = models["target"]._live()
     before = dict(engine.tree_stats)
-    cut = accepted = nodes = 0
+    cut = accepted = nodes = draft_rows = 0
     for name, prompt, plain, tree in _greedy_pairs(models, grammars):
         assert tree.tokens == plain.tokens, (name, prompt, tree.text, plain.text)
         assert tree.finish_reason == plain.finish_reason == "stop"
         cut += tree.stats.grammar_cut_tokens
         accepted += tree.stats.n_accepted
         nodes += tree.stats.n_tree_nodes
+        draft_rows += tree.stats.grammar_draft_rows
     after = engine.tree_stats
+    print(f"cut {cut}, draft rows {draft_rows}, accepted {accepted}, nodes {nodes}")
     assert after["branched_calls"] > before["branched_calls"], "no tree branched"
-    assert cut > 0, "the grammar cut no draft node"
+    if in_grammar:
+        assert cut == 0 and draft_rows > 0, "the draft model did not draft within the grammar"
+    else:
+        assert cut > 0 and draft_rows == 0, "the grammar cut no draft node"
     assert accepted > 0 and nodes > 0
 
 
@@ -187,33 +200,46 @@ def _second_token_marginal(model, allowed):
 
 
 def _second_token_counts(models, grammar):
-    target, counts, cut, branched = models["target"], np.zeros(models["target"].n_vocab), 0, 0
+    target, counts, cut, draft_rows = models["target"], np.zeros(models["target"].n_vocab), 0, 0
     before = target._live().tree_stats["branched_calls"]
     for seed in range(N_SEEDS):
         r = target.generate(DIST_PROMPT, max_tokens=4, seed=seed, grammar=grammar, draft_model=models["sharp"],
                             draft_n_min=1, draft_n_max=3, tree_budget=6, **DIST_PARAMS)
         cut += r.stats.grammar_cut_tokens
+        draft_rows += r.stats.grammar_draft_rows
         if len(r.tokens) > 1:
             counts[r.tokens[1]] += 1
-    return counts, cut, target._live().tree_stats["branched_calls"] - before
+    return counts, cut, target._live().tree_stats["branched_calls"] - before, draft_rows
 
 
-def test_sampled_tree_speculation_keeps_the_constrained_distribution(models):
+@pytest.mark.parametrize("in_grammar", [True, False], ids=["within-grammar", "unconstrained"])
+def test_sampled_tree_speculation_keeps_the_constrained_distribution(models, in_grammar, monkeypatch):
     """Sampled draft trees (children drawn from a sharper copy of the target without replacement)
-    under a grammar that forbids about half of what they propose: the second token has the exact
-    marginal of plain constrained sampling (chi-square over 500 seeds), with branched trees and
-    nodes cut. Seen red with DELTASPEC_TEST_GRAMMAR_BUG=drop_rejected (forbidden sampled children
-    removed instead of rejected), run here."""
+    under a grammar that forbids about half of what the draft proposes unconstrained: the second
+    token has the exact marginal of plain constrained sampling (chi-square over 500 seeds), with
+    branched trees. Unconstrained (DELTASPEC_DRAFT_IN_GRAMMAR=0) nodes are cut, and the test is seen
+    red with DELTASPEC_TEST_GRAMMAR_BUG=drop_rejected (forbidden sampled children removed instead
+    of rejected), run here. Within the grammar the children are drawn from masked rows (nothing
+    cut) and reported with the distribution they were drawn from, which leaves no mismatch to
+    plant; its planted run (draft_unmasked: rows left unmasked) shows the path assertion failing
+    (nodes cut), and the chi-square's power is the unconstrained run's."""
+    if not in_grammar:
+        monkeypatch.setenv("DELTASPEC_DRAFT_IN_GRAMMAR", "0")
     grammar = Grammar.from_regex(r"[ -~]*")
     expected = _second_token_marginal(models["target"], _ascii_allowed(models["target"]))
-    counts, cut, branched = _second_token_counts(models, grammar)
-    assert cut > 50 and branched > 50
+    counts, cut, branched, draft_rows = _second_token_counts(models, grammar)
+    assert branched > 50
+    assert (cut == 0 and draft_rows > 50) if in_grammar else (cut > 50 and draft_rows == 0)
     p_right = chi_square_p(counts, expected)
-    os.environ[BUG] = "drop_rejected"
+    os.environ[BUG] = "draft_unmasked" if in_grammar else "drop_rejected"
     try:
-        planted, _, _ = _second_token_counts(models, grammar)
+        planted, planted_cut, *_ = _second_token_counts(models, grammar)
     finally:
         del os.environ[BUG]
+    if in_grammar:
+        print(f"p right {p_right:.3g}; planted draft_unmasked: {planted_cut} nodes cut")
+        assert p_right > 1e-3 and planted_cut > 50
+        return
     p_planted = chi_square_p(planted, expected)
     print(f"p right {p_right:.3g}, planted {p_planted:.3g}")
     assert p_right > 1e-3

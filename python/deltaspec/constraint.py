@@ -110,6 +110,10 @@ class GrammarConstraint(_core.TokenConstraint):
         self._matcher = llg.LLMatcher(ll_tokenizer(tokenizer), grammar.spec, log_level=0)
         self._tokenizer = tokenizer
         self._grammar = grammar
+        # a copy of the matcher following what a draft model drafts (fill_mask_after), and the
+        # tokens it has consumed; dropped at every commit
+        self._drafting = None
+        self._drafted: list[int] = []
         self._check()
 
     def _check(self) -> None:
@@ -125,7 +129,37 @@ class GrammarConstraint(_core.TokenConstraint):
                                                                       masks.ctypes.data, one, masks.shape[0])
         self._check()
 
+    def fill_mask_after(self, mask: np.ndarray, path: list[int]) -> None:
+        """One row of fill_masks: the tokens allowed after the committed ones and `path`, the tokens
+        a draft model drafted so far. A copy of the matcher follows the paths asked for, rolled back
+        to the longest prefix the new path shares with the last one, so that drafting a chain costs
+        one token's step per row and a tree's next branch a rollback. After a path that ends the
+        text (the matcher stopped), nothing is allowed."""
+        if self._drafting is None:
+            self._drafting, self._drafted = self._matcher.deep_copy(), []
+        m, done = self._drafting, self._drafted
+        common = 0
+        while common < min(len(done), len(path)) and done[common] == path[common]:
+            common += 1
+        if len(done) > common:
+            m.rollback(len(done) - common)
+            del done[common:]
+        for token in path[common:]:
+            if not m.consume_token(token):
+                self._drafting = None
+                text = self._tokenizer.token_to_piece(token, special=True)
+                raise GrammarError(f"drafted token {token} ({text!r}) is not allowed by the {self._grammar.source} "
+                                   f"there: {m.get_error()}")
+            done.append(token)
+        if m.is_stopped():
+            mask[:] = 0
+            return
+        m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if m.is_error():
+            raise GrammarError(f"{self._grammar.source}: {m.get_error()}")
+
     def commit(self, token: int) -> None:
+        self._drafting = None  # drafted paths start from the committed tokens
         if not self._matcher.consume_token(token):
             text = self._tokenizer.token_to_piece(token, special=True)
             raise GrammarError(f"token {token} ({text!r}) is not allowed by the {self._grammar.source} here: "

@@ -47,10 +47,11 @@ class GenerationStats:
     sampler_radix_sorts: int = 0
     sampler_comparison_sorts: int = 0
     # structured output only (a grammar): logit rows masked, draft tokens cut before verification,
-    # forced tokens drafted (speculation)
+    # forced tokens drafted, a draft model's rows masked (it drafts within the grammar) (speculation)
     grammar_masked_rows: int = 0
     grammar_cut_tokens: int = 0
     grammar_forced_tokens: int = 0
+    grammar_draft_rows: int = 0
     # prompt tokens the sequence already held (a resumed chat, load_state) and were not evaluated
     cached_tokens: int = 0
 
@@ -256,6 +257,7 @@ class Generator:
                 self._outcome["grammar_masked_rows"] = constraint.n_masked_rows
                 self._outcome["grammar_cut_tokens"] = constraint.n_cut_tokens
                 self._outcome["grammar_forced_tokens"] = constraint.n_forced_tokens
+                self._outcome["grammar_draft_rows"] = constraint.n_draft_rows
         except BaseException as e:  # handed to the caller's thread
             self._error = e
         finally:
@@ -405,7 +407,7 @@ def result_of(tokenizer, n_prompt: int, out: dict) -> tuple[GenerationResult, by
     spec = {k: out[k] for k in ("n_steps", "n_drafted", "n_accepted", "n_tree_nodes", "accepted_lengths",
                                 "draft_seconds", "verify_seconds", "rollback_seconds", "sampler_radix_sorts",
                                 "sampler_comparison_sorts", "grammar_masked_rows",
-                                "grammar_cut_tokens", "grammar_forced_tokens") if k in out}
+                                "grammar_cut_tokens", "grammar_forced_tokens", "grammar_draft_rows") if k in out}
     cached = n_prompt - out["n_prefilled"] if out.get("n_prefilled") else 0  # 0: a speculative run, no count
     stats = GenerationStats(prompt_tokens=n_prompt, generated_tokens=len(tokens),
                             prefill_seconds=out["prefill_seconds"], decode_seconds=out["decode_seconds"],

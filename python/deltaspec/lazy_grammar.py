@@ -48,6 +48,14 @@ class LazyGrammarConstraint(_core.TokenConstraint):
             self._started().fill_masks(masks[at:], list(drafts[at:]))
             masks[at] = np.uint32(0xFFFFFFFF)
 
+    def fill_mask_after(self, mask: np.ndarray, path: list[int]) -> None:
+        if self.active is not None:  # the grammar's own incremental row
+            self.active.fill_mask_after(mask, path)
+            return
+        rows = np.zeros((len(path) + 1, mask.shape[0]), dtype=np.uint32)
+        self.fill_masks(rows, list(path))
+        mask[:] = rows[-1]
+
     def commit(self, token: int) -> None:
         if self.active is None:
             if token != self.trigger:

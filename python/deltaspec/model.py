@@ -532,6 +532,7 @@ class Model:
             out["grammar_masked_rows"] = constraint.n_masked_rows
             out["grammar_cut_tokens"] = constraint.n_cut_tokens
             out["grammar_forced_tokens"] = constraint.n_forced_tokens
+            out["grammar_draft_rows"] = constraint.n_draft_rows
         return out
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], per_prompt: Sequence[dict] | None = None,

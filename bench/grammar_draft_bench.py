@@ -1,0 +1,150 @@
+"""A draft model under a grammar: drafting within it (each draft row masked with the grammar's state
+after the drafts before it, the default) against drafting unconstrained and having the forbidden
+proposals cut (DELTASPEC_DRAFT_IN_GRAMMAR=0), and against no speculation.
+
+    python bench/grammar_draft_bench.py [--target T.gguf --draft D.gguf] [--reps 3] [--draft-n-max 8]
+                                        [--tree-budget 0] [--threads 1] [--out FILE.json]
+
+Without --target / --draft: the tiny-vocabulary target (random weights, seed 0) and a draft that
+agrees with it in part (the same weights with one FFN scaled by 1.5, as tests/test_structured_tree.py
+uses), so that acceptance is neither nil nor total. Workload: 4 JSON schemas x 3 prompts, greedy and
+sampled (3 seeds), max 400 tokens, each output ended by its grammar. Per mode and sampler: tokens per
+target pass (generated tokens / verify passes; 1.0 without speculation), drafted / accepted / cut
+tokens and masked draft rows (sums over the workload), and decode tok/s; each repetition runs every
+mode in turn, and rows give the median (min-max) over repetitions. Greedy outputs are checked
+identical across modes (they must be: the grammar masks every verified row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from bench_cli import write_result
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "grammar_draft_bench.json"
+SCHEMAS = {
+    "record": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"}},
+        "required": ["id", "tag", "ok"], "additionalProperties": False},
+    "lists": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 4}},
+        "required": ["name", "scores"], "additionalProperties": False},
+    "nested": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "type": "object", "properties": {
+            "k": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+            "v": {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": -5, "maximum": 5}]}},
+        "required": ["k", "v"], "additionalProperties": False}},
+    "text": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 40}},
+             "required": ["text"], "additionalProperties": False},
+}
+PROMPTS = ["Hello", "the cat sat", "{"]
+SAMPLERS = {"greedy": [dict(temperature=0.0)],
+            "sampled": [dict(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05, seed=s) for s in range(3)]}
+MODES = ("within-grammar", "unconstrained", "no-speculation")
+COUNTS = ("generated", "passes", "drafted", "accepted", "cut", "draft_rows")
+
+
+def default_models(folder: Path) -> tuple[Path, Path]:
+    from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
+
+    target = write_tiny_vocab_model(folder / "target.gguf", seed=0)
+    draft = write_tiny_vocab_model(folder / "draft.gguf", seed=0,
+                                   weight_map=lambda name, x: x * 1.5 if name == "blk.1.ffn_down.weight" else x)
+    return target, draft
+
+
+def run_mode(target, draft, grammars, mode: str, sampler: str, spec: dict) -> tuple[dict, list]:
+    """The workload once in `mode`: summed counts, decode seconds, and the outputs' tokens."""
+    os.environ["DELTASPEC_DRAFT_IN_GRAMMAR"] = "0" if mode == "unconstrained" else "1"
+    sums = dict.fromkeys(COUNTS, 0)
+    seconds, outputs = 0.0, []
+    for name, grammar in grammars.items():
+        for prompt in PROMPTS:
+            for sampling in SAMPLERS[sampler]:
+                kw = dict(max_tokens=400, grammar=grammar, **sampling)
+                if mode != "no-speculation":
+                    kw.update(draft_model=draft, **spec)
+                r = target.generate(prompt, **kw)
+                st = r.stats
+                sums["generated"] += st.generated_tokens
+                sums["passes"] += st.n_steps if mode != "no-speculation" else st.generated_tokens
+                sums["drafted"] += st.n_drafted
+                sums["accepted"] += st.n_accepted
+                sums["cut"] += st.grammar_cut_tokens
+                sums["draft_rows"] += st.grammar_draft_rows
+                seconds += st.decode_seconds
+                outputs.append(r.tokens)
+    return {**sums, "decode_s": seconds}, outputs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--draft-n-max", type=int, default=8)
+    ap.add_argument("--tree-budget", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    if (args.target is None) != (args.draft is None) or args.reps < 1 or args.draft_n_max < 1 or args.tree_budget < 0:
+        ap.error("give --target and --draft together (or neither); --reps, --draft-n-max >= 1, --tree-budget >= 0")
+
+    from deltaspec import Grammar, Model
+
+    folder = tempfile.TemporaryDirectory()
+    target_path, draft_path = ((Path(args.target), Path(args.draft)) if args.target
+                               else default_models(Path(folder.name)))
+    kw = dict(n_ctx=768, n_threads=args.threads, progress=False)
+    grammars = {name: Grammar.from_json_schema(schema) for name, schema in SCHEMAS.items()}
+    spec = dict(draft_n_max=args.draft_n_max, draft_n_min=1, tree_budget=args.tree_budget)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    with Model(target_path, **kw) as target, Model(draft_path, **kw) as draft:
+        for rep in range(args.reps):
+            for sampler in SAMPLERS:
+                greedy_outputs = {}
+                for mode in MODES:
+                    print(f"repetition {rep + 1} of {args.reps}: {sampler}, {mode}", file=sys.stderr)
+                    counts, outputs = run_mode(target, draft, grammars, mode, sampler, spec)
+                    runs.setdefault((sampler, mode), []).append(counts)
+                    greedy_outputs[mode] = outputs
+                if sampler == "greedy" and len({str(o) for o in greedy_outputs.values()}) != 1:
+                    raise SystemExit("greedy outputs differ between modes: a bug (every verified row is masked)")
+    os.environ.pop("DELTASPEC_DRAFT_IN_GRAMMAR", None)
+
+    rows = []
+    for (sampler, mode), reps in runs.items():
+        per_pass = [r["generated"] / r["passes"] for r in reps]
+        tok_s = [r["generated"] / r["decode_s"] for r in reps]
+        rows.append({"sampler": sampler, "mode": mode, "tokens_per_pass": float(np.median(per_pass)),
+                     "tokens_per_pass_range": [min(per_pass), max(per_pass)], "tok_s": float(np.median(tok_s)),
+                     "tok_s_range": [min(tok_s), max(tok_s)], **{k: reps[-1][k] for k in COUNTS}})
+    print(f"\nDraft model under a grammar: target {target_path.name}, draft {draft_path.name}, "
+          f"draft_n_max {args.draft_n_max}, tree budget {args.tree_budget}, {args.reps} repetitions, "
+          f"{args.threads} thread(s); counts are one repetition's (the same in each: greedy and seeded)\n")
+    print("| sampler | mode | tokens per target pass | decode tok/s | drafted | accepted | cut | masked draft rows |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        lo, hi = r["tokens_per_pass_range"]
+        tlo, thi = r["tok_s_range"]
+        print(f"| {r['sampler']} | {r['mode']} | {r['tokens_per_pass']:.2f} ({lo:.2f}-{hi:.2f}) | "
+              f"{r['tok_s']:.1f} ({tlo:.1f}-{thi:.1f}) | {r['drafted']} | {r['accepted']} | {r['cut']} | "
+              f"{r['draft_rows']} |")
+    meta = {"target": str(target_path), "draft": str(draft_path), "reps": args.reps, "draft_n_max": args.draft_n_max,
+            "tree_budget": args.tree_budget, "threads": args.threads, "machine": platform.node()}
+    write_result(args.out, {"meta": meta, "rows": rows})
+    folder.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
