@@ -28,24 +28,6 @@ import numpy as np
 from bench_cli import write_result
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "grammar_draft_bench.json"
-SCHEMAS = {
-    "record": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tag": {"enum": ["red", "green", "blue"]},
-        "ok": {"type": "boolean"}},
-        "required": ["id", "tag", "ok"], "additionalProperties": False},
-    "lists": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 4}},
-        "required": ["name", "scores"], "additionalProperties": False},
-    "nested": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-        "type": "object", "properties": {
-            "k": {"type": "string", "pattern": "^[a-z]{1,4}$"},
-            "v": {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": -5, "maximum": 5}]}},
-        "required": ["k", "v"], "additionalProperties": False}},
-    "text": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 40}},
-             "required": ["text"], "additionalProperties": False},
-}
 PROMPTS = ["Hello", "the cat sat", "{"]
 SAMPLERS = {"greedy": [dict(temperature=0.0)],
             "sampled": [dict(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05, seed=s) for s in range(3)]}
@@ -100,12 +82,13 @@ def main(argv=None) -> int:
         ap.error("give --target and --draft together (or neither); --reps, --draft-n-max >= 1, --tree-budget >= 0")
 
     from deltaspec import Grammar, Model
+    from deltaspec.testing.json_schemas import BOUNDED_SCHEMAS
 
     folder = tempfile.TemporaryDirectory()
     target_path, draft_path = ((Path(args.target), Path(args.draft)) if args.target
                                else default_models(Path(folder.name)))
     kw = dict(n_ctx=768, n_threads=args.threads, progress=False)
-    grammars = {name: Grammar.from_json_schema(schema) for name, schema in SCHEMAS.items()}
+    grammars = {name: Grammar.from_json_schema(schema) for name, schema in BOUNDED_SCHEMAS.items()}
     spec = dict(draft_n_max=args.draft_n_max, draft_n_min=1, tree_budget=args.tree_budget)
     runs: dict[tuple[str, str], list[dict]] = {}
     with Model(target_path, **kw) as target, Model(draft_path, **kw) as draft:

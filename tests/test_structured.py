@@ -25,32 +25,14 @@ import pytest
 from deltaspec import Grammar, Model
 from deltaspec.constraint import GrammarConstraint
 from deltaspec.errors import GrammarError
+from deltaspec.testing.json_schemas import BOUNDED_SCHEMAS
 from deltaspec.testing.tiny_vocab import tiny_vocab_model_path, write_tiny_vocab_model
 from sampling_reference import chi_square_p, expected_probs
 
 BUG = "DELTASPEC_TEST_GRAMMAR_BUG"
 MAX_TOKENS = 400  # the tiny vocabulary spells JSON a byte a token; every schema below ends well within it
 
-# Bounded schemas (a random model must be able to finish them): numbers in ranges, bounded strings
-# and arrays, enums, nesting, a union.
-SCHEMAS = {
-    "record": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tag": {"enum": ["red", "green", "blue"]},
-        "ok": {"type": "boolean"}},
-        "required": ["id", "tag", "ok"], "additionalProperties": False},
-    "lists": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 4}},
-        "required": ["name", "scores"], "additionalProperties": False},
-    "nested": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-        "type": "object", "properties": {
-            "k": {"type": "string", "pattern": "^[a-z]{1,4}$"},
-            "v": {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": -5, "maximum": 5}]}},
-        "required": ["k", "v"], "additionalProperties": False}},
-    "text": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 40}},
-             "required": ["text"], "additionalProperties": False},
-}
+SCHEMAS = BOUNDED_SCHEMAS
 PROMPTS = ["Hello", "the cat sat", "{"]
 SEEDS = (0, 1, 2)
 SAMPLED = dict(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05)
@@ -252,44 +234,31 @@ def _second_token_counts(models, grammar) -> tuple[np.ndarray, int, int, int]:
     return counts, cut, draft_rows, drafted
 
 
-def test_sampled_speculation_keeps_the_constrained_distribution(models, monkeypatch):
-    """A sampled draft model (q: a sharper copy of the target) drafting unconstrained
-    (DELTASPEC_DRAFT_IN_GRAMMAR=0) under a grammar that forbids about half of what it proposes: the
-    second token, whose draft is often forbidden, has the exact marginal of plain constrained
-    sampling (chi-square over 600 seeds). That needs the first forbidden sampled draft kept for
-    verification to reject (its row then draws from norm(max(0, p - q))). Seen red with
-    DELTASPEC_TEST_GRAMMAR_BUG=drop_rejected, which draws that row from p instead (measured
-    p-values: right 0.22, planted 5e-5), run here."""
-    monkeypatch.setenv("DELTASPEC_DRAFT_IN_GRAMMAR", "0")
-    grammar = Grammar.from_regex(r"[ -~]*")
-    expected = _second_token_marginal(models["target"], _ascii_allowed(models["target"]))
-    counts, cut, draft_rows, _ = _second_token_counts(models, grammar)
-    assert cut > 50 and draft_rows == 0  # forbidden drafts were frequent; the drafter drew unconstrained
-    p_right = chi_square_p(counts, expected)
-    os.environ[BUG] = "drop_rejected"
-    try:
-        planted, *_ = _second_token_counts(models, grammar)
-    finally:
-        del os.environ[BUG]
-    p_planted = chi_square_p(planted, expected)
-    print(f"p right {p_right:.3g}, planted {p_planted:.3g}")
-    assert p_right > 1e-3
-    assert p_planted < 1e-3
-
-
-def test_sampled_drafts_within_the_grammar_keep_the_distribution(models):
-    """The same draft model drafting within the grammar (the default): it draws each draft from its
-    masked row, so no draft is cut, and q (what it reports for rejection sampling) is that masked
-    row's distribution. The second token keeps the exact marginal of plain constrained sampling
-    (chi-square over 600 seeds). Seen red with DELTASPEC_TEST_GRAMMAR_BUG=draft_q_unmasked, which
-    draws from the masked row but reports the unmasked row's q (about twice too little mass on
-    each allowed token here, so drafts are accepted too often), run here."""
+@pytest.mark.parametrize("in_grammar", [False, True], ids=["unconstrained", "within-grammar"])
+def test_sampled_speculation_keeps_the_constrained_distribution(models, monkeypatch, in_grammar):
+    """A sampled draft model (q: a sharper copy of the target) under a grammar that forbids about
+    half of what it proposes unconstrained: the second token has the exact marginal of plain
+    constrained sampling (chi-square over 600 seeds), the drafter either way:
+    * unconstrained (DELTASPEC_DRAFT_IN_GRAMMAR=0): its second draft is often forbidden, and the
+      first forbidden sampled draft must be kept for verification to reject (its row then draws
+      from norm(max(0, p - q))). Seen red with DELTASPEC_TEST_GRAMMAR_BUG=drop_rejected, which
+      draws that row from p instead (measured p-values: right 0.22, planted 5e-5), run here.
+    * within the grammar (the default): each draft drawn from the draft's masked row, nothing
+      cut, and q (what rejection sampling is told) that masked row's distribution. Seen red with
+      draft_q_unmasked, which draws from the masked row but reports the unmasked row's q (about
+      half the mass on each allowed token here, so drafts are accepted too often; measured: right
+      0.9, planted 8e-23), run here."""
+    if not in_grammar:
+        monkeypatch.setenv("DELTASPEC_DRAFT_IN_GRAMMAR", "0")
     grammar = Grammar.from_regex(r"[ -~]*")
     expected = _second_token_marginal(models["target"], _ascii_allowed(models["target"]))
     counts, cut, draft_rows, drafted = _second_token_counts(models, grammar)
-    assert cut == 0 and draft_rows >= drafted > N_SEEDS  # every draft drawn within the grammar
+    if in_grammar:
+        assert cut == 0 and draft_rows >= drafted > N_SEEDS  # every draft drawn within the grammar
+    else:
+        assert cut > 50 and draft_rows == 0  # forbidden drafts were frequent; the drafter drew unconstrained
     p_right = chi_square_p(counts, expected)
-    os.environ[BUG] = "draft_q_unmasked"
+    os.environ[BUG] = "draft_q_unmasked" if in_grammar else "drop_rejected"
     try:
         planted, *_ = _second_token_counts(models, grammar)
     finally:

@@ -25,19 +25,12 @@ from deltaspec import Grammar, Model
 from deltaspec.constraint import GrammarConstraint
 from deltaspec.errors import GrammarError
 from deltaspec.gguf_file import read_gguf
-from deltaspec.testing.tiny_vocab import tiny_vocab_model_path, write_tiny_vocab_model
+from deltaspec.testing.json_schemas import BOUNDED_SCHEMAS
+from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
 from sampling_reference import chi_square_p, expected_probs
 
 BUG = "DELTASPEC_TEST_GRAMMAR_BUG"
-SCHEMAS = {
-    "record": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tag": {"enum": ["red", "green", "blue"]},
-        "ok": {"type": "boolean"}},
-        "required": ["id", "tag", "ok"], "additionalProperties": False},
-    "text": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 40}},
-             "required": ["text"], "additionalProperties": False},
-}
+SCHEMAS = {name: BOUNDED_SCHEMAS[name] for name in ("record", "text")}
 PROMPTS = ["Hello", "the cat sat", "{"]
 MAX_TOKENS = 200
 
