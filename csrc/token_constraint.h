@@ -9,6 +9,8 @@
 //     row (mask_verify_rows), so that accepting and the correction / bonus token see exactly what
 //     plain constrained decoding would see at that position. A draft tree is pruned the same way
 //     (prune_tree) and each of its rows masked with the state after its node's path (mask_tree_rows).
+//   - a draft model drafts within the rule: each of its rows masked with the state after the tokens
+//     it drafted before (mask_draft_row), so that what it proposes is allowed (drafters.h).
 //
 // The rule itself is implemented in Python (deltaspec.constraint, around llguidance's matcher)
 // through the pybind11 trampoline of constraint_bindings.cpp; C++ only asks it for bitmasks.
