@@ -133,7 +133,7 @@ void BatchModelDrafter::propose(std::vector<DraftJob> & all) {
                 continue;
             }
             const bool greedy = j.state->sampler.params().greedy();
-            if (!mask_draft_within(j.constraint, j.draft.tokens, logits[k].data(), n_vocab, q_logits)) continue;
+            if (!mask_draft_within(j.constraint, j.draft.tokens, logits[k].data(), n_vocab, &q_logits)) continue;
             j.state->sampler.distribution(logits[k].data(), n_vocab, history[k], q);
             const int32_t token = j.state->sampler.draw(q);
             j.draft.tokens.push_back(token);
@@ -164,7 +164,7 @@ int64_t BatchModelDrafter::grow_tree(DraftJob & job, const std::vector<float> & 
     const bool greedy = st.sampler.params().greedy();
     int64_t n_forward = 0;
     std::vector<int32_t> history;
-    std::vector<float> logits, unused;
+    std::vector<float> logits;
     auto dist = [&](const DraftTree & t, int32_t node, Distribution & out) {
         const std::vector<int32_t> path = t.path_tokens(node);
         if (node >= 0) {
@@ -175,10 +175,13 @@ int64_t BatchModelDrafter::grow_tree(DraftJob & job, const std::vector<float> & 
         }
         history = *job.committed;
         history.insert(history.end(), path.begin(), path.end());
-        if (node < 0) logits = root;  // a copy: the root row stays unmasked
-        // (children are drawn from the distribution they report: no q of another row)
-        if (!mask_draft_within(job.constraint, path, logits.data(), n_vocab, unused)) return;  // complete: a leaf
-        (greedy ? st.ranker : st.sampler).distribution(logits.data(), n_vocab, history, out);
+        const float * row = node < 0 ? root.data() : logits.data();
+        if (job.constraint != nullptr) {  // masked in place; the root row (the caller's) in a copy
+            if (node < 0) logits = root;
+            if (!mask_draft_within(job.constraint, path, logits.data(), n_vocab)) return;  // complete: a leaf
+            row = logits.data();
+        }
+        (greedy ? st.ranker : st.sampler).distribution(row, n_vocab, history, out);
     };
     BestFirstOptions opts;
     opts.budget = job.tree_budget;

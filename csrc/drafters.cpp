@@ -108,7 +108,7 @@ Draft ModelDrafter::propose(const std::vector<int32_t> & committed, int64_t n_ma
     Distribution q;
     std::vector<float> q_logits;  // a planted bug's unmasked row (mask_draft_within)
     for (int64_t i = 0; i < n_max && draft_.n_past() < draft_.n_ctx(); ++i) {
-        if (!mask_draft_within(constraint_, d.tokens, logits_.data(), (int64_t)logits_.size(), q_logits)) {
+        if (!mask_draft_within(constraint_, d.tokens, logits_.data(), (int64_t)logits_.size(), &q_logits)) {
             break;  // the grammar is complete here
         }
         sampler_.distribution(logits_.data(), (int64_t)logits_.size(), history, q);
@@ -154,14 +154,12 @@ DraftTree ModelDrafter::propose_tree(const std::vector<int32_t> & committed, int
         }
         history = committed;
         history.insert(history.end(), path.begin(), path.end());
-        float * logits = logits_.data();
-        if (node < 0) {  // a copy: the root row stays unmasked for the next tree
-            row_ = root_logits_;
-            logits = row_.data();
-        }
-        std::vector<float> unused;  // children are drawn from the distribution they report: no q of another row
-        if (!mask_draft_within(constraint_, path, logits, (int64_t)logits_.size(), unused)) {
-            return;  // the grammar is complete after the path: a leaf
+        const float * logits = node < 0 ? root_logits_.data() : logits_.data();
+        if (constraint_ != nullptr) {  // masked in place; the root row in a copy, unmasked for the next tree
+            if (node < 0) row_ = root_logits_;
+            float * row = node < 0 ? row_.data() : logits_.data();
+            if (!mask_draft_within(constraint_, path, row, (int64_t)logits_.size())) return;  // complete: a leaf
+            logits = row;
         }
         (greedy ? ranker_ : sampler_).distribution(logits, (int64_t)logits_.size(), history, out);
     };

@@ -23,10 +23,10 @@ TokenConstraint * drafting_constraint(TokenConstraint * request_constraint) {
 }
 
 bool mask_draft_within(TokenConstraint * constraint, const std::vector<int32_t> & path, float * logits,
-                       int64_t n_vocab, std::vector<float> & q_logits) {
-    q_logits.clear();
+                       int64_t n_vocab, std::vector<float> * q_logits) {
+    if (q_logits != nullptr) q_logits->clear();
     if (constraint == nullptr) return true;
-    if (constraint->bug == GrammarBug::draft_q_unmasked) q_logits.assign(logits, logits + n_vocab);
+    if (q_logits != nullptr && constraint->bug == GrammarBug::draft_q_unmasked) q_logits->assign(logits, logits + n_vocab);
     return constraint->mask_draft_row(path, logits, n_vocab);
 }
 

@@ -47,10 +47,11 @@ TokenConstraint * drafting_constraint(TokenConstraint * request_constraint);
 
 // A draft model's logit row masked within `constraint` (nullptr: left as it is) after `path`, the
 // tokens drafted before it (TokenConstraint::mask_draft_row); false when the rule allows nothing
-// there. q_logits: emptied, or, under the planted bug draft_q_unmasked, the unmasked row, which
-// the drafter then reports its q from.
+// there. q_logits (a chain's drafter; nullptr for trees, whose children are drawn from the very
+// distribution they report): emptied, or, under the planted bug draft_q_unmasked, the unmasked
+// row, which the drafter then reports its q from.
 bool mask_draft_within(TokenConstraint * constraint, const std::vector<int32_t> & path, float * logits,
-                       int64_t n_vocab, std::vector<float> & q_logits);
+                       int64_t n_vocab, std::vector<float> * q_logits = nullptr);
 
 class TokenConstraint {
   public:

@@ -186,24 +186,28 @@ bool fused_add(const ggml_tensor * t) {
     return g_deltaspec_kernels && t->op == GGML_OP_ADD && std::strcmp(t->name, kFusedAddName) == 0;
 }
 
-// The marked ADD a product's result goes to, or nullptr.
-ggml_tensor * add_of(const ggml_tensor * product) {
-    if (!g_deltaspec_kernels || product->op != GGML_OP_MUL_MAT || std::strcmp(product->name, kAddIntoName) != 0) {
+// Marks a product with `name` and the tensor it hands its work on to, kept at `offset` of its op_params.
+void mark_product(ggml_tensor * product, const char * name, size_t offset, const ggml_tensor * to) {
+    ggml_set_name(product, name);
+    std::memcpy((char *)product->op_params + offset, &to, sizeof(to));
+}
+
+// The tensor a product marked `name` keeps at `offset` (mark_product), or nullptr.
+ggml_tensor * marked_tensor(const ggml_tensor * product, const char * name, size_t offset) {
+    if (!g_deltaspec_kernels || product->op != GGML_OP_MUL_MAT || std::strcmp(product->name, name) != 0) {
         return nullptr;
     }
-    ggml_tensor * add = nullptr;
-    std::memcpy(&add, (const char *)product->op_params + kAddPointerOffset, sizeof(add));
-    return add;
+    ggml_tensor * to = nullptr;
+    std::memcpy(&to, (const char *)product->op_params + offset, sizeof(to));
+    return to;
 }
+
+// The marked ADD a product's result goes to, or nullptr.
+ggml_tensor * add_of(const ggml_tensor * product) { return marked_tensor(product, kAddIntoName, kAddPointerOffset); }
 
 // The second product of the pair `product` begins, or nullptr.
 ggml_tensor * pair_second_of(const ggml_tensor * product) {
-    if (!g_deltaspec_kernels || product->op != GGML_OP_MUL_MAT || std::strcmp(product->name, kPairFirstName) != 0) {
-        return nullptr;
-    }
-    ggml_tensor * second = nullptr;
-    std::memcpy(&second, (const char *)product->op_params + kPairPointerOffset, sizeof(second));
-    return second;
+    return marked_tensor(product, kPairFirstName, kPairPointerOffset);
 }
 
 void set_pair_done(ggml_tensor * second, int32_t done) {
@@ -321,6 +325,14 @@ bool fixed_sum_order(const ggml_backend_cuda_context & ctx) {
     return deltaspec_cuda_invariant(ctx) && !planted_row_tiles();
 }
 
+// The row tiles and k-split the tensor-core kernels take on ctx (0: their own choice): one tile and
+// no split on a batch-invariant context (fixed_sum_order), else the forced ones, if any.
+void mma_tiling(const ggml_backend_cuda_context & ctx, int & row_tiles, int & k_split) {
+    const bool fixed = fixed_sum_order(ctx);
+    row_tiles = fixed ? 1 : g_mma_row_tiles;
+    k_split = fixed ? 1 : g_mma_k_split;
+}
+
 // x: src1's values (columns ldx floats apart), or the input of a folded norm or SwiGLU, which
 // `norm` or `glu` then describe (a SwiGLU only for the tensor-core kernels); dst: where y goes,
 // plus `residual` (tensor-core kernels only)
@@ -343,8 +355,8 @@ void run(Kernel k, ggml_backend_cuda_context & ctx, const ggml_tensor * src0, co
         case Kernel::q4k_mma:
         case Kernel::q6k_mma: {
             const int64_t n = src1->ne[1], ldy = dst->nb[1] / sizeof(float);
-            const bool fixed = fixed_sum_order(ctx);
-            const int row_tiles = fixed ? 1 : g_mma_row_tiles, k_split = fixed ? 1 : g_mma_k_split;
+            int row_tiles, k_split;
+            mma_tiling(ctx, row_tiles, k_split);
             ggml_cuda_pool_alloc<char> scratch(ctx.pool(), deltaspec_cuda::mma_x_bytes(n_k, (int)std::min(n, kLaunchColumns)));
             const auto launch = k == Kernel::q4k_mma ? deltaspec_cuda::launch_q4k_mma : deltaspec_cuda::launch_q6k_mma;
             // each column's sums are its own whatever the launch's width: pieces change no value
@@ -389,8 +401,8 @@ void run_pair(Kernel k, Kernel k2, ggml_backend_cuda_context & ctx, const ggml_t
               deltaspec_cuda::XNorm norm, deltaspec_cuda::XGlu glu) {
     const int n = (int)dst->ne[1];
     const int64_t n_k = src0->ne[0];
-    const bool fixed = fixed_sum_order(ctx);
-    const int row_tiles = fixed ? 1 : g_mma_row_tiles, k_split = fixed ? 1 : g_mma_k_split;
+    int row_tiles, k_split;
+    mma_tiling(ctx, row_tiles, k_split);
     const size_t bytes = deltaspec_cuda::mma_x_bytes(n_k, n);  // a multiple of 16
     ggml_cuda_pool_alloc<char> scratch(ctx.pool(), k == k2 ? bytes : 2 * bytes);
     char * other = k == k2 ? nullptr : scratch.get() + bytes;
@@ -462,8 +474,7 @@ bool fuse_add(ggml_tensor * add, const ggml_tensor * const * weights, int n_weig
         return false;
     }
     ggml_set_name(add, kFusedAddName);
-    ggml_set_name(product, kAddIntoName);
-    std::memcpy((char *)product->op_params + kAddPointerOffset, &add, sizeof(add));
+    mark_product(product, kAddIntoName, kAddPointerOffset, add);
     return true;
 }
 
@@ -588,9 +599,8 @@ extern "C" __attribute__((visibility("default"))) bool deltaspec_cuda_pair_produ
         // a marked product (a fused ADD's, another pair's) keeps its mark
         if (!serves_columns(p->src[0]) || std::strncmp(p->name, "deltaspec.", 10) == 0) return false;
     }
-    ggml_set_name(first, kPairFirstName);
+    mark_product(first, kPairFirstName, kPairPointerOffset, second);
     ggml_set_name(second, kPairSecondName);
-    std::memcpy((char *)first->op_params + kPairPointerOffset, &second, sizeof(second));
     set_pair_done(second, 0);
     return true;
 }
