@@ -184,11 +184,14 @@ py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::ve
             if (&dm->target() != r.engine.get()) throw std::invalid_argument("the DFlash drafter belongs to another target");
             SamplingParams ds = sampling;
             ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the tree's draws must not mirror the target's
-            drafter = std::make_unique<DFlashDrafter>(*dm, *r.engine, dflash_pass_cost(*dm, *r.engine), ds);
+            auto block = std::make_unique<DFlashDrafter>(*dm, *r.engine, dflash_pass_cost(*dm, *r.engine), ds);
+            block->constrain(drafting_constraint(req.constraint));
+            drafter = std::move(block);
         } else if (mtp) {
             SamplingParams ds = sampling;
             ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
             auto head = std::make_unique<MtpDrafter>(*r.engine, ds);
+            head->constrain(drafting_constraint(req.constraint));
             mtp_drafter = head.get();
             drafter = std::move(head);
         } else if (draft) {

@@ -1,5 +1,7 @@
 #include "dflash_drafter.h"
 
+#include "token_constraint.h"
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -67,15 +69,16 @@ bool DFlashDrafter::plan(const std::vector<int32_t> & committed, int64_t budget,
     job = DFlashModel::BlockJob{};
     job.slot = model_.current_slot();
     job.anchor = committed.back();
-    if (budget <= 0) {
+    planned_k_ = 0;
+    if (budget <= 0 && constraint_ == nullptr) {
         job.top1 = top1_.data();
         return true;
     }
     // a tree: every slot's top-K tokens, K = min(budget, n_vocab), the most ranks a budget-node tree
-    // can use at one depth
+    // can use at one depth; a constrained chain: enough candidates that one is mostly allowed
     const int64_t n_slots = model_.hparams().block_size - 1;
-    const bool sampled = !sampler_.params().greedy();
-    job.top_k = std::min<int64_t>(budget, model_.n_vocab());
+    const bool sampled = !sampler_.params().greedy() && budget > 0;
+    job.top_k = std::min<int64_t>(budget > 0 ? budget : kConstrainedChainCandidates, model_.n_vocab());
     job.temperature = sampled ? sampler_.params().temperature : 1.0f;
     top_ids_.resize(n_slots * job.top_k);
     top_probs_.resize(n_slots * job.top_k);
@@ -85,36 +88,80 @@ bool DFlashDrafter::plan(const std::vector<int32_t> & committed, int64_t budget,
     return true;
 }
 
+Distribution DFlashDrafter::slot_candidates(int64_t slot) const {
+    Distribution m;
+    m.ids.assign(top_ids_.begin() + slot * planned_k_, top_ids_.begin() + (slot + 1) * planned_k_);
+    m.probs.assign(top_probs_.begin() + slot * planned_k_, top_probs_.begin() + (slot + 1) * planned_k_);
+    return m;
+}
+
 Draft DFlashDrafter::chain(int64_t n_max) {
     n_passes_++;
     Draft d;
-    const int64_t n = std::min<int64_t>(n_max, (int64_t)top1_.size());
-    d.tokens.assign(top1_.begin(), top1_.begin() + n);
     d.cost = pass_cost_;
+    const int64_t n = std::min<int64_t>(n_max, (int64_t)top1_.size());
+    if (planned_k_ == 0) {
+        d.tokens.assign(top1_.begin(), top1_.begin() + n);
+        return d;
+    }
+    for (int64_t slot = 0; slot < n; ++slot) {  // constrained: the best allowed candidate of each slot
+        Distribution c = slot_candidates(slot);
+        if (!filter_draft_within(constraint_, d.tokens, c, model_.n_vocab())) break;
+        d.tokens.push_back(c.ids[0]);
+    }
     return d;
 }
 
+namespace {
+
+void renormalize(Distribution & m) {
+    double sum = 0.0;
+    for (float p : m.probs) sum += p;
+    if (sum > 0.0) {
+        for (float & p : m.probs) p = (float)(p / sum);
+    }
+}
+
+}  // namespace
+
 DraftTree DFlashDrafter::tree(int64_t budget, int64_t max_depth) {
     n_passes_++;
-    const int64_t depth = std::min(max_depth, model_.hparams().block_size - 1), k = planned_k_;
+    const int64_t depth = std::min(max_depth, model_.hparams().block_size - 1);
     const bool sampled = !sampler_.params().greedy();
     std::vector<Distribution> marginals(depth);
     for (int64_t d = 0; d < depth; ++d) {
-        Distribution & m = marginals[d];
-        m.ids.assign(top_ids_.begin() + d * k, top_ids_.begin() + (d + 1) * k);
-        m.probs.assign(top_probs_.begin() + d * k, top_probs_.begin() + (d + 1) * k);
-        if (sampled) {  // q must sum to 1: the draws come from these K tokens only
-            double sum = 0.0;
-            for (float p : m.probs) sum += p;
-            for (float & p : m.probs) p = (float)(p / sum);
-        }
+        marginals[d] = slot_candidates(d);
+        if (sampled) renormalize(marginals[d]);  // q must sum to 1: the draws come from these K tokens only
     }
     BestFirstOptions o;
     o.budget = budget;
     o.max_depth = depth;
     o.seed_chain = false;
     if (sampled) o.uniform = [this] { return sampler_.uniform(); };
-    DraftTree t = build_from_marginals(marginals, o);
+    DraftTree t;
+    if (constraint_ == nullptr) {
+        t = build_from_marginals(marginals, o);
+    } else {
+        // each node's own candidates: its depth's, cut to what the rule allows after its path
+        const int64_t n_vocab = model_.n_vocab();
+        t = build_best_first(
+            [&](const DraftTree & tree, int32_t node, Distribution & out) {
+                out = marginals[node < 0 ? 0 : tree.depth[node]];
+                if (filter_draft_within(constraint_, tree.path_tokens(node), out, n_vocab)) {
+                    renormalize(out);
+                } else {
+                    out = Distribution{};  // nothing allowed among the candidates: a leaf
+                }
+            },
+            o);
+        if (constraint_->bug == GrammarBug::draft_q_unmasked && sampled) {
+            // planted: the children were drawn from the allowed candidates, q reported uncut
+            if (t.root_child_q >= 0) t.dists[t.root_child_q] = marginals[0];
+            for (int32_t n = 0; n < (int32_t)t.size(); ++n) {
+                if (t.child_q[n] >= 0) t.dists[t.child_q[n]] = marginals[t.depth[n]];
+            }
+        }
+    }
     t.cost = pass_cost_;
     return t;
 }

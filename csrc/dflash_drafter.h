@@ -44,6 +44,15 @@ class DFlashDrafter : public Drafter {
     DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
     bool tree_depth_is_free() const override { return true; }
     void set_slot(int64_t slot) { slot_ = slot; }
+    // Drafts within `constraint` (the request's grammar; nullptr: none), as ModelDrafter::constrain,
+    // from the block's top K per slot: a chain takes at each slot the best candidate the rule
+    // allows after the chain before it (the block pass then returns each slot's top
+    // kConstrainedChainCandidates instead of its argmax) and ends at a slot with none; a tree's
+    // node gets as children only its depth's candidates the rule allows after its path, their
+    // probabilities renormalized over those (sampled children are drawn from, and report, that q),
+    // a node with none left a leaf.
+    void constrain(TokenConstraint * constraint) { constraint_ = constraint; }
+    static constexpr int64_t kConstrainedChainCandidates = 16;
 
     // propose() / propose_tree() in two halves, so that a scheduler runs the blocks of all its
     // sequences in one DFlashModel::blocks pass: plan() injects the new context rows and fills
@@ -70,7 +79,9 @@ class DFlashDrafter : public Drafter {
     std::vector<int32_t> top1_;
     std::vector<int32_t> top_ids_;
     std::vector<float> top_probs_;
-    int64_t planned_k_ = 0;  // the planned tree block's candidates per slot
+    int64_t planned_k_ = 0;  // the planned block's candidates per slot (0: a chain of argmaxes)
+    TokenConstraint * constraint_ = nullptr;
+    Distribution slot_candidates(int64_t slot) const;  // slot's planned top K, best first
 };
 
 }  // namespace deltaspec

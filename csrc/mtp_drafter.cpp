@@ -1,5 +1,7 @@
 #include "mtp_drafter.h"
 
+#include "token_constraint.h"
+
 #include <algorithm>
 #include <stdexcept>
 
@@ -83,12 +85,12 @@ bool MtpDrafter::catch_up(const std::vector<int32_t> & committed, bool want_draf
 
 void MtpDrafter::chain_row(MtpHead::RowsJob & job, const int32_t * tokens, int64_t n, const float * hidden, bool drafting) {
     const int64_t E = target_.hparams().n_embd;
-    const bool device_argmax = sampler_.params().argmax_only();
+    const bool argmax = device_argmax();
     job.head = &head_;
     job.tokens.assign(tokens, tokens + n);
     job.hidden.assign(hidden, hidden + n * E);
-    job.wanted = !drafting ? LogitsWanted::none : device_argmax ? LogitsWanted::argmax : LogitsWanted::last;
-    job.out = device_argmax ? (void *)&chain_argmax_ : (void *)logits_.data();
+    job.wanted = !drafting ? LogitsWanted::none : argmax ? LogitsWanted::argmax : LogitsWanted::last;
+    job.out = argmax ? (void *)&chain_argmax_ : (void *)logits_.data();
     job.hidden_out = h_.data();
 }
 
@@ -96,6 +98,7 @@ bool MtpDrafter::begin_chain(const std::vector<int32_t> & committed, int64_t n_m
     chain_ = Draft{};
     chain_history_ = committed;
     chain_n_max_ = n_max;
+    chain_evals_ = 0;
     h_.resize(target_.hparams().n_embd);
     logits_.resize(target_.hparams().n_vocab);
     int64_t last = 0;
@@ -107,31 +110,36 @@ bool MtpDrafter::begin_chain(const std::vector<int32_t> & committed, int64_t n_m
     return true;
 }
 
+bool MtpDrafter::end_chain() {
+    // the drafted rows are not the pairs the head is trained on: they are rewritten next round
+    head_.set_n_past(synced_);
+    chain_.cost = step_cost_ * (double)chain_evals_;
+    return false;
+}
+
 bool MtpDrafter::next_chain(MtpHead::RowsJob & job) {
     n_head_steps_++;
+    chain_evals_++;
     if (!chain_caught_up_) {
         chain_caught_up_ = true;
         synced_ = chain_synced_;
         if (!chain_drafting_) return false;
     }
     const int64_t V = target_.hparams().n_vocab;
-    const bool device_argmax = sampler_.params().argmax_only();
     int32_t token = chain_argmax_;
-    if (!device_argmax) {
+    if (!device_argmax()) {
+        if (!mask_draft_within(constraint_, chain_.tokens, logits_.data(), V, &q_logits_)) return end_chain();
         Distribution q;
         sampler_.distribution(logits_.data(), V, chain_history_, q);
         token = sampler_.draw(q);
-        if (!sampler_.params().greedy()) chain_.dists.push_back(q);
+        if (!sampler_.params().greedy()) {
+            if (!q_logits_.empty()) sampler_.distribution(q_logits_.data(), V, chain_history_, q);
+            chain_.dists.push_back(q);
+        }
     }
     chain_.tokens.push_back(token);
     chain_history_.push_back(token);
-    const int64_t i = (int64_t)chain_.tokens.size() - 1;
-    if (i + 1 == chain_n_max_ || head_.n_past() >= head_.n_ctx()) {
-        // the drafted rows are not the pairs the head is trained on: they are rewritten next round
-        head_.set_n_past(synced_);
-        chain_.cost = step_cost_ * (double)chain_.tokens.size();
-        return false;
-    }
+    if ((int64_t)chain_.tokens.size() == chain_n_max_ || head_.n_past() >= head_.n_ctx()) return end_chain();
     // the next draft: this token with the head's own hidden state for it
     const std::vector<float> h = h_;
     chain_row(job, &token, 1, h.data(), true);
@@ -166,8 +174,10 @@ DraftTree MtpDrafter::propose_tree(const std::vector<int32_t> & committed, int64
             n_head_steps_++;
             n_steps++;
         }
+        const std::vector<int32_t> path(t.token.begin(), t.token.begin() + (node + 1));  // the chain: nodes 0 .. node
+        if (!mask_draft_within(constraint_, path, logits_.data(), V)) return;  // the grammar is complete here: a leaf
         history = committed;
-        for (int32_t n = 0; n <= node; ++n) history.push_back(t.token[n]);  // the chain: nodes 0 .. node
+        history.insert(history.end(), path.begin(), path.end());
         (greedy ? ranker_ : sampler_).distribution(logits_.data(), V, history, out);
     };
     BestFirstOptions opts;

@@ -30,6 +30,13 @@ class MtpDrafter : public Drafter {
     // calls set_slot when it moves the sequence). Each drafter has a head (and its KV cache) of its own.
     MtpDrafter(Engine & target, const SamplingParams & sampling, int64_t slot = -1);
     ~MtpDrafter() override;
+    // Drafts within `constraint` (the request's grammar; nullptr: none), as ModelDrafter::constrain:
+    // each head row masked with the rule's state after the tokens drafted before it, so a chain
+    // proposes the head's best allowed (or, sampling, draws from the masked row and reports its q)
+    // and a tree's children are allowed tokens; a row where the rule allows nothing ends the chain
+    // (a tree: makes its node a leaf). Masking needs the whole row on the host, so a constrained
+    // greedy chain reads logits back instead of the device's argmax.
+    void constrain(TokenConstraint * constraint) { constraint_ = constraint; }
     void begin(const std::vector<int32_t> & prompt) override;
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
     // Greedy: children ranked by the head's softmax (temperature 1, top 32, the request's
@@ -60,8 +67,12 @@ class MtpDrafter : public Drafter {
     // The target's hidden state at position p (p >= 0): a tapped row, or the one kept from before.
     const float * target_hidden(int64_t p) const;
     int64_t target_slot() const { return slot_ < 0 ? target_.current_slot() : slot_; }
+    // whether a chain's next token is the device's argmax (greedy, unconstrained) or drawn here
+    bool device_argmax() const { return sampler_.params().argmax_only() && constraint_ == nullptr; }
+    bool end_chain();  // the chain is complete: its rows are forgotten, its cost set; false
 
     Engine & target_;
+    TokenConstraint * constraint_ = nullptr;
     int64_t slot_;
     std::vector<int> old_taps_;
     MtpHead head_;
@@ -78,7 +89,8 @@ class MtpDrafter : public Drafter {
     // begin_chain / next_chain's chain in progress
     Draft chain_;
     std::vector<int32_t> chain_history_;
-    int64_t chain_n_max_ = 0, chain_synced_ = 0;
+    int64_t chain_n_max_ = 0, chain_synced_ = 0, chain_evals_ = 0;
+    std::vector<float> q_logits_;  // a planted bug's unmasked row (mask_draft_within)
     bool chain_caught_up_ = false, chain_drafting_ = false;
     int32_t chain_argmax_ = -1;
     void chain_row(MtpHead::RowsJob & job, const int32_t * tokens, int64_t n, const float * hidden, bool drafting);

@@ -132,6 +132,9 @@ int64_t Scheduler::draft_all() {
         // (a grammar's GrammarDrafter, around the drafter in generate_speculative, has no free depth)
         const bool free_depth = s.drafter->tree_depth_is_free() && !s.req.constraint;
         const int64_t depth = budget > 0 && free_depth ? room : std::min(s.n_draft, room);
+        // the MTP head and DFlash draft within the grammar, as a draft model's DraftJob
+        if (s.mtp) s.mtp->constrain(drafting_constraint(s.req.constraint));
+        if (s.dflash) s.dflash->constrain(drafting_constraint(s.req.constraint));
         if (s.dflash) {
             // as DFlashDrafter::propose_tree / propose, its block run with the others' below
             const int64_t block_depth = std::min(depth, dflash_->hparams().block_size - 1);

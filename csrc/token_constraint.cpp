@@ -9,6 +9,7 @@
 
 #include "draft_tree.h"
 #include "drafters.h"
+#include "sampler.h"
 
 namespace deltaspec {
 
@@ -28,6 +29,11 @@ bool mask_draft_within(TokenConstraint * constraint, const std::vector<int32_t> 
     if (constraint == nullptr) return true;
     if (q_logits != nullptr && constraint->bug == GrammarBug::draft_q_unmasked) q_logits->assign(logits, logits + n_vocab);
     return constraint->mask_draft_row(path, logits, n_vocab);
+}
+
+bool filter_draft_within(TokenConstraint * constraint, const std::vector<int32_t> & path, Distribution & candidates,
+                         int64_t n_vocab) {
+    return constraint == nullptr || constraint->filter_draft_row(path, candidates, n_vocab);
 }
 
 namespace {
@@ -77,6 +83,24 @@ bool TokenConstraint::mask_draft_row(const std::vector<int32_t> & path, float * 
     fill_mask_after(masks_.data(), n_words, path);
     ++n_draft_rows;
     return apply_bits(masks_.data(), logits, n_vocab);
+}
+
+bool TokenConstraint::filter_draft_row(const std::vector<int32_t> & path, Distribution & candidates, int64_t n_vocab) {
+    if (bug == GrammarBug::draft_unmasked) return !candidates.ids.empty();
+    const int64_t n_words = (n_vocab + 31) / 32;
+    masks_.assign(n_words, 0u);
+    fill_mask_after(masks_.data(), n_words, path);
+    ++n_draft_rows;
+    size_t kept = 0;
+    for (size_t i = 0; i < candidates.ids.size(); ++i) {
+        if (!allows(masks_.data(), candidates.ids[i])) continue;
+        candidates.ids[kept] = candidates.ids[i];
+        if (i < candidates.probs.size()) candidates.probs[kept] = candidates.probs[i];
+        ++kept;
+    }
+    candidates.ids.resize(kept);
+    if (candidates.probs.size() > kept) candidates.probs.resize(kept);
+    return kept > 0;
 }
 
 void TokenConstraint::cut_draft(Draft & draft) {

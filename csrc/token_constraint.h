@@ -9,8 +9,9 @@
 //     row (mask_verify_rows), so that accepting and the correction / bonus token see exactly what
 //     plain constrained decoding would see at that position. A draft tree is pruned the same way
 //     (prune_tree) and each of its rows masked with the state after its node's path (mask_tree_rows).
-//   - a draft model drafts within the rule: each of its rows masked with the state after the tokens
-//     it drafted before (mask_draft_row), so that what it proposes is allowed (drafters.h).
+//   - a draft model or the MTP head drafts within the rule: each of its rows masked with the state
+//     after the tokens it drafted before (mask_draft_row), so that what it proposes is allowed
+//     (drafters.h, mtp_drafter.h).
 //
 // The rule itself is implemented in Python (deltaspec.constraint, around llguidance's matcher)
 // through the pybind11 trampoline of constraint_bindings.cpp; C++ only asks it for bitmasks.
@@ -21,6 +22,7 @@
 
 namespace deltaspec {
 
+struct Distribution;
 struct Draft;
 struct DraftTree;
 
@@ -30,19 +32,22 @@ struct DraftTree;
 // rule forbids; "drop_rejected" cuts a sampled draft before (not after) its first forbidden token,
 // which biases sampled output (see cut_draft; in a tree: removes a forbidden sampled child instead
 // of keeping it for rejection); "tree_row_unmasked" leaves one row of a draft tree's verify batch
-// (node 0's, the top-1 chain's first) unmasked; "draft_unmasked" leaves a draft model's rows
+// (node 0's, the top-1 chain's first) unmasked; "draft_unmasked" leaves a drafter's rows
 // unmasked (it drafts as if unconstrained, its forbidden proposals cut as before); "draft_q_unmasked"
-// has a sampling draft model's chain draw from its masked row but report the unmasked row's
-// distribution as q, which biases sampled output (a tree's children are drawn from the very
-// distribution they report, so trees have no such mismatch to plant). Any other value is an error.
+// has a sampling drafter's chain draw from its masked row but report the unmasked row's
+// distribution as q, which biases sampled output; in a DFlash tree, a node's children drawn from
+// its depth's top K cut to the allowed ones but q reported as the uncut top K. (A draft
+// model's or the MTP head's tree children are drawn from the very distribution they report, so
+// those trees have no such mismatch to plant.) Any other value is an error.
 enum class GrammarBug { none, verify_unmasked, no_cut, drop_rejected, tree_row_unmasked, draft_unmasked, draft_q_unmasked };
 GrammarBug grammar_bug();
 
 class TokenConstraint;
 
-// The constraint a draft model drafts within (ModelDrafter::constrain, DraftJob::constraint): the
-// request's, unless DELTASPEC_DRAFT_IN_GRAMMAR=0 (A/B runs, and the tests of cutting a draft
-// model's forbidden proposals), which leaves the draft model unconstrained and its drafts cut.
+// The constraint a draft model or the MTP head drafts within (ModelDrafter::constrain,
+// DraftJob::constraint, MtpDrafter::constrain): the request's, unless DELTASPEC_DRAFT_IN_GRAMMAR=0
+// (A/B runs, and the tests of cutting forbidden proposals), which leaves the drafter
+// unconstrained and its drafts cut.
 TokenConstraint * drafting_constraint(TokenConstraint * request_constraint);
 
 // A draft model's logit row masked within `constraint` (nullptr: left as it is) after `path`, the
@@ -52,6 +57,12 @@ TokenConstraint * drafting_constraint(TokenConstraint * request_constraint);
 // row, which the drafter then reports its q from.
 bool mask_draft_within(TokenConstraint * constraint, const std::vector<int32_t> & path, float * logits,
                        int64_t n_vocab, std::vector<float> * q_logits = nullptr);
+
+// A block drafter's candidates for one draft row (DFlash: a block slot's top K, best first) cut to
+// those `constraint` (nullptr: all kept) allows after `path`, the tokens drafted before that row
+// (TokenConstraint::filter_draft_row); false when none is left.
+bool filter_draft_within(TokenConstraint * constraint, const std::vector<int32_t> & path, Distribution & candidates,
+                         int64_t n_vocab);
 
 class TokenConstraint {
   public:
@@ -87,6 +98,9 @@ class TokenConstraint {
     // that it drafts within the rule (ModelDrafter, BatchModelDrafter); false when the rule allows
     // nothing there (the text is complete): the draft ends before that row.
     bool mask_draft_row(const std::vector<int32_t> & path, float * logits, int64_t n_vocab);
+    // The same for a drafter that proposes from a few candidates, not a whole row (DFlash's top K):
+    // keeps those allowed after the committed tokens and `path`, in their order; false when none is.
+    bool filter_draft_row(const std::vector<int32_t> & path, Distribution & candidates, int64_t n_vocab);
     // Cuts a draft to what verification needs (see the .cpp), counting the tokens cut.
     void cut_draft(Draft & draft);
     // Masks the verify rows of [last committed, drafts...]: row i with the state after drafts[0 .. i).
@@ -107,7 +121,7 @@ class TokenConstraint {
     int64_t n_masked_rows = 0;  // logit rows masked
     int64_t n_cut_tokens = 0;   // draft tokens cut before verification
     int64_t n_forced_tokens = 0;  // forced tokens proposed as drafts (GrammarDrafter)
-    int64_t n_draft_rows = 0;     // draft-model logit rows masked (mask_draft_row)
+    int64_t n_draft_rows = 0;     // drafter rows masked (mask_draft_row, filter_draft_row)
     const GrammarBug bug;
 
   private:

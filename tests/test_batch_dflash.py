@@ -31,19 +31,8 @@ from batch_drafting import assert_each_as_alone, drafting, random_prompts, run_r
 from test_server import ServerProcess, ask_concurrently, expected, files, reference  # noqa: E402,F401 (fixtures)
 
 N_CTX = 512
-BIAS = {82: 10.0, 225: 10.0, 19: 10.0}  # the tokens the seed-3 drafter below proposes most
+BIAS = {82: 10.0, 225: 10.0, 19: 10.0}  # the tokens the seed-3 drafter (TD.write_sharp_tiny_dflash) proposes most
 SPEC = dict(spec_type="dflash", logit_bias=BIAS, ignore_eos=True, draft_n_min=1)
-
-
-def _write_drafter(target: Model, path):
-    """The seed-3 tiny DFlash drafter for `target`'s shapes, its slots sharpened (trees several
-    levels deep), as a GGUF at `path`."""
-    cfg = TD.dflash_config(target.hparams.n_embd, target.n_vocab, [0, 2], mask_token_id=5,
-                           num_target_layers=target.hparams.n_layer)
-    drafter = TD.build_tiny_dflash(cfg, seed=3)
-    with torch.no_grad():
-        drafter.norm.weight.mul_(3.0)  # logits scale with the output norm's weight
-    return TD.write_dflash_gguf(drafter, cfg, path)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +40,7 @@ def models(tmp_path_factory):
     """The target with 1 slot (generate() alone) and with 4, each with the same drafter file."""
     path = tiny_vocab_model_path()
     with Model(path, n_ctx=N_CTX, n_threads=1) as one, Model(path, n_ctx=N_CTX, n_threads=1, n_seq_max=4) as four:
-        file = _write_drafter(one, tmp_path_factory.mktemp("batchdflash") / "d.gguf")
+        file = TD.write_sharp_tiny_dflash(one, tmp_path_factory.mktemp("batchdflash") / "d.gguf")
         yield one, Drafter(file, target=one), four, Drafter(file, target=four)
 
 
@@ -150,7 +139,7 @@ def test_server_batches_dflash_requests(files, reference, tmp_path):
     fail with the server's planted spec_ignored (the drafter dropped: nothing drafted) and, before the
     batch scheduler drafted with DFlash, at start-up (--spec-type draft-dflash was served one
     request at a time only)."""
-    drafter = _write_drafter(reference, tmp_path / "d.gguf")
+    drafter = TD.write_sharp_tiny_dflash(reference, tmp_path / "d.gguf")
     s = ServerProcess(files[0], "-np", "2", "-c", "512", "--spec-type", "draft-dflash", "-md", str(drafter),
                       "--spec-tree-budget", "8")
     try:

@@ -26,6 +26,13 @@ TB=/tmp/testbed
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
 export DELTASPEC_GGML_SOURCE=$REPO/.deps/gpu-src/llama.cpp PYTHONUNBUFFERED=1
+# the export runs llama.cpp's converter from the carried tree: a tree pruned of it would fail only
+# after minutes of training
+if [[ ! -f $DELTASPEC_GGML_SOURCE/conversion/base.py ]]; then
+    echo "run_gpu.sh: $DELTASPEC_GGML_SOURCE/conversion/ is missing (llama.cpp's converter, which the export runs);" \
+        "carry the pinned tree with it" >&2
+    exit 2
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
 

@@ -47,7 +47,8 @@ class GenerationStats:
     sampler_radix_sorts: int = 0
     sampler_comparison_sorts: int = 0
     # structured output only (a grammar): logit rows masked, draft tokens cut before verification,
-    # forced tokens drafted, a draft model's rows masked (it drafts within the grammar) (speculation)
+    # forced tokens drafted, drafter rows masked (a draft model, the MTP head or DFlash drafting
+    # within the grammar) (speculation)
     grammar_masked_rows: int = 0
     grammar_cut_tokens: int = 0
     grammar_forced_tokens: int = 0

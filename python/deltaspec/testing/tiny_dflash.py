@@ -75,6 +75,21 @@ def build_tiny_dflash(cfg: dict[str, Any], seed: int = 0) -> Any:
     return model
 
 
+def write_sharp_tiny_dflash(target: Any, path: str | Path, seed: int = 3, sharpness: float = 3.0) -> Path:
+    """A tiny random drafter for `target` (a deltaspec Model; features from its layers 0 and 2, mask
+    token 5, block 8) as a GGUF at `path`, its output norm scaled by `sharpness`: logits scale with
+    it, so the block's slots are sharp enough for trees several levels deep (a random drafter's are
+    nearly flat). Seed 3's favourite tokens are 82, 225 and 19."""
+    import torch
+
+    cfg = dflash_config(target.hparams.n_embd, target.n_vocab, [0, 2], mask_token_id=5,
+                        num_target_layers=target.hparams.n_layer)
+    model = build_tiny_dflash(cfg, seed=seed)
+    with torch.no_grad():
+        model.norm.weight.mul_(sharpness)
+    return write_dflash_gguf(model, cfg, path)
+
+
 def write_dflash_gguf(model: Any, cfg: dict[str, Any], path: str | Path, tokens: list[str] | None = None,
                       qtype: str = "f32", arch: str = "dflash", skip: tuple[str, ...] = ()) -> Path:
     """The GGUF llama.cpp's converter would write for `model` (arch dflash, its keys and tensor

@@ -1,0 +1,146 @@
+"""Structured output with a DFlash drafter: its blocks draft within the grammar.
+
+One block pass gives each slot's top K candidates; a chain takes at each slot the best candidate
+the grammar allows after the chain before it, and a DDTree node gets as children only its depth's
+candidates the grammar allows after its path, renormalized (sampled children are drawn from, and
+report, that q). DELTASPEC_DRAFT_IN_GRAMMAR=0 leaves the drafter unconstrained (its forbidden
+drafts cut or pruned before verification), which the tests use as the contrast that shows the
+masking ran.
+
+The grammar here allows printable ASCII only, which forbids two of the three tokens the seed-3
+drafter (deltaspec.testing.tiny_dflash.write_sharp_tiny_dflash) proposes most; the target is
+pushed towards the third, "R" (logit_bias), so that drafts made within the grammar are accepted
+in part. Unconstrained, the drafter's drafts are often cut. Planted bugs (DELTASPEC_TEST_GRAMMAR_BUG, csrc/token_constraint.h) run here and
+must turn the tests red: "draft_unmasked" (candidates not cut by the grammar) and
+"draft_q_unmasked" (a tree's children drawn from the allowed candidates, q reported uncut).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("dflash")
+
+from deltaspec import Drafter, Grammar, Model  # noqa: E402
+from deltaspec.testing.tiny_dflash import write_sharp_tiny_dflash  # noqa: E402
+from deltaspec.testing.tiny_vocab import tiny_vocab_model_path  # noqa: E402
+from sampling_reference import chi_square_p  # noqa: E402
+from sampling_reference import expected_probs  # noqa: E402
+from test_structured import DIST_PROMPT, _ascii_allowed  # noqa: E402
+
+BUG = "DELTASPEC_TEST_GRAMMAR_BUG"
+BIAS = {82: 4.0}  # "R", the drafter's favourite printable token
+N_SEEDS = 600
+DIST_PARAMS = dict(temperature=1.0, top_k=8, top_p=1.0, min_p=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny-vocabulary target and the seed-3 sharpened DFlash drafter on it."""
+    with Model(tiny_vocab_model_path(), n_ctx=512, n_threads=1, progress=False) as target:
+        path = write_sharp_tiny_dflash(target, tmp_path_factory.mktemp("structured_dflash") / "d.gguf")
+        yield target, Drafter(path, target=target)
+
+
+def _second_token_marginal(model: Model, allowed: np.ndarray) -> np.ndarray:
+    """Exact distribution of the second generated token under plain constrained sampling with BIAS."""
+    def probs(history):
+        logits = model.logits(history)[-1].astype(np.float64)
+        for token, bias in BIAS.items():
+            logits[token] += bias
+        logits[~allowed] = -np.inf
+        return expected_probs(logits, **DIST_PARAMS)
+
+    first = probs(DIST_PROMPT)
+    out = np.zeros(model.n_vocab)
+    for t in np.flatnonzero(first):
+        if not model.tokenizer.is_eog(int(t)):
+            out += first[t] * probs(DIST_PROMPT + [int(t)])
+    return out
+
+
+@pytest.mark.parametrize("tree_budget", [0, 8], ids=["chains", "ddtree8"])
+def test_dflash_drafts_within_the_grammar(tiny, tree_budget, monkeypatch):
+    """Greedy constrained output with DFlash drafting equals plain constrained greedy; within the
+    grammar every draft is allowed (nothing cut) and more are accepted than unconstrained
+    (DELTASPEC_DRAFT_IN_GRAMMAR=0), where the drafter's forbidden favourites are cut (measured,
+    accepted within / unconstrained: chains 11 / 2, trees 21 / 15). Seen red with DELTASPEC_TEST_GRAMMAR_BUG=
+    draft_unmasked (candidates not cut by the grammar: drafts cut), run here; and before DFlash
+    drafted within the grammar (grammar_draft_rows 0, drafts cut), the state
+    DELTASPEC_DRAFT_IN_GRAMMAR=0 keeps."""
+    target, drafter = tiny
+    grammar = Grammar.from_regex(r"[ -~]{60}")  # 60 characters: no early end
+    kw = dict(max_tokens=80, temperature=0.0, grammar=grammar, logit_bias=BIAS)
+    plain = target.generate("Hello", **kw)
+    assert plain.finish_reason == "stop" and len(plain.text) == 60
+    kw.update(draft_model=drafter, spec_type="dflash", draft_n_min=1, draft_n_max=6, tree_budget=tree_budget)
+    r = target.generate("Hello", **kw)
+    st = r.stats
+    print(f"within: drafted {st.n_drafted}, accepted {st.n_accepted}, draft rows {st.grammar_draft_rows}, "
+          f"cut {st.grammar_cut_tokens}, tree nodes {st.n_tree_nodes}")
+    assert r.tokens == plain.tokens
+    assert st.grammar_cut_tokens == 0 and st.grammar_draft_rows > 0 and st.n_drafted > 20
+    if tree_budget:
+        assert st.n_tree_nodes > 0
+    monkeypatch.setenv("DELTASPEC_DRAFT_IN_GRAMMAR", "0")
+    free = target.generate("Hello", **kw)
+    monkeypatch.delenv("DELTASPEC_DRAFT_IN_GRAMMAR")
+    print(f"unconstrained: drafted {free.stats.n_drafted}, accepted {free.stats.n_accepted}, "
+          f"cut {free.stats.grammar_cut_tokens}")
+    assert free.tokens == plain.tokens
+    assert free.stats.grammar_cut_tokens > 0 and free.stats.grammar_draft_rows == 0
+    assert st.n_accepted > free.stats.n_accepted
+    monkeypatch.setenv(BUG, "draft_unmasked")
+    planted = target.generate("Hello", **kw)
+    monkeypatch.delenv(BUG)
+    assert planted.tokens == plain.tokens and planted.stats.grammar_cut_tokens > 0
+
+
+def _second_token_counts(target: Model, drafter: Drafter, grammar, tree_budget: int):
+    """Second-token counts over N_SEEDS sampled runs with DFlash drafting; the draft tokens (tree
+    nodes) cut, the drafter rows masked and the tokens drafted, summed."""
+    counts, cut, draft_rows, drafted = np.zeros(target.n_vocab), 0, 0, 0
+    for seed in range(N_SEEDS):
+        r = target.generate(DIST_PROMPT, max_tokens=4, seed=seed, grammar=grammar, draft_model=drafter,
+                            spec_type="dflash", draft_n_min=1, draft_n_max=4, tree_budget=tree_budget, logit_bias=BIAS,
+                            **DIST_PARAMS)
+        cut += r.stats.grammar_cut_tokens
+        draft_rows += r.stats.grammar_draft_rows
+        drafted += r.stats.n_drafted
+        if len(r.tokens) > 1:
+            counts[r.tokens[1]] += 1
+    return counts, cut, draft_rows, drafted
+
+
+@pytest.mark.parametrize("tree_budget", [0, 4], ids=["chains", "ddtree4"])
+def test_sampled_dflash_keeps_the_constrained_distribution(tiny, tree_budget):
+    """Sampled speculation with DFlash drafting within the grammar: the second token has the exact
+    marginal of plain constrained sampling (chi-square over 600 seeds), every draft allowed (nothing
+    cut). Trees: seen red with DELTASPEC_TEST_GRAMMAR_BUG=draft_q_unmasked (children drawn from the
+    allowed candidates, their q reported uncut, so drafts are accepted too often; measured p right
+    0.86, planted 2e-14), run here. Chains are deterministic (their q one-hot: nothing to
+    misreport); their planted run (draft_unmasked) shows the path assertion failing instead
+    (forbidden drafts cut: 1093; p right 0.97)."""
+    target, drafter = tiny
+    grammar = Grammar.from_regex(r"[ -~]*")
+    expected = _second_token_marginal(target, _ascii_allowed(target))
+    counts, cut, draft_rows, drafted = _second_token_counts(target, drafter, grammar, tree_budget)
+    assert cut == 0 and draft_rows > 0 and drafted > N_SEEDS
+    p_right = chi_square_p(counts, expected)
+    os.environ[BUG] = "draft_q_unmasked" if tree_budget else "draft_unmasked"
+    try:
+        planted, planted_cut, *_ = _second_token_counts(target, drafter, grammar, tree_budget)
+    finally:
+        del os.environ[BUG]
+    p_planted = chi_square_p(planted, expected)
+    print(f"p right {p_right:.3g}, planted {p_planted:.3g}, planted cut {planted_cut}")
+    assert p_right > 1e-3
+    if tree_budget:
+        assert p_planted < 1e-3
+    else:
+        assert planted_cut > 0
