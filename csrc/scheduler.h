@@ -77,6 +77,7 @@ struct Sequence {
     MtpDrafter * mtp = nullptr;        // `drafter` when it drafts with the MTP head
     bool reads_taps() const { return dflash != nullptr || mtp != nullptr; }
     int64_t n_draft = 0, pause = 0, backoff = 1;
+    bool forced_in_pause = false;  // this step's draft is the grammar's forced tokens, the drafter paused
     Draft draft;        // this step's (chains)
     DraftTree tree;     // this step's (tree_budget > 0)
     std::vector<int32_t> lookup;  // spec.reference + history, the text the drafter searches

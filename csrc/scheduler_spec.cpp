@@ -98,14 +98,21 @@ int64_t Scheduler::draft_all() {
         // past max_tokens would be thrown away (the target adds one token itself)
         const int64_t left = s.req.max_tokens - (int64_t)s.res.tokens.size();
         const int64_t room = std::min({n_ctx - engine_.slot_n_past(s.slot) - 1, s.spec.n_max, left - 1, cap});
-        if (s.pause > 0) {
-            --s.pause;
-            continue;
-        }
-        if (room < std::max<int64_t>(s.spec.n_min, 1)) continue;
         // every node takes a KV row and a row of the pass: the tree fits the context and the pass
         const int64_t budget = s.spec.tree_budget > 0
                                    ? std::min({s.spec.tree_budget, n_ctx - engine_.slot_n_past(s.slot) - 1, cap}) : 0;
+        s.forced_in_pause = false;
+        if (s.pause > 0) {
+            --s.pause;
+            // as generate_speculative: a pause stops the drafter, not the grammar's forced tokens
+            if (s.req.constraint && room >= 1 && s.req.constraint->bug != GrammarBug::pause_blocks_forced &&
+                draft_forced(s, budget, room)) {
+                s.forced_in_pause = true;
+                n_drafting += drafted(s);
+            }
+            continue;
+        }
+        if (room < std::max<int64_t>(s.spec.n_min, 1)) continue;
         if (s.req.constraint && draft_forced(s, budget, std::min(s.n_draft, room))) {
             n_drafting += drafted(s);
             continue;
@@ -408,6 +415,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         s.stats.n_tree_nodes += s.tree.size();
         s.stats.n_accepted += n_acc[i];
         s.stats.accepted_lengths.push_back((int32_t)n_acc[i]);
+        if (s.forced_in_pause) continue;  // the drafter's schedule is its own (generate_speculative's rule)
         constexpr double kLossBudget = 0.05;  // generate_speculative's
         const int64_t n_floor = std::max<int64_t>(s.spec.n_min, 1);
         s.n_draft = n_acc[i] == n_full ? std::min(s.spec.n_max, s.n_draft * 2) : std::max(n_floor, n_acc[i] + 1);

@@ -10,6 +10,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "grammar_drafter.h"
 #include "logprobs.h"
 #include "top_rows.h"
 #include "tree_round.h"
@@ -221,8 +222,20 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         const int64_t room = std::min({target.n_ctx() - target.n_past() - 1, spec.n_max, left - 1});
         Draft draft;
         DraftTree tree;
+        bool forced_in_pause = false;  // this round verifies only what the grammar forces
         if (pause > 0) {
             --pause;
+            // a pause stops the drafter, not the grammar: what it forces costs nothing to propose
+            // and is always accepted (planted bug pause_blocks_forced: the pause stops it too)
+            if (req.constraint && room >= 1 && req.constraint->bug != GrammarBug::pause_blocks_forced) {
+                if (spec.tree_budget > 0) {
+                    const int64_t budget = std::min(spec.tree_budget, target.n_ctx() - target.n_past() - 1);
+                    tree = chain_tree(take_forced(*req.constraint, std::min(budget, room)));
+                } else {
+                    draft.tokens = take_forced(*req.constraint, room);
+                }
+                forced_in_pause = !draft.tokens.empty() || !tree.empty();
+            }
         } else if (room >= std::max<int64_t>(spec.n_min, 1)) {
             auto td = Clock::now();
             if (spec.tree_budget > 0) {
@@ -319,6 +332,7 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         history.push_back(next);
         running = out.emit(next);
 
+        if (forced_in_pause) continue;  // the drafter's schedule (length, pause, backoff) is its own
         const int64_t n_floor = std::max<int64_t>(spec.n_min, 1);
         n_draft = n_acc == n_full ? std::min(spec.n_max, n_draft * 2) : std::max(n_floor, n_acc + 1);
         const double loss = draft.cost - (double)n_acc;  // target steps lost (< 0: saved)

@@ -16,7 +16,7 @@ namespace deltaspec {
 GrammarBug grammar_bug() {
     return static_cast<GrammarBug>(planted_choice("DELTASPEC_TEST_GRAMMAR_BUG",
                                                   {"verify_unmasked", "no_cut", "drop_rejected", "tree_row_unmasked",
-                                                   "draft_unmasked", "draft_q_unmasked"}));
+                                                   "draft_unmasked", "draft_q_unmasked", "pause_blocks_forced"}));
 }
 
 TokenConstraint * drafting_constraint(TokenConstraint * request_constraint) {

@@ -38,8 +38,12 @@ struct DraftTree;
 // distribution as q, which biases sampled output; in a DFlash tree, a node's children drawn from
 // its depth's top K cut to the allowed ones but q reported as the uncut top K. (A draft
 // model's or the MTP head's tree children are drawn from the very distribution they report, so
-// those trees have no such mismatch to plant.) Any other value is an error.
-enum class GrammarBug { none, verify_unmasked, no_cut, drop_rejected, tree_row_unmasked, draft_unmasked, draft_q_unmasked };
+// those trees have no such mismatch to plant.) "pause_blocks_forced": while speculation pauses
+// the drafter, the grammar's forced tokens are not drafted either (one pass per forced token).
+// Any other value is an error.
+enum class GrammarBug {
+    none, verify_unmasked, no_cut, drop_rejected, tree_row_unmasked, draft_unmasked, draft_q_unmasked, pause_blocks_forced
+};
 GrammarBug grammar_bug();
 
 class TokenConstraint;

@@ -34,6 +34,7 @@ from batch_drafting import drafting
 from test_structured import SCHEMAS
 
 MAX_TOKENS = 400
+BUG = "DELTASPEC_TEST_GRAMMAR_BUG"
 PROMPTS = ["Hello", "the cat sat", "{", "a b c"]
 NAMES = ["record", "lists", "text", "record"]
 GRAMMAR_STATS = ("grammar_masked_rows", "grammar_cut_tokens", "grammar_forced_tokens", "grammar_draft_rows")
@@ -132,6 +133,35 @@ def test_constrained_batch_mtp_equals_alone(mtp_target, grammars, tree_budget):
         assert sum(r.stats.n_accepted for r in batch) > 0, "no draft accepted"
 
 
+def test_paused_drafter_forced_tokens_batch_equals_alone(models, grammars, monkeypatch):
+    """The random draft model with draft_n_min 0, so that failing rounds pause it: each sequence of
+    the batch drafts the grammar's forced tokens while its drafter pauses, as generate() alone does
+    (tokens, drafting and grammar counts equal), greedy also plain constrained decoding's tokens.
+    Seen red with DELTASPEC_TEST_GRAMMAR_BUG=pause_blocks_forced (fewer forced tokens drafted:
+    the count assertion), run here."""
+    target, draft = models
+    per_prompt = [dict(grammar=grammars[name]) for name in NAMES]
+    options = dict(draft_model=draft, draft_n_max=8, temperature=0.0, max_tokens=MAX_TOKENS)
+
+    def forced(batch):
+        return sum(r.stats.grammar_forced_tokens for r in batch)
+
+    batch = target.generate_batch(PROMPTS, per_prompt=per_prompt, **options)
+    for k, (prompt, extra, r) in enumerate(zip(PROMPTS, per_prompt, batch)):
+        alone = target.generate(prompt, **options, **extra)
+        assert r.tokens == alone.tokens, f"prompt {k}: other tokens than alone"
+        assert drafting(r) == drafting(alone), f"prompt {k}: other drafts than alone"
+        assert _grammar_stats(r) == _grammar_stats(alone), f"prompt {k}: other grammar counts than alone"
+        plain = target.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, **extra)
+        assert r.tokens == plain.tokens, f"prompt {k}: other tokens than plain decoding"
+    monkeypatch.setenv(BUG, "pause_blocks_forced")
+    blocked = target.generate_batch(PROMPTS, per_prompt=per_prompt, **options)
+    monkeypatch.delenv(BUG)
+    print(f"forced tokens drafted {forced(batch)}, with the pause blocking them {forced(blocked)}")
+    assert [r.tokens for r in blocked] == [r.tokens for r in batch]
+    assert forced(batch) > forced(blocked)
+
+
 def test_add_request_with_grammar_speculates(models, grammars):
     """add_request with a grammar and prompt lookup: the request drafts (forced tokens included) and
     its result equals generate() alone; its logprobs (raw logits) are those of generate() too."""
@@ -163,7 +193,7 @@ def test_planted_unmasked_rows_are_caught(models, grammars, monkeypatch):
     per_prompt = [dict(grammar=grammars[name]) for name in NAMES]
     plain = [target.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, **extra).tokens
              for p, extra in zip(PROMPTS, per_prompt)]
-    monkeypatch.setenv("DELTASPEC_TEST_GRAMMAR_BUG", "verify_unmasked")
+    monkeypatch.setenv(BUG, "verify_unmasked")
     per_prompt = [dict(grammar=grammars[name]) for name in NAMES]  # constraints made with the bug
     try:
         batch = target.generate_batch(PROMPTS, per_prompt=per_prompt, max_tokens=MAX_TOKENS, temperature=0.0, **spec)

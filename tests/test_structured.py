@@ -176,6 +176,34 @@ def test_forced_tokens_are_drafted(models, monkeypatch):
     assert wrong.stats.n_accepted < wrong.stats.grammar_forced_tokens
 
 
+def test_forced_tokens_are_drafted_while_the_drafter_pauses(models, monkeypatch):
+    """A drafter that keeps failing (the random draft model; draft_n_min 0, so the loop pauses it)
+    does not stop the grammar's forced tokens from being drafted: while the drafter pauses, what
+    the grammar forces (the keys) is still the draft, all of it accepted, so the same text takes
+    fewer target passes; greedy output is plain constrained greedy's (in a batch:
+    test_batch_structured.py). Seen red with DELTASPEC_TEST_GRAMMAR_BUG=
+    pause_blocks_forced (the pause stops the forced tokens too: fewer forced tokens drafted, more
+    passes), run here."""
+    grammar = Grammar.from_json_schema(KEYED)
+    target = models["target"]
+    plain = target.generate("Hello", max_tokens=MAX_TOKENS, temperature=0.0, grammar=grammar)
+    kw = dict(max_tokens=MAX_TOKENS, temperature=0.0, grammar=grammar, draft_model=models["random"], draft_n_max=8)
+
+    def run():
+        return target.generate("Hello", **kw)
+
+    fixed = run()
+    monkeypatch.setenv(BUG, "pause_blocks_forced")
+    blocked = run()
+    monkeypatch.delenv(BUG)
+    f, b = fixed.stats, blocked.stats
+    print(f"forced drafted {f.grammar_forced_tokens} vs {b.grammar_forced_tokens} with the pause blocking them; "
+          f"passes {f.n_steps} vs {b.n_steps}; accepted {f.n_accepted} vs {b.n_accepted}")
+    assert fixed.tokens == plain.tokens and blocked.tokens == plain.tokens
+    assert f.n_accepted >= f.grammar_forced_tokens
+    assert f.grammar_forced_tokens > b.grammar_forced_tokens and f.n_steps < b.n_steps
+
+
 def test_seeded_sampling_is_reproducible(models, grammars):
     """Sampled constrained output with speculation: same seed, same tokens (and valid). Seen red with
     generation.py building no constraint for the request's grammar (the output was free text)."""
