@@ -6,10 +6,32 @@
 #include <memory>
 
 #include "dflash_drafter.h"
+#include "token_constraint.h"
 
 namespace py = pybind11;
 
 namespace deltaspec {
+
+namespace {
+
+// A TokenConstraint argument (deltaspec.constraint.GrammarConstraint etc.; the caller keeps it
+// alive) or None.
+TokenConstraint * constraint_arg(const py::object & constraint) {
+    return constraint.is_none() ? nullptr : constraint.cast<TokenConstraint *>();
+}
+
+// The target reads ids but the last (a fresh sequence), the drafter the features it tapped: what
+// a speculative loop holds before drafting after ids.
+void begin_after(DFlashModel & d, DFlashDrafter & drafter, const std::vector<int32_t> & ids) {
+    if (ids.empty()) throw std::invalid_argument("ids must hold at least the anchor token");
+    Engine & t = d.target();
+    t.reset();
+    const std::vector<int32_t> prompt(ids.begin(), ids.end() - 1);
+    if (!prompt.empty()) t.eval(prompt.data(), (int64_t)prompt.size(), LogitsWanted::none, nullptr);
+    drafter.begin(prompt);
+}
+
+}  // namespace
 
 void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of) {
     py::class_<DFlashHParams>(m, "DFlashHParams")
@@ -95,20 +117,17 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
              }, py::arg("ids"),
              "The target reads ids (a fresh sequence) and its tapped features become the whole context.")
         .def("tree", [](DFlashModel & d, std::vector<int32_t> ids, int64_t budget, int64_t max_depth, float temperature,
-                        uint64_t seed) {
-                 if (ids.empty()) throw std::invalid_argument("ids must hold at least the anchor token");
+                        uint64_t seed, py::object constraint) {
+                 TokenConstraint * rule = constraint_arg(constraint);
                  DraftTree tree;
                  {
                      py::gil_scoped_release release;
-                     Engine & t = d.target();
                      SamplingParams sp;
                      sp.temperature = temperature;
                      sp.seed = seed;
-                     DFlashDrafter drafter(d, t, 1.0, sp);  // its taps, until it goes
-                     t.reset();
-                     const std::vector<int32_t> prompt(ids.begin(), ids.end() - 1);
-                     if (!prompt.empty()) t.eval(prompt.data(), (int64_t)prompt.size(), LogitsWanted::none, nullptr);
-                     drafter.begin(prompt);
+                     DFlashDrafter drafter(d, d.target(), 1.0, sp);  // its taps, until it goes
+                     drafter.constrain(rule);
+                     begin_after(d, drafter, ids);
                      tree = drafter.propose_tree(ids, budget, max_depth);
                  }
                  py::dict out;
@@ -122,9 +141,24 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                  out["dists"] = dists;
                  return out;
              }, py::arg("ids"), py::arg("budget"), py::arg("max_depth"), py::arg("temperature") = 0.0f,
-             py::arg("seed") = 0,
+             py::arg("seed") = 0, py::arg("constraint") = py::none(),
              "The DDTree tree the speculative loop would verify after ids (the target reads all but the "
-             "last, the anchor): DFlashDrafter::propose_tree, greedy (temperature <= 0) or sampled.")
+             "last, the anchor): DFlashDrafter::propose_tree, greedy (temperature <= 0) or sampled, within "
+             "a TokenConstraint (its state: after ids) or not.")
+        .def("chain", [](DFlashModel & d, std::vector<int32_t> ids, int64_t n_max, py::object constraint) {
+                 TokenConstraint * rule = constraint_arg(constraint);
+                 Draft draft;
+                 {
+                     py::gil_scoped_release release;
+                     DFlashDrafter drafter(d, d.target(), 1.0);  // its taps, until it goes
+                     drafter.constrain(rule);
+                     begin_after(d, drafter, ids);
+                     draft = drafter.propose(ids, n_max);
+                 }
+                 return draft.tokens;
+             }, py::arg("ids"), py::arg("n_max"), py::arg("constraint") = py::none(),
+             "The chain the speculative loop would verify after ids (the target reads all but the last, "
+             "the anchor): DFlashDrafter::propose, within a TokenConstraint (its state: after ids) or not.")
         .def("truncate", [](DFlashModel & d, int64_t n) {
                  d.use_slot(0);
                  d.truncate(n);

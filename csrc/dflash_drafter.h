@@ -45,8 +45,8 @@ class DFlashDrafter : public Drafter {
     bool tree_depth_is_free() const override { return true; }
     void set_slot(int64_t slot) { slot_ = slot; }
     // Drafts within `constraint` (the request's grammar; nullptr: none), as ModelDrafter::constrain,
-    // from the block's top K per slot: a chain takes at each slot the best candidate the rule
-    // allows after the chain before it (the block pass then returns each slot's top
+    // from the block's top K per slot: a chain takes at each slot the most probable candidate the
+    // rule allows after the chain before it (the block pass then returns each slot's top
     // kConstrainedChainCandidates instead of its argmax) and ends at a slot with none; a tree's
     // node gets as children only its depth's candidates the rule allows after its path, their
     // probabilities renormalized over those (sampled children are drawn from, and report, that q),

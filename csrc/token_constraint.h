@@ -11,7 +11,8 @@
 //     (prune_tree) and each of its rows masked with the state after its node's path (mask_tree_rows).
 //   - a draft model or the MTP head drafts within the rule: each of its rows masked with the state
 //     after the tokens it drafted before (mask_draft_row), so that what it proposes is allowed
-//     (drafters.h, mtp_drafter.h).
+//     (drafters.h, mtp_drafter.h); DFlash keeps the candidates of its block slots that the rule
+//     allows there (filter_draft_row, dflash_drafter.h).
 //
 // The rule itself is implemented in Python (deltaspec.constraint, around llguidance's matcher)
 // through the pybind11 trampoline of constraint_bindings.cpp; C++ only asks it for bitmasks.
@@ -48,10 +49,10 @@ GrammarBug grammar_bug();
 
 class TokenConstraint;
 
-// The constraint a draft model or the MTP head drafts within (ModelDrafter::constrain,
-// DraftJob::constraint, MtpDrafter::constrain): the request's, unless DELTASPEC_DRAFT_IN_GRAMMAR=0
-// (A/B runs, and the tests of cutting forbidden proposals), which leaves the drafter
-// unconstrained and its drafts cut.
+// The constraint a draft model, the MTP head or DFlash drafts within (ModelDrafter::constrain,
+// DraftJob::constraint, MtpDrafter::constrain, DFlashDrafter::constrain): the request's, unless
+// DELTASPEC_DRAFT_IN_GRAMMAR=0 (A/B runs, and the tests of cutting forbidden proposals), which
+// leaves the drafter unconstrained and its drafts cut.
 TokenConstraint * drafting_constraint(TokenConstraint * request_constraint);
 
 // A draft model's logit row masked within `constraint` (nullptr: left as it is) after `path`, the

@@ -18,6 +18,7 @@ from . import _core
 from .errors import (HyperParameterError, MissingMetadataError, MissingTensorError, TensorShapeError,
                      UnsupportedArchitectureError, UnsupportedTensorTypeError)
 from .gguf_file import GGUFFile, read_gguf
+from .grammar import Grammar, grammar_of
 from .qwen35 import MATMUL_TYPES, VECTOR_TYPES
 
 ARCH = "dflash"
@@ -213,17 +214,40 @@ class Drafter:
         return list(self._core.block_top1(self._anchor(ids)))
 
     def tree(self, ids: Sequence[int], budget: int, max_depth: int | None = None, temperature: float = 0.0,
-             seed: int = 0) -> dict:
+             seed: int = 0, grammar: Grammar | str | None = None) -> dict:
         """The DDTree draft tree speculation verifies after `ids` (the target reads all but the last,
         the anchor; its state is reset): {token, parent, depth} per node (parent -1: the anchor),
-        and for sampled trees (temperature > 0) the per-depth q the children were drawn from
-        (`dists`: (ids, probs) per depth, `child_q` / `root_child_q` index them)."""
+        and for sampled trees (temperature > 0) the q each expanded node's children were drawn from
+        (`dists`: (ids, probs), `child_q` / `root_child_q` index them: one per depth without a
+        grammar). With `grammar`, the tree of a constrained generation's first round (the grammar
+        at its start): each node's children only what the grammar allows after its path."""
         arr = self.target._token_array(ids)
         if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= 256:
             raise ValueError(f"budget must be an integer in [1, 256], got {budget!r}")
         depth = self.block_size - 1 if max_depth is None else int(max_depth)
+        rule = self._constraint(grammar)
         with self.target._busy:
-            return self._core.tree(arr.tolist(), budget, depth, float(temperature), int(seed))
+            return self._core.tree(arr.tolist(), budget, depth, float(temperature), int(seed), rule)
+
+    def chain(self, ids: Sequence[int], n_max: int | None = None, grammar: Grammar | str | None = None) -> list[int]:
+        """The chain draft speculation verifies after `ids` (the target reads all but the last, the
+        anchor; its state is reset): each slot's argmax, at most n_max (default: the whole block).
+        With `grammar`, the chain of a constrained generation's first round (the grammar at its
+        start): each slot's most probable of its top 16 the grammar allows after the chain before
+        it, ending at a slot with none."""
+        arr = self.target._token_array(ids)
+        n = self.block_size - 1 if n_max is None else n_max
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.block_size - 1:
+            raise ValueError(f"n_max must be an integer in [1, {self.block_size - 1}] (the block's slots), got {n_max!r}")
+        rule = self._constraint(grammar)
+        with self.target._busy:
+            return list(self._core.chain(arr.tolist(), n, rule))
+
+    def _constraint(self, grammar: Grammar | str | None):
+        from .constraint import GrammarConstraint
+
+        g = grammar_of(grammar)
+        return None if g is None else GrammarConstraint(self.target.tokenizer, g)
 
     def _anchor(self, ids: int | Sequence[int]) -> int:
         if isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
