@@ -232,10 +232,13 @@ def _ascii_allowed(model: Model) -> np.ndarray:
     return ok
 
 
-def _second_token_marginal(model: Model, allowed: np.ndarray) -> np.ndarray:
-    """Exact distribution of the second generated token under plain constrained sampling."""
+def _second_token_marginal(model: Model, allowed: np.ndarray, bias: dict[int, float] | None = None) -> np.ndarray:
+    """Exact distribution of the second generated token under plain constrained sampling (with
+    the logit_bias `bias`)."""
     def probs(history):
         logits = model.logits(history)[-1].astype(np.float64)
+        for token, b in (bias or {}).items():
+            logits[token] += b
         logits[~allowed] = -np.inf
         return expected_probs(logits, **DIST_PARAMS)
 
@@ -247,19 +250,49 @@ def _second_token_marginal(model: Model, allowed: np.ndarray) -> np.ndarray:
     return out
 
 
-def _second_token_counts(models, grammar) -> tuple[np.ndarray, int, int, int]:
-    """Second-token counts over N_SEEDS sampled runs with the sharp draft model; the draft tokens
-    cut, the draft rows masked and the tokens drafted, summed."""
-    target, counts, cut, draft_rows, drafted = models["target"], np.zeros(models["target"].n_vocab), 0, 0, 0
+def _count_second_tokens(run, n_vocab: int) -> tuple[np.ndarray, int, int, int]:
+    """Second-token counts over N_SEEDS sampled runs (`run(seed)` -> a GenerationResult of
+    DIST_PROMPT); the draft tokens (tree nodes) cut, the drafter rows masked and the tokens drafted,
+    summed."""
+    counts, cut, draft_rows, drafted = np.zeros(n_vocab), 0, 0, 0
     for seed in range(N_SEEDS):
-        r = target.generate(DIST_PROMPT, max_tokens=4, seed=seed, grammar=grammar, draft_model=models["sharp"],
-                            draft_n_min=1, draft_n_max=4, **DIST_PARAMS)
+        r = run(seed)
         cut += r.stats.grammar_cut_tokens
         draft_rows += r.stats.grammar_draft_rows
         drafted += r.stats.n_drafted
         if len(r.tokens) > 1:
             counts[r.tokens[1]] += 1
     return counts, cut, draft_rows, drafted
+
+
+def _assert_drafted_within_and_exact(count, expected: np.ndarray, bug: str, bug_shows_in: str) -> None:
+    """A drafter drafting within the grammar (`count()`: _count_second_tokens of its runs): nothing
+    cut, drafter rows masked, tokens drafted, and the second token's exact marginal `expected`
+    (chi-square); then with the planted `bug`, red where it shows: in the "distribution" (its p)
+    or in the "path" (forbidden drafts cut)."""
+    counts, cut, draft_rows, drafted = count()
+    assert cut == 0 and draft_rows > 0 and drafted > N_SEEDS
+    p_right = chi_square_p(counts, expected)
+    os.environ[BUG] = bug
+    try:
+        planted, planted_cut, *_ = count()
+    finally:
+        del os.environ[BUG]
+    p_planted = chi_square_p(planted, expected)
+    print(f"p right {p_right:.3g}, planted {bug}: p {p_planted:.3g}, {planted_cut} cut")
+    assert p_right > 1e-3
+    if bug_shows_in == "distribution":
+        assert p_planted < 1e-3
+    else:
+        assert planted_cut > 0
+
+
+def _second_token_counts(models, grammar) -> tuple[np.ndarray, int, int, int]:
+    """_count_second_tokens with the sharp draft model."""
+    target = models["target"]
+    return _count_second_tokens(lambda seed: target.generate(
+        DIST_PROMPT, max_tokens=4, seed=seed, grammar=grammar, draft_model=models["sharp"], draft_n_min=1,
+        draft_n_max=4, **DIST_PARAMS), target.n_vocab)
 
 
 @pytest.mark.parametrize("in_grammar", [False, True], ids=["unconstrained", "within-grammar"])

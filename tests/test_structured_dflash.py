@@ -17,7 +17,6 @@ must turn the tests red: "draft_unmasked" (candidates not cut by the grammar) an
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -29,14 +28,11 @@ pytest.importorskip("dflash")
 from deltaspec import Drafter, Grammar, Model  # noqa: E402
 from deltaspec.testing.tiny_dflash import write_sharp_tiny_dflash  # noqa: E402
 from deltaspec.testing.tiny_vocab import tiny_vocab_model_path  # noqa: E402
-from sampling_reference import chi_square_p  # noqa: E402
-from sampling_reference import expected_probs  # noqa: E402
-from test_structured import DIST_PROMPT, _ascii_allowed  # noqa: E402
+from test_structured import (DIST_PARAMS, DIST_PROMPT, _assert_drafted_within_and_exact,  # noqa: E402
+                             _ascii_allowed, _count_second_tokens, _second_token_marginal)
 
 BUG = "DELTASPEC_TEST_GRAMMAR_BUG"
 BIAS = {82: 4.0}  # "R", the drafter's favourite printable token
-N_SEEDS = 600
-DIST_PARAMS = dict(temperature=1.0, top_k=8, top_p=1.0, min_p=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -45,23 +41,6 @@ def tiny(tmp_path_factory):
     with Model(tiny_vocab_model_path(), n_ctx=512, n_threads=1, progress=False) as target:
         path = write_sharp_tiny_dflash(target, tmp_path_factory.mktemp("structured_dflash") / "d.gguf")
         yield target, Drafter(path, target=target)
-
-
-def _second_token_marginal(model: Model, allowed: np.ndarray) -> np.ndarray:
-    """Exact distribution of the second generated token under plain constrained sampling with BIAS."""
-    def probs(history):
-        logits = model.logits(history)[-1].astype(np.float64)
-        for token, bias in BIAS.items():
-            logits[token] += bias
-        logits[~allowed] = -np.inf
-        return expected_probs(logits, **DIST_PARAMS)
-
-    first = probs(DIST_PROMPT)
-    out = np.zeros(model.n_vocab)
-    for t in np.flatnonzero(first):
-        if not model.tokenizer.is_eog(int(t)):
-            out += first[t] * probs(DIST_PROMPT + [int(t)])
-    return out
 
 
 PRINTABLE = r"[ -~]*"  # the same allowed set at every position: a reference needs no grammar engine
@@ -170,19 +149,10 @@ def test_dflash_drafts_within_the_grammar(tiny, tree_budget, monkeypatch):
 
 
 def _second_token_counts(target: Model, drafter: Drafter, grammar, tree_budget: int):
-    """Second-token counts over N_SEEDS sampled runs with DFlash drafting; the draft tokens (tree
-    nodes) cut, the drafter rows masked and the tokens drafted, summed."""
-    counts, cut, draft_rows, drafted = np.zeros(target.n_vocab), 0, 0, 0
-    for seed in range(N_SEEDS):
-        r = target.generate(DIST_PROMPT, max_tokens=4, seed=seed, grammar=grammar, draft_model=drafter,
-                            spec_type="dflash", draft_n_min=1, draft_n_max=4, tree_budget=tree_budget, logit_bias=BIAS,
-                            **DIST_PARAMS)
-        cut += r.stats.grammar_cut_tokens
-        draft_rows += r.stats.grammar_draft_rows
-        drafted += r.stats.n_drafted
-        if len(r.tokens) > 1:
-            counts[r.tokens[1]] += 1
-    return counts, cut, draft_rows, drafted
+    """test_structured's counts with DFlash drafting, the target pushed by BIAS."""
+    return _count_second_tokens(lambda seed: target.generate(
+        DIST_PROMPT, max_tokens=4, seed=seed, grammar=grammar, draft_model=drafter, spec_type="dflash", draft_n_min=1,
+        draft_n_max=4, tree_budget=tree_budget, logit_bias=BIAS, **DIST_PARAMS), target.n_vocab)
 
 
 @pytest.mark.parametrize("tree_budget", [0, 4], ids=["chains", "ddtree4"])
@@ -196,19 +166,6 @@ def test_sampled_dflash_keeps_the_constrained_distribution(tiny, tree_budget):
     (forbidden drafts cut: 1234; p right 0.97)."""
     target, drafter = tiny
     grammar = Grammar.from_regex(r"[ -~]*")
-    expected = _second_token_marginal(target, _ascii_allowed(target))
-    counts, cut, draft_rows, drafted = _second_token_counts(target, drafter, grammar, tree_budget)
-    assert cut == 0 and draft_rows > 0 and drafted > N_SEEDS
-    p_right = chi_square_p(counts, expected)
-    os.environ[BUG] = "draft_q_unmasked" if tree_budget else "draft_unmasked"
-    try:
-        planted, planted_cut, *_ = _second_token_counts(target, drafter, grammar, tree_budget)
-    finally:
-        del os.environ[BUG]
-    p_planted = chi_square_p(planted, expected)
-    print(f"p right {p_right:.3g}, planted {p_planted:.3g}, planted cut {planted_cut}")
-    assert p_right > 1e-3
-    if tree_budget:
-        assert p_planted < 1e-3
-    else:
-        assert planted_cut > 0
+    expected = _second_token_marginal(target, _ascii_allowed(target), BIAS)
+    _assert_drafted_within_and_exact(lambda: _second_token_counts(target, drafter, grammar, tree_budget), expected,
+                                     *(("draft_q_unmasked", "distribution") if tree_budget else ("draft_unmasked", "path")))

@@ -11,16 +11,13 @@ tests red: "draft_unmasked" (the head's rows left unmasked) and "draft_q_unmaske
 chain drawn from the masked row but reporting the unmasked row's q).
 """
 
-import os
-
-import numpy as np
 import pytest
 
 from deltaspec import Grammar, Model
 from deltaspec.testing.json_schemas import BOUNDED_SCHEMAS
 from deltaspec.testing.tiny_vocab import tiny_vocab_model_path, write_tiny_vocab_model
-from sampling_reference import chi_square_p
-from test_structured import DIST_PARAMS, DIST_PROMPT, _ascii_allowed, _second_token_marginal, _valid
+from test_structured import (DIST_PARAMS, DIST_PROMPT, _assert_drafted_within_and_exact, _ascii_allowed,
+                             _count_second_tokens, _second_token_marginal, _valid)
 
 BUG = "DELTASPEC_TEST_GRAMMAR_BUG"
 MAX_TOKENS = 300
@@ -80,9 +77,6 @@ def test_mtp_drafts_within_the_grammar(oracle, grammar, tree_budget, monkeypatch
 
 # --- the sampled distribution ----------------------------------------------------------------------
 
-N_SEEDS = 600
-
-
 @pytest.fixture(scope="module")
 def sharp_mtp(tmp_path_factory):
     """A random target with an MTP head that mixes in the hidden state, its head norm doubled
@@ -95,19 +89,11 @@ def sharp_mtp(tmp_path_factory):
         yield m
 
 
-def _second_token_counts(model: Model, grammar, tree_budget: int) -> tuple[np.ndarray, int, int, int]:
-    """Second-token counts over N_SEEDS sampled runs with the MTP head drafting; the draft tokens
-    (tree nodes) cut, the head rows masked and the tokens drafted, summed."""
-    counts, cut, draft_rows, drafted = np.zeros(model.n_vocab), 0, 0, 0
-    for seed in range(N_SEEDS):
-        r = model.generate(DIST_PROMPT, max_tokens=4, seed=seed, grammar=grammar, spec_type="mtp",
-                           draft_n_min=1, draft_n_max=4, tree_budget=tree_budget, **DIST_PARAMS)
-        cut += r.stats.grammar_cut_tokens
-        draft_rows += r.stats.grammar_draft_rows
-        drafted += r.stats.n_drafted
-        if len(r.tokens) > 1:
-            counts[r.tokens[1]] += 1
-    return counts, cut, draft_rows, drafted
+def _second_token_counts(model: Model, grammar, tree_budget: int):
+    """test_structured's counts with the MTP head drafting."""
+    return _count_second_tokens(lambda seed: model.generate(
+        DIST_PROMPT, max_tokens=4, seed=seed, grammar=grammar, spec_type="mtp", draft_n_min=1, draft_n_max=4,
+        tree_budget=tree_budget, **DIST_PARAMS), model.n_vocab)
 
 
 @pytest.mark.parametrize("tree_budget", [0, 4], ids=["chains", "trees"])
@@ -122,18 +108,5 @@ def test_sampled_mtp_keeps_the_constrained_distribution(sharp_mtp, tree_budget):
     assertion failing instead (forbidden children cut: 687; p right 0.73)."""
     grammar = Grammar.from_regex(r"[ -~]*")
     expected = _second_token_marginal(sharp_mtp, _ascii_allowed(sharp_mtp))
-    counts, cut, draft_rows, drafted = _second_token_counts(sharp_mtp, grammar, tree_budget)
-    assert cut == 0 and draft_rows > 0 and drafted > N_SEEDS
-    p_right = chi_square_p(counts, expected)
-    os.environ[BUG] = "draft_unmasked" if tree_budget else "draft_q_unmasked"
-    try:
-        planted, planted_cut, *_ = _second_token_counts(sharp_mtp, grammar, tree_budget)
-    finally:
-        del os.environ[BUG]
-    p_planted = chi_square_p(planted, expected)
-    print(f"p right {p_right:.3g}, planted {p_planted:.3g}, planted cut {planted_cut}")
-    assert p_right > 1e-3
-    if tree_budget:
-        assert planted_cut > 0
-    else:
-        assert p_planted < 1e-3
+    _assert_drafted_within_and_exact(lambda: _second_token_counts(sharp_mtp, grammar, tree_budget), expected,
+                                     *(("draft_unmasked", "path") if tree_budget else ("draft_q_unmasked", "distribution")))
