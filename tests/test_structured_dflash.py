@@ -17,7 +17,6 @@ must turn the tests red: "draft_unmasked" (candidates not cut by the grammar) an
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
