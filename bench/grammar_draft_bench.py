@@ -11,11 +11,12 @@ drafter, --draft). Without --target: tiny-vocabulary models with random weights,
 part so that acceptance is neither nil nor total: for draft, the target (seed 0) and the same
 weights with one FFN scaled by 1.5 (as tests/test_structured_tree.py uses); for mtp, a target
 with an MTP head that mixes in its hidden input at 0.5 (tests/test_batch_structured.py's); for
-dflash, the target and the sharpened seed-3 tiny drafter (needs torch and the dflash package). Workload: 4 JSON schemas x 3 prompts, greedy and
-sampled (3 seeds), max 400 tokens, each output ended by its grammar. Per mode and sampler: tokens per
-target pass (generated tokens / verify passes; 1.0 without speculation), drafted / accepted / cut
-tokens and masked draft rows (sums over the workload), and decode tok/s; each repetition runs every
-mode in turn, and rows give the median (min-max) over repetitions. Greedy outputs are checked
+dflash, the target and the sharpened seed-3 tiny drafter (needs torch and the dflash package).
+Workload: 4 JSON schemas x 3 prompts, greedy and sampled (3 seeds), max 400 tokens, each output
+ended by its grammar. Per mode and sampler: tokens per target pass (generated tokens / verify
+passes; 1.0 without speculation), drafted / accepted / cut tokens and masked draft rows (sums over
+the workload), and decode tok/s; each repetition runs every mode in turn, and rows give the median
+(min-max) over repetitions. Greedy outputs are checked
 identical across modes (they must be: the grammar masks every verified row).
 """
 
@@ -125,18 +126,20 @@ def main(argv=None) -> int:
 
                 draft_path = write_sharp_tiny_dflash(target, Path(folder.name) / "dflash.gguf")
             draft = Drafter(draft_path, target=target)
-        for rep in range(args.reps):
-            for sampler in SAMPLERS:
-                greedy_outputs = {}
-                for mode in MODES:
-                    print(f"repetition {rep + 1} of {args.reps}: {sampler}, {mode}", file=sys.stderr)
-                    counts, outputs = run_mode(target, draft, grammars, mode, sampler, spec)
-                    runs.setdefault((sampler, mode), []).append(counts)
-                    greedy_outputs[mode] = outputs
-                if sampler == "greedy" and len({str(o) for o in greedy_outputs.values()}) != 1:
-                    raise SystemExit("greedy outputs differ between modes: a bug (every verified row is masked)")
-        if isinstance(draft, Model):
-            draft.close()
+        try:
+            for rep in range(args.reps):
+                for sampler in SAMPLERS:
+                    greedy_outputs = {}
+                    for mode in MODES:
+                        print(f"repetition {rep + 1} of {args.reps}: {sampler}, {mode}", file=sys.stderr)
+                        counts, outputs = run_mode(target, draft, grammars, mode, sampler, spec)
+                        runs.setdefault((sampler, mode), []).append(counts)
+                        greedy_outputs[mode] = outputs
+                    if sampler == "greedy" and len({str(o) for o in greedy_outputs.values()}) != 1:
+                        raise SystemExit("greedy outputs differ between modes: a bug (every verified row is masked)")
+        finally:
+            if isinstance(draft, Model):
+                draft.close()
     os.environ.pop("DELTASPEC_DRAFT_IN_GRAMMAR", None)
 
     rows = []
