@@ -415,6 +415,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         s.stats.n_tree_nodes += s.tree.size();
         s.stats.n_accepted += n_acc[i];
         s.stats.accepted_lengths.push_back((int32_t)n_acc[i]);
+        if (s.finished) ev.spec = s.stats;  // finish() copied them before this round's counts
         if (s.forced_in_pause) continue;  // the drafter's schedule is its own (generate_speculative's rule)
         constexpr double kLossBudget = 0.05;  // generate_speculative's
         const int64_t n_floor = std::max<int64_t>(s.spec.n_min, 1);
@@ -426,7 +427,6 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         } else {
             s.backoff = 1;
         }
-        if (s.finished) ev.spec = s.stats;  // finish() copied them before this round's counts
     }
     spec_stats_.verify_passes += 1;
     spec_stats_.multi_draft_passes += n_drafting >= 2;

@@ -138,7 +138,9 @@ def test_paused_drafter_forced_tokens_batch_equals_alone(models, grammars, monke
     the batch drafts the grammar's forced tokens while its drafter pauses, as generate() alone does
     (tokens, drafting and grammar counts equal), greedy also plain constrained decoding's tokens.
     Seen red with DELTASPEC_TEST_GRAMMAR_BUG=pause_blocks_forced (fewer forced tokens drafted:
-    the count assertion), run here."""
+    the count assertion), run here. (A sequence whose last round drafts forced tokens during a
+    pause: test_tool_call_grammar.py's batch comparison, seen red with that round's counts left
+    out of the finished sequence's stats.)"""
     target, draft = models
     per_prompt = [dict(grammar=grammars[name]) for name in NAMES]
     options = dict(draft_model=draft, draft_n_max=8, temperature=0.0, max_tokens=MAX_TOKENS)
