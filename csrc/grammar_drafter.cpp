@@ -15,17 +15,27 @@ std::vector<int32_t> take_forced(TokenConstraint & constraint, int64_t n_max) {
     return forced;
 }
 
+bool draft_forced(TokenConstraint & constraint, int64_t budget, int64_t n_max, Draft & draft, DraftTree & tree) {
+    if (budget > 0) {
+        tree = chain_tree(take_forced(constraint, std::min(budget, n_max)));
+        return !tree.empty();
+    }
+    draft.tokens = take_forced(constraint, n_max);  // deterministic (no q) and free to propose (cost 0)
+    return !draft.tokens.empty();
+}
+
 Draft GrammarDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
     Draft d;
-    d.tokens = take_forced(constraint_, n_max);
-    if (d.tokens.empty()) return inner_ ? inner_->propose(committed, n_max) : d;
-    return d;
+    DraftTree unused;
+    if (draft_forced(constraint_, 0, n_max, d, unused)) return d;
+    return inner_ ? inner_->propose(committed, n_max) : d;
 }
 
 DraftTree GrammarDrafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {
-    const std::vector<int32_t> forced = take_forced(constraint_, std::min(budget, max_depth));
-    if (forced.empty()) return inner_ ? inner_->propose_tree(committed, budget, max_depth) : DraftTree{};
-    return chain_tree(forced);
+    Draft unused;
+    DraftTree t;
+    if (budget > 0 && draft_forced(constraint_, budget, max_depth, unused, t)) return t;
+    return inner_ ? inner_->propose_tree(committed, budget, max_depth) : t;
 }
 
 }  // namespace deltaspec

@@ -18,6 +18,12 @@ namespace deltaspec {
 // it forces nothing (nothing counted). GrammarDrafter's rule, which the scheduler applies too.
 std::vector<int32_t> take_forced(TokenConstraint & constraint, int64_t n_max);
 
+// take_forced as a round's draft: with a tree budget (> 0), a chain tree of at most
+// min(budget, n_max) nodes in `tree`, else at most n_max tokens in `draft`. False when the grammar
+// forces nothing. What GrammarDrafter proposes first, the scheduler too, and both loops while a
+// pause stops the drafter.
+bool draft_forced(TokenConstraint & constraint, int64_t budget, int64_t n_max, Draft & draft, DraftTree & tree);
+
 class GrammarDrafter : public Drafter {
   public:
     // inner: the drafter for unforced text, or null (forced tokens only)

@@ -59,13 +59,7 @@ void settle_draft(Sequence & s, int64_t budget) {
 // (at most n_max; with a tree budget, a chain of at most min(budget, n_max) nodes), and the drafter
 // is not asked. False when the grammar forces nothing.
 bool draft_forced(Sequence & s, int64_t budget, int64_t n_max) {
-    std::vector<int32_t> forced = take_forced(*s.req.constraint, budget > 0 ? std::min(budget, n_max) : n_max);
-    if (forced.empty()) return false;
-    if (budget > 0) {
-        s.tree = chain_tree(forced);
-    } else {
-        s.draft.tokens = std::move(forced);  // deterministic (no q) and free to propose (cost 0)
-    }
+    if (!deltaspec::draft_forced(*s.req.constraint, budget, n_max, s.draft, s.tree)) return false;
     settle_draft(s, budget);
     return true;
 }

@@ -222,25 +222,18 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         const int64_t room = std::min({target.n_ctx() - target.n_past() - 1, spec.n_max, left - 1});
         Draft draft;
         DraftTree tree;
+        // every node takes a KV row in the verify: the whole tree must fit the context
+        const int64_t budget = spec.tree_budget > 0 ? std::min(spec.tree_budget, target.n_ctx() - target.n_past() - 1) : 0;
         bool forced_in_pause = false;  // this round verifies only what the grammar forces
         if (pause > 0) {
             --pause;
             // a pause stops the drafter, not the grammar: what it forces costs nothing to propose
             // and is always accepted (planted bug pause_blocks_forced: the pause stops it too)
-            if (req.constraint && room >= 1 && req.constraint->bug != GrammarBug::pause_blocks_forced) {
-                if (spec.tree_budget > 0) {
-                    const int64_t budget = std::min(spec.tree_budget, target.n_ctx() - target.n_past() - 1);
-                    tree = chain_tree(take_forced(*req.constraint, std::min(budget, room)));
-                } else {
-                    draft.tokens = take_forced(*req.constraint, room);
-                }
-                forced_in_pause = !draft.tokens.empty() || !tree.empty();
-            }
+            forced_in_pause = req.constraint && room >= 1 && req.constraint->bug != GrammarBug::pause_blocks_forced &&
+                              draft_forced(*req.constraint, budget, room, draft, tree);
         } else if (room >= std::max<int64_t>(spec.n_min, 1)) {
             auto td = Clock::now();
             if (spec.tree_budget > 0) {
-                // every node takes a KV row in the verify: the whole tree must fit the context
-                const int64_t budget = std::min(spec.tree_budget, target.n_ctx() - target.n_past() - 1);
                 tree = drafter.propose_tree(history, budget, drafter.tree_depth_is_free() ? room : std::min(n_draft, room));
                 if (req.constraint) req.constraint->prune_tree(tree);  // what the grammar forbids is not verified
                 // n_min counts verified nodes: a best-first tree fills its budget but may stay

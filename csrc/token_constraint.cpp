@@ -76,24 +76,25 @@ void TokenConstraint::fill_mask_after(uint32_t * mask, int64_t n_words, const st
     std::copy(rows.end() - n_words, rows.end(), mask);
 }
 
-bool TokenConstraint::mask_draft_row(const std::vector<int32_t> & path, float * logits, int64_t n_vocab) {
-    if (bug == GrammarBug::draft_unmasked) return true;
+const uint32_t * TokenConstraint::draft_row_mask(const std::vector<int32_t> & path, int64_t n_vocab) {
     const int64_t n_words = (n_vocab + 31) / 32;
     masks_.assign(n_words, 0u);
     fill_mask_after(masks_.data(), n_words, path);
     ++n_draft_rows;
-    return apply_bits(masks_.data(), logits, n_vocab);
+    return masks_.data();
+}
+
+bool TokenConstraint::mask_draft_row(const std::vector<int32_t> & path, float * logits, int64_t n_vocab) {
+    if (bug == GrammarBug::draft_unmasked) return true;
+    return apply_bits(draft_row_mask(path, n_vocab), logits, n_vocab);
 }
 
 bool TokenConstraint::filter_draft_row(const std::vector<int32_t> & path, Distribution & candidates, int64_t n_vocab) {
     if (bug == GrammarBug::draft_unmasked) return !candidates.ids.empty();
-    const int64_t n_words = (n_vocab + 31) / 32;
-    masks_.assign(n_words, 0u);
-    fill_mask_after(masks_.data(), n_words, path);
-    ++n_draft_rows;
+    const uint32_t * mask = draft_row_mask(path, n_vocab);
     size_t kept = 0;
     for (size_t i = 0; i < candidates.ids.size(); ++i) {
-        if (!allows(masks_.data(), candidates.ids[i])) continue;
+        if (!allows(mask, candidates.ids[i])) continue;
         candidates.ids[kept] = candidates.ids[i];
         if (i < candidates.probs.size()) candidates.probs[kept] = candidates.probs[i];
         ++kept;

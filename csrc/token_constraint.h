@@ -131,6 +131,9 @@ class TokenConstraint {
 
   private:
     void apply(const uint32_t * mask, float * logits, int64_t n_vocab);
+    // the tokens allowed after the committed ones and `path` (fill_mask_after into masks_), counted
+    // as a drafter row; valid until the next call
+    const uint32_t * draft_row_mask(const std::vector<int32_t> & path, int64_t n_vocab);
     // sets the logits of the tokens `mask` forbids to -inf; whether it allows any
     static bool apply_bits(const uint32_t * mask, float * logits, int64_t n_vocab);
     // per node of the tree: whether the rule allows its path after the committed tokens

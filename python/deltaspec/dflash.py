@@ -244,10 +244,8 @@ class Drafter:
             return list(self._core.chain(arr.tolist(), n, rule))
 
     def _constraint(self, grammar: Grammar | str | None):
-        from .constraint import GrammarConstraint
-
         g = grammar_of(grammar)
-        return None if g is None else GrammarConstraint(self.target.tokenizer, g)
+        return None if g is None else self.target._grammar_constraint(g)
 
     def _anchor(self, ids: int | Sequence[int]) -> int:
         if isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):

@@ -506,20 +506,24 @@ class Model:
         accepted drafts and rejected drafts), max_drafting (the most sequences drafting in one pass)."""
         return dict(self._live().batch_spec_stats)
 
+    def _grammar_constraint(self, grammar: Grammar):
+        """The engine-side state of `grammar` at the start of a generation (a lazy grammar: before
+        its trigger)."""
+        if grammar.after_token is not None:
+            from .lazy_grammar import LazyGrammarConstraint
+
+            return LazyGrammarConstraint(self.tokenizer, grammar)
+        from .constraint import GrammarConstraint
+
+        return GrammarConstraint(self.tokenizer, grammar)
+
     def _constraint(self, request: _Request):
         """The engine-side state of the request's grammar and/or reasoning budget (None without either)."""
         budget = None if request.reasoning_budget is None else ReasoningBudget(
             self.tokenizer, request.reasoning_budget, request.prompt, request.reasoning_budget_message)
         if request.grammar is None:
             return budget
-        if request.grammar.after_token is not None:
-            from .lazy_grammar import LazyGrammarConstraint
-
-            grammar = LazyGrammarConstraint(self.tokenizer, request.grammar)
-        else:
-            from .constraint import GrammarConstraint
-
-            grammar = GrammarConstraint(self.tokenizer, request.grammar)
+        grammar = self._grammar_constraint(request.grammar)
         if budget is None:
             return grammar
         from .constraint_pair import BothConstraints
