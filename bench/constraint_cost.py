@@ -1,7 +1,9 @@
 """What a constraint costs per decoded token: plain decoding against a reasoning budget that never
 runs out and a tool-call grammar whose call never starts (both leave every row free: the device's
 argmax / top rows, TokenConstraint::allows_every_token), and against a grammar that masks every row
-(a regex that allows any text: every row crosses over whole and is masked on the host).
+(a regex that allows any text), its masks applied on the device (masked-grammar: the argmax or top
+candidates of the masked row cross over, Engine's `allowed`) or on the host (masked-host: every row
+crosses over whole; Runner.device_masks_enabled off).
 
     python bench/constraint_cost.py MODEL.gguf [--device cuda] [--n-seqs 1,16] [--gen 128] [--reps 3]
                                     [--out FILE.json]
@@ -11,7 +13,8 @@ counts), greedy and sampled (temperature 0.8, top_k 40: top rows serve it), one 
 (generate) or N at once (generate_batch); tok/s is generated tokens over decode seconds (a random
 model may end early: the rate is per token either way). Each repetition runs every mode, sampler
 and N, interleaved; rows give the median and spread of the repetitions and the rows each mode
-masked (grammar_masked_rows: 0 for the free modes, asserted). The model needs <think> and
+masked (grammar_masked_rows: 0 for the free modes, asserted; every row for the masked ones, on the
+device for masked-grammar and never for masked-host, asserted). The model needs <think> and
 <tool_call> tokens (Qwen3.5's vocabulary: `deltaspec synth` models have it). Weights of a
 synthetic GGUF are random: the speed is that of the model's shapes and quant mix.
 """
@@ -29,7 +32,8 @@ from bench_cli import batch_decode_args, write_result
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest" / "constraint_cost.json"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]
-MODES = ("plain", "budget", "tool-grammar", "masked-grammar")
+MODES = ("plain", "budget", "tool-grammar", "masked-grammar", "masked-host")
+MASKED = ("masked-grammar", "masked-host")
 SAMPLERS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_k=40, top_p=1.0, min_p=0.0)}
 
 
@@ -41,21 +45,28 @@ def mode_options(mode: str) -> dict:
         return {"reasoning_budget": 1 << 20}  # never runs out: every row free
     if mode == "tool-grammar":
         return {"grammar": chosen_call_grammar(TOOLS)}  # free until a <tool_call> the model never writes
-    if mode == "masked-grammar":
+    if mode in MASKED:
         return {"grammar": Grammar.from_regex("(?s:.*)")}  # any text, but every row masked
     return {}
 
 
 def run_once(model, prompts: list[list[int]], n_gen: int, mode: str, sampler: str, seed: int) -> dict:
     kw = dict(max_tokens=n_gen, seed=seed, **SAMPLERS[sampler], **mode_options(mode))
-    if len(prompts) == 1:
-        results = [model.generate(prompts[0], **kw)]
-    else:
-        results = model.generate_batch(prompts, **kw)
+    engine = model._engine
+    before = engine.decode_stats["masked_rows"]
+    engine.device_masks_enabled = mode != "masked-host"
+    try:
+        if len(prompts) == 1:
+            results = [model.generate(prompts[0], **kw)]
+        else:
+            results = model.generate_batch(prompts, **kw)
+    finally:
+        engine.device_masks_enabled = True
     tokens = sum(r.stats.generated_tokens for r in results)
     seconds = max(r.stats.decode_seconds for r in results)  # a batch's sequences decode together
     return {"n_seqs": len(prompts), "mode": mode, "sampler": sampler, "tokens": tokens, "decode_s": seconds,
-            "tok_s": tokens / seconds, "masked_rows": sum(r.stats.grammar_masked_rows for r in results)}
+            "tok_s": tokens / seconds, "masked_rows": sum(r.stats.grammar_masked_rows for r in results),
+            "device_masked_rows": engine.decode_stats["masked_rows"] - before}
 
 
 def main(argv=None) -> int:
@@ -80,14 +91,18 @@ def main(argv=None) -> int:
                 for sampler in SAMPLERS:
                     for mode in MODES:
                         r = run_once(model, prompts[n], args.gen, mode, sampler, seed=rep)
-                        if mode != "masked-grammar" and mode != "plain" and r["masked_rows"]:
+                        if mode not in MASKED and mode != "plain" and r["masked_rows"]:
                             raise AssertionError(f"{mode} masked {r['masked_rows']} rows: its rows were not free")
-                        if mode == "masked-grammar" and r["masked_rows"] < r["tokens"]:
+                        if mode in MASKED and r["masked_rows"] < r["tokens"]:
                             raise AssertionError(f"the masked grammar masked {r['masked_rows']} of {r['tokens']} rows")
+                        if (mode == "masked-grammar" and r["device_masked_rows"] < r["masked_rows"]) or \
+                                (mode == "masked-host" and r["device_masked_rows"]):
+                            raise AssertionError(f"{mode}: {r['device_masked_rows']} of {r['masked_rows']} masked rows "
+                                                 f"were masked on the device")
                         r["rep"] = rep
                         runs.append(r)
                         print(f"rep {rep + 1} N={n:3d} {sampler:7s} {mode:15s}: {r['tok_s']:8.1f} tok/s, "
-                              f"{r['masked_rows']} rows masked", flush=True)
+                              f"{r['masked_rows']} rows masked ({r['device_masked_rows']} on the device)", flush=True)
     rows = []
     for n in n_seqs:
         for sampler in SAMPLERS:
@@ -110,8 +125,8 @@ def main(argv=None) -> int:
     result = {"model": os.path.abspath(args.model), "device": args.device, "host": platform.node(),
               "n_prompt": args.prompt, "n_gen": args.gen, "reps": args.reps, "rows": rows, "runs": runs,
               "note": "decode with no constraint, a reasoning budget that never runs out, a tool-call grammar whose "
-                      "call never starts, and a grammar masking every row; synthetic weights: the speed of the "
-                      "shapes and quant mix"}
+                      "call never starts, and a grammar masking every row (masks applied on the device, or on the "
+                      "host: masked-host); synthetic weights: the speed of the shapes and quant mix"}
     write_result(args.out, result)
     return 0
 

@@ -956,9 +956,12 @@ PYBIND11_MODULE(_core, m) {
                  d["rows"] = s.rows;
                  d["max_rows"] = s.max_rows;
                  d["top_rows"] = s.top_rows;
+                 d["masked_rows"] = s.masked_rows;
                  return d;
              }, "What batched decoding has run: calls, rows in all, the most rows of one call; rows that "
-                "returned their top candidates instead of whole logits (top_rows).")
+                "returned their top candidates instead of whole logits (top_rows); result rows of passes that "
+                "applied grammars' masks on the device (masked_rows; a row of such a pass without a grammar "
+                "counts, its mask allowing every token).")
         .def_property_readonly("graph_stats", [](const Runner & r) {
                  const auto s = r.engine->graph_stats();
                  py::dict d;
@@ -981,6 +984,11 @@ PYBIND11_MODULE(_core, m) {
                       [](Runner & r, bool on) { r.engine->enable_top_rows(on); },
                       "Whether sequences whose sampler allows it take their rows' top candidates from the "
                       "device instead of whole logits rows (on; off compares both ways).")
+        .def_property("device_masks_enabled", [](const Runner & r) { return r.engine->device_masks_enabled(); },
+                      [](Runner & r, bool on) { r.engine->enable_device_masks(on); },
+                      "Whether a grammar's masked rows (plain decoding, no logprobs) take their argmax or top "
+                      "candidates from the device, the mask applied there (on), or cross over whole to be masked "
+                      "on the host (off compares both ways).")
         .def("verify_tree", [](Runner & r, Tokens tokens, Tokens parents, bool argmax) {
                  Engine & e = r.single();
                  const int64_t T = tokens.shape(0);

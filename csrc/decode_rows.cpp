@@ -30,7 +30,7 @@ BatchBug batch_bug() {
     return bug;
 }
 
-void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
+void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out, const uint32_t * allowed) {
     const int64_t N = rows.size();
     if (wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all && wanted != LogitsWanted::top_all) {
         throw std::invalid_argument("decode returns the logits, the argmax or the top candidates of its rows");
@@ -73,7 +73,7 @@ void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
     }
 
     const BatchBug bug = N > 1 ? batch_bug() : BatchBug::none;
-    StepGraph & g = step_graph(N, n_kv, wanted, /*keep_states =*/false, N, first);
+    StepGraph & g = step_graph(N, n_kv, wanted, /*keep_states =*/false, N, first, /*tree =*/false, allowed != nullptr);
     std::vector<int32_t> pos(4 * N, 0);
     std::vector<int64_t> kv_rows(N);
     for (int64_t i = 0; i < N; ++i) {
@@ -94,6 +94,7 @@ void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
         for (int64_t j = 0; j < n_kv; ++j) mask[i * n_kv + j] = j <= pos[i] ? zero : neg_inf;
     }
     set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
+    set_allowed_input(g, allowed);
 
     compute(g);
     std::vector<TapRun> taps(N);  // row i is slot first + i's next position
@@ -110,13 +111,13 @@ void Engine::decode(const RowBatch & rows, LogitsWanted wanted, void * out) {
                                                                : sizeof(int32_t);
     if (wanted == LogitsWanted::top_all) decode_stats_.top_rows += N;
     if (std::all_of(rows.wants_logits.begin(), rows.wants_logits.end(), [](uint8_t w) { return w != 0; })) {
-        ggml_backend_tensor_get(g.out, out, 0, N * row_bytes);
+        get_result_rows(g, 0, N, out);
         return;
     }
     char * dst = static_cast<char *>(out);
     for (int64_t i = 0; i < N; ++i) {
         if (!rows.wants_logits[i]) continue;
-        ggml_backend_tensor_get(g.out, dst, i * row_bytes, row_bytes);
+        get_result_rows(g, i, 1, dst);
         dst += row_bytes;
     }
 }

@@ -214,9 +214,9 @@ void Engine::eval_hidden(const int32_t * tokens, int64_t n_tokens, float * hidde
     eval_all(tokens, n_tokens, LogitsWanted::hidden, hidden);
 }
 
-int32_t Engine::eval_argmax(const int32_t * tokens, int64_t n_tokens) {
+int32_t Engine::eval_argmax(const int32_t * tokens, int64_t n_tokens, const uint32_t * allowed) {
     int32_t token = -1;
-    eval_all(tokens, n_tokens, LogitsWanted::argmax, &token);
+    eval_all(tokens, n_tokens, LogitsWanted::argmax, &token, allowed);
     return token;
 }
 
@@ -225,8 +225,8 @@ int64_t Engine::top_k() const {
     return std::min<int64_t>(64, hp_.n_vocab);
 }
 
-void Engine::eval_top(const int32_t * tokens, int64_t n_tokens, int32_t * top) {
-    eval_all(tokens, n_tokens, LogitsWanted::top, top);
+void Engine::eval_top(const int32_t * tokens, int64_t n_tokens, int32_t * top, const uint32_t * allowed) {
+    eval_all(tokens, n_tokens, LogitsWanted::top, top, allowed);
     decode_stats_.top_rows += 1;
 }
 
@@ -267,7 +267,8 @@ void Engine::clear_tapped(int64_t slot) {
     st.pos = pool_.slots.at(slot).n_past;
 }
 
-void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out) {
+void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
+                      const uint32_t * allowed) {
     check_batch(tokens, n_tokens);
     for (int64_t done = 0; done < n_tokens;) {
         const int64_t n = std::min(opts_.n_ubatch, n_tokens - done);
@@ -276,7 +277,7 @@ void Engine::eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wan
         LogitsWanted w = every_row ? wanted : last_batch ? wanted : LogitsWanted::none;
         const int64_t row = wanted == LogitsWanted::hidden ? hp_.n_embd : hp_.n_vocab;
         void * dst = every_row ? static_cast<float *>(out) + done * row : out;
-        eval_ubatch(tokens + done, n, w, dst);
+        eval_ubatch(tokens + done, n, w, dst, /*keep_states =*/false, last_batch ? allowed : nullptr);
         done += n;
     }
 }
@@ -354,18 +355,20 @@ void Engine::restore_checkpoint() {
     rows_pending_.active = false;
 }
 
-void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool keep_states) {
+void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool keep_states,
+                         const uint32_t * allowed) {
     settle_verify();  // before a new graph may take the memory of the last one's outputs
     const int64_t p0 = seq().n_past;
     const int64_t n_kv = seq().n_kv_for(p0 + T);
-    StepGraph & g = step_graph(T, n_kv, wanted, keep_states);
+    StepGraph & g = step_graph(T, n_kv, wanted, keep_states, 0, 0, false, allowed != nullptr);
 
     set_input(g.in.tokens, tokens, T * sizeof(int32_t));
     set_chain_inputs(g.in, p0, T, n_kv);
+    set_allowed_input(g, allowed);
 
     compute(g);
     seq().n_past = p0 + T;
-    if (wanted != LogitsWanted::none) ggml_backend_tensor_get(g.out, out, 0, ggml_nbytes(g.out));
+    if (wanted != LogitsWanted::none) get_result_rows(g, 0, (int64_t)(ggml_nbytes(g.out) / g.out_row_bytes), out);
     append_taps(T);
 }
 

@@ -65,9 +65,19 @@ class Engine {
     // returned row: every row for LogitsWanted::all, the last row for ::last, nothing for ::none.
     void eval(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, float * logits);
     // Appends tokens and returns the argmax of the last row's logits (greedy decoding).
-    int32_t eval_argmax(const int32_t * tokens, int64_t n_tokens);
+    // `allowed` (here and in eval_top, decode and prefill_rows; nullptr: none): the tokens each
+    // returned row may take, allowed_words() words a row (a TokenConstraint bitmask: bit t % 32 of
+    // word t / 32), applied on the device before the argmax or the top candidates, as the host
+    // applies a grammar's mask to a whole row (forbidden logits -inf: ggml/deltaspec_top.h), so that
+    // a masked row needs neither its logits on the host nor a host pass over the vocabulary.
+    int32_t eval_argmax(const int32_t * tokens, int64_t n_tokens, const uint32_t * allowed = nullptr);
     // Appends tokens; `top` receives the last row's top candidates (top_row_words() int32s, top_rows.h).
-    void eval_top(const int32_t * tokens, int64_t n_tokens, int32_t * top);
+    void eval_top(const int32_t * tokens, int64_t n_tokens, int32_t * top, const uint32_t * allowed = nullptr);
+    int64_t allowed_words() const { return (hp_.n_vocab + 31) / 32; }
+    // Whether callers may hand grammar masks to the device (`allowed` above; on; off: a masked row
+    // crosses over whole and is masked on the host, which tests and benches compare against).
+    bool device_masks_enabled() const { return device_masks_enabled_; }
+    void enable_device_masks(bool on) { device_masks_enabled_ = on; }
     // How many candidates a top row holds (min(64, n_vocab)), and its size in int32 words.
     int64_t top_k() const;
     int64_t top_row_words() const { return 2 * top_k() + 1; }
@@ -100,11 +110,14 @@ class Engine {
     // all of them, each slot then one token longer. `out` receives, for the rows that want
     // logits and in row order, n_vocab floats each (LogitsWanted::all), the argmax
     // (LogitsWanted::argmax_all, on the device) or top_row_words() int32s (LogitsWanted::top_all).
-    void decode(const RowBatch & rows, LogitsWanted wanted, void * out);
+    void decode(const RowBatch & rows, LogitsWanted wanted, void * out, const uint32_t * allowed = nullptr);
     // What decode() has run (tests assert that batches of several sequences happened).
     struct DecodeStats {
         int64_t calls = 0, rows = 0, max_rows = 0;
         int64_t top_rows = 0;  // rows returned as top candidates (decode or eval_top), not as whole logits
+        // result rows of passes given a mask (`allowed`): rows a grammar's mask limited on the device,
+        // and the other sequences' rows of such a pass (their masks allowing every token)
+        int64_t masked_rows = 0;
     };
     const DecodeStats & decode_stats() const { return decode_stats_; }
     // What the step graphs cost (step_graphs.cpp): graphs built and allocated vs steps that ran a
@@ -196,7 +209,7 @@ class Engine {
     // state as if the chunk had been eval()'d in it alone. `out` receives each slot's last row's
     // logits (LogitsWanted::all), argmax (::argmax_all) or top row (::top_all), in slot order, or
     // nothing (::none).
-    void prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out);
+    void prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out, const uint32_t * allowed = nullptr);
     // What prefill_rows has run (tests assert that passes over several slots happened).
     struct PrefillStats {
         int64_t passes = 0, multi_slot_passes = 0, rows = 0, max_slots = 0;
@@ -260,9 +273,10 @@ class Engine {
 
   private:
     void verify(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
-    void eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
+    void eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
+                  const uint32_t * allowed = nullptr);
     void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
-                     bool keep_states = false);
+                     bool keep_states = false, const uint32_t * allowed = nullptr);
     // verify_rollback.cpp: the recurrent state after the first n tokens of the last verify batch,
     // from the one before it (conv windows copied, DeltaNet recurrences replayed; for all T
     // tokens the states after the batch copied), and the same for all of them when the batch is
@@ -305,9 +319,11 @@ class Engine {
         bool keep_states = false;
         bool tree = false;  // a tree verify batch (StepInputs::rows)
         int64_t n_seqs = 0, first_slot = 0, slot = -1;  // rows of several slots, or the one slot
+        bool masked = false;  // its argmax or top candidates read a mask of allowed tokens (StepGraph::allowed)
         bool operator==(const StepKey & o) const {
             return n_tokens == o.n_tokens && n_kv == o.n_kv && wanted == o.wanted && keep_states == o.keep_states &&
-                   tree == o.tree && n_seqs == o.n_seqs && first_slot == o.first_slot && slot == o.slot;
+                   tree == o.tree && n_seqs == o.n_seqs && first_slot == o.first_slot && slot == o.slot &&
+                   masked == o.masked;
         }
     };
     // A step's graph, built and allocated once for its shape and kept (step_graphs.cpp says why
@@ -323,12 +339,21 @@ class Engine {
         bool probation = true;                 // run once so far (step_graphs.cpp: eviction)
         StepInputs in;
         ggml_tensor * out = nullptr;
+        size_t out_row_bytes = 0;  // one result row of out: logits, top candidates or argmax
+        // key.masked: the allowed tokens of each result row (I32 {allowed_words(), rows}); an argmax is
+        // then the masked top node of k = 1, whose candidate id is the row's argmax (out_row_bytes 3 words)
+        ggml_tensor * allowed = nullptr;
         int64_t n_rows_op_nodes = 0;  // nodes of the rows ops (deltaspec_rows.h) in gf
         VerifyStates verify;  // keep_states: where each token's recurrent state is
     };
     // The graph of that shape, kept or built (step_graphs.cpp); it becomes step_.
     StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool keep_states,
-                           int64_t n_seqs = 0, int64_t first_slot = 0, bool tree = false);
+                           int64_t n_seqs = 0, int64_t first_slot = 0, bool tree = false, bool masked = false);
+    // Sets g's mask input from `allowed` (one row per result row), counting the rows masked.
+    void set_allowed_input(StepGraph & g, const uint32_t * allowed);
+    // Result rows [first, first + n) of g's last compute into out, in the caller's form (an argmax:
+    // one int32 a row, also where the masked top node computed it).
+    void get_result_rows(const StepGraph & g, int64_t first, int64_t n, void * out);
     void compute(StepGraph & g);
     void build_step_graph(StepGraph & g);  // g's key set: its graph, allocated by a scheduler of its own
     void free_step_graph(StepGraph & g);
@@ -418,6 +443,7 @@ class Engine {
     };
     std::vector<SlotTaps> slot_taps_;  // per slot
     bool top_rows_enabled_ = true;
+    bool device_masks_enabled_ = true;
 };
 
 

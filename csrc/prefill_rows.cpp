@@ -36,7 +36,7 @@ PrefillBug prefill_bug() {
     return bug;
 }
 
-void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out) {
+void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out, const uint32_t * allowed) {
     const int64_t T = rows.size();
     if (wanted != LogitsWanted::none && wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all &&
         wanted != LogitsWanted::top_all) {
@@ -111,7 +111,7 @@ void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out
                                                 "prefill_rows", /*callers_rows =*/false, &n_saved);
     if (n_saved != 0) throw std::logic_error("prefill_rows: a chain needed a saved state");  // chains walk in registers
 
-    StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/false, N, first, /*tree =*/true);
+    StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/false, N, first, /*tree =*/true, allowed != nullptr);
     set_input(g.in.tokens, rows.token.data(), T * sizeof(int32_t));
     set_input(g.in.pos, pos.data(), pos.size() * sizeof(int32_t));
     set_input(g.in.kv_rows, kv_rows.data(), T * sizeof(int64_t));
@@ -123,6 +123,7 @@ void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out
         for (int64_t k = 0; k < n_kv; ++k) mask[r * n_kv + k] = k <= rows.pos[r] ? zero : neg_inf;
     }
     set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
+    set_allowed_input(g, allowed);
 
     compute(g);
     std::vector<TapRun> taps(N);  // slot first + i's chunk: rows i * Tq ..
@@ -134,7 +135,7 @@ void Engine::prefill_rows(const RowBatch & rows, LogitsWanted wanted, void * out
     prefill_stats_.rows += T;
     prefill_stats_.max_slots = std::max(prefill_stats_.max_slots, N);
     if (wanted == LogitsWanted::top_all) decode_stats_.top_rows += N;
-    if (wanted != LogitsWanted::none) ggml_backend_tensor_get(g.out, out, 0, ggml_nbytes(g.out));
+    if (wanted != LogitsWanted::none) get_result_rows(g, 0, N, out);
 }
 
 }  // namespace deltaspec

@@ -205,11 +205,13 @@ int64_t Scheduler::feed(Sequence & s, int64_t budget, std::vector<StepEvent> & e
         token = feed_scored(s, n);
     } else if (n < left) {
         engine_.eval(chunk, n, LogitsWanted::none, nullptr);
-    } else if (const RowNeeds needs = row_needs(s.req, {}, engine_.top_rows_enabled(), engine_.top_k()); needs.argmax) {
-        token = engine_.eval_argmax(chunk, n);
+    } else if (const RowNeeds needs = row_needs(s.req, {}, engine_.top_rows_enabled(), engine_.top_k(),
+                                                engine_.device_masks_enabled());
+               needs.argmax) {
+        token = engine_.eval_argmax(chunk, n, device_masks({&s}, {needs.device_mask}));
     } else if (needs.top) {
         top_.resize(engine_.top_row_words());
-        engine_.eval_top(chunk, n, top_.data());
+        engine_.eval_top(chunk, n, top_.data(), device_masks({&s}, {needs.device_mask}));
         token = choose_from_top(s.req, s.sampler, top_row(top_.data(), engine_.top_k()), s.res);
     } else {
         const int64_t n_vocab = engine_.hparams().n_vocab;
@@ -344,7 +346,7 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
     const int64_t N = (int64_t)seqs.size(), n_vocab = engine_.hparams().n_vocab;
     rows_.clear();
     bool any_done = false, all_argmax = true, all_top = true;
-    std::vector<uint8_t> masked(N);  // per sequence whose prompt is complete: its first row masked
+    std::vector<uint8_t> masked(N), device_mask(N);  // per sequence whose prompt is complete: its first row masked
     for (int64_t i = 0; i < N; ++i) {
         const Sequence * s = seqs[i];
         const int32_t p0 = (int32_t)engine_.slot_n_past(s->slot);
@@ -354,8 +356,10 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
         }
         if (s->n_fed + n < (int64_t)s->req.prompt.size()) continue;  // its prompt goes on in a later round
         any_done = true;
-        const RowNeeds needs = row_needs(s->req, {}, engine_.top_rows_enabled(), engine_.top_k());
+        const RowNeeds needs =
+            row_needs(s->req, {}, engine_.top_rows_enabled(), engine_.top_k(), engine_.device_masks_enabled());
         masked[i] = needs.masked;
+        device_mask[i] = needs.device_mask;
         all_argmax = all_argmax && needs.argmax;
         all_top = all_top && needs.top;
     }
@@ -365,10 +369,10 @@ void Scheduler::feed_rows(const std::vector<Sequence *> & seqs, int64_t n, std::
         engine_.prefill_rows(rows_, LogitsWanted::none, nullptr);
     } else if (all_argmax) {
         argmax_.resize(N);
-        engine_.prefill_rows(rows_, LogitsWanted::argmax_all, argmax_.data());
+        engine_.prefill_rows(rows_, LogitsWanted::argmax_all, argmax_.data(), device_masks(seqs, device_mask));
     } else if (all_top) {
         top_.resize(N * W);
-        engine_.prefill_rows(rows_, LogitsWanted::top_all, top_.data());
+        engine_.prefill_rows(rows_, LogitsWanted::top_all, top_.data(), device_masks(seqs, device_mask));
     } else {
         logits_.resize(N * n_vocab);
         engine_.prefill_rows(rows_, LogitsWanted::all, logits_.data());
@@ -400,6 +404,16 @@ int32_t Scheduler::choose(Sequence & s, float * row, int64_t n_vocab, bool maske
     return token;
 }
 
+const uint32_t * Scheduler::device_masks(const std::vector<Sequence *> & seqs, const std::vector<uint8_t> & device_mask) {
+    if (std::none_of(device_mask.begin(), device_mask.end(), [](uint8_t m) { return m != 0; })) return nullptr;
+    const int64_t n_words = engine_.allowed_words(), n_vocab = engine_.hparams().n_vocab;
+    allowed_.assign(seqs.size() * n_words, ~0u);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        if (device_mask[i]) seqs[i]->req.constraint->fill_allowed(allowed_.data() + i * n_words, n_vocab);
+    }
+    return allowed_.data();
+}
+
 void Scheduler::decode_running(std::vector<StepEvent> & events) {
     // a split prompt (the top slot) decodes once it is complete; the others are consecutive slots
     const int64_t N = n_decoding();
@@ -407,39 +421,45 @@ void Scheduler::decode_running(std::vector<StepEvent> & events) {
     const int64_t n_vocab = engine_.hparams().n_vocab;
     bool all_argmax = true, all_top = true;
     rows_.clear();
-    std::vector<uint8_t> masked(N);
+    std::vector<uint8_t> masked(N), device_mask(N);
+    std::vector<Sequence *> seqs(N);
     for (int64_t i = 0; i < N; ++i) {
         const auto & s = running_[i];
+        seqs[i] = s.get();
         rows_.add(s->pending, (int32_t)engine_.slot_n_past(s->slot), (int32_t)s->slot);
         // a constraint that allows every token at this row (a reasoning budget not yet spent) leaves
-        // it as free as none
-        const RowNeeds needs = row_needs(s->req, {}, engine_.top_rows_enabled(), engine_.top_k());
+        // it as free as none; one the device can apply leaves it reduced there
+        const RowNeeds needs =
+            row_needs(s->req, {}, engine_.top_rows_enabled(), engine_.top_k(), engine_.device_masks_enabled());
         masked[i] = needs.masked;
+        device_mask[i] = needs.device_mask;
         all_argmax = all_argmax && needs.argmax;
         all_top = all_top && needs.top;
     }
     // greedy everywhere: only the argmax ids cross over; where every sequence's sampler and logprobs
-    // are decided by its row's top candidates, those (top_rows.h); otherwise every row's logits. One sequence
-    // takes the one-sequence step, whose graph writes its state in place (ggml-cuda's fused forms)
-    // and which is what generate() runs.
+    // are decided by its row's top candidates, those (top_rows.h); otherwise every row's logits. A
+    // grammar's mask goes with its row where the device can apply it. One sequence takes the
+    // one-sequence step, whose graph writes its state in place (ggml-cuda's fused forms) and which is
+    // what generate() runs.
     all_top = all_top && !all_argmax;
     const int64_t W = engine_.top_row_words();
     if (all_top) top_.resize(N * W);
+    const uint32_t * allowed = all_argmax || all_top ? device_masks(seqs, device_mask) : nullptr;
     if (N == 1) {
         engine_.use_slot(0);
         if (all_argmax) {
-            argmax_.assign(1, engine_.eval_argmax(&rows_.token[0], 1));
+            argmax_.assign(1, engine_.eval_argmax(&rows_.token[0], 1, allowed));
         } else if (all_top) {
-            engine_.eval_top(&rows_.token[0], 1, top_.data());
+            engine_.eval_top(&rows_.token[0], 1, top_.data(), allowed);
         } else {
             logits_.resize(n_vocab);
             engine_.eval(&rows_.token[0], 1, LogitsWanted::last, logits_.data());
         }
     } else if (all_argmax) {
         argmax_.resize(N);
-        engine_.decode(rows_, LogitsWanted::argmax_all, argmax_.data());
+        engine_.decode(rows_, LogitsWanted::argmax_all, argmax_.data(), allowed);
     } else if (all_top) {
-        engine_.decode(rows_, LogitsWanted::top_all, top_.data());
+        engine_.decode(rows_, LogitsWanted::top_all, top_.data(), allowed);
     } else {
         logits_.resize(N * n_vocab);
         engine_.decode(rows_, LogitsWanted::all, logits_.data());

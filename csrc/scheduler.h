@@ -208,6 +208,10 @@ class Scheduler {
     // the token after a logits row: masked by the request's constraint where `masked` (as the step
     // decided it: row_needs), then argmax or sampled (and its logprobs recorded when asked for)
     int32_t choose(Sequence & s, float * row, int64_t n_vocab, bool masked);
+    // Engine's `allowed` for a pass of one result row per sequence of `seqs`: the constraint's mask
+    // where row_needs let the device apply it (device_mask[i]), every token elsewhere; nullptr
+    // (no mask input) where no row has one
+    const uint32_t * device_masks(const std::vector<Sequence *> & seqs, const std::vector<uint8_t> & device_mask);
     // commits a sampled token; false when the sequence is done
     bool commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx = true);
     // scheduler_spec.cpp: when a running sequence drafts this step, one verify pass over every
@@ -235,6 +239,7 @@ class Scheduler {
     std::vector<float> raw_;  // a row before its grammar mask (logprobs)
     std::vector<int32_t> argmax_;
     std::vector<int32_t> top_;  // top rows (top_rows.h), when they serve every sequence
+    std::vector<uint32_t> allowed_;  // device_masks' rows
     RowBatch rows_;
     BatchSpecStats spec_stats_;
     std::unique_ptr<BatchModelDrafter> model_drafter_;

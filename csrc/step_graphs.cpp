@@ -117,10 +117,16 @@ Engine::GraphStats Engine::graph_stats() const {
 }
 
 Engine::StepGraph & Engine::step_graph(int64_t T, int64_t n_kv, LogitsWanted wanted, bool keep_states,
-                                       int64_t n_seqs, int64_t first_slot, bool tree) {
+                                       int64_t n_seqs, int64_t first_slot, bool tree, bool masked) {
     const GraphBug bug = graph_bug();
     const int64_t slot = n_seqs > 0 ? -1 : cur_;  // a one-sequence graph names its slot's tensors
-    const StepKey key = {T, n_kv, wanted, keep_states, tree, n_seqs, first_slot, slot};
+    const bool reduced = wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all ||
+                         wanted == LogitsWanted::top || wanted == LogitsWanted::top_all;
+    if (masked && !reduced) {
+        throw std::logic_error("a mask of allowed tokens applies to argmax or top results on the device; whole "
+                               "logits rows are masked on the host");
+    }
+    const StepKey key = {T, n_kv, wanted, keep_states, tree, n_seqs, first_slot, slot, masked};
     auto fits = [&](const StepGraph & g) {
         if (!g.ctx) return false;
         if (bug != GraphBug::slot_key || g.key.slot < 0 || slot < 0) return g.key == key;
@@ -200,16 +206,22 @@ void Engine::build_step_graph(StepGraph & g) {
             g.out = g.out->src[1];
             ggml_set_output(g.out);
         }
-        if (wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all) {  // per row
-            g.out = ggml_argmax(g.ctx, g.out);
+        if (k.masked) {
+            g.allowed = ggml_new_tensor_2d(g.ctx, GGML_TYPE_I32, allowed_words(), n_rows);
+            ggml_set_name(g.allowed, "allowed_tokens");
+            ggml_set_input(g.allowed);
+        }
+        const bool argmax = wanted == LogitsWanted::argmax || wanted == LogitsWanted::argmax_all;
+        if (argmax || wanted == LogitsWanted::top || wanted == LogitsWanted::top_all) {  // per row
+            // a masked argmax is the masked top node's one candidate (ggml's argmax takes no mask)
+            const int n_top = argmax ? 1 : (int)top_k();
+            g.out = k.masked ? deltaspec_top_rows_allowed(g.ctx, g.out, n_top, g.allowed)
+                    : argmax ? ggml_argmax(g.ctx, g.out)
+                             : deltaspec_top_rows(g.ctx, g.out, n_top);
             ggml_set_output(g.out);
             ggml_build_forward_expand(g.gf, g.out);
         }
-        if (wanted == LogitsWanted::top || wanted == LogitsWanted::top_all) {  // per row
-            g.out = deltaspec_top_rows(g.ctx, g.out, (int)top_k());
-            ggml_set_output(g.out);
-            ggml_build_forward_expand(g.gf, g.out);
-        }
+        g.out_row_bytes = g.out ? ggml_nbytes(g.out) / std::max<int64_t>(1, n_rows) : 0;
         for (int i = 0; i < ggml_graph_n_nodes(g.gf); ++i) {
             g.n_rows_op_nodes += deltaspec_is_rows_node(ggml_graph_node(g.gf, i)) ? 1 : 0;
         }
@@ -309,6 +321,26 @@ void Engine::compute(StepGraph & g) {
         drop_step_graph();
         throw std::runtime_error("graph computation failed");
     }
+}
+
+void Engine::set_allowed_input(StepGraph & g, const uint32_t * allowed) {
+    if (!g.allowed) return;
+    if (!allowed) throw std::logic_error("a masked step graph ran without its mask");
+    set_input(g.allowed, allowed, ggml_nbytes(g.allowed));
+    decode_stats_.masked_rows += g.allowed->ne[1];
+}
+
+void Engine::get_result_rows(const StepGraph & g, int64_t first, int64_t n, void * out) {
+    const bool argmax = g.key.wanted == LogitsWanted::argmax || g.key.wanted == LogitsWanted::argmax_all;
+    if (!(argmax && g.key.masked)) {
+        ggml_backend_tensor_get(g.out, out, first * g.out_row_bytes, n * g.out_row_bytes);
+        return;
+    }
+    // the masked top node of one candidate: [logit, id, log-sum-exp] a row
+    std::vector<int32_t> words(3 * n);
+    ggml_backend_tensor_get(g.out, words.data(), first * g.out_row_bytes, n * g.out_row_bytes);
+    auto * ids = static_cast<int32_t *>(out);
+    for (int64_t i = 0; i < n; ++i) ids[i] = words[3 * i + 1];
 }
 
 }  // namespace deltaspec

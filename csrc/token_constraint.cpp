@@ -16,7 +16,8 @@ namespace deltaspec {
 GrammarBug grammar_bug() {
     return static_cast<GrammarBug>(planted_choice("DELTASPEC_TEST_GRAMMAR_BUG",
                                                   {"verify_unmasked", "no_cut", "drop_rejected", "tree_row_unmasked",
-                                                   "draft_unmasked", "draft_q_unmasked", "pause_blocks_forced"}));
+                                                   "draft_unmasked", "draft_q_unmasked", "pause_blocks_forced",
+                                                   "device_unmasked"}));
 }
 
 TokenConstraint * drafting_constraint(TokenConstraint * request_constraint) {
@@ -68,6 +69,17 @@ void TokenConstraint::mask_row(float * logits, int64_t n_vocab) {
     masks_.assign(n_words, 0u);
     fill_masks(masks_.data(), n_words, {});
     apply(masks_.data(), logits, n_vocab);
+}
+
+void TokenConstraint::fill_allowed(uint32_t * mask, int64_t n_vocab) {
+    const int64_t n_words = (n_vocab + 31) / 32;
+    std::fill(mask, mask + n_words, 0u);
+    fill_masks(mask, n_words, {});
+    if (std::all_of(mask, mask + n_words, [](uint32_t w) { return w == 0; })) {
+        throw std::runtime_error("the grammar allows no token at this point");  // as apply() says it
+    }
+    if (bug == GrammarBug::device_unmasked) std::fill(mask, mask + n_words, ~0u);
+    ++n_masked_rows;
 }
 
 void TokenConstraint::fill_mask_after(uint32_t * mask, int64_t n_words, const std::vector<int32_t> & path) {

@@ -3,6 +3,8 @@
 // The decode loops use it in three places, a few lines each:
 //   - before a token is sampled, its logit row is masked (forbidden tokens get -inf, so greedy,
 //     top-k/p, min-p and the penalties only ever see allowed tokens)        -> mask_row
+//     or, where the row is reduced on the device (plain decoding's argmax or top candidates), the
+//     mask goes with it and the device applies it                           -> fill_allowed
 //   - every committed token advances the rule (the Emitter does it)         -> commit
 //   - speculative decoding cuts a draft after its longest allowed prefix before verification
 //     (cut_draft), and masks each verify row with the rule's state after the drafts before that
@@ -41,9 +43,11 @@ struct DraftTree;
 // model's or the MTP head's tree children are drawn from the very distribution they report, so
 // those trees have no such mismatch to plant.) "pause_blocks_forced": while speculation pauses
 // the drafter, the grammar's forced tokens are not drafted either (one pass per forced token).
-// Any other value is an error.
+// "device_unmasked": a row whose mask the device applies (fill_allowed) gets every token allowed, as
+// if the mask never reached the device. Any other value is an error.
 enum class GrammarBug {
-    none, verify_unmasked, no_cut, drop_rejected, tree_row_unmasked, draft_unmasked, draft_q_unmasked, pause_blocks_forced
+    none, verify_unmasked, no_cut, drop_rejected, tree_row_unmasked, draft_unmasked, draft_q_unmasked, pause_blocks_forced,
+    device_unmasked
 };
 GrammarBug grammar_bug();
 
@@ -99,6 +103,10 @@ class TokenConstraint {
 
     // Masks one row of logits with the tokens allowed after the committed ones.
     void mask_row(float * logits, int64_t n_vocab);
+    // The same row's mask as bits (one row of fill_masks), for a pass that applies it on the device
+    // (Engine's `allowed`: the argmax or top candidates of the masked row, not the row itself, cross
+    // to the host); counted as a masked row; throws where the rule allows no token, as mask_row does.
+    void fill_allowed(uint32_t * mask, int64_t n_vocab);
     // Masks a draft model's logit row after the committed tokens and `path` (fill_mask_after), so
     // that it drafts within the rule (ModelDrafter, BatchModelDrafter); false when the rule allows
     // nothing there (the text is complete): the draft ends before that row.

@@ -12,11 +12,14 @@ bool masks_rows_along(const GenerateRequest & req, const std::vector<int32_t> & 
     return req.constraint != nullptr && !req.constraint->allows_every_token(along);
 }
 
-RowNeeds row_needs(const GenerateRequest & req, const std::vector<int32_t> & along, bool top_rows_enabled, int64_t k) {
+RowNeeds row_needs(const GenerateRequest & req, const std::vector<int32_t> & along, bool top_rows_enabled, int64_t k,
+                   bool device_masks) {
     RowNeeds needs;
     needs.masked = masks_rows_along(req, along);
-    needs.argmax = req.sampling.argmax_only() && req.n_logprobs < 0 && !needs.masked;
-    needs.top = top_rows_enabled && top_rows_serve(req, k, needs.masked);
+    const bool reducible = !needs.masked || (device_masks && req.n_logprobs < 0);
+    needs.argmax = req.sampling.argmax_only() && req.n_logprobs < 0 && reducible;
+    needs.top = top_rows_enabled && reducible && top_rows_serve(req, k, /*masked =*/false);
+    needs.device_mask = needs.masked && (needs.argmax || needs.top);
     return needs;
 }
 

@@ -47,10 +47,16 @@ bool masks_rows_along(const GenerateRequest & req, const std::vector<int32_t> & 
 // steps, generate_speculative's passes): `masked` (masks_rows_along); `argmax`, the device's argmax is
 // all it needs (greedy, no log-probabilities, rows not masked: a mask needs the logits); `top`, the
 // rows' top candidates are (top_rows_serve), where the engine reduces rows on the device.
+// `device_masks`: the caller can hand a masked row's mask to the engine (Engine's `allowed`; a pass of
+// one row per sequence, where the mask is the one after the committed tokens): a masked row without
+// log-probabilities (those are the raw row's, which its reduction to the allowed tokens loses) then
+// takes the argmax or top candidates of its allowed tokens (`device_mask`) instead of crossing whole.
 struct RowNeeds {
     bool masked = false, argmax = false, top = false;
+    bool device_mask = false;  // masked, and its argmax or top candidates come from the masked row on the device
 };
-RowNeeds row_needs(const GenerateRequest & req, const std::vector<int32_t> & along, bool top_rows_enabled, int64_t k);
+RowNeeds row_needs(const GenerateRequest & req, const std::vector<int32_t> & along, bool top_rows_enabled, int64_t k,
+                   bool device_masks = false);
 
 // The sequence's next token from a top row (greedy: the first candidate, the row's first maximum;
 // else drawn as Sampler::sample would draw it from the whole row) and, when the request asks for

@@ -38,3 +38,17 @@ struct ggml_tensor * deltaspec_top_rows(struct ggml_context * ctx, struct ggml_t
     std::memcpy(t->op_params, params, sizeof(params));
     return t;
 }
+
+struct ggml_tensor * deltaspec_top_rows_allowed(struct ggml_context * ctx, struct ggml_tensor * logits, int k,
+                                                struct ggml_tensor * allowed) {
+    ggml_tensor * t = deltaspec_top_rows(ctx, logits, k);
+    const int64_t n_words = (logits->ne[0] + 31) / 32;
+    if (allowed->type != GGML_TYPE_I32 || !ggml_is_contiguous(allowed) || allowed->ne[0] != n_words ||
+        ggml_nrows(allowed) != ggml_nrows(logits)) {
+        throw std::invalid_argument("deltaspec_top_rows_allowed: the mask must be I32 {" + std::to_string(n_words) +
+                                    ", " + std::to_string(ggml_nrows(logits)) + "}, contiguous (one bit per token of "
+                                    "each logits row)");
+    }
+    t->src[1] = allowed;
+    return t;
+}

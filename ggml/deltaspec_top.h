@@ -48,6 +48,19 @@ enum deltaspec_top_bug {
 // DELTASPEC_TEST_TOP_BUG ("no_lse", "k_minus_1"; unset: none) plants a bug into every node built.
 struct ggml_tensor * deltaspec_top_rows(struct ggml_context * ctx, struct ggml_tensor * logits, int k);
 
+// The same node over rows a grammar masks (src[1]): allowed I32 {ceil(n_vocab / 32), R}, token t of
+// row r allowed where bit t % 32 of word t / 32 of row r is set. A token not allowed counts as a logit
+// of -inf, in the top k and in the log-sum-exp alike: the row reduced exactly as the host reduces a row
+// that TokenConstraint::mask_row masked (forbidden logits set to -inf), so a grammar's masked rows
+// need not cross to the host whole. A row with fewer than k allowed tokens has -inf candidates after
+// them, the lowest forbidden ids first (the sort's tie rule).
+struct ggml_tensor * deltaspec_top_rows_allowed(struct ggml_context * ctx, struct ggml_tensor * logits, int k,
+                                                struct ggml_tensor * allowed);
+
+static inline bool deltaspec_top_allows(const int32_t * allowed_row, int64_t token) {
+    return allowed_row == NULL || ((uint32_t)allowed_row[token >> 5] >> (token & 31)) & 1u;
+}
+
 static inline bool deltaspec_is_top_node(const struct ggml_tensor * t) {
     int32_t magic;
     memcpy(&magic, (const char *)t->op_params + sizeof(int32_t), sizeof(magic));

@@ -12,7 +12,8 @@
 // equal key its rank by id. Then each of the k candidates finds its place by counting the
 // candidates that precede it (k <= 256 comparisons each).
 //
-// A row of 248K floats is read 5 times (4 passes + the gather), from L2 after the first.
+// A row of 248K floats is read 5 times (4 passes + the gather), from L2 after the first. A row with a
+// grammar's mask (src[1]) reads each token through it: a forbidden token is a logit of -inf.
 // The planted bugs of op_params[2] are a CPU-side test device; this kernel ignores them.
 #include "common.cuh"
 #include "top-k.cuh"
@@ -38,9 +39,16 @@ __device__ __forceinline__ void lse_merge(float & m, float & s, float m2, float 
     m = M;
 }
 
-__global__ void __launch_bounds__(kThreads) top_rows_kernel(const float * __restrict__ src, int32_t * __restrict__ dst,
-                                                            const int ncols, const int k) {
+// x[c], or -inf where the row's mask (none: every token allowed) forbids token c
+__device__ __forceinline__ float masked_logit(const float * __restrict__ x, const uint32_t * __restrict__ bits, int c) {
+    return bits == nullptr || ((bits[c >> 5] >> (c & 31)) & 1u) ? x[c] : -INFINITY;
+}
+
+__global__ void __launch_bounds__(kThreads) top_rows_kernel(const float * __restrict__ src,
+                                                            const uint32_t * __restrict__ allowed,
+                                                            int32_t * __restrict__ dst, const int ncols, const int k) {
     const float * x = src + (int64_t)blockIdx.x * ncols;
+    const uint32_t * bits = allowed ? allowed + (int64_t)blockIdx.x * ((ncols + 31) / 32) : nullptr;
     int32_t * out = dst + (int64_t)blockIdx.x * (2 * k + 1);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // warp w owns columns [c0, c1): contiguous, so that its ballots see its keys in id order
@@ -66,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) top_rows_kernel(const float * __rest
         for (int i = threadIdx.x; i < 256; i += kThreads) hist[i] = 0;
         __syncthreads();
         for (int c = c0 + lane; c < c1; c += 32) {
-            const float v = x[c];
+            const float v = masked_logit(x, bits, c);
             if (shift == 24) {
                 if (v > m) {
                     s = s * expf(m - v) + 1.0f;  // m = -inf: 0 * 0 + 1
@@ -122,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) top_rows_kernel(const float * __rest
     int my_eq = 0;
     for (int base = c0; base < c1; base += 32) {
         const int c = base + lane;
-        const uint32_t key = c < c1 ? top_key(x[c]) : 0u;
+        const uint32_t key = c < c1 ? top_key(masked_logit(x, bits, c)) : 0u;
         if (c < c1 && key > kth) {
             const int p = atomicAdd(&s_n_above, 1);
             s_key[p] = key;
@@ -137,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) top_rows_kernel(const float * __rest
     if (my_eq > 0 && before < n_equal) {
         for (int base = c0; base < c1 && before < n_equal; base += 32) {
             const int c = base + lane;
-            const bool eq = c < c1 && top_key(x[c]) == kth;
+            const bool eq = c < c1 && top_key(masked_logit(x, bits, c)) == kth;
             const uint32_t ballot = __ballot_sync(0xffffffffu, eq);
             const int at = before + __popc(ballot & ((1u << lane) - 1u));
             if (eq && at < n_equal) {
@@ -153,7 +161,7 @@ __global__ void __launch_bounds__(kThreads) top_rows_kernel(const float * __rest
         const int id = s_id[threadIdx.x];
         int place = 0;
         for (int j = 0; j < k; ++j) place += s_key[j] > key || (s_key[j] == key && s_id[j] < id);
-        out[place] = __float_as_int(x[id]);
+        out[place] = __float_as_int(masked_logit(x, bits, id));
         out[k + place] = id;
     }
     if (threadIdx.x == 0) {
@@ -178,8 +186,12 @@ void deltaspec_op_top_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int k = deltaspec_top_k_of(dst);
     GGML_ASSERT(k >= 1 && k <= DELTASPEC_TOP_K_MAX && k <= src->ne[0] && src->ne[0] <= INT32_MAX);
     const int64_t n_rows = ggml_nrows(src);
+    const ggml_tensor * allowed = dst->src[1];  // a grammar's mask (deltaspec_top_rows_allowed), or none
+    GGML_ASSERT(allowed == nullptr || (allowed->type == GGML_TYPE_I32 && ggml_is_contiguous(allowed) &&
+                                       allowed->ne[0] == (src->ne[0] + 31) / 32 && ggml_nrows(allowed) == n_rows));
     if (n_rows == 0) return;
-    top_rows_kernel<<<(unsigned)n_rows, kThreads, 0, ctx.stream()>>>((const float *)src->data, (int32_t *)dst->data,
-                                                                     (int)src->ne[0], k);
+    top_rows_kernel<<<(unsigned)n_rows, kThreads, 0, ctx.stream()>>>(
+        (const float *)src->data, allowed ? (const uint32_t *)allowed->data : nullptr, (int32_t *)dst->data,
+        (int)src->ne[0], k);
     CUDA_CHECK(cudaGetLastError());
 }
