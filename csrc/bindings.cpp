@@ -959,9 +959,8 @@ PYBIND11_MODULE(_core, m) {
                  d["masked_rows"] = s.masked_rows;
                  return d;
              }, "What batched decoding has run: calls, rows in all, the most rows of one call; rows that "
-                "returned their top candidates instead of whole logits (top_rows); result rows of passes that "
-                "applied grammars' masks on the device (masked_rows; a row of such a pass without a grammar "
-                "counts, its mask allowing every token).")
+                "returned their top candidates instead of whole logits (top_rows); rows whose argmax or top "
+                "candidates a grammar's mask limited on the device (masked_rows).")
         .def_property_readonly("graph_stats", [](const Runner & r) {
                  const auto s = r.engine->graph_stats();
                  py::dict d;

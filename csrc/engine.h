@@ -115,9 +115,7 @@ class Engine {
     struct DecodeStats {
         int64_t calls = 0, rows = 0, max_rows = 0;
         int64_t top_rows = 0;  // rows returned as top candidates (decode or eval_top), not as whole logits
-        // result rows of passes given a mask (`allowed`): rows a grammar's mask limited on the device,
-        // and the other sequences' rows of such a pass (their masks allowing every token)
-        int64_t masked_rows = 0;
+        int64_t masked_rows = 0;  // result rows whose `allowed` mask forbade some token (applied on the device)
     };
     const DecodeStats & decode_stats() const { return decode_stats_; }
     // What the step graphs cost (step_graphs.cpp): graphs built and allocated vs steps that ran a

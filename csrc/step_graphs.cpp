@@ -327,7 +327,15 @@ void Engine::set_allowed_input(StepGraph & g, const uint32_t * allowed) {
     if (!g.allowed) return;
     if (!allowed) throw std::logic_error("a masked step graph ran without its mask");
     set_input(g.allowed, allowed, ggml_nbytes(g.allowed));
-    decode_stats_.masked_rows += g.allowed->ne[1];
+    // the rows whose mask forbids some token (the others of the pass carry masks allowing every one)
+    const int64_t n_words = g.allowed->ne[0], n_vocab = hp_.n_vocab;
+    const uint32_t last_word = n_vocab % 32 == 0 ? ~0u : (1u << (n_vocab % 32)) - 1u;
+    for (int64_t r = 0; r < g.allowed->ne[1]; ++r) {
+        const uint32_t * row = allowed + r * n_words;
+        bool forbids = (row[n_words - 1] & last_word) != last_word;
+        for (int64_t w = 0; w + 1 < n_words && !forbids; ++w) forbids = row[w] != ~0u;
+        decode_stats_.masked_rows += forbids;
+    }
 }
 
 void Engine::get_result_rows(const StepGraph & g, int64_t first, int64_t n, void * out) {
