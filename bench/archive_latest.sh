@@ -20,7 +20,8 @@ NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.j
        recurrent_state_dtype.json recurrent_state_dtype.md profile_batch_keep_path.md batch_bench.md cpu_batch_invariance.md acceptance_2026-12-04.json acceptance_2026-12-04.md testbed_manifest_2026-12-04.json
        constraint_cost.json constraint_cost.md constraint_cost_cpu.json constraint_cost_cpu.md invariance_shapes.json
        tree_split_walks.json tree_split_walks.md invariance_products.json
-       invariance_nodes.json gpu_tests_rows_tree.xml gpu_tests_invariant_stacks.xml gpu_tests_invariant.xml"
+       invariance_nodes.json gpu_tests_rows_tree.xml gpu_tests_invariant_stacks.xml gpu_tests_invariant.xml
+       gpu_tests_device_masks.xml"
 LATEST=bench/results/latest
 FROM=${1:-}
 if [[ -n $FROM && ! -d $FROM ]]; then

@@ -107,8 +107,9 @@
 #      -> gpu_layer_split.log
 #   constraints: what a constraint costs per token on the synthetic 27B (bench/constraint_cost.py):
 #      plain decode against a reasoning budget that never runs out and a tool-call grammar whose call
-#      never starts (rows free: the device's argmax / top rows) and a grammar masking every row,
-#      greedy and sampled, 1 and 16 sequences, interleaved -> constraint_cost.json
+#      never starts (rows free: the device's argmax / top rows) and a grammar masking every row (its
+#      masks applied on the device, and on the host), greedy and sampled, 1 and 16 sequences,
+#      interleaved -> constraint_cost.json
 #      (CONSTRAINT_COST_ARGS: more options, e.g. "--gen 64")
 #   hostsample: the host part of sampled verification at the 248K vocabulary on this machine's CPU
 #      (tree walk and chain accept per sampler, no GPU; bench/host_sampling_bench.py, ~1 min)

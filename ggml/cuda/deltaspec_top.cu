@@ -12,9 +12,12 @@
 // equal key its rank by id. Then each of the k candidates finds its place by counting the
 // candidates that precede it (k <= 256 comparisons each).
 //
-// A row of 248K floats is read 5 times (4 passes + the gather), from L2 after the first. A row with a
+// A row of 248K floats is read 5 times (4 passes + the gather), from L2 after the first; for k = 1
+// (a masked argmax) once, by top1_kernel. A row with a
 // grammar's mask (src[1]) reads each token through it: a forbidden token is a logit of -inf.
 // The planted bugs of op_params[2] are a CPU-side test device; this kernel ignores them.
+#include <climits>
+
 #include "common.cuh"
 #include "top-k.cuh"
 
@@ -172,6 +175,68 @@ __global__ void __launch_bounds__(kThreads) top_rows_kernel(const float * __rest
     }
 }
 
+// k = 1 (a greedy row under a grammar's mask: Engine's masked argmax): the largest key, the lowest id
+// among equal ones, and the log-sum-exp, in one pass over the row instead of the radix passes.
+__global__ void __launch_bounds__(kThreads) top1_kernel(const float * __restrict__ src,
+                                                        const uint32_t * __restrict__ allowed,
+                                                        int32_t * __restrict__ dst, const int ncols) {
+    const float * x = src + (int64_t)blockIdx.x * ncols;
+    const uint32_t * bits = allowed ? allowed + (int64_t)blockIdx.x * ((ncols + 31) / 32) : nullptr;
+    int32_t * out = dst + (int64_t)blockIdx.x * 3;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __shared__ float s_m[kWarps], s_s[kWarps];
+    __shared__ uint32_t s_key[kWarps];
+    __shared__ int s_id[kWarps];
+
+    float m = -INFINITY, s = 0.0f;
+    uint32_t best = 0;  // below every float's key (0 would be a NaN's)
+    int best_id = INT_MAX;
+    for (int c = threadIdx.x; c < ncols; c += kThreads) {  // ids rising: the first of equal keys stays
+        const float v = masked_logit(x, bits, c);
+        if (v > m) {
+            s = s * expf(m - v) + 1.0f;
+            m = v;
+        } else if (v > -INFINITY) {
+            s += expf(v - m);
+        }
+        const uint32_t key = top_key(v);
+        if (key > best) {
+            best = key;
+            best_id = c;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        lse_merge(m, s, m2, s2);
+        const uint32_t key2 = __shfl_xor_sync(0xffffffffu, best, o);
+        const int id2 = __shfl_xor_sync(0xffffffffu, best_id, o);
+        if (key2 > best || (key2 == best && id2 < best_id)) {
+            best = key2;
+            best_id = id2;
+        }
+    }
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_s[warp] = s;
+        s_key[warp] = best;
+        s_id[warp] = best_id;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < kWarps; ++w) {
+            lse_merge(m, s, s_m[w], s_s[w]);
+            if (s_key[w] > best || (s_key[w] == best && s_id[w] < best_id)) {
+                best = s_key[w];
+                best_id = s_id[w];
+            }
+        }
+        out[0] = __float_as_int(masked_logit(x, bits, best_id));
+        out[1] = best_id;
+        out[2] = __float_as_int(m == -INFINITY ? m : m + logf(s));
+    }
+}
+
 }  // namespace
 
 // ggml-cuda.cu calls this in place of ggml_cuda_op_top_k (inject.cmake renames it).
@@ -190,8 +255,13 @@ void deltaspec_op_top_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     GGML_ASSERT(allowed == nullptr || (allowed->type == GGML_TYPE_I32 && ggml_is_contiguous(allowed) &&
                                        allowed->ne[0] == (src->ne[0] + 31) / 32 && ggml_nrows(allowed) == n_rows));
     if (n_rows == 0) return;
-    top_rows_kernel<<<(unsigned)n_rows, kThreads, 0, ctx.stream()>>>(
-        (const float *)src->data, allowed ? (const uint32_t *)allowed->data : nullptr, (int32_t *)dst->data,
-        (int)src->ne[0], k);
+    const uint32_t * bits = allowed ? (const uint32_t *)allowed->data : nullptr;
+    if (k == 1) {
+        top1_kernel<<<(unsigned)n_rows, kThreads, 0, ctx.stream()>>>((const float *)src->data, bits,
+                                                                     (int32_t *)dst->data, (int)src->ne[0]);
+    } else {
+        top_rows_kernel<<<(unsigned)n_rows, kThreads, 0, ctx.stream()>>>((const float *)src->data, bits,
+                                                                         (int32_t *)dst->data, (int)src->ne[0], k);
+    }
     CUDA_CHECK(cudaGetLastError());
 }
