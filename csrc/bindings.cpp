@@ -476,9 +476,8 @@ std::map<std::string, std::string> cpu_features() {
 using Tokens = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
 // A verify batch through `fn` (logits or argmax of every row), the GIL released while it runs.
-template <typename T>
-py::array_t<T> verify(Runner & r, const Tokens & tokens, std::vector<py::ssize_t> shape,
-                      void (Engine::*fn)(const int32_t *, int64_t, T *)) {
+template <typename T, typename Fn>  // Fn: void(Engine &, const int32_t * ids, int64_t n, T * out)
+py::array_t<T> verify(Runner & r, const Tokens & tokens, std::vector<py::ssize_t> shape, Fn fn) {
     py::array_t<T> out(shape);
     const int32_t * ids = tokens.data();
     T * dst = out.mutable_data();
@@ -486,7 +485,7 @@ py::array_t<T> verify(Runner & r, const Tokens & tokens, std::vector<py::ssize_t
     Engine & e = r.single();
     {
         py::gil_scoped_release release;
-        (e.*fn)(ids, n, dst);
+        fn(e, ids, n, dst);
     }
     return out;
 }
@@ -785,12 +784,15 @@ PYBIND11_MODULE(_core, m) {
              "(logits (T, n_vocab), the head's output hidden (T, n_embd)).")
         .def("state_arrays", &state_arrays, "Raw bytes of every conv, DeltaNet and KV state tensor.")
         .def("eval_verify", [](Runner & r, Tokens tokens) {
-                 return verify(r, tokens, {tokens.shape(0), r.engine->hparams().n_vocab}, &Engine::eval_verify);
+                 return verify<float>(r, tokens, {tokens.shape(0), r.engine->hparams().n_vocab},
+                                      [](Engine & e, const int32_t * ids, int64_t n, float * out) { e.eval_verify(ids, n, out); });
              }, py::arg("tokens"),
              "Append a verify batch (logits of every row); keep(n) then keeps its first n tokens, anything "
              "else all of them.")
         .def("eval_verify_argmax", [](Runner & r, Tokens tokens) {
-                 return verify(r, tokens, {tokens.shape(0)}, &Engine::eval_verify_argmax);
+                 return verify<int32_t>(r, tokens, {tokens.shape(0)}, [](Engine & e, const int32_t * ids, int64_t n, int32_t * out) {
+                     e.eval_verify_argmax(ids, n, out);
+                 });
              }, py::arg("tokens"), "eval_verify returning the argmax of every row (computed on the device).")
         .def("eval_argmax", [](Runner & r, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
                  const int32_t * ids = tokens.data();

@@ -286,23 +286,23 @@ void Engine::eval_verify(const int32_t * tokens, int64_t T, float * logits) {
     verify(tokens, T, LogitsWanted::all, logits);
 }
 
-void Engine::eval_verify_argmax(const int32_t * tokens, int64_t T, int32_t * argmax) {
-    verify(tokens, T, LogitsWanted::argmax_all, argmax);
+void Engine::eval_verify_argmax(const int32_t * tokens, int64_t T, int32_t * argmax, const uint32_t * allowed) {
+    verify(tokens, T, LogitsWanted::argmax_all, argmax, allowed);
 }
 
-void Engine::eval_verify_top(const int32_t * tokens, int64_t T, int32_t * top) {
-    verify(tokens, T, LogitsWanted::top_all, top);
+void Engine::eval_verify_top(const int32_t * tokens, int64_t T, int32_t * top, const uint32_t * allowed) {
+    verify(tokens, T, LogitsWanted::top_all, top, allowed);
     decode_stats_.top_rows += T;
 }
 
-void Engine::verify(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out) {
+void Engine::verify(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, const uint32_t * allowed) {
     if (T < 1 || T > seq().n_slots || T > opts_.n_ubatch) {
         throw std::invalid_argument("a verify batch holds 1 to " + std::to_string(std::min(seq().n_slots, opts_.n_ubatch)) +
                                     " tokens (n_slots, n_ubatch), got " + std::to_string(T));
     }
     check_batch(tokens, T);
     const int64_t p0 = seq().n_past;
-    eval_ubatch(tokens, T, wanted, out, /*keep_states =*/true);
+    eval_ubatch(tokens, T, wanted, out, /*keep_states =*/true, allowed);
     verify_p0_ = p0;
     verify_T_ = T;
 }

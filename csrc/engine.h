@@ -136,22 +136,25 @@ class Engine {
     // `keep(n)` keeps only the batch's first n tokens (KV rows past them are dead; the mask hides
     // them). Anything else that reads or extends the sequence first keeps the whole batch.
     void eval_verify(const int32_t * tokens, int64_t n_tokens, float * logits);
-    void eval_verify_argmax(const int32_t * tokens, int64_t n_tokens, int32_t * argmax);  // greedy
-    void eval_verify_top(const int32_t * tokens, int64_t n_tokens, int32_t * top);  // every row's top row
+    // greedy; `allowed` (every row's, nullptr: none) as eval_argmax's
+    void eval_verify_argmax(const int32_t * tokens, int64_t n_tokens, int32_t * argmax, const uint32_t * allowed = nullptr);
+    // every row's top row
+    void eval_verify_top(const int32_t * tokens, int64_t n_tokens, int32_t * top, const uint32_t * allowed = nullptr);
     void keep(int64_t n_keep);
     // Tree verification (verify_tree.cpp), on the current slot. `rows` are the slot's rows (slot =
     // current_slot()): parent -1 continues the slot's committed state, parent p (< the row's index)
     // continues row p; position = the slot's length + the row's depth (siblings share a position).
     // Every row attends to the slot's committed KV rows and to its own ancestors in the batch only;
     // the DeltaNet layers run the parent-indexed rows ops. `out` receives every row's logits
-    // (LogitsWanted::all, n_vocab floats each), argmax (::argmax_all) or top row (::top_all). Nothing is committed:
+    // (LogitsWanted::all, n_vocab floats each), argmax (::argmax_all) or top row (::top_all; `allowed`,
+    // every row's, as decode's). Nothing is committed:
     // keep_path(path) then keeps one root-to-leaf path (path[0] a row of parent -1, path[i]'s
     // parent path[i-1]): the KV rows of its nodes moved to consecutive positions, the recurrent
     // state (DeltaNet state and conv window) after its leaf committed by replaying the path's
     // recurrences through the rows ops from the verify pass's inputs (the target is not re-run):
     // keep_paths' commit (commit_paths.cpp) on this one slot, with the path's taps.
     // Anything else that reads or extends the sequence first drops the tree (keeps none of it).
-    void verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out);
+    void verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out, const uint32_t * allowed = nullptr);
     void keep_path(const int32_t * path, int64_t n);
     // What tree verification has run (tests assert that trees with branches went through the rows ops).
     struct TreeStats {
@@ -188,7 +191,8 @@ class Engine {
     // per slot (row indices of `rows`, in slot order; empty: the slot keeps nothing), as keep_path
     // does for one slot. Anything else that reads or extends a sequence first
     // drops the batch (keeps none of it).
-    void verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out);
+    // `allowed`: each row's allowed tokens (in row order, allowed_words() words a row) as decode's.
+    void verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out, const uint32_t * allowed = nullptr);
     void keep_paths(const std::vector<std::vector<int32_t>> & paths);
     // What verify_rows has run (tests assert that passes over several slots happened).
     struct RowsStats {
@@ -270,7 +274,8 @@ class Engine {
     size_t step_weight_bytes() const;
 
   private:
-    void verify(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out);
+    void verify(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
+                const uint32_t * allowed = nullptr);
     void eval_all(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
                   const uint32_t * allowed = nullptr);
     void eval_ubatch(const int32_t * tokens, int64_t n_tokens, LogitsWanted wanted, void * out,
@@ -347,8 +352,10 @@ class Engine {
     // The graph of that shape, kept or built (step_graphs.cpp); it becomes step_.
     StepGraph & step_graph(int64_t n_tokens, int64_t n_kv, LogitsWanted wanted, bool keep_states,
                            int64_t n_seqs = 0, int64_t first_slot = 0, bool tree = false, bool masked = false);
-    // Sets g's mask input from `allowed` (one row per result row), counting the rows masked.
-    void set_allowed_input(StepGraph & g, const uint32_t * allowed);
+    // Sets g's mask input from `allowed` (one row per result row), counting the rows it masks
+    // (count_masked_rows) unless told not to (a caller whose graph rows repeat some of its rows).
+    void set_allowed_input(StepGraph & g, const uint32_t * allowed, bool count = true);
+    void count_masked_rows(const uint32_t * allowed, int64_t n_rows);
     // Result rows [first, first + n) of g's last compute into out, in the caller's form (an argmax:
     // one int32 a row, also where the masked top node computed it).
     void get_result_rows(const StepGraph & g, int64_t first, int64_t n, void * out);

@@ -212,6 +212,10 @@ class Scheduler {
     // where row_needs let the device apply it (device_mask[i]), every token elsewhere; nullptr
     // (no mask input) where no row has one
     const uint32_t * device_masks(const std::vector<Sequence *> & seqs, const std::vector<uint8_t> & device_mask);
+    // the same for decode_speculative's verify rows (running sequence i's from first_row[i]): a drafting
+    // sequence's rows masked as mask_verify_rows / mask_tree_rows mask them (fill_verify_allowed,
+    // fill_tree_allowed)
+    const uint32_t * verify_masks(const std::vector<int64_t> & first_row, const std::vector<uint8_t> & device_mask);
     // commits a sampled token; false when the sequence is done
     bool commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx = true);
     // scheduler_spec.cpp: when a running sequence drafts this step, one verify pass over every

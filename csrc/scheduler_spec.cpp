@@ -227,6 +227,25 @@ int64_t Scheduler::draft_dflash_blocks(const std::vector<DFlashModel::BlockJob> 
     return n_drafting;
 }
 
+const uint32_t * Scheduler::verify_masks(const std::vector<int64_t> & first_row, const std::vector<uint8_t> & device_mask) {
+    if (std::none_of(device_mask.begin(), device_mask.end(), [](uint8_t m) { return m != 0; })) return nullptr;
+    const int64_t n_words = engine_.allowed_words(), n_vocab = engine_.hparams().n_vocab;
+    allowed_.assign(first_row.back() * n_words, ~0u);
+    for (size_t i = 0; i + 1 < first_row.size(); ++i) {
+        if (!device_mask[i]) continue;
+        const Sequence & s = *running_[i];
+        uint32_t * rows = allowed_.data() + first_row[i] * n_words;
+        if (!s.tree.empty()) {
+            s.req.constraint->fill_tree_allowed(s.tree, rows, n_vocab);
+        } else if (s.draft.tokens.empty()) {
+            s.req.constraint->fill_allowed(rows, n_vocab);
+        } else {
+            s.req.constraint->fill_verify_allowed(s.draft, rows, n_vocab);
+        }
+    }
+    return allowed_.data();
+}
+
 bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     if (n_decoding() == 0) return false;
     const int64_t n_drafting = draft_all();
@@ -239,8 +258,10 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     // where every sequence's sampler and logprobs are decided by its rows' top candidates, those
     // cross over instead of whole rows (top_rows.h), as generate_speculative's verify takes them; a
     // constraint that allows every token along the drafts (a reasoning budget far from its end, a
-    // lazy grammar whose trigger is not drafted) leaves them as free as none
-    std::vector<uint8_t> masked(N);
+    // lazy grammar whose trigger is not drafted) leaves them as free as none; a grammar that masks
+    // them sends its masks to the device with them (device_mask), unless log-probabilities want
+    // the raw rows whole
+    std::vector<uint8_t> masked(N), device_mask(N);
     bool all_argmax = true, all_top = true;
     for (int64_t i = 0; i < N; ++i) {
         const Sequence & s = *running_[i];
@@ -254,8 +275,9 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
             rows_.add(s.tree.token[n], p0 + s.tree.depth[n], (int32_t)s.slot, (int32_t)(first_row[i] + 1 + s.tree.parent[n]));
         }
         const RowNeeds needs = row_needs(s.req, s.tree.empty() ? s.draft.tokens : s.tree.token,
-                                         engine_.top_rows_enabled(), engine_.top_k());
+                                         engine_.top_rows_enabled(), engine_.top_k(), engine_.device_masks_enabled());
         masked[i] = needs.masked;
+        device_mask[i] = needs.device_mask;
         all_argmax = all_argmax && needs.argmax;
         all_top = all_top && needs.top;
     }
@@ -264,12 +286,13 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     all_top = all_top && !all_argmax;
     const int64_t W = engine_.top_row_words();
     const auto tv = Clock::now();
+    const uint32_t * allowed = all_argmax || all_top ? verify_masks(first_row, device_mask) : nullptr;
     if (all_argmax) {
         argmax_.resize(R);
-        engine_.verify_rows(rows_, LogitsWanted::argmax_all, argmax_.data());
+        engine_.verify_rows(rows_, LogitsWanted::argmax_all, argmax_.data(), allowed);
     } else if (all_top) {
         top_.resize(R * W);
-        engine_.verify_rows(rows_, LogitsWanted::top_all, top_.data());
+        engine_.verify_rows(rows_, LogitsWanted::top_all, top_.data(), allowed);
     } else {
         logits_.resize(R * n_vocab);
         engine_.verify_rows(rows_, LogitsWanted::all, logits_.data());
@@ -299,7 +322,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         }
         const size_t before = s.history.size();  // the accept rules append the accepted drafts; commit() does
         const int64_t T = first_row[i + 1] - r0;
-        if (TokenConstraint * grammar = masked[i] ? s.req.constraint : nullptr) {
+        if (TokenConstraint * grammar = masked[i] && !device_mask[i] ? s.req.constraint : nullptr) {
             // each row masked with the grammar's state after its path, as generate_speculative masks
             // them; logprobs are those of the raw rows
             if (s.req.n_logprobs >= 0) unmasked[i].assign(logits, logits + T * n_vocab);

@@ -138,13 +138,18 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
     // them); a sampler that the rows' top candidates decide, those instead of whole rows
     // (top_rows.h). A constraint that allows every token at the pass's rows (a reasoning budget far
     // from its end, a lazy grammar before its trigger: TokenConstraint::allows_every_token) leaves
-    // them as free as none.
+    // them as free as none; one that masks them sends its masks to the device with the rows
+    // (device_mask: their argmax or top candidates, as when unmasked), unless log-probabilities
+    // want the raw rows whole.
     const bool want_logprobs = req.n_logprobs >= 0;
-    bool masked = false, device_argmax = false, top = false, keep_unmasked = false;
+    bool masked = false, device_mask = false, device_argmax = false, top = false, keep_unmasked = false;
     VerifyRead read = VerifyRead::logits;
+    std::vector<uint32_t> allowed;  // device_mask: the rows' allowed tokens
     const auto read_rows_along = [&](const std::vector<int32_t> & along) {
-        const RowNeeds needs = row_needs(req, along, target.top_rows_enabled(), target.top_k());
+        const RowNeeds needs = row_needs(req, along, target.top_rows_enabled(), target.top_k(),
+                                         target.device_masks_enabled());
         masked = needs.masked;
+        device_mask = needs.device_mask;
         device_argmax = needs.argmax;
         top = !device_argmax && needs.top;
         read = device_argmax ? VerifyRead::argmax : top ? VerifyRead::top : VerifyRead::logits;
@@ -166,12 +171,26 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
         const TopRow r = top_row(top_words.data() + i * W, target.top_k());
         sampler.distribution_top(r.logit, r.id, r.k, p);
     };
+    // the step's one row's allowed tokens, where the device masks it
+    const auto step_allowed = [&]() -> const uint32_t * {
+        if (!device_mask) return nullptr;
+        allowed.resize(target.allowed_words());
+        req.constraint->fill_allowed(allowed.data(), n_vocab);
+        return allowed.data();
+    };
+    // a chain verify's rows' allowed tokens, where the device masks them
+    const auto verify_allowed = [&](const Draft & draft) -> const uint32_t * {
+        if (!device_mask) return nullptr;
+        allowed.resize((draft.tokens.size() + 1) * target.allowed_words());
+        req.constraint->fill_verify_allowed(draft, allowed.data(), n_vocab);
+        return allowed.data();
+    };
     // one target step on `tokens`, the next token sampled (or the argmax) after its last row
     auto step = [&](const int32_t * tokens, int64_t n) {
-        if (device_argmax) return target.eval_argmax(tokens, n);
+        if (device_argmax) return target.eval_argmax(tokens, n, step_allowed());
         if (top) {
             top_words.resize(W);
-            target.eval_top(tokens, n, top_words.data());
+            target.eval_top(tokens, n, top_words.data(), step_allowed());
             const TopRow r = top_row(top_words.data(), target.top_k());
             const int32_t token = sampler.sample_top(r.logit, r.id, r.k);
             record_row(0, token);
@@ -289,10 +308,10 @@ GenerateResult generate_speculative(Engine & target, Drafter & drafter, const Pi
             auto tv = Clock::now();
             if (device_argmax) {
                 argmax.resize(T);
-                target.eval_verify_argmax(batch.data(), T, argmax.data());
+                target.eval_verify_argmax(batch.data(), T, argmax.data(), verify_allowed(draft));
             } else if (top) {
                 top_words.resize(T * W);
-                target.eval_verify_top(batch.data(), T, top_words.data());
+                target.eval_verify_top(batch.data(), T, top_words.data(), verify_allowed(draft));
             } else {
                 rows.resize(T * n_vocab);
                 target.eval_verify(batch.data(), T, rows.data());

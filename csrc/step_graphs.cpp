@@ -323,14 +323,18 @@ void Engine::compute(StepGraph & g) {
     }
 }
 
-void Engine::set_allowed_input(StepGraph & g, const uint32_t * allowed) {
+void Engine::set_allowed_input(StepGraph & g, const uint32_t * allowed, bool count) {
     if (!g.allowed) return;
     if (!allowed) throw std::logic_error("a masked step graph ran without its mask");
     set_input(g.allowed, allowed, ggml_nbytes(g.allowed));
-    // the rows whose mask forbids some token (the others of the pass carry masks allowing every one)
-    const int64_t n_words = g.allowed->ne[0], n_vocab = hp_.n_vocab;
+    if (count) count_masked_rows(allowed, g.allowed->ne[1]);
+}
+
+void Engine::count_masked_rows(const uint32_t * allowed, int64_t n_rows) {
+    // the rows whose mask forbids some token (the others of a pass carry masks allowing every one)
+    const int64_t n_words = allowed_words(), n_vocab = hp_.n_vocab;
     const uint32_t last_word = n_vocab % 32 == 0 ? ~0u : (1u << (n_vocab % 32)) - 1u;
-    for (int64_t r = 0; r < g.allowed->ne[1]; ++r) {
+    for (int64_t r = 0; r < n_rows; ++r) {
         const uint32_t * row = allowed + r * n_words;
         bool forbids = (row[n_words - 1] & last_word) != last_word;
         for (int64_t w = 0; w + 1 < n_words && !forbids; ++w) forbids = row[w] != ~0u;

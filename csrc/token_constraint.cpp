@@ -71,15 +71,11 @@ void TokenConstraint::mask_row(float * logits, int64_t n_vocab) {
     apply(masks_.data(), logits, n_vocab);
 }
 
-void TokenConstraint::fill_allowed(uint32_t * mask, int64_t n_vocab) {
+void TokenConstraint::fill_allowed(uint32_t * allowed, int64_t n_vocab) {
     const int64_t n_words = (n_vocab + 31) / 32;
-    std::fill(mask, mask + n_words, 0u);
-    fill_masks(mask, n_words, {});
-    if (std::all_of(mask, mask + n_words, [](uint32_t w) { return w == 0; })) {
-        throw std::runtime_error("the grammar allows no token at this point");  // as apply() says it
-    }
-    if (bug == GrammarBug::device_unmasked) std::fill(mask, mask + n_words, ~0u);
-    ++n_masked_rows;
+    masks_.assign(n_words, 0u);
+    fill_masks(masks_.data(), n_words, {});
+    put_allowed(masks_.data(), allowed, n_vocab);
 }
 
 void TokenConstraint::fill_mask_after(uint32_t * mask, int64_t n_words, const std::vector<int32_t> & path) {
@@ -132,7 +128,7 @@ void TokenConstraint::cut_draft(Draft & draft) {
     if (!draft.dists.empty()) draft.dists.resize(keep);
 }
 
-void TokenConstraint::mask_verify_rows(const Draft & draft, float * rows, int64_t n_vocab) {
+void TokenConstraint::each_verify_row_mask(const Draft & draft, int64_t n_vocab, const RowMask & put) {
     if (bug == GrammarBug::verify_unmasked) return;
     const int64_t k = (int64_t)draft.tokens.size();
     const int64_t n_words = (n_vocab + 31) / 32;
@@ -140,11 +136,34 @@ void TokenConstraint::mask_verify_rows(const Draft & draft, float * rows, int64_
     fill_masks(masks_.data(), n_words, draft.tokens);
     for (int64_t i = 0; i <= k; ++i) {
         const uint32_t * mask = masks_.data() + i * n_words;
-        apply(mask, rows + i * n_vocab, n_vocab);
+        put(i, mask);
         // a forbidden draft (kept for rejection sampling, see cut_draft) is rejected at its row,
         // so no row after it is read: the rule has no state there
         if (i < k && !allows(mask, draft.tokens[i])) break;
     }
+}
+
+void TokenConstraint::mask_verify_rows(const Draft & draft, float * rows, int64_t n_vocab) {
+    each_verify_row_mask(draft, n_vocab, [&](int64_t row, const uint32_t * mask) { apply(mask, rows + row * n_vocab, n_vocab); });
+}
+
+void TokenConstraint::fill_verify_allowed(const Draft & draft, uint32_t * allowed, int64_t n_vocab) {
+    const int64_t n_words = (n_vocab + 31) / 32;
+    std::fill(allowed, allowed + (draft.tokens.size() + 1) * n_words, ~0u);  // rows no walk reads stay free
+    each_verify_row_mask(draft, n_vocab, [&](int64_t row, const uint32_t * mask) { put_allowed(mask, allowed + row * n_words, n_vocab); });
+}
+
+void TokenConstraint::put_allowed(const uint32_t * mask, uint32_t * allowed, int64_t n_vocab) {
+    const int64_t n_words = (n_vocab + 31) / 32;
+    if (std::all_of(mask, mask + n_words, [](uint32_t w) { return w == 0; })) {
+        throw std::runtime_error("the grammar allows no token at this point");  // as apply() says it
+    }
+    if (bug == GrammarBug::device_unmasked) {
+        std::fill(allowed, allowed + n_words, ~0u);
+    } else {
+        std::copy(mask, mask + n_words, allowed);
+    }
+    ++n_masked_rows;
 }
 
 std::vector<uint8_t> TokenConstraint::allowed_nodes(const DraftTree & tree) {
@@ -179,7 +198,7 @@ void TokenConstraint::prune_tree(DraftTree & tree) {
     tree = std::move(out);
 }
 
-void TokenConstraint::mask_tree_rows(const DraftTree & tree, float * rows, int64_t n_vocab) {
+void TokenConstraint::each_tree_row_mask(const DraftTree & tree, int64_t n_vocab, const RowMask & put) {
     if (bug == GrammarBug::verify_unmasked) return;
     const int64_t n = tree.size();
     const int64_t n_words = (n_vocab + 31) / 32;
@@ -188,7 +207,7 @@ void TokenConstraint::mask_tree_rows(const DraftTree & tree, float * rows, int64
     auto mask = [&](int64_t row, const uint32_t * m) {
         masked[row] = 1;
         if (row == 1 && bug == GrammarBug::tree_row_unmasked) return;
-        apply(m, rows + row * n_vocab, n_vocab);
+        put(row, m);
     };
     // deepest nodes first: the masks along one node's path serve its ancestors' rows too
     for (int32_t i = (int32_t)n - 1; i >= 0; --i) {
@@ -209,6 +228,16 @@ void TokenConstraint::mask_tree_rows(const DraftTree & tree, float * rows, int64
         fill_masks(masks_.data(), n_words, {});
         mask(0, masks_.data());
     }
+}
+
+void TokenConstraint::mask_tree_rows(const DraftTree & tree, float * rows, int64_t n_vocab) {
+    each_tree_row_mask(tree, n_vocab, [&](int64_t row, const uint32_t * mask) { apply(mask, rows + row * n_vocab, n_vocab); });
+}
+
+void TokenConstraint::fill_tree_allowed(const DraftTree & tree, uint32_t * allowed, int64_t n_vocab) {
+    const int64_t n_words = (n_vocab + 31) / 32;
+    std::fill(allowed, allowed + (tree.size() + 1) * n_words, ~0u);  // a forbidden node's row stays free
+    each_tree_row_mask(tree, n_vocab, [&](int64_t row, const uint32_t * mask) { put_allowed(mask, allowed + row * n_words, n_vocab); });
 }
 
 }  // namespace deltaspec

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace deltaspec {
@@ -118,6 +119,10 @@ class TokenConstraint {
     void cut_draft(Draft & draft);
     // Masks the verify rows of [last committed, drafts...]: row i with the state after drafts[0 .. i).
     void mask_verify_rows(const Draft & draft, float * rows, int64_t n_vocab);
+    // The same rows' masks as bits (draft.tokens.size() + 1 rows of ceil(n_vocab / 32) words), for a
+    // verify that applies them on the device; the rows mask_verify_rows leaves as they are allow
+    // every token. Counted as masked rows.
+    void fill_verify_allowed(const Draft & draft, uint32_t * allowed, int64_t n_vocab);
     // Prunes a draft tree (draft_tree.h) before verification: a node the rule forbids after its
     // path goes, with everything below it; except that a node drawn from a q (its parent's
     // children_q) stays, as a leaf, for the rejection rule to reject (what cut_draft does with a
@@ -129,6 +134,9 @@ class TokenConstraint {
     // sampled leaves prune_tree keeps) is left as it is: no walk reaches a node its parent's masked
     // row gives probability 0.
     void mask_tree_rows(const DraftTree & tree, float * rows, int64_t n_vocab);
+    // The same rows' masks as bits (tree.size() + 1 rows), for a verify that applies them on the
+    // device; a row mask_tree_rows leaves as it is allows every token. Counted as masked rows.
+    void fill_tree_allowed(const DraftTree & tree, uint32_t * allowed, int64_t n_vocab);
 
     // What the constraint did, for stats and for tests that the path ran.
     int64_t n_masked_rows = 0;  // logit rows masked
@@ -139,6 +147,14 @@ class TokenConstraint {
 
   private:
     void apply(const uint32_t * mask, float * logits, int64_t n_vocab);
+    // `mask` as a row of a device's allowed tokens (fill_allowed, fill_verify_allowed): copied, or
+    // every token under the planted bug device_unmasked; throws where it allows nothing, as apply()
+    void put_allowed(const uint32_t * mask, uint32_t * allowed, int64_t n_vocab);
+    // put(row, mask) for each verify row of [last committed, drafts...] that mask_verify_rows masks
+    using RowMask = std::function<void(int64_t row, const uint32_t * mask)>;
+    void each_verify_row_mask(const Draft & draft, int64_t n_vocab, const RowMask & put);
+    // the same for the rows of a draft tree that mask_tree_rows masks
+    void each_tree_row_mask(const DraftTree & tree, int64_t n_vocab, const RowMask & put);
     // the tokens allowed after the committed ones and `path` (fill_mask_after into masks_), counted
     // as a drafter row; valid until the next call
     const uint32_t * draft_row_mask(const std::vector<int32_t> & path, int64_t n_vocab);

@@ -47,10 +47,10 @@ bool masks_rows_along(const GenerateRequest & req, const std::vector<int32_t> & 
 // steps, generate_speculative's passes): `masked` (masks_rows_along); `argmax`, the device's argmax is
 // all it needs (greedy, no log-probabilities, rows not masked: a mask needs the logits); `top`, the
 // rows' top candidates are (top_rows_serve), where the engine reduces rows on the device.
-// `device_masks`: the caller can hand a masked row's mask to the engine (Engine's `allowed`; a pass of
-// one row per sequence, where the mask is the one after the committed tokens): a masked row without
-// log-probabilities (those are the raw row's, which its reduction to the allowed tokens loses) then
-// takes the argmax or top candidates of its allowed tokens (`device_mask`) instead of crossing whole.
+// `device_masks`: the caller can hand the rows' masks to the engine (Engine's `allowed`: fill_allowed
+// for a step's row, fill_verify_allowed / fill_tree_allowed for a verify's): masked rows without
+// log-probabilities (those are the raw rows', which the reduction to the allowed tokens loses) then
+// take the argmax or top candidates of their allowed tokens (`device_mask`) instead of crossing whole.
 struct RowNeeds {
     bool masked = false, argmax = false, top = false;
     bool device_mask = false;  // masked, and its argmax or top candidates come from the masked row on the device

@@ -20,13 +20,20 @@ TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t r
                               TokenConstraint * constraint, std::vector<float> * unmasked) {
     const RowBatch rows = tree_rows(target, tree, root);
     const int64_t T = rows.size(), n_vocab = target.hparams().n_vocab;
+    // rows reduced on the device take the grammar's masks with them
+    std::vector<uint32_t> allowed;
+    if (constraint && read != VerifyRead::logits) {
+        allowed.resize(T * target.allowed_words());
+        constraint->fill_tree_allowed(tree, allowed.data(), n_vocab);
+    }
+    const uint32_t * masks = allowed.empty() ? nullptr : allowed.data();
     // the rows in the same order either way: row 0 the root, row 1 + i node i
     if (read == VerifyRead::argmax) {
         words.resize(T);
         if (is_chain(tree)) {
-            target.eval_verify_argmax(rows.token.data(), T, words.data());
+            target.eval_verify_argmax(rows.token.data(), T, words.data(), masks);
         } else {
-            target.verify_tree(rows, LogitsWanted::argmax_all, words.data());
+            target.verify_tree(rows, LogitsWanted::argmax_all, words.data(), masks);
         }
         return walk_tree_argmax(tree, words.data(), history);
     }
@@ -34,9 +41,9 @@ TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t r
         const int64_t W = target.top_row_words();
         words.resize(T * W);
         if (is_chain(tree)) {
-            target.eval_verify_top(rows.token.data(), T, words.data());
+            target.eval_verify_top(rows.token.data(), T, words.data(), masks);
         } else {
-            target.verify_tree(rows, LogitsWanted::top_all, words.data());
+            target.verify_tree(rows, LogitsWanted::top_all, words.data(), masks);
         }
         const RowDistribution p_of = [&](int64_t r, const std::vector<int32_t> &, Distribution & p) {
             const TopRow top = top_row(words.data() + r * W, target.top_k());

@@ -30,9 +30,11 @@ enum class VerifyRead { argmax, top, logits };
 // `logits`: row 0 the root, row 1 + i node i), through the sampler and `rule` unless greedy.
 // `history` (prompt + committed tokens, root last) gets the accepted tokens; the walk's `next` is
 // the target's token after them. The target then holds the verify batch: keep_walk commits root +
-// the accepted path. A grammar (`constraint`, optional; read = logits) masks each row with its state
-// after the row's path (TokenConstraint::mask_tree_rows) before the walk; `unmasked`, when given,
-// gets the rows as they were before (the raw logits that log-probabilities report).
+// the accepted path. A grammar (`constraint`, optional) masks each row with its state after the
+// row's path: whole rows (read = logits) on the host before the walk (TokenConstraint::mask_tree_rows;
+// `unmasked`, when given, gets the rows as they were before: the raw logits that log-probabilities
+// report), rows reduced on the device (argmax, top) there, their masks sent with them
+// (TokenConstraint::fill_tree_allowed).
 TreeWalk verify_and_walk_tree(Engine & target, const DraftTree & tree, int32_t root, VerifyRead read,
                               Sampler & sampler, std::vector<int32_t> & history, TreeRule rule, TreeRuleBug bug,
                               std::vector<float> & logits, std::vector<int32_t> & words,

@@ -67,7 +67,7 @@ RowsBug rows_bug() {
     return bug;
 }
 
-void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out) {
+void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out, const uint32_t * allowed) {
     const int64_t R = rows.size();
     if (wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all && wanted != LogitsWanted::top_all) {
         throw std::invalid_argument("verify_rows returns the logits, the argmax or the top candidates of every row");
@@ -179,7 +179,7 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
     const std::vector<int32_t> plan = rows_plan(T, parent.data(), pend.slot.data(), nullptr, rows_positions(T),
                                                 "verify_rows", /*callers_rows =*/true);
 
-    StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/true, N, first, /*tree =*/true);
+    StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/true, N, first, /*tree =*/true, allowed != nullptr);
     set_input(g.in.tokens, tokens.data(), T * sizeof(int32_t));
     set_input(g.in.pos, pos.data(), pos.size() * sizeof(int32_t));
     set_input(g.in.kv_rows, kv_rows.data(), T * sizeof(int64_t));
@@ -194,6 +194,19 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
         for (int64_t a = t; a >= 0; a = parent[a]) m[p0 + pend.local[a]] = zero;
     }
     set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
+    if (allowed) {  // the callers' rows' masks at their graph rows (a slot's copies repeat its last row's)
+        const int64_t W = allowed_words();
+        std::vector<uint32_t> graph_allowed(T * W);
+        for (int64_t i = 0; i < N; ++i) {
+            const int64_t n = begin[i + 1] - begin[i];
+            for (int64_t j = 0; j < Tq; ++j) {
+                const uint32_t * src = allowed + (begin[i] + std::min(j, n - 1)) * W;
+                std::copy(src, src + W, graph_allowed.data() + (i * Tq + j) * W);
+            }
+        }
+        set_allowed_input(g, graph_allowed.data(), /*count =*/false);
+        count_masked_rows(allowed, R);
+    }
 
     compute(g);
     rows_stats_.calls += 1;
@@ -212,16 +225,16 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out)
         char * dst = static_cast<char *>(out);
         for (int64_t r = 0; r < R; ++r) {
             if (!rows.wants_logits[r]) continue;
-            ggml_backend_tensor_get(g.out, dst, pend.row_of[r] * row_bytes, row_bytes);
+            get_result_rows(g, pend.row_of[r], 1, dst);
             dst += row_bytes;
         }
     } else if (T == R) {
-        ggml_backend_tensor_get(g.out, out, 0, T * row_bytes);
+        get_result_rows(g, 0, T, out);
     } else {
         char * dst = static_cast<char *>(out);
         for (int64_t i = 0; i < N; ++i) {  // each slot's own rows are consecutive in both layouts
             const int64_t n = begin[i + 1] - begin[i];
-            ggml_backend_tensor_get(g.out, dst + begin[i] * row_bytes, i * Tq * row_bytes, n * row_bytes);
+            get_result_rows(g, i * Tq, n, dst + begin[i] * row_bytes);
         }
     }
     pend.active = true;

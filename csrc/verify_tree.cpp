@@ -56,7 +56,7 @@ std::string str(int64_t v) { return std::to_string(v); }
 
 }  // namespace
 
-void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out) {
+void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out, const uint32_t * allowed) {
     const int64_t T = rows.size();
     if (wanted != LogitsWanted::all && wanted != LogitsWanted::argmax_all && wanted != LogitsWanted::top_all) {
         throw std::invalid_argument("verify_tree returns the logits, the argmax or the top candidates of every row");
@@ -106,7 +106,7 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
     const bool split = deltaspec_rows_count_walks(plan.data(), P) > 1;  // one slot: a second walk is a split
 
     const int64_t n_kv = seq().n_kv_for(p0 + T);
-    StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/true, 0, 0, /*tree =*/true);
+    StepGraph & g = step_graph(T, n_kv, wanted, /*keep_states =*/true, 0, 0, /*tree =*/true, allowed != nullptr);
     set_input(g.in.tokens, rows.token.data(), T * sizeof(int32_t));
     std::vector<int32_t> pos(4 * T, 0);
     std::vector<int64_t> kv_rows(T);
@@ -131,6 +131,7 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
         }
     }
     set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
+    set_allowed_input(g, allowed);
 
     compute(g);
     // pending until keep_path: one slot, its rows unpadded (commit_paths reads this layout)
@@ -153,7 +154,7 @@ void Engine::verify_tree(const RowBatch & rows, LogitsWanted wanted, void * out)
     tree_stats_.branched_calls += n_roots > 1 || std::any_of(n_children.begin(), n_children.end(), [](int32_t c) { return c > 1; });
     tree_stats_.rows_op_nodes += g.n_rows_op_nodes;
     tree_stats_.split_walks += split;
-    ggml_backend_tensor_get(g.out, out, 0, ggml_nbytes(g.out));  // every row's logits, argmax or top row
+    get_result_rows(g, 0, T, out);  // every row's logits, argmax or top row
     if (wanted == LogitsWanted::top_all) decode_stats_.top_rows += T;
     pend.active = true;
 }

@@ -7,10 +7,16 @@ top-k sampling, rows allowing fewer tokens than the top k holds, one sequence an
 prompt ends (prefill) and decode steps; and that the device path ran (decode_stats' masked_rows,
 the rows whose mask the device applied) while the host path never took it.
 
+Speculation: verify rows go the same way (each row's mask the grammar's state after the drafts
+before it: TokenConstraint::fill_verify_allowed for a chain, fill_tree_allowed for a draft tree),
+in generate() and in the shared verify pass of generate_batch.
+
 Planted bug (DELTASPEC_TEST_GRAMMAR_BUG=device_unmasked: the device gets a mask allowing every
 token, as if the mask never reached it): test_planted_device_bug_is_caught runs it and sees
 forbidden tokens committed (GrammarError) or other tokens; the equality tests below were seen red
-with it too (GrammarError in each). A top node ignoring its mask on the CPU (src[1] dropped in
+with it too (GrammarError in each). DELTASPEC_TEST_GRAMMAR_BUG=verify_unmasked (a chain's verify
+rows left unmasked, on either path) was seen to fail both speculative tests, "tree_row_unmasked"
+(one row of a draft tree's verify unmasked) their tree runs. A top node ignoring its mask on the CPU (src[1] dropped in
 ggml/cpu/deltaspec_top_cpu.cpp) was seen to fail every test here but the logprobs one (which
 keeps whole rows) and the planted bug's own (which plants its bug anyway).
 """
@@ -103,6 +109,62 @@ def test_batch_equals_host_masks(model):
     for i, (a, b) in enumerate(zip(device, host)):
         assert a.tokens == b.tokens, (i, a.text, b.text)
     assert device[-1].logprobs == host[-1].logprobs and device[-1].finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def self_draft():
+    with Model(tiny_vocab_model_path(), n_ctx=512, n_threads=1, progress=False) as m:
+        yield m
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(TOP_K_SAMPLING, seed=7)], ids=["greedy", "top-k"])
+@pytest.mark.parametrize("drafter", ["self", "ngram", "self-tree"])
+def test_speculative_equal_host_masks(model, self_draft, sampling, drafter):
+    """generate() with a draft model (a second load of the target: its drafts are accepted), n-gram
+    lookup, or a draft model's trees (tree_budget 6) under a JSON schema: each verify sends its rows'
+    masks (the grammar's state after each row's path) to the device; the tokens, drafts and
+    acceptances are the host path's, and every verify row the grammar masked was masked on the
+    device."""
+    g = Grammar.from_json_schema(BOUNDED_SCHEMAS["record"])
+    spec = dict(spec_type="ngram-simple") if drafter == "ngram" else dict(draft_model=self_draft)
+    if drafter == "self-tree":
+        spec["tree_budget"] = 6
+
+    def run():
+        return model.generate("the cat sat", max_tokens=300, grammar=g, draft_n_max=6, **spec, **sampling)
+
+    device, host, n_device = _both_paths(model, run)
+    assert device.tokens == host.tokens, (device.text, host.text)
+    assert (device.stats.n_drafted, device.stats.n_accepted) == (host.stats.n_drafted, host.stats.n_accepted)
+    assert device.stats.n_drafted > 0 and device.finish_reason == "stop"
+    if drafter != "ngram":
+        assert device.stats.n_accepted > 0
+    if drafter == "self-tree":
+        assert device.stats.n_tree_nodes > 0
+    assert n_device == device.stats.grammar_masked_rows == host.stats.grammar_masked_rows > 0
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(TOP_K_SAMPLING, seed=11)], ids=["greedy", "top-k"])
+def test_batch_speculative_equals_host_masks(sampling):
+    """generate_batch with a draft model, 4 requests on 3 slots (two JSON schemas, the digits regex,
+    one free), chains and trees (tree_budget 6): the shared verify pass sends each sequence's masks
+    with its rows; every result equals the host path's, drafts were accepted, and every row the
+    grammars masked was masked on the device."""
+    grammars = [Grammar.from_json_schema(BOUNDED_SCHEMAS[name]) for name in list(BOUNDED_SCHEMAS)[:2]]
+    per_prompt = [dict(grammar=grammars[0]), dict(grammar=Grammar.from_regex(DIGITS)), dict(), dict(grammar=grammars[1])]
+    prompts = ["Hello", "0123", "the cat", "{"]
+    kw = dict(n_ctx=512, n_threads=1, n_seq_max=3, progress=False)
+    with Model(tiny_vocab_model_path(), **kw) as m, Model(tiny_vocab_model_path(), **kw) as draft:
+        for tree in ({}, dict(tree_budget=6)):
+            def run():
+                return m.generate_batch(prompts, per_prompt=per_prompt, max_tokens=200, draft_model=draft,
+                                        draft_n_max=6, **tree, **sampling)
+
+            device, host, n_device = _both_paths(m, run)
+            for i, (a, b) in enumerate(zip(device, host)):
+                assert a.tokens == b.tokens, (tree, i, a.text, b.text)
+            assert sum(r.stats.n_accepted for r in device) > 0
+            assert n_device == sum(r.stats.grammar_masked_rows for r in device) > 50
 
 
 def test_logprobs_keep_whole_rows(model):

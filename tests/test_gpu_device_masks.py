@@ -1,7 +1,8 @@
 """Grammar masks applied on CUDA (ggml/cuda/deltaspec_top.cu's masked rows; runs only where a CUDA
 build and a GPU exist): the rows a grammar masks reduced on the device give the tokens of the same
-rows masked on the host, on the tiny vocabulary (JSON schemas) and on one of Qwen3.5's size
-(248320: the kernel's radix passes and per-warp spans over a real row's length, most of it forbidden).
+rows masked on the host, on the tiny vocabulary (JSON schemas; plain decoding, and speculation's
+chain and tree verifies) and on one of Qwen3.5's size (248320: the kernel's radix passes and
+per-warp spans over a real row's length, most of it forbidden).
 
 Run on the GPU machine with: python -m pytest -q -m gpu tests/test_gpu_device_masks.py
 
@@ -66,3 +67,22 @@ def test_cuda_device_masks_on_a_full_vocabulary(big_vocab_model, sampling):
     for a, b in zip(device, host):
         assert a.tokens == b.tokens and re.fullmatch(DIGITS, a.text), (a.text, b.text)
     assert n_device == sum(len(r.tokens) for r in device)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "top-k"])
+def test_cuda_speculative_device_masks_equal_host_masks(sampling):
+    """A draft model (the target loaded again) drafting chains and trees (tree_budget 6) under a
+    JSON schema, one sequence and a batch of 3: the verify rows' masks applied on the device give
+    the host path's tokens, drafts were accepted, and every masked row was masked on the device."""
+    g = Grammar.from_json_schema(BOUNDED_SCHEMAS["record"])
+    kw = dict(device="cuda", n_ctx=512, n_seq_max=3, progress=False)
+    with Model(tiny_vocab_model_path(), **kw) as m, Model(tiny_vocab_model_path(), **kw) as draft:
+        for tree in ({}, dict(tree_budget=6)):
+            spec = dict(grammar=g, max_tokens=400, draft_model=draft, draft_n_max=6, **tree, **sampling)
+            device, host, n_device = _both_paths(m, lambda: m.generate("the cat sat", **spec))
+            assert device.tokens == host.tokens, (tree, device.text, host.text)
+            assert device.stats.n_accepted > 0 and n_device == device.stats.grammar_masked_rows > 0
+            device, host, n_device = _both_paths(m, lambda: m.generate_batch(["Hello", "{", "a b c"], **spec))
+            for a, b in zip(device, host):
+                assert a.tokens == b.tokens and a.finish_reason == "stop", (tree, a.text, b.text)
+            assert n_device == sum(r.stats.grammar_masked_rows for r in device) > 0
