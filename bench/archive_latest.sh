@@ -21,7 +21,7 @@ NAMES="decode_bench.json stock_vs_injected.json verify_cost.json kernels_bench.j
        constraint_cost.json constraint_cost.md constraint_cost_cpu.json constraint_cost_cpu.md invariance_shapes.json
        tree_split_walks.json tree_split_walks.md invariance_products.json
        invariance_nodes.json gpu_tests_rows_tree.xml gpu_tests_invariant_stacks.xml gpu_tests_invariant.xml
-       gpu_tests_device_masks.xml"
+       gpu_tests_device_masks.xml grammar_mask_threads.json grammar_mask_threads_4.json"
 LATEST=bench/results/latest
 FROM=${1:-}
 if [[ -n $FROM && ! -d $FROM ]]; then
