@@ -27,7 +27,8 @@ from deltaspec.errors import GrammarError
 from deltaspec.gguf_file import read_gguf
 from deltaspec.testing.json_schemas import BOUNDED_SCHEMAS
 from deltaspec.testing.tiny_vocab import write_tiny_vocab_model
-from sampling_reference import chi_square_p, expected_probs
+from sampling_reference import chi_square_p
+from test_structured import DIST_PARAMS, DIST_PROMPT, _ascii_allowed, _second_token_marginal
 
 BUG = "DELTASPEC_TEST_GRAMMAR_BUG"
 SCHEMAS = {name: BOUNDED_SCHEMAS[name] for name in ("record", "text")}
@@ -164,32 +165,6 @@ def test_prune_and_mask_a_tree(models, grammars):
 # --- the sampled distribution ---------------------------------------------------------------------
 
 N_SEEDS = 500
-DIST_PARAMS = dict(temperature=1.0, top_k=8, top_p=1.0, min_p=0.0)
-DIST_PROMPT = [72, 101, 108]  # "Hel"
-
-
-def _ascii_allowed(model):
-    """Which tokens `[ -~]*` allows, worked out without llguidance: normal tokens of printable ASCII
-    bytes, and the end-of-generation tokens (the grammar is always complete)."""
-    tok = model.tokenizer
-    ok = np.array([tok.token_type(i) == 1 and all(32 <= b <= 126 for b in tok.token_to_piece(i))
-                   for i in range(model.n_vocab)])
-    ok[sorted(tok.eog_ids)] = True
-    return ok
-
-
-def _second_token_marginal(model, allowed):
-    def probs(history):
-        logits = model.logits(history)[-1].astype(np.float64)
-        logits[~allowed] = -np.inf
-        return expected_probs(logits, **DIST_PARAMS)
-
-    first = probs(DIST_PROMPT)
-    out = np.zeros(model.n_vocab)
-    for t in np.flatnonzero(first):
-        if not model.tokenizer.is_eog(int(t)):
-            out += first[t] * probs(DIST_PROMPT + [int(t)])
-    return out
 
 
 def _second_token_counts(models, grammar):
