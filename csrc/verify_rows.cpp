@@ -194,7 +194,9 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out,
         for (int64_t a = t; a >= 0; a = parent[a]) m[p0 + pend.local[a]] = zero;
     }
     set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
-    if (allowed) {  // the callers' rows' masks at their graph rows (a slot's copies repeat its last row's)
+    if (allowed && T == R) {  // no copies: the callers' rows are the graph's, in order
+        set_allowed_input(g, allowed);
+    } else if (allowed) {  // the callers' rows' masks at their graph rows (a slot's copies repeat its last row's)
         const int64_t W = allowed_words();
         std::vector<uint32_t> graph_allowed(T * W);
         for (int64_t i = 0; i < N; ++i) {

@@ -29,6 +29,7 @@ from deltaspec import Grammar, Model
 from deltaspec.errors import GrammarError
 from deltaspec.testing.json_schemas import BOUNDED_SCHEMAS
 from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
+from engine_switch import on_then_off
 
 BUG = "DELTASPEC_TEST_GRAMMAR_BUG"
 K = 64  # Engine::top_k(): the top candidates a row holds
@@ -44,18 +45,7 @@ def model():
 
 def _both_paths(model, run):
     """run() with device masks, then with host masks; and how many rows the device masked."""
-    engine = model._engine
-    before = engine.decode_stats["masked_rows"]
-    try:
-        engine.device_masks_enabled = True
-        device = run()
-        n_device = engine.decode_stats["masked_rows"] - before
-        engine.device_masks_enabled = False
-        host = run()
-        assert engine.decode_stats["masked_rows"] - before == n_device, "the host-mask run masked rows on the device"
-    finally:
-        engine.device_masks_enabled = True
-    return device, host, n_device
+    return on_then_off(model, "device_masks_enabled", "masked_rows", run)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(TOP_K_SAMPLING, seed=3)], ids=["greedy", "top-k"])

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from deltaspec import Model
+from engine_switch import on_then_off
 from test_gpu import _cuda_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason="no CUDA device in this build "
@@ -31,17 +32,7 @@ def model(tmp_path_factory):
 
 
 def _both(model, run):
-    engine = model._engine
-    before = engine.decode_stats["top_rows"]
-    try:
-        engine.top_rows_enabled = True
-        reduced = run()
-        n_top = engine.decode_stats["top_rows"] - before
-        engine.top_rows_enabled = False
-        whole = run()
-    finally:
-        engine.top_rows_enabled = True
-    return reduced, whole, n_top
+    return on_then_off(model, "top_rows_enabled", "top_rows", run, check_off=False)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.5, top_k=K, top_p=1.0, min_p=0.0)])

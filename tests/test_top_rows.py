@@ -18,6 +18,7 @@ import pytest
 
 from deltaspec import Model
 from deltaspec.testing.tiny_vocab import tiny_vocab_model_path
+from engine_switch import on_then_off
 
 K = 64  # Engine::top_k() on a vocabulary of more than 64 tokens
 
@@ -30,18 +31,7 @@ def model():
 
 def _both_paths(model, run):
     """run() with top rows, then with whole rows; and how many top rows the first run took."""
-    engine = model._engine
-    before = engine.decode_stats["top_rows"]
-    try:
-        engine.top_rows_enabled = True
-        reduced = run()
-        n_top = engine.decode_stats["top_rows"] - before
-        engine.top_rows_enabled = False
-        whole = run()
-        assert engine.decode_stats["top_rows"] - before == n_top, "the whole-row run took top rows"
-    finally:
-        engine.top_rows_enabled = True
-    return reduced, whole, n_top
+    return on_then_off(model, "top_rows_enabled", "top_rows", run)
 
 
 def _prompts(n, seed=5):
