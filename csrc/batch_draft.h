@@ -2,7 +2,7 @@
 // (a sequence in target slot i drafts in draft slot i), whose passes hold every drafting sequence's
 // rows (Engine::verify_rows). Per sequence it proposes what ModelDrafter::propose proposes (same
 // catch-up rule, sampler and draws, same cost estimate), so a batch drafts each sequence's chains as
-// generate_speculative's ModelDrafter does alone.
+// one ModelDrafter would for it alone.
 //
 // Per round: one pass evaluates every drafting sequence's catch-up (the committed tokens its slot
 // lacks; a backlog longer than max_catch_up restarts the slot from the last max_catch_up tokens, as

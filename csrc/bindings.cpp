@@ -155,75 +155,6 @@ double dflash_pass_cost(const DFlashModel & dm, const Engine & target) {
     return (double)(dm.weight_bytes() + ggml_nbytes(target.weights().output)) / (double)target.step_weight_bytes();
 }
 
-py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
-                          int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
-                          std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
-                          int64_t tree_budget, py::object constraint, bool mtp, py::object dflash, int32_t n_logprobs) {
-    if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
-    if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
-    if (tree_budget < 0) throw std::invalid_argument("tree_budget must be >= 0 (0: chains)");
-    if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
-    GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
-    req.constraint = constraint_of(constraint);
-    req.n_logprobs = n_logprobs;
-    const TokenCallback on_token = make_callback(callback);
-    SpecOptions spec;
-    spec.n_max = n_max;
-    spec.n_min = n_min;
-    spec.tree_budget = tree_budget;
-    SpecStats stats;
-    GenerateResult res;
-    DFlashModel * dm = dflash.is_none() ? nullptr : &dflash.cast<DFlashModel &>();
-    int64_t n_mtp_steps = 0;
-    {
-        py::gil_scoped_release release;
-        r.single().ensure_slots(n_max + 1);
-        std::unique_ptr<Drafter> drafter;
-        MtpDrafter * mtp_drafter = nullptr;  // owned by `drafter` (maybe inside a GrammarDrafter)
-        if (dm) {
-            if (&dm->target() != r.engine.get()) throw std::invalid_argument("the DFlash drafter belongs to another target");
-            SamplingParams ds = sampling;
-            ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the tree's draws must not mirror the target's
-            auto block = std::make_unique<DFlashDrafter>(*dm, *r.engine, dflash_pass_cost(*dm, *r.engine), ds);
-            block->constrain(drafting_constraint(req.constraint));
-            drafter = std::move(block);
-        } else if (mtp) {
-            SamplingParams ds = sampling;
-            ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
-            auto head = std::make_unique<MtpDrafter>(*r.engine, ds);
-            head->constrain(drafting_constraint(req.constraint));
-            mtp_drafter = head.get();
-            drafter = std::move(head);
-        } else if (draft) {
-            draft->single().ensure_slots(1);
-            SamplingParams ds = sampling;
-            ds.seed = sampling.seed ^ 0x9E3779B97F4A7C15ull;  // the draft's draws must not mirror the target's
-            const double step_cost = (double)draft->engine->step_weight_bytes() / (double)r.engine->step_weight_bytes();
-            auto model_drafter = std::make_unique<ModelDrafter>(*draft->engine, ds, step_cost);
-            model_drafter->constrain(drafting_constraint(req.constraint));
-            drafter = std::move(model_drafter);
-        } else {
-            drafter = std::make_unique<NgramDrafter>(ngram_max);
-        }
-        if (req.constraint) drafter = std::make_unique<GrammarDrafter>(*req.constraint, std::move(drafter));
-        res = generate_speculative(*r.engine, *drafter, r.pieces, req, spec, r.cancel, on_token, stats);
-        if (mtp_drafter) n_mtp_steps = mtp_drafter->n_head_steps();
-    }
-    py::dict out = result_dict(res);
-    out["n_steps"] = stats.n_steps;
-    out["n_drafted"] = stats.n_drafted;
-    out["n_accepted"] = stats.n_accepted;
-    out["n_tree_nodes"] = stats.n_tree_nodes;
-    out["accepted_lengths"] = stats.accepted_lengths;
-    out["draft_seconds"] = stats.draft_seconds;
-    out["verify_seconds"] = stats.verify_seconds;
-    out["rollback_seconds"] = stats.rollback_seconds;
-    out["sampler_radix_sorts"] = stats.sampler_radix_sorts;
-    out["sampler_comparison_sorts"] = stats.sampler_comparison_sorts;
-    if (mtp) out["n_mtp_steps"] = n_mtp_steps;
-    return out;
-}
-
 // A request's speculation from Python: None, or (draft_n_max, draft_n_min, ngram_max[, reference
 // token ids]) for prompt lookup (SeqSpec).
 SeqSpec seq_spec_of(const py::object & spec) {
@@ -255,6 +186,8 @@ void add_spec_stats(py::dict & out, const SpecStats & stats) {
     out["draft_seconds"] = stats.draft_seconds;
     out["verify_seconds"] = stats.verify_seconds;
     out["rollback_seconds"] = stats.rollback_seconds;
+    out["sampler_radix_sorts"] = stats.sampler_radix_sorts;
+    out["sampler_comparison_sorts"] = stats.sampler_comparison_sorts;
 }
 
 py::dict batch_spec_dict(const BatchSpecStats & s) {
@@ -283,6 +216,47 @@ DFlashModel * dflash_of(const py::object & dflash) { return dflash.is_none() ? n
 // The scheduler's DFlash drafter (requests with SeqSpec::dflash), if any.
 void set_dflash(Scheduler & scheduler, Runner & r, DFlashModel * dm) {
     if (dm) scheduler.set_dflash(*dm, dflash_pass_cost(*dm, *r.engine));
+}
+
+// generate() with speculation: the scheduler with one sequence that drafts (seq_spec_of's fields).
+py::dict generate_spec_py(Runner & r, Runner * draft, int64_t ngram_max, std::vector<int32_t> prompt,
+                          int32_t max_tokens, const SamplingParams & sampling, std::vector<int32_t> eog_ids,
+                          std::vector<std::string> stop, int64_t n_max, int64_t n_min, py::object callback,
+                          int64_t tree_budget, py::object constraint, bool mtp, py::object dflash, int32_t n_logprobs) {
+    if (r.pieces.empty()) throw std::runtime_error("set_pieces() must be called before generate()");
+    if (n_max < 1 || n_min < 0 || n_min > n_max) throw std::invalid_argument("need 0 <= draft_n_min <= draft_n_max, 1 <= draft_n_max");
+    if (tree_budget < 0) throw std::invalid_argument("tree_budget must be >= 0 (0: chains)");
+    if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
+    GenerateRequest req = make_request(std::move(prompt), max_tokens, sampling, std::move(eog_ids), std::move(stop));
+    req.constraint = constraint_of(constraint);
+    req.n_logprobs = n_logprobs;
+    const TokenCallback on_token = make_callback(callback);
+    SeqSpec spec;
+    spec.n_max = n_max;
+    spec.n_min = n_min;
+    spec.ngram_max = ngram_max;
+    spec.tree_budget = tree_budget;
+    spec.draft_model = draft != nullptr;
+    spec.mtp = mtp;
+    DFlashModel * dm = dflash_of(dflash);
+    spec.dflash = dm != nullptr;
+    if (dm && &dm->target() != r.engine.get()) throw std::invalid_argument("the DFlash drafter belongs to another target");
+    SpecStats stats;
+    GenerateResult res;
+    {
+        py::gil_scoped_release release;
+        // the scheduler with one sequence, drafting: generate_batch's loop, on slot 0
+        Scheduler scheduler(r.single(), r.pieces);
+        scheduler.set_max_sequences(1);  // slot 0: a draft model or DFlash drafter needs one slot
+        if (draft) draft->single();  // its slots are the scheduler's now
+        set_draft(scheduler, r, draft);
+        set_dflash(scheduler, r, dm);
+        res = scheduler.run_one(req, r.cancel, on_token, spec, &stats);
+    }
+    py::dict out = result_dict(res);
+    add_spec_stats(out, stats);
+    if (mtp) out["n_mtp_steps"] = stats.n_mtp_steps;
+    return out;
 }
 
 py::list generate_batch_py(Runner & r, py::list requests, std::vector<int32_t> eog_ids, Runner * draft,

@@ -223,8 +223,10 @@ Engine::Committed Engine::commit_paths(const std::vector<std::vector<int32_t>> &
         if (n_taps > 0) plan.insert(plan.end(), tap_rows.begin(), tap_rows.end());
         ggml_backend_tensor_set(kg.input, plan.data(), 0, plan.size() * sizeof(int32_t));
     }
-    const ggml_status status = split_.active() ? ggml_backend_sched_graph_compute(keep_sched_, kg.gf)
-                                               : ggml_backend_graph_compute(backend_, kg.gf);
+    const bool skipped = split_.active() && split_bug() == SplitBug::no_side_graph;  // the planted bug
+    const ggml_status status = skipped            ? GGML_STATUS_SUCCESS
+                               : split_.active() ? ggml_backend_sched_graph_compute(keep_sched_, kg.gf)
+                                                 : ggml_backend_graph_compute(backend_, kg.gf);
     if (status != GGML_STATUS_SUCCESS) {
         kg.drop();
         throw std::runtime_error("committing the accepted paths failed");

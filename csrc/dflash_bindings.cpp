@@ -22,13 +22,28 @@ TokenConstraint * constraint_arg(const py::object & constraint) {
 
 // The target reads ids but the last (a fresh sequence), the drafter the features it tapped: what
 // a speculative loop holds before drafting after ids.
-void begin_after(DFlashModel & d, DFlashDrafter & drafter, const std::vector<int32_t> & ids) {
+// Runs `use` on a drafter of the target's slot 0 that has read ids but the last (the anchor), the
+// target's taps set to the drafter's layers meanwhile (then cleared: plain steps need none).
+template <class Use>
+void draft_after(DFlashModel & d, const SamplingParams & sampling, TokenConstraint * rule,
+                 const std::vector<int32_t> & ids, Use use) {
     if (ids.empty()) throw std::invalid_argument("ids must hold at least the anchor token");
     Engine & t = d.target();
-    t.reset();
-    const std::vector<int32_t> prompt(ids.begin(), ids.end() - 1);
-    if (!prompt.empty()) t.eval(prompt.data(), (int64_t)prompt.size(), LogitsWanted::none, nullptr);
-    drafter.begin(prompt);
+    t.use_slot(0);
+    t.set_taps(dflash_taps(d.hparams()));
+    try {
+        DFlashDrafter drafter(d, t, 1.0, sampling, /*slot =*/0);
+        drafter.constrain(rule);
+        t.reset();
+        const std::vector<int32_t> prompt(ids.begin(), ids.end() - 1);
+        if (!prompt.empty()) t.eval(prompt.data(), (int64_t)prompt.size(), LogitsWanted::none, nullptr);
+        drafter.begin(prompt);
+        use(drafter);
+    } catch (...) {
+        t.set_taps({});
+        throw;
+    }
+    t.set_taps({});
 }
 
 }  // namespace
@@ -125,10 +140,9 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                      SamplingParams sp;
                      sp.temperature = temperature;
                      sp.seed = seed;
-                     DFlashDrafter drafter(d, d.target(), 1.0, sp);  // its taps, until it goes
-                     drafter.constrain(rule);
-                     begin_after(d, drafter, ids);
-                     tree = drafter.propose_tree(ids, budget, max_depth);
+                     draft_after(d, sp, rule, ids, [&](DFlashDrafter & drafter) {
+                         tree = drafter.propose_tree(ids, budget, max_depth);
+                     });
                  }
                  py::dict out;
                  out["token"] = tree.token;
@@ -150,10 +164,9 @@ void bind_dflash(py::module_ & m, std::function<Engine &(py::handle)> engine_of)
                  Draft draft;
                  {
                      py::gil_scoped_release release;
-                     DFlashDrafter drafter(d, d.target(), 1.0);  // its taps, until it goes
-                     drafter.constrain(rule);
-                     begin_after(d, drafter, ids);
-                     draft = drafter.propose(ids, n_max);
+                     draft_after(d, SamplingParams{}, rule, ids, [&](DFlashDrafter & drafter) {
+                         draft = drafter.propose(ids, n_max);
+                     });
                  }
                  return draft.tokens;
              }, py::arg("ids"), py::arg("n_max"), py::arg("constraint") = py::none(),

@@ -21,30 +21,21 @@ DFlashDrafter::DFlashDrafter(DFlashModel & model, Engine & target, double pass_c
                              int64_t slot)
     : model_(model), target_(target), pass_cost_(pass_cost), slot_(slot), sampler_(sampling),
       top1_(model.hparams().block_size - 1) {
-    if (slot_ < 0) target_.set_taps(dflash_taps(model.hparams()));
-}
-
-DFlashDrafter::~DFlashDrafter() {
-    if (slot_ >= 0) return;  // the scheduler's taps
-    try {
-        target_.set_taps({});  // plain steps stop paying for the copies
-    } catch (...) {
-    }
+    if (slot_ < 0) throw std::invalid_argument("DFlashDrafter: slot " + std::to_string(slot_) + " is not a slot");
 }
 
 void DFlashDrafter::inject_tapped() {
-    const int64_t ts = target_slot();
-    model_.use_slot(slot_ < 0 ? 0 : slot_);
-    const int64_t n = target_.n_tapped_rows(ts);
-    if (n > 0) model_.inject(target_.tapped(ts).data(), n, target_.tapped_pos(ts));
-    target_.clear_tapped(ts);
+    model_.use_slot(slot_);
+    const int64_t n = target_.n_tapped_rows(slot_);
+    if (n > 0) model_.inject(target_.tapped(slot_).data(), n, target_.tapped_pos(slot_));
+    target_.clear_tapped(slot_);
 }
 
 void DFlashDrafter::begin(const std::vector<int32_t> & prompt) {
-    model_.use_slot(slot_ < 0 ? 0 : slot_);
+    model_.use_slot(slot_);
     // the target has just read the prompt, or (a sequence resuming a kept slot) its part after
     // what the slot held, whose context the model's slot still holds
-    const int64_t from = slot_ < 0 ? 0 : target_.tapped_pos(slot_);
+    const int64_t from = target_.tapped_pos(slot_);
     if (from > model_.n_cached()) {
         throw std::logic_error("DFlash drafter: slot " + std::to_string(slot_) + "'s tapped rows start at position " +
                                std::to_string(from) + " but its context holds " + std::to_string(model_.n_cached()) + " rows");

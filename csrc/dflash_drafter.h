@@ -20,16 +20,13 @@ std::vector<int> dflash_taps(const DFlashHParams & hp);
 
 class DFlashDrafter : public Drafter {
   public:
-    // Sets the target's taps; `pass_cost` is one block pass in target decode steps (an estimate
-    // from weight bytes, which keeps the loop's drafting schedule independent of timing).
-    // `sampling`: the request's (its temperature and a seed of the drafter's own) for trees.
-    // slot -1: the one sequence of generate_speculative (the target's current slot, the model's
-    // slot 0), the target's taps set while the drafter lives. slot >= 0: one of the scheduler's
-    // sequences, drafting in that model slot from that target slot's taps (the scheduler sets the
+    // `pass_cost` is one block pass in target decode steps (an estimate from weight bytes, which
+    // keeps the loop's drafting schedule independent of timing). `sampling`: the request's (its
+    // temperature and a seed of the drafter's own) for trees. `slot`: the scheduler's sequence
+    // slot, drafting in that model slot from that target slot's taps (the scheduler sets the
     // target's taps and calls set_slot when it moves the sequence).
-    DFlashDrafter(DFlashModel & model, Engine & target, double pass_cost, const SamplingParams & sampling = {},
-                  int64_t slot = -1);
-    ~DFlashDrafter() override;
+    DFlashDrafter(DFlashModel & model, Engine & target, double pass_cost, const SamplingParams & sampling,
+                  int64_t slot);
     void begin(const std::vector<int32_t> & prompt) override;
     Draft propose(const std::vector<int32_t> & committed, int64_t n_max) override;
     // DDTree (Ringel & Romano; draft_tree.h build_from_marginals with seed_chain false, the paper's
@@ -67,7 +64,6 @@ class DFlashDrafter : public Drafter {
 
   private:
     void inject_tapped();  // the target's new rows -> the drafter's context
-    int64_t target_slot() const { return slot_ < 0 ? target_.current_slot() : slot_; }
     bool ready(const std::vector<int32_t> & committed);  // the context ends before the anchor; room for a block
 
     DFlashModel & model_;

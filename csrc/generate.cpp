@@ -48,15 +48,8 @@ GenerateResult generate(Engine & engine, const PieceTable & pieces, const Genera
                         const std::atomic<bool> & cancel, const TokenCallback & on_token) {
     // the scheduler with one sequence: the loop of generate_batch, on slot 0
     Scheduler scheduler(engine, pieces);
-    const int64_t id = scheduler.add_request(req, on_token);
-    GenerateResult res;
-    while (!scheduler.idle()) {
-        if (cancel.load()) scheduler.cancel(id);
-        for (StepEvent & ev : scheduler.step()) {
-            if (ev.finished) res = std::move(ev.result);
-        }
-    }
-    return res;
+    scheduler.set_max_sequences(1);
+    return scheduler.run_one(req, cancel, on_token);
 }
 
 }  // namespace deltaspec

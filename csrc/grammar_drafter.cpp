@@ -4,10 +4,6 @@
 
 namespace deltaspec {
 
-void GrammarDrafter::begin(const std::vector<int32_t> & prompt) {
-    if (inner_) inner_->begin(prompt);
-}
-
 std::vector<int32_t> take_forced(TokenConstraint & constraint, int64_t n_max) {
     std::vector<int32_t> forced = constraint.forced_tokens();
     if ((int64_t)forced.size() > n_max) forced.resize(std::max<int64_t>(0, n_max));
@@ -22,20 +18,6 @@ bool draft_forced(TokenConstraint & constraint, int64_t budget, int64_t n_max, D
     }
     draft.tokens = take_forced(constraint, n_max);  // deterministic (no q) and free to propose (cost 0)
     return !draft.tokens.empty();
-}
-
-Draft GrammarDrafter::propose(const std::vector<int32_t> & committed, int64_t n_max) {
-    Draft d;
-    DraftTree unused;
-    if (draft_forced(constraint_, 0, n_max, d, unused)) return d;
-    return inner_ ? inner_->propose(committed, n_max) : d;
-}
-
-DraftTree GrammarDrafter::propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) {
-    Draft unused;
-    DraftTree t;
-    if (budget > 0 && draft_forced(constraint_, budget, max_depth, unused, t)) return t;
-    return inner_ ? inner_->propose_tree(committed, budget, max_depth) : t;
 }
 
 }  // namespace deltaspec

@@ -84,8 +84,8 @@ struct DeviceLayers {
 // "all_first" gives every layer to the first device (the map ignores tensor_split); "state_first"
 // puts every layer's KV cache and recurrent state on the first device whatever device its weights
 // are on (a node that writes a state in place then writes a scheduler's copy of it); "no_side_graph"
-// skips the small graphs a split runs through a scheduler of its own (keep()'s replay: the state
-// stays as before the verify batch). Read per call; unset or empty in every real use, anything else
+// skips the small graphs a split runs through a scheduler of its own (keep()'s replay and the
+// accepted paths' commit: the states stay as before the verify batch). Read per call; unset or empty in every real use, anything else
 // throws std::invalid_argument.
 enum class SplitBug { none, all_first, state_first, no_side_graph };
 SplitBug split_bug();

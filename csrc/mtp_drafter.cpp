@@ -4,27 +4,20 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 
 namespace deltaspec {
 
 MtpDrafter::MtpDrafter(Engine & target, const SamplingParams & sampling, int64_t slot)
-    : target_(target), slot_(slot), old_taps_(target.taps()), head_(target, target.n_ctx()), sampler_(sampling),
+    : target_(target), slot_(slot), head_(target, target.n_ctx()), sampler_(sampling),
       ranker_(tree_ranking(sampling)), zeros_(target.hparams().n_embd, 0.0f) {
-    if (slot_ < 0) target_.set_taps({(int)target.hparams().n_layer});
+    if (slot_ < 0) throw std::invalid_argument("MtpDrafter: slot " + std::to_string(slot_) + " is not a slot");
     step_cost_ = (double)head_.step_weight_bytes() / (double)target.step_weight_bytes();
-}
-
-MtpDrafter::~MtpDrafter() {
-    if (slot_ >= 0) return;  // the scheduler's taps
-    try {
-        target_.set_taps(old_taps_);
-    } catch (...) {
-    }
 }
 
 const float * MtpDrafter::target_hidden(int64_t p) const {
     const int64_t E = target_.hparams().n_embd;
-    const int64_t ts = target_slot();
+    const int64_t ts = slot_;
     const int64_t row = p - target_.tapped_pos(ts);
     if (row >= 0 && row < target_.n_tapped_rows(ts)) return target_.tapped(ts).data() + row * E;
     if (p == h_last_pos_) return h_last_.data();
@@ -42,7 +35,7 @@ void MtpDrafter::begin(const std::vector<int32_t> & prompt) {
 
 bool MtpDrafter::catch_up_rows(const std::vector<int32_t> & committed, bool want_draft, int64_t & last) {
     const int64_t E = target_.hparams().n_embd;
-    const int64_t n_past = target_.slot_n_past(target_slot());  // committed[n_past] (if any) is the target's next input
+    const int64_t n_past = target_.slot_n_past(slot_);  // committed[n_past] (if any) is the target's next input
     if ((int64_t)committed.size() < n_past || n_past < synced_) {
         throw std::logic_error("MtpDrafter: committed tokens and the target's state disagree");
     }
@@ -62,7 +55,7 @@ bool MtpDrafter::catch_up_rows(const std::vector<int32_t> & committed, bool want
         h_last_.assign(h, h + E);
         h_last_pos_ = n_past - 1;
     }
-    target_.clear_tapped(target_slot());
+    target_.clear_tapped(slot_);
     if (!batch_tokens_.empty()) head_.set_n_past(synced_);
     return drafting;
 }

@@ -24,12 +24,10 @@ namespace deltaspec {
 
 class MtpDrafter : public Drafter {
   public:
-    // slot -1: the one sequence of generate_speculative (the target's current slot); sets the
-    // target's taps to its final hidden state for as long as the drafter lives. slot >= 0: one of
-    // the scheduler's sequences, reading that target slot's taps (the scheduler sets the taps and
-    // calls set_slot when it moves the sequence). Each drafter has a head (and its KV cache) of its own.
-    MtpDrafter(Engine & target, const SamplingParams & sampling, int64_t slot = -1);
-    ~MtpDrafter() override;
+    // `slot`: the scheduler's sequence slot, reading that target slot's taps (the scheduler sets the
+    // taps and calls set_slot when it moves the sequence). Each drafter has a head (and its KV cache)
+    // of its own.
+    MtpDrafter(Engine & target, const SamplingParams & sampling, int64_t slot);
     // Drafts within `constraint` (the request's grammar; nullptr: none), as ModelDrafter::constrain:
     // each head row masked with the rule's state after the tokens drafted before it, so a chain
     // proposes the head's best allowed (or, sampling, draws from the masked row and reports its q)
@@ -66,7 +64,6 @@ class MtpDrafter : public Drafter {
     bool catch_up_rows(const std::vector<int32_t> & committed, bool want_draft, int64_t & last);
     // The target's hidden state at position p (p >= 0): a tapped row, or the one kept from before.
     const float * target_hidden(int64_t p) const;
-    int64_t target_slot() const { return slot_ < 0 ? target_.current_slot() : slot_; }
     // whether a chain's next token is the device's argmax (greedy, unconstrained) or drawn here
     bool device_argmax() const { return sampler_.params().argmax_only() && constraint_ == nullptr; }
     bool end_chain();  // the chain is complete: its rows are forgotten, its cost set; false
@@ -74,7 +71,6 @@ class MtpDrafter : public Drafter {
     Engine & target_;
     TokenConstraint * constraint_ = nullptr;
     int64_t slot_;
-    std::vector<int> old_taps_;
     MtpHead head_;
     Sampler sampler_;
     Sampler ranker_;  // greedy trees: the candidates' ranking distribution

@@ -63,4 +63,18 @@ RowsBug rows_bug();
 enum class PrefillBug { none, position, shared_state };
 PrefillBug prefill_bug();
 
+// DELTASPEC_TEST_TREE_BUG (test only) plants a bug so that the tree tests (tests/test_tree_verify.py,
+// and generate()'s trees: tests/test_speculative_tree.py ...) can show they notice it, in
+// Engine::verify_tree / keep_path and in Engine::verify_rows / keep_paths alike: "sibling_visible"
+// shows each row every earlier row of its slot (a causal mask, so siblings and cousins leak into
+// each other), "row_position" gives a row the position length + its index instead of length + its
+// depth, "no_compaction" leaves the kept KV rows where the verify wrote them, "parent_state" commits
+// the recurrent state after the leaf's parent instead of after the leaf, "taps_uncompacted" keeps
+// the tapped rows of the batch's first rows instead of the path's (the unaccepted rows' features),
+// "stale_keep_graph" reuses the last commit graph when only its KV moves differ (the last path's
+// moves done again). Read once per process; unset or empty in every real use, anything else throws
+// std::invalid_argument.
+enum class TreeBug { none, sibling_visible, row_position, no_compaction, parent_state, taps_uncompacted, stale_keep_graph };
+TreeBug tree_bug();
+
 }  // namespace deltaspec

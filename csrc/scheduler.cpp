@@ -85,19 +85,17 @@ int64_t Scheduler::add_request(const GenerateRequest & req, TokenCallback on_tok
         try {
             Sequence & s = *waiting_.back();
             s.spec = spec;
+            // the drafter samples with the request's settings and a seed of its own: its draws must
+            // not mirror the target's
+            SamplingParams ds = req.sampling;
+            ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;
             if (spec.draft_model) {
-                SamplingParams ds = req.sampling;
-                ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
                 s.draft_state = std::make_unique<DraftSlotState>(ds);
             } else if (spec.dflash) {
-                SamplingParams ds = req.sampling;
-                ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
                 auto d = std::make_unique<DFlashDrafter>(*dflash_, engine_, dflash_cost_, ds, /*slot =*/0);  // slot: at admission
                 s.dflash = d.get();
                 s.drafter = std::move(d);
             } else if (spec.mtp) {
-                SamplingParams ds = req.sampling;
-                ds.seed = req.sampling.seed ^ 0x9E3779B97F4A7C15ull;  // as generate_speculative's: not the target's draws
                 auto d = std::make_unique<MtpDrafter>(engine_, ds, /*slot =*/0);  // throws without an MTP layer
                 s.mtp = d.get();
                 s.drafter = std::move(d);
@@ -139,7 +137,15 @@ void Scheduler::finish(Sequence & s, FinishReason why, StepEvent & ev) {
     ev.finished = true;
     ev.result = s.res;
     ev.speculative = s.speculates();
-    ev.spec = s.stats;
+    ev.spec = stats_of(s);
+}
+
+SpecStats Scheduler::stats_of(const Sequence & s) {
+    SpecStats out = s.stats;
+    out.sampler_radix_sorts = s.sampler.sort_counts().radix;
+    out.sampler_comparison_sorts = s.sampler.sort_counts().comparison;
+    if (s.mtp) out.n_mtp_steps = s.mtp->n_head_steps();
+    return out;
 }
 
 bool Scheduler::commit(Sequence & s, int32_t token, StepEvent & ev, bool check_ctx) {
@@ -277,7 +283,7 @@ void Scheduler::admit(std::vector<StepEvent> & events) {
         budget -= n;
     };
     if (split_on_top()) take_chunk(*running_.back());
-    while (budget > 0 && !waiting_.empty() && (int64_t)running_.size() < engine_.n_seq_max()) {
+    while (budget > 0 && !waiting_.empty() && (int64_t)running_.size() < max_sequences_) {
         std::unique_ptr<Sequence> s = std::move(waiting_.front());
         waiting_.pop_front();
         if (s->cancel_requested) {
@@ -503,14 +509,23 @@ void Scheduler::release_finished() {
     }
 }
 
+void Scheduler::set_max_sequences(int64_t n) {
+    if (!idle() || model_drafter_ || dflash_) throw std::logic_error("set_max_sequences: set it before drafters and requests");
+    if (n < 1 || n > engine_.n_seq_max()) {
+        throw std::invalid_argument("set_max_sequences: " + std::to_string(n) + " is outside [1, " +
+                                    std::to_string(engine_.n_seq_max()) + "] (n_seq_max)");
+    }
+    max_sequences_ = n;
+}
+
 void Scheduler::set_draft_model(Engine & draft, double step_cost) {
     if (model_drafter_ && &model_drafter_->engine() == &draft) return;
     if (model_drafter_ || !idle()) throw std::logic_error("set_draft_model: the scheduler has a draft model or requests already");
     if (&draft == &engine_) throw std::invalid_argument("the draft model must be a separate engine");
-    if (draft.hparams().n_vocab != engine_.hparams().n_vocab || draft.n_seq_max() < engine_.n_seq_max() ||
+    if (draft.hparams().n_vocab != engine_.hparams().n_vocab || draft.n_seq_max() < max_sequences_ ||
         draft.n_ctx() < engine_.n_ctx()) {
         throw std::invalid_argument("the draft model needs the target's vocabulary (" + std::to_string(engine_.hparams().n_vocab) +
-                                    "), at least its n_seq_max (" + std::to_string(engine_.n_seq_max()) + ") and n_ctx (" +
+                                    "), at least " + std::to_string(max_sequences_) + " sequence slots (n_seq_max) and n_ctx (" +
                                     std::to_string(engine_.n_ctx()) + "); it has " + std::to_string(draft.hparams().n_vocab) +
                                     ", " + std::to_string(draft.n_seq_max()) + " and " + std::to_string(draft.n_ctx()));
     }
@@ -530,9 +545,9 @@ void Scheduler::set_dflash(DFlashModel & model, double pass_cost) {
     if (dflash_ || !idle()) throw std::logic_error("set_dflash: the scheduler has a DFlash drafter or requests already");
     if (mtp_) throw std::invalid_argument("MTP and DFlash requests do not share a scheduler (the target taps the layers of one of them)");
     if (&model.target() != &engine_) throw std::invalid_argument("the DFlash drafter belongs to another target");
-    if (model.n_slots() < engine_.n_seq_max()) {
+    if (model.n_slots() < max_sequences_) {
         throw std::invalid_argument("the DFlash drafter has " + std::to_string(model.n_slots()) + " slots; drafting for " +
-                                    std::to_string(engine_.n_seq_max()) + " sequences (n_seq_max) needs one per sequence");
+                                    std::to_string(max_sequences_) + " sequences (n_seq_max) needs one per sequence");
     }
     dflash_ = &model;
     dflash_cost_ = pass_cost;
@@ -571,6 +586,21 @@ std::vector<StepEvent> Scheduler::step() {
     }
     release_finished();
     return events;
+}
+
+GenerateResult Scheduler::run_one(const GenerateRequest & req, const std::atomic<bool> & cancel,
+                                  const TokenCallback & on_token, const SeqSpec & spec, SpecStats * stats) {
+    const int64_t id = add_request(req, on_token, spec);
+    GenerateResult res;
+    while (!idle()) {
+        if (cancel.load()) this->cancel(id);
+        for (StepEvent & ev : step()) {
+            if (!ev.finished) continue;
+            res = std::move(ev.result);
+            if (stats) *stats = std::move(ev.spec);
+        }
+    }
+    return res;
 }
 
 std::vector<GenerateResult> Scheduler::run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel,

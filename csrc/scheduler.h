@@ -25,12 +25,12 @@
 namespace deltaspec {
 
 // A request's speculation in the scheduler (scheduler_spec.cpp): prompt lookup drafts of up to
-// n_max tokens (n_max 0: none), as generate_speculative's NgramDrafter with SpecOptions n_max, n_min.
+// n_max tokens (n_max 0: none; NgramDrafter), none shorter than n_min verified.
 // `reference` (optional): a text the lookup searches before the sequence's own (prompt lookup
 // over a document the target never reads, as llama.cpp's static lookup cache; the benches use it
 // for stated acceptance rates on random-weight models).
 // tree_budget > 0: n-gram draft trees of up to that many nodes (NgramDrafter::propose_tree), walked
-// with TreeRule::rejection as generate_speculative walks them.
+// with TreeRule::rejection.
 struct SeqSpec {
     int64_t n_max = 0;
     int64_t n_min = 0;
@@ -38,13 +38,13 @@ struct SeqSpec {
     std::vector<int32_t> reference;
     int64_t tree_budget = 0;
     // drafts with the scheduler's draft model (Scheduler::set_draft_model) instead of prompt lookup,
-    // as generate_speculative's ModelDrafter (chains)
+    // (batch_draft.h: chains or trees)
     bool draft_model = false;
-    // drafts with the scheduler's DFlash drafter (Scheduler::set_dflash), as generate_speculative's
-    // DFlashDrafter: a block pass per round, chains or DDTree trees (tree_budget)
+    // drafts with the scheduler's DFlash drafter (Scheduler::set_dflash, DFlashDrafter): a block
+    // pass per round, chains or DDTree trees (tree_budget)
     bool dflash = false;
-    // drafts with the target's own MTP head, as generate_speculative's MtpDrafter (chains or trees),
-    // a head and KV cache of its own per sequence
+    // drafts with the target's own MTP head (MtpDrafter: chains or trees), a head and KV cache of
+    // its own per sequence
     bool mtp = false;
 };
 
@@ -70,7 +70,7 @@ struct Sequence {
     bool cancel_requested = false;
     std::chrono::steady_clock::time_point decode_start;
 
-    // speculation (spec.n_max > 0): generate_speculative's per-sequence state, the same schedule
+    // speculation (spec.n_max > 0): the drafter and its schedule (scheduler_spec.cpp)
     SeqSpec spec;
     std::unique_ptr<Drafter> drafter;
     DFlashDrafter * dflash = nullptr;  // `drafter` when it is the scheduler's DFlash drafter's
@@ -117,7 +117,7 @@ class Scheduler {
     // begins with one of them resumes there (slot_history.h); for a scheduler that outlives its
     // requests (a server's). Without it every admitted request starts from an empty slot.
     Scheduler(Engine & engine, const PieceTable & pieces, bool keep_histories = false)
-        : engine_(engine), pieces_(pieces) {
+        : engine_(engine), pieces_(pieces), max_sequences_(engine.n_seq_max()) {
         if (keep_histories) {
             histories_ = std::make_unique<SlotHistories>(engine);
             histories_->set_on_move([this](int64_t from, int64_t to) {
@@ -131,8 +131,8 @@ class Scheduler {
 
     // Queues a request (validated now); returns its id. `on_token` hears each of its tokens as it
     // is committed; returning false cancels it (streaming).
-    // `spec` (n_max > 0): it speculates with prompt lookup, verified with the other sequences' rows
-    // (each gives the tokens generate_speculative gives it alone with the same drafter).
+    // `spec` (n_max > 0): it speculates (SeqSpec's drafter), verified with the other sequences' rows
+    // (each gives the tokens it gives alone).
     int64_t add_request(const GenerateRequest & req, TokenCallback on_token = {}, const SeqSpec & spec = {});
     // A waiting request finishes at once, a running one at the next step (finish "cancelled",
     // with the tokens it has); unknown or finished ids are ignored.
@@ -159,6 +159,10 @@ class Scheduler {
     // cancels all of them.
     std::vector<GenerateResult> run(const std::vector<GenerateRequest> & reqs, const std::atomic<bool> & cancel,
                                     const std::vector<SeqSpec> & specs = {}, std::vector<SpecStats> * stats = nullptr);
+    // Runs one request to the end (generate()'s loop, speculative or not): `cancel` (checked each
+    // step) cancels it, `on_token` sees every committed token; `stats`: its speculation's counts.
+    GenerateResult run_one(const GenerateRequest & req, const std::atomic<bool> & cancel, const TokenCallback & on_token,
+                           const SeqSpec & spec = {}, SpecStats * stats = nullptr);
     const BatchSpecStats & spec_stats() const { return spec_stats_; }
     // The draft model of requests with SeqSpec::draft_model: an engine of the same vocabulary with
     // at least this engine's slots; a draft forward costs step_cost target decode steps (as for
@@ -173,6 +177,11 @@ class Scheduler {
     // kept histories included). Set once, before such requests.
     void set_dflash(DFlashModel & model, double pass_cost);
     const DFlashModel * dflash_model() const { return dflash_; }
+
+    // At most n sequences run at once (1 .. the engine's n_seq_max, its default), in slots 0 .. n - 1:
+    // a draft model or DFlash drafter then needs n slots, not n_seq_max (generate(): one). Set before
+    // requests.
+    void set_max_sequences(int64_t n);
 
     // Off: each sequence's prompt chunk is evaluated alone, one after another, instead of several
     // in one Engine::prefill_rows pass (the benches' before/after).
@@ -231,6 +240,7 @@ class Scheduler {
     int64_t draft_mtp_chains(std::vector<MtpHead::RowsJob> & jobs, std::vector<Sequence *> & seqs);
     int64_t draft_dflash_blocks(const std::vector<DFlashModel::BlockJob> & blocks, const std::vector<BlockPlan> & plans);
     void finish(Sequence & s, FinishReason why, StepEvent & ev);
+    static SpecStats stats_of(const Sequence & s);  // s.stats with its sampler's and MTP head's counts
     void release_finished();
     StepEvent & event_of(std::vector<StepEvent> & events, const Sequence & s);
 
@@ -253,6 +263,7 @@ class Scheduler {
     std::unique_ptr<SlotHistories> histories_;  // keep_histories only
     int64_t prefill_budget_ = 0;
     bool disable_prefill_rows_ = false;
+    int64_t max_sequences_ = 0;  // set_max_sequences (the constructor: the engine's n_seq_max)
 };
 
 }  // namespace deltaspec

@@ -1,16 +1,16 @@
-// Speculation for several sequences at once: one scheduler step drafts for every running sequence
+// Speculation, for one sequence (generate()) or several at once: one scheduler step drafts for every running sequence
 // that speculates (prompt lookup chains or trees, the draft model's chains: batch_draft.h, or
 // DFlash chains or DDTree trees: one block pass per sequence in its own drafter slot),
 // verifies every running sequence's rows in ONE target pass (Engine::verify_rows: a drafting
 // sequence's chain [pending token, drafts...] or tree [pending token, nodes...], any other sequence's
-// pending token alone), then per sequence applies generate_speculative's accept rule (accept_argmax /
-// accept_draft, or walk_tree's; the sequence's own Sampler, so the same random draws in the same
-// order) and keeps the accepted path of each slot (Engine::keep_paths). The drafting schedule (room,
-// adaptive draft length, pause and backoff) is generate_speculative's, per sequence, and depends on
-// its tokens only: each sequence gives the tokens it gives alone with generate_speculative and the
-// same drafter, greedy or sampled. A sequence with a grammar drafts as generate_speculative's
-// GrammarDrafter does (the tokens the grammar forces, else its drafter's proposal cut or pruned by the
-// grammar) and its verify rows are masked as generate_speculative masks them.
+// pending token alone), then per sequence applies the accept rule (speculative.h: accept_argmax /
+// accept_draft, or walk_tree's; the sequence's own Sampler, so its random draws come in the same
+// order whatever else runs) and keeps the accepted path of each slot (Engine::keep_paths). The
+// drafting schedule (room, adaptive draft length, pause and backoff) is per sequence and depends on
+// its tokens only: each sequence gives the tokens it gives alone (generate()), greedy or sampled. A
+// sequence with a grammar drafts the tokens the grammar forces (grammar_drafter.h), else its
+// drafter's proposal cut or pruned by the grammar, and its verify rows are masked with the grammar's
+// state along each row's path.
 // One difference: a pass holds at most n_ubatch rows, so with N sequences a draft is at most
 // n_ubatch / N - 1 tokens long (a sampled sequence whose draft that cuts takes other random draws
 // than alone; it is no less exact).
@@ -38,7 +38,7 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 namespace {
 
-// generate_speculative's steps after a proposal: what the sequence's grammar forbids is not verified
+// The steps after a proposal: what the sequence's grammar forbids is not verified
 // (TokenConstraint::cut_draft / prune_tree), then the floor: a chain shorter than n_min, or a tree of
 // fewer nodes than min(n_min, budget), is not verified (a best-first tree fills its budget but may
 // stay shallow)
@@ -54,8 +54,7 @@ void settle_draft(Sequence & s, int64_t budget) {
     if (!s.tree.empty() && s.tree.size() < std::min(s.spec.n_min, budget)) s.tree = DraftTree{};
 }
 
-// GrammarDrafter's rule (take_forced), which generate_speculative wraps every drafter of a
-// constrained request in: where the grammar leaves one way on, the tokens it forces are the draft
+// A constrained request's first rule (take_forced): where the grammar leaves one way on, the tokens it forces are the draft
 // (at most n_max; with a tree budget, a chain of at most min(budget, n_max) nodes), and the drafter
 // is not asked. False when the grammar forces nothing.
 bool draft_forced(Sequence & s, int64_t budget, int64_t n_max) {
@@ -88,7 +87,7 @@ int64_t Scheduler::draft_all() {
         s.tree = DraftTree{};
         if (!s.speculates()) continue;
         s.stats.n_steps++;
-        // as generate_speculative: the batch [pending, drafts...] must fit the context, and drafts
+        // the batch [pending, drafts...] must fit the context, and drafts
         // past max_tokens would be thrown away (the target adds one token itself)
         const int64_t left = s.req.max_tokens - (int64_t)s.res.tokens.size();
         const int64_t room = std::min({n_ctx - engine_.slot_n_past(s.slot) - 1, s.spec.n_max, left - 1, cap});
@@ -98,7 +97,7 @@ int64_t Scheduler::draft_all() {
         s.forced_in_pause = false;
         if (s.pause > 0) {
             --s.pause;
-            // as generate_speculative: a pause stops the drafter, not the grammar's forced tokens
+            // a pause stops the drafter, not the grammar's forced tokens (free to propose, always accepted)
             if (s.req.constraint && room >= 1 && s.req.constraint->bug != GrammarBug::pause_blocks_forced &&
                 draft_forced(s, budget, room)) {
                 s.forced_in_pause = true;
@@ -130,7 +129,7 @@ int64_t Scheduler::draft_all() {
             s.lookup.insert(s.lookup.end(), s.history.begin(), s.history.end());
             text = &s.lookup;
         }
-        // (a grammar's GrammarDrafter, around the drafter in generate_speculative, has no free depth)
+        // (a grammar's forced tokens come first, so a constrained sequence's depth is not free)
         const bool free_depth = s.drafter->tree_depth_is_free() && !s.req.constraint;
         const int64_t depth = budget > 0 && free_depth ? room : std::min(s.n_draft, room);
         // the MTP head and DFlash draft within the grammar, as a draft model's DraftJob
@@ -256,7 +255,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     rows_.clear();
     std::vector<int64_t> first_row(N + 1);
     // where every sequence's sampler and logprobs are decided by its rows' top candidates, those
-    // cross over instead of whole rows (top_rows.h), as generate_speculative's verify takes them; a
+    // cross over instead of whole rows (top_rows.h), as a one-sequence verify takes them; a
     // constraint that allows every token along the drafts (a reasoning budget far from its end, a
     // lazy grammar whose trigger is not drafted) leaves them as free as none; a grammar that masks
     // them sends its masks to the device with them (device_mask), unless log-probabilities want
@@ -314,7 +313,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         Sequence & s = *running_[i];
         const int64_t r0 = first_row[i];
         float * logits = all_argmax || all_top ? nullptr : logits_.data() + r0 * n_vocab;
-        if (s.draft.tokens.empty() && s.tree.empty()) {  // generate_speculative's plain step, or no speculation
+        if (s.draft.tokens.empty() && s.tree.empty()) {  // a plain step, or no speculation
             next[i] = all_argmax ? argmax_[r0]
                       : all_top  ? choose_from_top(s.req, s.sampler, top_of(r0), s.res)
                                  : choose(s, logits, n_vocab, masked[i]);
@@ -323,7 +322,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         const size_t before = s.history.size();  // the accept rules append the accepted drafts; commit() does
         const int64_t T = first_row[i + 1] - r0;
         if (TokenConstraint * grammar = masked[i] && !device_mask[i] ? s.req.constraint : nullptr) {
-            // each row masked with the grammar's state after its path, as generate_speculative masks
+            // each row masked with the grammar's state after its path, as a sequence alone masks
             // them; logprobs are those of the raw rows
             if (s.req.n_logprobs >= 0) unmasked[i].assign(logits, logits + T * n_vocab);
             if (!s.tree.empty()) {
@@ -341,7 +340,7 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
             }
         }
         // the target's distribution at row r of the slot, from its top candidates (as
-        // generate_speculative's top rows; Sampler::distribution_top equals distribution there)
+        // a one-sequence step's top rows; Sampler::distribution_top equals distribution there)
         const RowDistribution top_p = [&](int64_t r, const std::vector<int32_t> &, Distribution & p) {
             const TopRow top = top_of(r0 + r);
             s.sampler.distribution_top(top.logit, top.id, top.k, p);
@@ -392,7 +391,12 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
     engine_.keep_paths(paths);
     const double keep_seconds = seconds_since(tr);
 
-    // emit, then adapt each drafting sequence's schedule as generate_speculative does
+    // emit, then adapt each drafting sequence's schedule: grow after a fully accepted draft, shrink to
+    // what was accepted otherwise; a round that accepts nothing, or whose draft cost more target steps
+    // than it saved (the drafter's own estimate, the verify counted as one step), pauses drafting long
+    // enough that the loss stays under kLossBudget of the plain steps taken meanwhile, and at least
+    // `backoff` steps, which doubles while rounds keep losing. So a useless or too slow drafter costs
+    // about plain decoding; the schedule depends on tokens only, never on timing.
     int64_t n_accepting = 0, n_rejecting = 0;
     const int64_t row_shift = logprob_bug() == LogprobBug::next_row ? 1 : 0;  // the planted bug: own row
     for (int64_t i = 0; i < N; ++i) {
@@ -432,9 +436,9 @@ bool Scheduler::decode_speculative(std::vector<StepEvent> & events) {
         s.stats.n_tree_nodes += s.tree.size();
         s.stats.n_accepted += n_acc[i];
         s.stats.accepted_lengths.push_back((int32_t)n_acc[i]);
-        if (s.finished) ev.spec = s.stats;  // finish() copied them before this round's counts
-        if (s.forced_in_pause) continue;  // the drafter's schedule is its own (generate_speculative's rule)
-        constexpr double kLossBudget = 0.05;  // generate_speculative's
+        if (s.finished) ev.spec = stats_of(s);  // finish() copied them before this round's counts
+        if (s.forced_in_pause) continue;  // the drafter's schedule is its own
+        constexpr double kLossBudget = 0.05;
         const int64_t n_floor = std::max<int64_t>(s.spec.n_min, 1);
         s.n_draft = n_acc[i] == n_full ? std::min(s.spec.n_max, s.n_draft * 2) : std::max(n_floor, n_acc[i] + 1);
         const double loss = draft.cost - (double)n_acc[i];

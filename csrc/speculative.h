@@ -1,9 +1,8 @@
-// Draft-verify decoding: the drafter proposes, the target verifies all drafts in one forward pass,
-// the accept rule decides, and the target keeps the accepted tokens only (Engine::keep: its
-// recurrent state advanced by their recurrence, replayed from the verify pass's inputs; the
-// target is never re-run). Lossless: greedy
-// output equals plain greedy output, and sampled output is distributed as plain sampling with the
-// same settings.
+// Draft-verify decoding's accept rules and counts. The scheduler (scheduler_spec.cpp) drafts, verifies
+// every draft in one target pass and keeps the accepted rows only (Engine::keep_paths: recurrent
+// states advanced along the accepted path, the target never re-run); the rules here decide what is
+// accepted. Lossless: greedy output equals plain greedy output, and sampled output is distributed
+// as plain sampling with the same settings.
 #pragma once
 
 #include "drafters.h"
@@ -11,17 +10,6 @@
 #include "tree_walk.h"
 
 namespace deltaspec {
-
-struct SpecOptions {
-    int64_t n_max = 16;  // longest draft
-    int64_t n_min = 0;   // shorter drafts (trees: fewer nodes, or fewer than the budget) are not verified (plain step)
-    // > 0: draft trees of up to this many nodes (no deeper than the adaptive draft length, which
-    // n_max bounds, or than n_max itself where depth costs the drafter nothing,
-    // Drafter::tree_depth_is_free), verified in one pass (Engine::verify_tree) and walked with tree_rule (greedy
-    // follows the target's argmax either way); 0: chains, as Engine::eval_verify runs them.
-    int64_t tree_budget = 0;
-    TreeRule tree_rule = TreeRule::rejection;
-};
 
 struct SpecStats {
     int64_t n_steps = 0;      // target forward passes after the prompt
@@ -36,12 +24,8 @@ struct SpecStats {
     // the vocabulary are the slow path no real sampler takes any more
     int64_t sampler_radix_sorts = 0;
     int64_t sampler_comparison_sorts = 0;
+    int64_t n_mtp_steps = 0;  // graphs the MTP head ran (tests assert that it drafted)
 };
-
-GenerateResult generate_speculative(Engine & target, Drafter & drafter, const PieceTable & pieces,
-                                    const GenerateRequest & req, const SpecOptions & spec,
-                                    const std::atomic<bool> & cancel, const TokenCallback & on_token,
-                                    SpecStats & stats);
 
 // Test only: a wrong accept rule, planted so that the statistical tests of speculative sampling
 // (tests/test_speculative_sampling.py) can show they reject it. Read from

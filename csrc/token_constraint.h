@@ -88,7 +88,7 @@ class TokenConstraint {
     virtual void commit(int32_t token) = 0;
     // How many of `tokens`, from the first, the rule allows after the committed tokens. Commits nothing.
     virtual int64_t check_draft(const std::vector<int32_t> & tokens) = 0;
-    // Tokens the rule forces after the committed ones (the only way on), for GrammarDrafter; may be empty.
+    // Tokens the rule forces after the committed ones (the only way on), drafted first (grammar_drafter.h); may be empty.
     virtual std::vector<int32_t> forced_tokens() { return {}; }
     // Whether every token is allowed at every row after the committed tokens followed by a prefix of
     // any path through `along` (empty: the next row alone; a chain's drafts; a draft tree's nodes,
@@ -141,7 +141,7 @@ class TokenConstraint {
     // What the constraint did, for stats and for tests that the path ran.
     int64_t n_masked_rows = 0;  // logit rows masked
     int64_t n_cut_tokens = 0;   // draft tokens cut before verification
-    int64_t n_forced_tokens = 0;  // forced tokens proposed as drafts (GrammarDrafter)
+    int64_t n_forced_tokens = 0;  // forced tokens proposed as drafts (take_forced)
     int64_t n_draft_rows = 0;     // drafter rows masked (mask_draft_row, filter_draft_row)
     const GrammarBug bug;
 

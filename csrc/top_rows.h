@@ -44,7 +44,7 @@ bool top_rows_serve(const GenerateRequest & req, int64_t k, bool masked);
 bool masks_rows_along(const GenerateRequest & req, const std::vector<int32_t> & along);
 
 // How a request's rows at one pass cross over to the host, decided once per pass (the scheduler's
-// steps, generate_speculative's passes): `masked` (masks_rows_along); `argmax`, the device's argmax is
+// steps and verify passes): `masked` (masks_rows_along); `argmax`, the device's argmax is
 // all it needs (greedy, no log-probabilities, rows not masked: a mask needs the logits); `top`, the
 // rows' top candidates are (top_rows_serve), where the engine reduces rows on the device.
 // `device_masks`: the caller can hand the rows' masks to the engine (Engine's `allowed`: fill_allowed

@@ -82,6 +82,7 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out,
     }
     settle_verify();
     const RowsBug bug = rows_bug();
+    const TreeBug tbug = tree_bug();
 
     // the slots' runs of rows: slot first, first + 1, ..., each a non-empty run in the batch
     const int64_t first = rows.slot[0];
@@ -131,11 +132,13 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out,
         Tq = std::max(Tq, n);
         n_kv = std::max(n_kv, st.n_kv_for(st.n_past + n));
     }
-    // Tq rounded up to a power of two where it fits: the step graph of a shape is kept and reused
-    // (a CUDA graph replayed), and draft lengths change every round
+    // Several slots: Tq rounded up to a power of two where it fits, so that the step graph of a
+    // shape is kept and reused (a CUDA graph replayed) while draft lengths change every round. One
+    // slot (generate()) is not padded: a verify's cost grows with its rows (synthetic 27B on the
+    // H100: 1.42 decode steps at 17 rows, 1.49 at 23; bench/results/latest/tree_verify_cost.md).
     int64_t bucket = 1;
     while (bucket < Tq) bucket *= 2;
-    if (N * bucket <= opts_.n_ubatch) Tq = bucket;
+    if (N > 1 && N * bucket <= opts_.n_ubatch) Tq = bucket;
     const int64_t T = N * Tq;
     if (T > opts_.n_ubatch) {
         throw std::invalid_argument("verify_rows: " + str(N) + " slots of up to " + str(Tq) + " rows make " + str(T) +
@@ -166,7 +169,8 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out,
             pend.slot[t] = (int32_t)s;
             pend.local[t] = local[r];
             tokens[t] = rows.token[r];
-            pos[t] = pos[T + t] = pos[2 * T + t] = rows.pos[r];
+            const int32_t at = tbug == TreeBug::row_position ? (int32_t)(p0 + std::min(j, n - 1)) : rows.pos[r];
+            pos[t] = pos[T + t] = pos[2 * T + t] = at;
             kv_rows[t] = s * pool_.n_ctx + p0 + local[r];
         }
     }
@@ -191,7 +195,11 @@ void Engine::verify_rows(const RowBatch & rows, LogitsWanted wanted, void * out,
         const int64_t p0 = pend.p0[t / Tq];
         ggml_fp16_t * m = mask.data() + t * n_kv;
         for (int64_t j = 0; j < n_kv; ++j) m[j] = j < p0 ? zero : neg_inf;
-        for (int64_t a = t; a >= 0; a = parent[a]) m[p0 + pend.local[a]] = zero;
+        if (tbug == TreeBug::sibling_visible) {  // the planted bug: every earlier row of the slot
+            for (int64_t a = t - t % Tq; a <= t; ++a) m[p0 + pend.local[a]] = zero;
+        } else {
+            for (int64_t a = t; a >= 0; a = parent[a]) m[p0 + pend.local[a]] = zero;
+        }
     }
     set_input(g.in.kq_mask, mask.data(), mask.size() * sizeof(ggml_fp16_t));
     if (allowed && T == R) {  // no copies: the callers' rows are the graph's, in order
@@ -278,6 +286,9 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
             } else {
                 taps.push_back({s, pend.p0[i] + (int64_t)d, padded[i][d], 1});
             }
+            if (tree_bug() == TreeBug::taps_uncompacted) {  // the planted bug: the slot's first rows' taps
+                taps.back().row = (int32_t)(i * Tq + d - (taps.back().n - 1));
+            }
         }
     }
     if (rows_bug() == RowsBug::taps_slot_swap && N > 1) {  // the planted bug: slot 0 and 1 trade their tapped rows
@@ -288,7 +299,10 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
     append_tap_runs(taps);
 
     CommitBugs bugs;
-    bugs.no_compaction = rows_bug() == RowsBug::no_compaction;
+    const TreeBug tbug = tree_bug();
+    bugs.no_compaction = rows_bug() == RowsBug::no_compaction || tbug == TreeBug::no_compaction;
+    bugs.parent_state = tbug == TreeBug::parent_state;
+    bugs.stale_graph = tbug == TreeBug::stale_keep_graph;
     const Committed done = commit_paths(padded, bugs, {}, nullptr);
     rows_stats_.kv_rows_moved += done.kv_rows_moved;
     for (const std::vector<int32_t> & path : padded) rows_stats_.kept_rows += (int64_t)path.size();

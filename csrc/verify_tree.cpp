@@ -28,29 +28,14 @@
 
 namespace deltaspec {
 
-namespace {
-
-// DELTASPEC_TEST_TREE_BUG (test only) plants a bug so that the tree tests (tests/test_tree_verify.py)
-// can show they notice it: "sibling_visible" shows each row every earlier row of the batch (a
-// causal mask, so siblings and cousins leak into each other), "row_position" gives a row the
-// position length + its index instead of length + its depth, "no_compaction" leaves the kept KV rows
-// where the verify wrote them, "parent_state" commits the recurrent state after the leaf's parent
-// instead of after the leaf, "taps_uncompacted" keeps the tapped rows of the batch's first rows
-// instead of the path's (the unaccepted rows' features), "stale_keep_graph" reuses the last commit
-// graph when only its KV moves differ (the last path's moves done again). Read once per process;
-// unset or empty in every real use, anything else throws std::invalid_argument.
-enum class TreeBug { none, sibling_visible, row_position, no_compaction, parent_state, taps_uncompacted, stale_keep_graph };
-
-TreeBug read_tree_bug() {
-    return static_cast<TreeBug>(planted_choice("DELTASPEC_TEST_TREE_BUG",
-                                               {"sibling_visible", "row_position", "no_compaction", "parent_state",
-                                                "taps_uncompacted", "stale_keep_graph"}));
-}
-
 TreeBug tree_bug() {
-    static const TreeBug bug = read_tree_bug();
+    static const TreeBug bug = static_cast<TreeBug>(planted_choice(
+        "DELTASPEC_TEST_TREE_BUG",
+        {"sibling_visible", "row_position", "no_compaction", "parent_state", "taps_uncompacted", "stale_keep_graph"}));
     return bug;
 }
+
+namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
 

@@ -82,10 +82,10 @@ def test_batch_dflash_with_a_grammar_equals_alone(models, tree_budget):
     """A grammar per request (printable text with "xyz" twice, which it forces; the target pushed
     towards the drafter's favourite token 82, "R"),
     DFlash chains or DDTree trees, 4 prompts on 4 slots: each sequence drafts what the grammar forces,
-    its blocks' drafts cut or pruned by it, as generate() alone (which wraps the drafter in a
-    GrammarDrafter, whose tree depth is not free), and gives its tokens, drafts and grammar counts;
-    greedy, plain constrained decoding's tokens. Seen to fail with the scheduler giving constrained
-    DFlash trees the free depth (other drafts than alone)."""
+    its blocks' drafts cut or pruned by it, as generate() alone (a constrained tree's depth is not
+    free: the forced tokens come first), and gives its tokens, drafts and grammar counts; greedy,
+    plain constrained decoding's tokens. Seen to fail with DELTASPEC_TEST_ROWS_BUG=taps_slot_swap
+    (two slots' kept paths tapped at each other's rows: their drafters read the other's features)."""
     from deltaspec import Grammar
 
     one, d_one, four, d_four = models

@@ -108,7 +108,7 @@ def test_speculative_batch_sampling_equals_alone(models):
 def test_speculative_batch_trees_equal_alone(models):
     """N-gram draft trees (tree_budget 8: the history went on differently after the same words, so
     trees branch) of several sequences verified in one pass, each slot's rows a tree, each walked as
-    generate_speculative walks it (greedy: the argmax; sampled: rejection) and its path kept with its
+    a sequence alone walks it (greedy: the argmax; sampled: rejection) and its path kept with its
     KV rows compacted: every sequence gives generate()'s tokens alone with the same trees, and greedy
     plain decoding's. Seen to fail with DELTASPEC_TEST_ROWS_BUG=wrong_parent and =no_compaction
     (the kept path's KV rows left where the verify wrote them)."""

@@ -1,8 +1,8 @@
 """Structured output with speculation for several sequences at once: generate_batch / add_request
 with a grammar per request and a drafter (prompt lookup, a draft model or the model's MTP head;
 chains or trees). A
-constrained sequence drafts as generate() alone does (generate_speculative's GrammarDrafter: the
-tokens the grammar forces, else its drafter's proposal cut or pruned by the grammar), and its rows of
+constrained sequence drafts as generate() alone does (the tokens the grammar forces, else its
+drafter's proposal cut or pruned by the grammar), and its rows of
 the shared verify pass are masked with the grammar's state after their path.
 
 The claims: each sequence gives exactly what generate() alone gives with the same drafter (tokens,

@@ -19,7 +19,7 @@ Planted bugs (DELTASPEC_TEST_SPLIT_BUG, csrc/layer_split.h), each of which must 
   state_first    every layer's KV cache and recurrent state on cuda:0, the CPU layers' weights on the
                  CPU: the batch's rows ops (which write the states in place) write a scheduler's copy,
                  test_split_batch_matches_one_device fails;
-  no_side_graph  keep()'s replay (a split runs it through a scheduler of its own) skipped:
+  no_side_graph  the accepted paths' commit (a split runs it through a scheduler of its own) skipped:
                  test_split_speculative_matches_plain fails.
 Not run on a GPU where this file was written (none there). Its logic was run there on a copy with
 cuda:0 replaced by this process's CPU served over ggml's RPC backend (deltaspec.testing.rpc_device;
@@ -121,8 +121,8 @@ def test_split_greedy_matches_gpu_and_cpu(split, singles):
 
 def test_split_speculative_matches_plain(split, singles, paths):
     """Speculative greedy with a draft model (a chain, then a tree of 8), the draft split the same way:
-    the split's plain greedy tokens and the GPU's (near-ties aside), drafts accepted in part (keep(n <
-    T) replays the DeltaNet recurrence across both devices)."""
+    the split's plain greedy tokens and the GPU's (near-ties aside), drafts accepted in part (keep_paths
+    replays the DeltaNet recurrence along the kept rows across both devices)."""
     gpu, _ = singles
     greedy = dict(max_tokens=48, temperature=0, logit_bias=BIAS)
     with Model(paths[1], devices=["cuda:0", "cpu"], tensor_split=list(split.shares), **KW) as draft:

@@ -136,11 +136,11 @@ def test_split_gives_the_one_device_tokens(placed, paths):
     CPU code): alone, speculative with a draft model (chain and tree, drafts kept in part), and a
     batch of sequences, plain and with prompt lookup (the rows ops writing several slots back).
 
-    Seen to fail under DELTASPEC_TEST_SPLIT_BUG=no_side_graph (keep()'s replay, which a split runs
+    Seen to fail under DELTASPEC_TEST_SPLIT_BUG=no_side_graph (the accepted paths' commit, which a split runs
     through a scheduler of its own, skipped): the speculative chains parted from plain greedy after the
     first partly kept draft, with every placement; and (rpc+cpu) under state_first (every layer's
-    state on the RPC device, the CPU layers' rows ops writing a scheduler's copy of it): the tree
-    verification's tokens parted (keep_path's commit wrote the copy)."""
+    state on the RPC device, the CPU layers' rows ops writing a scheduler's copy of it): the
+    speculative chains' tokens parted (the accepted paths' commit wrote the copy)."""
     name, one, split = placed
     _, draft = paths
     assert split._engine.tensor_split and not one._engine.tensor_split  # the split's path ran
@@ -156,8 +156,8 @@ def test_split_gives_the_one_device_tokens(placed, paths):
         drafted, accepted = drafted + chain.stats.n_drafted, accepted + chain.stats.n_accepted
         tree = split.generate(p, draft_model=draft, draft_n_max=6, tree_budget=8, **greedy)
         assert tree.tokens == ref and tree.stats.n_drafted > 0
-    assert 0 < accepted < drafted  # drafts kept in part: keep(n < T) replayed the recurrence
-    assert split._engine.tree_stats["keep_calls"] > 0
+    assert 0 < accepted < drafted  # drafts kept in part: keep_paths replayed the recurrence along them
+    assert split._engine.rows_stats["keep_calls"] > 0
 
     batch = [r.tokens for r in one.generate_batch(prompts, **greedy)]
     assert [r.tokens for r in split.generate_batch(prompts, **greedy)] == batch

@@ -1,6 +1,6 @@
 """MTP draft trees (spec_type "mtp" with tree_budget > 0): the head's top-1 chain with its next-best
 tokens as extra leaves at each depth (csrc/mtp_drafter.h), verified in one target pass
-(Engine::verify_tree) and kept along the accepted path (keep_path, which keeps the path's tapped
+(Engine::verify_rows) and kept along the accepted path (keep_paths, which keeps the path's tapped
 hidden states for the head's catch-up).
 
 Greedy: output equals plain greedy and the rounds accept exactly what a Python replay of the head
@@ -22,19 +22,19 @@ PARAMS = dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0)
 PROMPT = [72, 101, 108, 108, 111, 32]
 
 
-def _tree_stats(m: Model) -> dict:
-    return dict(m._live().tree_stats)
+def _rows_stats(m: Model) -> dict:
+    return dict(m._live().rows_stats)
 
 
 def test_greedy_mtp_trees_are_lossless_and_branch():
     """Trees of up to 6 nodes, 3 deep, from a random MTP head on a random target: exactly plain
-    greedy's tokens; the trees branched (verify_tree ran on branched trees) and accepted more
+    greedy's tokens; the trees branched (verify_rows ran on branched trees) and accepted more
     drafts than the head's chains of the same depth do (the side leaves get accepted). Seen to
     fail: ranking a greedy tree's candidates by the one-hot greedy distribution left nothing to
     branch to (0 branched verifies)."""
     with Model(tiny_vocab_model_path(mtp=True, mtp_hidden_scale=1.0), n_ctx=256, n_threads=1) as m:
         rng = np.random.default_rng(11)
-        before = _tree_stats(m)
+        before = _rows_stats(m)
         tree_acc = chain_acc = nodes = 0
         for _ in range(6):
             prompt = rng.integers(0, 256, size=rng.integers(2, 20)).tolist()
@@ -47,7 +47,7 @@ def test_greedy_mtp_trees_are_lossless_and_branch():
             tree_acc += tree.stats.n_accepted
             chain_acc += chain.stats.n_accepted
             nodes += tree.stats.n_tree_nodes
-        after = _tree_stats(m)
+        after = _rows_stats(m)
         print("tree accepted", tree_acc, "chain accepted", chain_acc, "nodes", nodes, after)
         assert after["branched_calls"] - before["branched_calls"] > 20
         assert nodes > 0 and tree_acc > chain_acc
@@ -60,8 +60,8 @@ def test_tree_drafts_follow_the_target_hidden_states():
     hidden at p - 1) pair, as a Python replay computes them from one target pass over the final
     text. The head leans on its hidden input (test_mtp.py's setup), so a catch-up that read a
     rejected sibling's hidden state instead of the accepted leaf's accepts other drafts. Seen to
-    fail: `DELTASPEC_TEST_TREE_BUG=taps_uncompacted pytest tests/test_mtp_tree.py` (keep_path
-    keeping the batch's first rows' taps; the switch is read once per process)."""
+    fail: `DELTASPEC_TEST_TREE_BUG=taps_uncompacted pytest tests/test_mtp_tree.py` (keep_paths
+    keeping the slot's first rows' taps; the switch is read once per process)."""
     budget = 3
     path = tiny_vocab_model_path(branch_scale=0.0, mtp=True, mtp_hidden_scale=0.5, mtp_branch_scale=1.0)
     n = 60
@@ -110,7 +110,7 @@ def test_tree_drafts_follow_the_target_hidden_states():
 
 def _sample(model):
     counts = {pos: np.zeros(model.n_vocab) for pos in COMPARED}
-    before = _tree_stats(model)
+    before = _rows_stats(model)
     nodes = accepted = 0
     for seed in range(N_SEEDS):
         r = model.generate(PROMPT, max_tokens=N_TOKENS, seed=seed, spec_type="mtp", draft_n_max=2, draft_n_min=1,
@@ -120,9 +120,9 @@ def _sample(model):
                 counts[pos][r.tokens[pos]] += 1
         nodes += r.stats.n_tree_nodes
         accepted += r.stats.n_accepted
-    after = _tree_stats(model)
+    after = _rows_stats(model)
     return counts, dict(nodes=nodes, accepted=accepted, branched=after["branched_calls"] - before["branched_calls"],
-                        verified=after["verify_calls"] - before["verify_calls"])
+                        verified=after["calls"] - before["calls"])
 
 
 def test_sampled_mtp_trees_have_exact_marginals(markov_mtp, monkeypatch):  # noqa: F811

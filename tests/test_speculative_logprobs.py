@@ -11,7 +11,7 @@ Reference: Model.logits over prompt + output in one plain pass, log_softmax in n
 Seen red with DELTASPEC_TEST_WRONG_LOGPROB_ROW=next_row (csrc/logprobs.h: each accepted draft
 token's values read from its own verify row, the next token's distribution): every test that
 drafts fails, run by test_the_planted_row_bug_is_caught below. Seen red too with the grammar's
-unmasked copy left out of generate_speculative (the masked rows' log_softmax reported):
+unmasked copy left out of the scheduler's verify (the masked rows' log_softmax reported):
 test_grammar_logprobs_are_those_of_the_raw_logits.
 """
 
@@ -97,7 +97,7 @@ def test_speculative_logprobs_are_the_targets(models, drafter, temperature, rows
     k = K if rows == "top" else WHOLE_K
     spec = spec_of(models)
     drafted = accepted = 0
-    top_before, branched_before = engine.decode_stats["top_rows"], engine.tree_stats["branched_calls"]
+    top_before, branched_before = engine.decode_stats["top_rows"], engine.rows_stats["branched_calls"]
     for n, prompt in enumerate(_ngram_prompts(target) if name == "repeating" else _prompts(3)):
         r = target.generate(prompt, max_tokens=N_TOKENS, temperature=temperature, seed=11 + n, logprobs=k,
                             draft_n_max=6, draft_n_min=1, **spec)  # no ignore_eos: its bias rules out top rows
@@ -112,7 +112,7 @@ def test_speculative_logprobs_are_the_targets(models, drafter, temperature, rows
     took_top = engine.decode_stats["top_rows"] > top_before
     assert took_top == (rows == "top")
     if drafter.endswith("tree"):
-        assert engine.tree_stats["branched_calls"] > branched_before
+        assert engine.rows_stats["branched_calls"] > branched_before
 
 
 @pytest.mark.parametrize("tree_budget", [0, 6])

@@ -5,8 +5,8 @@ The setup is test_speculative_sampling.py's (its exact marginals, its draft that
 target in part), with trees: every run generates 4 tokens with draft_n_max=2, draft_n_min=1 and
 tree_budget=4, so the tokens 2 and 3 come out of a walk of a drafted tree of up to 4 nodes (the
 draft model's children drawn from its q without replacement, csrc/draft_tree.h), verified in one
-target pass (Engine::verify_tree) and walked with the rejection rule (csrc/tree_walk.h), whose
-accepted path keep_path commits. The walk rules themselves are tested on synthetic trees in
+target pass (Engine::verify_rows) and walked with the rejection rule (csrc/tree_walk.h), whose
+accepted path keep_paths commits. The walk rules themselves are tested on synthetic trees in
 test_tree_walk.py; this is the whole loop on a real target.
 
 Power: DELTASPEC_TEST_WRONG_TREE_RULE=no_residual (a rejected child leaves p as it was instead of
@@ -38,7 +38,7 @@ def model_pair(tmp_path_factory):
 def _sample(target, draft):
     counts = {pos: np.zeros(target.n_vocab) for pos in COMPARED}
     engine = target._live()
-    before = dict(engine.tree_stats)
+    before = dict(engine.rows_stats)
     nodes = accepted = 0
     for seed in range(N_SEEDS):
         r = target.generate(PROMPT, max_tokens=N_TOKENS, seed=seed, draft_model=draft, draft_n_max=2, draft_n_min=1,
@@ -48,9 +48,9 @@ def _sample(target, draft):
                 counts[pos][r.tokens[pos]] += 1
         nodes += r.stats.n_tree_nodes
         accepted += r.stats.n_accepted
-    after = engine.tree_stats
+    after = engine.rows_stats
     return counts, dict(nodes=nodes, accepted=accepted, branched=after["branched_calls"] - before["branched_calls"],
-                        verified=after["verify_calls"] - before["verify_calls"],
+                        verified=after["calls"] - before["calls"],
                         moved=after["kv_rows_moved"] - before["kv_rows_moved"])
 
 

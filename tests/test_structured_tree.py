@@ -86,14 +86,14 @@ def _greedy_pairs(models, grammars):
 @pytest.mark.parametrize("in_grammar", [True, False], ids=["within-grammar", "unconstrained"])
 def test_greedy_tree_speculation_equals_plain(models, grammars, in_grammar, monkeypatch):
     """Greedy constrained decoding with draft trees gives plain greedy constrained decoding's tokens
-    for every schema and prompt; the trees branched (verify_tree ran batches with 2+ children),
+    for every schema and prompt; the trees branched (verify_rows ran batches with 2+ children),
     the grammar masked the tree rows, and drafts were accepted. The draft model grows its trees
     within the grammar (each node's row masked after its path: nothing left to prune) or, with
     DELTASPEC_DRAFT_IN_GRAMMAR=0, unconstrained (the grammar prunes nodes)."""
     if not in_grammar:
         monkeypatch.setenv("DELTASPEC_DRAFT_IN_GRAMMAR", "0")
     engine = models["target"]._live()
-    before = dict(engine.tree_stats)
+    before = dict(engine.rows_stats)
     cut = accepted = nodes = draft_rows = 0
     for name, prompt, plain, tree in _greedy_pairs(models, grammars):
         assert tree.tokens == plain.tokens, (name, prompt, tree.text, plain.text)
@@ -102,7 +102,7 @@ def test_greedy_tree_speculation_equals_plain(models, grammars, in_grammar, monk
         accepted += tree.stats.n_accepted
         nodes += tree.stats.n_tree_nodes
         draft_rows += tree.stats.grammar_draft_rows
-    after = engine.tree_stats
+    after = engine.rows_stats
     print(f"cut {cut}, draft rows {draft_rows}, accepted {accepted}, nodes {nodes}")
     assert after["branched_calls"] > before["branched_calls"], "no tree branched"
     if in_grammar:
@@ -169,7 +169,7 @@ N_SEEDS = 500
 
 def _second_token_counts(models, grammar):
     target, counts, cut, draft_rows = models["target"], np.zeros(models["target"].n_vocab), 0, 0
-    before = target._live().tree_stats["branched_calls"]
+    before = target._live().rows_stats["branched_calls"]
     for seed in range(N_SEEDS):
         r = target.generate(DIST_PROMPT, max_tokens=4, seed=seed, grammar=grammar, draft_model=models["sharp"],
                             draft_n_min=1, draft_n_max=3, tree_budget=6, **DIST_PARAMS)
@@ -177,7 +177,7 @@ def _second_token_counts(models, grammar):
         draft_rows += r.stats.grammar_draft_rows
         if len(r.tokens) > 1:
             counts[r.tokens[1]] += 1
-    return counts, cut, target._live().tree_stats["branched_calls"] - before, draft_rows
+    return counts, cut, target._live().rows_stats["branched_calls"] - before, draft_rows
 
 
 @pytest.mark.parametrize("in_grammar", [True, False], ids=["within-grammar", "unconstrained"])

@@ -113,13 +113,13 @@ def test_speculative_sampling_equals_the_whole_rows(model, draft, tree_budget):
         return model.generate(prompt, max_tokens=40, seed=6, temperature=1.5, top_k=K, top_p=1.0, min_p=0.0,
                               draft_model=draft, draft_n_min=1, draft_n_max=4, tree_budget=tree_budget)
 
-    branched = engine.tree_stats["branched_calls"]
+    branched = engine.rows_stats["branched_calls"]
     reduced, whole, n_top = _both_paths(model, run)
     assert reduced.tokens == whole.tokens
     assert reduced.stats.n_accepted > 0
     assert n_top > len(reduced.tokens), "the verify batches did not return top rows"
     if tree_budget:
-        assert engine.tree_stats["branched_calls"] > branched
+        assert engine.rows_stats["branched_calls"] > branched
 
 
 @pytest.mark.parametrize("tree_budget", [0, 8])
