@@ -15,8 +15,8 @@ void BatchModelDrafter::clear_slot(int64_t slot) {
 
 void BatchModelDrafter::begin(int64_t slot, DraftSlotState & st, const std::vector<int32_t> & prompt) {
     clear_slot(slot);
-    // as ModelDrafter::begin: the prompt read in full (its logits are not needed: the first round
-    // catches up on the first generated token)
+    // the prompt read in full (its logits are not needed: the first round catches up on the first
+    // generated token)
     draft_.eval(prompt.data(), (int64_t)prompt.size(), LogitsWanted::none, nullptr);
     st.n_synced = (int64_t)prompt.size();
     st.last_drafted = 0;
@@ -86,7 +86,7 @@ void BatchModelDrafter::propose(std::vector<DraftJob> & all) {
     const int64_t n_vocab = draft_.hparams().n_vocab;
     std::vector<int64_t> n_forward(jobs.size(), 0);
 
-    // catch up (ModelDrafter::catch_up): the committed tokens each slot lacks, kept
+    // catch up: the committed tokens each slot lacks, kept
     std::vector<std::vector<int32_t>> chains(jobs.size());
     for (size_t k = 0; k < jobs.size(); ++k) {
         DraftJob & j = *jobs[k];
@@ -106,14 +106,14 @@ void BatchModelDrafter::propose(std::vector<DraftJob> & all) {
     }
     run(jobs, chains, /*commit =*/true);
 
-    // trees, one job after another (ModelDrafter::propose_tree); the chains below
+    // trees, one job after another; the chains below
     std::vector<std::vector<float>> roots = last_;
     for (size_t k = 0; k < jobs.size(); ++k) {
         if (jobs[k]->tree_budget > 0) n_forward[k] += grow_tree(*jobs[k], roots[k]);
     }
     last_ = std::move(roots);
 
-    // the drafts, token by token (ModelDrafter::propose's loop), each pass over every chain still growing
+    // the drafts, token by token, each pass over every chain still growing
     std::vector<std::vector<int32_t>> history(jobs.size());
     std::vector<int64_t> base(jobs.size());
     for (size_t k = 0; k < jobs.size(); ++k) {

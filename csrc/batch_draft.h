@@ -1,18 +1,29 @@
-// A draft model drafting for several sequences at once: a second Engine with the target's slots
-// (a sequence in target slot i drafts in draft slot i), whose passes hold every drafting sequence's
-// rows (Engine::verify_rows). Per sequence it proposes what ModelDrafter::propose proposes (same
-// catch-up rule, sampler and draws, same cost estimate), so a batch drafts each sequence's chains as
-// one ModelDrafter would for it alone.
+// A draft model: a second qwen35 model with the target's vocabulary, kept in step with each
+// sequence's committed tokens, drafting for one sequence or several at once: a second Engine with
+// at least the scheduler's slots (a sequence in target slot i drafts in draft slot i), whose passes
+// hold every drafting sequence's rows (Engine::verify_rows). Each sequence's drafts depend on its
+// own tokens and draws only, so a batch drafts what each sequence would alone.
 //
 // Per round: one pass evaluates every drafting sequence's catch-up (the committed tokens its slot
-// lacks; a backlog longer than max_catch_up restarts the slot from the last max_catch_up tokens, as
-// ModelDrafter does) and commits it (keep_paths); then pass j (1 .. n_max - 1) evaluates each chain
-// of drafts d_1 .. d_j from the slot's committed state without committing it, its last row giving
-// d_{j+1}. The drafts are never committed, so nothing needs a checkpoint to roll back; a pass of a
-// small draft model reads its weights once whatever its rows, so the re-evaluated chains cost little.
-// A job that asks for a tree (tree_budget > 0) then grows it as ModelDrafter::propose_tree does,
-// best-first from the draft's distribution after each node's path, each node's path evaluated
-// from the slot's committed state in a pass of its own (same nodes, draws and cost as alone).
+// lacks: after a round, the accepted drafts and the bonus token) and commits it (keep_paths); a
+// backlog longer than max_catch_up (drafting was paused: the draft kept failing) restarts the slot
+// from the last max_catch_up committed tokens instead, which bounds what a useless draft costs.
+// Then pass j (1 .. n_max - 1) evaluates each chain of drafts d_1 .. d_j from the slot's committed
+// state without committing it, its last row giving d_{j+1} (greedy, or drawn with the request's
+// sampling chain and q reported). The drafts are never committed, so nothing needs a checkpoint to
+// roll back; a pass of a small draft model reads its weights once whatever its rows, so the
+// re-evaluated chains cost little. A job that asks for a tree (tree_budget > 0) then grows it
+// best-first (draft_tree.h build_best_first) from the draft's distribution after each node's path,
+// each node's path evaluated from the slot's committed state in a pass of its own. Greedy: children
+// are the draft's most probable tokens (ranked by its softmax, penalties applied), no q recorded;
+// sampling: children drawn without replacement from the request's sampling chain with q recorded,
+// so that rejection sampling (tree_walk.h TreeRule::rejection) is exact.
+//
+// Cost (Draft::cost, in target decode steps): a draft forward costs step_cost (the caller's estimate
+// from the weight bytes both models read per step); catch-up tokens count one forward each, as do a
+// chain's draft steps and a tree's nodes (a node's path evaluated in one batch reads the weights
+// once: counting its tokens would overstate a tree several times on a GPU and make the scheduler
+// pause drafting that pays). Draft quality only changes acceptance, never the output.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +38,7 @@ namespace deltaspec {
 // One sequence's draft-model state.
 struct DraftSlotState {
     explicit DraftSlotState(const SamplingParams & sampling) : sampler(sampling), ranker(tree_ranking(sampling)) {}
-    Sampler sampler;            // the draft's draws (ModelDrafter's seed rule: the caller's)
+    Sampler sampler;            // the draft's draws (a seed of its own: the caller's rule)
     Sampler ranker;             // greedy trees: the candidates' ranking distribution
     int64_t n_synced = 0;       // the slot holds committed[start .. n_synced) for some start
     int64_t last_drafted = 0;   // tokens the previous round drafted
@@ -40,7 +51,11 @@ struct DraftJob {
     const std::vector<int32_t> * committed = nullptr;  // prompt + committed tokens
     int64_t n_max = 0;          // a chain's length, or a tree's depth
     int64_t tree_budget = 0;    // > 0: a tree of at most this many nodes instead of a chain
-    TokenConstraint * constraint = nullptr;  // drafts within it (ModelDrafter::constrain), if any
+    // drafts within it (the request's grammar), if any: each draft row masked with the rule's state
+    // after the tokens drafted before it (TokenConstraint::mask_draft_row), so greedy drafts are
+    // the draft's best allowed tokens and sampled ones are drawn, q reported, from the masked row;
+    // a row where the rule allows nothing ends the chain (a tree: makes its node a leaf)
+    TokenConstraint * constraint = nullptr;
     Draft draft;
     DraftTree tree;
 };
@@ -50,7 +65,7 @@ class BatchModelDrafter {
     BatchModelDrafter(Engine & draft, double step_cost, int64_t max_catch_up = 16)
         : draft_(draft), step_cost_(step_cost), max_catch_up_(max_catch_up) {}
 
-    // A sequence admitted into `slot`: the slot reads its prompt (ModelDrafter::begin).
+    // A sequence admitted into `slot`: the slot reads its prompt.
     void begin(int64_t slot, DraftSlotState & st, const std::vector<int32_t> & prompt);
     // Drafts for every job with n_max > 0 (jobs in any order, distinct slots).
     void propose(std::vector<DraftJob> & jobs);

@@ -202,7 +202,7 @@ py::dict batch_spec_dict(const BatchSpecStats & s) {
 // Requests (prompt, max_tokens, sampling, stop[, constraint[, speculation]]) run concurrently on the
 // engine's slots (speculation: seq_spec_of's).
 // The scheduler's draft model (requests with SeqSpec::draft_model): `draft`'s engine, its forward
-// costing what ModelDrafter's estimate says (weight bytes per step, draft over target).
+// costing what the weight bytes each reads per step say (draft over target; batch_draft.h).
 void set_draft(Scheduler & scheduler, Runner & r, Runner * draft) {
     if (draft == nullptr) return;
     if (draft == &r) throw std::invalid_argument("the draft model must be a separate Model instance");
@@ -776,7 +776,7 @@ PYBIND11_MODULE(_core, m) {
                  return e.eval_argmax(ids, n);
              }, py::arg("tokens"), "Append tokens; the argmax of the last row's logits (computed on the device).")
         .def("reserve_slots", [](Runner & r, int64_t n) { r.single().ensure_slots(n); }, py::arg("n"),
-             "Room for verify batches of n tokens (re-allocates the state: the sequence starts empty).")
+             "Room for chain verify batches (eval_verify) of n tokens.")
         .def("keep", [](Runner & r, int64_t n) {
                  Engine & e = r.single();
                  py::gil_scoped_release release;  // replays n tokens' recurrence (a launch on CUDA)
@@ -1073,8 +1073,7 @@ PYBIND11_MODULE(_core, m) {
                  }
                  return out;
              },
-             "The state's tensors as allocated, one dict each: kind ('k', 'v', 'conv', 'ssm', 'conv_saved', "
-             "'ssm_saved'), layer, type (ggml's name), nbytes, shape (ne0, ne1), buffer.")
+             "The state's tensors as allocated, one dict each: kind ('k', 'v', 'conv', 'ssm'), layer, type (ggml's name), nbytes, shape (ne0, ne1), buffer.")
         .def_property_readonly("device_layers", [](const Runner & r) {
                  py::list out;
                  for (const DeviceLayers & d : r.engine->device_layers()) {

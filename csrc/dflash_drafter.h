@@ -41,7 +41,7 @@ class DFlashDrafter : public Drafter {
     DraftTree propose_tree(const std::vector<int32_t> & committed, int64_t budget, int64_t max_depth) override;
     bool tree_depth_is_free() const override { return true; }
     void set_slot(int64_t slot) { slot_ = slot; }
-    // Drafts within `constraint` (the request's grammar; nullptr: none), as ModelDrafter::constrain,
+    // Drafts within `constraint` (the request's grammar; nullptr: none), as a draft model does (DraftJob::constraint),
     // from the block's top K per slot: a chain takes at each slot the most probable candidate the
     // rule allows after the chain before it (the block pass then returns each slot's top
     // kConstrainedChainCandidates instead of its argmax) and ends at a slot with none; a tree's

@@ -183,7 +183,6 @@ void Engine::reset() {
     clear_tapped();
     verify_T_ = 0;
     rows_pending_.active = false;
-    checkpoint_n_past_ = -1;
 }
 
 void Engine::use_slot(int64_t slot) {
@@ -193,7 +192,6 @@ void Engine::use_slot(int64_t slot) {
     if (slot == cur_) return;
     settle_verify();
     cur_ = slot;
-    checkpoint_n_past_ = -1;  // a checkpoint belongs to the slot it was taken in
 }
 
 void Engine::move_slot(int64_t from, int64_t to) {
@@ -325,34 +323,8 @@ void Engine::settle_verify() {
 }
 
 void Engine::ensure_slots(int64_t n) {
-    if (n <= seq().n_slots) return;
-    drop_step_graph();
-    const int64_t n_ctx = pool_.n_ctx, n_seq = pool_.n_seq;
-    pool_.release();
-    allocate_state(pool_, hp_, n_ctx, n_seq, opts_.type_k, opts_.type_v, n, backend_, opts_.kv_format_k, opts_.kv_format_v,
-                   split_.active() ? &split_ : nullptr);
-    for (int64_t s = 0; s < pool_.n_seq; ++s) clear_tapped(s);
-    verify_T_ = 0;
-    rows_pending_.active = false;
-    keep_graph_.drop();  // it names the released state tensors
-    checkpoint_n_past_ = -1;
-}
-
-void Engine::checkpoint() {
-    settle_verify();
-    copy_recurrent_state(seq(), /*to_saved =*/true);
-    checkpoint_n_past_ = seq().n_past;
-}
-
-void Engine::restore_checkpoint() {
-    if (checkpoint_n_past_ < 0) throw std::logic_error("restore_checkpoint() without checkpoint()");
-    copy_recurrent_state(seq(), /*to_saved =*/false);
-    seq().n_past = checkpoint_n_past_;
-    SlotTaps & st = slot_taps_[cur_];
-    if (st.pos > seq().n_past) clear_tapped();
-    st.rows.resize(std::min<size_t>(st.rows.size(), (seq().n_past - st.pos) * taps_.layers.size() * hp_.n_embd));
-    verify_T_ = 0;
-    rows_pending_.active = false;
+    // a capacity only: a verify graph holds its per-token states itself (VerifyStates)
+    for (SequenceState & st : pool_.slots) st.n_slots = std::max(st.n_slots, n);
 }
 
 void Engine::eval_ubatch(const int32_t * tokens, int64_t T, LogitsWanted wanted, void * out, bool keep_states,

@@ -1,5 +1,5 @@
 // One qwen35 model: weights, backends, the state of n_seq_max sequence slots and the step that
-// runs the graph. The one-sequence calls (eval, verify, keep, checkpoint) act on the slot chosen
+// runs the graph. The one-sequence calls (eval, verify, keep) act on the slot chosen
 // with use_slot (0 unless changed); decode() runs rows of several slots in one graph.
 #pragma once
 
@@ -218,10 +218,7 @@ class Engine {
     };
     const PrefillStats & prefill_stats() const { return prefill_stats_; }
 
-    // Save the recurrent state now / restore it and the position saved (a drafter's checkpoint).
-    void checkpoint();
-    void restore_checkpoint();
-    // Allow verify batches of at least n tokens (re-allocates the state, which empties the sequence).
+    // Allow chain verify batches (eval_verify) of at least n tokens.
     void ensure_slots(int64_t n);
 
     // Hidden states returned for the rows of every step, kept per slot: Taps' layer ids
@@ -440,7 +437,6 @@ class Engine {
         void drop();
     };
     KeepGraph keep_graph_;
-    int64_t checkpoint_n_past_ = -1;
     Taps taps_;                  // the layers asked for; their graph outputs in the step graph
     struct SlotTaps {
         std::vector<float> rows;  // of positions pos .. (set_taps)

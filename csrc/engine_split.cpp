@@ -57,12 +57,6 @@ std::vector<DeviceLayers> Engine::device_layers() const {
         for (const ggml_tensor * t : {pool_.conv[il], pool_.ssm[il]}) {
             if (t) out[place_of(t, sb)].state_bytes += ggml_nbytes(t);
         }
-        if (!pool_.slots.empty()) {
-            const SequenceState & s0 = pool_.slots[0];  // the checkpoint copies (slot 0 only)
-            for (const ggml_tensor * t : {s0.conv_saved[il], s0.ssm_saved[il]}) {
-                if (t) out[place_of(t, sb)].state_bytes += ggml_nbytes(t);
-            }
-        }
     }
     return out;
 }

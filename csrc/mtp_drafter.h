@@ -28,7 +28,7 @@ class MtpDrafter : public Drafter {
     // taps and calls set_slot when it moves the sequence). Each drafter has a head (and its KV cache)
     // of its own.
     MtpDrafter(Engine & target, const SamplingParams & sampling, int64_t slot);
-    // Drafts within `constraint` (the request's grammar; nullptr: none), as ModelDrafter::constrain:
+    // Drafts within `constraint` (the request's grammar; nullptr: none), as a draft model does (DraftJob::constraint):
     // each head row masked with the rule's state after the tokens drafted before it, so a chain
     // proposes the head's best allowed (or, sampling, draws from the masked row and reports its q)
     // and a tree's children are allowed tokens; a row where the rule allows nothing ends the chain

@@ -165,8 +165,8 @@ class Scheduler {
                            const SeqSpec & spec = {}, SpecStats * stats = nullptr);
     const BatchSpecStats & spec_stats() const { return spec_stats_; }
     // The draft model of requests with SeqSpec::draft_model: an engine of the same vocabulary with
-    // at least this engine's slots; a draft forward costs step_cost target decode steps (as for
-    // ModelDrafter). Set once, before such requests.
+    // at least set_max_sequences' slots; a draft forward costs step_cost target decode steps
+    // (batch_draft.h). Set once, before such requests.
     void set_draft_model(Engine & draft, double step_cost);
     bool has_draft_model() const { return model_drafter_ != nullptr; }
     const Engine * draft_engine() const { return model_drafter_ ? &model_drafter_->engine() : nullptr; }

@@ -76,7 +76,6 @@ void Engine::load_sequence(int64_t n_past, const std::vector<std::pair<std::stri
         if (!bytes->empty()) ggml_backend_tensor_set(t, bytes->data(), 0, bytes->size());
     }
     st.n_past = n_past;
-    checkpoint_n_past_ = -1;
 }
 
 }  // namespace deltaspec

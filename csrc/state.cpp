@@ -124,7 +124,6 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
         return ggml_new_tensor_2d(pool.ctx, type, kv_width, rows);
     };
     for (auto * t : {&pool.k, &pool.v, &pool.conv, &pool.ssm}) t->assign(L, nullptr);
-    std::vector<ggml_tensor *> conv_saved(L, nullptr), ssm_saved(L, nullptr);
     for (int il = 0; il < L; ++il) {
         const std::string suffix = std::to_string(il);
         if (hp.recurrent[il]) {
@@ -132,12 +131,6 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
             pool.ssm[il] = ggml_new_tensor_2d(pool.ctx, GGML_TYPE_F32, ssm_elems, n_seq);
             ggml_set_name(pool.conv[il], ("conv_states_" + suffix).c_str());
             ggml_set_name(pool.ssm[il], ("ssm_states_" + suffix).c_str());
-            if (n_slots > 0) {
-                conv_saved[il] = ggml_new_tensor_2d(pool.ctx, GGML_TYPE_F32, hp.ssm_conv_kernel - 1, hp.conv_channels());
-                ssm_saved[il] = ggml_new_tensor_1d(pool.ctx, GGML_TYPE_F32, ssm_elems);
-                ggml_set_name(conv_saved[il], ("conv_saved_" + suffix).c_str());
-                ggml_set_name(ssm_saved[il], ("ssm_saved_" + suffix).c_str());
-            }
         } else {
             pool.k[il] = new_cache(type_k, format_k);
             pool.v[il] = new_cache(type_v, format_v);
@@ -175,17 +168,13 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
         st.n_ctx = pool.n_ctx;
         st.n_past = 0;
         st.n_slots = n_slots;
-        for (auto * t : {&st.k, &st.v, &st.conv, &st.ssm, &st.conv_saved, &st.ssm_saved}) t->assign(L, nullptr);
+        for (auto * t : {&st.k, &st.v, &st.conv, &st.ssm}) t->assign(L, nullptr);
         for (int il = 0; il < L; ++il) {
             const std::string suffix = std::to_string(il) + (n_seq > 1 ? "_s" + std::to_string(s) : "");
             if (hp.recurrent[il]) {
                 st.conv[il] = alias(pool.alias_ctx, pool.conv[il], hp.ssm_conv_kernel - 1, hp.conv_channels(),
                                     s * pool.conv[il]->nb[1], "conv_state_" + suffix);
                 st.ssm[il] = alias(pool.alias_ctx, pool.ssm[il], ssm_elems, 0, s * pool.ssm[il]->nb[1], "ssm_state_" + suffix);
-                if (s == 0) {
-                    st.conv_saved[il] = conv_saved[il];
-                    st.ssm_saved[il] = ssm_saved[il];
-                }
             } else {
                 st.k[il] = alias(pool.alias_ctx, pool.k[il], pool.k[il]->ne[0], pool.n_ctx,
                                  s * pool.n_ctx * pool.k[il]->nb[1], "cache_k_" + suffix);
@@ -201,8 +190,7 @@ std::vector<StateTensorInfo> state_tensor_info(const StatePool & pool) {
     for (size_t s = 0; s < pool.slots.size(); ++s) {
         const SequenceState & st = pool.slots[s];
         const std::pair<const char *, const std::vector<ggml_tensor *> *> kinds[] = {
-            {"k", &st.k}, {"v", &st.v}, {"conv", &st.conv}, {"ssm", &st.ssm},
-            {"conv_saved", &st.conv_saved}, {"ssm_saved", &st.ssm_saved}};
+            {"k", &st.k}, {"v", &st.v}, {"conv", &st.conv}, {"ssm", &st.ssm}};
         for (size_t il = 0; il < st.k.size(); ++il) {
             for (const auto & [kind, tensors] : kinds) {
                 const ggml_tensor * t = il < tensors->size() ? (*tensors)[il] : nullptr;
@@ -229,21 +217,6 @@ void copy_recurrent_state(const SequenceState & from, SequenceState & to) {
         if (!from.conv[il]) continue;
         ggml_backend_tensor_copy(from.conv[il], to.conv[il]);
         ggml_backend_tensor_copy(from.ssm[il], to.ssm[il]);
-    }
-}
-
-void copy_recurrent_state(SequenceState & st, bool to_saved) {
-    if (st.n_slots == 0) throw std::logic_error("no saved recurrent state: the state was allocated without slots");
-    for (size_t il = 0; il < st.conv.size(); ++il) {
-        if (!st.conv[il]) continue;
-        if (!st.conv_saved[il]) throw std::logic_error("a checkpoint is kept for sequence slot 0 only");
-        if (to_saved) {
-            ggml_backend_tensor_copy(st.conv[il], st.conv_saved[il]);
-            ggml_backend_tensor_copy(st.ssm[il], st.ssm_saved[il]);
-        } else {
-            ggml_backend_tensor_copy(st.conv_saved[il], st.conv[il]);
-            ggml_backend_tensor_copy(st.ssm_saved[il], st.ssm[il]);
-        }
     }
 }
 

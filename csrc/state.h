@@ -26,13 +26,10 @@ struct SequenceState {
     std::vector<ggml_tensor *> conv;  // {Kc-1, C} F32: last Kc-1 inputs per channel, oldest first
     std::vector<ggml_tensor *> ssm;   // {S*S*Hv} F32: DeltaNet state, layout {S_v, S_k, Hv}
 
-    // Speculative verification (n_slots = 0 when unused): the longest verify batch. The state
-    // after each of its tokens stays in the verify graph's outputs until keep() (see
-    // VerifyStates); here is one saved copy of the live state, for a drafter's checkpoint
-    // (slot 0 only: speculation runs one sequence).
+    // The chain verify's capacity (Engine::eval_verify; 0 when unused): the longest verify batch.
+    // The state after each of its tokens stays in the verify graph's outputs until keep() (see
+    // VerifyStates).
     int64_t n_slots = 0;
-    std::vector<ggml_tensor *> conv_saved;  // like conv (n_slots > 0)
-    std::vector<ggml_tensor *> ssm_saved;   // like ssm (n_slots > 0)
 
     // FA's CUDA vector kernels want the visible KV length to be a multiple of 256.
     static constexpr int64_t kv_pad = 256;
@@ -76,8 +73,7 @@ void allocate_state(StatePool & pool, const HParams & hp, int64_t n_ctx, int64_t
 
 // One tensor of the state as allocated (read from the ggml tensor, not from what was asked for).
 struct StateTensorInfo {
-    std::string kind;    // "k", "v" (attention KV cache), "conv", "ssm" (live recurrent state),
-                         // "conv_saved", "ssm_saved" (the drafter's checkpoint copy)
+    std::string kind;    // "k", "v" (attention KV cache), "conv", "ssm" (live recurrent state)
     int layer = -1;
     int slot = 0;        // the sequence slot it belongs to
     ggml_type type = GGML_TYPE_COUNT;
@@ -88,12 +84,9 @@ struct StateTensorInfo {
     std::string buffer;  // the backend buffer holding it ("CPU", "CUDA0", ...)
 };
 
-// Every allocated tensor of every slot, by slot, then layer, in the order k, v, conv, ssm,
-// conv_saved, ssm_saved.
+// Every allocated tensor of every slot, by slot, then layer, in the order k, v, conv, ssm.
 std::vector<StateTensorInfo> state_tensor_info(const StatePool & pool);
 
-// the saved recurrent state <- the live one (or the reverse), every recurrent layer; device copies.
-void copy_recurrent_state(SequenceState & st, bool to_saved);
 // `to`'s live recurrent state <- `from`'s, every recurrent layer; device copies (KV rows untouched).
 void copy_recurrent_state(const SequenceState & from, SequenceState & to);
 

@@ -54,8 +54,7 @@ GrammarBug grammar_bug();
 
 class TokenConstraint;
 
-// The constraint a draft model, the MTP head or DFlash drafts within (ModelDrafter::constrain,
-// DraftJob::constraint, MtpDrafter::constrain, DFlashDrafter::constrain): the request's, unless
+// The constraint a draft model, the MTP head or DFlash drafts within (DraftJob::constraint, MtpDrafter::constrain, DFlashDrafter::constrain): the request's, unless
 // DELTASPEC_DRAFT_IN_GRAMMAR=0 (A/B runs, and the tests of cutting forbidden proposals), which
 // leaves the drafter unconstrained and its drafts cut.
 TokenConstraint * drafting_constraint(TokenConstraint * request_constraint);
@@ -109,7 +108,7 @@ class TokenConstraint {
     // to the host); counted as a masked row; throws where the rule allows no token, as mask_row does.
     void fill_allowed(uint32_t * mask, int64_t n_vocab);
     // Masks a draft model's logit row after the committed tokens and `path` (fill_mask_after), so
-    // that it drafts within the rule (ModelDrafter, BatchModelDrafter); false when the rule allows
+    // that it drafts within the rule (BatchModelDrafter); false when the rule allows
     // nothing there (the text is complete): the draft ends before that row.
     bool mask_draft_row(const std::vector<int32_t> & path, float * logits, int64_t n_vocab);
     // The same for a drafter that proposes from a few candidates, not a whole row (DFlash's top K):

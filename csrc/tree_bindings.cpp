@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "batch_draft.h"
 #include "draft_tree.h"
 #include "drafters.h"
 #include "speculative.h"
@@ -164,14 +165,28 @@ void bind_trees(py::module_ & m) {
             if (rounds.empty()) throw std::invalid_argument("rounds: at least the prompt");
             EngineOptions o;
             o.n_ctx = n_ctx;
+            for (size_t k = 1; k < rounds.size(); ++k) {
+                if (rounds[k].size() <= rounds[k - 1].size()) throw std::invalid_argument("rounds: each commits more tokens");
+            }
+            if (rounds[0].size() < 2) throw std::invalid_argument("rounds[0]: a prompt and its first generated token");
             std::vector<DraftTree> trees;
             {
                 py::gil_scoped_release release;
                 Engine draft(path, hp, o);
-                draft.ensure_slots(1);
-                ModelDrafter drafter(draft, sampling, 1.0);
-                drafter.begin(rounds[0]);
-                for (const auto & committed : rounds) trees.push_back(drafter.propose_tree(committed, budget, max_depth));
+                BatchModelDrafter drafter(draft, 1.0);
+                DraftSlotState state(sampling);
+                // as the scheduler: the draft reads the prompt, the first round catches up on the first token
+                drafter.begin(0, state, std::vector<int32_t>(rounds[0].begin(), rounds[0].end() - 1));
+                for (const auto & committed : rounds) {
+                    std::vector<DraftJob> jobs(1);
+                    jobs[0].slot = 0;
+                    jobs[0].state = &state;
+                    jobs[0].committed = &committed;
+                    jobs[0].n_max = max_depth;
+                    jobs[0].tree_budget = budget;
+                    drafter.propose(jobs);
+                    trees.push_back(std::move(jobs[0].tree));
+                }
             }
             py::list out;
             for (const DraftTree & t : trees) out.append(tree_dict(t));
@@ -179,8 +194,9 @@ void bind_trees(py::module_ & m) {
         },
         py::arg("path"), py::arg("hparams"), py::arg("rounds"), py::arg("budget"), py::arg("max_depth"),
         py::arg("sampling"), py::arg("n_ctx"),
-        "Test only: a draft Engine on `path` (CPU) and a ModelDrafter (step cost 1) that begins with "
-        "rounds[0] and proposes a tree after each committed text in `rounds`.");
+        "Test only: a draft Engine on `path` (CPU) and the scheduler's draft-model drafter (BatchModelDrafter, "
+        "step cost 1, slot 0) that reads rounds[0] but its last token (the prompt) and proposes a tree after "
+        "each committed text in `rounds`.");
 
     m.def(
         "walk_tree",

@@ -1,4 +1,5 @@
-"""Draft trees (csrc/draft_tree.h, NgramDrafter/ModelDrafter::propose_tree in csrc/drafters.h).
+"""Draft trees (csrc/draft_tree.h, NgramDrafter::propose_tree in csrc/drafters.h, the draft model's in
+csrc/batch_draft.h).
 
 Best-first trees are compared with an independent reading of the rule: the top-1 chain down to
 min(budget, max_depth), then the remaining budget as the highest-scoring other paths (score = sum of
@@ -196,13 +197,13 @@ def ranking_probs(model, history, params):
 
 @pytest.mark.parametrize("sampled", [False, True])
 def test_model_drafter_tree_uses_the_draft_distribution_at_every_node(draft_model, sampled):
-    """ModelDrafter::propose_tree over three rounds (the committed text grows by accepted paths):
-    greedy, the tree equals the best-first tree built from the draft's softmax (top 32) computed
-    from scratch at every node; sampling, every recorded q equals the sampling chain's
-    distribution computed from scratch at that node's path. Covers the incremental child
-    evaluation and the restore-and-replay of other paths, and the cost stated (catch-up tokens plus
-    one draft step per node evaluated). Seen to fail with the restore before a replayed path
-    removed, and (cost) when replayed paths counted their tokens."""
+    """The draft model's trees (BatchModelDrafter, as the scheduler drafts them) over three rounds
+    (the committed text grows by accepted paths): greedy, the tree equals the best-first tree built
+    from the draft's softmax (top 32) computed from scratch at every node; sampling, every recorded
+    q equals the sampling chain's distribution computed from scratch at that node's path. Covers
+    each node's path evaluated from the committed state and the cost stated (catch-up tokens plus
+    one draft step per node evaluated). Seen to fail with a node evaluated from its last token
+    alone (not its whole path), and (cost) when a node's path counted its tokens."""
     m = draft_model
     prompt = m.tokenize("def f(x): return x")[:10]
     rounds = [prompt, prompt + [17, 40], prompt + [17, 40, 99, 3, 5]]
@@ -218,7 +219,7 @@ def test_model_drafter_tree_uses_the_draft_distribution_at_every_node(draft_mode
         setattr(sp, k, v)
     trees = _core.model_drafter_trees(m.path, m.hparams, rounds, 10, 4, sp, 128)
     assert len(trees) == 3
-    synced = len(rounds[0])  # begin() read the prompt
+    synced = len(rounds[0]) - 1  # begin() read the prompt; the first round catches up on its first token
     for committed, tree in zip(rounds, trees):
         paths = node_paths(tree)
         assert len(paths) == 10 and max(tree["depth"]) == 4

@@ -212,8 +212,7 @@ def allocated_state(tensors: list[dict], n_ctx: int) -> dict:
 
     def totals(ts: list[dict]) -> dict[str, int]:
         out = {kind: sum(t["nbytes"] for t in ts if t["kind"] in kinds)
-               for kind, kinds in (("k", ("k",)), ("v", ("v",)), ("recurrent", ("conv", "ssm")),
-                                   ("checkpoint", ("conv_saved", "ssm_saved")))}
+               for kind, kinds in (("k", ("k",)), ("v", ("v",)), ("recurrent", ("conv", "ssm")))}
         out["total"] = sum(t["nbytes"] for t in ts)
         return out
 
@@ -222,7 +221,7 @@ def allocated_state(tensors: list[dict], n_ctx: int) -> dict:
     for s in range(n_slots):
         per = totals([t for t in tensors if t.get("slot", 0) == s])
         slots.append({"slot": s, "kv_bytes": per["k"] + per["v"], "recurrent_bytes": per["recurrent"],
-                      "checkpoint_bytes": per["checkpoint"], "total_bytes": per["total"]})
+                      "total_bytes": per["total"]})
     total = totals(tensors)
     return {
         "n_ctx": n_ctx,
@@ -234,7 +233,6 @@ def allocated_state(tensors: list[dict], n_ctx: int) -> dict:
         "v_bytes": total["v"],
         "kv_bytes": total["k"] + total["v"],
         "recurrent_bytes": total["recurrent"],
-        "checkpoint_bytes": total["checkpoint"],
         "total_bytes": total["total"],
     }
 

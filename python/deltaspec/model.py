@@ -224,11 +224,10 @@ class Model:
                                    "k_bytes": 17408, "v_bytes": 9216, "buffer": "CPU"}, ...],
              "recurrent_layers": [{"layer": 0, "conv_type": "f32", "conv_bytes": 1536,
                                    "ssm_type": "f32", "ssm_bytes": 8192, "buffer": "CPU"}, ...],
-             "slots": [{"slot": 0, "kv_bytes": ..., "recurrent_bytes": ..., "checkpoint_bytes": ...,
-                        "total_bytes": ...}, ...],   # what each slot holds
+             "slots": [{"slot": 0, "kv_bytes": ..., "recurrent_bytes": ..., "total_bytes": ...},
+                       ...],                     # what each slot holds
              "k_bytes": ..., "v_bytes": ..., "kv_bytes": ...,   # totals over the attention layers and slots
              "recurrent_bytes": ...,             # the live Gated DeltaNet state (conv + DeltaNet)
-             "checkpoint_bytes": ...,            # its saved copy, once speculation has run
              "total_bytes": ...}
 
         Types are ggml's names (as type_k / type_v take them); bytes are ggml_nbytes of each tensor;
