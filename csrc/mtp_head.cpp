@@ -178,6 +178,12 @@ MtpHead::GroupStats MtpHead::group_stats() { return g_group_stats; }
 
 void MtpHead::eval_groups(std::vector<RowsJob> & jobs) {
     if (jobs.empty()) return;
+    if (jobs.size() == 1) {  // one head: its own graphs, kept from step to step (a group's are built per call)
+        RowsJob & job = jobs[0];
+        if (job.head == nullptr) throw std::invalid_argument("MtpHead::eval_groups: every job needs a head of the same target");
+        job.head->eval(job.tokens.data(), job.hidden.data(), (int64_t)job.tokens.size(), job.wanted, job.out, job.hidden_out);
+        return;
+    }
     const MtpHead & first = *jobs[0].head;
     const HParams & hp = first.hp_;
     const int64_t E = hp.n_embd, N = (int64_t)jobs.size();

@@ -36,7 +36,8 @@ class MtpHead {
     // head in its own cache): job j's rows continue job j's head as eval() would, each job's last
     // row's logits (LogitsWanted::last) or argmax (::argmax) to `out` (or nothing: ::none) and its
     // output hidden state to hidden_out (optional). The heads are distinct and of one target; the
-    // graph and its scheduler are built per call (the heads' own graphs serve eval()).
+    // graph and its scheduler are built per call, except for one job, which eval() runs on the
+    // head's own kept graphs.
     struct RowsJob {
         MtpHead * head = nullptr;
         std::vector<int32_t> tokens;

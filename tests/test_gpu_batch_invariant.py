@@ -68,11 +68,11 @@ def files(tmp_path_factory):
     out = {"synth": root / "qwen35-0.8b-q4km.gguf"}
     write_synthetic_gguf(out["synth"], "0.8b", "q4_k_m")
     out["q4k"] = write_tiny_vocab_model(root / "q4k.gguf", quant="q4_k", **Q4K_SHAPE)
-    out["q4k_draft"] = write_tiny_vocab_model(root / "q4k-draft.gguf", quant="q4_k", weight_map=triple_ffn,
-                                              **Q4K_SHAPE)
-    out["q4k_repeating"] = write_tiny_vocab_model(root / "q4k-rep.gguf", quant="q4_k", branch_scale=0.0, **Q4K_SHAPE)
+    out["q4k128_repeating"] = write_tiny_vocab_model(root / "q4k128-rep.gguf", quant="q4_k", branch_scale=0.0,
+                                                     ssm_state=128, **Q4K_SHAPE)
     out["f32"] = write_tiny_vocab_model(root / "f32.gguf", ssm_state=128)
-    # DeltaNet states of 128 (every Qwen3.5 / 3.6 checkpoint's): our CUDA kernels verify and commit trees
+    # DeltaNet states of 128 (every Qwen3.5 / 3.6 checkpoint's): our CUDA kernels verify and commit
+    # speculation's rows (chains and trees: the rows ops), which keeps them bitwise the steps
     out["q4k128"] = write_tiny_vocab_model(root / "q4k128.gguf", quant="q4_k", ssm_state=128, **Q4K_SHAPE)
     out["q4k128_draft"] = write_tiny_vocab_model(root / "q4k128-draft.gguf", quant="q4_k", ssm_state=128,
                                                  weight_map=triple_ffn, **Q4K_SHAPE)
@@ -155,9 +155,9 @@ SPEC_CASES = {
     "synth-draft": ("synth", {"draft_n_max": 8, "draft_n_min": 1}),
     "synth-ngram": ("synth", {"spec_type": "ngram-simple", "draft_n_max": 8}),
     "synth-tree": ("synth", {"draft_n_max": 6, "draft_n_min": 1, "tree_budget": 12}),
-    "q4k-draft": ("q4k", {"draft_n_max": 8, "draft_n_min": 1}),
+    "q4k-draft": ("q4k128", {"draft_n_max": 8, "draft_n_min": 1}),
     "q4k-tree": ("q4k128", {"draft_n_max": 6, "draft_n_min": 1, "tree_budget": 16}),
-    "q4k-ngram": ("q4k_repeating", {"spec_type": "ngram-simple", "draft_n_max": 8}),
+    "q4k-ngram": ("q4k128_repeating", {"spec_type": "ngram-simple", "draft_n_max": 8}),
 }
 
 
@@ -193,7 +193,7 @@ def test_speculative_greedy_is_plain_greedy(files, tmp_path_factory, case, recor
                        if "spec_type" in spec else random_prompts(rng, 150000, low=1000))
         else:
             prompts = cycle_prompts(target) if "spec_type" in spec else random_prompts(rng, target.n_vocab)
-        branched = target._live().tree_stats["branched_calls"]
+        branched = target._live().rows_stats["branched_calls"]
         try:
             found, drafted, accepted = greedy_divergences(target, prompts, case, **spec)
         finally:
@@ -204,7 +204,7 @@ def test_speculative_greedy_is_plain_greedy(files, tmp_path_factory, case, recor
         if key.startswith("q4k") and draft is not None:
             assert accepted < drafted, f"{case}: every draft accepted: no rollback ran"
         if "tree_budget" in spec:
-            assert target._live().tree_stats["branched_calls"] > branched, f"{case}: no tree branched"
+            assert target._live().rows_stats["branched_calls"] > branched, f"{case}: no tree branched"
     check_identical(found)
     assert ran(before)[MISSES] == 0
 

@@ -69,7 +69,7 @@ def test_cuda_dflash_tree_speculation_greedy(tiny):
     branched; after each run the drafter's context gives the block a fresh read of the committed
     tokens gives, to TOL (the taps kept were the accepted path's)."""
     target, d = tiny
-    before = target._live().tree_stats["branched_calls"]
+    before = target._live().rows_stats["branched_calls"]
     rng = np.random.default_rng(5)
     for k in range(4):
         prompt = rng.integers(0, target.n_vocab, size=int(rng.integers(2, 24))).tolist()
@@ -84,7 +84,7 @@ def test_cuda_dflash_tree_speculation_greedy(tiny):
         d.read_context(sequence[:n])
         fresh = d.block_logits(sequence[n])
         assert np.abs(left - fresh).max() < TOL * np.abs(fresh).max(), k
-    assert target._live().tree_stats["branched_calls"] > before
+    assert target._live().rows_stats["branched_calls"] > before
 
 
 def test_cuda_dflash_tree_speculation_sampled_runs(tiny):

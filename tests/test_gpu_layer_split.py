@@ -136,7 +136,7 @@ def test_split_speculative_matches_plain(split, singles, paths):
                 parts_only_at_near_tie(gpu, p, gpu.generate(p, **greedy).tokens, r.tokens, f"{label}: gpu vs split spec")
                 drafted, accepted = drafted + r.stats.n_drafted, accepted + r.stats.n_accepted
         assert 0 < accepted < drafted
-        assert split._engine.tree_stats["keep_calls"] > 0
+        assert split._engine.rows_stats["keep_calls"] > 0
 
 
 def test_split_batch_matches_one_device(split, singles):

@@ -27,7 +27,7 @@ def test_cuda_mtp_tree_speculation_greedy(tmp_path):
 
     path = write_tiny_vocab_model(tmp_path / "mtp.gguf", seed=0, mtp=True, mtp_hidden_scale=1.0)
     with Model(path, device="cuda", n_ctx=512) as m:
-        before = m._live().tree_stats["branched_calls"]
+        before = m._live().rows_stats["branched_calls"]
         rng = np.random.default_rng(11)
         tree_acc = chain_acc = 0
         for k in range(6):
@@ -40,5 +40,5 @@ def test_cuda_mtp_tree_speculation_greedy(tmp_path):
             tree_acc += tree.stats.n_accepted
             chain_acc += chain.stats.n_accepted
         print("tree accepted", tree_acc, "chain accepted", chain_acc)
-        assert m._live().tree_stats["branched_calls"] - before > 20
+        assert m._live().rows_stats["branched_calls"] - before > 20
         assert tree_acc > chain_acc

@@ -115,7 +115,7 @@ def test_cuda_tree_speculation_greedy(models, tmp_path):
     scale = {"blk.1.ffn_down.weight": 1.5}
     draft_path = write_tiny_vocab_model(tmp_path / "draft.gguf", seed=0,
                                         weight_map=lambda name, x: x * scale.get(name, 1.0))
-    before = gpu._live().tree_stats["branched_calls"]
+    before = gpu._live().rows_stats["branched_calls"]
     with Model(draft_path, device="cuda", n_ctx=512) as draft:
         rng = np.random.default_rng(5)
         for k in range(4):
@@ -124,4 +124,4 @@ def test_cuda_tree_speculation_greedy(models, tmp_path):
             fast = gpu.generate(prompt, max_tokens=40, temperature=0, draft_model=draft, draft_n_max=6,
                                 draft_n_min=1, tree_budget=12).tokens
             assert_parts_only_at_near_tie(gpu, prompt, plain, fast, f"prompt {k}: plain and tree speculation")
-    assert gpu._live().tree_stats["branched_calls"] > before
+    assert gpu._live().rows_stats["branched_calls"] > before
