@@ -435,8 +435,8 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
     # llama.cpp caps the physical batch at the logical one; this engine has only the physical one
     return dict(n_ctx=n_ctx, n_threads=args.threads, n_ubatch=min(args.batch_size, args.ubatch_size),
                 **_placement(args), type_k=args.cache_type_k, type_v=args.cache_type_v,
-                # a bar on a terminal, plain lines when stderr is not one (a log file, a pipe)
-                progress=not args.log_disable)
+                # -v: plain progress lines when stderr is not a terminal (a bar on one, as without -v)
+                progress=False if args.log_disable else True if args.verbose else None)
 
 
 def _spec_kwargs(args: argparse.Namespace) -> dict:
