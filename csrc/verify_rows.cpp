@@ -277,6 +277,7 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
 
     // each path's tapped rows (runs of consecutive padded rows: a chain's path is one), read
     // before the commit runs anything
+    const TreeBug tbug = tree_bug();
     std::vector<TapRun> taps;
     for (int64_t i = 0; i < N; ++i) {
         const int64_t s = pend.first_slot + i;
@@ -286,7 +287,7 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
             } else {
                 taps.push_back({s, pend.p0[i] + (int64_t)d, padded[i][d], 1});
             }
-            if (tree_bug() == TreeBug::taps_uncompacted) {  // the planted bug: the slot's first rows' taps
+            if (tbug == TreeBug::taps_uncompacted) {  // the planted bug: the slot's first rows' taps
                 taps.back().row = (int32_t)(i * Tq + d - (taps.back().n - 1));
             }
         }
@@ -299,7 +300,6 @@ void Engine::keep_paths(const std::vector<std::vector<int32_t>> & paths) {
     append_tap_runs(taps);
 
     CommitBugs bugs;
-    const TreeBug tbug = tree_bug();
     bugs.no_compaction = rows_bug() == RowsBug::no_compaction || tbug == TreeBug::no_compaction;
     bugs.parent_state = tbug == TreeBug::parent_state;
     bugs.stale_graph = tbug == TreeBug::stale_keep_graph;
